@@ -1,0 +1,4 @@
+//! What gpud exposes: the D-Bus service and the records it carries.
+
+pub mod dbus;
+pub mod model;

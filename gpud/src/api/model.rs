@@ -1,0 +1,21 @@
+//! Records exchanged over D-Bus, shared by the daemon and `gpudctl` (one definition of the wire
+//! shapes; their D-Bus signatures are documented in docs/dbus-api.md).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use zbus::zvariant::Type;
+
+/// One attributed cgroup: signature `(tsaua{st})`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct CgroupRecord {
+    /// cgroup v2 id (the inode number of its directory).
+    pub id: u64,
+    /// Path relative to the cgroup v2 root, e.g. `/kubepods/pod1/ctr`.
+    pub path: String,
+    /// Live processes attributed to it: they opened or used an NVIDIA file.
+    pub pids: Vec<u32>,
+    /// ioctls on NVIDIA files by class (`alloc`, `free`, `control`, `map`, `vid_heap`, `uvm`,
+    /// `other`); every class is present.
+    pub ioctls: BTreeMap<String, u64>,
+}

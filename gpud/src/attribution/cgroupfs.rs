@@ -1,0 +1,263 @@
+//! The cgroup v2 hierarchy: where it is mounted, and the mapping between cgroup ids (what the
+//! probes record, `bpf_get_current_cgroup_id()`, the inode number of the cgroup's directory) and
+//! paths relative to the root.
+
+use std::{
+    collections::HashMap,
+    os::{fd::AsRawFd, unix::fs::MetadataExt},
+    path::{Component, Path, PathBuf},
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("no cgroup2 filesystem in /proc/self/mountinfo")]
+    NoCgroup2,
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid cgroup path {path:?}: {reason}")]
+    InvalidPath { path: String, reason: &'static str },
+    #[error("no cgroup {0}")]
+    NotFound(String),
+}
+
+/// Finds the cgroup2 mount point in a mountinfo text (fields per proc(5): the mount point is the
+/// 5th field; the filesystem type follows the " - " separator).
+pub fn cgroup2_mount_from(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (pre, post) = line.split_once(" - ")?;
+        let fstype = post.split_whitespace().next()?;
+        if fstype != "cgroup2" {
+            return None;
+        }
+        let mount_point = pre.split_whitespace().nth(4)?;
+        Some(PathBuf::from(unescape_mountinfo(mount_point)))
+    })
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && let Ok(v) = u8::from_str_radix(&s[i + 1..i + 4], 8)
+        {
+            out.push(v);
+            i += 4;
+            continue;
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The cgroup v2 hierarchy and a cache of id → path.
+pub struct CgroupFs {
+    root: PathBuf,
+    root_dir: Option<std::fs::File>,
+    cache: HashMap<u64, String>,
+}
+
+impl CgroupFs {
+    /// Locates the hierarchy from `/proc/self/mountinfo` (never assumes `/sys/fs/cgroup`).
+    pub fn discover() -> Result<Self, CgroupError> {
+        let p = Path::new("/proc/self/mountinfo");
+        let text = std::fs::read_to_string(p).map_err(|source| CgroupError::Read {
+            path: p.to_owned(),
+            source,
+        })?;
+        let root = cgroup2_mount_from(&text).ok_or(CgroupError::NoCgroup2)?;
+        Ok(Self::at(root))
+    }
+
+    pub fn at(root: PathBuf) -> Self {
+        let root_dir = std::fs::File::open(&root).ok();
+        Self {
+            root,
+            root_dir,
+            cache: HashMap::new(),
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Validates a cgroup path given by a client ("/", "/a/b" or "a/b") and returns its
+    /// normal form ("/a/b"). Rejects anything that could leave the hierarchy.
+    pub fn normalize(path: &str) -> Result<String, CgroupError> {
+        let invalid = |reason| CgroupError::InvalidPath {
+            path: path.chars().take(256).collect(),
+            reason,
+        };
+        if path.is_empty() {
+            return Err(invalid("empty"));
+        }
+        if path.len() > 4096 {
+            return Err(invalid("longer than 4096 bytes"));
+        }
+        if path.contains('\0') {
+            return Err(invalid("contains a NUL byte"));
+        }
+        let mut parts = Vec::new();
+        for c in Path::new(path).components() {
+            match c {
+                Component::RootDir => {}
+                Component::Normal(n) => parts.push(n.to_string_lossy().into_owned()),
+                Component::CurDir | Component::ParentDir | Component::Prefix(_) => {
+                    return Err(invalid("`.` and `..` are not allowed"));
+                }
+            }
+        }
+        Ok(format!("/{}", parts.join("/")))
+    }
+
+    /// The id of the cgroup at `path` (relative to the root, already normalized).
+    pub fn id_of(&mut self, path: &str) -> Result<u64, CgroupError> {
+        let full = self.root.join(path.trim_start_matches('/'));
+        let meta = std::fs::metadata(&full).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => CgroupError::NotFound(path.to_owned()),
+            _ => CgroupError::Read {
+                path: full.clone(),
+                source: e,
+            },
+        })?;
+        if !meta.is_dir() {
+            return Err(CgroupError::NotFound(path.to_owned()));
+        }
+        let id = meta.ino();
+        self.cache.insert(id, path.to_owned());
+        Ok(id)
+    }
+
+    /// The path of cgroup `id`, or `None` if it no longer exists.
+    pub fn path_of(&mut self, id: u64) -> Option<String> {
+        if let Some(p) = self.cache.get(&id) {
+            // A cached path is only good while the directory still has this id.
+            let full = self.root.join(p.trim_start_matches('/'));
+            if std::fs::metadata(&full).is_ok_and(|m| m.ino() == id) {
+                return Some(p.clone());
+            }
+            self.cache.remove(&id);
+        }
+        let path = self.path_by_handle(id).or_else(|| self.path_by_walk(id))?;
+        self.cache.insert(id, path.clone());
+        Some(path)
+    }
+
+    /// kernfs exports cgroup ids as file handles: open the directory by handle and read back
+    /// its path. Needs CAP_DAC_READ_SEARCH.
+    fn path_by_handle(&self, id: u64) -> Option<String> {
+        #[repr(C)]
+        struct Handle {
+            header: libc::file_handle,
+            id: [u8; 8],
+        }
+        // FILEID_KERNFS, from include/linux/exportfs.h.
+        const FILEID_KERNFS: libc::c_int = 0xfe;
+        let mount = self.root_dir.as_ref()?;
+        let mut h = Handle {
+            header: libc::file_handle {
+                handle_bytes: 8,
+                handle_type: FILEID_KERNFS,
+                f_handle: [],
+            },
+            id: id.to_ne_bytes(),
+        };
+        // SAFETY: `h` is a file_handle followed by its 8 handle bytes, as handle_bytes says.
+        let fd = unsafe {
+            libc::open_by_handle_at(
+                mount.as_raw_fd(),
+                &mut h.header,
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: fd was just returned to us and is owned by nobody else.
+        let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let target = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()?;
+        let rel = target.strip_prefix(&self.root).ok()?;
+        Some(format!("/{}", rel.display()))
+    }
+
+    /// Fallback: walk the hierarchy comparing inode numbers.
+    fn path_by_walk(&self, id: u64) -> Option<String> {
+        let mut stack = vec![self.root.clone()];
+        while let Some(dir) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let Ok(ft) = e.file_type() else { continue };
+                if !ft.is_dir() {
+                    continue;
+                }
+                let p = e.path();
+                if e.metadata().is_ok_and(|m| m.ino() == id) {
+                    let rel = p.strip_prefix(&self.root).ok()?;
+                    return Some(format!("/{}", rel.display()));
+                }
+                stack.push(p);
+            }
+        }
+        if std::fs::metadata(&self.root).is_ok_and(|m| m.ino() == id) {
+            return Some("/".to_owned());
+        }
+        None
+    }
+
+    /// Cgroup v2 path of a process, from `/proc/<pid>/cgroup` (the `0::` line).
+    pub fn path_of_pid(pid: u32) -> Option<String> {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .map(|p| p.trim_end_matches(" (deleted)").to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_cgroup2_in_hybrid_mountinfo() {
+        let mi = "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n\
+                  32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n\
+                  41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
+        assert_eq!(
+            cgroup2_mount_from(mi),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
+        let pure =
+            "29 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n";
+        assert_eq!(
+            cgroup2_mount_from(pure),
+            Some(PathBuf::from("/sys/fs/cgroup"))
+        );
+        let esc = "1 2 0:3 / /mnt/my\\040cg rw - cgroup2 none rw\n";
+        assert_eq!(cgroup2_mount_from(esc), Some(PathBuf::from("/mnt/my cg")));
+        assert_eq!(
+            cgroup2_mount_from("1 2 0:3 / /x rw - ext4 /dev/a rw\n"),
+            None
+        );
+    }
+
+    #[test]
+    fn normalize_rejects_escapes() {
+        assert_eq!(CgroupFs::normalize("/").unwrap(), "/");
+        assert_eq!(CgroupFs::normalize("a/b").unwrap(), "/a/b");
+        assert_eq!(CgroupFs::normalize("//a///b/").unwrap(), "/a/b");
+        for bad in ["", "/a/../b", "..", "a\0b"] {
+            assert!(CgroupFs::normalize(bad).is_err(), "{bad:?}");
+        }
+        assert!(CgroupFs::normalize(&"a".repeat(5000)).is_err());
+    }
+}

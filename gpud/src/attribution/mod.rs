@@ -1,0 +1,224 @@
+//! Attribution: who uses NVIDIA devices. Reads the probes' per-cgroup and per-process counters,
+//! maps cgroup ids to paths, seeds processes found holding devices, and forgets processes and
+//! cgroups that are gone. Owned by the state task (`daemon`); nothing here is shared.
+
+pub mod cgroupfs;
+pub mod scan;
+
+use std::collections::{BTreeMap, HashMap};
+
+use gpud_common::{
+    EVENT_PROC_EXIT, EVENT_PROC_NEW, Event, IOCTL_CLASS_NAMES, IoctlCounts, PROC_OPENED,
+    PROC_SCANNED, ProcEntry, stat,
+};
+use tracing::{debug, info, warn};
+
+use crate::{
+    api::model::CgroupRecord,
+    probes::{KernelMaps, Matcher},
+};
+pub use cgroupfs::{CgroupError, CgroupFs};
+
+/// aya's `BPF_NOEXIST`: insert only if absent, so a kernel-side entry is never overwritten.
+const BPF_NOEXIST: u64 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AttributionError {
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error("reading kernel map: {0}")]
+    Map(#[from] aya::maps::MapError),
+}
+
+/// Whether a tracked process is shown as a user of NVIDIA files (a process forked by one is
+/// tracked, but only shown once it opens or uses a device itself).
+fn visible(p: &ProcEntry) -> bool {
+    p.flags & (PROC_OPENED | PROC_SCANNED) != 0 || p.counts.total() > 0
+}
+
+fn class_map(c: &IoctlCounts) -> BTreeMap<String, u64> {
+    IOCTL_CLASS_NAMES
+        .iter()
+        .zip(c.by_class)
+        .map(|(n, v)| ((*n).to_owned(), v))
+        .collect()
+}
+
+pub struct Attribution {
+    maps: KernelMaps,
+    cgroups: CgroupFs,
+    matcher: Matcher,
+}
+
+impl Attribution {
+    pub fn new(maps: KernelMaps, cgroups: CgroupFs, matcher: Matcher) -> Self {
+        Self {
+            maps,
+            cgroups,
+            matcher,
+        }
+    }
+
+    pub fn cgroup_root(&self) -> &std::path::Path {
+        self.cgroups.root()
+    }
+
+    fn procs(&self) -> Vec<(u32, ProcEntry)> {
+        self.maps.procs.iter().filter_map(Result::ok).collect()
+    }
+
+    fn pids_by_cgroup(&self) -> HashMap<u64, Vec<u32>> {
+        let mut by: HashMap<u64, Vec<u32>> = HashMap::new();
+        for (pid, p) in self.procs() {
+            if visible(&p) {
+                by.entry(p.cgroup_id).or_default().push(pid);
+            }
+        }
+        for v in by.values_mut() {
+            v.sort_unstable();
+        }
+        by
+    }
+
+    /// Every attributed cgroup that still exists, ordered by path.
+    pub fn list(&mut self) -> Vec<CgroupRecord> {
+        let mut pids = self.pids_by_cgroup();
+        let mut counts: HashMap<u64, IoctlCounts> =
+            self.maps.cgroups.iter().filter_map(Result::ok).collect();
+        for id in pids.keys() {
+            counts.entry(*id).or_default();
+        }
+        let mut out: Vec<CgroupRecord> = counts
+            .into_iter()
+            .filter_map(|(id, c)| {
+                // A cgroup removed since is left to the sweep.
+                let path = self.cgroups.path_of(id)?;
+                Some(CgroupRecord {
+                    id,
+                    path,
+                    pids: pids.remove(&id).unwrap_or_default(),
+                    ioctls: class_map(&c),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.path.cmp(&b.path));
+        out
+    }
+
+    /// One cgroup by path (relative to the cgroup v2 root). An existing cgroup that never used a
+    /// device reads as zeros; a path that is not a cgroup is an error.
+    pub fn get(&mut self, path: &str) -> Result<CgroupRecord, AttributionError> {
+        let path = CgroupFs::normalize(path)?;
+        let id = self.cgroups.id_of(&path)?;
+        let counts = match self.maps.cgroups.get(&id, 0) {
+            Ok(c) => c,
+            Err(aya::maps::MapError::KeyNotFound) => IoctlCounts::default(),
+            Err(e) => return Err(e.into()),
+        };
+        let pids = self.pids_by_cgroup().remove(&id).unwrap_or_default();
+        Ok(CgroupRecord {
+            id,
+            path,
+            pids,
+            ioctls: class_map(&counts),
+        })
+    }
+
+    /// Tracks processes found holding NVIDIA files that the probes do not know yet.
+    pub fn scan(&mut self) -> usize {
+        let holders = scan::holders(&self.matcher);
+        self.track_holders(holders)
+    }
+
+    /// Tracks the given holders (from [`scan::holders`]) that the probes do not know yet.
+    pub fn track_holders(&mut self, holders: std::collections::BTreeSet<u32>) -> usize {
+        let known: std::collections::HashSet<u32> =
+            self.procs().into_iter().map(|(pid, _)| pid).collect();
+        let mut added = 0;
+        for pid in holders {
+            if known.contains(&pid) {
+                continue;
+            }
+            let Some(path) = CgroupFs::path_of_pid(pid) else {
+                continue;
+            };
+            let Ok(cgroup_id) = self.cgroups.id_of(&path) else {
+                continue;
+            };
+            let entry = ProcEntry {
+                cgroup_id,
+                flags: PROC_SCANNED,
+                ..ProcEntry::default()
+            };
+            match self.maps.procs.insert(pid, entry, BPF_NOEXIST) {
+                Ok(()) => {
+                    info!(pid, cgroup = %path, "found process holding an NVIDIA file");
+                    added += 1;
+                }
+                // The probes saw it meanwhile.
+                Err(e) => debug!(pid, "scan insert skipped: {e}"),
+            }
+        }
+        added
+    }
+
+    /// Forgets processes that no longer exist and cgroups that were removed and hold no process.
+    pub fn sweep(&mut self) {
+        let procs = self.procs();
+        for (pid, _) in &procs {
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                debug!(pid, "forgetting exited process");
+                let _ = self.maps.procs.remove(pid);
+            }
+        }
+        let live_cgroups: std::collections::HashSet<u64> =
+            procs.iter().map(|(_, p)| p.cgroup_id).collect();
+        let ids: Vec<(u64, IoctlCounts)> =
+            self.maps.cgroups.iter().filter_map(Result::ok).collect();
+        for (id, counts) in ids {
+            if live_cgroups.contains(&id) || self.cgroups.path_of(id).is_some() {
+                continue;
+            }
+            info!(
+                cgroup_id = id,
+                ioctls = counts.total(),
+                "cgroup removed; dropping its counts"
+            );
+            let _ = self.maps.cgroups.remove(&id);
+        }
+    }
+
+    /// Kernel health counters summed over CPUs.
+    pub fn kernel_stats(&self) -> BTreeMap<String, u64> {
+        let names = [
+            (stat::EVENTS_LOST, "events_lost"),
+            (stat::PROCS_FULL, "procs_map_full"),
+            (stat::CGROUPS_FULL, "cgroups_map_full"),
+            (stat::MATCHED_IOCTLS, "matched_ioctls"),
+        ];
+        names
+            .into_iter()
+            .map(|(i, n)| {
+                let v = self
+                    .maps
+                    .stats
+                    .get(&i, 0)
+                    .map(|per_cpu| per_cpu.iter().sum())
+                    .unwrap_or(0);
+                (n.to_owned(), v)
+            })
+            .collect()
+    }
+
+    /// Logs what the probes report; the maps already hold the truth.
+    pub fn on_kernel_event(&mut self, ev: Event) {
+        match ev.kind {
+            EVENT_PROC_NEW => {
+                let path = self.cgroups.path_of(ev.cgroup_id);
+                debug!(pid = ev.tgid, cgroup = ?path, "process attributed");
+            }
+            EVENT_PROC_EXIT => debug!(pid = ev.tgid, "attributed process exited"),
+            other => warn!(kind = other, "unknown kernel event"),
+        }
+    }
+}

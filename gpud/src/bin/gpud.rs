@@ -1,0 +1,167 @@
+//! `gpud`: the daemon. Loads the probes, attributes NVIDIA device use to cgroups, and serves
+//! `dev.gpud.Daemon1` on D-Bus.
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::Parser;
+use gpud::{
+    api::dbus::{BUS_NAME, DaemonInfo, Manager, OBJECT_PATH},
+    attribution::{Attribution, CgroupFs},
+    config::Config,
+    daemon::{self, Intervals, Message},
+    probes::{self, DynamicMajors, Matcher, ProbeSetup, Probes},
+};
+use tokio::sync::{mpsc, watch};
+use tracing::{error, info, warn};
+
+const DEFAULT_CONFIG_PATH: &str = "/etc/gpud/gpud.toml";
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "GPU sharing daemon: per-cgroup attribution of NVIDIA device use"
+)]
+struct Args {
+    /// Configuration file (TOML). Without it, /etc/gpud/gpud.toml if present, else the built-in
+    /// defaults.
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// D-Bus address to serve on instead of the system bus (overrides `dbus.bus`).
+    #[arg(long, value_name = "ADDRESS")]
+    bus_address: Option<String>,
+}
+
+fn load_config(args: &Args) -> anyhow::Result<(Config, String)> {
+    match &args.config {
+        Some(p) => Ok((Config::load(p)?, p.display().to_string())),
+        None if std::path::Path::new(DEFAULT_CONFIG_PATH).exists() => Ok((
+            Config::load(std::path::Path::new(DEFAULT_CONFIG_PATH))?,
+            DEFAULT_CONFIG_PATH.to_owned(),
+        )),
+        None => Ok((Config::defaults(), "built-in defaults".to_owned())),
+    }
+}
+
+fn init_tracing(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(filter))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let (config, source) = match load_config(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("gpud: {e:#}");
+            return std::process::ExitCode::from(78); // EX_CONFIG
+        }
+    };
+    init_tracing(&config.daemon.log);
+    info!(version = gpud::VERSION, config = %source, "starting");
+    match run(config, args).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(config: Config, args: Args) -> anyhow::Result<()> {
+    let cgroups = CgroupFs::discover().context("locating the cgroup v2 hierarchy")?;
+    let majors = DynamicMajors::read()?;
+    let extra = probes::devices::resolve_extra_paths(&config.devices.extra_paths)?;
+    for e in &extra {
+        info!(path = %e.path.display(), dev = e.key.dev, ino = e.key.ino, "extra device file");
+    }
+    let matcher = Matcher {
+        majors,
+        extra: extra.clone(),
+    };
+
+    let mut probes = Probes::start(ProbeSetup {
+        config: &config.probes,
+        majors,
+        extra: &extra,
+        cgroup2_root: cgroups.root(),
+    })
+    .context("starting the eBPF probes")?;
+    let events = probes.take_events()?;
+    let maps = probes.take_maps()?;
+
+    let info = DaemonInfo {
+        version: gpud::VERSION.to_owned(),
+        attach_mode: probes.mode().as_str().to_owned(),
+        kernel_capabilities: probes.caps().as_map(),
+        cgroup_root: cgroups.root().display().to_string(),
+        probes_resumed: probes.resumed(),
+    };
+
+    let mut attribution = Attribution::new(maps, cgroups, matcher.clone());
+    let found = attribution.scan();
+    attribution.sweep();
+    info!(found, "start-up scan of /proc done");
+
+    let (tx, rx) = mpsc::channel::<Message>(1024);
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+
+    let bus = args
+        .bus_address
+        .clone()
+        .unwrap_or_else(|| config.dbus.bus.clone());
+    let conn = gpud::api::dbus::connect_builder(&bus)
+        .serve_at(OBJECT_PATH, Manager::new(tx.clone(), info.clone()))
+        .name(BUS_NAME)
+        .build()
+        .await
+        .with_context(|| format!("serving {BUS_NAME} on the bus `{bus}`"))?;
+
+    let reader = tokio::spawn(daemon::read_events(events, tx.clone()));
+    let state = tokio::spawn(daemon::run_state(
+        attribution,
+        matcher,
+        Intervals {
+            rescan: (config.attribution.rescan_interval_secs > 0)
+                .then(|| std::time::Duration::from_secs(config.attribution.rescan_interval_secs)),
+            sweep: std::time::Duration::from_secs(config.attribution.sweep_interval_secs),
+        },
+        tx,
+        rx,
+        shutdown_rx,
+    ));
+    info!(
+        mode = %info.attach_mode,
+        resumed = info.probes_resumed,
+        bus = %bus,
+        "ready: {BUS_NAME} at {OBJECT_PATH}"
+    );
+
+    wait_for_signal().await?;
+    info!("shutting down");
+    let _ = shutdown_tx.send(true);
+    drop(conn);
+    reader.abort();
+    if let Err(e) = state.await {
+        warn!("state task: {e}");
+    }
+    probes.shutdown(config.probes.keep_pinned);
+    Ok(())
+}
+
+async fn wait_for_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    Ok(())
+}

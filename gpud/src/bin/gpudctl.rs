@@ -1,0 +1,172 @@
+//! `gpudctl`: command-line client of gpud over D-Bus.
+//!
+//! Exit codes: 0 success; 1 the daemon answered with an error (e.g. unknown cgroup);
+//! 2 bad usage; 3 the daemon cannot be reached.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use gpud::api::{
+    dbus::{Manager1Proxy, connect_builder},
+    model::CgroupRecord,
+};
+use gpud_common::IOCTL_CLASS_NAMES;
+
+#[derive(Parser, Debug)]
+#[command(version, about = "Query and control gpud")]
+struct Args {
+    /// D-Bus address of the bus gpud serves on (default: the system bus).
+    #[arg(long, global = true, value_name = "ADDRESS")]
+    bus_address: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Daemon version, attach mode and kernel capabilities.
+    Status,
+    /// Attributed cgroups with their processes and ioctl counts.
+    List,
+    /// One cgroup by path relative to the cgroup v2 root.
+    Get {
+        /// e.g. /kubepods/pod1/ctr
+        path: String,
+    },
+}
+
+enum Failure {
+    Unreachable(String),
+    Daemon(String),
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Daemon(m)) => {
+            eprintln!("gpudctl: {m}");
+            ExitCode::from(1)
+        }
+        Err(Failure::Unreachable(m)) => {
+            eprintln!("gpudctl: cannot reach gpud: {m}");
+            ExitCode::from(3)
+        }
+    }
+}
+
+fn daemon_err(e: zbus::Error) -> Failure {
+    match &e {
+        zbus::Error::MethodError(name, msg, _) => Failure::Daemon(format!(
+            "{}: {}",
+            name.as_str(),
+            msg.as_deref().unwrap_or("")
+        )),
+        _ => Failure::Unreachable(e.to_string()),
+    }
+}
+
+async fn run(args: Args) -> Result<(), Failure> {
+    let bus = args.bus_address.as_deref().unwrap_or("system");
+    let conn = connect_builder(bus)
+        .build()
+        .await
+        .map_err(|e| Failure::Unreachable(format!("bus `{bus}`: {e}")))?;
+    let proxy = Manager1Proxy::new(&conn)
+        .await
+        .map_err(|e| Failure::Unreachable(e.to_string()))?;
+    match args.command {
+        Command::Status => status(&proxy, args.json).await,
+        Command::List => {
+            let list = proxy.list_cgroups().await.map_err(daemon_err)?;
+            print_records(&list, args.json);
+            Ok(())
+        }
+        Command::Get { path } => {
+            let rec = proxy.get_cgroup(&path).await.map_err(daemon_err)?;
+            if args.json {
+                println!("{}", to_json(&rec));
+            } else {
+                print_records(std::slice::from_ref(&rec), false);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> String {
+    // Serializing plain records to a String cannot fail.
+    serde_json::to_string_pretty(v).unwrap_or_default()
+}
+
+async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
+    let version = proxy.version().await.map_err(daemon_err)?;
+    let mode = proxy.attach_mode().await.map_err(daemon_err)?;
+    let caps = proxy.kernel_capabilities().await.map_err(daemon_err)?;
+    let root = proxy.cgroup_root().await.map_err(daemon_err)?;
+    let resumed = proxy.probes_resumed().await.map_err(daemon_err)?;
+    let stats = proxy.get_kernel_stats().await.map_err(daemon_err)?;
+    let cgroups = proxy.list_cgroups().await.map_err(daemon_err)?.len();
+    if json {
+        let v = serde_json::json!({
+            "version": version,
+            "attach_mode": mode,
+            "kernel_capabilities": caps,
+            "cgroup_root": root,
+            "probes_resumed": resumed,
+            "kernel_stats": stats,
+            "cgroups": cgroups,
+        });
+        println!("{}", to_json(&v));
+        return Ok(());
+    }
+    println!("gpud {version}");
+    println!(
+        "  attach mode:      {mode}{}",
+        if resumed { " (resumed)" } else { "" }
+    );
+    let offered: Vec<&str> = caps
+        .iter()
+        .filter(|(_, v)| **v)
+        .map(|(k, _)| k.as_str())
+        .collect();
+    let missing: Vec<&str> = caps
+        .iter()
+        .filter(|(_, v)| !**v)
+        .map(|(k, _)| k.as_str())
+        .collect();
+    println!("  kernel offers:    {}", offered.join(", "));
+    println!("  kernel lacks:     {}", missing.join(", "));
+    println!("  cgroup v2 root:   {root}");
+    println!("  cgroups:          {cgroups}");
+    let s = |k: &str| stats.get(k).copied().unwrap_or(0);
+    println!(
+        "  matched ioctls:   {}   events lost: {}",
+        s("matched_ioctls"),
+        s("events_lost")
+    );
+    Ok(())
+}
+
+fn print_records(list: &[CgroupRecord], json: bool) {
+    if json {
+        println!("{}", to_json(&list));
+        return;
+    }
+    print!("{:<40} {:>8}", "CGROUP", "PIDS");
+    for c in IOCTL_CLASS_NAMES {
+        print!(" {c:>9}");
+    }
+    println!();
+    for r in list {
+        print!("{:<40} {:>8}", r.path, r.pids.len());
+        for c in IOCTL_CLASS_NAMES {
+            print!(" {:>9}", r.ioctls.get(c).copied().unwrap_or(0));
+        }
+        println!();
+    }
+}

@@ -1,0 +1,228 @@
+//! Daemon configuration: the TOML schema, its defaults and validation.
+//!
+//! The defaults live in one place, `config/gpud.toml`, embedded here; a user's file is parsed
+//! over them, so it need only hold the keys it changes. Unknown keys are errors.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The documented default configuration, shipped as `config/gpud.toml`.
+pub const DEFAULT_CONFIG: &str = include_str!("../../config/gpud.toml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("invalid config file {path}: `{key}` {reason}")]
+    Invalid {
+        path: PathBuf,
+        key: &'static str,
+        reason: String,
+    },
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub daemon: DaemonConfig,
+    pub dbus: DbusConfig,
+    pub probes: ProbesConfig,
+    pub devices: DevicesConfig,
+    pub attribution: AttributionConfig,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DaemonConfig {
+    pub state_dir: PathBuf,
+    pub log: String,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DbusConfig {
+    /// `"system"` or a D-Bus address.
+    pub bus: String,
+}
+
+/// How the programs attach to the ioctl path.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum AttachPreference {
+    Auto,
+    Fentry,
+    Tracepoint,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ProbesConfig {
+    pub attach: AttachPreference,
+    pub bpffs: PathBuf,
+    pub keep_pinned: bool,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DevicesConfig {
+    pub extra_paths: Vec<PathBuf>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AttributionConfig {
+    pub rescan_interval_secs: u64,
+    pub sweep_interval_secs: u64,
+}
+
+impl Config {
+    /// The built-in defaults (`config/gpud.toml`).
+    pub fn defaults() -> Self {
+        // The embedded file is checked by the unit test below; a broken one cannot ship.
+        match Self::parse_over(toml::Table::new(), Path::new("<built-in>")) {
+            Ok(c) => c,
+            Err(e) => panic!("built-in config/gpud.toml is invalid: {e}"),
+        }
+    }
+
+    /// Reads `path` and applies it over the defaults.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Parses `text` (named `path` in errors) over the defaults.
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let user: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            source: Box::new(e),
+        })?;
+        Self::parse_over(user, path)
+    }
+
+    fn parse_over(user: toml::Table, path: &Path) -> Result<Self, ConfigError> {
+        let parse_err = |e| ConfigError::Parse {
+            path: path.to_owned(),
+            source: Box::new(e),
+        };
+        let mut merged: toml::Table = toml::from_str(DEFAULT_CONFIG).map_err(parse_err)?;
+        merge(&mut merged, user);
+        let config: Config = toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e| parse_err(e))?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |key, reason: &str| ConfigError::Invalid {
+            path: path.to_owned(),
+            key,
+            reason: reason.to_owned(),
+        };
+        if !self.daemon.state_dir.is_absolute() {
+            return Err(invalid("daemon.state_dir", "must be an absolute path"));
+        }
+        if !self.probes.bpffs.is_absolute() {
+            return Err(invalid("probes.bpffs", "must be an absolute path"));
+        }
+        if self.dbus.bus.trim().is_empty() {
+            return Err(invalid("dbus.bus", "must be \"system\" or a D-Bus address"));
+        }
+        if let Some(p) = self.devices.extra_paths.iter().find(|p| !p.is_absolute()) {
+            return Err(invalid(
+                "devices.extra_paths",
+                &format!("must hold absolute paths, not {}", p.display()),
+            ));
+        }
+        if self.devices.extra_paths.len() > gpud_common::MAX_EXTRA_FILES as usize {
+            return Err(invalid(
+                "devices.extra_paths",
+                &format!("holds more than {} files", gpud_common::MAX_EXTRA_FILES),
+            ));
+        }
+        if self.attribution.sweep_interval_secs == 0 {
+            return Err(invalid(
+                "attribution.sweep_interval_secs",
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Recursively overlays `over` on `base`: tables merge, everything else replaces.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(key, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::from_toml(text, Path::new("test.toml"))
+    }
+
+    #[test]
+    fn shipped_file_is_the_defaults() {
+        let c = Config::defaults();
+        assert_eq!(c.probes.attach, AttachPreference::Auto);
+        assert_eq!(c.probes.bpffs, PathBuf::from("/sys/fs/bpf"));
+        assert!(c.probes.keep_pinned);
+        assert_eq!(c.dbus.bus, "system");
+        assert!(c.devices.extra_paths.is_empty());
+        assert_eq!(parse(DEFAULT_CONFIG).unwrap(), c);
+        assert_eq!(parse("").unwrap(), c);
+    }
+
+    #[test]
+    fn partial_file_changes_only_its_keys() {
+        let c = parse("[probes]\nattach = \"tracepoint\"\n").unwrap();
+        assert_eq!(c.probes.attach, AttachPreference::Tracepoint);
+        assert_eq!(c.probes.bpffs, PathBuf::from("/sys/fs/bpf"));
+        assert_eq!(c.daemon, Config::defaults().daemon);
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error() {
+        for (text, needle) in [
+            ("[probes]\natach = \"auto\"", "atach"),
+            ("[probes]\nattach = \"kprobe\"", "kprobe"),
+            ("[nope]\n", "nope"),
+            ("[daemon]\nstate_dir = \"relative\"", "daemon.state_dir"),
+            ("[devices]\nextra_paths = [\"x\"]", "devices.extra_paths"),
+            (
+                "[attribution]\nsweep_interval_secs = 0",
+                "sweep_interval_secs",
+            ),
+            (
+                "[attribution]\nrescan_interval_secs = -1",
+                "rescan_interval_secs",
+            ),
+            ("not toml at all =", "test.toml"),
+        ] {
+            let err = parse(text).unwrap_err().to_string();
+            assert!(err.contains(needle), "{text:?} gave {err}");
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! The daemon's event loop. One task owns all mutable state (the attribution tables and the
+//! kernel maps); D-Bus handlers, the ring-buffer reader and timers reach it only as messages.
+
+use std::{collections::BTreeMap, collections::BTreeSet, time::Duration};
+
+use aya::maps::{MapData, RingBuf};
+use tokio::{
+    io::unix::AsyncFd,
+    sync::{mpsc, oneshot, watch},
+};
+use tracing::{debug, info, warn};
+
+use crate::{
+    api::model::CgroupRecord,
+    attribution::{Attribution, AttributionError, scan},
+    probes::Matcher,
+};
+
+/// Questions from the API.
+pub enum Request {
+    ListCgroups(oneshot::Sender<Vec<CgroupRecord>>),
+    GetCgroup {
+        path: String,
+        reply: oneshot::Sender<Result<CgroupRecord, AttributionError>>,
+    },
+    KernelStats(oneshot::Sender<BTreeMap<String, u64>>),
+}
+
+/// Everything the state task reacts to.
+pub enum Message {
+    Request(Request),
+    Kernel(gpud_common::Event),
+    /// Result of a `/proc` scan run off the state task.
+    Scanned(BTreeSet<u32>),
+}
+
+/// Timers of the state task.
+pub struct Intervals {
+    /// Periodic `/proc` scan; `None` disables it.
+    pub rescan: Option<Duration>,
+    pub sweep: Duration,
+}
+
+/// Runs the state task until `shutdown` turns true or every sender is gone.
+pub async fn run_state(
+    mut attribution: Attribution,
+    matcher: Matcher,
+    intervals: Intervals,
+    tx: mpsc::Sender<Message>,
+    mut rx: mpsc::Receiver<Message>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut sweep = tokio::time::interval(intervals.sweep);
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // A disabled rescan still needs a timer to select on; it just never fires usefully.
+    let mut rescan = tokio::time::interval(intervals.rescan.unwrap_or(Duration::from_secs(86_400)));
+    rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The start-up scan already ran; skip the immediate first ticks.
+    sweep.tick().await;
+    rescan.tick().await;
+    loop {
+        tokio::select! {
+            msg = rx.recv() => {
+                let Some(msg) = msg else { break };
+                handle(&mut attribution, msg);
+            }
+            _ = sweep.tick() => attribution.sweep(),
+            _ = rescan.tick(), if intervals.rescan.is_some() => {
+                // Reading every process's fd table is blocking work: do it off this task.
+                let matcher = matcher.clone();
+                let tx = tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    let found = scan::holders(&matcher);
+                    let _ = tx.blocking_send(Message::Scanned(found));
+                });
+            }
+            _ = shutdown.changed() => break,
+        }
+    }
+    debug!("state task stopped");
+}
+
+fn handle(attribution: &mut Attribution, msg: Message) {
+    match msg {
+        Message::Request(Request::ListCgroups(reply)) => {
+            let _ = reply.send(attribution.list());
+        }
+        Message::Request(Request::GetCgroup { path, reply }) => {
+            let _ = reply.send(attribution.get(&path));
+        }
+        Message::Request(Request::KernelStats(reply)) => {
+            let _ = reply.send(attribution.kernel_stats());
+        }
+        Message::Kernel(ev) => attribution.on_kernel_event(ev),
+        Message::Scanned(pids) => {
+            let n = attribution.track_holders(pids);
+            if n > 0 {
+                info!(
+                    processes = n,
+                    "periodic scan found untracked device holders"
+                );
+            }
+        }
+    }
+}
+
+/// Forwards ring-buffer records to the state task until the channel closes.
+pub async fn read_events(ring: RingBuf<MapData>, tx: mpsc::Sender<Message>) -> std::io::Result<()> {
+    // SAFETY: the ring buffer owns its map fd for as long as the AsyncFd owns the ring buffer.
+    let mut fd = unsafe { AsyncFd::register(ring) }.map_err(|e| e.into_parts().1)?;
+    loop {
+        let mut guard = fd.readable_mut().await?;
+        let ring = guard.get_inner_mut();
+        let mut batch = Vec::new();
+        while let Some(item) = ring.next() {
+            match parse_event(&item) {
+                Some(ev) => batch.push(ev),
+                None => warn!(len = item.len(), "malformed ring-buffer record"),
+            }
+        }
+        guard.clear_ready();
+        for ev in batch {
+            if tx.send(Message::Kernel(ev)).await.is_err() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Decodes one record; `None` if its size is not that of [`gpud_common::Event`].
+pub fn parse_event(bytes: &[u8]) -> Option<gpud_common::Event> {
+    if bytes.len() != size_of::<gpud_common::Event>() {
+        return None;
+    }
+    // SAFETY: the length matches and Event is plain old data; read_unaligned copes with any
+    // alignment of the ring-buffer slice.
+    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<gpud_common::Event>()) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_records_must_have_the_exact_size() {
+        let ev = gpud_common::Event {
+            kind: gpud_common::EVENT_PROC_NEW,
+            tgid: 42,
+            cgroup_id: 7,
+        };
+        // SAFETY: Event is repr(C) plain data.
+        let bytes = unsafe {
+            std::slice::from_raw_parts((&ev as *const gpud_common::Event).cast::<u8>(), 16)
+        };
+        assert_eq!(parse_event(bytes), Some(ev));
+        assert_eq!(parse_event(&bytes[..15]), None);
+        assert_eq!(parse_event(&[0u8; 17]), None);
+        assert_eq!(parse_event(&[]), None);
+    }
+}

@@ -1,0 +1,14 @@
+//! gpud: per-cgroup attribution (and, later, limits) of NVIDIA GPU use.
+//!
+//! The data path, in module order: [`probes`] (eBPF load/attach/pin, kernel capabilities) →
+//! [`attribution`] (cgroups and processes behind the counters) → [`daemon`] (the one task that
+//! owns state) → [`api`] (D-Bus). [`config`] is the TOML schema.
+
+pub mod api;
+pub mod attribution;
+pub mod config;
+pub mod daemon;
+pub mod probes;
+
+/// Version reported on D-Bus and by `--version`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,602 @@
+//! The kernel side, from userspace: loading the eBPF object, probing what the kernel accepts,
+//! attaching in the chosen mode, and pinning maps and links so a restarted daemon resumes.
+//!
+//! Pins live under `<bpffs>/gpud/v<ABI_VERSION>/`: maps by name, links under
+//! `links/<object-hash>-<mode>/`. A daemon that finds the same object attached in the same mode
+//! adopts it (no gap, no double counting); otherwise it removes the old links and attaches anew.
+
+pub mod btf;
+pub mod caps;
+pub mod devices;
+
+use std::{
+    ffi::CString,
+    hash::{DefaultHasher, Hash, Hasher},
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
+    programs::{
+        FEntry, Lsm, RawTracePoint, TracePoint,
+        links::{FdLink, PinnedLink},
+    },
+};
+use gpud_common::{
+    ABI_VERSION, CFG_HAS_EXTRA_FILES, CFG_READY, DeviceKind, FileKey, IoctlCounts, ProbeConfig,
+    ProcEntry, maps,
+};
+use tracing::{debug, info, warn};
+
+pub use caps::KernelCaps;
+pub use devices::{DynamicMajors, ExtraFile, Matcher};
+
+use crate::config::{AttachPreference, ProbesConfig};
+
+/// The eBPF object built by `build.rs` from the `gpud-ebpf` crate.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/gpud-probes"));
+
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+const TRACEFS_MAGIC: i64 = 0x7472_6163;
+const TRACEFS: &str = "/sys/kernel/tracing";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Btf(#[from] btf::BtfError),
+    #[error("loading the eBPF object: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("eBPF program `{name}`: {source}")]
+    Program {
+        name: &'static str,
+        source: aya::programs::ProgramError,
+    },
+    #[error("eBPF map `{name}`: {source}")]
+    Map {
+        name: &'static str,
+        source: aya::maps::MapError,
+    },
+    #[error("pinning `{path}`: {reason}")]
+    Pin { path: PathBuf, reason: String },
+    #[error("probes.attach = \"fentry\" but this kernel refuses BPF trampolines")]
+    FentryUnavailable,
+    #[error("this kernel accepts neither fentry nor syscall tracepoint programs")]
+    NoAttachMechanism,
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ProbeError {
+    let what = what.into();
+    move |source| ProbeError::Io { what, source }
+}
+
+/// The attach mechanism in force.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttachMode {
+    Fentry,
+    Tracepoint,
+}
+
+impl AttachMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Fentry => "fentry",
+            Self::Tracepoint => "tracepoint",
+        }
+    }
+}
+
+/// Where one program attaches.
+#[derive(Clone, Copy)]
+enum Target {
+    Fentry(&'static str),
+    Tracepoint(&'static str, &'static str),
+    RawTracepoint(&'static str),
+}
+
+/// One attachment: program, target, and whether its absence is tolerated (e.g. `openat2` on
+/// old kernels).
+struct Attachment {
+    program: &'static str,
+    target: Target,
+    optional: bool,
+}
+
+const fn att(program: &'static str, target: Target, optional: bool) -> Attachment {
+    Attachment {
+        program,
+        target,
+        optional,
+    }
+}
+
+const FENTRY_ATTACHMENTS: &[Attachment] = &[
+    att(
+        "gpud_fentry_ioctl",
+        Target::Fentry("security_file_ioctl"),
+        false,
+    ),
+    att(
+        "gpud_fentry_ioctl_compat",
+        Target::Fentry("security_file_ioctl_compat"),
+        true,
+    ),
+    att(
+        "gpud_fentry_open",
+        Target::Fentry("security_file_open"),
+        false,
+    ),
+    att(
+        "gpud_tp_exit",
+        Target::Tracepoint("sched", "sched_process_exit"),
+        false,
+    ),
+];
+
+const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
+    att(
+        "gpud_tp_ioctl",
+        Target::Tracepoint("syscalls", "sys_enter_ioctl"),
+        false,
+    ),
+    att(
+        "gpud_tp_open",
+        Target::Tracepoint("syscalls", "sys_exit_openat"),
+        false,
+    ),
+    att(
+        "gpud_tp_open",
+        Target::Tracepoint("syscalls", "sys_exit_open"),
+        true,
+    ),
+    att(
+        "gpud_tp_open",
+        Target::Tracepoint("syscalls", "sys_exit_openat2"),
+        true,
+    ),
+    att(
+        "gpud_tp_fork",
+        Target::RawTracepoint("sched_process_fork"),
+        false,
+    ),
+    att(
+        "gpud_tp_exit",
+        Target::Tracepoint("sched", "sched_process_exit"),
+        false,
+    ),
+];
+
+impl Attachment {
+    /// Name of the link's pin. bpffs reserves dots in names, hence the dashes.
+    fn pin_name(&self) -> String {
+        match self.target {
+            Target::Fentry(f) => format!("fentry-{f}"),
+            Target::Tracepoint(c, n) => format!("tp-{c}-{n}"),
+            Target::RawTracepoint(n) => format!("raw_tp-{n}"),
+        }
+    }
+}
+
+/// Mounts `fstype` at `path` unless a filesystem with `magic` is already there.
+fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), ProbeError> {
+    let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| ProbeError::Io {
+        what: format!("{} contains a NUL byte", path.display()),
+        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+    })?;
+    // SAFETY: statfs writes into a zeroed struct we own; c_path is NUL-terminated.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } == 0 && st.f_type == magic {
+        return Ok(());
+    }
+    std::fs::create_dir_all(path).map_err(io_err(format!("creating {}", path.display())))?;
+    let c_type = CString::new(fstype).map_err(|_| ProbeError::Io {
+        what: "fstype".into(),
+        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+    })?;
+    // SAFETY: all pointers are valid NUL-terminated strings; data is null.
+    let rc = unsafe {
+        libc::mount(
+            c_type.as_ptr(),
+            c_path.as_ptr(),
+            c_type.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(ProbeError::Io {
+            what: format!("mounting {fstype} at {}", path.display()),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    info!(path = %path.display(), fstype, "mounted");
+    Ok(())
+}
+
+/// Inputs of [`Probes::start`].
+pub struct ProbeSetup<'a> {
+    pub config: &'a ProbesConfig,
+    pub majors: DynamicMajors,
+    pub extra: &'a [ExtraFile],
+    pub cgroup2_root: &'a Path,
+}
+
+/// The loaded object, its maps, and the links keeping it attached.
+pub struct Probes {
+    ebpf: Ebpf,
+    mode: AttachMode,
+    caps: KernelCaps,
+    base_dir: PathBuf,
+    resumed: bool,
+}
+
+impl Probes {
+    /// The pin directory for this ABI under `bpffs`.
+    pub fn pin_base(bpffs: &Path) -> PathBuf {
+        bpffs.join("gpud").join(format!("v{ABI_VERSION}"))
+    }
+
+    /// Loads, probes and attaches (or adopts what a previous daemon left attached).
+    pub fn start(setup: ProbeSetup<'_>) -> Result<Self, ProbeError> {
+        let cfg = setup.config;
+        ensure_mounted(&cfg.bpffs, "bpf", BPF_FS_MAGIC)?;
+        if let Err(e) = ensure_mounted(Path::new(TRACEFS), "tracefs", TRACEFS_MAGIC) {
+            // Only tracepoint attachment needs it; fentry works without.
+            warn!("{e}");
+        }
+        let base_dir = Self::pin_base(&cfg.bpffs);
+        remove_other_abi_versions(&cfg.bpffs)?;
+        std::fs::create_dir_all(base_dir.join("links"))
+            .map_err(io_err(format!("creating {}", base_dir.display())))?;
+
+        let kbtf = btf::KernelBtf::load()?;
+        let offsets = kbtf.kernel_offsets()?;
+        debug!(?offsets, "kernel offsets from BTF");
+        let aya_btf = aya::Btf::from_sys_fs().map_err(|e| ProbeError::Io {
+            what: "reading kernel BTF".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+
+        let mut ebpf = EbpfLoader::new()
+            .btf(Some(&aya_btf))
+            .default_map_pin_directory(&base_dir)
+            .load(OBJECT)?;
+
+        write_config(&mut ebpf, offsets, setup.majors, setup.extra)?;
+
+        let mut caps = KernelCaps {
+            file_ioctl_compat: kbtf.has_function("security_file_ioctl_compat"),
+            dmem_cgroup: caps::dmem_available(setup.cgroup2_root),
+            ..KernelCaps::default()
+        };
+        caps.fentry = try_load(&mut ebpf, "gpud_fentry_ioctl", |p: &mut FEntry| {
+            p.load("security_file_ioctl", &aya_btf)
+        });
+        caps.tracepoint = try_load(&mut ebpf, "gpud_tp_ioctl", |p: &mut TracePoint| p.load());
+        caps.bpf_lsm = caps::bpf_in_lsm_list()
+            && try_load(&mut ebpf, "gpud_lsm_probe", |p: &mut Lsm| {
+                p.load("file_ioctl", &aya_btf)
+            });
+        info!(?caps, "kernel capabilities");
+
+        let mode = match (cfg.attach, caps.fentry, caps.tracepoint) {
+            (AttachPreference::Fentry, false, _) => return Err(ProbeError::FentryUnavailable),
+            (AttachPreference::Fentry | AttachPreference::Auto, true, _) => AttachMode::Fentry,
+            (_, _, true) => AttachMode::Tracepoint,
+            (_, _, false) => return Err(ProbeError::NoAttachMechanism),
+        };
+
+        let mut probes = Self {
+            ebpf,
+            mode,
+            caps,
+            base_dir,
+            resumed: false,
+        };
+        probes.attach_or_adopt(&kbtf, &aya_btf)?;
+        Ok(probes)
+    }
+
+    fn attachments(&self) -> &'static [Attachment] {
+        match self.mode {
+            AttachMode::Fentry => FENTRY_ATTACHMENTS,
+            AttachMode::Tracepoint => TRACEPOINT_ATTACHMENTS,
+        }
+    }
+
+    fn links_dir(&self) -> PathBuf {
+        let mut h = DefaultHasher::new();
+        OBJECT.hash(&mut h);
+        self.base_dir
+            .join("links")
+            .join(format!("{:016x}-{}", h.finish(), self.mode.as_str()))
+    }
+
+    fn attach_or_adopt(&mut self, kbtf: &btf::KernelBtf, btf: &aya::Btf) -> Result<(), ProbeError> {
+        let dir = self.links_dir();
+        let required_present = self
+            .attachments()
+            .iter()
+            .filter(|a| !a.optional)
+            .all(|a| PinnedLink::from_pin(dir.join(a.pin_name())).is_ok());
+        if required_present {
+            info!(dir = %dir.display(), mode = self.mode.as_str(), "adopting attached probes");
+            self.resumed = true;
+            return Ok(());
+        }
+        // Anything else under links/ is another object or mode: detach it before attaching, so
+        // no ioctl is counted twice.
+        let links_root = self.base_dir.join("links");
+        for entry in std::fs::read_dir(&links_root)
+            .map_err(io_err(format!("reading {}", links_root.display())))?
+            .flatten()
+        {
+            info!(path = %entry.path().display(), "detaching stale probes");
+            std::fs::remove_dir_all(entry.path())
+                .map_err(io_err(format!("removing {}", entry.path().display())))?;
+        }
+        std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        for a in self.attachments() {
+            if let Target::Fentry(f) = a.target
+                && a.optional
+                && !kbtf.has_function(f)
+            {
+                continue;
+            }
+            match self.attach_one(a, btf) {
+                Ok(link) => {
+                    let path = dir.join(a.pin_name());
+                    link.pin(&path).map_err(|e| ProbeError::Pin {
+                        path: path.clone(),
+                        reason: error_chain(&e),
+                    })?;
+                    debug!(program = a.program, pin = %path.display(), "attached");
+                }
+                Err(e) if a.optional => {
+                    debug!(
+                        program = a.program,
+                        target = a.pin_name(),
+                        "optional attach skipped: {e}"
+                    )
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        info!(mode = self.mode.as_str(), dir = %dir.display(), "probes attached");
+        Ok(())
+    }
+
+    fn attach_one(&mut self, a: &Attachment, btf: &aya::Btf) -> Result<FdLink, ProbeError> {
+        let name = a.program;
+        let perr = move |source| ProbeError::Program { name, source };
+        let prog = self.ebpf.program_mut(name).ok_or(ProbeError::Program {
+            name,
+            source: aya::programs::ProgramError::NotLoaded,
+        })?;
+        match a.target {
+            Target::Fentry(func) => {
+                let p: &mut FEntry = prog.try_into().map_err(perr)?;
+                // An fentry program is bound to its target at load time.
+                if p.fd().is_err() {
+                    p.load(func, btf).map_err(perr)?;
+                }
+                let id = p.attach().map_err(perr)?;
+                Ok(p.take_link(id).map_err(perr)?.into())
+            }
+            Target::Tracepoint(cat, tp) => {
+                let p: &mut TracePoint = prog.try_into().map_err(perr)?;
+                if p.fd().is_err() {
+                    p.load().map_err(perr)?;
+                }
+                let id = p.attach(cat, tp).map_err(perr)?;
+                let link = p.take_link(id).map_err(perr)?;
+                FdLink::try_from(link).map_err(|e| ProbeError::Pin {
+                    path: PathBuf::from(format!("{cat}/{tp}")),
+                    reason: format!("kernel returned a perf-event attachment, not a link: {e}"),
+                })
+            }
+            Target::RawTracepoint(tp) => {
+                let p: &mut RawTracePoint = prog.try_into().map_err(perr)?;
+                if p.fd().is_err() {
+                    p.load().map_err(perr)?;
+                }
+                let id = p.attach(tp).map_err(perr)?;
+                Ok(p.take_link(id).map_err(perr)?.into())
+            }
+        }
+    }
+
+    pub fn mode(&self) -> AttachMode {
+        self.mode
+    }
+
+    pub fn caps(&self) -> &KernelCaps {
+        &self.caps
+    }
+
+    /// Whether the probes were found attached by a previous daemon and adopted.
+    pub fn resumed(&self) -> bool {
+        self.resumed
+    }
+
+    pub fn base_dir(&self) -> &Path {
+        &self.base_dir
+    }
+
+    /// Takes the event ring buffer (for the reader task).
+    pub fn take_events(&mut self) -> Result<RingBuf<MapData>, ProbeError> {
+        let map = self.ebpf.take_map(maps::EVENTS).ok_or(ProbeError::Map {
+            name: maps::EVENTS,
+            source: aya::maps::MapError::InvalidName {
+                name: maps::EVENTS.into(),
+            },
+        })?;
+        RingBuf::try_from(map).map_err(|source| ProbeError::Map {
+            name: maps::EVENTS,
+            source,
+        })
+    }
+
+    /// Takes the counter maps (for the state owner).
+    pub fn take_maps(&mut self) -> Result<KernelMaps, ProbeError> {
+        Ok(KernelMaps {
+            procs: take(&mut self.ebpf, maps::PROCS)?,
+            cgroups: take(&mut self.ebpf, maps::CGROUPS)?,
+            stats: take(&mut self.ebpf, maps::STATS)?,
+        })
+    }
+
+    /// Stops: with `keep_pinned` the links stay attached and the maps pinned; otherwise all pins
+    /// are removed and the programs detach when this process's descriptors close.
+    pub fn shutdown(self, keep_pinned: bool) {
+        if keep_pinned {
+            info!(dir = %self.base_dir.display(), "probes stay attached (probes.keep_pinned)");
+            return;
+        }
+        match std::fs::remove_dir_all(&self.base_dir) {
+            Ok(()) => info!(dir = %self.base_dir.display(), "probes detached, pins removed"),
+            Err(e) => warn!(dir = %self.base_dir.display(), "removing pins: {e}"),
+        }
+    }
+}
+
+fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, ProbeError>
+where
+    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(ProbeError::Map {
+        name,
+        source: aya::maps::MapError::InvalidName { name: name.into() },
+    })?;
+    T::try_from(map).map_err(|source| ProbeError::Map { name, source })
+}
+
+/// Loads a program to learn whether the kernel accepts its type; a refusal is an answer, not an
+/// error.
+fn try_load<P>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    load: impl FnOnce(&mut P) -> Result<(), aya::programs::ProgramError>,
+) -> bool
+where
+    for<'a> &'a mut P: TryFrom<&'a mut aya::programs::Program>,
+{
+    let Some(prog) = ebpf.program_mut(name) else {
+        return false;
+    };
+    let Ok(p) = <&mut P>::try_from(prog) else {
+        return false;
+    };
+    match load(p) {
+        Ok(()) => true,
+        Err(e) => {
+            debug!(program = name, "probe load refused: {e}");
+            false
+        }
+    }
+}
+
+/// The maps the state owner reads and updates.
+pub struct KernelMaps {
+    pub procs: HashMap<MapData, u32, ProcEntry>,
+    pub cgroups: HashMap<MapData, u64, IoctlCounts>,
+    pub stats: PerCpuArray<MapData, u64>,
+}
+
+fn write_config(
+    ebpf: &mut Ebpf,
+    offsets: gpud_common::KernelOffsets,
+    majors: DynamicMajors,
+    extra: &[ExtraFile],
+) -> Result<(), ProbeError> {
+    let mut files: HashMap<_, FileKey, u32> =
+        HashMap::try_from(ebpf.map_mut(maps::EXTRA_FILES).ok_or(ProbeError::Map {
+            name: maps::EXTRA_FILES,
+            source: aya::maps::MapError::InvalidName {
+                name: maps::EXTRA_FILES.into(),
+            },
+        })?)
+        .map_err(|source| ProbeError::Map {
+            name: maps::EXTRA_FILES,
+            source,
+        })?;
+    let map_err = |source| ProbeError::Map {
+        name: maps::EXTRA_FILES,
+        source,
+    };
+    // The pinned map may hold a previous daemon's list: make it exactly the configured one.
+    let stale: Vec<FileKey> = files
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| !extra.iter().any(|e| e.key == *k))
+        .collect();
+    for k in stale {
+        files.remove(&k).map_err(map_err)?;
+    }
+    for e in extra {
+        files
+            .insert(e.key, DeviceKind::Control as u32, 0)
+            .map_err(map_err)?;
+    }
+    let mut config: Array<_, ProbeConfig> =
+        Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(ProbeError::Map {
+            name: maps::CONFIG,
+            source: aya::maps::MapError::InvalidName {
+                name: maps::CONFIG.into(),
+            },
+        })?)
+        .map_err(|source| ProbeError::Map {
+            name: maps::CONFIG,
+            source,
+        })?;
+    let value = ProbeConfig {
+        offsets,
+        uvm_major: majors.uvm,
+        caps_major: majors.caps,
+        caps_imex_major: majors.caps_imex,
+        flags: CFG_READY
+            | if extra.is_empty() {
+                0
+            } else {
+                CFG_HAS_EXTRA_FILES
+            },
+    };
+    config.set(0, value, 0).map_err(|source| ProbeError::Map {
+        name: maps::CONFIG,
+        source,
+    })
+}
+
+/// `e` and its sources, joined: aya's errors keep the OS error one level down.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}
+
+/// Removes pins of other ABI versions: their programs would count with a foreign layout.
+fn remove_other_abi_versions(bpffs: &Path) -> Result<(), ProbeError> {
+    let root = bpffs.join("gpud");
+    let Ok(entries) = std::fs::read_dir(&root) else {
+        return Ok(());
+    };
+    let current = format!("v{ABI_VERSION}");
+    for entry in entries.flatten() {
+        if entry.file_name() != current.as_str() {
+            warn!(path = %entry.path().display(), "removing pins of another ABI version");
+            std::fs::remove_dir_all(entry.path())
+                .map_err(io_err(format!("removing {}", entry.path().display())))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,1 @@
+//! Integration-test support for gpud (filled in by the tests).
