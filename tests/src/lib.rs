@@ -1,1 +1,348 @@
-//! Integration-test support for gpud (filled in by the tests).
+//! Harness for gpud's integration tests: real parts only. A private `dbus-daemon`, the real
+//! `gpud` binary on its own bpffs instance, real cgroup v2 children, and real processes
+//! (`gpud-ioctl`) issuing ioctls on stand-in device files.
+//!
+//! Tests need root, a kernel that loads BPF tracepoint programs, and `dbus-daemon`.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use gpud::api::dbus::{Manager1Proxy, connect_builder};
+
+/// A scratch directory removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("gpud-test-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        Self(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        // A bpffs may be mounted inside (the daemon's own instance).
+        let bpffs = self.0.join("bpffs");
+        if let Ok(c) = std::ffi::CString::new(bpffs.as_os_str().as_encoded_bytes()) {
+            // SAFETY: valid NUL-terminated path.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Directory of the workspace's built binaries (`target/debug`), next to this test executable.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/debug/deps/<test> → target/debug
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .to_path_buf()
+}
+
+pub fn gpud_bin() -> PathBuf {
+    std::env::var_os("GPUD_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| bin_dir().join("gpud"))
+}
+
+pub fn gpudctl_bin() -> PathBuf {
+    std::env::var_os("GPUDCTL_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| bin_dir().join("gpudctl"))
+}
+
+/// A private `dbus-daemon` with its own configuration.
+pub struct Bus {
+    child: Child,
+    pub address: String,
+    _dir: TempDir,
+}
+
+impl Bus {
+    /// Starts a bus whose policy lets anyone own names and call anything (the shipped system
+    /// policy is tested separately).
+    pub fn start() -> Self {
+        let dir = TempDir::new("bus");
+        let socket = dir.path().join("bus");
+        let conf = dir.path().join("bus.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>session</type>
+  <listen>unix:path={}</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow send_destination="*" eavesdrop="true"/>
+    <allow eavesdrop="true"/>
+    <allow own="*"/>
+  </policy>
+</busconfig>
+"#,
+                socket.display()
+            ),
+        )
+        .expect("write bus config");
+        let mut child = Command::new("dbus-daemon")
+            .arg("--config-file")
+            .arg(&conf)
+            .args(["--nofork", "--print-address"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start dbus-daemon (is the `dbus` package installed?)");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read bus address");
+        Self {
+            child,
+            address: line.trim().to_owned(),
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Bus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The cgroup v2 mount point, from mountinfo (hybrid hosts have it at /sys/fs/cgroup/unified).
+pub fn cgroup2_root() -> PathBuf {
+    let mi = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    gpud::attribution::cgroupfs::cgroup2_mount_from(&mi).expect("a cgroup2 mount")
+}
+
+/// A child cgroup, removed (after killing its processes) on drop.
+pub struct Cgroup {
+    pub dir: PathBuf,
+    /// Path relative to the cgroup v2 root, as gpud reports it.
+    pub rel: String,
+}
+
+impl Cgroup {
+    pub fn new(name: &str) -> Self {
+        let rel = format!("/gpud-test-{}-{name}", std::process::id());
+        let dir = cgroup2_root().join(rel.trim_start_matches('/'));
+        std::fs::create_dir_all(&dir).expect("create cgroup");
+        Self { dir, rel }
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A running `gpud` on a private bus and its own bpffs instance.
+pub struct Daemon {
+    child: Option<Child>,
+    pub config: PathBuf,
+    pub bus: String,
+    pub log: PathBuf,
+}
+
+/// Writes a daemon config into `dir` that counts ioctls on `extra` files.
+pub fn write_config(dir: &Path, extra: &[&Path], attach: &str) -> PathBuf {
+    let paths: Vec<String> = extra
+        .iter()
+        .map(|p| format!("{:?}", p.display().to_string()))
+        .collect();
+    let text = format!(
+        r#"[daemon]
+state_dir = "{state}"
+log = "gpud=debug"
+
+[probes]
+attach = "{attach}"
+bpffs = "{bpffs}"
+
+[devices]
+extra_paths = [{paths}]
+
+[attribution]
+sweep_interval_secs = 1
+rescan_interval_secs = 0
+"#,
+        state = dir.join("state").display(),
+        bpffs = dir.join("bpffs").display(),
+        paths = paths.join(", "),
+    );
+    let p = dir.join("gpud.toml");
+    std::fs::write(&p, text).expect("write config");
+    p
+}
+
+impl Daemon {
+    /// Starts gpud and waits until it answers on the bus.
+    pub async fn start(config: &Path, bus: &str) -> Self {
+        static STARTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = STARTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = config.with_file_name(format!("gpud-{n}.log"));
+        let log_file = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(gpud_bin())
+            .arg("--config")
+            .arg(config)
+            .arg("--bus-address")
+            .arg(bus)
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", gpud_bin().display()));
+        let mut d = Self {
+            child: Some(child),
+            config: config.to_owned(),
+            bus: bus.to_owned(),
+            log,
+        };
+        d.wait_ready().await;
+        d
+    }
+
+    async fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(c) = self.child.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                panic!("gpud exited early ({status}):\n{}", self.log_text());
+            }
+            if let Ok(conn) = connect_builder(&self.bus).build().await
+                && let Ok(p) = Manager1Proxy::new(&conn).await
+                && p.version().await.is_ok()
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "gpud not ready:\n{}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM and wait; returns the exit status code.
+    pub fn stop(&mut self) -> Option<i32> {
+        let mut child = self.child.take()?;
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        child.wait().ok().and_then(|s| s.code())
+    }
+
+    pub async fn proxy(&self) -> (zbus::Connection, Manager1Proxy<'static>) {
+        let conn = connect_builder(&self.bus).build().await.expect("connect");
+        let proxy = Manager1Proxy::new(&conn).await.expect("proxy");
+        (conn, proxy)
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A running `gpud-ioctl` process, held alive until [`Issuer::finish`] or drop.
+pub struct Issuer {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    pub pid: u32,
+    pub child_pid: Option<u32>,
+}
+
+impl Issuer {
+    /// Spawns `gpud-ioctl --hold ARGS` and waits until it has issued everything.
+    pub fn run(args: &[String]) -> Self {
+        let fork = args.iter().any(|a| a == "--fork-child");
+        let mut child = Command::new(bin_dir().join("gpud-ioctl"))
+            .arg("--hold")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn gpud-ioctl");
+        let stdin = child.stdin.take();
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut read_pid = |prefix: &str| -> u32 {
+            let mut line = String::new();
+            out.read_line(&mut line).expect("read issuer output");
+            line.trim()
+                .strip_prefix(prefix)
+                .and_then(|p| p.trim().parse().ok())
+                .unwrap_or_else(|| panic!("issuer said {line:?}, expected {prefix}"))
+        };
+        let pid = read_pid("DONE");
+        let child_pid = fork.then(|| read_pid("CHILD"));
+        Self {
+            child,
+            stdin,
+            pid,
+            child_pid,
+        }
+    }
+
+    /// Lets the process exit and reaps it.
+    pub fn finish(mut self) {
+        self.stdin.take();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Issuer {
+    fn drop(&mut self) {
+        if let Some(mut s) = self.stdin.take() {
+            let _ = s.flush();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` until it returns `Some`, for at most `timeout`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

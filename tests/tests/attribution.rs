@@ -1,0 +1,352 @@
+//! End-to-end attribution on the real kernel: real cgroups, real processes issuing NVIDIA-encoded
+//! ioctls on stand-in device files (`devices.extra_paths`), the real gpud binary, read back over a
+//! real dbus-daemon.
+
+use std::{collections::BTreeMap, path::Path, time::Duration};
+
+use gpud::api::model::CgroupRecord;
+use gpud_common::nv::{self, nv_iowr};
+use gpud_tests::{Bus, Cgroup, Daemon, Issuer, TempDir, eventually, gpudctl_bin, write_config};
+
+const ALLOC: u32 = 0xc030_462b; // NVOS64
+const ALLOC21: u32 = 0xc020_462b; // NVOS21
+const FREE: u32 = 0xc010_4629;
+const CONTROL: u32 = 0xc020_462a;
+const VID_HEAP: u32 = 0xc0b8_464a;
+const MAP: u32 = 0xc038_464e;
+const UNMAP_DMA: u32 = 0xc030_4658;
+
+fn counts(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
+    let mut m: BTreeMap<String, u64> = gpud_common::IOCTL_CLASS_NAMES
+        .iter()
+        .map(|n| ((*n).to_owned(), 0))
+        .collect();
+    for (k, v) in pairs {
+        m.insert((*k).to_owned(), *v);
+    }
+    m
+}
+
+fn stand_in(dir: &TempDir, name: &str) -> std::path::PathBuf {
+    let p = dir.path().join(name);
+    std::fs::write(&p, b"").expect("stand-in file");
+    p
+}
+
+fn args(cg: Option<&Cgroup>, file: &Path, rest: &[&str]) -> Vec<String> {
+    let mut v = Vec::new();
+    if let Some(cg) = cg {
+        v.push("--cgroup".into());
+        v.push(cg.dir.display().to_string());
+    }
+    v.push("--file".into());
+    v.push(file.display().to_string());
+    v.extend(rest.iter().map(|s| (*s).to_owned()));
+    v
+}
+
+fn ioctl_arg(cmd: u32, n: u64) -> String {
+    format!("0x{cmd:x}:{n}")
+}
+
+/// `gpudctl --bus-address A list --json`, parsed.
+fn gpudctl_list(bus: &str) -> Vec<serde_json::Value> {
+    let out = std::process::Command::new(gpudctl_bin())
+        .args(["--bus-address", bus, "list", "--json"])
+        .output()
+        .expect("run gpudctl");
+    assert!(out.status.success(), "gpudctl failed: {out:?}");
+    serde_json::from_slice(&out.stdout).expect("gpudctl JSON")
+}
+
+async fn get(d: &Daemon, path: &str) -> CgroupRecord {
+    let (_c, p) = d.proxy().await;
+    p.get_cgroup(path).await.expect("GetCgroup")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
+    let dir = TempDir::new("exact");
+    let ctl = stand_in(&dir, "nvidiactl-standin");
+    let other_file = stand_in(&dir, "not-listed");
+    let bus = Bus::start();
+    let config = write_config(dir.path(), &[&ctl], "auto");
+    let mut daemon = Daemon::start(&config, &bus.address).await;
+    let a = Cgroup::new("a");
+    let b = Cgroup::new("b");
+
+    let alloc = ioctl_arg(ALLOC, 5);
+    let alloc21 = ioctl_arg(ALLOC21, 1);
+    let free = ioctl_arg(FREE, 3);
+    let control = ioctl_arg(CONTROL, 2);
+    let vid = ioctl_arg(VID_HEAP, 1);
+    let map = ioctl_arg(MAP, 4);
+    let unmap = ioctl_arg(UNMAP_DMA, 1);
+    // An RM_ALLOC with a size the driver refuses is not an allocation.
+    let bad = ioctl_arg(nv_iowr(nv::NV_ESC_RM_ALLOC, 36), 2);
+    let xfer = format!("{}:48:2", nv::NV_ESC_RM_ALLOC);
+    let unmatched_dev = "/dev/null:7".to_owned();
+    let unmatched_file = format!("{}:3", other_file.display());
+    let in_a = Issuer::run(&args(
+        Some(&a),
+        &ctl,
+        &[
+            "--ioctl",
+            &alloc,
+            "--ioctl",
+            &alloc21,
+            "--ioctl",
+            &free,
+            "--ioctl",
+            &control,
+            "--ioctl",
+            &vid,
+            "--ioctl",
+            &map,
+            "--ioctl",
+            &unmap,
+            "--ioctl",
+            &bad,
+            "--xfer",
+            &xfer,
+            "--unmatched",
+            &unmatched_dev,
+            "--unmatched",
+            &unmatched_file,
+        ],
+    ));
+    let two_allocs = ioctl_arg(ALLOC, 2);
+    let in_b = Issuer::run(&args(Some(&b), &ctl, &["--ioctl", &two_allocs]));
+
+    let want_a = counts(&[
+        ("alloc", 8),
+        ("free", 3),
+        ("control", 2),
+        ("vid_heap", 1),
+        ("map", 5),
+        ("other", 2),
+    ]);
+    let want_b = counts(&[("alloc", 2)]);
+    let ra = get(&daemon, &a.rel).await;
+    assert_eq!(ra.ioctls, want_a, "{}", daemon.log_text());
+    assert_eq!(ra.pids, vec![in_a.pid]);
+    assert_eq!(ra.path, a.rel);
+    let rb = get(&daemon, &b.rel).await;
+    assert_eq!(rb.ioctls, want_b);
+    assert_eq!(rb.pids, vec![in_b.pid]);
+    assert_ne!(ra.id, rb.id);
+
+    // The acceptance path: gpudctl list --json.
+    let list = gpudctl_list(&bus.address);
+    let entry = |rel: &str| {
+        list.iter()
+            .find(|e| e["path"] == rel)
+            .unwrap_or_else(|| panic!("{rel} not listed: {list:?}"))
+            .clone()
+    };
+    let ea = entry(&a.rel);
+    assert_eq!(ea["id"], ra.id);
+    assert_eq!(ea["pids"], serde_json::json!([in_a.pid]));
+    assert_eq!(ea["ioctls"], serde_json::to_value(&want_a).unwrap());
+    assert_eq!(
+        entry(&b.rel)["ioctls"],
+        serde_json::to_value(&want_b).unwrap()
+    );
+
+    // Exited processes disappear; their cgroup's counts stay.
+    in_a.finish();
+    let gone = eventually(Duration::from_secs(5), || async {
+        let r = get(&daemon, &a.rel).await;
+        r.pids.is_empty().then_some(r)
+    })
+    .await
+    .expect("exited process still listed");
+    assert_eq!(gone.ioctls, want_a);
+
+    // A restarted daemon adopts the pinned probes and maps: same counts, still counting.
+    assert_eq!(daemon.stop(), Some(0), "{}", daemon.log_text());
+    let more = ioctl_arg(FREE, 4);
+    let while_down = Issuer::run(&args(Some(&a), &ctl, &["--ioctl", &more]));
+    let daemon = Daemon::start(&config, &bus.address).await;
+    let (_c, p) = daemon.proxy().await;
+    assert!(p.probes_resumed().await.unwrap(), "{}", daemon.log_text());
+    let ra2 = get(&daemon, &a.rel).await;
+    let mut want = want_a.clone();
+    *want.get_mut("free").unwrap() += 4;
+    assert_eq!(ra2.ioctls, want, "counts lost or doubled across restart");
+    assert_eq!(ra2.pids, vec![while_down.pid]);
+    assert_eq!(get(&daemon, &b.rel).await.ioctls, want_b);
+    while_down.finish();
+    in_b.finish();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unmatched_files_and_unrelated_cgroups_are_not_counted() {
+    let dir = TempDir::new("unmatched");
+    let ctl = stand_in(&dir, "ctl");
+    let plain = stand_in(&dir, "plain");
+    let bus = Bus::start();
+    let daemon = Daemon::start(&write_config(dir.path(), &[&ctl], "auto"), &bus.address).await;
+    let c = Cgroup::new("unmatched");
+    let a100 = ioctl_arg(ALLOC, 100);
+    let p = Issuer::run(&args(
+        Some(&c),
+        &plain,
+        &["--ioctl", &a100, "--unmatched", "/dev/null:50"],
+    ));
+    let r = get(&daemon, &c.rel).await;
+    assert_eq!(r.ioctls, counts(&[]));
+    assert!(r.pids.is_empty());
+    assert!(
+        !gpudctl_list(&bus.address)
+            .iter()
+            .any(|e| e["path"] == c.rel.as_str()),
+        "a cgroup that never touched a device must not be listed"
+    );
+    p.finish();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn processes_holding_a_device_before_start_and_forked_children_are_attributed() {
+    let dir = TempDir::new("scan");
+    let ctl = stand_in(&dir, "ctl");
+    let bus = Bus::start();
+    let c = Cgroup::new("scan");
+    // Opens the file before any daemon runs: found by the start-up scan of /proc/*/fd.
+    let early = Issuer::run(&args(Some(&c), &ctl, &[]));
+    let daemon = Daemon::start(&write_config(dir.path(), &[&ctl], "auto"), &bus.address).await;
+    let r = get(&daemon, &c.rel).await;
+    assert_eq!(r.pids, vec![early.pid], "{}", daemon.log_text());
+    early.finish();
+
+    // A child inherits the descriptor without opening anything; its ioctls still count.
+    let f = Cgroup::new("fork");
+    let three = ioctl_arg(CONTROL, 3);
+    let parent = Issuer::run(&args(Some(&f), &ctl, &["--ioctl", &three, "--fork-child"]));
+    let r = get(&daemon, &f.rel).await;
+    assert_eq!(r.ioctls, counts(&[("control", 6)]), "{}", daemon.log_text());
+    let mut pids = vec![parent.pid, parent.child_pid.unwrap()];
+    pids.sort_unstable();
+    assert_eq!(r.pids, pids);
+    parent.finish();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_dbus_arguments_get_typed_errors() {
+    let dir = TempDir::new("badargs");
+    let ctl = stand_in(&dir, "ctl");
+    let bus = Bus::start();
+    let daemon = Daemon::start(&write_config(dir.path(), &[&ctl], "auto"), &bus.address).await;
+    let (_c, p) = daemon.proxy().await;
+    let long = "a".repeat(5000);
+    for (path, want) in [
+        ("", "dev.gpud.Error.InvalidArgument"),
+        ("/..", "dev.gpud.Error.InvalidArgument"),
+        ("/a/../../etc", "dev.gpud.Error.InvalidArgument"),
+        (long.as_str(), "dev.gpud.Error.InvalidArgument"),
+        ("/no-such-cgroup-here", "dev.gpud.Error.NotFound"),
+        ("cgroup.procs", "dev.gpud.Error.NotFound"),
+    ] {
+        match p.get_cgroup(path).await {
+            Err(zbus::Error::MethodError(name, _, _)) => {
+                assert_eq!(
+                    name.as_str(),
+                    want,
+                    "path {:?}",
+                    &path[..path.len().min(20)]
+                )
+            }
+            other => panic!("{path:?}: expected {want}, got {other:?}"),
+        }
+    }
+    // The root cgroup is a valid, existing cgroup.
+    assert_eq!(p.get_cgroup("/").await.unwrap().path, "/");
+
+    // gpudctl maps a daemon error to exit code 1 and an unreachable bus to 3.
+    let st = std::process::Command::new(gpudctl_bin())
+        .args(["--bus-address", &bus.address, "get", "/../x"])
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(1));
+    let st = std::process::Command::new(gpudctl_bin())
+        .args(["--bus-address", "unix:path=/nonexistent/bus", "status"])
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(3));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn busctl_introspection_shows_the_documented_interface() {
+    let dir = TempDir::new("introspect");
+    let ctl = stand_in(&dir, "ctl");
+    let bus = Bus::start();
+    let daemon = Daemon::start(&write_config(dir.path(), &[&ctl], "auto"), &bus.address).await;
+    let out = std::process::Command::new("busctl")
+        .args([
+            &format!("--address={}", bus.address),
+            "introspect",
+            "dev.gpud.Daemon1",
+            "/dev/gpud/Daemon1",
+            "dev.gpud.Manager1",
+        ])
+        .output()
+        .expect("busctl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    for member in [
+        ".ListCgroups",
+        ".GetCgroup",
+        ".GetKernelStats",
+        ".Version",
+        ".AttachMode",
+        ".KernelCapabilities",
+        ".CgroupRoot",
+        ".ProbesResumed",
+    ] {
+        assert!(text.contains(member), "{member} missing from:\n{text}");
+    }
+    let (_c, p) = daemon.proxy().await;
+    let caps = p.kernel_capabilities().await.unwrap();
+    for k in ["tracepoint", "fentry", "bpf_lsm", "dmem_cgroup"] {
+        assert!(caps.contains_key(k), "{k} not reported");
+    }
+    // On a kernel without trampolines the daemon must have fallen back to tracepoints.
+    let mode = p.attach_mode().await.unwrap();
+    assert_eq!(mode == "fentry", caps["fentry"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn invalid_config_is_refused_with_a_clear_error() {
+    let dir = TempDir::new("badcfg");
+    let bus = Bus::start();
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(&cfg, "[probes]\nattach = \"kprobe\"\n").unwrap();
+    let out = std::process::Command::new(gpud_tests::gpud_bin())
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--bus-address", &bus.address])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(78));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.toml") && err.contains("kprobe"), "{err}");
+
+    let missing = dir.path().join("missing.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[devices]\nextra_paths = [{:?}]\n",
+            missing.display().to_string()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(gpud_tests::gpud_bin())
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--bus-address", &bus.address])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("missing.toml"), "{err}");
+}
