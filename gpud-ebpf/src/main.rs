@@ -147,7 +147,7 @@ unsafe fn device_kind(cfg: &ProbeConfig, file: *const u8) -> Option<DeviceKind> 
         dev: s_dev as u64,
         ino,
     };
-    let kind = unsafe { EXTRA_FILES.get(&key)? };
+    let kind = unsafe { EXTRA_FILES.get(key)? };
     DeviceKind::from_u32(*kind)
 }
 
@@ -171,7 +171,7 @@ fn emit(kind: u32, tgid: u32, cgroup_id: u64) {
 /// The `PROCS` entry of `tgid`, created (and announced) if absent.
 #[inline(always)]
 fn proc_entry(tgid: u32, cgroup_id: u64, flags: u32) -> Option<*mut ProcEntry> {
-    if let Some(p) = PROCS.get_ptr_mut(&tgid) {
+    if let Some(p) = PROCS.get_ptr_mut(tgid) {
         return Some(p);
     }
     let fresh = ProcEntry {
@@ -179,16 +179,16 @@ fn proc_entry(tgid: u32, cgroup_id: u64, flags: u32) -> Option<*mut ProcEntry> {
         flags,
         ..ProcEntry::default()
     };
-    match PROCS.insert(&tgid, &fresh, BPF_NOEXIST as u64) {
+    match PROCS.insert(tgid, fresh, BPF_NOEXIST as u64) {
         Ok(()) => emit(EVENT_PROC_NEW, tgid, cgroup_id),
         // Another CPU inserted it first: fine, use theirs.
-        Err(_) if PROCS.get_ptr_mut(&tgid).is_some() => {}
+        Err(_) if PROCS.get_ptr_mut(tgid).is_some() => {}
         Err(_) => {
             bump_stat(stat::PROCS_FULL);
             return None;
         }
     }
-    PROCS.get_ptr_mut(&tgid)
+    PROCS.get_ptr_mut(tgid)
 }
 
 #[inline(always)]
@@ -217,18 +217,16 @@ fn account(kind: DeviceKind, cmd: u32, arg: u64) {
     let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
     let tgid = current_tgid();
 
-    let counts = match CGROUPS.get_ptr_mut(&cgroup_id) {
+    let counts = match CGROUPS.get_ptr_mut(cgroup_id) {
         Some(p) => Some(p),
         None => {
             let zero = IoctlCounts::default();
-            if CGROUPS
-                .insert(&cgroup_id, &zero, BPF_NOEXIST as u64)
-                .is_err()
-                && CGROUPS.get_ptr_mut(&cgroup_id).is_none()
+            if CGROUPS.insert(cgroup_id, zero, BPF_NOEXIST as u64).is_err()
+                && CGROUPS.get_ptr_mut(cgroup_id).is_none()
             {
                 bump_stat(stat::CGROUPS_FULL);
             }
-            CGROUPS.get_ptr_mut(&cgroup_id)
+            CGROUPS.get_ptr_mut(cgroup_id)
         }
     };
     if let Some(c) = counts {
@@ -298,12 +296,25 @@ pub fn gpud_lsm_probe(_ctx: LsmContext) -> i32 {
     0
 }
 
+/// Benchmark reference only (`xtask bench`): an empty program, attached in place of gpud's to
+/// measure what any program on the same hook costs. The daemon never attaches it.
+#[tracepoint]
+pub fn gpud_noop_tp(_ctx: TracePointContext) -> u32 {
+    0
+}
+
+/// Benchmark reference only: the fentry counterpart of [`gpud_noop_tp`].
+#[fentry(function = "security_file_ioctl")]
+pub fn gpud_noop_fentry(_ctx: FEntryContext) -> i32 {
+    0
+}
+
 // ---- tracepoint mode ---------------------------------------------------------------------------
 
 #[tracepoint]
 pub fn gpud_tp_ioctl(ctx: TracePointContext) -> u32 {
     // The one lookup every process on the host pays.
-    if PROCS.get_ptr(&current_tgid()).is_none() {
+    if PROCS.get_ptr(current_tgid()).is_none() {
         return 0;
     }
     let Some(cfg) = config() else { return 0 };
@@ -346,7 +357,7 @@ pub fn gpud_tp_open(ctx: TracePointContext) -> u32 {
 #[raw_tracepoint(tracepoint = "sched_process_fork")]
 pub fn gpud_tp_fork(ctx: RawTracePointContext) -> i32 {
     let parent_tgid = current_tgid();
-    let Some(parent) = PROCS.get_ptr(&parent_tgid) else {
+    let Some(parent) = PROCS.get_ptr(parent_tgid) else {
         return 0;
     };
     let Some(cfg) = config() else { return 0 };
@@ -362,7 +373,7 @@ pub fn gpud_tp_fork(ctx: RawTracePointContext) -> i32 {
         flags: PROC_INHERITED,
         ..ProcEntry::default()
     };
-    match PROCS.insert(&child_tgid, &entry, BPF_NOEXIST as u64) {
+    match PROCS.insert(child_tgid, entry, BPF_NOEXIST as u64) {
         Ok(()) => emit(EVENT_PROC_NEW, child_tgid, entry.cgroup_id),
         Err(_) => bump_stat(stat::PROCS_FULL),
     }
@@ -374,7 +385,7 @@ pub fn gpud_tp_fork(ctx: RawTracePointContext) -> i32 {
 #[tracepoint]
 pub fn gpud_tp_exit(_ctx: TracePointContext) -> u32 {
     let tgid = current_tgid();
-    let Some(entry) = PROCS.get_ptr(&tgid) else {
+    let Some(entry) = PROCS.get_ptr(tgid) else {
         return 0;
     };
     let Some(cfg) = config() else { return 0 };
@@ -393,7 +404,7 @@ pub fn gpud_tp_exit(_ctx: TracePointContext) -> u32 {
         return 0;
     }
     let cgroup_id = unsafe { (*entry).cgroup_id };
-    let _ = PROCS.remove(&tgid);
+    let _ = PROCS.remove(tgid);
     emit(EVENT_PROC_EXIT, tgid, cgroup_id);
     0
 }

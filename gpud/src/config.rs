@@ -119,9 +119,7 @@ impl Config {
         };
         let mut merged: toml::Table = toml::from_str(DEFAULT_CONFIG).map_err(parse_err)?;
         merge(&mut merged, user);
-        let config: Config = toml::Value::Table(merged)
-            .try_into()
-            .map_err(|e| parse_err(e))?;
+        let config: Config = toml::Value::Table(merged).try_into().map_err(parse_err)?;
         config.validate(path)?;
         Ok(config)
     }

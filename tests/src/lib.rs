@@ -13,6 +13,8 @@ use std::{
 
 use gpud::api::dbus::{Manager1Proxy, connect_builder};
 
+pub mod inproc;
+
 /// A scratch directory removed on drop.
 pub struct TempDir(PathBuf);
 

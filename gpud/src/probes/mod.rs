@@ -37,7 +37,13 @@ use crate::config::{AttachPreference, ProbesConfig};
 /// The eBPF object built by `build.rs` from the `gpud-ebpf` crate.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/gpud-probes"));
 
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+/// The embedded eBPF object, for tools that load parts of it themselves (the benchmark's
+/// reference programs).
+pub fn ebpf_object() -> &'static [u8] {
+    OBJECT
+}
+
+pub const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 const TRACEFS_MAGIC: i64 = 0x7472_6163;
 const TRACEFS: &str = "/sys/kernel/tracing";
 
@@ -183,17 +189,19 @@ impl Attachment {
 }
 
 /// Mounts `fstype` at `path` unless a filesystem with `magic` is already there.
-fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), ProbeError> {
+pub fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), ProbeError> {
     let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| ProbeError::Io {
         what: format!("{} contains a NUL byte", path.display()),
         source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
     })?;
+    // A directory inside an existing mount of the right type is fine (e.g. a subdirectory of
+    // /sys/fs/bpf): create it first so statfs sees what contains it.
+    std::fs::create_dir_all(path).map_err(io_err(format!("creating {}", path.display())))?;
     // SAFETY: statfs writes into a zeroed struct we own; c_path is NUL-terminated.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } == 0 && st.f_type == magic {
         return Ok(());
     }
-    std::fs::create_dir_all(path).map_err(io_err(format!("creating {}", path.display())))?;
     let c_type = CString::new(fstype).map_err(|_| ProbeError::Io {
         what: "fstype".into(),
         source: std::io::Error::from(std::io::ErrorKind::InvalidInput),

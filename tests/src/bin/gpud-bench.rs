@@ -1,0 +1,242 @@
+//! `gpud-bench --mode tracepoint|fentry [--calls N] [--rounds R] [--cycles C]`: the added cost per syscall of
+//! gpud's probes, measured in one run (run by `cargo xtask bench`; method in docs/benchmarks.md).
+//!
+//! Three phases in one process tree, alternated C times (then medians): no program attached; a
+//! no-op reference program on the same hook; gpud's probes attached in the given mode. In each
+//! phase, three workloads run in fresh forked children, R rounds of N calls each, median ns/call:
+//! - `unrelated_ioctl`: ioctls on /dev/null by a process holding no NVIDIA file;
+//! - `getppid`: a cheap non-ioctl syscall (the host-wide tax of syscall tracepoints);
+//! - `matched_ioctl`: ioctls on a stand-in control device (listed as an extra device file) by a
+//!   process that opened it, so gpud walks, identifies, classifies and counts each one.
+//!
+//! Prints one line `BENCH JSON: {...}`.
+
+use std::{
+    path::{Path, PathBuf},
+    time::Instant,
+};
+
+use anyhow::{Context as _, bail};
+use aya::{
+    EbpfLoader,
+    programs::{FEntry, TracePoint},
+};
+use gpud::{
+    attribution::CgroupFs,
+    config::{AttachPreference, ProbesConfig},
+    probes::{self, AttachMode, DynamicMajors, ProbeSetup, Probes, devices},
+};
+use gpud_tests::inproc;
+use serde_json::{Value, json};
+
+const RM_ALLOC: u32 = 0xc030_462b;
+
+struct Opts {
+    mode: AttachMode,
+    calls: u64,
+    rounds: usize,
+    cycles: usize,
+}
+
+fn parse() -> anyhow::Result<Opts> {
+    let mut o = Opts {
+        mode: AttachMode::Tracepoint,
+        calls: 200_000,
+        rounds: 7,
+        cycles: 3,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let v = args.next().with_context(|| format!("{a} needs a value"))?;
+        match a.as_str() {
+            "--mode" => {
+                o.mode = match v.as_str() {
+                    "tracepoint" => AttachMode::Tracepoint,
+                    "fentry" => AttachMode::Fentry,
+                    _ => bail!("--mode tracepoint|fentry"),
+                }
+            }
+            "--calls" => o.calls = v.parse()?,
+            "--rounds" => o.rounds = v.parse()?,
+            "--cycles" => o.cycles = v.parse()?,
+            _ => bail!("unknown argument {a}"),
+        }
+    }
+    Ok(o)
+}
+
+/// Median ns per call of `f(n)` over `rounds`, measured in a fresh child process.
+fn measure(rounds: usize, calls: u64, f: impl Fn(u64)) -> anyhow::Result<f64> {
+    let report = inproc::in_child(move || {
+        pin_to_cpu(0);
+        f(calls / 10); // warm-up
+        let mut samples: Vec<f64> = (0..rounds)
+            .map(|_| {
+                let t = Instant::now();
+                f(calls);
+                t.elapsed().as_nanos() as f64 / calls as f64
+            })
+            .collect();
+        samples.sort_by(f64::total_cmp);
+        samples[samples.len() / 2].to_string()
+    })?;
+    report
+        .parse()
+        .with_context(|| format!("child reported {report:?}"))
+}
+
+/// Pins the calling process to one CPU, so every phase is measured on the same core.
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+fn workloads(o: &Opts, standin: &Path) -> anyhow::Result<Value> {
+    let s = standin.to_path_buf();
+    let unrelated = measure(o.rounds, o.calls, |n| {
+        if let Ok(f) = std::fs::File::open("/dev/null") {
+            inproc::issue(inproc::fd(&f), RM_ALLOC, n);
+        }
+    })?;
+    let getppid = measure(o.rounds, o.calls, |n| {
+        for _ in 0..n {
+            // SAFETY: a syscall without arguments.
+            unsafe { libc::syscall(libc::SYS_getppid) };
+        }
+    })?;
+    let matched = measure(o.rounds, o.calls, move |n| {
+        if let Ok(f) = std::fs::File::open(&s) {
+            inproc::issue(inproc::fd(&f), RM_ALLOC, n);
+        }
+    })?;
+    Ok(json!({"unrelated_ioctl": unrelated, "getppid": getppid, "matched_ioctl": matched}))
+}
+
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
+    let pins = bpffs.join(format!("gpud-bench-noop-{}", std::process::id()));
+    std::fs::create_dir_all(&pins)?;
+    let btf = aya::Btf::from_sys_fs()?;
+    let mut ebpf = EbpfLoader::new()
+        .btf(Some(&btf))
+        .default_map_pin_directory(&pins)
+        .load(probes::ebpf_object())?;
+    match o.mode {
+        AttachMode::Tracepoint => {
+            let p: &mut TracePoint = ebpf
+                .program_mut("gpud_noop_tp")
+                .context("gpud_noop_tp")?
+                .try_into()?;
+            p.load()?;
+            p.attach("syscalls", "sys_enter_ioctl")?;
+        }
+        AttachMode::Fentry => {
+            let p: &mut FEntry = ebpf
+                .program_mut("gpud_noop_fentry")
+                .context("gpud_noop_fentry")?
+                .try_into()?;
+            p.load("security_file_ioctl", &btf)?;
+            p.attach()?;
+        }
+    }
+    let r = workloads(o, standin);
+    drop(ebpf);
+    let _ = std::fs::remove_dir_all(&pins);
+    r
+}
+
+fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
+    let config = ProbesConfig {
+        attach: match o.mode {
+            AttachMode::Tracepoint => AttachPreference::Tracepoint,
+            AttachMode::Fentry => AttachPreference::Fentry,
+        },
+        bpffs: bpffs.join(format!("gpud-bench-{}", std::process::id())),
+        keep_pinned: false,
+    };
+    let cgroups = CgroupFs::discover()?;
+    let extra = devices::resolve_extra_paths(&[standin.to_path_buf()])?;
+    let probes = Probes::start(ProbeSetup {
+        config: &config,
+        majors: DynamicMajors::read()?,
+        extra: &extra,
+        cgroup2_root: cgroups.root(),
+    })?;
+    let r = workloads(o, standin);
+    probes.shutdown(false);
+    let _ = std::fs::remove_dir_all(&config.bpffs);
+    r
+}
+
+const KEYS: [&str; 3] = ["unrelated_ioctl", "getppid", "matched_ioctl"];
+
+/// Per-workload median over the cycles.
+fn median_of(samples: &[Value]) -> Value {
+    let mut out = serde_json::Map::new();
+    for k in KEYS {
+        let mut v: Vec<f64> = samples.iter().filter_map(|s| s[k].as_f64()).collect();
+        v.sort_by(f64::total_cmp);
+        out.insert(
+            k.into(),
+            json!(v.get(v.len() / 2).copied().unwrap_or(f64::NAN)),
+        );
+    }
+    Value::Object(out)
+}
+
+fn main() -> anyhow::Result<()> {
+    let o = parse()?;
+    let work = std::env::temp_dir().join(format!("gpud-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let standin = work.join("nvidiactl");
+    std::fs::write(&standin, b"")?;
+    let bpffs = PathBuf::from("/sys/fs/bpf");
+    probes::ensure_mounted(&bpffs, "bpf", probes::BPF_FS_MAGIC)?;
+
+    // Phases alternate so slow drift of the machine spreads over all of them.
+    let (mut detached, mut noop, mut attached) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..o.cycles {
+        detached.push(workloads(&o, &standin)?);
+        noop.push(noop_phase(&o, &standin, &bpffs)?);
+        attached.push(gpud_phase(&o, &standin, &bpffs)?);
+    }
+    detached.push(workloads(&o, &standin)?);
+    let _ = std::fs::remove_dir_all(&work);
+    let (detached, noop, attached) = (median_of(&detached), median_of(&noop), median_of(&attached));
+
+    let v = |phase: &Value, k: &str| phase[k].as_f64().unwrap_or(f64::NAN);
+    let mut added = serde_json::Map::new();
+    let mut ratio = serde_json::Map::new();
+    let mut over_noop = serde_json::Map::new();
+    for k in KEYS {
+        added.insert(k.into(), json!(v(&attached, k) - v(&detached, k)));
+        ratio.insert(k.into(), json!(v(&attached, k) / v(&detached, k)));
+        over_noop.insert(k.into(), json!(v(&attached, k) - v(&noop, k)));
+    }
+    let result = json!({
+        "mode": o.mode.as_str(),
+        "kernel": kernel_release(),
+        "calls_per_round": o.calls,
+        "rounds": o.rounds,
+        "cycles": o.cycles,
+        "ns_per_call": {
+            "detached": detached,
+            "noop_program": noop,
+            "gpud": attached,
+        },
+        "added_ns_vs_detached": added,
+        "added_ns_vs_noop_program": over_noop,
+        "ratio_vs_detached": ratio,
+    });
+    println!("BENCH JSON: {result}");
+    Ok(())
+}

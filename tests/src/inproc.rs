@@ -1,0 +1,122 @@
+//! In-process fixtures for the VM test and the benchmark, which run where no second binary or
+//! D-Bus is at hand: forked children that join a cgroup and issue ioctls, held until released.
+
+use std::{
+    fs::File,
+    io::{Read, Write},
+    os::fd::{AsRawFd, FromRawFd},
+    path::Path,
+};
+
+/// Joins the cgroup v2 directory `dir` (the calling process only).
+pub fn join_cgroup(dir: &Path) -> std::io::Result<()> {
+    std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())
+}
+
+/// Issues `cmd` `n` times on `fd` with a scratch buffer as argument.
+pub fn issue(fd: i32, cmd: u32, n: u64) {
+    let mut buf = [0u8; 16384];
+    for _ in 0..n {
+        // SAFETY: the buffer is large enough for any encoded size; results are ignored.
+        unsafe { libc::ioctl(fd, cmd as _, buf.as_mut_ptr()) };
+    }
+}
+
+/// Issues an `NV_ESC_IOCTL_XFER_CMD` wrapping escape `nr` of `size` bytes, `n` times.
+pub fn issue_xfer(fd: i32, nr: u32, size: u32, n: u64) {
+    let mut inner = [0u8; 16384];
+    let mut xfer = [0u8; 16];
+    xfer[0..4].copy_from_slice(&nr.to_ne_bytes());
+    xfer[4..8].copy_from_slice(&size.to_ne_bytes());
+    xfer[8..16].copy_from_slice(&(inner.as_mut_ptr() as u64).to_ne_bytes());
+    let cmd = gpud_common::nv::nv_iowr(gpud_common::nv::NV_ESC_IOCTL_XFER_CMD, 16);
+    for _ in 0..n {
+        // SAFETY: as in `issue`.
+        unsafe { libc::ioctl(fd, cmd as _, xfer.as_mut_ptr()) };
+    }
+}
+
+fn pipe() -> std::io::Result<(File, File)> {
+    let mut fds = [0; 2];
+    // SAFETY: fds has room for the two descriptors pipe2 writes.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created and are owned by nobody else.
+    Ok(unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) })
+}
+
+/// A forked child that ran its work and now waits to be released.
+pub struct Held {
+    pub pid: u32,
+    /// The child's report (what `work` returned, as text).
+    pub report: String,
+    release: Option<File>,
+}
+
+impl Held {
+    /// Lets the child exit and reaps it; returns its exit code.
+    pub fn release(mut self) -> i32 {
+        self.release.take();
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(self.pid as i32, &mut status, 0) };
+        libc::WEXITSTATUS(status)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if self.release.take().is_some() {
+            let mut status = 0;
+            // SAFETY: as above.
+            unsafe { libc::waitpid(self.pid as i32, &mut status, 0) };
+        }
+    }
+}
+
+/// Forks; the child runs `work`, sends back its report, waits to be released and exits 0.
+/// The caller must be single-threaded (no runtime threads), as after any fork.
+pub fn fork_held(work: impl FnOnce() -> String) -> std::io::Result<Held> {
+    let (mut report_r, mut report_w) = pipe()?;
+    let (mut release_r, release_w) = pipe()?;
+    // SAFETY: the child only runs `work`, writes to a pipe and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(std::io::Error::last_os_error()),
+        0 => {
+            drop(report_r);
+            drop(release_w);
+            let report = work();
+            let _ = report_w.write_all(report.as_bytes());
+            drop(report_w);
+            let mut sink = [0u8; 1];
+            let _ = release_r.read(&mut sink);
+            // SAFETY: leave without running the parent's destructors or atexit handlers.
+            unsafe { libc::_exit(0) }
+        }
+        pid => {
+            drop(report_w);
+            drop(release_r);
+            let mut report = String::new();
+            report_r.read_to_string(&mut report)?;
+            Ok(Held {
+                pid: pid as u32,
+                report,
+                release: Some(release_w),
+            })
+        }
+    }
+}
+
+/// Runs `work` in a forked child and returns its report once it has exited.
+pub fn in_child(work: impl FnOnce() -> String) -> std::io::Result<String> {
+    let held = fork_held(work)?;
+    let report = held.report.clone();
+    held.release();
+    Ok(report)
+}
+
+/// Raw fd of an open file, for the helpers above.
+pub fn fd(f: &File) -> i32 {
+    f.as_raw_fd()
+}
