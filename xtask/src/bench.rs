@@ -22,7 +22,14 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
     crate::setup::run()?;
     run_cmd(
         "build gpud-bench",
-        cargo().args(["build", "--release", "-p", "gpud-tests", "--bin", "gpud-bench"]),
+        cargo().args([
+            "build",
+            "--release",
+            "-p",
+            "gpud-tests",
+            "--bin",
+            "gpud-bench",
+        ]),
     )?;
     let bin = root().join("target/release/gpud-bench");
     let mut results = Vec::new();

@@ -69,7 +69,10 @@ fn start_private_bus() -> anyhow::Result<(PrivateBus, String)> {
 
 pub fn run(extra: &[String]) -> anyhow::Result<()> {
     crate::setup::run()?;
-    run_cmd("build", cargo().args(["build", "--package", "gpud", "--bins"]))?;
+    run_cmd(
+        "build",
+        cargo().args(["build", "--package", "gpud", "--bins"]),
+    )?;
     let bin = root().join("target/debug");
     let has_system_bus = std::env::var_os("DBUS_SYSTEM_BUS_ADDRESS").is_some()
         || Path::new(SYSTEM_BUS_SOCKET).exists();

@@ -11,15 +11,27 @@ use crate::util::{cargo, output};
 
 /// Debian packages the build and the tests use, with why.
 const PACKAGES: &[(&str, &str)] = &[
-    ("llvm-22-dev", "bpf-linker links against LLVM 22, the nightly's LLVM"),
-    ("libpolly-22-dev", "LLVM 22's link dependencies for bpf-linker"),
+    (
+        "llvm-22-dev",
+        "bpf-linker links against LLVM 22, the nightly's LLVM",
+    ),
+    (
+        "libpolly-22-dev",
+        "LLVM 22's link dependencies for bpf-linker",
+    ),
     ("libzstd-dev", "LLVM 22's link dependencies for bpf-linker"),
     ("libelf-dev", "libbpf (kernel BTF parsing in gpud)"),
     ("zlib1g-dev", "libbpf (kernel BTF parsing in gpud)"),
-    ("pkg-config", "finding libelf and zlib while building libbpf"),
+    (
+        "pkg-config",
+        "finding libelf and zlib while building libbpf",
+    ),
     ("dbus", "dbus-daemon for the D-Bus tests and `xtask run`"),
     ("systemd", "busctl for the D-Bus tests"),
-    ("qemu-system-x86", "the VM tests (fentry and BPF-LSM need a distribution kernel)"),
+    (
+        "qemu-system-x86",
+        "the VM tests (fentry and BPF-LSM need a distribution kernel)",
+    ),
     ("linux-image-amd64", "the Debian kernel the VM tests boot"),
     ("busybox-static", "the VM's init and tools"),
     ("cpio", "packing the VM's initramfs"),
@@ -44,7 +56,9 @@ fn apt_install(missing: &[&str]) -> anyhow::Result<()> {
         .status()
         .context("setup: apt-get update: cannot run apt-get (is this Debian, running as root?)")?;
     if !status.success() {
-        bail!("setup: apt-get update failed ({status}): no package lists, so nothing can be installed");
+        bail!(
+            "setup: apt-get update failed ({status}): no package lists, so nothing can be installed"
+        );
     }
     let status = Command::new("apt-get")
         .args(["install", "-y", "-qq"])
@@ -74,7 +88,9 @@ fn packages(report: &mut Report) -> anyhow::Result<()> {
         println!("setup: installing {p} ({why})");
     }
     apt_install(&missing)?;
-    report.installed.extend(missing.iter().map(|p| (*p).to_owned()));
+    report
+        .installed
+        .extend(missing.iter().map(|p| (*p).to_owned()));
     Ok(())
 }
 
@@ -90,14 +106,24 @@ fn rustup_components(report: &mut Report) -> anyhow::Result<()> {
         );
     }
     for (toolchain, component, why) in [
-        ("nightly", "rust-src", "building core for bpfel-unknown-none"),
+        (
+            "nightly",
+            "rust-src",
+            "building core for bpfel-unknown-none",
+        ),
         ("nightly", "clippy", "linting the eBPF crate"),
         ("stable", "rustfmt", "cargo fmt --check"),
         ("stable", "clippy", "cargo clippy"),
     ] {
         let installed = output(
             "setup: rustup component list",
-            Command::new("rustup").args(["component", "list", "--installed", "--toolchain", toolchain]),
+            Command::new("rustup").args([
+                "component",
+                "list",
+                "--installed",
+                "--toolchain",
+                toolchain,
+            ]),
         )?;
         if installed.lines().any(|l| l.starts_with(component)) {
             continue;

@@ -25,9 +25,12 @@ fn steps(vm: bool, lint: bool) -> Vec<Step> {
             Box::new(|| {
                 run_cmd(
                     "clippy",
+                    // The eBPF crate only builds for the bpf target; it is linted below.
                     cargo().args([
                         "clippy",
                         "--workspace",
+                        "--exclude",
+                        "gpud-ebpf",
                         "--all-targets",
                         "--",
                         "-D",
@@ -61,13 +64,25 @@ fn steps(vm: bool, lint: bool) -> Vec<Step> {
         Box::new(|| {
             run_cmd(
                 "build",
-                cargo().args(["build", "--package", "gpud", "--package", "gpud-tests", "--bins"]),
+                cargo().args([
+                    "build",
+                    "--package",
+                    "gpud",
+                    "--package",
+                    "gpud-tests",
+                    "--bins",
+                ]),
             )
         }),
     ));
     s.push((
         "cargo test --workspace",
-        Box::new(|| run_cmd("tests", cargo().args(["test", "--workspace"]))),
+        Box::new(|| {
+            run_cmd(
+                "tests",
+                cargo().args(["test", "--workspace", "--exclude", "gpud-ebpf"]),
+            )
+        }),
     ));
     if vm {
         s.push(("VM tests (fentry, BPF-LSM)", Box::new(vm_tests)));
@@ -78,14 +93,22 @@ fn steps(vm: bool, lint: bool) -> Vec<Step> {
 fn vm_tests() -> anyhow::Result<()> {
     run_cmd(
         "build gpud-vmtest",
-        cargo().args(["build", "--release", "-p", "gpud-tests", "--bin", "gpud-vmtest"]),
+        cargo().args([
+            "build",
+            "--release",
+            "-p",
+            "gpud-tests",
+            "--bin",
+            "gpud-vmtest",
+        ]),
     )?;
     let bin = root().join("target/release/gpud-vmtest");
-    let out = crate::vm::run(&bin, &["test".to_owned()], Duration::from_secs(600))
-        .context("VM test")?;
-    for line in out.lines().filter(|l| {
-        l.starts_with('[') || l.starts_with("VM") || l.starts_with("kernel")
-    }) {
+    let out =
+        crate::vm::run(&bin, &["test".to_owned()], Duration::from_secs(600)).context("VM test")?;
+    for line in out
+        .lines()
+        .filter(|l| l.starts_with('[') || l.starts_with("VM") || l.starts_with("kernel"))
+    {
         println!("  vm| {line}");
     }
     if !out.contains("VMTEST RESULT: PASS") {
@@ -99,7 +122,11 @@ pub fn run(vm: bool, lint: bool) -> anyhow::Result<()> {
     let mut results: Vec<(&str, Duration, Option<String>)> = Vec::new();
     let t = Instant::now();
     let setup = crate::setup::run();
-    results.push(("setup", t.elapsed(), setup.as_ref().err().map(|e| format!("{e:#}"))));
+    results.push((
+        "setup",
+        t.elapsed(),
+        setup.as_ref().err().map(|e| format!("{e:#}")),
+    ));
     if setup.is_ok() {
         for (name, step) in steps(vm, lint) {
             println!("\n==> {name}");

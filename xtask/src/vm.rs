@@ -26,14 +26,16 @@ fn kernel() -> anyhow::Result<PathBuf> {
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             let ver = name.strip_prefix("vmlinuz-")?.to_owned();
-            Path::new("/lib/modules").join(&ver).exists().then(|| (ver, e.path()))
+            Path::new("/lib/modules")
+                .join(&ver)
+                .exists()
+                .then(|| (ver, e.path()))
         })
         .collect();
     kernels.sort();
-    kernels
-        .pop()
-        .map(|(_, p)| p)
-        .context("vm: no /boot/vmlinuz-* with modules: install linux-image-amd64 (`cargo xtask setup`)")
+    kernels.pop().map(|(_, p)| p).context(
+        "vm: no /boot/vmlinuz-* with modules: install linux-image-amd64 (`cargo xtask setup`)",
+    )
 }
 
 const INIT: &str = r#"#!/bin/busybox sh
