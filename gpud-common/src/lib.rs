@@ -112,6 +112,20 @@ pub struct ProcEntry {
     pub counts: IoctlCounts,
 }
 
+/// Processes per 64-bit word of the `TRACKED` map: an 8-bit counter each, indexed by tgid.
+///
+/// `TRACKED` is the tracepoint-mode filter: an array lookup (inlined by the verifier) instead of
+/// a hash lookup on every ioctl of the host. The kernel side changes it only with atomic adds
+/// (mark: +1 when zero; clear at exit: minus the slot's value), so processes whose slots share a
+/// word never lose each other's updates. The daemon marks processes it found by scanning through
+/// the `gpud_seed` program (run with `BPF_PROG_TEST_RUN`), never by writing the map.
+pub const TRACKED_PER_WORD: u32 = 8;
+
+/// Number of `TRACKED` words for a `pid_max`.
+pub const fn tracked_words(pid_max: u32) -> u32 {
+    pid_max.div_ceil(TRACKED_PER_WORD)
+}
+
 /// Key of the `EXTRA_FILES` map: a file identified by the kernel's encoding of its
 /// superblock device (`major << 20 | minor`) and inode number.
 #[repr(C)]
@@ -210,6 +224,7 @@ pub mod maps {
     pub const CGROUPS: &str = "CGROUPS";
     pub const EVENTS: &str = "EVENTS";
     pub const STATS: &str = "STATS";
+    pub const TRACKED: &str = "TRACKED";
 }
 
 /// Capacities of the maps.

@@ -20,6 +20,7 @@
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::{
+    Global,
     bindings::BPF_NOEXIST,
     helpers::{
         bpf_get_current_cgroup_id, bpf_get_current_pid_tgid, bpf_get_current_task,
@@ -33,6 +34,7 @@ use gpud_common::{
     CFG_HAS_EXTRA_FILES, CFG_READY, DeviceKind, EVENT_PROC_EXIT, EVENT_PROC_NEW, EVENTS_BYTES,
     Event, FileKey, IOCTL_CLASSES, IoctlClass, IoctlCounts, KERNEL_MINOR_BITS, MAX_CGROUPS,
     MAX_EXTRA_FILES, MAX_PROCS, PROC_INHERITED, PROC_OPENED, ProbeConfig, ProcEntry,
+    TRACKED_PER_WORD,
     nv::{self, Decoded},
     stat,
 };
@@ -54,6 +56,11 @@ static EVENTS: RingBuf = RingBuf::pinned(EVENTS_BYTES, 0);
 
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::pinned(stat::COUNT, 0);
+
+/// Tracked-process counters, 8 per word (see `gpud_common::TRACKED_PER_WORD`); the loader sizes
+/// it from `pid_max`.
+#[map]
+static TRACKED: Array<u64> = Array::pinned(1, 0);
 
 /// Offsets of the syscall tracepoint records (`common_*` header, `__syscall_nr`, then 8-byte args),
 /// from `/sys/kernel/tracing/events/syscalls/*/format`; stable across kernels.
@@ -105,16 +112,90 @@ unsafe fn file_of_fd(cfg: &ProbeConfig, fd: u64) -> Option<*const u8> {
     if file.is_null() { None } else { Some(file) }
 }
 
+/// How a program reads fields of kernel structs, with the offsets that go with it.
+trait KernelReader {
+    fn file_inode(&self) -> u32;
+    fn inode_rdev(&self) -> u32;
+    fn inode_ino(&self) -> u32;
+    fn inode_sb(&self) -> u32;
+    fn sb_dev(&self) -> u32;
+    /// Reads a `T` at `base + off`.
+    unsafe fn load<T: Copy>(&self, base: *const u8, off: u32) -> Option<T>;
+}
+
+/// `bpf_probe_read_kernel` with offsets from `CONFIG`: works from any program type.
+struct ProbeRead<'a>(&'a gpud_common::KernelOffsets);
+
+impl KernelReader for ProbeRead<'_> {
+    fn file_inode(&self) -> u32 {
+        self.0.file_inode
+    }
+    fn inode_rdev(&self) -> u32 {
+        self.0.inode_rdev
+    }
+    fn inode_ino(&self) -> u32 {
+        self.0.inode_ino
+    }
+    fn inode_sb(&self) -> u32 {
+        self.0.inode_sb
+    }
+    fn sb_dev(&self) -> u32 {
+        self.0.sb_dev
+    }
+    unsafe fn load<T: Copy>(&self, base: *const u8, off: u32) -> Option<T> {
+        unsafe { read_at(base, off) }
+    }
+}
+
+// Offsets for direct loads in fentry programs, written by the loader into frozen .rodata: the
+// verifier then knows them as constants and checks each access against the kernel's BTF, so no
+// helper call is needed (fentry hands over typed pointers).
+#[unsafe(no_mangle)]
+static BTF_FILE_INODE: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static BTF_INODE_RDEV: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static BTF_INODE_INO: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static BTF_INODE_SB: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static BTF_SB_DEV: Global<u32> = Global::new(0);
+
+/// Direct, BTF-checked loads (fentry/fexit/LSM programs only).
+struct BtfRead;
+
+impl KernelReader for BtfRead {
+    fn file_inode(&self) -> u32 {
+        BTF_FILE_INODE.load()
+    }
+    fn inode_rdev(&self) -> u32 {
+        BTF_INODE_RDEV.load()
+    }
+    fn inode_ino(&self) -> u32 {
+        BTF_INODE_INO.load()
+    }
+    fn inode_sb(&self) -> u32 {
+        BTF_INODE_SB.load()
+    }
+    fn sb_dev(&self) -> u32 {
+        BTF_SB_DEV.load()
+    }
+    unsafe fn load<T: Copy>(&self, base: *const u8, off: u32) -> Option<T> {
+        // A fault on a bad pointer is caught by the BPF exception table and reads as zero.
+        Some(unsafe { core::ptr::read_volatile(base.add(off as usize).cast::<T>()) })
+    }
+}
+
 /// Identifies an NVIDIA file by its device number (or, for configured stand-ins, by its
-/// superblock device and inode); never by path.
+/// superblock device and inode); never by path. `CONFIG` is only consulted for files outside
+/// major 195, so the common case costs two loads.
 #[inline(always)]
-unsafe fn device_kind(cfg: &ProbeConfig, file: *const u8) -> Option<DeviceKind> {
-    let o = &cfg.offsets;
-    let inode: *const u8 = unsafe { read_at(file, o.file_inode)? };
+unsafe fn device_kind(r: &impl KernelReader, file: *const u8) -> Option<DeviceKind> {
+    let inode: *const u8 = unsafe { r.load(file, r.file_inode())? };
     if inode.is_null() {
         return None;
     }
-    let rdev: u32 = unsafe { read_at(inode, o.inode_rdev)? };
+    let rdev: u32 = unsafe { r.load(inode, r.inode_rdev())? };
     let major = rdev >> KERNEL_MINOR_BITS;
     let minor = rdev & ((1 << KERNEL_MINOR_BITS) - 1);
     if major == nv::NV_MAJOR {
@@ -126,6 +207,7 @@ unsafe fn device_kind(cfg: &ProbeConfig, file: *const u8) -> Option<DeviceKind> 
             None
         };
     }
+    let cfg = config()?;
     if major != 0 {
         if major == cfg.uvm_major {
             return Some(DeviceKind::Uvm);
@@ -137,18 +219,57 @@ unsafe fn device_kind(cfg: &ProbeConfig, file: *const u8) -> Option<DeviceKind> 
     if cfg.flags & CFG_HAS_EXTRA_FILES == 0 {
         return None;
     }
-    let ino: u64 = unsafe { read_at(inode, o.inode_ino)? };
-    let sb: *const u8 = unsafe { read_at(inode, o.inode_sb)? };
+    let ino: u64 = unsafe { r.load(inode, r.inode_ino())? };
+    let sb: *const u8 = unsafe { r.load(inode, r.inode_sb())? };
     if sb.is_null() {
         return None;
     }
-    let s_dev: u32 = unsafe { read_at(sb, o.sb_dev)? };
+    let s_dev: u32 = unsafe { r.load(sb, r.sb_dev())? };
     let key = FileKey {
         dev: s_dev as u64,
         ino,
     };
     let kind = unsafe { EXTRA_FILES.get(key)? };
     DeviceKind::from_u32(*kind)
+}
+
+/// The `TRACKED` word holding `tgid`'s counter, and the counter's bit shift.
+#[inline(always)]
+fn tracked_slot(tgid: u32) -> Option<(*mut u64, u32)> {
+    let word = TRACKED.get_ptr_mut(tgid / TRACKED_PER_WORD)?;
+    Some((word, (tgid % TRACKED_PER_WORD) * 8))
+}
+
+/// Whether `tgid` may hold an NVIDIA file. A pid beyond the map (pid_max raised after it was
+/// created) falls back to `PROCS`.
+#[inline(always)]
+fn is_tracked(tgid: u32) -> bool {
+    match tracked_slot(tgid) {
+        Some((word, shift)) => (unsafe { core::ptr::read_volatile(word) } >> shift) & 0xff != 0,
+        None => PROCS.get_ptr(tgid).is_some(),
+    }
+}
+
+#[inline(always)]
+fn mark_tracked(tgid: u32) {
+    if let Some((word, shift)) = tracked_slot(tgid) {
+        // Racing markers may both add: the counter then reads 2, still "tracked".
+        if (unsafe { core::ptr::read_volatile(word) } >> shift) & 0xff == 0 {
+            unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(word, 1 << shift) };
+        }
+    }
+}
+
+/// Called when the process is gone, so nothing marks its slot concurrently.
+#[inline(always)]
+fn clear_tracked(tgid: u32) {
+    if let Some((word, shift)) = tracked_slot(tgid) {
+        let v = (unsafe { core::ptr::read_volatile(word) } >> shift) & 0xff;
+        if v != 0 {
+            let minus = (v << shift).wrapping_neg();
+            unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(word, minus) };
+        }
+    }
 }
 
 #[inline(always)]
@@ -180,7 +301,10 @@ fn proc_entry(tgid: u32, cgroup_id: u64, flags: u32) -> Option<*mut ProcEntry> {
         ..ProcEntry::default()
     };
     match PROCS.insert(tgid, fresh, BPF_NOEXIST as u64) {
-        Ok(()) => emit(EVENT_PROC_NEW, tgid, cgroup_id),
+        Ok(()) => {
+            mark_tracked(tgid);
+            emit(EVENT_PROC_NEW, tgid, cgroup_id);
+        }
         // Another CPU inserted it first: fine, use theirs.
         Err(_) if PROCS.get_ptr_mut(tgid).is_some() => {}
         Err(_) => {
@@ -245,7 +369,9 @@ fn account(kind: DeviceKind, cmd: u32, arg: u64) {
 #[inline(always)]
 fn mark_opened() {
     let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
-    if let Some(p) = proc_entry(current_tgid(), cgroup_id, PROC_OPENED) {
+    let tgid = current_tgid();
+    mark_tracked(tgid);
+    if let Some(p) = proc_entry(tgid, cgroup_id, PROC_OPENED) {
         unsafe {
             (*p).flags |= PROC_OPENED;
             (*p).cgroup_id = cgroup_id;
@@ -257,11 +383,10 @@ fn mark_opened() {
 
 #[inline(always)]
 fn on_file_ioctl(ctx: &FEntryContext) -> i32 {
-    let Some(cfg) = config() else { return 0 };
     let file: *const u8 = ctx.arg(0);
     let cmd: u32 = ctx.arg(1);
     let arg: u64 = ctx.arg(2);
-    if let Some(kind) = unsafe { device_kind(cfg, file) } {
+    if let Some(kind) = unsafe { device_kind(&BtfRead, file) } {
         account(kind, cmd, arg);
     }
     0
@@ -281,9 +406,8 @@ pub fn gpud_fentry_ioctl_compat(ctx: FEntryContext) -> i32 {
 
 #[fentry(function = "security_file_open")]
 pub fn gpud_fentry_open(ctx: FEntryContext) -> i32 {
-    let Some(cfg) = config() else { return 0 };
     let file: *const u8 = ctx.arg(0);
-    if unsafe { device_kind(cfg, file) }.is_some() {
+    if unsafe { device_kind(&BtfRead, file) }.is_some() {
         mark_opened();
     }
     0
@@ -313,8 +437,8 @@ pub fn gpud_noop_fentry(_ctx: FEntryContext) -> i32 {
 
 #[tracepoint]
 pub fn gpud_tp_ioctl(ctx: TracePointContext) -> u32 {
-    // The one lookup every process on the host pays.
-    if PROCS.get_ptr(current_tgid()).is_none() {
+    // The one lookup every process on the host pays: an array read the verifier inlines.
+    if !is_tracked(current_tgid()) {
         return 0;
     }
     let Some(cfg) = config() else { return 0 };
@@ -328,7 +452,7 @@ pub fn gpud_tp_ioctl(ctx: TracePointContext) -> u32 {
     let Some(file) = (unsafe { file_of_fd(cfg, fd) }) else {
         return 0;
     };
-    if let Some(kind) = unsafe { device_kind(cfg, file) } {
+    if let Some(kind) = unsafe { device_kind(&ProbeRead(&cfg.offsets), file) } {
         account(kind, cmd as u32, arg);
     }
     0
@@ -347,7 +471,7 @@ pub fn gpud_tp_open(ctx: TracePointContext) -> u32 {
     let Some(file) = (unsafe { file_of_fd(cfg, ret as u64) }) else {
         return 0;
     };
-    if unsafe { device_kind(cfg, file) }.is_some() {
+    if unsafe { device_kind(&ProbeRead(&cfg.offsets), file) }.is_some() {
         mark_opened();
     }
     0
@@ -357,9 +481,9 @@ pub fn gpud_tp_open(ctx: TracePointContext) -> u32 {
 #[raw_tracepoint(tracepoint = "sched_process_fork")]
 pub fn gpud_tp_fork(ctx: RawTracePointContext) -> i32 {
     let parent_tgid = current_tgid();
-    let Some(parent) = PROCS.get_ptr(parent_tgid) else {
+    if !is_tracked(parent_tgid) {
         return 0;
-    };
+    }
     let Some(cfg) = config() else { return 0 };
     let child: *const u8 = ctx.arg(1);
     let Some(child_tgid) = (unsafe { read_at::<u32>(child, cfg.offsets.task_tgid) }) else {
@@ -369,12 +493,15 @@ pub fn gpud_tp_fork(ctx: RawTracePointContext) -> i32 {
         return 0; // a new thread, not a new process
     }
     let entry = ProcEntry {
-        cgroup_id: unsafe { (*parent).cgroup_id },
+        cgroup_id: unsafe { bpf_get_current_cgroup_id() },
         flags: PROC_INHERITED,
         ..ProcEntry::default()
     };
     match PROCS.insert(child_tgid, entry, BPF_NOEXIST as u64) {
-        Ok(()) => emit(EVENT_PROC_NEW, child_tgid, entry.cgroup_id),
+        Ok(()) => {
+            mark_tracked(child_tgid);
+            emit(EVENT_PROC_NEW, child_tgid, entry.cgroup_id);
+        }
         Err(_) => bump_stat(stat::PROCS_FULL),
     }
     0
@@ -385,9 +512,10 @@ pub fn gpud_tp_fork(ctx: RawTracePointContext) -> i32 {
 #[tracepoint]
 pub fn gpud_tp_exit(_ctx: TracePointContext) -> u32 {
     let tgid = current_tgid();
-    let Some(entry) = PROCS.get_ptr(tgid) else {
+    let entry = PROCS.get_ptr(tgid);
+    if entry.is_none() && !is_tracked(tgid) {
         return 0;
-    };
+    }
     let Some(cfg) = config() else { return 0 };
     let o = &cfg.offsets;
     let task = unsafe { bpf_get_current_task() } as *const u8;
@@ -403,9 +531,24 @@ pub fn gpud_tp_exit(_ctx: TracePointContext) -> u32 {
     if live != 0 {
         return 0;
     }
-    let cgroup_id = unsafe { (*entry).cgroup_id };
-    let _ = PROCS.remove(tgid);
-    emit(EVENT_PROC_EXIT, tgid, cgroup_id);
+    clear_tracked(tgid);
+    if let Some(entry) = entry {
+        let cgroup_id = unsafe { (*entry).cgroup_id };
+        let _ = PROCS.remove(tgid);
+        emit(EVENT_PROC_EXIT, tgid, cgroup_id);
+    }
+    0
+}
+
+/// Never attached: the daemon runs it with `BPF_PROG_TEST_RUN` (argument 0: a tgid) to mark a
+/// process it found holding an NVIDIA file, so `TRACKED` is only ever changed atomically.
+#[raw_tracepoint]
+pub fn gpud_seed(ctx: RawTracePointContext) -> i32 {
+    let tgid: u64 = ctx.arg(0);
+    if tgid == 0 || tgid > u32::MAX as u64 {
+        return 1;
+    }
+    mark_tracked(tgid as u32);
     0
 }
 

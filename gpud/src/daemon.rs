@@ -41,7 +41,8 @@ pub struct Intervals {
     pub sweep: Duration,
 }
 
-/// Runs the state task until `shutdown` turns true or every sender is gone.
+/// Runs the state task until `shutdown` turns true or every sender is gone; hands the state back
+/// for an orderly stop.
 pub async fn run_state(
     mut attribution: Attribution,
     matcher: Matcher,
@@ -49,7 +50,7 @@ pub async fn run_state(
     tx: mpsc::Sender<Message>,
     mut rx: mpsc::Receiver<Message>,
     mut shutdown: watch::Receiver<bool>,
-) {
+) -> Attribution {
     let mut sweep = tokio::time::interval(intervals.sweep);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // A disabled rescan still needs a timer to select on; it just never fires usefully.
@@ -78,6 +79,7 @@ pub async fn run_state(
         }
     }
     debug!("state task stopped");
+    attribution
 }
 
 fn handle(attribution: &mut Attribution, msg: Message) {

@@ -279,6 +279,7 @@ impl Drop for Daemon {
 pub struct Issuer {
     child: Child,
     stdin: Option<ChildStdin>,
+    stdout: BufReader<std::process::ChildStdout>,
     pub pid: u32,
     pub child_pid: Option<u32>,
 }
@@ -295,23 +296,24 @@ impl Issuer {
             .spawn()
             .expect("spawn gpud-ioctl");
         let stdin = child.stdin.take();
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut read_pid = |prefix: &str| -> u32 {
-            let mut line = String::new();
-            out.read_line(&mut line).expect("read issuer output");
-            line.trim()
-                .strip_prefix(prefix)
-                .and_then(|p| p.trim().parse().ok())
-                .unwrap_or_else(|| panic!("issuer said {line:?}, expected {prefix}"))
-        };
-        let pid = read_pid("DONE");
-        let child_pid = fork.then(|| read_pid("CHILD"));
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let pid = read_pid(&mut stdout, "DONE");
+        let child_pid = fork.then(|| read_pid(&mut stdout, "CHILD"));
         Self {
             child,
             stdin,
+            stdout,
             pid,
             child_pid,
         }
+    }
+
+    /// Makes the (non-forking) issuer issue its ioctls once more, and waits until it has.
+    pub fn again(&mut self) {
+        let stdin = self.stdin.as_mut().expect("issuer stdin");
+        stdin.write_all(b"go\n").expect("write to issuer");
+        stdin.flush().expect("flush issuer stdin");
+        read_pid(&mut self.stdout, "DONE");
     }
 
     /// Lets the process exit and reaps it.
@@ -329,6 +331,15 @@ impl Drop for Issuer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+fn read_pid(out: &mut impl BufRead, prefix: &str) -> u32 {
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read issuer output");
+    line.trim()
+        .strip_prefix(prefix)
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("issuer said {line:?}, expected {prefix}"))
 }
 
 /// Polls `f` until it returns `Some`, for at most `timeout`.

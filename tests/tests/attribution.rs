@@ -212,11 +212,22 @@ async fn processes_holding_a_device_before_start_and_forked_children_are_attribu
     let ctl = stand_in(&dir, "ctl");
     let bus = Bus::start();
     let c = Cgroup::new("scan");
-    // Opens the file before any daemon runs: found by the start-up scan of /proc/*/fd.
-    let early = Issuer::run(&args(Some(&c), &ctl, &[]));
+    // Opens the file (and issues 2 allocs) before any daemon runs: found by the start-up scan
+    // of /proc/*/fd, and its later ioctls are counted (in tracepoint mode only because the scan
+    // marked it for the probes).
+    let two = ioctl_arg(ALLOC, 2);
+    let mut early = Issuer::run(&args(Some(&c), &ctl, &["--ioctl", &two]));
     let daemon = Daemon::start(&write_config(dir.path(), &[&ctl], "auto"), &bus.address).await;
     let r = get(&daemon, &c.rel).await;
     assert_eq!(r.pids, vec![early.pid], "{}", daemon.log_text());
+    assert_eq!(
+        r.ioctls,
+        counts(&[]),
+        "nothing was counted before the daemon ran"
+    );
+    early.again();
+    let r = get(&daemon, &c.rel).await;
+    assert_eq!(r.ioctls, counts(&[("alloc", 2)]), "{}", daemon.log_text());
     early.finish();
 
     // A child inherits the descriptor without opening anything; its ioctls still count.

@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 
 use crate::{
     api::model::CgroupRecord,
-    probes::{KernelMaps, Matcher},
+    probes::{KernelMaps, Matcher, Probes},
 };
 pub use cgroupfs::{CgroupError, CgroupFs};
 
@@ -28,6 +28,8 @@ pub enum AttributionError {
     Cgroup(#[from] CgroupError),
     #[error("reading kernel map: {0}")]
     Map(#[from] aya::maps::MapError),
+    #[error(transparent)]
+    Probes(#[from] crate::probes::ProbeError),
 }
 
 /// Whether a tracked process is shown as a user of NVIDIA files (a process forked by one is
@@ -44,19 +46,32 @@ fn class_map(c: &IoctlCounts) -> BTreeMap<String, u64> {
         .collect()
 }
 
+/// The attribution state, with the probes it reads (owned here so that one task owns both).
 pub struct Attribution {
+    probes: Probes,
     maps: KernelMaps,
     cgroups: CgroupFs,
     matcher: Matcher,
 }
 
 impl Attribution {
-    pub fn new(maps: KernelMaps, cgroups: CgroupFs, matcher: Matcher) -> Self {
-        Self {
+    pub fn new(
+        mut probes: Probes,
+        cgroups: CgroupFs,
+        matcher: Matcher,
+    ) -> Result<Self, AttributionError> {
+        let maps = probes.take_maps()?;
+        Ok(Self {
+            probes,
             maps,
             cgroups,
             matcher,
-        }
+        })
+    }
+
+    /// Stops; see [`Probes::shutdown`].
+    pub fn shutdown(self, keep_pinned: bool) {
+        self.probes.shutdown(keep_pinned);
     }
 
     pub fn cgroup_root(&self) -> &std::path::Path {
@@ -157,6 +172,9 @@ impl Attribution {
                 }
                 // The probes saw it meanwhile.
                 Err(e) => debug!(pid, "scan insert skipped: {e}"),
+            }
+            if let Err(e) = self.probes.seed(pid) {
+                warn!(pid, "cannot mark process as tracked: {e}");
             }
         }
         added

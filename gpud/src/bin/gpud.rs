@@ -94,7 +94,6 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
     })
     .context("starting the eBPF probes")?;
     let events = probes.take_events()?;
-    let maps = probes.take_maps()?;
 
     let info = DaemonInfo {
         version: gpud::VERSION.to_owned(),
@@ -104,7 +103,7 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         probes_resumed: probes.resumed(),
     };
 
-    let mut attribution = Attribution::new(maps, cgroups, matcher.clone());
+    let mut attribution = Attribution::new(probes, cgroups, matcher.clone())?;
     let found = attribution.scan();
     attribution.sweep();
     info!(found, "start-up scan of /proc done");
@@ -148,10 +147,10 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
     let _ = shutdown_tx.send(true);
     drop(conn);
     reader.abort();
-    if let Err(e) = state.await {
-        warn!("state task: {e}");
+    match state.await {
+        Ok(attribution) => attribution.shutdown(config.probes.keep_pinned),
+        Err(e) => warn!("state task: {e}"),
     }
-    probes.shutdown(config.probes.keep_pinned);
     Ok(())
 }
 

@@ -188,6 +188,18 @@ impl Attachment {
     }
 }
 
+/// The program the daemon runs to mark processes it found by scanning.
+const SEED_PROGRAM: &str = "gpud_seed";
+
+/// The kernel's `pid_max`, which sizes the tracked-process filter (the kernel's hard limit if it
+/// cannot be read).
+fn pid_max() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(4_194_304)
+}
+
 /// Mounts `fstype` at `path` unless a filesystem with `magic` is already there.
 pub fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), ProbeError> {
     let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| ProbeError::Io {
@@ -270,9 +282,17 @@ impl Probes {
             source: std::io::Error::other(e.to_string()),
         })?;
 
+        // fentry programs read struct fields directly; the verifier checks those loads
+        // against BTF using these offsets, frozen into the object's .rodata.
         let mut ebpf = EbpfLoader::new()
             .btf(Some(&aya_btf))
             .default_map_pin_directory(&base_dir)
+            .override_global("BTF_FILE_INODE", &offsets.file_inode, true)
+            .override_global("BTF_INODE_RDEV", &offsets.inode_rdev, true)
+            .override_global("BTF_INODE_INO", &offsets.inode_ino, true)
+            .override_global("BTF_INODE_SB", &offsets.inode_sb, true)
+            .override_global("BTF_SB_DEV", &offsets.sb_dev, true)
+            .map_max_entries(maps::TRACKED, gpud_common::tracked_words(pid_max()))
             .load(OBJECT)?;
 
         write_config(&mut ebpf, offsets, setup.majors, setup.extra)?;
@@ -291,6 +311,19 @@ impl Probes {
                 p.load("file_ioctl", &aya_btf)
             });
         info!(?caps, "kernel capabilities");
+        {
+            let name = SEED_PROGRAM;
+            let p: &mut RawTracePoint = ebpf
+                .program_mut(name)
+                .ok_or(ProbeError::Program {
+                    name,
+                    source: aya::programs::ProgramError::NotLoaded,
+                })?
+                .try_into()
+                .map_err(|source| ProbeError::Program { name, source })?;
+            p.load()
+                .map_err(|source| ProbeError::Program { name, source })?;
+        }
 
         let mode = match (cfg.attach, caps.fentry, caps.tracepoint) {
             (AttachPreference::Fentry, false, _) => return Err(ProbeError::FentryUnavailable),
@@ -417,6 +450,24 @@ impl Probes {
                 Ok(p.take_link(id).map_err(perr)?.into())
             }
         }
+    }
+
+    /// Marks `pid` as holding an NVIDIA file in the tracepoint-mode filter, by running the
+    /// `gpud_seed` program in the kernel (the filter is only changed with atomic adds there).
+    pub fn seed(&self, pid: u32) -> Result<(), ProbeError> {
+        use aya::programs::{RawTracePointRunOptions, TestRun as _};
+        let name = SEED_PROGRAM;
+        let perr = move |source| ProbeError::Program { name, source };
+        let prog: &RawTracePoint = self
+            .ebpf
+            .program(name)
+            .ok_or(perr(aya::programs::ProgramError::NotLoaded))?
+            .try_into()
+            .map_err(perr)?;
+        let mut opts = RawTracePointRunOptions::new();
+        opts.args[0] = u64::from(pid);
+        prog.test_run(opts).map_err(perr)?;
+        Ok(())
     }
 
     pub fn mode(&self) -> AttachMode {

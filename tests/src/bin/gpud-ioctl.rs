@@ -5,15 +5,12 @@
 //!
 //! Moves itself into DIR (a cgroup v2 directory) first, opens PATH, issues each ioctl COUNT
 //! times (the result is ignored: a stand-in file answers ENOTTY, which is still one ioctl the
-//! probes see), prints `DONE <pid>`, and with `--hold` waits for standard input to close.
+//! probes see), prints `DONE <pid>`, and with `--hold` waits for standard input to close; each
+//! line read meanwhile makes it issue the same ioctls again and print `DONE <pid>` again.
 //! `--fork-child` makes a child (which never opens the file itself) issue the same ioctls on the
 //! inherited descriptor, after the parent; it prints `CHILD <pid>` and is held the same way.
 
-use std::{
-    fs::File,
-    io::{Read, Write},
-    os::fd::AsRawFd,
-};
+use std::{fs::File, io::Write, os::fd::AsRawFd};
 
 #[derive(Default)]
 struct Plan {
@@ -113,10 +110,15 @@ fn issue(file: &File, plan: &Plan) {
     }
 }
 
-fn hold(plan: &Plan) {
-    if plan.hold {
-        let mut sink = Vec::new();
-        let _ = std::io::stdin().read_to_end(&mut sink);
+fn hold(plan: &Plan, file: &File) {
+    if !plan.hold {
+        return;
+    }
+    let mut line = String::new();
+    while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
+        issue(file, plan);
+        println!("DONE {}", std::process::id());
+        line.clear();
     }
 }
 
@@ -142,12 +144,12 @@ fn main() {
                 issue(&file, &plan);
                 let _ = writeln!(out, "CHILD {}", std::process::id());
                 let _ = out.flush();
-                hold(&plan);
+                hold(&plan, &file);
                 std::process::exit(0);
             }
             pid if pid < 0 => die("fork failed"),
             child => {
-                hold(&plan);
+                hold(&plan, &file);
                 let mut status = 0;
                 // SAFETY: waiting for our own child.
                 unsafe { libc::waitpid(child, &mut status, 0) };
@@ -155,5 +157,5 @@ fn main() {
             }
         }
     }
-    hold(&plan);
+    hold(&plan, &file);
 }

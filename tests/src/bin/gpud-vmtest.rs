@@ -43,7 +43,7 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
         bpffs: PathBuf::from(format!("/sys/fs/bpf/{tag}")),
         keep_pinned: false,
     };
-    let mut probes = Probes::start(ProbeSetup {
+    let probes = Probes::start(ProbeSetup {
         config: &config,
         majors,
         extra: &extra,
@@ -56,9 +56,8 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
         "attached in {:?}, wanted {want:?}",
         probes.mode()
     );
-    let maps = probes.take_maps()?;
     let matcher = Matcher { majors, extra };
-    let mut attribution = Attribution::new(maps, cgroups, matcher);
+    let mut attribution = Attribution::new(probes, cgroups, matcher)?;
 
     let cg_a = root.join(format!("vm-{tag}-a"));
     let cg_b = root.join(format!("vm-{tag}-b"));
@@ -144,7 +143,7 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
         "list {listed:?}"
     );
 
-    probes.shutdown(false);
+    attribution.shutdown(false);
     let _ = std::fs::remove_dir(&cg_a);
     let _ = std::fs::remove_dir(&cg_b);
     println!("[{tag}] attribution checks passed");
