@@ -85,13 +85,9 @@ pub struct AttributionConfig {
 }
 
 impl Config {
-    /// The built-in defaults (`config/gpud.toml`).
-    pub fn defaults() -> Self {
-        // The embedded file is checked by the unit test below; a broken one cannot ship.
-        match Self::parse_over(toml::Table::new(), Path::new("<built-in>")) {
-            Ok(c) => c,
-            Err(e) => panic!("built-in config/gpud.toml is invalid: {e}"),
-        }
+    /// The built-in defaults (`config/gpud.toml`; a unit test keeps it valid).
+    pub fn defaults() -> Result<Self, ConfigError> {
+        Self::parse_over(toml::Table::new(), Path::new("<built-in config/gpud.toml>"))
     }
 
     /// Reads `path` and applies it over the defaults.
@@ -183,7 +179,7 @@ mod tests {
 
     #[test]
     fn shipped_file_is_the_defaults() {
-        let c = Config::defaults();
+        let c = Config::defaults().unwrap();
         assert_eq!(c.probes.attach, AttachPreference::Auto);
         assert_eq!(c.probes.bpffs, PathBuf::from("/sys/fs/bpf"));
         assert!(c.probes.keep_pinned);
@@ -198,7 +194,7 @@ mod tests {
         let c = parse("[probes]\nattach = \"tracepoint\"\n").unwrap();
         assert_eq!(c.probes.attach, AttachPreference::Tracepoint);
         assert_eq!(c.probes.bpffs, PathBuf::from("/sys/fs/bpf"));
-        assert_eq!(c.daemon, Config::defaults().daemon);
+        assert_eq!(c.daemon, Config::defaults().unwrap().daemon);
     }
 
     #[test]

@@ -39,7 +39,7 @@ fn load_config(args: &Args) -> anyhow::Result<(Config, String)> {
             Config::load(std::path::Path::new(DEFAULT_CONFIG_PATH))?,
             DEFAULT_CONFIG_PATH.to_owned(),
         )),
-        None => Ok((Config::defaults(), "built-in defaults".to_owned())),
+        None => Ok((Config::defaults()?, "built-in defaults".to_owned())),
     }
 }
 
