@@ -11,7 +11,7 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use crate::{
-    api::model::CgroupRecord,
+    api::model::{CgroupRecord, ProcessRecord},
     attribution::{Attribution, AttributionError, scan},
     probes::Matcher,
 };
@@ -19,6 +19,7 @@ use crate::{
 /// Questions from the API.
 pub enum Request {
     ListCgroups(oneshot::Sender<Vec<CgroupRecord>>),
+    ListProcesses(oneshot::Sender<Vec<ProcessRecord>>),
     GetCgroup {
         path: String,
         reply: oneshot::Sender<Result<CgroupRecord, AttributionError>>,
@@ -86,6 +87,9 @@ fn handle(attribution: &mut Attribution, msg: Message) {
     match msg {
         Message::Request(Request::ListCgroups(reply)) => {
             let _ = reply.send(attribution.list());
+        }
+        Message::Request(Request::ListProcesses(reply)) => {
+            let _ = reply.send(attribution.processes());
         }
         Message::Request(Request::GetCgroup { path, reply }) => {
             let _ = reply.send(attribution.get(&path));

@@ -153,7 +153,23 @@ async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
         serde_json::to_value(&want_b).unwrap()
     );
 
+    // Per-process counts.
+    let (_conn, p) = daemon.proxy().await;
+    let procs = p.list_processes().await.unwrap();
+    let pa = procs
+        .iter()
+        .find(|r| r.pid == in_a.pid)
+        .expect("process A listed");
+    assert_eq!((pa.cgroup.as_str(), pa.cgroup_id), (a.rel.as_str(), ra.id));
+    assert_eq!(pa.ioctls, want_a);
+    let pb = procs
+        .iter()
+        .find(|r| r.pid == in_b.pid)
+        .expect("process B listed");
+    assert_eq!(pb.ioctls, want_b);
+
     // Exited processes disappear; their cgroup's counts stay.
+    let in_a_pid = in_a.pid;
     in_a.finish();
     let gone = eventually(Duration::from_secs(5), || async {
         let r = get(&daemon, &a.rel).await;
@@ -162,6 +178,11 @@ async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
     .await
     .expect("exited process still listed");
     assert_eq!(gone.ioctls, want_a);
+    let procs = p.list_processes().await.unwrap();
+    assert!(
+        !procs.iter().any(|r| r.pid == in_a_pid),
+        "exited process still in ListProcesses"
+    );
 
     // A restarted daemon adopts the pinned probes and maps: same counts, still counting.
     assert_eq!(daemon.stop(), Some(0), "{}", daemon.log_text());
@@ -306,6 +327,7 @@ async fn busctl_introspection_shows_the_documented_interface() {
     assert!(out.status.success(), "{out:?}");
     for member in [
         ".ListCgroups",
+        ".ListProcesses",
         ".GetCgroup",
         ".GetKernelStats",
         ".Version",

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use tokio::sync::{mpsc, oneshot};
 use zbus::interface;
 
-use super::model::CgroupRecord;
+use super::model::{CgroupRecord, ProcessRecord};
 use crate::{
     attribution::{AttributionError, CgroupError},
     daemon::{Message, Request},
@@ -115,6 +115,11 @@ impl Manager {
         self.ask(Request::ListCgroups).await
     }
 
+    /// Every live attributed process, ordered by pid.
+    async fn list_processes(&self) -> Result<Vec<ProcessRecord>, ApiError> {
+        self.ask(Request::ListProcesses).await
+    }
+
     /// One cgroup by path relative to the cgroup v2 root ("/a/b").
     async fn get_cgroup(&self, path: &str) -> Result<CgroupRecord, ApiError> {
         // Reject obviously bad input here, before it reaches the state task.
@@ -151,6 +156,7 @@ pub trait Manager1 {
     #[zbus(property)]
     fn probes_resumed(&self) -> zbus::Result<bool>;
     fn list_cgroups(&self) -> zbus::Result<Vec<CgroupRecord>>;
+    fn list_processes(&self) -> zbus::Result<Vec<ProcessRecord>>;
     fn get_cgroup(&self, path: &str) -> zbus::Result<CgroupRecord>;
     fn get_kernel_stats(&self) -> zbus::Result<BTreeMap<String, u64>>;
 }

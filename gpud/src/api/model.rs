@@ -19,3 +19,16 @@ pub struct CgroupRecord {
     /// `other`); every class is present.
     pub ioctls: BTreeMap<String, u64>,
 }
+
+/// One attributed process: signature `(utsa{st})`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct ProcessRecord {
+    /// Process id (thread-group id).
+    pub pid: u32,
+    /// cgroup v2 id of the cgroup it was in at its last open or ioctl of an NVIDIA file.
+    pub cgroup_id: u64,
+    /// That cgroup's path relative to the cgroup v2 root; empty if the cgroup was removed.
+    pub cgroup: String,
+    /// Its ioctls on NVIDIA files by class, as in [`CgroupRecord::ioctls`].
+    pub ioctls: BTreeMap<String, u64>,
+}

@@ -14,7 +14,7 @@ use gpud_common::{
 use tracing::{debug, info, warn};
 
 use crate::{
-    api::model::CgroupRecord,
+    api::model::{CgroupRecord, ProcessRecord},
     probes::{KernelMaps, Matcher, Probes},
 };
 pub use cgroupfs::{CgroupError, CgroupFs};
@@ -117,6 +117,23 @@ impl Attribution {
             })
             .collect();
         out.sort_by(|a, b| a.path.cmp(&b.path));
+        out
+    }
+
+    /// Every live attributed process, ordered by pid.
+    pub fn processes(&mut self) -> Vec<ProcessRecord> {
+        let mut out: Vec<ProcessRecord> = self
+            .procs()
+            .into_iter()
+            .filter(|(_, p)| visible(p))
+            .map(|(pid, p)| ProcessRecord {
+                pid,
+                cgroup_id: p.cgroup_id,
+                cgroup: self.cgroups.path_of(p.cgroup_id).unwrap_or_default(),
+                ioctls: class_map(&p.counts),
+            })
+            .collect();
+        out.sort_by_key(|r| r.pid);
         out
     }
 

@@ -31,6 +31,8 @@ enum Command {
     Status,
     /// Attributed cgroups with their processes and ioctl counts.
     List,
+    /// Attributed processes with their cgroup and ioctl counts.
+    Ps,
     /// One cgroup by path relative to the cgroup v2 root.
     Get {
         /// e.g. /kubepods/pod1/ctr
@@ -84,6 +86,26 @@ async fn run(args: Args) -> Result<(), Failure> {
         Command::List => {
             let list = proxy.list_cgroups().await.map_err(daemon_err)?;
             print_records(&list, args.json);
+            Ok(())
+        }
+        Command::Ps => {
+            let procs = proxy.list_processes().await.map_err(daemon_err)?;
+            if args.json {
+                println!("{}", to_json(&procs));
+            } else {
+                print!("{:>8} {:<40}", "PID", "CGROUP");
+                for c in IOCTL_CLASS_NAMES {
+                    print!(" {c:>9}");
+                }
+                println!();
+                for p in &procs {
+                    print!("{:>8} {:<40}", p.pid, p.cgroup);
+                    for c in IOCTL_CLASS_NAMES {
+                        print!(" {:>9}", p.ioctls.get(c).copied().unwrap_or(0));
+                    }
+                    println!();
+                }
+            }
             Ok(())
         }
         Command::Get { path } => {
