@@ -15,6 +15,18 @@ use gpud::api::dbus::{Manager1Proxy, connect_builder};
 
 pub mod inproc;
 
+/// Per-class counts as gpud reports them (every class present), from the non-zero ones.
+pub fn class_counts(pairs: &[(&str, u64)]) -> std::collections::BTreeMap<String, u64> {
+    let mut m: std::collections::BTreeMap<String, u64> = gpud_common::IOCTL_CLASS_NAMES
+        .iter()
+        .map(|n| ((*n).to_owned(), 0))
+        .collect();
+    for (k, v) in pairs {
+        m.insert((*k).to_owned(), *v);
+    }
+    m
+}
+
 /// A scratch directory removed on drop.
 pub struct TempDir(PathBuf);
 

@@ -2,11 +2,13 @@
 //! ioctls on stand-in device files (`devices.extra_paths`), the real gpud binary, read back over a
 //! real dbus-daemon.
 
-use std::{collections::BTreeMap, path::Path, time::Duration};
+use std::{path::Path, time::Duration};
 
 use gpud::api::model::CgroupRecord;
 use gpud_common::nv::{self, nv_iowr};
-use gpud_tests::{Bus, Cgroup, Daemon, Issuer, TempDir, eventually, gpudctl_bin, write_config};
+use gpud_tests::{
+    Bus, Cgroup, Daemon, Issuer, TempDir, class_counts, eventually, gpudctl_bin, write_config,
+};
 
 const ALLOC: u32 = 0xc030_462b; // NVOS64
 const ALLOC21: u32 = 0xc020_462b; // NVOS21
@@ -15,17 +17,6 @@ const CONTROL: u32 = 0xc020_462a;
 const VID_HEAP: u32 = 0xc0b8_464a;
 const MAP: u32 = 0xc038_464e;
 const UNMAP_DMA: u32 = 0xc030_4658;
-
-fn counts(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
-    let mut m: BTreeMap<String, u64> = gpud_common::IOCTL_CLASS_NAMES
-        .iter()
-        .map(|n| ((*n).to_owned(), 0))
-        .collect();
-    for (k, v) in pairs {
-        m.insert((*k).to_owned(), *v);
-    }
-    m
-}
 
 fn stand_in(dir: &TempDir, name: &str) -> std::path::PathBuf {
     let p = dir.path().join(name);
@@ -118,7 +109,7 @@ async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
     let two_allocs = ioctl_arg(ALLOC, 2);
     let in_b = Issuer::run(&args(Some(&b), &ctl, &["--ioctl", &two_allocs]));
 
-    let want_a = counts(&[
+    let want_a = class_counts(&[
         ("alloc", 8),
         ("free", 3),
         ("control", 2),
@@ -126,7 +117,7 @@ async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
         ("map", 5),
         ("other", 2),
     ]);
-    let want_b = counts(&[("alloc", 2)]);
+    let want_b = class_counts(&[("alloc", 2)]);
     let ra = get(&daemon, &a.rel).await;
     assert_eq!(ra.ioctls, want_a, "{}", daemon.log_text());
     assert_eq!(ra.pids, vec![in_a.pid]);
@@ -216,7 +207,7 @@ async fn unmatched_files_and_unrelated_cgroups_are_not_counted() {
         &["--ioctl", &a100, "--unmatched", "/dev/null:50"],
     ));
     let r = get(&daemon, &c.rel).await;
-    assert_eq!(r.ioctls, counts(&[]));
+    assert_eq!(r.ioctls, class_counts(&[]));
     assert!(r.pids.is_empty());
     assert!(
         !gpudctl_list(&bus.address)
@@ -243,12 +234,17 @@ async fn processes_holding_a_device_before_start_and_forked_children_are_attribu
     assert_eq!(r.pids, vec![early.pid], "{}", daemon.log_text());
     assert_eq!(
         r.ioctls,
-        counts(&[]),
+        class_counts(&[]),
         "nothing was counted before the daemon ran"
     );
     early.again();
     let r = get(&daemon, &c.rel).await;
-    assert_eq!(r.ioctls, counts(&[("alloc", 2)]), "{}", daemon.log_text());
+    assert_eq!(
+        r.ioctls,
+        class_counts(&[("alloc", 2)]),
+        "{}",
+        daemon.log_text()
+    );
     early.finish();
 
     // A child inherits the descriptor without opening anything; its ioctls still count.
@@ -256,7 +252,12 @@ async fn processes_holding_a_device_before_start_and_forked_children_are_attribu
     let three = ioctl_arg(CONTROL, 3);
     let parent = Issuer::run(&args(Some(&f), &ctl, &["--ioctl", &three, "--fork-child"]));
     let r = get(&daemon, &f.rel).await;
-    assert_eq!(r.ioctls, counts(&[("control", 6)]), "{}", daemon.log_text());
+    assert_eq!(
+        r.ioctls,
+        class_counts(&[("control", 6)]),
+        "{}",
+        daemon.log_text()
+    );
     let mut pids = vec![parent.pid, parent.child_pid.unwrap()];
     pids.sort_unstable();
     assert_eq!(r.pids, pids);

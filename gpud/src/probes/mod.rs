@@ -489,16 +489,7 @@ impl Probes {
 
     /// Takes the event ring buffer (for the reader task).
     pub fn take_events(&mut self) -> Result<RingBuf<MapData>, ProbeError> {
-        let map = self.ebpf.take_map(maps::EVENTS).ok_or(ProbeError::Map {
-            name: maps::EVENTS,
-            source: aya::maps::MapError::InvalidName {
-                name: maps::EVENTS.into(),
-            },
-        })?;
-        RingBuf::try_from(map).map_err(|source| ProbeError::Map {
-            name: maps::EVENTS,
-            source,
-        })
+        take(&mut self.ebpf, maps::EVENTS)
     }
 
     /// Takes the counter maps (for the state owner).
@@ -524,15 +515,27 @@ impl Probes {
     }
 }
 
+/// The error for a map the object lacks (a build of the eBPF crate out of step with gpud).
+fn missing_map(name: &'static str) -> ProbeError {
+    ProbeError::Map {
+        name,
+        source: aya::maps::MapError::InvalidName { name: name.into() },
+    }
+}
+
 fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, ProbeError>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
 {
-    let map = ebpf.take_map(name).ok_or(ProbeError::Map {
-        name,
-        source: aya::maps::MapError::InvalidName { name: name.into() },
-    })?;
+    let map = ebpf.take_map(name).ok_or_else(|| missing_map(name))?;
     T::try_from(map).map_err(|source| ProbeError::Map { name, source })
+}
+
+fn map_mut<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut aya::maps::Map, ProbeError> {
+    ebpf.map_mut(name).ok_or_else(|| missing_map(name))
 }
 
 /// Loads a program to learn whether the kernel accepts its type; a refusal is an answer, not an
@@ -573,21 +576,9 @@ fn write_config(
     majors: DynamicMajors,
     extra: &[ExtraFile],
 ) -> Result<(), ProbeError> {
+    let map_err = |name| move |source| ProbeError::Map { name, source };
     let mut files: HashMap<_, FileKey, u32> =
-        HashMap::try_from(ebpf.map_mut(maps::EXTRA_FILES).ok_or(ProbeError::Map {
-            name: maps::EXTRA_FILES,
-            source: aya::maps::MapError::InvalidName {
-                name: maps::EXTRA_FILES.into(),
-            },
-        })?)
-        .map_err(|source| ProbeError::Map {
-            name: maps::EXTRA_FILES,
-            source,
-        })?;
-    let map_err = |source| ProbeError::Map {
-        name: maps::EXTRA_FILES,
-        source,
-    };
+        HashMap::try_from(map_mut(ebpf, maps::EXTRA_FILES)?).map_err(map_err(maps::EXTRA_FILES))?;
     // The pinned map may hold a previous daemon's list: make it exactly the configured one.
     let stale: Vec<FileKey> = files
         .keys()
@@ -595,24 +586,15 @@ fn write_config(
         .filter(|k| !extra.iter().any(|e| e.key == *k))
         .collect();
     for k in stale {
-        files.remove(&k).map_err(map_err)?;
+        files.remove(&k).map_err(map_err(maps::EXTRA_FILES))?;
     }
     for e in extra {
         files
             .insert(e.key, DeviceKind::Control as u32, 0)
-            .map_err(map_err)?;
+            .map_err(map_err(maps::EXTRA_FILES))?;
     }
     let mut config: Array<_, ProbeConfig> =
-        Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(ProbeError::Map {
-            name: maps::CONFIG,
-            source: aya::maps::MapError::InvalidName {
-                name: maps::CONFIG.into(),
-            },
-        })?)
-        .map_err(|source| ProbeError::Map {
-            name: maps::CONFIG,
-            source,
-        })?;
+        Array::try_from(map_mut(ebpf, maps::CONFIG)?).map_err(map_err(maps::CONFIG))?;
     let value = ProbeConfig {
         offsets,
         uvm_major: majors.uvm,
@@ -625,10 +607,7 @@ fn write_config(
                 CFG_HAS_EXTRA_FILES
             },
     };
-    config.set(0, value, 0).map_err(|source| ProbeError::Map {
-        name: maps::CONFIG,
-        source,
-    })
+    config.set(0, value, 0).map_err(map_err(maps::CONFIG))
 }
 
 /// `e` and its sources, joined: aya's errors keep the OS error one level down.

@@ -12,6 +12,8 @@
 
 use std::{fs::File, io::Write, os::fd::AsRawFd};
 
+use gpud_tests::inproc;
+
 #[derive(Default)]
 struct Plan {
     cgroup: Option<String>,
@@ -78,35 +80,17 @@ fn parse() -> Plan {
     plan
 }
 
-fn ioctl(fd: i32, cmd: u32, arg: *mut u8) {
-    // SAFETY: arg points to a buffer large enough for any size encoded in the test commands
-    // (and the stand-in files never write to it).
-    unsafe { libc::ioctl(fd, cmd as _, arg) };
-}
-
 fn issue(file: &File, plan: &Plan) {
-    let mut buf = [0u8; 16384];
+    let fd = file.as_raw_fd();
     for &(cmd, n) in &plan.ioctls {
-        for _ in 0..n {
-            ioctl(file.as_raw_fd(), cmd, buf.as_mut_ptr());
-        }
+        inproc::issue(fd, cmd, n);
     }
     for &(nr, size, n) in &plan.xfers {
-        // nv_ioctl_xfer_t { u32 cmd; u32 size; u64 ptr }
-        let mut xfer = [0u8; 16];
-        xfer[0..4].copy_from_slice(&nr.to_ne_bytes());
-        xfer[4..8].copy_from_slice(&size.to_ne_bytes());
-        xfer[8..16].copy_from_slice(&(buf.as_mut_ptr() as u64).to_ne_bytes());
-        let cmd = gpud_common::nv::nv_iowr(gpud_common::nv::NV_ESC_IOCTL_XFER_CMD, 16);
-        for _ in 0..n {
-            ioctl(file.as_raw_fd(), cmd, xfer.as_mut_ptr());
-        }
+        inproc::issue_xfer(fd, nr, size, n);
     }
     for (path, n) in &plan.unmatched {
         let f = File::open(path).unwrap_or_else(|e| die(&format!("open {path}: {e}")));
-        for _ in 0..*n {
-            ioctl(f.as_raw_fd(), 0xc030_462b, buf.as_mut_ptr());
-        }
+        inproc::issue(f.as_raw_fd(), 0xc030_462b, *n);
     }
 }
 

@@ -5,7 +5,7 @@
 //!
 //! Prints `VMTEST RESULT: PASS` when every check holds.
 
-use std::{collections::BTreeMap, path::PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context as _, bail, ensure};
 use gpud::{
@@ -14,18 +14,10 @@ use gpud::{
     probes::{AttachMode, DynamicMajors, Matcher, ProbeSetup, Probes, devices},
 };
 use gpud_common::nv;
-use gpud_tests::inproc::{self, fork_held};
-
-fn counts(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
-    let mut m: BTreeMap<String, u64> = gpud_common::IOCTL_CLASS_NAMES
-        .iter()
-        .map(|n| ((*n).to_owned(), 0))
-        .collect();
-    for (k, v) in pairs {
-        m.insert((*k).to_owned(), *v);
-    }
-    m
-}
+use gpud_tests::{
+    class_counts,
+    inproc::{self, fork_held},
+};
 
 fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     let tag = want.as_str();
@@ -88,7 +80,7 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
         "ok".into()
     })?;
     ensure!(held.report == "ok", "child A: {}", held.report);
-    let want_a = counts(&[
+    let want_a = class_counts(&[
         ("alloc", 7),
         ("free", 3),
         ("control", 2),
@@ -123,7 +115,7 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     ensure!(report == "ok", "child B: {report}");
     let rb = attribution.get(&rel(&cg_b))?;
     ensure!(
-        rb.ioctls == counts(&[("alloc", 2)]),
+        rb.ioctls == class_counts(&[("alloc", 2)]),
         "B counts {:?}",
         rb.ioctls
     );
