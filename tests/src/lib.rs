@@ -95,22 +95,8 @@ impl Bus {
         let conf = dir.path().join("bus.conf");
         std::fs::write(
             &conf,
-            format!(
-                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>session</type>
-  <listen>unix:path={}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
-    <allow send_destination="*" eavesdrop="true"/>
-    <allow eavesdrop="true"/>
-    <allow own="*"/>
-  </policy>
-</busconfig>
-"#,
-                socket.display()
-            ),
+            include_str!("../fixtures/private-bus.conf")
+                .replace("@SOCKET@", &socket.display().to_string()),
         )
         .expect("write bus config");
         let mut child = Command::new("dbus-daemon")

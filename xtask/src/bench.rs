@@ -1,27 +1,34 @@
-//! `cargo xtask bench`: the probes' overhead, host (tracepoint mode) and VM (fentry mode, and
-//! tracepoint mode on the same kernel for comparison). Results go to target/bench/results.json;
-//! docs/benchmarks.md explains the method and keeps the current figures.
+//! `cargo xtask bench`: the probes' overhead, on the host (tracepoint mode) and in the VM (fentry
+//! mode, and tracepoint mode on the same kernel for the ratio between the two). Each run of
+//! `gpud-bench` prints one `BENCH JSON: {…}` line; they are collected into
+//! target/bench/results.json and printed.
 
-use std::time::Duration;
+use std::{process::Command, time::Duration};
 
 use anyhow::Context as _;
+use serde_json::{Value, json};
 
 use crate::util::{cargo, output, root, run as run_cmd};
 
 const MARK: &str = "BENCH JSON: ";
+/// Software emulation is some 50 times slower than the host.
+const VM_TIMEOUT: Duration = Duration::from_secs(900);
+/// Fewer calls in the VM, same method: compare ratios between modes there, not absolute times.
+const VM_ARGS: &[&str] = &["--calls", "20000", "--rounds", "5"];
 
-fn parse(out: &str) -> anyhow::Result<serde_json::Value> {
+/// The JSON object on the `BENCH JSON: ` line of `out`.
+fn parse(out: &str) -> anyhow::Result<Value> {
     let line = out
         .lines()
         .find_map(|l| l.trim().strip_prefix(MARK))
-        .context("the benchmark printed no result")?;
-    Ok(serde_json::from_str(line)?)
+        .with_context(|| format!("bench: gpud-bench printed no `{MARK}` line"))?;
+    serde_json::from_str(line).context("bench: gpud-bench's JSON does not parse")
 }
 
 pub fn run(vm: bool) -> anyhow::Result<()> {
     crate::setup::run()?;
     run_cmd(
-        "build gpud-bench",
+        "bench: cargo build --release -p gpud-tests --bin gpud-bench",
         cargo().args([
             "build",
             "--release",
@@ -33,30 +40,33 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
     )?;
     let bin = root().join("target/release/gpud-bench");
     let mut results = Vec::new();
+
     println!("bench: host, tracepoint mode");
     let host = output(
-        "gpud-bench (host)",
-        std::process::Command::new(&bin).args(["--mode", "tracepoint"]),
+        "bench: gpud-bench on the host",
+        Command::new(&bin).args(["--mode", "tracepoint"]),
     )?;
-    results.push(serde_json::json!({"where": "host", "result": parse(&host)?}));
+    results.push(json!({"where": "host", "mode": "tracepoint", "result": parse(&host)?}));
+
     if vm {
-        // Software emulation is ~50x slower: fewer calls, same method; compare ratios only.
         for mode in ["fentry", "tracepoint"] {
             println!("bench: VM (qemu TCG, Debian kernel), {mode} mode");
-            let args: Vec<String> = ["--mode", mode, "--calls", "20000", "--rounds", "5"]
+            let args: Vec<String> = ["--mode", mode]
                 .iter()
+                .chain(VM_ARGS)
                 .map(|s| (*s).to_owned())
                 .collect();
-            let out = crate::vm::run(&bin, &args, Duration::from_secs(900))?;
-            results.push(serde_json::json!({"where": "vm", "result": parse(&out)?}));
+            let console = crate::vm::run(&bin, &args, VM_TIMEOUT)?;
+            results.push(json!({"where": "vm", "mode": mode, "result": parse(&console)?}));
         }
     }
+
     let dir = root().join("target/bench");
-    std::fs::create_dir_all(&dir)?;
-    let all = serde_json::Value::Array(results);
-    let text = serde_json::to_string_pretty(&all)?;
-    std::fs::write(dir.join("results.json"), &text)?;
+    std::fs::create_dir_all(&dir).with_context(|| format!("bench: creating {}", dir.display()))?;
+    let text = serde_json::to_string_pretty(&Value::Array(results))?;
+    let file = dir.join("results.json");
+    std::fs::write(&file, &text).with_context(|| format!("bench: writing {}", file.display()))?;
     println!("{text}");
-    println!("bench: written to {}", dir.join("results.json").display());
+    println!("bench: written to {}", file.display());
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! `cargo xtask`: the project's own tasks. Every task that needs tools installs them first
-//! (`setup`), so a fresh machine needs nothing but this repository and rustup.
+//! (`setup`), so a fresh machine needs nothing but this repository, rustup and its `nightly`.
 
 mod bench;
 mod run;
@@ -8,7 +8,7 @@ mod test;
 mod util;
 mod vm;
 
-use std::path::PathBuf;
+use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
 
@@ -16,64 +16,80 @@ use clap::{Parser, Subcommand};
 #[command(about = "gpud developer tasks")]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Task,
 }
 
 #[derive(Subcommand)]
-enum Command {
+enum Task {
     /// Install what building and testing need (idempotent; fast when all is present).
     Setup,
-    /// Set up, build, and run gpud in the foreground with config/gpud.toml.
+    /// Set up, build, and run gpud in the foreground with config/gpud.toml (on a private D-Bus
+    /// when no system bus runs).
     Run {
-        /// Extra arguments for gpud.
+        /// Extra arguments for gpud, after `--`.
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Set up and run every test: lints, unit and real-kernel tests, VM tests.
+    /// Set up and run every test: lints, unit and real-kernel tests, VM tests. Needs root.
     Test {
         /// Skip the qemu VM tests (fentry / BPF-LSM kernel).
         #[arg(long)]
         no_vm: bool,
-        /// Skip fmt and clippy.
+        /// Skip fmt and both clippy runs.
         #[arg(long)]
         no_lint: bool,
     },
-    /// Measure the probes' overhead (host: tracepoints; VM: fentry), write target/bench/.
+    /// Measure the probes' overhead (host: tracepoints; VM: fentry and tracepoints), write
+    /// target/bench/results.json.
     Bench {
         /// Skip the VM runs.
         #[arg(long)]
         no_vm: bool,
     },
-    /// Boot the Debian-kernel VM and run BINARY ARGS… inside it.
+    /// Boot the Debian-kernel VM and run BINARY ARGS… inside it: `cargo xtask vm -- BINARY ARGS…`.
     Vm {
-        binary: PathBuf,
-        args: Vec<String>,
         /// Seconds before qemu is killed.
         #[arg(long, default_value_t = 300)]
         timeout: u64,
+        /// The binary to run (with its shared libraries).
+        binary: PathBuf,
+        /// Its arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
 }
 
-fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Setup => setup::run().map(|_| ()),
-        Command::Run { args } => run::run(&args),
-        Command::Test { no_vm, no_lint } => test::run(!no_vm, !no_lint),
-        Command::Bench { no_vm } => bench::run(!no_vm),
-        Command::Vm {
+/// An error that has already been reported (e.g. by the test summary): exit non-zero quietly.
+#[derive(Debug)]
+pub struct Reported;
+
+impl std::fmt::Display for Reported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("failed (reported above)")
+    }
+}
+
+impl std::error::Error for Reported {}
+
+fn main() -> ExitCode {
+    let result = match Cli::parse().command {
+        Task::Setup => setup::run(),
+        Task::Run { args } => run::run(&args),
+        Task::Test { no_vm, no_lint } => test::run(!no_vm, !no_lint),
+        Task::Bench { no_vm } => bench::run(!no_vm),
+        // The console is echoed as it comes.
+        Task::Vm {
+            timeout,
             binary,
             args,
-            timeout,
-        } => vm::run(&binary, &args, std::time::Duration::from_secs(timeout)).map(|out| {
-            print!("{out}");
-        }),
+        } => vm::run(&binary, &args, Duration::from_secs(timeout)).map(drop),
     };
     match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<Reported>() => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("xtask: {e:#}");
-            std::process::ExitCode::FAILURE
+            eprintln!("{e:#}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -1,122 +1,180 @@
-//! Idempotent bootstrap of a fresh machine of the project's kind (Debian 12, rustup, root):
-//! Debian packages, nightly `rust-src`, `bpf-linker` 0.13 against LLVM 22, rustfmt and clippy.
-//! Each step checks first and acts only when something is missing; a failure names the step
-//! and the reason in one line.
+//! `cargo xtask setup`: idempotent bootstrap of a fresh machine of the project's kind (Debian 12,
+//! rustup, root): Debian packages, nightly `rust-src`, `bpf-linker` 0.13 against LLVM 22, stable
+//! rustfmt and clippy.
+//!
+//! Each step checks first and acts only when something is missing, so a machine that has
+//! everything is done in well under a second. A failing step is reported as one line naming the
+//! step, the command's exit status and, for long installs, the log to read.
 
-use std::process::Command;
+use std::{path::PathBuf, process::Command};
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
 
-use crate::util::{cargo, output};
+use crate::util::{cargo, output, run_logged, which};
 
-/// Debian packages the build and the tests use, with why.
-const PACKAGES: &[(&str, &str)] = &[
+/// How to tell whether a package is present.
+enum Probe {
+    /// `dpkg-query` reports the package installed.
+    Dpkg,
+    /// This command is on PATH (for packages installed only for one of their tools).
+    Command(&'static str),
+}
+
+/// Debian packages the build and the tests need: name, how to check for it, and why.
+const PACKAGES: &[(&str, Probe, &str)] = &[
     (
         "llvm-22-dev",
-        "bpf-linker links against LLVM 22, the nightly's LLVM",
+        Probe::Dpkg,
+        "bpf-linker links LLVM 22, the nightly's LLVM",
     ),
     (
         "libpolly-22-dev",
-        "LLVM 22's link dependencies for bpf-linker",
+        Probe::Dpkg,
+        "LLVM 22's link dependencies (bpf-linker)",
     ),
-    ("libzstd-dev", "LLVM 22's link dependencies for bpf-linker"),
-    ("libelf-dev", "libbpf (kernel BTF parsing in gpud)"),
-    ("zlib1g-dev", "libbpf (kernel BTF parsing in gpud)"),
+    (
+        "libzstd-dev",
+        Probe::Dpkg,
+        "LLVM 22's link dependencies (bpf-linker)",
+    ),
+    ("libelf-dev", Probe::Dpkg, "libbpf-sys"),
+    ("zlib1g-dev", Probe::Dpkg, "libbpf-sys"),
     (
         "pkg-config",
-        "finding libelf and zlib while building libbpf",
+        Probe::Dpkg,
+        "libbpf-sys finds libelf and zlib",
     ),
-    ("dbus", "dbus-daemon for the D-Bus tests and `xtask run`"),
-    ("systemd", "busctl for the D-Bus tests"),
+    (
+        "dbus",
+        Probe::Dpkg,
+        "dbus-daemon for the D-Bus tests and `xtask run`",
+    ),
+    (
+        "systemd",
+        Probe::Command("busctl"),
+        "busctl for the D-Bus tests",
+    ),
     (
         "qemu-system-x86",
-        "the VM tests (fentry and BPF-LSM need a distribution kernel)",
+        Probe::Dpkg,
+        "VM tests: fentry and BPF-LSM",
     ),
-    ("linux-image-amd64", "the Debian kernel the VM tests boot"),
-    ("busybox-static", "the VM's init and tools"),
-    ("cpio", "packing the VM's initramfs"),
+    (
+        "linux-image-amd64",
+        Probe::Dpkg,
+        "the Debian kernel the VM tests boot",
+    ),
+    ("busybox-static", Probe::Dpkg, "the VM's init and tools"),
+    ("cpio", Probe::Dpkg, "packing the VM's initramfs"),
 ];
 
-/// What setup did, for the summary line.
-#[derive(Default)]
-pub struct Report {
-    pub installed: Vec<String>,
+/// The bpf-linker release the eBPF build uses; its LLVM major must be the nightly's (22).
+const BPF_LINKER: &str = "bpf-linker@0.13.0";
+const BPF_LINKER_VERSION_PREFIX: &str = "bpf-linker 0.13.";
+const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
+
+/// Rust components: toolchain, component, why.
+const COMPONENTS: &[(&str, &str, &str)] = &[
+    (
+        "nightly",
+        "rust-src",
+        "building core for bpfel-unknown-none",
+    ),
+    ("nightly", "clippy", "linting the eBPF crate"),
+    ("stable", "rustfmt", "cargo fmt --check"),
+    ("stable", "clippy", "cargo clippy"),
+];
+
+/// Where a step's long-running install writes its output.
+fn log_path(step: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("gpud-setup-{step}.log"))
 }
 
-fn dpkg_installed(pkg: &str) -> bool {
+/// Packages whose status line from `dpkg-query` says "install ok installed", in one call.
+fn dpkg_installed(names: &[&str]) -> Vec<String> {
+    // dpkg-query exits 1 when some package is unknown but still prints the known ones.
     Command::new("dpkg-query")
-        .args(["-W", "-f=${Status}", pkg])
+        .args(["-W", "-f=${Package} ${Status}\\n"])
+        .args(names)
         .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.ends_with(" install ok installed"))
+                .filter_map(|l| l.split_whitespace().next())
+                // Multi-arch packages print as `name:arch`.
+                .map(|p| p.split(':').next().unwrap_or(p).to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
-fn apt_install(missing: &[&str]) -> anyhow::Result<()> {
-    let status = Command::new("apt-get")
-        .args(["update", "-qq"])
-        .status()
-        .context("setup: apt-get update: cannot run apt-get (is this Debian, running as root?)")?;
-    if !status.success() {
-        bail!(
-            "setup: apt-get update failed ({status}): no package lists, so nothing can be installed"
-        );
-    }
-    let status = Command::new("apt-get")
-        .args(["install", "-y", "-qq"])
-        .args(missing)
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .status()
-        .context("setup: apt-get install: cannot run apt-get")?;
-    if !status.success() {
-        bail!(
-            "setup: apt-get install {} failed ({status}); see apt's output above",
-            missing.join(" ")
-        );
-    }
-    Ok(())
-}
-
-fn packages(report: &mut Report) -> anyhow::Result<()> {
+/// Installs the missing Debian packages (one `apt-get update`, one `apt-get install`).
+fn packages(installed: &mut Vec<String>) -> anyhow::Result<()> {
+    let dpkg_names: Vec<&str> = PACKAGES
+        .iter()
+        .filter(|(_, probe, _)| matches!(probe, Probe::Dpkg))
+        .map(|(name, _, _)| *name)
+        .collect();
+    let present = dpkg_installed(&dpkg_names);
     let missing: Vec<&str> = PACKAGES
         .iter()
-        .filter(|(p, _)| !dpkg_installed(p))
-        .map(|(p, _)| *p)
+        .filter(|(name, probe, _)| match probe {
+            Probe::Dpkg => !present.iter().any(|p| p == name),
+            Probe::Command(cmd) => which(cmd).is_none(),
+        })
+        .map(|(name, _, _)| *name)
         .collect();
     if missing.is_empty() {
         return Ok(());
     }
-    for (p, why) in PACKAGES.iter().filter(|(p, _)| missing.contains(p)) {
-        println!("setup: installing {p} ({why})");
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "setup: packages: {} missing and apt-get needs root; run as root",
+            missing.join(" ")
+        );
     }
-    apt_install(&missing)?;
-    report
-        .installed
-        .extend(missing.iter().map(|p| (*p).to_owned()));
+    let log = log_path("apt");
+    for (name, _, why) in PACKAGES.iter().filter(|(n, _, _)| missing.contains(n)) {
+        println!("setup: installing {name} ({why})");
+    }
+    println!("setup: apt-get output goes to {}", log.display());
+    run_logged(
+        "setup: packages: `apt-get update`",
+        Command::new("apt-get").args(["update", "-q"]),
+        &log,
+        "no package lists, so nothing can be installed",
+    )?;
+    let apt_log = log_path("apt-install");
+    run_logged(
+        &format!("setup: packages: `apt-get install {}`", missing.join(" ")),
+        Command::new("apt-get")
+            .args(["install", "-y", "-q"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+        &apt_log,
+        "are Debian 12 and its security updates (LLVM 22) in the sources?",
+    )?;
+    installed.extend(missing.iter().map(|p| (*p).to_owned()));
     Ok(())
 }
 
-fn rustup_components(report: &mut Report) -> anyhow::Result<()> {
+/// Adds the missing rustup components; needs the `nightly` toolchain to be installed already.
+fn rustup_components(installed: &mut Vec<String>) -> anyhow::Result<()> {
     let toolchains = output(
-        "setup: rustup toolchain list",
+        "setup: rust: `rustup toolchain list`",
         Command::new("rustup").args(["toolchain", "list"]),
     )?;
     if !toolchains.lines().any(|l| l.starts_with("nightly")) {
         bail!(
-            "setup: no `nightly` toolchain: the eBPF crate needs nightly (-Z build-std); \
-             install it with `rustup toolchain install nightly`"
+            "setup: rust: no `nightly` toolchain: the eBPF crate needs nightly (-Z build-std); \
+             install one with `rustup toolchain install nightly`"
         );
     }
-    for (toolchain, component, why) in [
-        (
-            "nightly",
-            "rust-src",
-            "building core for bpfel-unknown-none",
-        ),
-        ("nightly", "clippy", "linting the eBPF crate"),
-        ("stable", "rustfmt", "cargo fmt --check"),
-        ("stable", "clippy", "cargo clippy"),
-    ] {
-        let installed = output(
-            "setup: rustup component list",
+    for toolchain in ["nightly", "stable"] {
+        let listed = output(
+            &format!("setup: rust: `rustup component list --toolchain {toolchain}`"),
             Command::new("rustup").args([
                 "component",
                 "list",
@@ -125,62 +183,89 @@ fn rustup_components(report: &mut Report) -> anyhow::Result<()> {
                 toolchain,
             ]),
         )?;
-        if installed.lines().any(|l| l.starts_with(component)) {
-            continue;
+        // Lines are `rust-src` or `clippy-x86_64-unknown-linux-gnu`.
+        let has = |component: &str| {
+            listed
+                .lines()
+                .any(|l| l == component || l.starts_with(&format!("{component}-")))
+        };
+        for (_, component, why) in COMPONENTS.iter().filter(|(t, _, _)| *t == toolchain) {
+            if has(component) {
+                continue;
+            }
+            println!("setup: adding {component} to {toolchain} ({why})");
+            output(
+                &format!("setup: rust: `rustup component add {component} --toolchain {toolchain}`"),
+                Command::new("rustup").args([
+                    "component",
+                    "add",
+                    component,
+                    "--toolchain",
+                    toolchain,
+                ]),
+            )?;
+            installed.push(format!("{component} ({toolchain})"));
         }
-        println!("setup: adding {component} to {toolchain} ({why})");
-        output(
-            &format!("setup: rustup component add {component} --toolchain {toolchain}"),
-            Command::new("rustup").args(["component", "add", component, "--toolchain", toolchain]),
-        )?;
-        report.installed.push(format!("{toolchain}/{component}"));
     }
     Ok(())
 }
 
-fn bpf_linker(report: &mut Report) -> anyhow::Result<()> {
-    let version = Command::new("bpf-linker")
+/// What `bpf-linker --version` prints, if it runs.
+fn bpf_linker_version() -> Option<String> {
+    Command::new("bpf-linker")
         .arg("--version")
         .output()
         .ok()
         .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
-    if version.as_deref().is_some_and(|v| v.contains(" 0.13.")) {
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+}
+
+/// Builds bpf-linker 0.13 against Debian's LLVM 22 unless it is already installed.
+fn bpf_linker(installed: &mut Vec<String>) -> anyhow::Result<()> {
+    let found = bpf_linker_version();
+    if found
+        .as_deref()
+        .is_some_and(|v| v.starts_with(BPF_LINKER_VERSION_PREFIX))
+    {
         return Ok(());
     }
-    println!("setup: building bpf-linker 0.13 against LLVM 22 (takes a few minutes)");
-    let status = cargo()
-        .args([
-            "install",
-            "bpf-linker@0.13.0",
-            "--locked",
-            "--no-default-features",
-            "--features",
-            "llvm-22",
-        ])
-        .env("LLVM_PREFIX", "/usr/lib/llvm-22")
-        .status()
-        .context("setup: bpf-linker: cannot run cargo install")?;
-    if !status.success() {
-        bail!(
-            "setup: bpf-linker: `cargo install bpf-linker@0.13.0` failed ({status}); it needs \
-             llvm-22-dev, libpolly-22-dev and libzstd-dev from Debian 12's updates"
-        );
+    let log = log_path("bpf-linker");
+    println!(
+        "setup: building {BPF_LINKER} against LLVM 22 (found: {}; takes a few minutes, log in {})",
+        found.as_deref().unwrap_or("none"),
+        log.display()
+    );
+    run_logged(
+        &format!("setup: bpf-linker: `cargo install {BPF_LINKER}`"),
+        cargo()
+            .args(["install", BPF_LINKER, "--locked", "--no-default-features"])
+            .args(["--features", "llvm-22"])
+            .env("LLVM_PREFIX", LLVM_PREFIX),
+        &log,
+        "are LLVM 22's dev libraries installed (llvm-22-dev, libpolly-22-dev, libzstd-dev)?",
+    )?;
+    match bpf_linker_version() {
+        Some(v) if v.starts_with(BPF_LINKER_VERSION_PREFIX) => {}
+        other => bail!(
+            "setup: bpf-linker: installed, but `bpf-linker --version` gives {:?}: is ~/.cargo/bin \
+             on PATH, before any other bpf-linker?",
+            other.unwrap_or_default()
+        ),
     }
-    report.installed.push("bpf-linker 0.13".into());
+    installed.push(BPF_LINKER.to_owned());
     Ok(())
 }
 
-/// Runs every step; prints one summary line.
-pub fn run() -> anyhow::Result<Report> {
-    let mut report = Report::default();
-    packages(&mut report)?;
-    rustup_components(&mut report)?;
-    bpf_linker(&mut report)?;
-    if report.installed.is_empty() {
+/// Runs every step and prints one summary line; fails on the first failing step.
+pub fn run() -> anyhow::Result<()> {
+    let mut installed = Vec::new();
+    packages(&mut installed)?;
+    rustup_components(&mut installed)?;
+    bpf_linker(&mut installed)?;
+    if installed.is_empty() {
         println!("setup: ok (all present)");
     } else {
-        println!("setup: ok (installed {})", report.installed.join(", "));
+        println!("setup: ok (installed {})", installed.join(", "));
     }
-    Ok(report)
+    Ok(())
 }

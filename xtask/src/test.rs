@@ -1,153 +1,188 @@
-//! `cargo xtask test`: every test, from nothing. Set-up, lints, unit and real-kernel integration
-//! tests (root, real cgroups, real dbus-daemon), then the VM tests on a kernel with fentry and
-//! BPF-LSM. Ends with one `N passed, N failed` line counting the steps.
+//! `cargo xtask test`: every test, from nothing, as root. Setup, lints (fmt, clippy on the
+//! workspace, clippy on the eBPF crate with nightly), the unit and real-kernel integration tests
+//! (real cgroups, real dbus-daemon), then the VM tests on a kernel with fentry and BPF-LSM.
+//!
+//! Every step runs even when an earlier one failed (except after a failed setup), so one run shows
+//! every problem. The output ends with a summary and a plain `N passed, N failed` line.
 
 use std::{
     process::Command,
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
 
 use crate::util::{cargo, root, run as run_cmd};
 
-type Step = (&'static str, Box<dyn Fn() -> anyhow::Result<()>>);
+/// The VM test's verdict line.
+const VMTEST_PASS: &str = "VMTEST RESULT: PASS";
+/// The VM test boots an emulated (TCG) machine: generous.
+const VMTEST_TIMEOUT: Duration = Duration::from_secs(600);
 
-fn steps(vm: bool, lint: bool) -> Vec<Step> {
-    let mut s: Vec<Step> = Vec::new();
-    if lint {
-        s.push((
-            "cargo fmt --check",
-            Box::new(|| run_cmd("fmt", cargo().args(["fmt", "--all", "--check"]))),
-        ));
-        s.push((
-            "cargo clippy (workspace)",
-            Box::new(|| {
-                run_cmd(
-                    "clippy",
-                    // The eBPF crate only builds for the bpf target; it is linted below.
-                    cargo().args([
-                        "clippy",
-                        "--workspace",
-                        "--exclude",
-                        "gpud-ebpf",
-                        "--all-targets",
-                        "--",
-                        "-D",
-                        "warnings",
-                    ]),
-                )
-            }),
-        ));
-        s.push((
-            "cargo clippy (eBPF crate, nightly)",
-            Box::new(|| {
-                let target_dir = root().join("target/ebpf-lint");
-                run_cmd(
-                    "eBPF clippy",
-                    Command::new("rustup")
-                        .args(["run", "nightly", "cargo", "clippy", "-p", "gpud-ebpf"])
-                        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
-                        .arg("--target-dir")
-                        .arg(target_dir)
-                        .args(["--", "-D", "warnings"])
-                        // The nightly cargo must not inherit the stable toolchain's settings.
-                        .env_remove("RUSTC")
-                        .env_remove("RUSTUP_TOOLCHAIN")
-                        .env_remove("CARGO"),
-                )
-            }),
-        ));
-    }
-    s.push((
-        "build binaries",
-        Box::new(|| {
-            run_cmd(
-                "build",
-                cargo().args([
-                    "build",
-                    "--package",
-                    "gpud",
-                    "--package",
-                    "gpud-tests",
-                    "--bins",
-                ]),
-            )
-        }),
-    ));
-    s.push((
-        "cargo test --workspace",
-        Box::new(|| {
-            run_cmd(
-                "tests",
-                cargo().args(["test", "--workspace", "--exclude", "gpud-ebpf"]),
-            )
-        }),
-    ));
-    if vm {
-        s.push(("VM tests (fentry, BPF-LSM)", Box::new(vm_tests)));
-    }
-    s
+/// A named step of the test run.
+struct Step {
+    name: &'static str,
+    run: fn() -> anyhow::Result<()>,
 }
 
-fn vm_tests() -> anyhow::Result<()> {
+fn fmt() -> anyhow::Result<()> {
     run_cmd(
-        "build gpud-vmtest",
+        "cargo fmt --all --check",
+        cargo().args(["fmt", "--all", "--check"]),
+    )
+}
+
+fn clippy() -> anyhow::Result<()> {
+    // `--workspace` would include the eBPF crate, which only builds for the BPF target; it is
+    // linted by `clippy_ebpf`.
+    run_cmd(
+        "cargo clippy --workspace",
+        cargo()
+            .args([
+                "clippy",
+                "--workspace",
+                "--exclude",
+                "gpud-ebpf",
+                "--all-targets",
+            ])
+            .args(["--", "-D", "warnings"]),
+    )
+}
+
+fn clippy_ebpf() -> anyhow::Result<()> {
+    run_cmd(
+        "cargo +nightly clippy -p gpud-ebpf",
+        // The rustup proxy (not $CARGO, which is the stable cargo) so that `+nightly` works.
+        Command::new("cargo")
+            .args(["+nightly", "clippy", "-p", "gpud-ebpf"])
+            .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+            // Its own target dir: nightly-built host artifacts would otherwise evict the stable
+            // ones in target/debug and make the next stable build start over.
+            .arg("--target-dir")
+            .arg(root().join("target/ebpf-lint"))
+            .args(["--", "-D", "warnings"])
+            // What `cargo run` put in xtask's environment must not pin the stable toolchain.
+            .env_remove("RUSTUP_TOOLCHAIN")
+            .env_remove("RUSTC")
+            .env_remove("CARGO"),
+    )
+}
+
+fn build() -> anyhow::Result<()> {
+    // The integration tests start these from target/debug.
+    run_cmd(
+        "cargo build (gpud, gpud-tests binaries)",
         cargo().args([
             "build",
-            "--release",
-            "-p",
+            "--package",
+            "gpud",
+            "--package",
             "gpud-tests",
-            "--bin",
-            "gpud-vmtest",
+            "--bins",
         ]),
+    )
+}
+
+fn unit_and_integration() -> anyhow::Result<()> {
+    run_cmd(
+        "cargo test --workspace",
+        cargo().args(["test", "--workspace", "--exclude", "gpud-ebpf"]),
+    )
+}
+
+fn vm() -> anyhow::Result<()> {
+    run_cmd(
+        "cargo build -p gpud-tests --bin gpud-vmtest",
+        cargo().args(["build", "-p", "gpud-tests", "--bin", "gpud-vmtest"]),
     )?;
-    let bin = root().join("target/release/gpud-vmtest");
-    let out =
-        crate::vm::run(&bin, &["test".to_owned()], Duration::from_secs(600)).context("VM test")?;
-    for line in out
-        .lines()
-        .filter(|l| l.starts_with('[') || l.starts_with("VM") || l.starts_with("kernel"))
-    {
-        println!("  vm| {line}");
-    }
-    if !out.contains("VMTEST RESULT: PASS") {
-        bail!("VM test did not pass:\n{out}");
+    let binary = root().join("target/debug/gpud-vmtest");
+    let console = crate::vm::run(&binary, &["test".to_owned()], VMTEST_TIMEOUT)?;
+    if !console.lines().any(|l| l.trim() == VMTEST_PASS) {
+        bail!("gpud-vmtest exited 0 but printed no `{VMTEST_PASS}` line");
     }
     Ok(())
 }
 
-pub fn run(vm: bool, lint: bool) -> anyhow::Result<()> {
-    let total = Instant::now();
-    let mut results: Vec<(&str, Duration, Option<String>)> = Vec::new();
-    let t = Instant::now();
-    let setup = crate::setup::run();
-    results.push((
-        "setup",
-        t.elapsed(),
-        setup.as_ref().err().map(|e| format!("{e:#}")),
-    ));
-    if setup.is_ok() {
-        for (name, step) in steps(vm, lint) {
-            println!("\n==> {name}");
-            let t = Instant::now();
-            let r = step();
-            if let Err(e) = &r {
-                println!("FAILED: {name}: {e:#}");
-            }
-            results.push((name, t.elapsed(), r.err().map(|e| format!("{e:#}"))));
-        }
+/// The steps after setup, as the flags select them.
+fn steps(vm_tests: bool, lint: bool) -> Vec<Step> {
+    let mut steps = Vec::new();
+    if lint {
+        steps.push(Step {
+            name: "fmt",
+            run: fmt,
+        });
+        steps.push(Step {
+            name: "clippy",
+            run: clippy,
+        });
+        steps.push(Step {
+            name: "clippy (eBPF, nightly)",
+            run: clippy_ebpf,
+        });
     }
-    println!("\n==> summary ({:.0?})", total.elapsed());
-    for (name, took, err) in &results {
-        let status = if err.is_none() { "ok" } else { "FAILED" };
-        println!("  {status:<6} {name} ({took:.1?})");
+    steps.push(Step {
+        name: "build",
+        run: build,
+    });
+    steps.push(Step {
+        name: "cargo test",
+        run: unit_and_integration,
+    });
+    if vm_tests {
+        steps.push(Step {
+            name: "VM tests (fentry, BPF-LSM)",
+            run: vm,
+        });
+    }
+    steps
+}
+
+/// Runs the steps; prints the summary. The error it returns on failure has been reported.
+pub fn run(vm_tests: bool, lint: bool) -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("test: run as root: the tests load BPF programs, make cgroups and start a VM");
+    }
+    let total = Instant::now();
+    let all = std::iter::once(Step {
+        name: "setup",
+        run: crate::setup::run,
+    })
+    .chain(steps(vm_tests, lint));
+    // Name, time taken, error.
+    let mut results: Vec<(&str, Duration, Option<String>)> = Vec::new();
+    let mut skipped = Vec::new();
+    for step in all {
+        if results.first().is_some_and(|(_, _, error)| error.is_some()) {
+            // Setup failed: nothing else can work without the tools.
+            skipped.push(step.name);
+            continue;
+        }
+        println!("\n==> {}", step.name);
+        let started = Instant::now();
+        let result = (step.run)();
+        if let Err(e) = &result {
+            println!("FAILED: {}: {e:#}", step.name);
+        }
+        results.push((
+            step.name,
+            started.elapsed(),
+            result.err().map(|e| format!("{e:#}")),
+        ));
+    }
+
+    println!("\n==> summary ({:.0}s)", total.elapsed().as_secs_f64());
+    for (name, took, error) in &results {
+        let status = if error.is_none() { "ok" } else { "FAILED" };
+        println!("  {status:<6} {name:<28} {:>6.1}s", took.as_secs_f64());
+    }
+    for name in &skipped {
+        println!("  {:<6} {name}", "-");
     }
     let failed = results.iter().filter(|r| r.2.is_some()).count();
-    let passed = results.len() - failed;
-    println!("{passed} passed, {failed} failed");
+    println!("{} passed, {failed} failed", results.len() - failed);
     if failed > 0 {
-        bail!("{failed} step(s) failed");
+        return Err(crate::Reported.into());
     }
     Ok(())
 }

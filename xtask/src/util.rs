@@ -1,8 +1,9 @@
 //! Small helpers for running commands from the workspace root.
 
 use std::{
+    fs::File,
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, ExitStatus},
 };
 
 use anyhow::{Context as _, bail};
@@ -15,6 +16,21 @@ pub fn root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
+/// The cargo that runs xtask (so child builds use the same toolchain), else `cargo` from PATH.
+pub fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+/// `status` as a short phrase: "exit 101" or "signal 9".
+pub fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt as _;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit {code}"),
+        (None, Some(sig)) => format!("signal {sig}"),
+        (None, None) => status.to_string(),
+    }
+}
+
 /// Runs `cmd` in the workspace root, inheriting stdio; fails with `what` if it fails.
 pub fn run(what: &str, cmd: &mut Command) -> anyhow::Result<()> {
     let status = cmd
@@ -22,12 +38,12 @@ pub fn run(what: &str, cmd: &mut Command) -> anyhow::Result<()> {
         .status()
         .with_context(|| format!("{what}: cannot start {:?}", cmd.get_program()))?;
     if !status.success() {
-        bail!("{what} failed ({status})");
+        bail!("{what} failed ({})", describe(status));
     }
     Ok(())
 }
 
-/// Runs `cmd` and returns its stdout; fails (with its stderr) if it fails.
+/// Runs `cmd` in the workspace root and returns its stdout; fails (with its stderr) if it fails.
 pub fn output(what: &str, cmd: &mut Command) -> anyhow::Result<String> {
     let out = cmd
         .current_dir(root())
@@ -36,13 +52,50 @@ pub fn output(what: &str, cmd: &mut Command) -> anyhow::Result<String> {
     if !out.status.success() {
         bail!(
             "{what} failed ({}): {}",
-            out.status,
+            describe(out.status),
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-pub fn cargo() -> Command {
-    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+/// Runs `cmd` with stdout and stderr written to `log`. On failure the error is one line: `what`,
+/// the exit status, the last line of the log that looks like an error, `hint`, and the log's path.
+pub fn run_logged(what: &str, cmd: &mut Command, log: &Path, hint: &str) -> anyhow::Result<()> {
+    let file = File::create(log).with_context(|| format!("{what}: creating {}", log.display()))?;
+    let status = cmd
+        .current_dir(root())
+        .stdout(file.try_clone()?)
+        .stderr(file)
+        .status()
+        .with_context(|| format!("{what}: cannot start {:?}", cmd.get_program()))?;
+    if status.success() {
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let last_error = text
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with("error") || l.starts_with("E:"))
+        .map(|l| format!(" ({l})"))
+        .unwrap_or_default();
+    bail!(
+        "{what} failed ({}){last_error}: {hint}; see {}",
+        describe(status),
+        log.display()
+    )
+}
+
+/// The first `name` on PATH that is a file, like `which`.
+pub fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Quotes `s` for a POSIX shell.
+pub fn sh_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
 }

@@ -1,81 +1,112 @@
-//! Boots Debian's kernel (6.1, BPF-LSM and fentry available) under qemu TCG with a busybox
-//! initramfs that runs one test binary, and returns the serial console output.
+//! Boots Debian's kernel (6.1: BPF-LSM and fentry available) under qemu TCG with a busybox
+//! initramfs that runs one binary, and returns the serial console output.
 //!
-//! The host kernel of the development and CI machines refuses BPF trampolines; this VM is where
-//! fentry and BPF-LSM are exercised. KVM is unusable there, so it is software emulation.
+//! The development and CI machines run a kernel that refuses BPF trampolines, so this VM is where
+//! fentry and BPF-LSM are exercised. KVM is unusable there: this is software emulation, so keep
+//! what runs inside short.
 
 use std::{
-    io::Read as _,
+    collections::BTreeSet,
+    io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::mpsc,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
 
-use crate::util::{output, root};
+use crate::util::{describe, root, sh_quote, which};
 
-/// Marker lines the init script prints.
+/// The line the init script prints after the binary exits, followed by its exit status.
 const EXIT_MARK: &str = "VM EXIT CODE: ";
+/// The line the init script prints once everything is mounted, followed by the kernel release.
+const BOOT_MARK: &str = "VM BOOTED: ";
 
-/// The newest Debian kernel image in /boot that has its modules directory.
-fn kernel() -> anyhow::Result<PathBuf> {
-    let mut kernels: Vec<(String, PathBuf)> = std::fs::read_dir("/boot")
+/// Kernel command line: serial console, BPF last in the LSM list (Debian's default list lacks
+/// it), and a panic powers the VM off at once (`-no-reboot`) instead of hanging until the timeout.
+const CMDLINE: &str =
+    "console=ttyS0 lsm=lockdown,capability,landlock,yama,apparmor,bpf panic=-1 quiet loglevel=3";
+
+/// Kernel features the payloads use that Debian builds as modules: config option, module name.
+/// Each is put into the image (with its dependencies) and loaded when the option is `=m`.
+const MODULES: &[(&str, &str)] = &[("CONFIG_FUSE_FS", "fuse")];
+
+/// A kernel to boot: its release string and image.
+struct Kernel {
+    release: String,
+    image: PathBuf,
+}
+
+/// Splits a release such as `6.1.0-56-amd64` into numbers and words, so that `-56` sorts after
+/// `-9`.
+fn version_key(release: &str) -> Vec<(u64, String)> {
+    let mut key = Vec::new();
+    let mut rest = release;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        if digits > 0 {
+            key.push((rest[..digits].parse().unwrap_or(u64::MAX), String::new()));
+            rest = &rest[digits..];
+        } else {
+            let word = rest
+                .find(|c: char| c.is_ascii_digit())
+                .unwrap_or(rest.len());
+            key.push((0, rest[..word].to_owned()));
+            rest = &rest[word..];
+        }
+    }
+    key
+}
+
+/// The newest `/boot/vmlinuz-*` that has its `/lib/modules/<release>` (Debian's
+/// linux-image-amd64) and is not the running kernel (the host's Firecracker kernel).
+fn kernel() -> anyhow::Result<Kernel> {
+    let running = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut kernels: Vec<Kernel> = std::fs::read_dir("/boot")
         .context("vm: reading /boot")?
         .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let ver = name.strip_prefix("vmlinuz-")?.to_owned();
-            Path::new("/lib/modules")
-                .join(&ver)
-                .exists()
-                .then(|| (ver, e.path()))
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let release = name.strip_prefix("vmlinuz-")?.to_owned();
+            let usable =
+                release != running.trim() && Path::new("/lib/modules").join(&release).is_dir();
+            usable.then(|| Kernel {
+                release,
+                image: entry.path(),
+            })
         })
         .collect();
-    kernels.sort();
-    kernels.pop().map(|(_, p)| p).context(
-        "vm: no /boot/vmlinuz-* with modules: install linux-image-amd64 (`cargo xtask setup`)",
+    kernels.sort_by_cached_key(|k| version_key(&k.release));
+    kernels.pop().context(
+        "vm: no /boot/vmlinuz-* with its /lib/modules: install linux-image-amd64 \
+         (`cargo xtask setup`)",
     )
 }
 
-const INIT: &str = r#"#!/bin/busybox sh
-/bin/busybox --install -s /bin
-export PATH=/bin
-mkdir -p /proc /sys /dev /tmp /run
-mount -t proc proc /proc
-mount -t sysfs sysfs /sys
-mount -t devtmpfs devtmpfs /dev
-mount -t securityfs securityfs /sys/kernel/security
-mount -t bpf bpf /sys/fs/bpf
-mount -t tracefs tracefs /sys/kernel/tracing
-mount -t cgroup2 cgroup2 /sys/fs/cgroup
-mount -t tmpfs tmpfs /tmp
-mount -t tmpfs tmpfs /run
-echo "VM BOOTED: $(uname -r)"
-export RUST_BACKTRACE=1 RUST_LOG=info
-/bin/vm-payload __ARGS__
-echo "VM EXIT CODE: $?"
-poweroff -f
-"#;
-
-/// Quotes `s` for a POSIX shell.
-fn sh_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
-}
-
-/// Copies `src` to `dir` + `src` (absolute paths keep their place in the image).
-fn copy_into(dir: &Path, src: &Path) -> anyhow::Result<()> {
-    let dst = dir.join(src.strip_prefix("/").unwrap_or(src));
-    if let Some(parent) = dst.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    std::fs::copy(src, &dst).with_context(|| format!("vm: copying {}", src.display()))?;
-    Ok(())
-}
-
-/// Shared libraries `ldd` lists for `binary` (and the loader).
+/// Shared libraries `ldd` lists for `binary`, the dynamic loader included; none if static.
 fn libraries(binary: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let text = output("vm: ldd", Command::new("ldd").arg(binary))?;
+    let out = Command::new("ldd")
+        .arg(binary)
+        .output()
+        .context("vm: cannot run ldd")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        if text.contains("not a dynamic executable")
+            || String::from_utf8_lossy(&out.stderr).contains("not a dynamic executable")
+        {
+            return Ok(Vec::new());
+        }
+        bail!(
+            "vm: ldd {} failed ({})",
+            binary.display(),
+            describe(out.status)
+        );
+    }
+    // Lines: `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x…)`, `/lib64/ld-linux-x86-64.so.2
+    // (0x…)` and `linux-vdso.so.1 (0x…)` (no file).
     Ok(text
         .lines()
         .filter_map(|l| {
@@ -88,94 +119,366 @@ fn libraries(binary: &Path) -> anyhow::Result<Vec<PathBuf>> {
         .collect())
 }
 
-/// Builds target/vm/initramfs.cpio.gz holding busybox, `binary` (as /bin/vm-payload) and its
-/// libraries.
-fn initramfs(binary: &Path, args: &[String]) -> anyhow::Result<PathBuf> {
+/// Copies `src` into `tree` at the same absolute path (following symlinks).
+fn copy_into(tree: &Path, src: &Path) -> anyhow::Result<()> {
+    let dst = tree.join(src.strip_prefix("/").unwrap_or(src));
+    if let Some(parent) = dst.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::copy(src, &dst).with_context(|| format!("vm: copying {}", src.display()))?;
+    Ok(())
+}
+
+/// Modules to load for `kernel`, dependencies first, as paths relative to its modules directory.
+fn modules(kernel: &Kernel) -> anyhow::Result<Vec<String>> {
+    let config =
+        std::fs::read_to_string(format!("/boot/config-{}", kernel.release)).unwrap_or_default();
+    let wanted: Vec<&str> = MODULES
+        .iter()
+        .filter(|(option, _)| config.lines().any(|l| l == format!("{option}=m")))
+        .map(|(_, module)| *module)
+        .collect();
+    if wanted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let dir = Path::new("/lib/modules").join(&kernel.release);
+    let dep = std::fs::read_to_string(dir.join("modules.dep"))
+        .with_context(|| format!("vm: reading {}/modules.dep", dir.display()))?;
+    // `kernel/fs/fuse/fuse.ko: dep.ko …`, keyed by the module's name (`fuse`).
+    let deps: Vec<(&str, Vec<&str>)> = dep
+        .lines()
+        .filter_map(|l| {
+            let (module, rest) = l.split_once(':')?;
+            Some((module, rest.split_whitespace().collect()))
+        })
+        .collect();
+    let name_of = |path: &str| {
+        let file = path.rsplit('/').next().unwrap_or(path);
+        file.split(".ko").next().unwrap_or(file).replace('-', "_")
+    };
+    // Depth-first, dependencies before dependants.
+    fn visit<'a>(
+        path: &'a str,
+        deps: &[(&'a str, Vec<&'a str>)],
+        seen: &mut BTreeSet<&'a str>,
+        order: &mut Vec<String>,
+    ) {
+        if !seen.insert(path) {
+            return;
+        }
+        if let Some((_, ds)) = deps.iter().find(|(m, _)| *m == path) {
+            for d in ds {
+                visit(d, deps, seen, order);
+            }
+        }
+        order.push(path.to_owned());
+    }
+    let mut seen = BTreeSet::new();
+    let mut order = Vec::new();
+    for module in wanted {
+        let (path, _) = deps
+            .iter()
+            .find(|(m, _)| name_of(m) == module.replace('-', "_"))
+            .with_context(|| format!("vm: module {module} is not in {}", dir.display()))?;
+        visit(path, &deps, &mut seen, &mut order);
+    }
+    Ok(order)
+}
+
+/// Puts module `rel` (relative to the kernel's modules directory) into `tree` as
+/// `/lib/modules/<name>.ko`, decompressed (busybox insmod takes plain objects); returns that path.
+fn add_module(tree: &Path, kernel: &Kernel, rel: &str) -> anyhow::Result<String> {
+    let src = Path::new("/lib/modules").join(&kernel.release).join(rel);
+    let file = rel.rsplit('/').next().unwrap_or(rel);
+    let (stem, decompressor) = if let Some(s) = file.strip_suffix(".ko.xz") {
+        (s, Some("xz"))
+    } else if let Some(s) = file.strip_suffix(".ko.zst") {
+        (s, Some("zstd"))
+    } else if let Some(s) = file.strip_suffix(".ko.gz") {
+        (s, Some("gzip"))
+    } else {
+        (file.strip_suffix(".ko").unwrap_or(file), None)
+    };
+    let inside = format!("/lib/modules/{stem}.ko");
+    let dst = tree.join(inside.trim_start_matches('/'));
+    std::fs::create_dir_all(tree.join("lib/modules"))?;
+    match decompressor {
+        None => {
+            std::fs::copy(&src, &dst).with_context(|| format!("vm: copying {}", src.display()))?;
+        }
+        Some(tool) => {
+            let file = std::fs::File::create(&dst)?;
+            let status = Command::new(tool)
+                .arg("-dc")
+                .arg(&src)
+                .stdout(file)
+                .status()
+                .with_context(|| format!("vm: cannot run {tool}"))?;
+            if !status.success() {
+                bail!(
+                    "vm: {tool} -dc {} failed ({})",
+                    src.display(),
+                    describe(status)
+                );
+            }
+        }
+    }
+    Ok(inside)
+}
+
+/// The init script: mount what BPF and cgroup code expects, load modules, run the payload, report
+/// its exit status, power off.
+fn init_script(kernel: &Kernel, modules: &[String], payload: &str, args: &[String]) -> String {
+    let insmods: String = modules
+        .iter()
+        .map(|m| format!("insmod {m} || echo \"VM: insmod {m} failed\"\n"))
+        .collect();
+    let args: Vec<String> = args.iter().map(|a| sh_quote(a)).collect();
+    format!(
+        r#"#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+mkdir -p /proc /sys /dev /tmp /run
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mount -t securityfs securityfs /sys/kernel/security
+mount -t bpf bpf /sys/fs/bpf
+mount -t tracefs tracefs /sys/kernel/tracing
+mount -t debugfs debugfs /sys/kernel/debug
+mount -t cgroup2 cgroup2 /sys/fs/cgroup
+mount -t tmpfs tmpfs /tmp
+mount -t tmpfs tmpfs /run
+{insmods}echo "{BOOT_MARK}$(uname -r) (expected {release}), lsm=$(cat /sys/kernel/security/lsm)"
+export RUST_BACKTRACE=1 RUST_LOG=info
+cd /tmp
+{payload} {args}
+echo "{EXIT_MARK}$?"
+poweroff -f
+"#,
+        release = kernel.release,
+        args = args.join(" "),
+    )
+}
+
+/// Builds `target/vm/<name>.cpio.gz`: busybox, the binary at `/bin/<name>` with its shared
+/// libraries at their own paths, the modules, and `/init`.
+fn initramfs(kernel: &Kernel, binary: &Path, args: &[String]) -> anyhow::Result<PathBuf> {
+    let name = binary
+        .file_name()
+        .and_then(|n| n.to_str())
+        .with_context(|| format!("vm: {} has no usable file name", binary.display()))?;
     let work = root().join("target/vm");
-    let tree = work.join("root");
-    let _ = std::fs::remove_dir_all(&tree);
+    let tree = work.join(name);
+    if tree.exists() {
+        std::fs::remove_dir_all(&tree)
+            .with_context(|| format!("vm: clearing {}", tree.display()))?;
+    }
     std::fs::create_dir_all(tree.join("bin"))?;
+
     let busybox = Path::new("/bin/busybox");
     if !busybox.exists() {
         bail!("vm: /bin/busybox missing: install busybox-static (`cargo xtask setup`)");
     }
     std::fs::copy(busybox, tree.join("bin/busybox")).context("vm: copying busybox")?;
-    std::fs::copy(binary, tree.join("bin/vm-payload"))
+    std::fs::copy(binary, tree.join("bin").join(name))
         .with_context(|| format!("vm: copying {}", binary.display()))?;
     for lib in libraries(binary)? {
         copy_into(&tree, &lib)?;
     }
-    let quoted: Vec<String> = args.iter().map(|a| sh_quote(a)).collect();
+    let modules = modules(kernel)?
+        .iter()
+        .map(|m| add_module(&tree, kernel, m))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+
     let init = tree.join("init");
-    std::fs::write(&init, INIT.replace("__ARGS__", &quoted.join(" ")))?;
+    std::fs::write(
+        &init,
+        init_script(kernel, &modules, &format!("/bin/{name}"), args),
+    )?;
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&init, std::fs::Permissions::from_mode(0o755))?;
-    let image = work.join("initramfs.cpio.gz");
+
+    if which("cpio").is_none() {
+        bail!("vm: cpio missing: install it (`cargo xtask setup`)");
+    }
+    let image = work.join(format!("{name}.cpio.gz"));
     let status = Command::new("sh")
         .arg("-c")
         .arg(format!(
-            "cd {} && find . -print0 | cpio --null -o -H newc --quiet | gzip -1 > {}",
+            "set -e; cd {}; find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet \
+             | gzip -1 > {}",
             sh_quote(&tree.display().to_string()),
             sh_quote(&image.display().to_string())
         ))
         .status()
-        .context("vm: packing the initramfs")?;
+        .context("vm: cannot run sh to pack the initramfs")?;
     if !status.success() {
-        bail!("vm: packing the initramfs failed ({status}): are cpio and gzip installed?");
+        bail!("vm: packing the initramfs failed ({})", describe(status));
     }
     Ok(image)
 }
 
-/// Boots the VM running `binary args…`; returns the console output when the payload exited 0.
+/// `line` without terminal escape sequences (the firmware clears the screen) and other control
+/// characters but tabs and line ends.
+fn strip_escapes(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            // CSI: ESC [ parameters… final byte (a letter).
+            '\x1b' => {
+                if chars.next() == Some('[') {
+                    for c in chars.by_ref() {
+                        if c.is_ascii_alphabetic() {
+                            break;
+                        }
+                    }
+                }
+            }
+            '\t' | '\r' | '\n' => out.push(c),
+            c if c.is_control() => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Boots the VM running `binary args…` and returns the console output when the binary exited 0;
+/// fails on any other status or when `timeout` passes (qemu is killed).
+/// The console is echoed as it comes, each line prefixed with `vm| `.
 pub fn run(binary: &Path, args: &[String], timeout: Duration) -> anyhow::Result<String> {
     let kernel = kernel()?;
-    let image = initramfs(binary, args)?;
+    let image = initramfs(&kernel, binary, args)?;
+    println!(
+        "vm: booting {} with {} ({} MiB initramfs)",
+        kernel.image.display(),
+        binary.display(),
+        std::fs::metadata(&image).map_or(0, |m| m.len() >> 20)
+    );
+    for attempt in 1..=BOOT_ATTEMPTS {
+        match boot(&kernel, &image, binary, timeout)? {
+            Some(console) => return Ok(console),
+            None if attempt < BOOT_ATTEMPTS => println!(
+                "vm: the kernel did not reach init within {}s (attempt {attempt} of \
+                 {BOOT_ATTEMPTS}); booting again",
+                BOOT_DEADLINE.as_secs()
+            ),
+            None => {}
+        }
+    }
+    bail!("vm: the kernel did not reach init in {BOOT_ATTEMPTS} boots (console above)")
+}
+
+/// The kernel reaches the init script in about 5–10 s under TCG; an emulated boot that has not
+/// after this long has hung (seen rarely, early in boot) and is retried.
+const BOOT_DEADLINE: Duration = Duration::from_secs(120);
+const BOOT_ATTEMPTS: u32 = 3;
+
+/// One boot. `None` when the kernel hung before init; otherwise the console when the binary
+/// exited 0, or an error.
+fn boot(
+    kernel: &Kernel,
+    image: &Path,
+    binary: &Path,
+    timeout: Duration,
+) -> anyhow::Result<Option<String>> {
     let started = Instant::now();
     let mut child = Command::new("qemu-system-x86_64")
         .args(["-accel", "tcg", "-cpu", "max", "-m", "1024", "-smp", "2"])
         .args(["-nographic", "-no-reboot", "-kernel"])
-        .arg(&kernel)
+        .arg(&kernel.image)
         .arg("-initrd")
-        .arg(&image)
+        .arg(image)
         .arg("-append")
-        .arg(
-            "console=ttyS0 lsm=lockdown,capability,landlock,yama,apparmor,bpf panic=-1 quiet \
-             loglevel=3",
-        )
+        .arg(CMDLINE)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
         .context("vm: cannot start qemu-system-x86_64 (install qemu-system-x86)")?;
-    let mut stdout = child.stdout.take().context("vm: qemu stdout")?;
+
+    // Echo and collect the console on a thread; report when the boot mark passes.
+    let stdout = child.stdout.take().context("vm: qemu stdout")?;
+    let (booted_tx, booted_rx) = mpsc::channel();
     let reader = std::thread::spawn(move || {
+        let mut console = String::new();
+        let mut reader = BufReader::new(stdout);
         let mut buf = Vec::new();
-        let _ = stdout.read_to_end(&mut buf);
-        String::from_utf8_lossy(&buf).into_owned()
+        while reader.read_until(b'\n', &mut buf).is_ok_and(|n| n > 0) {
+            let line = strip_escapes(&String::from_utf8_lossy(&buf));
+            let line = line.trim_end_matches(['\r', '\n']);
+            println!("vm| {line}");
+            if line.contains(BOOT_MARK) {
+                let _ = booted_tx.send(());
+            }
+            console.push_str(line);
+            console.push('\n');
+            buf.clear();
+        }
+        console
     });
-    loop {
-        if child.try_wait()?.is_some() {
-            break;
+
+    let mut boot_time = None;
+    let status = loop {
+        if boot_time.is_none() && booted_rx.try_recv().is_ok() {
+            boot_time = Some(started.elapsed());
+        }
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if boot_time.is_none() && started.elapsed() > BOOT_DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = reader.join();
+            return Ok(None);
         }
         if started.elapsed() > timeout {
             let _ = child.kill();
             let _ = child.wait();
-            let out = reader.join().unwrap_or_default();
-            bail!("vm: no power-off within {timeout:?}; console:\n{out}");
+            let _ = reader.join();
+            bail!("vm: no power-off within {timeout:?} (console above)");
         }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let out = reader.join().unwrap_or_default();
-    let code = out
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let console = reader.join().unwrap_or_default();
+    let code = console
         .lines()
         .find_map(|l| l.trim().strip_prefix(EXIT_MARK))
         .and_then(|c| c.trim().parse::<i32>().ok());
+    let boot = boot_time.map_or_else(|| "?".to_owned(), |t| format!("{:.1}s", t.as_secs_f64()));
+    println!(
+        "vm: {} exited with {} (boot {boot}, total {:.1}s, qemu {})",
+        binary.display(),
+        code.map_or_else(|| "?".to_owned(), |c| c.to_string()),
+        started.elapsed().as_secs_f64(),
+        describe(status)
+    );
     match code {
-        Some(0) => {
-            println!("vm: {} ran in {:.1?}", binary.display(), started.elapsed());
-            Ok(out)
-        }
-        Some(c) => bail!("vm: {} exited with {c}; console:\n{out}", binary.display()),
-        None => bail!("vm: the payload did not finish; console:\n{out}"),
+        Some(0) => Ok(Some(console)),
+        Some(c) => bail!("vm: {} exited with {c} (console above)", binary.display()),
+        None => bail!(
+            "vm: {} did not finish: kernel panic or crash? (console above)",
+            binary.display()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::version_key;
+
+    #[test]
+    fn escapes_are_stripped() {
+        assert_eq!(
+            super::strip_escapes("\x1bc\x1b[?7l\x1b[2JVM BOOTED: 6.1\r\n"),
+            "VM BOOTED: 6.1\r\n"
+        );
+    }
+
+    #[test]
+    fn releases_sort_numerically() {
+        assert!(version_key("6.1.0-56-amd64") > version_key("6.1.0-9-amd64"));
+        assert!(version_key("6.10.0-1-amd64") > version_key("6.1.0-56-amd64"));
     }
 }
