@@ -13,7 +13,6 @@ use tracing::{debug, info, warn};
 use crate::{
     api::model::{CgroupRecord, ProcessRecord},
     attribution::{Attribution, AttributionError, scan},
-    probes::Matcher,
 };
 
 /// Questions from the API.
@@ -46,7 +45,6 @@ pub struct Intervals {
 /// for an orderly stop.
 pub async fn run_state(
     mut attribution: Attribution,
-    matcher: Matcher,
     intervals: Intervals,
     tx: mpsc::Sender<Message>,
     mut rx: mpsc::Receiver<Message>,
@@ -69,7 +67,7 @@ pub async fn run_state(
             _ = sweep.tick() => attribution.sweep(),
             _ = rescan.tick(), if intervals.rescan.is_some() => {
                 // Reading every process's fd table is blocking work: do it off this task.
-                let matcher = matcher.clone();
+                let matcher = attribution.matcher().clone();
                 let tx = tx.clone();
                 tokio::task::spawn_blocking(move || {
                     let found = scan::holders(&matcher);

@@ -74,6 +74,11 @@ impl Attribution {
         self.probes.shutdown(keep_pinned);
     }
 
+    /// What counts as an NVIDIA file (for scans run off the state task).
+    pub fn matcher(&self) -> &Matcher {
+        &self.matcher
+    }
+
     pub fn cgroup_root(&self) -> &std::path::Path {
         self.cgroups.root()
     }

@@ -103,7 +103,7 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         probes_resumed: probes.resumed(),
     };
 
-    let mut attribution = Attribution::new(probes, cgroups, matcher.clone())?;
+    let mut attribution = Attribution::new(probes, cgroups, matcher)?;
     let found = attribution.scan();
     attribution.sweep();
     info!(found, "start-up scan of /proc done");
@@ -125,7 +125,6 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
     let reader = tokio::spawn(daemon::read_events(events, tx.clone()));
     let state = tokio::spawn(daemon::run_state(
         attribution,
-        matcher,
         Intervals {
             rescan: (config.attribution.rescan_interval_secs > 0)
                 .then(|| std::time::Duration::from_secs(config.attribution.rescan_interval_secs)),
