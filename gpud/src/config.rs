@@ -178,23 +178,25 @@ mod tests {
     }
 
     #[test]
-    fn shipped_file_is_the_defaults() {
-        let c = Config::defaults().unwrap();
+    fn shipped_file_is_the_defaults() -> Result<(), ConfigError> {
+        let c = Config::defaults()?;
         assert_eq!(c.probes.attach, AttachPreference::Auto);
         assert_eq!(c.probes.bpffs, PathBuf::from("/sys/fs/bpf"));
         assert!(c.probes.keep_pinned);
         assert_eq!(c.dbus.bus, "system");
         assert!(c.devices.extra_paths.is_empty());
-        assert_eq!(parse(DEFAULT_CONFIG).unwrap(), c);
-        assert_eq!(parse("").unwrap(), c);
+        assert_eq!(parse(DEFAULT_CONFIG)?, c);
+        assert_eq!(parse("")?, c);
+        Ok(())
     }
 
     #[test]
-    fn partial_file_changes_only_its_keys() {
-        let c = parse("[probes]\nattach = \"tracepoint\"\n").unwrap();
+    fn partial_file_changes_only_its_keys() -> Result<(), ConfigError> {
+        let c = parse("[probes]\nattach = \"tracepoint\"\n")?;
         assert_eq!(c.probes.attach, AttachPreference::Tracepoint);
         assert_eq!(c.probes.bpffs, PathBuf::from("/sys/fs/bpf"));
-        assert_eq!(c.daemon, Config::defaults().unwrap().daemon);
+        assert_eq!(c.daemon, Config::defaults()?.daemon);
+        Ok(())
     }
 
     #[test]

@@ -184,11 +184,12 @@ mod tests {
     }
 
     #[test]
-    fn kernel_dev_encoding() {
+    fn kernel_dev_encoding() -> std::io::Result<()> {
         // /dev/null is 1:3; the kernel encodes it as 0x100003.
         assert_eq!(user_to_kernel_dev(libc::makedev(1, 3)), 0x10_0003);
-        let meta = std::fs::metadata("/dev/null").unwrap();
+        let meta = std::fs::metadata("/dev/null")?;
         use std::os::unix::fs::MetadataExt;
         assert_eq!(user_to_kernel_dev(meta.rdev()), 0x10_0003);
+        Ok(())
     }
 }
