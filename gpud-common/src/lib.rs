@@ -153,7 +153,6 @@ pub const fn kernel_mkdev(major: u32, minor: u32) -> u64 {
 pub struct KernelOffsets {
     pub task_files: u32,
     pub task_tgid: u32,
-    pub task_pid: u32,
     pub task_signal: u32,
     pub signal_live: u32,
     pub files_fdt: u32,
@@ -164,7 +163,6 @@ pub struct KernelOffsets {
     pub inode_ino: u32,
     pub inode_sb: u32,
     pub sb_dev: u32,
-    pub _pad: u32,
 }
 
 /// `ProbeConfig::flags`: `EXTRA_FILES` is non-empty, so unmatched device numbers must still be

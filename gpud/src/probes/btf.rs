@@ -72,7 +72,6 @@ impl KernelBtf {
         Ok(KernelOffsets {
             task_files: self.offset_of("task_struct", "files")?,
             task_tgid: self.offset_of("task_struct", "tgid")?,
-            task_pid: self.offset_of("task_struct", "pid")?,
             task_signal: self.offset_of("task_struct", "signal")?,
             signal_live: self.offset_of("signal_struct", "live")?,
             files_fdt: self.offset_of("files_struct", "fdt")?,
@@ -83,7 +82,6 @@ impl KernelBtf {
             inode_ino: self.offset_of("inode", "i_ino")?,
             inode_sb: self.offset_of("inode", "i_sb")?,
             sb_dev: self.offset_of("super_block", "s_dev")?,
-            _pad: 0,
         })
     }
 }
