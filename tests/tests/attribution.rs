@@ -384,3 +384,40 @@ async fn invalid_config_is_refused_with_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("missing.toml"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pinned_maps_of_another_layout_are_replaced_not_used() {
+    let dir = TempDir::new("layout");
+    let ctl = stand_in(&dir, "ctl");
+    let bus = Bus::start();
+    let config = write_config(dir.path(), &[&ctl], "auto");
+    // A CGROUPS map pinned by some other build: 8-byte keys but 4-byte values.
+    let bpffs = dir.path().join("bpffs");
+    gpud::probes::ensure_mounted(&bpffs, "bpf", gpud::probes::BPF_FS_MAGIC).unwrap();
+    let base = gpud::probes::Probes::pin_base(&bpffs);
+    std::fs::create_dir_all(&base).unwrap();
+    let opts = libbpf_sys::bpf_map_create_opts {
+        sz: size_of::<libbpf_sys::bpf_map_create_opts>() as _,
+        ..Default::default()
+    };
+    let mut foreign =
+        libbpf_rs::MapHandle::create(libbpf_rs::MapType::Hash, Some("CGROUPS"), 8, 4, 16, &opts)
+            .unwrap();
+    foreign.pin(base.join("CGROUPS")).unwrap();
+    drop(foreign);
+
+    let daemon = Daemon::start(&config, &bus.address).await;
+    assert!(
+        daemon.log_text().contains("another layout"),
+        "{}",
+        daemon.log_text()
+    );
+    let c = Cgroup::new("layout");
+    let three = ioctl_arg(CONTROL, 3);
+    let p = Issuer::run(&args(Some(&c), &ctl, &["--ioctl", &three]));
+    assert_eq!(
+        get(&daemon, &c.rel).await.ioctls,
+        class_counts(&[("control", 3)])
+    );
+    p.finish();
+}

@@ -271,6 +271,7 @@ impl Probes {
         }
         let base_dir = Self::pin_base(&cfg.bpffs);
         remove_other_abi_versions(&cfg.bpffs)?;
+        remove_if_foreign_layout(&base_dir)?;
         std::fs::create_dir_all(base_dir.join("links"))
             .map_err(io_err(format!("creating {}", base_dir.display())))?;
 
@@ -620,6 +621,45 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         cur = inner.source();
     }
     s
+}
+
+/// Key and value sizes of every pinned map, as this build defines them.
+fn expected_layouts() -> [(&'static str, usize, usize); 7] {
+    use std::mem::size_of;
+    [
+        (maps::CONFIG, size_of::<u32>(), size_of::<ProbeConfig>()),
+        (maps::EXTRA_FILES, size_of::<FileKey>(), size_of::<u32>()),
+        (maps::PROCS, size_of::<u32>(), size_of::<ProcEntry>()),
+        (maps::CGROUPS, size_of::<u64>(), size_of::<IoctlCounts>()),
+        (maps::STATS, size_of::<u32>(), size_of::<u64>()),
+        (maps::TRACKED, size_of::<u32>(), size_of::<u64>()),
+        (maps::EVENTS, 0, 0),
+    ]
+}
+
+/// Pinned maps whose key or value size differs from this build's (an ABI change without a
+/// version bump) would be read with the wrong layout: detach and remove them all, and start from
+/// empty maps, rather than count into garbage.
+fn remove_if_foreign_layout(base_dir: &Path) -> Result<(), ProbeError> {
+    for (name, key, value) in expected_layouts() {
+        let path = base_dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let matches = aya::maps::MapInfo::from_pin(&path).is_ok_and(|info| {
+            info.key_size() as usize == key && info.value_size() as usize == value
+        });
+        if !matches {
+            warn!(
+                map = name,
+                dir = %base_dir.display(),
+                "pinned map has another layout than this build; removing the pins and starting from empty maps"
+            );
+            return std::fs::remove_dir_all(base_dir)
+                .map_err(io_err(format!("removing {}", base_dir.display())));
+        }
+    }
+    Ok(())
 }
 
 /// Removes pins of other ABI versions: their programs would count with a foreign layout.
