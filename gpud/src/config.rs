@@ -221,4 +221,28 @@ mod tests {
             assert!(err.contains(needle), "{text:?} gave {err}");
         }
     }
+
+    proptest::proptest! {
+        /// Any text is either a configuration or a typed error; nothing panics.
+        #[test]
+        fn arbitrary_text_never_panics(text in "(?s).{0,300}") {
+            let _ = parse(&text);
+        }
+
+        /// Known keys with values of any shape: accepted only when the type and range fit.
+        #[test]
+        fn arbitrary_values_for_known_keys(
+            secs in proptest::prelude::any::<i64>(),
+            attach in "[a-z]{0,12}",
+            path in "[a-z/]{0,20}",
+        ) {
+            let text = format!(
+                "[attribution]\nsweep_interval_secs = {secs}\n[probes]\nattach = \"{attach}\"\nbpffs = \"{path}\"\n"
+            );
+            let ok = secs >= 1
+                && ["auto", "fentry", "tracepoint"].contains(&attach.as_str())
+                && path.starts_with('/');
+            proptest::prop_assert_eq!(parse(&text).is_ok(), ok, "{}", text);
+        }
+    }
 }

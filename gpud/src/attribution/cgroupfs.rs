@@ -261,4 +261,16 @@ mod tests {
         assert!(CgroupFs::normalize(&"a".repeat(5000)).is_err());
         Ok(())
     }
+
+    proptest::proptest! {
+        /// Whatever a D-Bus caller sends, a normalized path stays inside the hierarchy.
+        #[test]
+        fn normalized_paths_never_escape(path in "(?s).{0,64}") {
+            if let Ok(n) = CgroupFs::normalize(&path) {
+                proptest::prop_assert!(n.starts_with('/'));
+                proptest::prop_assert!(!n.split('/').any(|c| c == ".." || c == "."));
+                proptest::prop_assert!(!n.contains('\0') && !n.contains("//"));
+            }
+        }
+    }
 }
