@@ -7,6 +7,7 @@
 #![no_std]
 
 pub mod nv;
+pub mod rm;
 
 /// Bumped whenever a map layout, map name or event record changes. Maps are pinned under
 /// `<bpffs>/gpud/v<ABI_VERSION>/`, so a daemon of another ABI never reads a foreign layout.

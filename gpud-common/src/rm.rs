@@ -1,0 +1,275 @@
+//! Parameter structs of the NVIDIA resource-manager (RM) escapes that allocate and free GPU
+//! memory, as laid out by drivers 535 and later (x86-64 and arm64; identical for 32-bit callers,
+//! since every 64-bit member is 8-aligned).
+//!
+//! Facts from the open GPU kernel modules (`src/common/sdk/nvidia/inc/nvos.h`, class headers),
+//! measured with `offsetof` probes against the 595.45.04 headers; see
+//! shared/reference/nvidia-ioctl-abi.md §3. The probes read these fields from user memory at the
+//! ioctl's entry and return; the test fixture that plays the driver writes them. One definition
+//! serves both, and the `const` assertions below pin every offset the probes rely on.
+
+use core::mem::{offset_of, size_of};
+
+/// An RM object handle (`NvHandle`). Client handles are unique among live clients; other handles
+/// only within their client, so `(client, object)` is an object's identity.
+pub type Handle = u32;
+
+/// `NV_STATUS` values the accounting distinguishes.
+pub mod status {
+    pub const NV_OK: u32 = 0;
+    pub const NV_ERR_INVALID_ARGUMENT: u32 = 0x1f;
+    pub const NV_ERR_INVALID_CLASS: u32 = 0x22;
+    pub const NV_ERR_INVALID_CLIENT: u32 = 0x23;
+    pub const NV_ERR_INVALID_OBJECT_HANDLE: u32 = 0x33;
+    pub const NV_ERR_INVALID_OBJECT_PARENT: u32 = 0x36;
+    pub const NV_ERR_NO_MEMORY: u32 = 0x51;
+}
+
+/// RM classes (`hClass`) the accounting follows.
+pub mod class {
+    /// `NV01_ROOT`: rewritten by the driver to [`ROOT_CLIENT`].
+    pub const ROOT: u32 = 0x0;
+    /// `NV01_ROOT_NON_PRIV`: rewritten by the driver to [`ROOT_CLIENT`].
+    pub const ROOT_NON_PRIV: u32 = 0x1;
+    /// `NV01_ROOT_CLIENT`: a client; `hObjectNew` is the new client handle.
+    pub const ROOT_CLIENT: u32 = 0x41;
+    /// `NV01_DEVICE_0`: a GPU (or SLI group) under a client; params [`Nv0080AllocParams`].
+    pub const DEVICE: u32 = 0x80;
+    /// `NV20_SUBDEVICE_0`: one GPU of a device.
+    pub const SUBDEVICE: u32 = 0x2080;
+    /// `NV01_MEMORY_LOCAL_USER`: physical video memory; params [`MemoryAllocationParams`].
+    pub const MEMORY_LOCAL_USER: u32 = 0x40;
+    /// `NV01_MEMORY_SYSTEM`: pinned host memory (not video memory).
+    pub const MEMORY_SYSTEM: u32 = 0x3e;
+    /// `NV50_MEMORY_VIRTUAL`: a GPU virtual-address reservation (no physical memory).
+    pub const MEMORY_VIRTUAL: u32 = 0x50a0;
+
+    /// Whether `hClass` allocates a client.
+    #[inline(always)]
+    pub const fn is_root(c: u32) -> bool {
+        matches!(c, ROOT | ROOT_NON_PRIV | ROOT_CLIENT)
+    }
+}
+
+/// `NVOS00_PARAMETERS` (`NV_ESC_RM_FREE`). `hObjectParent` is ignored by modern RM; freeing
+/// `hRoot` itself frees the client.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Nvos00 {
+    pub h_root: Handle,
+    pub h_object_parent: Handle,
+    pub h_object_old: Handle,
+    pub status: u32,
+}
+
+/// `NVOS21_PARAMETERS` (`NV_ESC_RM_ALLOC`, 32 bytes). `h_object_new` is IN/OUT: 0 asks RM for a
+/// handle. `params_size` is ignored by the driver (it copies the class's struct size).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Nvos21 {
+    pub h_root: Handle,
+    pub h_object_parent: Handle,
+    pub h_object_new: Handle,
+    pub h_class: u32,
+    pub p_alloc_parms: u64,
+    pub params_size: u32,
+    pub status: u32,
+}
+
+/// `NVOS64_PARAMETERS` (`NV_ESC_RM_ALLOC` with access rights, 48 bytes). The driver tells it from
+/// [`Nvos21`] by the ioctl size alone; the first five fields sit at the same offsets.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Nvos64 {
+    pub h_root: Handle,
+    pub h_object_parent: Handle,
+    pub h_object_new: Handle,
+    pub h_class: u32,
+    pub p_alloc_parms: u64,
+    pub p_rights_requested: u64,
+    pub params_size: u32,
+    pub flags: u32,
+    pub status: u32,
+    pub _pad: u32,
+}
+
+/// `NVOS64_FLAGS_FINN_SERIALIZED`: `pAllocParms` points at a serialized blob, not the struct.
+pub const NVOS64_FLAGS_FINN_SERIALIZED: u32 = 0x1;
+
+/// Offsets shared by [`Nvos21`] and [`Nvos64`] (the driver asserts they are equal).
+pub const ALLOC_H_ROOT: usize = offset_of!(Nvos21, h_root);
+pub const ALLOC_H_PARENT: usize = offset_of!(Nvos21, h_object_parent);
+pub const ALLOC_H_NEW: usize = offset_of!(Nvos21, h_object_new);
+pub const ALLOC_H_CLASS: usize = offset_of!(Nvos21, h_class);
+pub const ALLOC_P_PARAMS: usize = offset_of!(Nvos21, p_alloc_parms);
+pub const NVOS21_STATUS: usize = offset_of!(Nvos21, status);
+pub const NVOS64_STATUS: usize = offset_of!(Nvos64, status);
+pub const NVOS64_FLAGS: usize = offset_of!(Nvos64, flags);
+
+/// `NV_MEMORY_ALLOCATION_PARAMS`, the params of classes 0x40, 0x3e and 0x50a0 (128 bytes from
+/// driver 545; 120 before, with the same offsets). `size` is IN/OUT: RM writes back the size it
+/// allocated (page and alignment rounding).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryAllocationParams {
+    pub owner: u32,
+    pub type_: u32,
+    pub flags: u32,
+    pub width: u32,
+    pub height: u32,
+    pub pitch: i32,
+    pub attr: u32,
+    pub attr2: u32,
+    pub format: u32,
+    pub compr_covg: u32,
+    pub zcull_covg: u32,
+    pub _pad0: u32,
+    pub range_lo: u64,
+    pub range_hi: u64,
+    pub size: u64,
+    pub alignment: u64,
+    pub offset: u64,
+    pub limit: u64,
+    pub address: u64,
+    pub ctag_offset: u32,
+    pub h_va_space: Handle,
+    pub internal_flags: u32,
+    pub tag: u32,
+    pub numa_node: i32,
+    pub _pad1: u32,
+}
+
+pub const MEM_PARAMS_SIZE: usize = offset_of!(MemoryAllocationParams, size);
+pub const MEM_PARAMS_FLAGS: usize = offset_of!(MemoryAllocationParams, flags);
+pub const MEM_PARAMS_ATTR: usize = offset_of!(MemoryAllocationParams, attr);
+
+/// `NVOS32_ALLOC_FLAGS_VIRTUAL`: a VA reservation, not memory.
+pub const NVOS32_ALLOC_FLAGS_VIRTUAL: u32 = 0x0008_0000;
+/// `NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED`: `hMemory` is an input.
+pub const NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED: u32 = 0x0000_4000;
+/// `NVOS32_ATTR_LOCATION` is bits 26:25 of `attr`; 0 is video memory.
+pub const fn attr_location(attr: u32) -> u32 {
+    (attr >> 25) & 0x3
+}
+pub const NVOS32_ATTR_LOCATION_VIDMEM: u32 = 0;
+
+/// `NV0080_ALLOC_PARAMETERS` (class `NV01_DEVICE_0`, 56 bytes): `deviceId` is the RM device
+/// instance the client opens.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Nv0080AllocParams {
+    pub device_id: u32,
+    pub h_client_share: Handle,
+    pub h_target_client: Handle,
+    pub h_target_device: Handle,
+    pub flags: u32,
+    pub _pad0: u32,
+    pub va_space_size: u64,
+    pub va_start_internal: u64,
+    pub va_limit_internal: u64,
+    pub va_mode: u32,
+    pub _pad1: u32,
+}
+
+pub const DEVICE_PARAMS_ID: usize = offset_of!(Nv0080AllocParams, device_id);
+
+/// `NVOS32_PARAMETERS` (`NV_ESC_RM_VID_HEAP_CONTROL`, 184 bytes): a header, then a union selected
+/// by `function`. The union members the accounting reads are given as offsets below.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Nvos32 {
+    pub h_root: Handle,
+    pub h_object_parent: Handle,
+    pub function: u32,
+    pub h_va_space: Handle,
+    pub ivc_heap_number: i16,
+    pub _pad0: u16,
+    pub status: u32,
+    pub total: u64,
+    pub free: u64,
+    pub data: [u8; 144],
+}
+
+impl Default for Nvos32 {
+    fn default() -> Self {
+        Self {
+            h_root: 0,
+            h_object_parent: 0,
+            function: 0,
+            h_va_space: 0,
+            ivc_heap_number: 0,
+            _pad0: 0,
+            status: 0,
+            total: 0,
+            free: 0,
+            data: [0; 144],
+        }
+    }
+}
+
+pub const NVOS32_FUNCTION_ALLOC_SIZE: u32 = 2;
+pub const NVOS32_FUNCTION_FREE: u32 = 3;
+pub const NVOS32_FUNCTION_ALLOC_TILED_PITCH_HEIGHT: u32 = 6;
+pub const NVOS32_FUNCTION_ALLOC_SIZE_RANGE: u32 = 14;
+
+pub const VIDHEAP_H_ROOT: usize = offset_of!(Nvos32, h_root);
+pub const VIDHEAP_H_PARENT: usize = offset_of!(Nvos32, h_object_parent);
+pub const VIDHEAP_FUNCTION: usize = offset_of!(Nvos32, function);
+pub const VIDHEAP_STATUS: usize = offset_of!(Nvos32, status);
+/// `data.*.hMemory` (IN/OUT) for ALLOC_SIZE, ALLOC_TILED_PITCH_HEIGHT, ALLOC_SIZE_RANGE and FREE.
+pub const VIDHEAP_H_MEMORY: usize = 44;
+/// `data.*.flags` of the three alloc functions.
+pub const VIDHEAP_FLAGS: usize = 52;
+/// `data.AllocSize.attr` and `data.AllocSizeRange.attr`.
+pub const VIDHEAP_ATTR: usize = 56;
+/// `data.AllocTiledPitchHeight.attr`.
+pub const VIDHEAP_ATTR_TILED: usize = 64;
+/// `data.AllocSize.size` and `data.AllocTiledPitchHeight.size` (u64, IN/OUT).
+pub const VIDHEAP_SIZE: usize = 88;
+/// `data.AllocSizeRange.size` (u64, IN/OUT).
+pub const VIDHEAP_SIZE_RANGE: usize = 80;
+
+/// Where a VID_HEAP_CONTROL allocation function keeps its `attr` and `size`; `None` for functions
+/// that do not allocate.
+#[inline(always)]
+pub const fn vidheap_alloc_fields(function: u32) -> Option<(usize, usize)> {
+    match function {
+        NVOS32_FUNCTION_ALLOC_SIZE => Some((VIDHEAP_ATTR, VIDHEAP_SIZE)),
+        NVOS32_FUNCTION_ALLOC_TILED_PITCH_HEIGHT => Some((VIDHEAP_ATTR_TILED, VIDHEAP_SIZE)),
+        NVOS32_FUNCTION_ALLOC_SIZE_RANGE => Some((VIDHEAP_ATTR, VIDHEAP_SIZE_RANGE)),
+        _ => None,
+    }
+}
+
+/// `nv_ioctl_xfer_t` (`NV_ESC_IOCTL_XFER_CMD`): `cmd` is the bare escape number.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NvIoctlXfer {
+    pub cmd: u32,
+    pub size: u32,
+    pub ptr: u64,
+}
+
+// Pinned by the ABI reference (§3); a wrong edit here fails the build of both sides.
+const _: () = {
+    assert!(size_of::<Nvos00>() == 16);
+    assert!(offset_of!(Nvos00, h_object_old) == 8 && offset_of!(Nvos00, status) == 12);
+    assert!(size_of::<Nvos21>() == 32);
+    assert!(NVOS21_STATUS == 28 && ALLOC_P_PARAMS == 16 && ALLOC_H_CLASS == 12);
+    assert!(size_of::<Nvos64>() == 48);
+    assert!(NVOS64_STATUS == 40 && NVOS64_FLAGS == 36);
+    assert!(offset_of!(Nvos64, p_alloc_parms) == ALLOC_P_PARAMS);
+    assert!(offset_of!(Nvos64, h_class) == ALLOC_H_CLASS);
+    assert!(size_of::<MemoryAllocationParams>() == 128);
+    assert!(MEM_PARAMS_SIZE == 64 && MEM_PARAMS_ATTR == 24 && MEM_PARAMS_FLAGS == 8);
+    assert!(offset_of!(MemoryAllocationParams, limit) == 88);
+    assert!(offset_of!(MemoryAllocationParams, numa_node) == 120);
+    assert!(size_of::<Nv0080AllocParams>() == 56 && DEVICE_PARAMS_ID == 0);
+    assert!(size_of::<Nvos32>() == 184);
+    assert!(VIDHEAP_STATUS == 20 && VIDHEAP_FUNCTION == 8 && offset_of!(Nvos32, data) == 40);
+    assert!(size_of::<NvIoctlXfer>() == 16);
+    assert!(size_of::<Nvos00>() as u32 == crate::nv::NVOS00_SIZE);
+    assert!(size_of::<Nvos21>() as u32 == crate::nv::NVOS21_SIZE);
+    assert!(size_of::<Nvos64>() as u32 == crate::nv::NVOS64_SIZE);
+    assert!(size_of::<Nvos32>() as u32 == crate::nv::NVOS32_SIZE);
+};
