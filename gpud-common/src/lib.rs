@@ -11,7 +11,7 @@ pub mod rm;
 
 /// Bumped whenever a map layout, map name or event record changes. Maps are pinned under
 /// `<bpffs>/gpud/v<ABI_VERSION>/`, so a daemon of another ABI never reads a foreign layout.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 
 /// Classes of ioctls on NVIDIA device files, as counted per cgroup and per process.
 #[repr(u32)]
@@ -164,6 +164,11 @@ pub struct KernelOffsets {
     pub inode_ino: u32,
     pub inode_sb: u32,
     pub sb_dev: u32,
+    /// `file.f_count` (before 6.13) or `file.f_ref` (a `file_ref_t`, 6.13 on).
+    pub file_refs: u32,
+    /// Value of that counter when exactly one reference is held: 1 for `f_count`, 0 for
+    /// `file_ref_t` (which counts from zero).
+    pub file_one_ref: u32,
 }
 
 /// `ProbeConfig::flags`: `EXTRA_FILES` is non-empty, so unmatched device numbers must still be
@@ -171,6 +176,9 @@ pub struct KernelOffsets {
 pub const CFG_HAS_EXTRA_FILES: u32 = 1 << 0;
 /// `ProbeConfig::flags`: the daemon filled this record; programs do nothing until it is set.
 pub const CFG_READY: u32 = 1 << 1;
+/// `ProbeConfig::flags`: no file-release hook is attached (tracepoint mode), so the exit
+/// tracepoint searches a dying process's descriptors for control files it releases.
+pub const CFG_EXIT_RELEASE: u32 = 1 << 2;
 
 /// The single value of the `CONFIG` array map.
 #[repr(C)]
@@ -185,7 +193,18 @@ pub struct ProbeConfig {
     pub caps_imex_major: u32,
     /// `CFG_*` bits.
     pub flags: u32,
+    /// What the kernel side does itself when an allocation takes a cgroup over a GPU-memory
+    /// limit: `REACT_*`.
+    pub react_action: u32,
+    pub _pad: u32,
 }
+
+/// `ProbeConfig::react_action`: only report the crossing (ring-buffer event, counter).
+pub const REACT_NOTIFY: u32 = 0;
+/// `ProbeConfig::react_action`: also `SIGKILL` the allocating process, from the probe.
+pub const REACT_KILL: u32 = 1;
+/// `ProbeConfig::react_action`: report; the daemon freezes the cgroup.
+pub const REACT_FREEZE: u32 = 2;
 
 /// Indices into the `STATS` per-CPU array: health counters of the kernel side.
 pub mod stat {
@@ -197,14 +216,42 @@ pub mod stat {
     pub const CGROUPS_FULL: u32 = 2;
     /// Matched ioctls (all classes), for rate metrics.
     pub const MATCHED_IOCTLS: u32 = 3;
+    /// Inserts into `OBJECTS` that failed (map full): that object is not accounted.
+    pub const OBJECTS_FULL: u32 = 4;
+    /// Video-memory allocations charged.
+    pub const CHARGES: u32 = 5;
+    /// Video-memory objects uncharged (freed, subtree, client or file release).
+    pub const UNCHARGES: u32 = 6;
+    /// Allocations whose parameters could not be read or were malformed: not charged.
+    pub const UNREADABLE: u32 = 7;
+    /// Allocations refused by the `deny` tier.
+    pub const DENIED: u32 = 8;
+    /// Allocations that took a cgroup over a limit after the fact (`react` tier).
+    pub const CROSSED: u32 = 9;
+    /// Video-memory allocations whose parent object was not known: charged to `GPU_UNKNOWN`.
+    pub const UNKNOWN_GPU: u32 = 10;
     /// Number of counters.
-    pub const COUNT: u32 = 4;
+    pub const COUNT: u32 = 11;
 }
 
 /// `Event::kind`: a process became tracked (opened an NVIDIA file, or first matched ioctl).
 pub const EVENT_PROC_NEW: u32 = 1;
 /// `Event::kind`: a tracked process exited (its last thread).
 pub const EVENT_PROC_EXIT: u32 = 2;
+/// `Event::kind`: `RM_FREE` of a client, device or subdevice succeeded (`client`, `object`;
+/// `value`: the serial clock then): the daemon releases that object and those below it that are
+/// older than the event (a freed video-memory object is released by the kernel side itself).
+pub const EVENT_FREE_TREE: u32 = 3;
+/// `Event::kind`: the last reference to a control file is going (`value`: the `struct file`
+/// address; `bytes`: the serial clock then): the driver frees every client of that file without
+/// an `RM_FREE`.
+pub const EVENT_FILE_RELEASE: u32 = 4;
+/// `Event::kind`: an allocation took `cgroup_id` over its limit on `gpu` (`value`: usage after,
+/// `bytes`: the allocation; `tgid`: the allocating process).
+pub const EVENT_LIMIT_CROSSED: u32 = 5;
+/// `Event::kind`: the `deny` tier refused an allocation of `bytes` in `cgroup_id` on `gpu`
+/// (`value`: usage at the time).
+pub const EVENT_ALLOC_DENIED: u32 = 6;
 
 /// Record sent through the `EVENTS` ring buffer.
 #[repr(C)]
@@ -213,6 +260,105 @@ pub struct Event {
     pub kind: u32,
     pub tgid: u32,
     pub cgroup_id: u64,
+    pub client: u32,
+    pub object: u32,
+    pub value: u64,
+    pub bytes: u64,
+    pub gpu: u32,
+    pub _pad: u32,
+}
+
+/// GPU index meaning "the allocation's parent device is not known" (charged, reported apart).
+pub const GPU_UNKNOWN: u32 = 0xffff_fffe;
+/// GPU index of the all-GPUs total kept beside each per-GPU usage, and of all-GPU limits.
+pub const GPU_ALL: u32 = 0xffff_ffff;
+
+/// `ObjEntry::kind`.
+pub const OBJ_CLIENT: u32 = 1;
+pub const OBJ_DEVICE: u32 = 2;
+pub const OBJ_SUBDEVICE: u32 = 3;
+pub const OBJ_MEMORY: u32 = 4;
+
+/// Key of the `OBJECTS` map: RM handles are unique only within their client.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjKey {
+    pub client: u32,
+    pub object: u32,
+}
+
+/// Value of the `OBJECTS` map: an RM object the accounting follows (clients, devices,
+/// subdevices, video memory).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ObjEntry {
+    /// `OBJ_*`.
+    pub kind: u32,
+    /// Parent handle in the same client (the client itself for devices).
+    pub parent: u32,
+    /// RM device instance (`NV0080_ALLOC_PARAMETERS.deviceId`), or `GPU_UNKNOWN`.
+    pub gpu: u32,
+    /// Process that allocated it.
+    pub tgid: u32,
+    /// cgroup charged (memory) or of the allocating task.
+    pub cgroup_id: u64,
+    /// Bytes charged (memory objects; the size the driver wrote back).
+    pub bytes: u64,
+    /// Clients: address of the control `struct file` that owns them.
+    pub file: u64,
+    /// `bpf_ktime_get_ns()` at creation: the daemon releases an object only if it still has
+    /// this serial, and only objects older than the event that released their tree.
+    pub serial: u64,
+}
+
+/// Key of the `USAGE` and `LIMITS` maps.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UsageKey {
+    pub cgroup_id: u64,
+    /// RM device instance, `GPU_UNKNOWN`, or `GPU_ALL`.
+    pub gpu: u32,
+    pub _pad: u32,
+}
+
+/// Value of the `LIMITS` map. `USAGE` values are bare `u64` byte counts, hierarchical: an
+/// allocation is charged to its cgroup and every ancestor, per GPU and to `GPU_ALL`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LimitValue {
+    /// Maximum bytes.
+    pub max: u64,
+    /// Allocations that crossed this limit (`react`) or were refused by it (`deny`), like
+    /// `memory.events`' `max`.
+    pub events: u64,
+}
+
+/// Deepest cgroup level (root is level 0) the kernel side charges hierarchically.
+pub const MAX_CGROUP_DEPTH: usize = 16;
+
+/// Value of the `ANCESTRY` map, keyed by cgroup id: the ids from the root (level 0) down to the
+/// cgroup itself, recorded at its first charge so uncharges from any context reach the same
+/// ancestors.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ancestry {
+    pub depth: u32,
+    pub _pad: u32,
+    pub ids: [u64; MAX_CGROUP_DEPTH],
+}
+
+/// Value of the `PENDING` map (keyed by `pid_tgid`): an RM call seen at the ioctl's entry whose
+/// result the exit side reads.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pending {
+    /// The control `struct file`.
+    pub file: u64,
+    /// User address of the parameter struct (the inner one for an XFER).
+    pub params: u64,
+    /// Escape number and parameter size (after unwrapping an XFER).
+    pub nr: u32,
+    pub size: u32,
 }
 
 /// Map names, as written in the eBPF object and pinned in bpffs.
@@ -224,6 +370,11 @@ pub mod maps {
     pub const EVENTS: &str = "EVENTS";
     pub const STATS: &str = "STATS";
     pub const TRACKED: &str = "TRACKED";
+    pub const OBJECTS: &str = "OBJECTS";
+    pub const USAGE: &str = "USAGE";
+    pub const LIMITS: &str = "LIMITS";
+    pub const ANCESTRY: &str = "ANCESTRY";
+    pub const PENDING: &str = "PENDING";
 }
 
 /// Capacities of the maps.
@@ -231,6 +382,10 @@ pub const MAX_PROCS: u32 = 65_536;
 pub const MAX_CGROUPS: u32 = 16_384;
 pub const MAX_EXTRA_FILES: u32 = 256;
 pub const EVENTS_BYTES: u32 = 256 * 1024;
+pub const MAX_OBJECTS: u32 = 262_144;
+pub const MAX_USAGE: u32 = 65_536;
+pub const MAX_LIMITS: u32 = 16_384;
+pub const MAX_PENDING: u32 = 16_384;
 
 #[cfg(feature = "user")]
 mod pod {
@@ -241,4 +396,10 @@ mod pod {
     unsafe impl aya::Pod for super::FileKey {}
     unsafe impl aya::Pod for super::ProbeConfig {}
     unsafe impl aya::Pod for super::Event {}
+    unsafe impl aya::Pod for super::ObjKey {}
+    unsafe impl aya::Pod for super::ObjEntry {}
+    unsafe impl aya::Pod for super::UsageKey {}
+    unsafe impl aya::Pod for super::LimitValue {}
+    unsafe impl aya::Pod for super::Ancestry {}
+    unsafe impl aya::Pod for super::Pending {}
 }

@@ -38,6 +38,7 @@ pub struct Config {
     pub probes: ProbesConfig,
     pub devices: DevicesConfig,
     pub attribution: AttributionConfig,
+    pub enforcement: EnforcementConfig,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -82,6 +83,39 @@ pub struct DevicesConfig {
 pub struct AttributionConfig {
     pub rescan_interval_secs: u64,
     pub sweep_interval_secs: u64,
+}
+
+/// How GPU-memory limits are enforced (`[enforcement] tier`).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum TierPreference {
+    /// `deny` where BPF-LSM programs load, `react` otherwise.
+    Auto,
+    /// Refuse the crossing allocation in `file_ioctl` (BPF-LSM); start-up fails without it.
+    Deny,
+    /// Act on the crossing allocation when its ioctl returns.
+    React,
+    /// The kernel's `dmem` cgroup controller; start-up fails unless it lists NVIDIA regions.
+    Dmem,
+}
+
+/// What the `react` tier does to the allocation that crossed a limit.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ReactAction {
+    /// `SIGKILL` the allocating process, from the probe, before the ioctl returns to it.
+    Kill,
+    /// Freeze the cgroup whose limit was crossed (`cgroup.freeze`), from the daemon.
+    Freeze,
+    /// Only report (D-Bus signal, event counter, log).
+    Notify,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct EnforcementConfig {
+    pub tier: TierPreference,
+    pub react_action: ReactAction,
 }
 
 impl Config {

@@ -11,11 +11,13 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use crate::{
-    api::model::{CgroupRecord, ProcessRecord},
+    api::model::{CgroupRecord, LimitRecord, ProcessRecord},
     attribution::{Attribution, AttributionError, scan},
+    enforcement::{EnforcementError, LimitNotice, MemoryEnforcement},
+    policy::LimitUpdate,
 };
 
-/// Questions from the API.
+/// Questions and changes from the API.
 pub enum Request {
     ListCgroups(oneshot::Sender<Vec<CgroupRecord>>),
     ListProcesses(oneshot::Sender<Vec<ProcessRecord>>),
@@ -24,6 +26,27 @@ pub enum Request {
         reply: oneshot::Sender<Result<CgroupRecord, AttributionError>>,
     },
     KernelStats(oneshot::Sender<BTreeMap<String, u64>>),
+    SetLimits {
+        cgroup: String,
+        gpu: String,
+        update: LimitUpdate,
+        reply: oneshot::Sender<Result<(), EnforcementError>>,
+    },
+    ClearLimits {
+        cgroup: String,
+        gpu: String,
+        names: Vec<String>,
+        reply: oneshot::Sender<Result<(), EnforcementError>>,
+    },
+    ListLimits(oneshot::Sender<Vec<LimitRecord>>),
+}
+
+/// Everything the state task owns.
+pub struct State {
+    pub attribution: Attribution,
+    pub memory: MemoryEnforcement,
+    /// Limit events for the D-Bus signal task.
+    pub notices: tokio::sync::broadcast::Sender<LimitNotice>,
 }
 
 /// Everything the state task reacts to.
@@ -44,12 +67,12 @@ pub struct Intervals {
 /// Runs the state task until `shutdown` turns true or every sender is gone; hands the state back
 /// for an orderly stop.
 pub async fn run_state(
-    mut attribution: Attribution,
+    mut state: State,
     intervals: Intervals,
     tx: mpsc::Sender<Message>,
     mut rx: mpsc::Receiver<Message>,
     mut shutdown: watch::Receiver<bool>,
-) -> Attribution {
+) -> State {
     let mut sweep = tokio::time::interval(intervals.sweep);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // A disabled rescan still needs a timer to select on; it just never fires usefully.
@@ -62,12 +85,16 @@ pub async fn run_state(
         tokio::select! {
             msg = rx.recv() => {
                 let Some(msg) = msg else { break };
-                handle(&mut attribution, msg);
+                handle(&mut state, msg);
             }
-            _ = sweep.tick() => attribution.sweep(),
+            _ = sweep.tick() => {
+                state.attribution.sweep();
+                state.attribution.sweep_memory();
+                state.memory.sweep(&mut state.attribution);
+            }
             _ = rescan.tick(), if intervals.rescan.is_some() => {
                 // Reading every process's fd table is blocking work: do it off this task.
-                let matcher = attribution.matcher().clone();
+                let matcher = state.attribution.matcher().clone();
                 let tx = tx.clone();
                 tokio::task::spawn_blocking(move || {
                     let found = scan::holders(&matcher);
@@ -78,10 +105,11 @@ pub async fn run_state(
         }
     }
     debug!("state task stopped");
-    attribution
+    state
 }
 
-fn handle(attribution: &mut Attribution, msg: Message) {
+fn handle(state: &mut State, msg: Message) {
+    let attribution = &mut state.attribution;
     match msg {
         Message::Request(Request::ListCgroups(reply)) => {
             let _ = reply.send(attribution.list());
@@ -95,7 +123,32 @@ fn handle(attribution: &mut Attribution, msg: Message) {
         Message::Request(Request::KernelStats(reply)) => {
             let _ = reply.send(attribution.kernel_stats());
         }
-        Message::Kernel(ev) => attribution.on_kernel_event(ev),
+        Message::Request(Request::SetLimits {
+            cgroup,
+            gpu,
+            update,
+            reply,
+        }) => {
+            let _ = reply.send(state.memory.set(attribution, &cgroup, &gpu, update));
+        }
+        Message::Request(Request::ClearLimits {
+            cgroup,
+            gpu,
+            names,
+            reply,
+        }) => {
+            let _ = reply.send(state.memory.clear(attribution, &cgroup, &gpu, &names));
+        }
+        Message::Request(Request::ListLimits(reply)) => {
+            let _ = reply.send(state.memory.list());
+        }
+        Message::Kernel(ev) => {
+            attribution.on_kernel_event(&ev);
+            if let Some(notice) = state.memory.on_event(attribution, &ev) {
+                // No subscriber (no bus yet) is fine: the event is logged and counted.
+                let _ = state.notices.send(notice);
+            }
+        }
         Message::Scanned(pids) => {
             let n = attribution.track_holders(pids);
             if n > 0 {
@@ -151,14 +204,16 @@ mod tests {
             kind: gpud_common::EVENT_PROC_NEW,
             tgid: 42,
             cgroup_id: 7,
+            ..Default::default()
         };
+        let size = size_of::<gpud_common::Event>();
         // SAFETY: Event is repr(C) plain data.
         let bytes = unsafe {
-            std::slice::from_raw_parts((&ev as *const gpud_common::Event).cast::<u8>(), 16)
+            std::slice::from_raw_parts((&ev as *const gpud_common::Event).cast::<u8>(), size)
         };
         assert_eq!(parse_event(bytes), Some(ev));
-        assert_eq!(parse_event(&bytes[..15]), None);
-        assert_eq!(parse_event(&[0u8; 17]), None);
+        assert_eq!(parse_event(&bytes[..size - 1]), None);
+        assert_eq!(parse_event(&vec![0u8; size + 1]), None);
         assert_eq!(parse_event(&[]), None);
     }
 }

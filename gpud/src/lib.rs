@@ -1,13 +1,16 @@
 //! gpud: per-cgroup attribution (and, later, limits) of NVIDIA GPU use.
 //!
 //! The data path, in module order: [`probes`] (eBPF load/attach/pin, kernel capabilities) →
-//! [`attribution`] (cgroups and processes behind the counters) → [`daemon`] (the one task that
-//! owns state) → [`api`] (D-Bus). [`config`] is the TOML schema.
+//! [`attribution`] (cgroups, processes and GPU memory behind the counters) → [`policy`] (limits
+//! and their persistence) → [`enforcement`] (limits into the kernel, actions on crossings) →
+//! [`daemon`] (the one task that owns state) → [`api`] (D-Bus). [`config`] is the TOML schema.
 
 pub mod api;
 pub mod attribution;
 pub mod config;
 pub mod daemon;
+pub mod enforcement;
+pub mod policy;
 pub mod probes;
 
 /// Version reported on D-Bus and by `--version`.

@@ -3,15 +3,20 @@
 //!
 //! Handlers hold no state: they validate arguments and ask the state task over a channel.
 
+// Signal arguments are the D-Bus signature; zbus generates functions with one parameter each.
+#![allow(clippy::too_many_arguments)]
+
 use std::collections::BTreeMap;
 
 use tokio::sync::{mpsc, oneshot};
 use zbus::interface;
 
-use super::model::{CgroupRecord, ProcessRecord};
+use super::model::{CgroupRecord, LimitRecord, ProcessRecord};
 use crate::{
     attribution::{AttributionError, CgroupError},
     daemon::{Message, Request},
+    enforcement::{EnforcementError, LimitNotice},
+    policy::{LimitUpdate, LimitValueIn, PolicyError},
 };
 
 pub const BUS_NAME: &str = "dev.gpud.Daemon1";
@@ -44,11 +49,56 @@ impl From<AttributionError> for ApiError {
     }
 }
 
+impl From<EnforcementError> for ApiError {
+    fn from(e: EnforcementError) -> Self {
+        match e {
+            EnforcementError::Attribution(a) => a.into(),
+            EnforcementError::Policy(PolicyError::Write { .. }) => Self::Failed(e.to_string()),
+            EnforcementError::Policy(_) | EnforcementError::UnknownGpu(..) => {
+                Self::InvalidArgument(e.to_string())
+            }
+        }
+    }
+}
+
+/// Longest string argument accepted; longer ones are refused before any work.
+const MAX_ARG_LEN: usize = 4096;
+
+fn check_len(what: &str, s: &str) -> Result<(), ApiError> {
+    if s.len() > MAX_ARG_LEN {
+        return Err(ApiError::InvalidArgument(format!(
+            "{what} is {} bytes long (at most {MAX_ARG_LEN})",
+            s.len()
+        )));
+    }
+    Ok(())
+}
+
+fn limit_value(v: &zbus::Variant<'_>) -> LimitValueIn {
+    use zbus::Variant as V;
+    match v {
+        V::U64(n) => LimitValueIn::Unsigned(*n),
+        V::U32(n) => LimitValueIn::Unsigned(u64::from(*n)),
+        V::U16(n) => LimitValueIn::Unsigned(u64::from(*n)),
+        V::U8(n) => LimitValueIn::Unsigned(u64::from(*n)),
+        V::I64(n) => LimitValueIn::Signed(*n),
+        V::I32(n) => LimitValueIn::Signed(i64::from(*n)),
+        V::I16(n) => LimitValueIn::Signed(i64::from(*n)),
+        V::Str(s) => LimitValueIn::Text(s.as_str().chars().take(MAX_ARG_LEN).collect()),
+        V::Variant(inner) => limit_value(inner),
+        other => LimitValueIn::Other(other.value_signature().to_string()),
+    }
+}
+
 /// Facts fixed at start-up.
 #[derive(Clone, Debug)]
 pub struct DaemonInfo {
     pub version: String,
     pub attach_mode: String,
+    /// GPU-memory enforcement tier in force: `deny`, `react` or `dmem`.
+    pub enforcement_tier: String,
+    /// What the react tier does: `kill`, `freeze` or `notify`.
+    pub react_action: String,
     pub kernel_capabilities: BTreeMap<String, bool>,
     pub cgroup_root: String,
     pub probes_resumed: bool,
@@ -110,6 +160,91 @@ impl Manager {
         self.info.probes_resumed
     }
 
+    /// GPU-memory enforcement tier in force: `deny`, `react` or `dmem`.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn enforcement_tier(&self) -> String {
+        self.info.enforcement_tier.clone()
+    }
+
+    /// What the react tier does with an allocation that crossed a limit: `kill`, `freeze` or
+    /// `notify`.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn react_action(&self) -> String {
+        self.info.react_action.clone()
+    }
+
+    /// Sets limits on a cgroup (path relative to the cgroup v2 root) for one GPU (`all`, an
+    /// index, or a UUID). `limits`: `memory_max` → bytes (t, or a quantity string such as
+    /// "8Gi"). Persisted; in force in the kernel when the call returns.
+    async fn set_limits(
+        &self,
+        cgroup: &str,
+        gpu: &str,
+        limits: BTreeMap<String, zbus::Variant<'_>>,
+    ) -> Result<(), ApiError> {
+        check_len("cgroup", cgroup)?;
+        check_len("gpu", gpu)?;
+        crate::attribution::CgroupFs::normalize(cgroup)
+            .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
+        let named: BTreeMap<String, LimitValueIn> = limits
+            .iter()
+            .map(|(k, v)| (k.chars().take(MAX_ARG_LEN).collect(), limit_value(v)))
+            .collect();
+        let update = LimitUpdate::from_named(&named)
+            .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
+        let (cgroup, gpu) = (cgroup.to_owned(), gpu.to_owned());
+        self.ask(|reply| Request::SetLimits {
+            cgroup,
+            gpu,
+            update,
+            reply,
+        })
+        .await?
+        .map_err(ApiError::from)
+    }
+
+    /// Clears the named limits (all of them when `names` is empty) of a cgroup on one GPU.
+    async fn clear_limits(
+        &self,
+        cgroup: &str,
+        gpu: &str,
+        names: Vec<String>,
+    ) -> Result<(), ApiError> {
+        check_len("cgroup", cgroup)?;
+        check_len("gpu", gpu)?;
+        crate::attribution::CgroupFs::normalize(cgroup)
+            .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
+        let (cgroup, gpu) = (cgroup.to_owned(), gpu.to_owned());
+        self.ask(|reply| Request::ClearLimits {
+            cgroup,
+            gpu,
+            names,
+            reply,
+        })
+        .await?
+        .map_err(ApiError::from)
+    }
+
+    /// Every limit in force, ordered by cgroup and GPU.
+    async fn list_limits(&self) -> Result<Vec<LimitRecord>, ApiError> {
+        self.ask(Request::ListLimits).await
+    }
+
+    /// An allocation took `cgroup` over its `memory_max` on `gpu` (react tier; `action` is
+    /// `killed`, `frozen` or `notified`) or was refused (`denied`). `usage` is the cgroup's usage
+    /// after the allocation (react) or before it (deny).
+    #[zbus(signal)]
+    pub async fn memory_limit_exceeded(
+        emitter: &zbus::object_server::SignalEmitter<'_>,
+        cgroup: &str,
+        gpu: &str,
+        pid: u32,
+        bytes: u64,
+        usage: u64,
+        max: u64,
+        action: &str,
+    ) -> zbus::Result<()>;
+
     /// Every attributed cgroup, ordered by path.
     async fn list_cgroups(&self) -> Result<Vec<CgroupRecord>, ApiError> {
         self.ask(Request::ListCgroups).await
@@ -122,6 +257,7 @@ impl Manager {
 
     /// One cgroup by path relative to the cgroup v2 root ("/a/b").
     async fn get_cgroup(&self, path: &str) -> Result<CgroupRecord, ApiError> {
+        check_len("path", path)?;
         // Reject obviously bad input here, before it reaches the state task.
         crate::attribution::CgroupFs::normalize(path)
             .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
@@ -159,6 +295,61 @@ pub trait Manager1 {
     fn list_processes(&self) -> zbus::Result<Vec<ProcessRecord>>;
     fn get_cgroup(&self, path: &str) -> zbus::Result<CgroupRecord>;
     fn get_kernel_stats(&self) -> zbus::Result<BTreeMap<String, u64>>;
+    #[zbus(property)]
+    fn enforcement_tier(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn react_action(&self) -> zbus::Result<String>;
+    fn set_limits(
+        &self,
+        cgroup: &str,
+        gpu: &str,
+        limits: BTreeMap<&str, zbus::Variant<'_>>,
+    ) -> zbus::Result<()>;
+    fn clear_limits(&self, cgroup: &str, gpu: &str, names: &[&str]) -> zbus::Result<()>;
+    fn list_limits(&self) -> zbus::Result<Vec<LimitRecord>>;
+    #[zbus(signal)]
+    fn memory_limit_exceeded(
+        &self,
+        cgroup: String,
+        gpu: String,
+        pid: u32,
+        bytes: u64,
+        usage: u64,
+        max: u64,
+        action: String,
+    ) -> zbus::Result<()>;
+}
+
+/// Publishes limit notices as `MemoryLimitExceeded` signals until the channel closes.
+pub async fn publish_notices(
+    conn: zbus::Connection,
+    mut rx: tokio::sync::broadcast::Receiver<LimitNotice>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        let n = match rx.recv().await {
+            Ok(n) => n,
+            Err(RecvError::Lagged(missed)) => {
+                tracing::warn!(missed, "limit signals dropped (subscriber too slow)");
+                continue;
+            }
+            Err(RecvError::Closed) => return,
+        };
+        let emitter = match zbus::object_server::SignalEmitter::new(&conn, OBJECT_PATH) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!("cannot emit signal: {e}");
+                continue;
+            }
+        };
+        if let Err(e) = Manager::memory_limit_exceeded(
+            &emitter, &n.cgroup, &n.gpu, n.pid, n.bytes, n.usage, n.max, &n.action,
+        )
+        .await
+        {
+            tracing::warn!("cannot emit MemoryLimitExceeded: {e}");
+        }
+    }
 }
 
 /// A connection builder for the bus named by `bus`: `"system"` or a D-Bus address.

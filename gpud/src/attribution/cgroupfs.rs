@@ -21,6 +21,11 @@ pub enum CgroupError {
     InvalidPath { path: String, reason: &'static str },
     #[error("no cgroup {0}")]
     NotFound(String),
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 /// Finds the cgroup2 mount point in a mountinfo text (fields per proc(5): the mount point is the

@@ -3,13 +3,15 @@
 //! cgroups that are gone. Owned by the state task (`daemon`); nothing here is shared.
 
 pub mod cgroupfs;
+pub mod memory;
 pub mod scan;
 
 use std::collections::{BTreeMap, HashMap};
 
 use gpud_common::{
-    EVENT_PROC_EXIT, EVENT_PROC_NEW, Event, IOCTL_CLASS_NAMES, IoctlCounts, PROC_OPENED,
-    PROC_SCANNED, ProcEntry, stat,
+    EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, EVENT_PROC_EXIT,
+    EVENT_PROC_NEW, Event, IOCTL_CLASS_NAMES, IoctlCounts, PROC_OPENED, PROC_SCANNED, ProcEntry,
+    stat,
 };
 use tracing::{debug, info, warn};
 
@@ -108,16 +110,23 @@ impl Attribution {
         for id in pids.keys() {
             counts.entry(*id).or_default();
         }
+        for id in self.memory_cgroups() {
+            counts.entry(id).or_default();
+        }
         let mut out: Vec<CgroupRecord> = counts
             .into_iter()
             .filter_map(|(id, c)| {
                 // A cgroup removed since is left to the sweep.
                 let path = self.cgroups.path_of(id)?;
+                let mem = self.memory_of(id);
                 Some(CgroupRecord {
                     id,
                     path,
                     pids: pids.remove(&id).unwrap_or_default(),
                     ioctls: class_map(&c),
+                    memory_current: mem.current,
+                    memory_max: mem.max,
+                    memory_events: mem.events,
                 })
             })
             .collect();
@@ -153,11 +162,15 @@ impl Attribution {
             Err(e) => return Err(e.into()),
         };
         let pids = self.pids_by_cgroup().remove(&id).unwrap_or_default();
+        let mem = self.memory_of(id);
         Ok(CgroupRecord {
             id,
             path,
             pids,
             ioctls: class_map(&counts),
+            memory_current: mem.current,
+            memory_max: mem.max,
+            memory_events: mem.events,
         })
     }
 
@@ -235,6 +248,13 @@ impl Attribution {
             (stat::PROCS_FULL, "procs_map_full"),
             (stat::CGROUPS_FULL, "cgroups_map_full"),
             (stat::MATCHED_IOCTLS, "matched_ioctls"),
+            (stat::OBJECTS_FULL, "objects_map_full"),
+            (stat::CHARGES, "memory_charges"),
+            (stat::UNCHARGES, "memory_uncharges"),
+            (stat::UNREADABLE, "allocs_unreadable"),
+            (stat::DENIED, "allocs_denied"),
+            (stat::CROSSED, "limit_crossings"),
+            (stat::UNKNOWN_GPU, "allocs_unknown_gpu"),
         ];
         names
             .into_iter()
@@ -250,15 +270,50 @@ impl Attribution {
             .collect()
     }
 
-    /// Logs what the probes report; the maps already hold the truth.
-    pub fn on_kernel_event(&mut self, ev: Event) {
+    /// Reacts to what the probes report: releases the kernel leaves to the daemon; the maps
+    /// already hold the rest. Limit events are the enforcement's (see `enforcement`).
+    pub fn on_kernel_event(&mut self, ev: &Event) {
         match ev.kind {
             EVENT_PROC_NEW => {
                 let path = self.cgroups.path_of(ev.cgroup_id);
                 debug!(pid = ev.tgid, cgroup = ?path, "process attributed");
             }
             EVENT_PROC_EXIT => debug!(pid = ev.tgid, "attributed process exited"),
+            EVENT_FREE_TREE => {
+                self.release_tree(ev.client, ev.object, ev.value);
+            }
+            EVENT_FILE_RELEASE => {
+                self.release_file(ev.value, ev.bytes);
+            }
+            EVENT_LIMIT_CROSSED | EVENT_ALLOC_DENIED => {}
             other => warn!(kind = other, "unknown kernel event"),
         }
+    }
+
+    /// Freezes (or thaws) a cgroup through `cgroup.freeze`.
+    pub fn freeze(&mut self, path: &str, frozen: bool) -> Result<(), AttributionError> {
+        let file = self
+            .cgroups
+            .root()
+            .join(path.trim_start_matches('/'))
+            .join("cgroup.freeze");
+        std::fs::write(&file, if frozen { "1" } else { "0" }).map_err(|source| {
+            AttributionError::Cgroup(CgroupError::Write {
+                path: file.display().to_string(),
+                source,
+            })
+        })
+    }
+
+    /// Path of a cgroup id, if it still exists.
+    pub fn path_of(&mut self, id: u64) -> Option<String> {
+        self.cgroups.path_of(id)
+    }
+
+    /// Id of a cgroup path (normalized first).
+    pub fn id_of(&mut self, path: &str) -> Result<(String, u64), AttributionError> {
+        let path = CgroupFs::normalize(path)?;
+        let id = self.cgroups.id_of(&path)?;
+        Ok((path, id))
     }
 }

@@ -9,7 +9,9 @@ use gpud::{
     api::dbus::{BUS_NAME, DaemonInfo, Manager, OBJECT_PATH},
     attribution::{Attribution, CgroupFs},
     config::Config,
-    daemon::{self, Intervals, Message},
+    daemon::{self, Intervals, Message, State},
+    enforcement::MemoryEnforcement,
+    policy::LimitStore,
     probes::{self, DynamicMajors, Matcher, ProbeSetup, Probes},
 };
 use tokio::sync::{mpsc, watch};
@@ -91,13 +93,18 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         majors,
         extra: &extra,
         cgroup2_root: cgroups.root(),
+        tier: config.enforcement.tier,
+        react_action: config.enforcement.react_action,
     })
     .context("starting the eBPF probes")?;
     let events = probes.take_events()?;
+    let tier = probes.tier();
 
     let info = DaemonInfo {
         version: gpud::VERSION.to_owned(),
         attach_mode: probes.mode().as_str().to_owned(),
+        enforcement_tier: tier.as_str().to_owned(),
+        react_action: format!("{:?}", config.enforcement.react_action).to_lowercase(),
         kernel_capabilities: probes.caps().as_map(),
         cgroup_root: cgroups.root().display().to_string(),
         probes_resumed: probes.resumed(),
@@ -107,6 +114,18 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
     let found = attribution.scan();
     attribution.sweep();
     info!(found, "start-up scan of /proc done");
+    let mut memory = MemoryEnforcement::new(
+        LimitStore::load(&config.daemon.state_dir),
+        tier,
+        config.enforcement.react_action,
+    );
+    memory.restore(&mut attribution);
+    let (notices, notices_rx) = tokio::sync::broadcast::channel(256);
+    let state = State {
+        attribution,
+        memory,
+        notices,
+    };
 
     let (tx, rx) = mpsc::channel::<Message>(1024);
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
@@ -122,9 +141,10 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("serving {BUS_NAME} on the bus `{bus}`"))?;
 
+    let publisher = tokio::spawn(gpud::api::dbus::publish_notices(conn.clone(), notices_rx));
     let reader = tokio::spawn(daemon::read_events(events, tx.clone()));
     let state = tokio::spawn(daemon::run_state(
-        attribution,
+        state,
         Intervals {
             rescan: (config.attribution.rescan_interval_secs > 0)
                 .then(|| std::time::Duration::from_secs(config.attribution.rescan_interval_secs)),
@@ -136,6 +156,7 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
     ));
     info!(
         mode = %info.attach_mode,
+        tier = %info.enforcement_tier,
         resumed = info.probes_resumed,
         bus = %bus,
         "ready: {BUS_NAME} at {OBJECT_PATH}"
@@ -144,12 +165,16 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
     wait_for_signal().await?;
     info!("shutting down");
     let _ = shutdown_tx.send(true);
-    drop(conn);
     reader.abort();
     match state.await {
-        Ok(attribution) => attribution.shutdown(config.probes.keep_pinned),
+        Ok(mut state) => {
+            state.memory.thaw_all(&mut state.attribution);
+            state.attribution.shutdown(config.probes.keep_pinned);
+        }
         Err(e) => warn!("state task: {e}"),
     }
+    publisher.abort();
+    drop(conn);
     Ok(())
 }
 

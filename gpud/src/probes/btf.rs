@@ -69,7 +69,16 @@ impl KernelBtf {
 
     /// All offsets the programs need.
     pub fn kernel_offsets(&self) -> Result<KernelOffsets, BtfError> {
+        // 6.13 replaced `atomic_long_t f_count` (one reference = 1) by `file_ref_t f_ref`,
+        // whose counter reads 0 for one reference; its counter is the first member.
+        let (file_refs, file_one_ref) = match self.offset_of("file", "f_ref") {
+            Ok(off) => (off, 0),
+            Err(BtfError::NoField { .. }) => (self.offset_of("file", "f_count")?, 1),
+            Err(e) => return Err(e),
+        };
         Ok(KernelOffsets {
+            file_refs,
+            file_one_ref,
             task_files: self.offset_of("task_struct", "files")?,
             task_tgid: self.offset_of("task_struct", "tgid")?,
             task_signal: self.offset_of("task_struct", "signal")?,

@@ -19,20 +19,21 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
     programs::{
-        FEntry, Lsm, RawTracePoint, TracePoint,
+        FEntry, FExit, Lsm, RawTracePoint, TracePoint,
         links::{FdLink, PinnedLink},
     },
 };
 use gpud_common::{
-    ABI_VERSION, CFG_HAS_EXTRA_FILES, CFG_READY, DeviceKind, FileKey, IoctlCounts, ProbeConfig,
-    ProcEntry, maps,
+    ABI_VERSION, Ancestry, CFG_EXIT_RELEASE, CFG_HAS_EXTRA_FILES, CFG_READY, DeviceKind, FileKey,
+    IoctlCounts, LimitValue, ObjEntry, ObjKey, Pending, ProbeConfig, ProcEntry, REACT_FREEZE,
+    REACT_KILL, REACT_NOTIFY, UsageKey, maps,
 };
 use tracing::{debug, info, warn};
 
 pub use caps::KernelCaps;
 pub use devices::{DynamicMajors, ExtraFile, Matcher};
 
-use crate::config::{AttachPreference, ProbesConfig};
+use crate::config::{AttachPreference, ProbesConfig, ReactAction, TierPreference};
 
 /// The eBPF object built by `build.rs` from the `gpud-ebpf` crate.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/gpud-probes"));
@@ -74,6 +75,14 @@ pub enum ProbeError {
     FentryUnavailable,
     #[error("this kernel accepts neither fentry nor syscall tracepoint programs")]
     NoAttachMechanism,
+    #[error(
+        "enforcement.tier = \"deny\" but this kernel does not run BPF-LSM programs (needs CONFIG_BPF_LSM and `bpf` in the lsm= boot parameter)"
+    )]
+    DenyUnavailable,
+    #[error(
+        "enforcement.tier = \"dmem\" but the dmem cgroup controller lists no NVIDIA regions in dmem.capacity"
+    )]
+    DmemUnavailable,
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ProbeError {
@@ -97,10 +106,42 @@ impl AttachMode {
     }
 }
 
+/// How GPU-memory limits are enforced, chosen at start-up from the configuration and what the
+/// kernel offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// BPF-LSM `file_ioctl` refuses the crossing allocation with `ENOMEM`.
+    Deny,
+    /// The crossing allocation is acted on when its ioctl returns.
+    React,
+    /// The kernel's `dmem` controller enforces `dmem.max`; the probes still account.
+    Dmem,
+}
+
+impl Tier {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Deny => "deny",
+            Self::React => "react",
+            Self::Dmem => "dmem",
+        }
+    }
+}
+
+/// The return side of `ioctl(2)` for fexit, per architecture: native and 32-bit compat entry.
+#[cfg(target_arch = "x86_64")]
+const SYS_IOCTL: (&str, &str) = ("__x64_sys_ioctl", "__ia32_compat_sys_ioctl");
+#[cfg(target_arch = "aarch64")]
+const SYS_IOCTL: (&str, &str) = ("__arm64_sys_ioctl", "__arm64_compat_sys_ioctl");
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+const SYS_IOCTL: (&str, &str) = ("sys_ioctl", "compat_sys_ioctl");
+
 /// Where one program attaches.
 #[derive(Clone, Copy)]
 enum Target {
     Fentry(&'static str),
+    Fexit(&'static str),
+    Lsm(&'static str),
     Tracepoint(&'static str, &'static str),
     RawTracepoint(&'static str),
 }
@@ -144,10 +185,41 @@ const FENTRY_ATTACHMENTS: &[Attachment] = &[
     ),
 ];
 
+/// Added to the fentry set in both tiers: the return side and the file-release hook.
+const FENTRY_RETURN_ATTACHMENTS: &[Attachment] = &[
+    att("gpud_fexit_ioctl", Target::Fexit(SYS_IOCTL.0), false),
+    att("gpud_fexit_ioctl_compat", Target::Fexit(SYS_IOCTL.1), true),
+    att(
+        "gpud_fentry_file_free",
+        Target::Fentry("security_file_free"),
+        false,
+    ),
+];
+
+/// The `deny` tier's replacements for the two fentry ioctl programs.
+const LSM_ATTACHMENTS: &[Attachment] = &[
+    att("gpud_lsm_ioctl", Target::Lsm("file_ioctl"), false),
+    att(
+        "gpud_lsm_ioctl_compat",
+        Target::Lsm("file_ioctl_compat"),
+        true,
+    ),
+];
+
 const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
     att(
         "gpud_tp_ioctl",
         Target::Tracepoint("syscalls", "sys_enter_ioctl"),
+        false,
+    ),
+    att(
+        "gpud_tp_ioctl_exit",
+        Target::Tracepoint("syscalls", "sys_exit_ioctl"),
+        false,
+    ),
+    att(
+        "gpud_tp_close",
+        Target::Tracepoint("syscalls", "sys_enter_close"),
         false,
     ),
     att(
@@ -182,6 +254,8 @@ impl Attachment {
     fn pin_name(&self) -> String {
         match self.target {
             Target::Fentry(f) => format!("fentry-{f}"),
+            Target::Fexit(f) => format!("fexit-{f}"),
+            Target::Lsm(h) => format!("lsm-{h}"),
             Target::Tracepoint(c, n) => format!("tp-{c}-{n}"),
             Target::RawTracepoint(n) => format!("raw_tp-{n}"),
         }
@@ -190,6 +264,8 @@ impl Attachment {
 
 /// The program the daemon runs to mark processes it found by scanning.
 const SEED_PROGRAM: &str = "gpud_seed";
+/// The program the daemon runs to release an object below a freed subtree, client or file.
+const RELEASE_PROGRAM: &str = "gpud_release";
 
 /// The kernel's `pid_max`, which sizes the tracked-process filter (the kernel's hard limit if it
 /// cannot be read).
@@ -244,12 +320,15 @@ pub struct ProbeSetup<'a> {
     pub majors: DynamicMajors,
     pub extra: &'a [ExtraFile],
     pub cgroup2_root: &'a Path,
+    pub tier: TierPreference,
+    pub react_action: ReactAction,
 }
 
 /// The loaded object, its maps, and the links keeping it attached.
 pub struct Probes {
     ebpf: Ebpf,
     mode: AttachMode,
+    tier: Tier,
     caps: KernelCaps,
     base_dir: PathBuf,
     resumed: bool,
@@ -293,14 +372,18 @@ impl Probes {
             .override_global("BTF_INODE_INO", &offsets.inode_ino, true)
             .override_global("BTF_INODE_SB", &offsets.inode_sb, true)
             .override_global("BTF_SB_DEV", &offsets.sb_dev, true)
+            .override_global("BTF_FILE_REFS", &offsets.file_refs, true)
             .map_max_entries(maps::TRACKED, gpud_common::tracked_words(pid_max()))
             .load(OBJECT)?;
-
-        write_config(&mut ebpf, offsets, setup.majors, setup.extra)?;
 
         let mut caps = KernelCaps {
             file_ioctl_compat: kbtf.has_function("security_file_ioctl_compat"),
             dmem_cgroup: caps::dmem_available(setup.cgroup2_root),
+            dmem_nvidia: caps::dmem_nvidia_regions(
+                setup.cgroup2_root,
+                Path::new(caps::PCI_DEVICES),
+            )
+            .is_some_and(|r| !r.is_empty()),
             ..KernelCaps::default()
         };
         caps.fentry = try_load(&mut ebpf, "gpud_fentry_ioctl", |p: &mut FEntry| {
@@ -312,8 +395,7 @@ impl Probes {
                 p.load("file_ioctl", &aya_btf)
             });
         info!(?caps, "kernel capabilities");
-        {
-            let name = SEED_PROGRAM;
+        for name in [SEED_PROGRAM, RELEASE_PROGRAM] {
             let p: &mut RawTracePoint = ebpf
                 .program_mut(name)
                 .ok_or(ProbeError::Program {
@@ -332,10 +414,33 @@ impl Probes {
             (_, _, true) => AttachMode::Tracepoint,
             (_, _, false) => return Err(ProbeError::NoAttachMechanism),
         };
+        // BPF-LSM programs run on trampolines too: deny needs the fentry mode.
+        let can_deny = caps.bpf_lsm && mode == AttachMode::Fentry;
+        let tier = match setup.tier {
+            TierPreference::Deny if !can_deny => return Err(ProbeError::DenyUnavailable),
+            TierPreference::Dmem if !caps.dmem_nvidia => return Err(ProbeError::DmemUnavailable),
+            TierPreference::Dmem => Tier::Dmem,
+            TierPreference::Deny | TierPreference::Auto if can_deny => Tier::Deny,
+            _ => Tier::React,
+        };
+        write_config(
+            &mut ebpf,
+            offsets,
+            setup.majors,
+            setup.extra,
+            mode,
+            setup.react_action,
+        )?;
+        info!(
+            mode = mode.as_str(),
+            tier = tier.as_str(),
+            "attach mode and enforcement tier"
+        );
 
         let mut probes = Self {
             ebpf,
             mode,
+            tier,
             caps,
             base_dir,
             resumed: false,
@@ -344,19 +449,34 @@ impl Probes {
         Ok(probes)
     }
 
-    fn attachments(&self) -> &'static [Attachment] {
-        match self.mode {
-            AttachMode::Fentry => FENTRY_ATTACHMENTS,
-            AttachMode::Tracepoint => TRACEPOINT_ATTACHMENTS,
+    fn attachments(&self) -> Vec<&'static Attachment> {
+        match (self.mode, self.tier) {
+            (AttachMode::Tracepoint, _) => TRACEPOINT_ATTACHMENTS.iter().collect(),
+            (AttachMode::Fentry, Tier::Deny) => LSM_ATTACHMENTS
+                .iter()
+                .chain(
+                    FENTRY_ATTACHMENTS
+                        .iter()
+                        .filter(|a| !a.program.starts_with("gpud_fentry_ioctl")),
+                )
+                .chain(FENTRY_RETURN_ATTACHMENTS)
+                .collect(),
+            (AttachMode::Fentry, _) => FENTRY_ATTACHMENTS
+                .iter()
+                .chain(FENTRY_RETURN_ATTACHMENTS)
+                .collect(),
         }
     }
 
     fn links_dir(&self) -> PathBuf {
         let mut h = DefaultHasher::new();
         OBJECT.hash(&mut h);
-        self.base_dir
-            .join("links")
-            .join(format!("{:016x}-{}", h.finish(), self.mode.as_str()))
+        self.base_dir.join("links").join(format!(
+            "{:016x}-{}-{}",
+            h.finish(),
+            self.mode.as_str(),
+            self.tier.as_str()
+        ))
     }
 
     fn attach_or_adopt(&mut self, kbtf: &btf::KernelBtf, btf: &aya::Btf) -> Result<(), ProbeError> {
@@ -384,9 +504,14 @@ impl Probes {
         }
         std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
         for a in self.attachments() {
-            if let Target::Fentry(f) = a.target
+            let func = match a.target {
+                Target::Fentry(f) | Target::Fexit(f) => Some(f.to_owned()),
+                Target::Lsm(h) => Some(format!("bpf_lsm_{h}")),
+                _ => None,
+            };
+            if let Some(f) = func
                 && a.optional
-                && !kbtf.has_function(f)
+                && !kbtf.has_function(&f)
             {
                 continue;
             }
@@ -426,6 +551,22 @@ impl Probes {
                 // An fentry program is bound to its target at load time.
                 if p.fd().is_err() {
                     p.load(func, btf).map_err(perr)?;
+                }
+                let id = p.attach().map_err(perr)?;
+                Ok(p.take_link(id).map_err(perr)?.into())
+            }
+            Target::Fexit(func) => {
+                let p: &mut FExit = prog.try_into().map_err(perr)?;
+                if p.fd().is_err() {
+                    p.load(func, btf).map_err(perr)?;
+                }
+                let id = p.attach().map_err(perr)?;
+                Ok(p.take_link(id).map_err(perr)?.into())
+            }
+            Target::Lsm(hook) => {
+                let p: &mut Lsm = prog.try_into().map_err(perr)?;
+                if p.fd().is_err() {
+                    p.load(hook, btf).map_err(perr)?;
                 }
                 let id = p.attach().map_err(perr)?;
                 Ok(p.take_link(id).map_err(perr)?.into())
@@ -471,8 +612,33 @@ impl Probes {
         Ok(())
     }
 
+    /// Releases the object `(client, object)` if it still carries `serial`, uncharging its
+    /// bytes, by running the `gpud_release` program in the kernel (usage counters are only ever
+    /// changed atomically there). Returns whether it was released.
+    pub fn release(&self, key: ObjKey, serial: u64) -> Result<bool, ProbeError> {
+        use aya::programs::{RawTracePointRunOptions, TestRun as _};
+        let name = RELEASE_PROGRAM;
+        let perr = move |source| ProbeError::Program { name, source };
+        let prog: &RawTracePoint = self
+            .ebpf
+            .program(name)
+            .ok_or(perr(aya::programs::ProgramError::NotLoaded))?
+            .try_into()
+            .map_err(perr)?;
+        let mut opts = RawTracePointRunOptions::new();
+        opts.args[0] = u64::from(key.client);
+        opts.args[1] = u64::from(key.object);
+        opts.args[2] = serial;
+        let out = prog.test_run(opts).map_err(perr)?;
+        Ok(out.return_value == 0)
+    }
+
     pub fn mode(&self) -> AttachMode {
         self.mode
+    }
+
+    pub fn tier(&self) -> Tier {
+        self.tier
     }
 
     pub fn caps(&self) -> &KernelCaps {
@@ -499,6 +665,10 @@ impl Probes {
             procs: take(&mut self.ebpf, maps::PROCS)?,
             cgroups: take(&mut self.ebpf, maps::CGROUPS)?,
             stats: take(&mut self.ebpf, maps::STATS)?,
+            objects: take(&mut self.ebpf, maps::OBJECTS)?,
+            usage: take(&mut self.ebpf, maps::USAGE)?,
+            limits: take(&mut self.ebpf, maps::LIMITS)?,
+            ancestry: take(&mut self.ebpf, maps::ANCESTRY)?,
         })
     }
 
@@ -569,6 +739,10 @@ pub struct KernelMaps {
     pub procs: HashMap<MapData, u32, ProcEntry>,
     pub cgroups: HashMap<MapData, u64, IoctlCounts>,
     pub stats: PerCpuArray<MapData, u64>,
+    pub objects: HashMap<MapData, ObjKey, ObjEntry>,
+    pub usage: HashMap<MapData, UsageKey, u64>,
+    pub limits: HashMap<MapData, UsageKey, LimitValue>,
+    pub ancestry: HashMap<MapData, u64, Ancestry>,
 }
 
 fn write_config(
@@ -576,6 +750,8 @@ fn write_config(
     offsets: gpud_common::KernelOffsets,
     majors: DynamicMajors,
     extra: &[ExtraFile],
+    mode: AttachMode,
+    react: ReactAction,
 ) -> Result<(), ProbeError> {
     let map_err = |name| move |source| ProbeError::Map { name, source };
     let mut files: HashMap<_, FileKey, u32> =
@@ -606,7 +782,17 @@ fn write_config(
                 0
             } else {
                 CFG_HAS_EXTRA_FILES
+            }
+            | match mode {
+                AttachMode::Tracepoint => CFG_EXIT_RELEASE,
+                AttachMode::Fentry => 0,
             },
+        react_action: match react {
+            ReactAction::Kill => REACT_KILL,
+            ReactAction::Freeze => REACT_FREEZE,
+            ReactAction::Notify => REACT_NOTIFY,
+        },
+        _pad: 0,
     };
     config.set(0, value, 0).map_err(map_err(maps::CONFIG))
 }
@@ -624,9 +810,14 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// Key and value sizes of every pinned map, as this build defines them.
-fn expected_layouts() -> [(&'static str, usize, usize); 7] {
+fn expected_layouts() -> [(&'static str, usize, usize); 12] {
     use std::mem::size_of;
     [
+        (maps::OBJECTS, size_of::<ObjKey>(), size_of::<ObjEntry>()),
+        (maps::USAGE, size_of::<UsageKey>(), size_of::<u64>()),
+        (maps::LIMITS, size_of::<UsageKey>(), size_of::<LimitValue>()),
+        (maps::ANCESTRY, size_of::<u64>(), size_of::<Ancestry>()),
+        (maps::PENDING, size_of::<u64>(), size_of::<Pending>()),
         (maps::CONFIG, size_of::<u32>(), size_of::<ProbeConfig>()),
         (maps::EXTRA_FILES, size_of::<FileKey>(), size_of::<u32>()),
         (maps::PROCS, size_of::<u32>(), size_of::<ProcEntry>()),

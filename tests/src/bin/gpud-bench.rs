@@ -24,7 +24,7 @@ use aya::{
 };
 use gpud::{
     attribution::CgroupFs,
-    config::{AttachPreference, ProbesConfig},
+    config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
     probes::{self, AttachMode, DynamicMajors, ProbeSetup, Probes, devices},
 };
 use gpud_tests::inproc;
@@ -173,6 +173,8 @@ fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
         majors: DynamicMajors::read()?,
         extra: &extra,
         cgroup2_root: cgroups.root(),
+        tier: TierPreference::React,
+        react_action: ReactAction::Notify,
     })?;
     let r = workloads(o, standin);
     probes.shutdown(false);

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use anyhow::{Context as _, bail, ensure};
 use gpud::{
     attribution::{Attribution, CgroupFs},
-    config::{AttachPreference, ProbesConfig},
+    config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
     probes::{AttachMode, DynamicMajors, Matcher, ProbeSetup, Probes, devices},
 };
 use gpud_common::nv;
@@ -40,6 +40,8 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
         majors,
         extra: &extra,
         cgroup2_root: &root,
+        tier: TierPreference::React,
+        react_action: ReactAction::Notify,
     })
     .context("starting probes")?;
     println!("[{tag}] capabilities: {:?}", probes.caps());
@@ -186,6 +188,8 @@ fn check_lsm_probe() -> anyhow::Result<()> {
         majors: DynamicMajors::default(),
         extra: &[],
         cgroup2_root: cgroups.root(),
+        tier: TierPreference::React,
+        react_action: ReactAction::Notify,
     })?;
     let caps = probes.caps().clone();
     let mode = probes.mode();

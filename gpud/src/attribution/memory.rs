@@ -1,0 +1,245 @@
+//! GPU-memory accounting read back from the kernel side: usage per cgroup and GPU, and the
+//! releases the kernel leaves to the daemon (subtree, client and file frees, which need a walk
+//! over the objects). Part of [`Attribution`](super::Attribution); the state task owns it.
+
+use std::collections::{BTreeMap, HashMap};
+
+use gpud_common::{GPU_ALL, GPU_UNKNOWN, LimitValue, OBJ_CLIENT, ObjEntry, ObjKey, UsageKey};
+use tracing::{debug, info, warn};
+
+use super::{Attribution, AttributionError};
+
+/// Name of a GPU key in records: the index, `unknown`, or `all`.
+pub fn gpu_name(gpu: u32) -> String {
+    match gpu {
+        GPU_ALL => "all".to_owned(),
+        GPU_UNKNOWN => "unknown".to_owned(),
+        i => i.to_string(),
+    }
+}
+
+/// Memory figures of one cgroup (hierarchical: descendants included).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemoryView {
+    pub current: BTreeMap<String, u64>,
+    pub max: BTreeMap<String, u64>,
+    pub events: u64,
+}
+
+impl Attribution {
+    /// Usage and limits of `cgroup_id` by GPU name.
+    pub fn memory_of(&self, cgroup_id: u64) -> MemoryView {
+        let mut v = MemoryView::default();
+        v.current.insert("all".to_owned(), 0);
+        for (k, bytes) in self.maps.usage.iter().filter_map(Result::ok) {
+            if k.cgroup_id == cgroup_id && (bytes != 0 || k.gpu == GPU_ALL) {
+                v.current.insert(gpu_name(k.gpu), bytes);
+            }
+        }
+        for (k, l) in self.maps.limits.iter().filter_map(Result::ok) {
+            if k.cgroup_id == cgroup_id {
+                v.max.insert(gpu_name(k.gpu), l.max);
+                v.events += l.events;
+            }
+        }
+        v
+    }
+
+    /// cgroup ids that hold memory or limits.
+    pub fn memory_cgroups(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self
+            .maps
+            .usage
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, b)| k.gpu == GPU_ALL && *b != 0)
+            .map(|(k, _)| k.cgroup_id)
+            .chain(
+                self.maps
+                    .limits
+                    .iter()
+                    .filter_map(Result::ok)
+                    .map(|(k, _)| k.cgroup_id),
+            )
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// Bytes `cgroup_id` holds on `gpu` (hierarchical).
+    pub fn usage_of(&self, cgroup_id: u64, gpu: u32) -> u64 {
+        self.maps
+            .usage
+            .get(
+                &UsageKey {
+                    cgroup_id,
+                    gpu,
+                    _pad: 0,
+                },
+                0,
+            )
+            .unwrap_or(0)
+    }
+
+    /// Sets a limit in the kernel map, keeping its event counter.
+    pub fn set_kernel_limit(
+        &mut self,
+        cgroup_id: u64,
+        gpu: u32,
+        max: u64,
+    ) -> Result<(), AttributionError> {
+        let key = UsageKey {
+            cgroup_id,
+            gpu,
+            _pad: 0,
+        };
+        let events = self.maps.limits.get(&key, 0).map(|l| l.events).unwrap_or(0);
+        self.maps
+            .limits
+            .insert(key, LimitValue { max, events }, 0)?;
+        Ok(())
+    }
+
+    pub fn clear_kernel_limit(&mut self, cgroup_id: u64, gpu: u32) -> Result<(), AttributionError> {
+        let key = UsageKey {
+            cgroup_id,
+            gpu,
+            _pad: 0,
+        };
+        match self.maps.limits.remove(&key) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Kernel limits in force: (cgroup id, GPU key) → max.
+    pub fn kernel_limits(&self) -> HashMap<(u64, u32), u64> {
+        self.maps
+            .limits
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(k, l)| ((k.cgroup_id, k.gpu), l.max))
+            .collect()
+    }
+
+    fn objects(&self) -> Vec<(ObjKey, ObjEntry)> {
+        self.maps.objects.iter().filter_map(Result::ok).collect()
+    }
+
+    /// Releases `object` of `client` and everything below it that is older than `before`
+    /// (`RM_FREE` of a client, device or subdevice). Returns the number of objects released.
+    pub fn release_tree(&mut self, client: u32, object: u32, before: u64) -> usize {
+        let objects = self.objects();
+        let in_client: HashMap<u32, ObjEntry> = objects
+            .iter()
+            .filter(|(k, e)| k.client == client && e.serial < before)
+            .map(|(k, e)| (k.object, *e))
+            .collect();
+        let mut released = 0;
+        for (handle, e) in &in_client {
+            if object == client || descends_from(&in_client, *handle, object) {
+                released += self.release_one(
+                    ObjKey {
+                        client,
+                        object: *handle,
+                    },
+                    e,
+                );
+            }
+        }
+        debug!(client, object, released, "subtree released");
+        released
+    }
+
+    /// Releases every client owned by the control file at address `file` that is older than
+    /// `before` (the file's last reference went; the driver freed its clients without RM_FREE).
+    pub fn release_file(&mut self, file: u64, before: u64) -> usize {
+        let clients: Vec<u32> = self
+            .objects()
+            .iter()
+            .filter(|(k, e)| {
+                e.kind == OBJ_CLIENT && e.file == file && e.serial < before && k.client == k.object
+            })
+            .map(|(k, _)| k.client)
+            .collect();
+        let mut released = 0;
+        for c in clients {
+            released += self.release_tree(c, c, before);
+        }
+        if released > 0 {
+            info!(
+                released,
+                "control file closed: its clients' objects released"
+            );
+        }
+        released
+    }
+
+    fn release_one(&mut self, key: ObjKey, e: &ObjEntry) -> usize {
+        match self.probes.release(key, e.serial) {
+            Ok(true) => 1,
+            Ok(false) => 0,
+            Err(err) => {
+                warn!(
+                    client = key.client,
+                    object = key.object,
+                    "release failed: {err}"
+                );
+                0
+            }
+        }
+    }
+
+    /// Drops objects of processes that are gone when NVML says the driver no longer reports
+    /// them, and objects whose cgroup ancestry is unknown; returns the number released.
+    pub fn release_objects_of_pids(&mut self, pids: &std::collections::HashSet<u32>) -> usize {
+        let objects = self.objects();
+        let mut n = 0;
+        for (k, e) in objects {
+            if pids.contains(&e.tgid) {
+                n += self.release_one(k, &e);
+            }
+        }
+        n
+    }
+
+    /// Forgets ancestry records and zero usage entries of removed cgroups.
+    pub fn sweep_memory(&mut self) {
+        let live_objects: std::collections::HashSet<u64> =
+            self.objects().iter().map(|(_, e)| e.cgroup_id).collect();
+        let ids: Vec<u64> = self.maps.ancestry.keys().filter_map(Result::ok).collect();
+        for id in ids {
+            if !live_objects.contains(&id) && self.cgroups.path_of(id).is_none() {
+                let _ = self.maps.ancestry.remove(&id);
+            }
+        }
+        let zero: Vec<UsageKey> = self
+            .maps
+            .usage
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, b)| *b == 0 && self.cgroups.path_of(k.cgroup_id).is_none())
+            .map(|(k, _)| k)
+            .collect();
+        for k in zero {
+            let _ = self.maps.usage.remove(&k);
+        }
+    }
+}
+
+/// Whether `handle` has `ancestor` on its parent chain within one client.
+fn descends_from(objs: &HashMap<u32, ObjEntry>, handle: u32, ancestor: u32) -> bool {
+    let mut cur = handle;
+    // RM trees are shallow (client → device → subdevice → memory); the bound guards cycles.
+    for _ in 0..16 {
+        if cur == ancestor {
+            return true;
+        }
+        match objs.get(&cur) {
+            Some(e) if e.parent != cur => cur = e.parent,
+            _ => return false,
+        }
+    }
+    false
+}

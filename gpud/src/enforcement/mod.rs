@@ -1,0 +1,317 @@
+//! Enforcement of GPU-memory limits: turns the stored policy into kernel-map entries, re-applies
+//! it at start, and acts on the kernel's limit events (the `freeze` action, notices for D-Bus).
+//! The `kill` and `deny` actions happen in the kernel itself; this module only reports them.
+//! Owned by the state task.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpud_common::{EVENT_ALLOC_DENIED, EVENT_LIMIT_CROSSED, Event, GPU_ALL};
+use tracing::{error, info, warn};
+
+use crate::{
+    api::model::LimitRecord,
+    attribution::{Attribution, AttributionError, memory::gpu_name},
+    config::ReactAction,
+    policy::{GpuSelector, LimitStore, LimitUpdate, Limits, PolicyError},
+    probes::Tier,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnforcementError {
+    #[error(transparent)]
+    Attribution(#[from] AttributionError),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error("unknown GPU {0}: {1}")]
+    UnknownGpu(String, String),
+}
+
+/// A limit event, for the D-Bus `MemoryLimitExceeded` signal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitNotice {
+    /// cgroup whose limit was crossed (path, or `#<id>` if it is gone).
+    pub cgroup: String,
+    pub gpu: String,
+    pub pid: u32,
+    /// Size of the allocation.
+    pub bytes: u64,
+    /// Usage of that cgroup after (react) or before (deny) the allocation.
+    pub usage: u64,
+    pub max: u64,
+    /// `denied`, `killed`, `frozen` or `notified`.
+    pub action: String,
+}
+
+/// GPUs the daemon knows (index, UUID), to validate selectors; `None` while no inventory is
+/// available (then indexes are accepted and UUIDs cannot be resolved).
+pub type GpuCatalog = Option<Vec<(u32, String)>>;
+
+pub struct MemoryEnforcement {
+    store: LimitStore,
+    tier: Tier,
+    action: ReactAction,
+    /// cgroups this module froze (react `freeze`), thawed when their limit is raised or cleared.
+    frozen: BTreeSet<String>,
+    catalog: GpuCatalog,
+}
+
+impl MemoryEnforcement {
+    pub fn new(store: LimitStore, tier: Tier, action: ReactAction) -> Self {
+        Self {
+            store,
+            tier,
+            action,
+            frozen: BTreeSet::new(),
+            catalog: None,
+        }
+    }
+
+    pub fn set_catalog(&mut self, catalog: GpuCatalog) {
+        self.catalog = catalog;
+    }
+
+    fn gpu_key(&self, gpu: &GpuSelector) -> Result<u32, EnforcementError> {
+        match (gpu, &self.catalog) {
+            (GpuSelector::All, _) => Ok(GPU_ALL),
+            (GpuSelector::Index(i), None) => Ok(*i),
+            (GpuSelector::Index(i), Some(c)) => c
+                .iter()
+                .find(|(idx, _)| idx == i)
+                .map(|(idx, _)| *idx)
+                .ok_or_else(|| {
+                    EnforcementError::UnknownGpu(i.to_string(), "no GPU with this index".into())
+                }),
+            (GpuSelector::Uuid(u), Some(c)) => c
+                .iter()
+                .find(|(_, uuid)| uuid.eq_ignore_ascii_case(u))
+                .map(|(idx, _)| *idx)
+                .ok_or_else(|| {
+                    EnforcementError::UnknownGpu(u.clone(), "no GPU with this UUID".into())
+                }),
+            (GpuSelector::Uuid(u), None) => Err(EnforcementError::UnknownGpu(
+                u.clone(),
+                "UUIDs are resolved through NVML, which is unavailable".into(),
+            )),
+        }
+    }
+
+    /// Re-applies the stored limits at start: the kernel maps get exactly the stored set; limits
+    /// of cgroups that no longer exist are dropped with a log line.
+    pub fn restore(&mut self, attr: &mut Attribution) {
+        let mut keep = BTreeMap::new();
+        let mut wanted = BTreeSet::new();
+        for ((cgroup, gpu), limits) in self.store.entries().clone() {
+            let id = match attr.id_of(&cgroup) {
+                Ok((_, id)) => id,
+                Err(e) => {
+                    warn!(cgroup = %cgroup, gpu = %gpu, "dropping stored limit: {e}");
+                    continue;
+                }
+            };
+            let key = match self.gpu_key(&gpu) {
+                Ok(k) => k,
+                Err(e) => {
+                    warn!(cgroup = %cgroup, "dropping stored limit: {e}");
+                    continue;
+                }
+            };
+            if let Some(max) = limits.memory_max {
+                if let Err(e) = attr.set_kernel_limit(id, key, max) {
+                    error!(cgroup = %cgroup, "cannot apply stored limit: {e}");
+                    continue;
+                }
+                wanted.insert((id, key));
+            }
+            keep.insert((cgroup, gpu), limits);
+        }
+        // Pinned maps may hold limits the store no longer has (changed while down).
+        for (id, key) in attr.kernel_limits().into_keys() {
+            if !wanted.contains(&(id, key)) {
+                let _ = attr.clear_kernel_limit(id, key);
+            }
+        }
+        let n = keep.len();
+        if keep != *self.store.entries()
+            && let Err(e) = self.store.replace(keep)
+        {
+            error!("cannot persist limits: {e}");
+        }
+        info!(limits = n, tier = self.tier.as_str(), "limits in force");
+    }
+
+    /// Sets limits on (cgroup, GPU); validated and persisted before it returns. Nothing changes
+    /// on error.
+    pub fn set(
+        &mut self,
+        attr: &mut Attribution,
+        cgroup: &str,
+        gpu: &str,
+        update: LimitUpdate,
+    ) -> Result<(), EnforcementError> {
+        let gpu: GpuSelector = gpu.parse()?;
+        let key = self.gpu_key(&gpu)?;
+        let (path, id) = attr.id_of(cgroup)?;
+        let mut entries = self.store.entries().clone();
+        let mut limits = entries
+            .get(&(path.clone(), gpu.clone()))
+            .cloned()
+            .unwrap_or_default();
+        update.apply_to(&mut limits);
+        entries.insert((path.clone(), gpu.clone()), limits.clone());
+        self.store.replace(entries)?;
+        if let Some(max) = limits.memory_max {
+            attr.set_kernel_limit(id, key, max)?;
+            info!(cgroup = %path, gpu = %gpu, memory_max = max, "limit set");
+            self.maybe_thaw(attr, &path, id);
+        }
+        Ok(())
+    }
+
+    /// Clears the named limits (all when `names` is empty) on (cgroup, GPU).
+    pub fn clear(
+        &mut self,
+        attr: &mut Attribution,
+        cgroup: &str,
+        gpu: &str,
+        names: &[String],
+    ) -> Result<(), EnforcementError> {
+        let gpu: GpuSelector = gpu.parse()?;
+        let key = self.gpu_key(&gpu)?;
+        if let Some(bad) = names.iter().find(|n| n.as_str() != "memory_max") {
+            return Err(PolicyError::UnknownLimit(bad.chars().take(80).collect()).into());
+        }
+        let (path, id) = attr.id_of(cgroup)?;
+        let mut entries = self.store.entries().clone();
+        if let Some(l) = entries.get_mut(&(path.clone(), gpu.clone())) {
+            *l = Limits { memory_max: None };
+        }
+        self.store.replace(entries)?;
+        attr.clear_kernel_limit(id, key)?;
+        info!(cgroup = %path, gpu = %gpu, "limit cleared");
+        self.maybe_thaw(attr, &path, id);
+        Ok(())
+    }
+
+    pub fn list(&self) -> Vec<LimitRecord> {
+        self.store
+            .iter()
+            .map(|((cgroup, gpu), l)| LimitRecord {
+                cgroup: cgroup.clone(),
+                gpu: gpu.to_string(),
+                limits: l
+                    .memory_max
+                    .map(|m| BTreeMap::from([("memory_max".to_owned(), m)]))
+                    .unwrap_or_default(),
+            })
+            .collect()
+    }
+
+    /// Drops limits of cgroups that were removed (with a log line).
+    pub fn sweep(&mut self, attr: &mut Attribution) {
+        let gone: Vec<(String, GpuSelector)> = self
+            .store
+            .entries()
+            .keys()
+            .filter(|(cg, _)| attr.id_of(cg).is_err())
+            .cloned()
+            .collect();
+        if gone.is_empty() {
+            return;
+        }
+        let mut entries = self.store.entries().clone();
+        for k in &gone {
+            info!(cgroup = %k.0, gpu = %k.1, "cgroup removed; dropping its limit");
+            entries.remove(k);
+            self.frozen.remove(&k.0);
+        }
+        if let Err(e) = self.store.replace(entries) {
+            error!("cannot persist limits: {e}");
+        }
+    }
+
+    /// Acts on a limit event from the kernel; returns the notice to publish.
+    pub fn on_event(&mut self, attr: &mut Attribution, ev: &Event) -> Option<LimitNotice> {
+        if ev.kind != EVENT_LIMIT_CROSSED && ev.kind != EVENT_ALLOC_DENIED {
+            return None;
+        }
+        let path = attr.path_of(ev.cgroup_id);
+        let max = attr
+            .kernel_limits()
+            .get(&(ev.cgroup_id, ev.gpu))
+            .copied()
+            .unwrap_or(0);
+        let action = if ev.kind == EVENT_ALLOC_DENIED {
+            "denied"
+        } else {
+            match self.action {
+                ReactAction::Kill => "killed",
+                ReactAction::Notify => "notified",
+                ReactAction::Freeze => match &path {
+                    Some(p) => match attr.freeze(p, true) {
+                        Ok(()) => {
+                            self.frozen.insert(p.clone());
+                            "frozen"
+                        }
+                        Err(e) => {
+                            error!(cgroup = %p, "cannot freeze: {e}");
+                            "notified"
+                        }
+                    },
+                    None => "notified",
+                },
+            }
+        };
+        let cgroup = path.unwrap_or_else(|| format!("#{}", ev.cgroup_id));
+        warn!(
+            cgroup = %cgroup, gpu = %gpu_name(ev.gpu), pid = ev.tgid, bytes = ev.bytes,
+            usage = ev.value, max, action, "GPU memory limit exceeded"
+        );
+        Some(LimitNotice {
+            cgroup,
+            gpu: gpu_name(ev.gpu),
+            pid: ev.tgid,
+            bytes: ev.bytes,
+            usage: ev.value,
+            max,
+            action: action.to_owned(),
+        })
+    }
+
+    /// Thaws a cgroup this module froze once none of its limits is exceeded any more.
+    fn maybe_thaw(&mut self, attr: &mut Attribution, path: &str, id: u64) {
+        if !self.frozen.contains(path) {
+            return;
+        }
+        let limits = attr.kernel_limits();
+        let over = limits
+            .iter()
+            .any(|((cg, gpu), max)| *cg == id && attr.usage_of(id, *gpu) > *max);
+        if !over {
+            match attr.freeze(path, false) {
+                Ok(()) => {
+                    info!(cgroup = %path, "thawed: back within its limits");
+                    self.frozen.remove(path);
+                }
+                Err(e) => error!(cgroup = %path, "cannot thaw: {e}"),
+            }
+        }
+    }
+
+    /// Thaws every cgroup this module froze (clean shutdown: the daemon will not be there to
+    /// thaw them later).
+    pub fn thaw_all(&mut self, attr: &mut Attribution) {
+        for p in std::mem::take(&mut self.frozen) {
+            if let Err(e) = attr.freeze(&p, false) {
+                error!(cgroup = %p, "cannot thaw at shutdown: {e}");
+            }
+        }
+    }
+
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    pub fn action(&self) -> ReactAction {
+        self.action
+    }
+}

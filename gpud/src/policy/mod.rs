@@ -1,0 +1,465 @@
+//! Policy: the limits operators set per cgroup and GPU, their validation, and their persistence in
+//! the state directory. Owned by the state task; enforcement reads it, the API changes it.
+//!
+//! A limit is addressed by a cgroup path (relative to the cgroup v2 root) and a GPU selector:
+//! `all`, an index, or a UUID. Values are validated here, before anything changes.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    str::FromStr,
+};
+
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+/// Largest accepted byte value: far above any GPU, and far from overflowing when usage is added.
+pub const MAX_BYTES: u64 = 1 << 60;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error(
+        "invalid GPU {0:?}: expected \"all\", an index (0, 1, ...) or a UUID (GPU-..., MIG-...)"
+    )]
+    InvalidGpu(String),
+    #[error("unknown limit {0:?} (known: memory_max)")]
+    UnknownLimit(String),
+    #[error("limit {name}: {reason}")]
+    InvalidValue { name: String, reason: String },
+    #[error("no limits given")]
+    Empty,
+    #[error("writing {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Which GPUs a limit applies to.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum GpuSelector {
+    /// The sum over all GPUs.
+    All,
+    /// One GPU by index (the RM device instance, as `nvidia-smi` numbers them).
+    Index(u32),
+    /// One GPU by UUID, resolved to an index where NVML is available.
+    Uuid(String),
+}
+
+impl FromStr for GpuSelector {
+    type Err = PolicyError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("all") {
+            return Ok(Self::All);
+        }
+        if !t.is_empty() && t.len() <= 3 && t.bytes().all(|b| b.is_ascii_digit()) {
+            let i: u32 = t.parse().map_err(|_| PolicyError::InvalidGpu(s.into()))?;
+            if i <= gpud_common::nv::NV_GPU_MINOR_MAX {
+                return Ok(Self::Index(i));
+            }
+        }
+        let is_uuid = (t.starts_with("GPU-") || t.starts_with("MIG-"))
+            && t.len() <= 64
+            && t[4..]
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() || b == b'-' || b == b'/');
+        if is_uuid && t.len() > 4 {
+            return Ok(Self::Uuid(t.to_owned()));
+        }
+        Err(PolicyError::InvalidGpu(s.chars().take(80).collect()))
+    }
+}
+
+impl std::fmt::Display for GpuSelector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::All => f.write_str("all"),
+            Self::Index(i) => write!(f, "{i}"),
+            Self::Uuid(u) => f.write_str(u),
+        }
+    }
+}
+
+impl Serialize for GpuSelector {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for GpuSelector {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The limits of one (cgroup, GPU) pair; `None` is "no limit".
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_max: Option<u64>,
+}
+
+impl Limits {
+    pub fn is_empty(&self) -> bool {
+        self.memory_max.is_none()
+    }
+}
+
+/// A validated change: values to set.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LimitUpdate {
+    pub memory_max: Option<u64>,
+}
+
+impl LimitUpdate {
+    /// Validates named values as they arrive from D-Bus (`a{sv}`), already converted to
+    /// integers where the type allowed; anything else is a typed error and changes nothing.
+    pub fn from_named(values: &BTreeMap<String, LimitValueIn>) -> Result<Self, PolicyError> {
+        if values.is_empty() {
+            return Err(PolicyError::Empty);
+        }
+        let mut u = Self::default();
+        for (name, v) in values {
+            match name.as_str() {
+                "memory_max" => u.memory_max = Some(bytes(name, v)?),
+                other => return Err(PolicyError::UnknownLimit(other.chars().take(80).collect())),
+            }
+        }
+        Ok(u)
+    }
+
+    pub fn apply_to(&self, l: &mut Limits) {
+        if let Some(m) = self.memory_max {
+            l.memory_max = Some(m);
+        }
+    }
+}
+
+/// A limit value as received: the D-Bus layer maps its variants here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LimitValueIn {
+    Unsigned(u64),
+    Signed(i64),
+    Text(String),
+    /// Any other D-Bus type, by signature.
+    Other(String),
+}
+
+fn bytes(name: &str, v: &LimitValueIn) -> Result<u64, PolicyError> {
+    let invalid = |reason: String| PolicyError::InvalidValue {
+        name: name.to_owned(),
+        reason,
+    };
+    let n = match v {
+        LimitValueIn::Unsigned(n) => *n,
+        LimitValueIn::Signed(n) if *n < 0 => return Err(invalid(format!("{n} is negative"))),
+        LimitValueIn::Signed(n) => *n as u64,
+        LimitValueIn::Text(t) => parse_quantity(t).map_err(invalid)?,
+        LimitValueIn::Other(sig) => {
+            return Err(invalid(format!(
+                "expected bytes as an unsigned integer (t) or a quantity string (s), got type {sig}"
+            )));
+        }
+    };
+    if n == 0 {
+        return Err(invalid("0 bytes; use ClearLimits to remove a limit".into()));
+    }
+    if n > MAX_BYTES {
+        return Err(invalid(format!("{n} is larger than {MAX_BYTES}")));
+    }
+    Ok(n)
+}
+
+/// Parses a byte quantity: plain bytes or a Kubernetes-style suffix (Ki, Mi, Gi, Ti; k, M, G, T).
+pub fn parse_quantity(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, suffix) = t.split_at(split);
+    if digits.is_empty() {
+        return Err(format!("{:?} is not a byte quantity", truncate(text)));
+    }
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{:?} is too large", truncate(text)))?;
+    let mult: u64 = match suffix {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        other => {
+            return Err(format!(
+                "unknown suffix {:?} in {:?} (use Ki, Mi, Gi, Ti, k, M, G, T)",
+                truncate(other),
+                truncate(text)
+            ));
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{:?} is too large", truncate(text)))
+}
+
+fn truncate(s: &str) -> String {
+    s.chars().take(80).collect()
+}
+
+/// One stored entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoredLimit {
+    pub cgroup: String,
+    pub gpu: GpuSelector,
+    #[serde(flatten)]
+    pub limits: Limits,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StateFile {
+    version: u32,
+    limits: Vec<StoredLimit>,
+}
+
+const STATE_VERSION: u32 = 1;
+
+/// The limits in force, persisted to `<state_dir>/limits.json` on every change.
+#[derive(Debug)]
+pub struct LimitStore {
+    path: PathBuf,
+    entries: BTreeMap<(String, GpuSelector), Limits>,
+}
+
+impl LimitStore {
+    pub const FILE: &'static str = "limits.json";
+
+    /// Loads the store. A missing file is an empty store; an unreadable or corrupt one is moved
+    /// aside (`limits.json.corrupt-<unix time>`) with an error log, and the daemon starts with no
+    /// limits rather than wrong ones.
+    pub fn load(state_dir: &Path) -> Self {
+        let path = state_dir.join(Self::FILE);
+        let mut store = Self {
+            path: path.clone(),
+            entries: BTreeMap::new(),
+        };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return store,
+            Err(e) => {
+                warn!(path = %path.display(), "cannot read stored limits, starting without: {e}");
+                return store;
+            }
+        };
+        match serde_json::from_str::<StateFile>(&text) {
+            Ok(f) if f.version == STATE_VERSION => {
+                for l in f.limits {
+                    if !l.limits.is_empty() {
+                        store.entries.insert((l.cgroup, l.gpu), l.limits);
+                    }
+                }
+                info!(path = %path.display(), limits = store.entries.len(), "limits restored");
+            }
+            Ok(f) => set_aside(&path, &format!("unsupported version {}", f.version)),
+            Err(e) => set_aside(&path, &e.to_string()),
+        }
+        store
+    }
+
+    pub fn get(&self, cgroup: &str, gpu: &GpuSelector) -> Option<&Limits> {
+        self.entries.get(&(cgroup.to_owned(), gpu.clone()))
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&(String, GpuSelector), &Limits)> {
+        self.entries.iter()
+    }
+
+    /// Replaces the whole set (after a change was validated and applied) and persists it; on a
+    /// write error the previous set stays in force.
+    pub fn replace(
+        &mut self,
+        entries: BTreeMap<(String, GpuSelector), Limits>,
+    ) -> Result<(), PolicyError> {
+        let entries: BTreeMap<_, _> = entries.into_iter().filter(|(_, l)| !l.is_empty()).collect();
+        write_state(&self.path, &entries)?;
+        self.entries = entries;
+        Ok(())
+    }
+
+    pub fn entries(&self) -> &BTreeMap<(String, GpuSelector), Limits> {
+        &self.entries
+    }
+}
+
+fn set_aside(path: &Path, reason: &str) {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let aside = path.with_extension(format!("json.corrupt-{stamp}"));
+    match std::fs::rename(path, &aside) {
+        Ok(()) => tracing::error!(
+            path = %path.display(), kept = %aside.display(),
+            "stored limits are corrupt ({reason}); kept aside, starting with no limits"
+        ),
+        Err(e) => tracing::error!(
+            path = %path.display(),
+            "stored limits are corrupt ({reason}) and cannot be moved aside ({e}); starting with no limits"
+        ),
+    }
+}
+
+/// Writes atomically: a temporary file in the same directory, fsynced, then renamed.
+fn write_state(
+    path: &Path,
+    entries: &BTreeMap<(String, GpuSelector), Limits>,
+) -> Result<(), PolicyError> {
+    use std::io::Write as _;
+    let werr = |source| PolicyError::Write {
+        path: path.to_owned(),
+        source,
+    };
+    let file = StateFile {
+        version: STATE_VERSION,
+        limits: entries
+            .iter()
+            .map(|((cgroup, gpu), limits)| StoredLimit {
+                cgroup: cgroup.clone(),
+                gpu: gpu.clone(),
+                limits: limits.clone(),
+            })
+            .collect(),
+    };
+    let text = serde_json::to_string_pretty(&file).map_err(|e| werr(std::io::Error::other(e)))?;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(werr)?;
+    }
+    let tmp = path.with_extension("json.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(werr)?;
+    f.write_all(text.as_bytes()).map_err(werr)?;
+    f.write_all(b"\n").map_err(werr)?;
+    f.sync_all().map_err(werr)?;
+    std::fs::rename(&tmp, path).map_err(werr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_selectors() {
+        assert_eq!("all".parse::<GpuSelector>().ok(), Some(GpuSelector::All));
+        assert_eq!("ALL".parse::<GpuSelector>().ok(), Some(GpuSelector::All));
+        assert_eq!("0".parse::<GpuSelector>().ok(), Some(GpuSelector::Index(0)));
+        assert_eq!(
+            "GPU-0f0b13fe-cea9-4935-ec40-fd1087fa9f42"
+                .parse::<GpuSelector>()
+                .ok(),
+            Some(GpuSelector::Uuid(
+                "GPU-0f0b13fe-cea9-4935-ec40-fd1087fa9f42".into()
+            ))
+        );
+        for bad in [
+            "",
+            "-1",
+            "248",
+            "99999999999",
+            "GPU-",
+            "gpu0",
+            "GPU-xyz",
+            "1.5",
+        ] {
+            assert!(bad.parse::<GpuSelector>().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn quantities() {
+        assert_eq!(parse_quantity("8Gi"), Ok(8 << 30));
+        assert_eq!(parse_quantity("512Mi"), Ok(512 << 20));
+        assert_eq!(parse_quantity("1000"), Ok(1000));
+        assert_eq!(parse_quantity("2G"), Ok(2_000_000_000));
+        for bad in [
+            "",
+            "Gi",
+            "8 GiB",
+            "-1",
+            "1.5Gi",
+            "99999999999999999999",
+            "16384Ti0",
+        ] {
+            assert!(parse_quantity(bad).is_err(), "{bad:?}");
+        }
+        assert!(parse_quantity("17179869184Ti").is_err(), "overflow");
+    }
+
+    #[test]
+    fn values_are_validated() {
+        let one = |v| BTreeMap::from([("memory_max".to_owned(), v)]);
+        assert_eq!(
+            LimitUpdate::from_named(&one(LimitValueIn::Unsigned(1 << 30)))
+                .ok()
+                .and_then(|u| u.memory_max),
+            Some(1 << 30)
+        );
+        for bad in [
+            LimitValueIn::Unsigned(0),
+            LimitValueIn::Signed(-5),
+            LimitValueIn::Unsigned(u64::MAX),
+            LimitValueIn::Text("lots".into()),
+            LimitValueIn::Other("b".into()),
+        ] {
+            assert!(
+                LimitUpdate::from_named(&one(bad.clone())).is_err(),
+                "{bad:?}"
+            );
+        }
+        let unknown = BTreeMap::from([("memory_maxx".to_owned(), LimitValueIn::Unsigned(1))]);
+        assert!(matches!(
+            LimitUpdate::from_named(&unknown),
+            Err(PolicyError::UnknownLimit(_))
+        ));
+        assert!(matches!(
+            LimitUpdate::from_named(&BTreeMap::new()),
+            Err(PolicyError::Empty)
+        ));
+    }
+
+    #[test]
+    fn store_round_trips_and_sets_corrupt_files_aside() -> Result<(), PolicyError> {
+        let dir = std::env::temp_dir().join(format!("gpud-store-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut s = LimitStore::load(&dir);
+        assert!(s.entries().is_empty());
+        let mut e = BTreeMap::new();
+        e.insert(
+            ("/a".to_owned(), GpuSelector::All),
+            Limits {
+                memory_max: Some(42),
+            },
+        );
+        s.replace(e.clone())?;
+        assert_eq!(LimitStore::load(&dir).entries(), &e);
+        std::fs::write(dir.join(LimitStore::FILE), "{ not json").map_err(|source| {
+            PolicyError::Write {
+                path: dir.clone(),
+                source,
+            }
+        })?;
+        assert!(LimitStore::load(&dir).entries().is_empty());
+        let aside = std::fs::read_dir(&dir)
+            .map(|d| {
+                d.flatten()
+                    .any(|f| f.file_name().to_string_lossy().contains("corrupt"))
+            })
+            .unwrap_or(false);
+        assert!(aside, "corrupt file kept aside");
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+}
