@@ -234,7 +234,8 @@ pub mod stat {
     pub const COUNT: u32 = 11;
 }
 
-/// `Event::kind`: a process became tracked (opened an NVIDIA file, or first matched ioctl).
+/// `Event::kind`: a process became tracked (opened an NVIDIA file, first matched ioctl, or forked
+/// by a tracked process: then `client` holds the parent's tgid).
 pub const EVENT_PROC_NEW: u32 = 1;
 /// `Event::kind`: a tracked process exited (its last thread).
 pub const EVENT_PROC_EXIT: u32 = 2;

@@ -176,6 +176,53 @@ impl Attribution {
         released
     }
 
+    /// Tracepoint mode has no file-release hook, and a control file mapped by CUDA is still
+    /// referenced by the dying process's mappings when its exit is seen. So a client is released
+    /// when the process that created it is gone and no live tracked process descends from it
+    /// (a forked child may hold the same open file).
+    pub fn release_orphaned_clients(&mut self) -> usize {
+        let live: std::collections::HashSet<u32> = self
+            .maps
+            .procs
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+            .collect();
+        let holders: std::collections::HashSet<u32> = live
+            .iter()
+            .flat_map(|p| {
+                let mut chain = vec![*p];
+                let mut cur = *p;
+                for _ in 0..16 {
+                    match self.parents.get(&cur) {
+                        Some(&parent) if parent != cur => {
+                            chain.push(parent);
+                            cur = parent;
+                        }
+                        _ => break,
+                    }
+                }
+                chain
+            })
+            .collect();
+        let orphans: Vec<u32> = self
+            .objects()
+            .iter()
+            .filter(|(k, e)| {
+                e.kind == OBJ_CLIENT && k.client == k.object && !holders.contains(&e.tgid)
+            })
+            .map(|(k, _)| k.client)
+            .collect();
+        let mut released = 0;
+        for c in orphans {
+            released += self.release_tree(c, c, u64::MAX);
+        }
+        if released > 0 {
+            info!(released, "clients of exited processes released");
+        }
+        released
+    }
+
     fn release_one(&mut self, key: ObjKey, e: &ObjEntry) -> usize {
         match self.probes.release(key, e.serial) {
             Ok(true) => 1,

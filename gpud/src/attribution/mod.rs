@@ -54,6 +54,9 @@ pub struct Attribution {
     maps: KernelMaps,
     cgroups: CgroupFs,
     matcher: Matcher,
+    /// Parent of each process the probes saw forked by a tracked process (tracepoint mode uses
+    /// it to tell whether a dead process's control files may live on in a child).
+    parents: HashMap<u32, u32>,
 }
 
 impl Attribution {
@@ -68,6 +71,7 @@ impl Attribution {
             maps,
             cgroups,
             matcher,
+            parents: HashMap::new(),
         })
     }
 
@@ -224,6 +228,9 @@ impl Attribution {
                 let _ = self.maps.procs.remove(pid);
             }
         }
+        let live: std::collections::HashSet<u32> = procs.iter().map(|(p, _)| *p).collect();
+        // A parent link is needed only while its child lives.
+        self.parents.retain(|child, _| live.contains(child));
         let live_cgroups: std::collections::HashSet<u64> =
             procs.iter().map(|(_, p)| p.cgroup_id).collect();
         let ids: Vec<(u64, IoctlCounts)> =
@@ -276,9 +283,17 @@ impl Attribution {
         match ev.kind {
             EVENT_PROC_NEW => {
                 let path = self.cgroups.path_of(ev.cgroup_id);
+                if ev.client != 0 {
+                    self.parents.insert(ev.tgid, ev.client);
+                }
                 debug!(pid = ev.tgid, cgroup = ?path, "process attributed");
             }
-            EVENT_PROC_EXIT => debug!(pid = ev.tgid, "attributed process exited"),
+            EVENT_PROC_EXIT => {
+                debug!(pid = ev.tgid, "attributed process exited");
+                if self.probes.mode() == crate::probes::AttachMode::Tracepoint {
+                    self.release_orphaned_clients();
+                }
+            }
             EVENT_FREE_TREE => {
                 self.release_tree(ev.client, ev.object, ev.value);
             }

@@ -38,6 +38,27 @@ enum Command {
         /// e.g. /kubepods/pod1/ctr
         path: String,
     },
+    /// Sets limits on a cgroup: `gpudctl set /kubepods/pod1 --memory-max 8Gi [--gpu 0]`.
+    Set {
+        /// cgroup path relative to the cgroup v2 root.
+        cgroup: String,
+        /// GPU: `all` (the sum over GPUs), an index, or a UUID.
+        #[arg(long, default_value = "all")]
+        gpu: String,
+        /// GPU-memory maximum: bytes or a quantity such as 512Mi, 8Gi.
+        #[arg(long, value_name = "BYTES")]
+        memory_max: String,
+    },
+    /// Clears limits of a cgroup (all of them unless names are given).
+    Clear {
+        cgroup: String,
+        #[arg(long, default_value = "all")]
+        gpu: String,
+        /// Limit names to clear (e.g. memory_max); none: all.
+        names: Vec<String>,
+    },
+    /// Limits in force.
+    Limits,
 }
 
 enum Failure {
@@ -108,6 +129,45 @@ async fn run(args: Args) -> Result<(), Failure> {
             }
             Ok(())
         }
+        Command::Set {
+            cgroup,
+            gpu,
+            memory_max,
+        } => {
+            let value = zbus::Variant::from(memory_max.as_str());
+            let limits = std::collections::BTreeMap::from([("memory_max", value)]);
+            proxy
+                .set_limits(&cgroup, &gpu, limits)
+                .await
+                .map_err(daemon_err)?;
+            Ok(())
+        }
+        Command::Clear { cgroup, gpu, names } => {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            proxy
+                .clear_limits(&cgroup, &gpu, &names)
+                .await
+                .map_err(daemon_err)?;
+            Ok(())
+        }
+        Command::Limits => {
+            let limits = proxy.list_limits().await.map_err(daemon_err)?;
+            if args.json {
+                println!("{}", to_json(&limits));
+            } else {
+                println!("{:<40} {:<12} {:>16}", "CGROUP", "GPU", "MEMORY_MAX");
+                for l in &limits {
+                    let m = l.limits.get("memory_max").map(|b| human(*b));
+                    println!(
+                        "{:<40} {:<12} {:>16}",
+                        l.cgroup,
+                        l.gpu,
+                        m.unwrap_or_else(|| "-".into())
+                    );
+                }
+            }
+            Ok(())
+        }
         Command::Get { path } => {
             let rec = proxy.get_cgroup(&path).await.map_err(daemon_err)?;
             if args.json {
@@ -133,10 +193,14 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     let resumed = proxy.probes_resumed().await.map_err(daemon_err)?;
     let stats = proxy.get_kernel_stats().await.map_err(daemon_err)?;
     let cgroups = proxy.list_cgroups().await.map_err(daemon_err)?.len();
+    let tier = proxy.enforcement_tier().await.map_err(daemon_err)?;
+    let action = proxy.react_action().await.map_err(daemon_err)?;
     if json {
         let v = serde_json::json!({
             "version": version,
             "attach_mode": mode,
+            "enforcement_tier": tier,
+            "react_action": action,
             "kernel_capabilities": caps,
             "cgroup_root": root,
             "probes_resumed": resumed,
@@ -161,6 +225,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
         .filter(|(_, v)| !**v)
         .map(|(k, _)| k.as_str())
         .collect();
+    println!("  memory limits:    {tier} tier (react action: {action})");
     println!("  kernel offers:    {}", offered.join(", "));
     println!("  kernel lacks:     {}", missing.join(", "));
     println!("  cgroup v2 root:   {root}");
@@ -179,16 +244,44 @@ fn print_records(list: &[CgroupRecord], json: bool) {
         println!("{}", to_json(&list));
         return;
     }
-    print!("{:<40} {:>8}", "CGROUP", "PIDS");
+    print!("{:<40} {:>6} {:>12} {:>12}", "CGROUP", "PIDS", "GPU_MEM", "MEM_MAX");
     for c in IOCTL_CLASS_NAMES {
         print!(" {c:>9}");
     }
     println!();
     for r in list {
-        print!("{:<40} {:>8}", r.path, r.pids.len());
+        let cur = r.memory_current.get("all").copied().unwrap_or(0);
+        let max = r
+            .memory_max
+            .get("all")
+            .map(|m| human(*m))
+            .unwrap_or_else(|| "-".into());
+        print!(
+            "{:<40} {:>6} {:>12} {:>12}",
+            r.path,
+            r.pids.len(),
+            human(cur),
+            max
+        );
         for c in IOCTL_CLASS_NAMES {
             print!(" {:>9}", r.ioctls.get(c).copied().unwrap_or(0));
         }
         println!();
+    }
+}
+
+/// Bytes in binary units (as `nvidia-smi` and Kubernetes quantities read).
+fn human(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
     }
 }
