@@ -31,6 +31,11 @@ pub const NV_ESC_RM_MAP_MEMORY: u32 = 0x4e;
 pub const NV_ESC_RM_UNMAP_MEMORY: u32 = 0x4f;
 pub const NV_ESC_RM_MAP_MEMORY_DMA: u32 = 0x57;
 pub const NV_ESC_RM_UNMAP_MEMORY_DMA: u32 = 0x58;
+pub const NV_ESC_RM_DUP_OBJECT: u32 = 0x34;
+pub const NV_ESC_RM_SHARE: u32 = 0x35;
+/// `NV_ESC_ALLOC_OS_EVENT` and `NV_ESC_FREE_OS_EVENT` (OS escapes, `NV_IOCTL_BASE` + 6 and 7).
+pub const NV_ESC_ALLOC_OS_EVENT: u32 = 206;
+pub const NV_ESC_FREE_OS_EVENT: u32 = 207;
 /// `NV_ESC_IOCTL_XFER_CMD`: wraps another escape with a separate size and pointer.
 pub const NV_ESC_IOCTL_XFER_CMD: u32 = 211;
 
@@ -51,6 +56,10 @@ pub const NVOS34_SIZE: u32 = 32;
 pub const NVOS46_SIZE: u32 = 64;
 pub const NVOS46_SIZE_OLD: u32 = 56;
 pub const NVOS47_SIZE: u32 = 48;
+pub const NVOS55_SIZE: u32 = 28;
+pub const NVOS57_SIZE: u32 = 24;
+/// `nv_ioctl_alloc_os_event_t` and `nv_ioctl_free_os_event_t`.
+pub const NV_OS_EVENT_SIZE: u32 = 16;
 /// `nv_ioctl_xfer_t { u32 cmd; u32 size; NvP64 ptr; }`.
 pub const NV_IOCTL_XFER_SIZE: u32 = 16;
 /// `NV_ABSOLUTE_MAX_IOCTL_SIZE`: the largest size an XFER may carry.

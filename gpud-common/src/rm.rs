@@ -23,6 +23,13 @@ pub mod status {
     pub const NV_ERR_INVALID_OBJECT_HANDLE: u32 = 0x33;
     pub const NV_ERR_INVALID_OBJECT_PARENT: u32 = 0x36;
     pub const NV_ERR_NO_MEMORY: u32 = 0x51;
+    /// A handle that is already in use (a live client, or an object within its client).
+    pub const NV_ERR_INSERT_DUPLICATE_NAME: u32 = 0x19;
+    pub const NV_ERR_INSUFFICIENT_RESOURCES: u32 = 0x1a;
+    pub const NV_ERR_INVALID_FUNCTION: u32 = 0x2a;
+    /// A parameter pointer RM could not copy in.
+    pub const NV_ERR_INVALID_POINTER: u32 = 0x3d;
+    pub const NV_ERR_NOT_SUPPORTED: u32 = 0x56;
 }
 
 /// RM classes (`hClass`) the accounting follows.
@@ -149,9 +156,12 @@ pub const NVOS32_ALLOC_FLAGS_VIRTUAL: u32 = 0x0008_0000;
 pub const NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED: u32 = 0x0000_4000;
 /// `NVOS32_ATTR_LOCATION` is bits 26:25 of `attr`; 0 is video memory.
 pub const fn attr_location(attr: u32) -> u32 {
-    (attr >> 25) & 0x3
+    (attr >> NVOS32_ATTR_LOCATION_SHIFT) & 0x3
 }
+pub const NVOS32_ATTR_LOCATION_SHIFT: u32 = 25;
 pub const NVOS32_ATTR_LOCATION_VIDMEM: u32 = 0;
+/// `NVOS32_ATTR_LOCATION_PCI`: system memory.
+pub const NVOS32_ATTR_LOCATION_PCI: u32 = 1;
 
 /// `NV0080_ALLOC_PARAMETERS` (class `NV01_DEVICE_0`, 56 bytes): `deviceId` is the RM device
 /// instance the client opens.
@@ -172,6 +182,20 @@ pub struct Nv0080AllocParams {
 }
 
 pub const DEVICE_PARAMS_ID: usize = offset_of!(Nv0080AllocParams, device_id);
+
+/// `NV2080_ALLOC_PARAMETERS` (class `NV20_SUBDEVICE_0`): which GPU of the device.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Nv2080AllocParams {
+    pub sub_device_id: u32,
+}
+
+/// Generated client handles are `RS_CLIENT_HANDLE_BASE | index` (index in bits 19:0), unique
+/// among live clients.
+pub const RS_CLIENT_HANDLE_BASE: Handle = 0xc1d0_0000;
+/// Generated object handles start here, per client (`RS_UNIQUE_HANDLE_BASE`, range 0x80000).
+pub const RS_UNIQUE_HANDLE_BASE: Handle = 0xcaf0_0000;
+pub const RS_UNIQUE_HANDLE_RANGE: u32 = 0x8_0000;
 
 /// `NVOS32_PARAMETERS` (`NV_ESC_RM_VID_HEAP_CONTROL`, 184 bytes): a header, then a union selected
 /// by `function`. The union members the accounting reads are given as offsets below.
@@ -209,6 +233,8 @@ impl Default for Nvos32 {
 
 pub const NVOS32_FUNCTION_ALLOC_SIZE: u32 = 2;
 pub const NVOS32_FUNCTION_FREE: u32 = 3;
+/// `NVOS32_FUNCTION_INFO`: fills `total` and `free` of the heap.
+pub const NVOS32_FUNCTION_INFO: u32 = 5;
 pub const NVOS32_FUNCTION_ALLOC_TILED_PITCH_HEIGHT: u32 = 6;
 pub const NVOS32_FUNCTION_ALLOC_SIZE_RANGE: u32 = 14;
 
@@ -250,6 +276,31 @@ pub struct NvIoctlXfer {
     pub ptr: u64,
 }
 
+pub const VIDHEAP_TOTAL: usize = offset_of!(Nvos32, total);
+pub const VIDHEAP_FREE: usize = offset_of!(Nvos32, free);
+
+/// Offset of the `NV_STATUS` field in the parameter struct of escape `nr` when its size is
+/// `size`, for the escapes on the control device that carry one (ABI reference §3.1-3.8), and
+/// whether the struct starts with `hClient`. `None` for other escapes and sizes.
+pub const fn escape_status_offset(nr: u32, size: u32) -> Option<(usize, bool)> {
+    use crate::nv::*;
+    match (nr, size) {
+        (NV_ESC_RM_FREE, NVOS00_SIZE) => Some((12, true)),
+        (NV_ESC_RM_CONTROL, NVOS54_SIZE) => Some((28, true)),
+        (NV_ESC_RM_ALLOC, NVOS21_SIZE) => Some((NVOS21_STATUS, true)),
+        (NV_ESC_RM_ALLOC, NVOS64_SIZE) => Some((NVOS64_STATUS, true)),
+        (NV_ESC_RM_VID_HEAP_CONTROL, NVOS32_SIZE) => Some((VIDHEAP_STATUS, true)),
+        (NV_ESC_RM_MAP_MEMORY, NVOS33_WITH_FD_SIZE) => Some((40, true)),
+        (NV_ESC_RM_UNMAP_MEMORY, NVOS34_SIZE) => Some((24, true)),
+        (NV_ESC_RM_MAP_MEMORY_DMA, NVOS46_SIZE) => Some((56, true)),
+        (NV_ESC_RM_UNMAP_MEMORY_DMA, NVOS47_SIZE) => Some((40, true)),
+        (NV_ESC_RM_DUP_OBJECT, NVOS55_SIZE) => Some((24, true)),
+        (NV_ESC_RM_SHARE, NVOS57_SIZE) => Some((20, true)),
+        (NV_ESC_ALLOC_OS_EVENT | NV_ESC_FREE_OS_EVENT, NV_OS_EVENT_SIZE) => Some((12, true)),
+        _ => None,
+    }
+}
+
 // Pinned by the ABI reference (§3); a wrong edit here fails the build of both sides.
 const _: () = {
     assert!(size_of::<Nvos00>() == 16);
@@ -268,6 +319,8 @@ const _: () = {
     assert!(size_of::<Nvos32>() == 184);
     assert!(VIDHEAP_STATUS == 20 && VIDHEAP_FUNCTION == 8 && offset_of!(Nvos32, data) == 40);
     assert!(size_of::<NvIoctlXfer>() == 16);
+    assert!(size_of::<Nv2080AllocParams>() == 4);
+    assert!(VIDHEAP_TOTAL == 24 && VIDHEAP_FREE == 32);
     assert!(size_of::<Nvos00>() as u32 == crate::nv::NVOS00_SIZE);
     assert!(size_of::<Nvos21>() as u32 == crate::nv::NVOS21_SIZE);
     assert!(size_of::<Nvos64>() as u32 == crate::nv::NVOS64_SIZE);

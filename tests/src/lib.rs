@@ -13,7 +13,9 @@ use std::{
 
 use gpud::api::dbus::{Manager1Proxy, connect_builder};
 
+pub mod fakenv;
 pub mod inproc;
+pub mod rm;
 
 /// Per-class counts as gpud reports them (every class present), from the non-zero ones.
 pub fn class_counts(pairs: &[(&str, u64)]) -> std::collections::BTreeMap<String, u64> {

@@ -1,0 +1,288 @@
+//! Test fixture: a process that issues RM calls (through [`gpud_tests::rm`]) on a control
+//! device, from a given cgroup, as a script on standard input tells it.
+//!
+//! `gpud-rm [--cgroup DIR] [--file PATH]`
+//!
+//! Moves itself into DIR (a cgroup v2 directory) first, then opens PATH (read-write), then reads
+//! one command per line and answers each with one JSON line on stdout. Numbers are decimal or
+//! `0x` hex; blank lines and lines starting with `#` are ignored. RM calls answer
+//! `{"ok":…,"ret":…,"errno":…,"status":…,"handle":…,"size":…}` where `ok` means `ret == 0` and
+//! `status == NV_OK`, `handle` is the handle RM wrote back and `size` the size it wrote back.
+//! Anything that cannot be done answers `{"ok":false,"error":"…"}`.
+//!
+//! | command | does |
+//! |---|---|
+//! | `client [HANDLE]` | allocates a client (RM picks the handle unless HANDLE) |
+//! | `device CLIENT ID` | `NV01_DEVICE_0` for GPU ID under CLIENT |
+//! | `subdevice CLIENT DEVICE` | `NV20_SUBDEVICE_0` under DEVICE |
+//! | `alloc CLIENT PARENT SIZE [FORM] [handle=H] [flags=F] [attr=A] [class=C]` | video memory; FORM is `nvos21`, `nvos64` (default), `vidheap`, `xfer21`, `xfer64` or `xfervidheap` |
+//! | `parallel N CLIENT PARENT SIZE [FORM]` | N threads allocate at once: `{"ok":…,"results":[…]}` |
+//! | `free CLIENT HANDLE` | `NV_ESC_RM_FREE` (HANDLE == CLIENT frees the client) |
+//! | `vidheap-free CLIENT PARENT HANDLE` | `NV_ESC_RM_VID_HEAP_CONTROL` FREE |
+//! | `ioctl CMD` | CMD on a zeroed buffer: `{"ok":…,"ret":…,"errno":…}` |
+//! | `close` | closes the file descriptor |
+//! | `open [PATH]` | opens PATH (default: `--file`) as the file descriptor, closing the old one |
+//! | `cgroup DIR` | moves this process into DIR |
+//! | `sleep MS` | waits |
+//! | `pid` | `{"ok":true,"pid":…}` |
+//! | `fork` | forks; see below |
+//! | `exit [CODE]` | answers `{"ok":true,"exit":PID}` and exits at once, closing nothing itself |
+//!
+//! `fork`: the child shares the open file (one open file description, as after a real fork)
+//! and takes over the script: it answers `{"ok":true,"pid":CHILD}` and runs the following
+//! commands until `exit` or end of input. The parent waits for it meanwhile, then answers
+//! `{"ok":true,"reaped":CHILD,"code":CODE}` and goes on with the commands after that. Forks nest.
+//! Standard input is read unbuffered, so neither process reads lines meant for the other.
+
+use std::{
+    fs::File,
+    io::Write as _,
+    path::{Path, PathBuf},
+};
+
+use gpud_common::nv;
+use gpud_tests::{
+    fakenv::{parse_num, parse_size},
+    rm::{Ctl, Form, MemRequest, Reply},
+};
+use serde_json::{Value, json};
+
+struct State {
+    path: Option<PathBuf>,
+    file: Option<File>,
+}
+
+fn die(msg: &str) -> ! {
+    eprintln!("gpud-rm: {msg}");
+    std::process::exit(2)
+}
+
+fn emit(v: &Value) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}");
+    let _ = out.flush();
+}
+
+/// One line of standard input, read a byte at a time (`None` at end of input).
+fn read_line() -> Option<String> {
+    let mut line = Vec::new();
+    loop {
+        let mut b = 0u8;
+        // SAFETY: reads one byte into `b`.
+        let n = unsafe { libc::read(0, (&mut b as *mut u8).cast(), 1) };
+        match n {
+            1 if b == b'\n' => break,
+            1 => line.push(b),
+            0 if line.is_empty() => return None,
+            0 => break,
+            _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
+            _ => return None,
+        }
+    }
+    Some(String::from_utf8_lossy(&line).into_owned())
+}
+
+fn reply_json(r: &Reply) -> Value {
+    json!({
+        "ok": r.ok(),
+        "ret": r.ret,
+        "errno": r.errno,
+        "status": r.status,
+        "handle": r.handle,
+        "size": r.size,
+    })
+}
+
+fn err(msg: impl std::fmt::Display) -> Value {
+    json!({ "ok": false, "error": msg.to_string() })
+}
+
+fn num(s: &str) -> Result<u64, String> {
+    parse_num(s).ok_or_else(|| format!("bad number {s:?}"))
+}
+
+fn join_cgroup(dir: &Path) -> std::io::Result<()> {
+    std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())
+}
+
+fn open(path: &Path) -> std::io::Result<File> {
+    File::options().read(true).write(true).open(path)
+}
+
+/// `alloc` arguments after CLIENT PARENT SIZE.
+fn mem_request(args: &[&str]) -> Result<MemRequest, String> {
+    let [client, parent, size, rest @ ..] = args else {
+        return Err("usage: alloc CLIENT PARENT SIZE [FORM] [key=value]…".into());
+    };
+    let size = parse_size(size).ok_or_else(|| format!("bad size {size:?}"))?;
+    let mut r = MemRequest::vidmem(num(client)? as u32, num(parent)? as u32, size, Form::Nvos64);
+    for a in rest {
+        match a.split_once('=') {
+            Some(("handle", v)) => r.handle = num(v)? as u32,
+            Some(("flags", v)) => r.flags = num(v)? as u32,
+            Some(("attr", v)) => r.attr = num(v)? as u32,
+            Some(("class", v)) => r.class = num(v)? as u32,
+            Some((k, _)) => return Err(format!("unknown option {k}")),
+            None => r.form = Form::parse(a).ok_or_else(|| format!("unknown form {a}"))?,
+        }
+    }
+    Ok(r)
+}
+
+/// Runs one command; `None` for lines that need no answer.
+fn run(st: &mut State, words: &[&str]) -> Option<Value> {
+    let Some((&cmd, args)) = words.split_first() else {
+        return None;
+    };
+    if cmd.starts_with('#') {
+        return None;
+    }
+    // Commands that need no file.
+    match (cmd, args) {
+        ("pid", []) => return Some(json!({ "ok": true, "pid": std::process::id() })),
+        ("close", []) => {
+            return Some(match st.file.take() {
+                Some(_) => json!({ "ok": true }),
+                None => err("no file open"),
+            });
+        }
+        ("open", [] | [_]) => {
+            let path = args.first().map(PathBuf::from).or_else(|| st.path.clone());
+            let Some(path) = path else {
+                return Some(err("no path to open"));
+            };
+            return Some(match open(&path) {
+                Ok(f) => {
+                    st.file = Some(f);
+                    st.path = Some(path);
+                    json!({ "ok": true })
+                }
+                Err(e) => err(format!("open {}: {e}", path.display())),
+            });
+        }
+        ("cgroup", [dir]) => {
+            return Some(match join_cgroup(Path::new(dir)) {
+                Ok(()) => json!({ "ok": true }),
+                Err(e) => err(format!("joining {dir}: {e}")),
+            });
+        }
+        ("sleep", [ms]) => {
+            return Some(match num(ms) {
+                Ok(ms) => {
+                    std::thread::sleep(std::time::Duration::from_millis(ms));
+                    json!({ "ok": true })
+                }
+                Err(e) => err(e),
+            });
+        }
+        _ => {}
+    }
+    let Some(file) = st.file.as_ref() else {
+        return Some(err("no file open"));
+    };
+    let ctl = Ctl::new(file);
+    let r = (|| -> Result<Value, String> {
+        let n = |i: usize| -> Result<u32, String> {
+            args.get(i)
+                .ok_or_else(|| format!("{cmd}: missing argument"))
+                .and_then(|s| num(s))
+                .map(|v| v as u32)
+        };
+        Ok(match (cmd, args.len()) {
+            ("client", 0) => reply_json(&ctl.alloc_client()),
+            ("client", 1) => reply_json(&ctl.alloc_client_with(n(0)?)),
+            ("device", 2) => reply_json(&ctl.alloc_device(n(0)?, n(1)?)),
+            ("subdevice", 2) => reply_json(&ctl.alloc_subdevice(n(0)?, n(1)?)),
+            ("alloc", _) => reply_json(&ctl.alloc_memory(&mem_request(args)?)),
+            ("parallel", 4 | 5) => {
+                let threads = n(0)? as usize;
+                let r = mem_request(&args[1..])?;
+                let replies: Vec<Reply> = std::thread::scope(|s| {
+                    let hs: Vec<_> = (0..threads)
+                        .map(|_| s.spawn(|| ctl.alloc_memory(&r)))
+                        .collect();
+                    hs.into_iter()
+                        .map(|h| h.join().unwrap_or_default())
+                        .collect()
+                });
+                json!({
+                    "ok": replies.iter().all(Reply::ok),
+                    "results": replies.iter().map(reply_json).collect::<Vec<_>>(),
+                })
+            }
+            ("free", 2) => reply_json(&ctl.free(n(0)?, n(1)?)),
+            ("vidheap-free", 3) => reply_json(&ctl.vidheap_free(n(0)?, n(1)?, n(2)?)),
+            ("ioctl", 1) => {
+                // Large enough for any encoded size.
+                let mut buf = vec![0u8; nv::NV_MAX_IOCTL_SIZE as usize];
+                let (ret, errno) = ctl.raw(n(0)?, buf.as_mut_ptr());
+                json!({ "ok": ret == 0, "ret": ret, "errno": errno })
+            }
+            _ => return Err(format!("unknown command or arguments: {}", words.join(" "))),
+        })
+    })();
+    Some(r.unwrap_or_else(err))
+}
+
+/// Forks; the child answers and returns to the command loop, the parent waits for it and
+/// reports.
+fn fork() -> Value {
+    let _ = std::io::stdout().flush();
+    // SAFETY: this process is single-threaded here (`parallel` joins its threads).
+    match unsafe { libc::fork() } {
+        -1 => err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => json!({ "ok": true, "pid": std::process::id() }),
+        child => {
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            unsafe { libc::waitpid(child, &mut status, 0) };
+            let code = if libc::WIFEXITED(status) {
+                libc::WEXITSTATUS(status)
+            } else {
+                128 + libc::WTERMSIG(status)
+            };
+            json!({ "ok": true, "reaped": child, "code": code })
+        }
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut cgroup = None;
+    let mut path = None;
+    while let Some(a) = args.next() {
+        let mut val = || {
+            args.next()
+                .unwrap_or_else(|| die(&format!("{a} needs a value")))
+        };
+        match a.as_str() {
+            "--cgroup" => cgroup = Some(PathBuf::from(val())),
+            "--file" => path = Some(PathBuf::from(val())),
+            other => die(&format!("unknown argument {other}")),
+        }
+    }
+    if let Some(cg) = &cgroup {
+        join_cgroup(cg).unwrap_or_else(|e| die(&format!("joining cgroup {}: {e}", cg.display())));
+    }
+    let file = path
+        .as_ref()
+        .map(|p| open(p).unwrap_or_else(|e| die(&format!("open {}: {e}", p.display()))));
+    let mut st = State { path, file };
+    while let Some(line) = read_line() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["fork"] => emit(&fork()),
+            ["exit"] | ["exit", _] => {
+                let code = words.get(1).and_then(|c| parse_num(c)).unwrap_or(0) as i32;
+                emit(&json!({ "ok": true, "exit": std::process::id() }));
+                // SAFETY: leaves at once; the kernel closes the descriptors.
+                unsafe { libc::_exit(code) };
+            }
+            _ => {
+                if let Some(v) = run(&mut st, &words) {
+                    emit(&v);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,402 @@
+//! A small typed client of the NVIDIA RM ioctl ABI over any open control-device file: the fake
+//! of [`crate::fakenv`] or a real `/dev/nvidiactl`.
+//!
+//! It owns nothing but the calling convention: the structs are gpud-common's
+//! ([`gpud_common::rm`]), commands are `_IOWR('F', nr, size)` ([`nv::nv_iowr`]), and every call
+//! reports what the driver reports — the `ioctl()` return value (with errno), the RM status in
+//! the struct, and the handle and size RM wrote back — without judging them.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+
+use gpud_common::{
+    nv,
+    rm::{self, Handle, class, status},
+};
+
+/// Structs that may be viewed as bytes and made from any bytes: `#[repr(C)]`, `Copy`, every
+/// byte belongs to a field (the ABI structs spell out their padding), every bit pattern valid.
+///
+/// # Safety
+/// Implement only for types meeting the above.
+pub unsafe trait Plain: Copy + Default {}
+
+// SAFETY: each is #[repr(C)] with explicit padding fields and integer members only.
+unsafe impl Plain for rm::Nvos00 {}
+unsafe impl Plain for rm::Nvos21 {}
+unsafe impl Plain for rm::Nvos64 {}
+unsafe impl Plain for rm::Nvos32 {}
+unsafe impl Plain for rm::MemoryAllocationParams {}
+unsafe impl Plain for rm::Nv0080AllocParams {}
+unsafe impl Plain for rm::Nv2080AllocParams {}
+unsafe impl Plain for rm::NvIoctlXfer {}
+
+/// The bytes of `v`.
+pub fn bytes_of<T: Plain>(v: &T) -> &[u8] {
+    // SAFETY: `Plain` guarantees every byte is initialized.
+    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }
+}
+
+/// The bytes of `v`, writable.
+pub fn bytes_of_mut<T: Plain>(v: &mut T) -> &mut [u8] {
+    // SAFETY: `Plain` guarantees any bit pattern is a valid `T`.
+    unsafe { std::slice::from_raw_parts_mut((v as *mut T).cast::<u8>(), size_of::<T>()) }
+}
+
+/// A `T` from the first bytes of `b`; missing bytes read as zero.
+pub fn from_bytes<T: Plain>(b: &[u8]) -> T {
+    let mut v = T::default();
+    let dst = bytes_of_mut(&mut v);
+    let n = dst.len().min(b.len());
+    dst[..n].copy_from_slice(&b[..n]);
+    v
+}
+
+pub fn get_u32(b: &[u8], off: usize) -> u32 {
+    u32::from_ne_bytes(b[off..off + 4].try_into().expect("4 bytes"))
+}
+
+pub fn get_u64(b: &[u8], off: usize) -> u64 {
+    u64::from_ne_bytes(b[off..off + 8].try_into().expect("8 bytes"))
+}
+
+pub fn put_u32(b: &mut [u8], off: usize, v: u32) {
+    b[off..off + 4].copy_from_slice(&v.to_ne_bytes());
+}
+
+pub fn put_u64(b: &mut [u8], off: usize, v: u64) {
+    b[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+}
+
+/// How a memory allocation is issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Form {
+    /// `NV_ESC_RM_ALLOC` with `NVOS21_PARAMETERS` (32 bytes).
+    Nvos21,
+    /// `NV_ESC_RM_ALLOC` with `NVOS64_PARAMETERS` (48 bytes).
+    Nvos64,
+    /// `NV_ESC_RM_VID_HEAP_CONTROL`, `NVOS32_FUNCTION_ALLOC_SIZE`.
+    VidHeap,
+    /// The same, wrapped in `NV_ESC_IOCTL_XFER_CMD`.
+    Xfer21,
+    Xfer64,
+    XferVidHeap,
+}
+
+impl Form {
+    pub const ALL: [Form; 6] = [
+        Form::Nvos21,
+        Form::Nvos64,
+        Form::VidHeap,
+        Form::Xfer21,
+        Form::Xfer64,
+        Form::XferVidHeap,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Form::Nvos21 => "nvos21",
+            Form::Nvos64 => "nvos64",
+            Form::VidHeap => "vidheap",
+            Form::Xfer21 => "xfer21",
+            Form::Xfer64 => "xfer64",
+            Form::XferVidHeap => "xfervidheap",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Form> {
+        Form::ALL.into_iter().find(|f| f.name() == s)
+    }
+
+    fn xfer(self) -> bool {
+        matches!(self, Form::Xfer21 | Form::Xfer64 | Form::XferVidHeap)
+    }
+}
+
+/// What one call reported.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reply {
+    /// The `ioctl()` return value (0 or -1).
+    pub ret: i32,
+    /// `errno` when `ret` is -1, else 0.
+    pub errno: i32,
+    /// The RM status written into the struct (meaningless when `ret` is -1).
+    pub status: u32,
+    /// The handle RM wrote back (new object or client), or the one freed.
+    pub handle: Handle,
+    /// The size RM wrote back (memory allocations), else 0.
+    pub size: u64,
+}
+
+impl Reply {
+    /// The call succeeded at both levels.
+    pub fn ok(&self) -> bool {
+        self.ret == 0 && self.status == status::NV_OK
+    }
+}
+
+/// A memory allocation request in full; [`Ctl::alloc_vidmem`] fills the common case.
+#[derive(Clone, Copy, Debug)]
+pub struct MemRequest {
+    pub client: Handle,
+    pub parent: Handle,
+    /// 0 lets RM pick the handle.
+    pub handle: Handle,
+    /// `hClass` for the RM_ALLOC forms (ignored by VID_HEAP_CONTROL, which picks the class from
+    /// `flags` and `attr` as the driver does).
+    pub class: u32,
+    pub size: u64,
+    /// `NVOS32_ALLOC_FLAGS_*`.
+    pub flags: u32,
+    /// `NVOS32_ATTR_*` (bits 26:25 are the location; 0 is video memory).
+    pub attr: u32,
+    pub form: Form,
+}
+
+impl MemRequest {
+    pub fn vidmem(client: Handle, parent: Handle, size: u64, form: Form) -> Self {
+        Self {
+            client,
+            parent,
+            handle: 0,
+            class: class::MEMORY_LOCAL_USER,
+            size,
+            flags: 0,
+            attr: 0,
+            form,
+        }
+    }
+}
+
+/// One `NV_ESC_RM_ALLOC` request.
+#[derive(Clone, Copy, Debug)]
+pub struct Alloc {
+    pub client: Handle,
+    pub parent: Handle,
+    /// 0 lets RM pick the handle.
+    pub new: Handle,
+    pub class: u32,
+    /// `pAllocParms`: the class's parameter struct in this process's memory, or null.
+    pub params: *mut u8,
+    /// NVOS64 (48 bytes) instead of NVOS21 (32 bytes).
+    pub long: bool,
+    /// Wrapped in `NV_ESC_IOCTL_XFER_CMD`.
+    pub xfer: bool,
+}
+
+impl Alloc {
+    pub fn new(client: Handle, parent: Handle, class: u32) -> Self {
+        Self {
+            client,
+            parent,
+            new: 0,
+            class,
+            params: std::ptr::null_mut(),
+            long: false,
+            xfer: false,
+        }
+    }
+
+    pub fn handle(mut self, new: Handle) -> Self {
+        self.new = new;
+        self
+    }
+
+    pub fn params(mut self, params: *mut u8) -> Self {
+        self.params = params;
+        self
+    }
+}
+
+/// RM calls on one open control-device file.
+#[derive(Clone, Copy, Debug)]
+pub struct Ctl<'f> {
+    fd: BorrowedFd<'f>,
+}
+
+impl<'f> Ctl<'f> {
+    pub fn new(file: &'f impl AsFd) -> Self {
+        Self { fd: file.as_fd() }
+    }
+
+    /// Issues `cmd` with `arg` as argument; returns (ret, errno).
+    pub fn raw(&self, cmd: u32, arg: *mut u8) -> (i32, i32) {
+        // SAFETY: callers pass a buffer at least `_IOC_SIZE(cmd)` bytes long.
+        let ret = unsafe { libc::ioctl(self.fd.as_raw_fd(), cmd as _, arg) };
+        let errno = if ret < 0 {
+            std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+        } else {
+            0
+        };
+        (ret, errno)
+    }
+
+    /// Issues escape `nr` on `params` directly, or wrapped in `NV_ESC_IOCTL_XFER_CMD`.
+    fn escape<T: Plain>(&self, nr: u32, params: &mut T, xfer: bool) -> (i32, i32) {
+        let size = size_of::<T>() as u32;
+        if xfer {
+            let mut x = rm::NvIoctlXfer {
+                cmd: nr,
+                size,
+                ptr: (params as *mut T) as u64,
+            };
+            let cmd = nv::nv_iowr(nv::NV_ESC_IOCTL_XFER_CMD, nv::NV_IOCTL_XFER_SIZE);
+            self.raw(cmd, bytes_of_mut(&mut x).as_mut_ptr())
+        } else {
+            self.raw(nv::nv_iowr(nr, size), bytes_of_mut(params).as_mut_ptr())
+        }
+    }
+
+    /// `NV_ESC_RM_ALLOC` of any class.
+    pub fn alloc(&self, a: &Alloc) -> Reply {
+        let (ret, errno, status, handle) = if a.long {
+            let mut p = rm::Nvos64 {
+                h_root: a.client,
+                h_object_parent: a.parent,
+                h_object_new: a.new,
+                h_class: a.class,
+                p_alloc_parms: a.params as u64,
+                ..Default::default()
+            };
+            let (ret, errno) = self.escape(nv::NV_ESC_RM_ALLOC, &mut p, a.xfer);
+            (ret, errno, p.status, p.h_object_new)
+        } else {
+            let mut p = rm::Nvos21 {
+                h_root: a.client,
+                h_object_parent: a.parent,
+                h_object_new: a.new,
+                h_class: a.class,
+                p_alloc_parms: a.params as u64,
+                ..Default::default()
+            };
+            let (ret, errno) = self.escape(nv::NV_ESC_RM_ALLOC, &mut p, a.xfer);
+            (ret, errno, p.status, p.h_object_new)
+        };
+        Reply {
+            ret,
+            errno,
+            status,
+            handle,
+            size: 0,
+        }
+    }
+
+    /// A new client (`NV01_ROOT_CLIENT`, handle chosen by RM).
+    pub fn alloc_client(&self) -> Reply {
+        self.alloc_client_with(0)
+    }
+
+    /// A client with a handle of the caller's choice.
+    pub fn alloc_client_with(&self, handle: Handle) -> Reply {
+        self.alloc(&Alloc::new(0, 0, class::ROOT_CLIENT).handle(handle))
+    }
+
+    /// `NV01_DEVICE_0` for GPU `device_id` under `client`.
+    pub fn alloc_device(&self, client: Handle, device_id: u32) -> Reply {
+        let mut p = rm::Nv0080AllocParams {
+            device_id,
+            ..Default::default()
+        };
+        let ptr = bytes_of_mut(&mut p).as_mut_ptr();
+        self.alloc(&Alloc::new(client, client, class::DEVICE).params(ptr))
+    }
+
+    /// `NV20_SUBDEVICE_0` (subdevice 0) under `device`.
+    pub fn alloc_subdevice(&self, client: Handle, device: Handle) -> Reply {
+        let mut p = rm::Nv2080AllocParams::default();
+        let ptr = bytes_of_mut(&mut p).as_mut_ptr();
+        self.alloc(&Alloc::new(client, device, class::SUBDEVICE).params(ptr))
+    }
+
+    /// Video memory of `size` bytes under `parent` (a device or subdevice), issued as `form`.
+    pub fn alloc_vidmem(&self, client: Handle, parent: Handle, size: u64, form: Form) -> Reply {
+        self.alloc_memory(&MemRequest::vidmem(client, parent, size, form))
+    }
+
+    /// A memory allocation in full.
+    pub fn alloc_memory(&self, r: &MemRequest) -> Reply {
+        match r.form {
+            Form::VidHeap | Form::XferVidHeap => {
+                let mut p = rm::Nvos32 {
+                    h_root: r.client,
+                    h_object_parent: r.parent,
+                    function: rm::NVOS32_FUNCTION_ALLOC_SIZE,
+                    ..Default::default()
+                };
+                let mut flags = r.flags;
+                if r.handle != 0 {
+                    flags |= rm::NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED;
+                }
+                let b = bytes_of_mut(&mut p);
+                put_u32(b, rm::VIDHEAP_H_MEMORY, r.handle);
+                put_u32(b, rm::VIDHEAP_FLAGS, flags);
+                put_u32(b, rm::VIDHEAP_ATTR, r.attr);
+                put_u64(b, rm::VIDHEAP_SIZE, r.size);
+                let (ret, errno) =
+                    self.escape(nv::NV_ESC_RM_VID_HEAP_CONTROL, &mut p, r.form.xfer());
+                let b = bytes_of(&p);
+                Reply {
+                    ret,
+                    errno,
+                    status: p.status,
+                    handle: get_u32(b, rm::VIDHEAP_H_MEMORY),
+                    size: get_u64(b, rm::VIDHEAP_SIZE),
+                }
+            }
+            form => {
+                let mut params = rm::MemoryAllocationParams {
+                    size: r.size,
+                    flags: r.flags,
+                    attr: r.attr,
+                    ..Default::default()
+                };
+                let ptr = bytes_of_mut(&mut params).as_mut_ptr();
+                let mut a = Alloc::new(r.client, r.parent, r.class)
+                    .handle(r.handle)
+                    .params(ptr);
+                a.long = matches!(form, Form::Nvos64 | Form::Xfer64);
+                a.xfer = form.xfer();
+                let mut reply = self.alloc(&a);
+                reply.size = params.size;
+                reply
+            }
+        }
+    }
+
+    /// `NV_ESC_RM_FREE` of `handle` (its subtree goes with it; `handle == client` frees the
+    /// client).
+    pub fn free(&self, client: Handle, handle: Handle) -> Reply {
+        let mut p = rm::Nvos00 {
+            h_root: client,
+            h_object_parent: 0,
+            h_object_old: handle,
+            status: 0,
+        };
+        let (ret, errno) = self.escape(nv::NV_ESC_RM_FREE, &mut p, false);
+        Reply {
+            ret,
+            errno,
+            status: p.status,
+            handle,
+            size: 0,
+        }
+    }
+
+    /// `NV_ESC_RM_VID_HEAP_CONTROL` `NVOS32_FUNCTION_FREE` of `memory`.
+    pub fn vidheap_free(&self, client: Handle, parent: Handle, memory: Handle) -> Reply {
+        let mut p = rm::Nvos32 {
+            h_root: client,
+            h_object_parent: parent,
+            function: rm::NVOS32_FUNCTION_FREE,
+            ..Default::default()
+        };
+        put_u32(bytes_of_mut(&mut p), rm::VIDHEAP_H_MEMORY, memory);
+        let (ret, errno) = self.escape(nv::NV_ESC_RM_VID_HEAP_CONTROL, &mut p, false);
+        Reply {
+            ret,
+            errno,
+            status: p.status,
+            handle: memory,
+            size: 0,
+        }
+    }
+}
