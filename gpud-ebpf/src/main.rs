@@ -1125,7 +1125,8 @@ fn release_files_at_exit(cfg: &ProbeConfig) {
         if fd >= max_fds as u64 {
             break;
         }
-        let Ok(file) = (unsafe { bpf_probe_read_kernel(fd_array.add(fd as usize * 8).cast::<*const u8>()) })
+        let Ok(file) =
+            (unsafe { bpf_probe_read_kernel(fd_array.add(fd as usize * 8).cast::<*const u8>()) })
         else {
             continue;
         };

@@ -359,3 +359,72 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A running `gpud-rm`: RM calls from a real process in a real cgroup, one command at a time.
+pub struct RmProc {
+    child: Child,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: BufReader<std::process::ChildStdout>,
+    pub pid: u32,
+}
+
+impl RmProc {
+    /// Starts `gpud-rm --cgroup DIR --file FILE`.
+    pub fn start(cgroup: &Path, file: &Path) -> Self {
+        let mut child = Command::new(bin_dir().join("gpud-rm"))
+            .arg("--cgroup")
+            .arg(cgroup)
+            .arg("--file")
+            .arg(file)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start gpud-rm");
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let pid = child.id();
+        Self {
+            child,
+            stdin,
+            stdout,
+            pid,
+        }
+    }
+
+    /// Sends one command and returns its JSON answer (`null` if the process is gone).
+    pub fn send(&mut self, line: &str) -> serde_json::Value {
+        use std::io::Write as _;
+        let Some(stdin) = self.stdin.as_mut() else {
+            return serde_json::Value::Null;
+        };
+        if writeln!(stdin, "{line}").is_err() || stdin.flush().is_err() {
+            return serde_json::Value::Null;
+        }
+        let mut out = String::new();
+        match self.stdout.read_line(&mut out) {
+            Ok(n) if n > 0 => serde_json::from_str(&out)
+                .unwrap_or_else(|e| panic!("gpud-rm answered {out:?} to {line:?}: {e}")),
+            _ => serde_json::Value::Null,
+        }
+    }
+
+    /// Sends a command that must succeed and returns the handle it produced.
+    pub fn ok(&mut self, line: &str) -> u64 {
+        let v = self.send(line);
+        assert_eq!(v["ok"], true, "{line:?} answered {v}");
+        v["handle"].as_u64().unwrap_or(0)
+    }
+
+    /// Waits for the process to end; its exit status.
+    pub fn wait(&mut self) -> std::process::ExitStatus {
+        self.stdin.take();
+        self.child.wait().expect("wait gpud-rm")
+    }
+}
+
+impl Drop for RmProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -244,7 +244,10 @@ fn print_records(list: &[CgroupRecord], json: bool) {
         println!("{}", to_json(&list));
         return;
     }
-    print!("{:<40} {:>6} {:>12} {:>12}", "CGROUP", "PIDS", "GPU_MEM", "MEM_MAX");
+    print!(
+        "{:<40} {:>6} {:>12} {:>12}",
+        "CGROUP", "PIDS", "GPU_MEM", "MEM_MAX"
+    );
     for c in IOCTL_CLASS_NAMES {
         print!(" {c:>9}");
     }

@@ -11,7 +11,7 @@ use anyhow::{Context as _, bail, ensure};
 use gpud::{
     attribution::{Attribution, CgroupFs},
     config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
-    probes::{AttachMode, DynamicMajors, Matcher, ProbeSetup, Probes, devices},
+    probes::{AttachMode, DynamicMajors, Matcher, ProbeSetup, Probes, Tier, devices},
 };
 use gpud_common::nv;
 use gpud_tests::{
@@ -144,6 +144,137 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Drains the probes' ring buffer into the attribution (the daemon's event loop does this).
+fn pump(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, attribution: &mut Attribution) -> usize {
+    let mut n = 0;
+    while let Some(item) = ring.next() {
+        if let Some(ev) = gpud::daemon::parse_event(&item) {
+            attribution.on_kernel_event(&ev);
+            n += 1;
+        }
+    }
+    n
+}
+
+/// GPU memory in the fentry mode with the `deny` tier: a real BPF-LSM `file_ioctl` program
+/// refuses, with ENOMEM and before the (fake) driver sees it, the allocation that would take a
+/// cgroup over its limit; accounting follows allocations, and `security_file_free` releases a
+/// closed file's clients. The fake NVIDIA control device (FUSE) answers the real RM ABI.
+fn memory_deny() -> anyhow::Result<()> {
+    const MIB: u64 = 1 << 20;
+    let fake = gpud_tests::fakenv::mount(
+        std::path::Path::new("/tmp/vm-fake"),
+        gpud_tests::fakenv::Options::default(),
+    )
+    .context("mounting the fake NVIDIA device")?;
+    let ctl = fake.ctl();
+    let cgroups = CgroupFs::discover()?;
+    let root = cgroups.root().to_owned();
+    let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
+    let config = ProbesConfig {
+        attach: AttachPreference::Auto,
+        bpffs: PathBuf::from("/sys/fs/bpf/deny"),
+        keep_pinned: false,
+    };
+    let mut probes = Probes::start(ProbeSetup {
+        config: &config,
+        majors: DynamicMajors::read()?,
+        extra: &extra,
+        cgroup2_root: &root,
+        tier: TierPreference::Deny,
+        react_action: ReactAction::Notify,
+    })
+    .context("starting probes with enforcement.tier = deny")?;
+    ensure!(probes.tier() == Tier::Deny, "tier {:?}", probes.tier());
+    let mut ring = probes.take_events()?;
+    let matcher = Matcher {
+        majors: DynamicMajors::read()?,
+        extra,
+    };
+    let mut attribution = Attribution::new(probes, cgroups, matcher)?;
+    let cg = root.join("vm-deny");
+    std::fs::create_dir_all(&cg)?;
+    let (_, id) = attribution.id_of("/vm-deny")?;
+    attribution.set_kernel_limit(id, gpud_common::GPU_ALL, 8 * MIB)?;
+
+    let c = ctl.clone();
+    let dir = cg.clone();
+    let held = fork_held(move || {
+        use gpud_tests::rm::{Ctl, Form};
+        if let Err(e) = inproc::join_cgroup(&dir) {
+            return format!("join: {e}");
+        }
+        let f = match std::fs::OpenOptions::new().read(true).write(true).open(&c) {
+            Ok(f) => f,
+            Err(e) => return format!("open: {e}"),
+        };
+        let rm = Ctl::new(&f);
+        let client = rm.alloc_client().handle;
+        let dev = rm.alloc_device(client, 0).handle;
+        let first = rm.alloc_vidmem(client, dev, 4 * MIB, Form::Nvos64);
+        let denied = rm.alloc_vidmem(client, dev, 6 * MIB, Form::Nvos21);
+        let xfer_denied = rm.alloc_vidmem(client, dev, 6 * MIB, Form::Xfer64);
+        let fits = rm.alloc_vidmem(client, dev, 2 * MIB, Form::VidHeap);
+        let out = format!(
+            "first={} denied={}/{} xfer={}/{} fits={}",
+            first.ok(),
+            denied.ret,
+            denied.errno,
+            xfer_denied.ret,
+            xfer_denied.errno,
+            fits.ok()
+        );
+        // Keep the file open while the parent checks; it is closed when the child exits.
+        std::mem::forget(f);
+        out
+    })?;
+    let want = format!(
+        "first=true denied=-1/{e} xfer=-1/{e} fits=true",
+        e = libc::ENOMEM
+    );
+    ensure!(
+        held.report == want,
+        "child: {} (wanted {want})",
+        held.report
+    );
+    ensure!(
+        fake.snapshot().used_total() == 6 * MIB,
+        "the driver saw a refused allocation: {:?}",
+        fake.snapshot()
+    );
+    pump(&mut ring, &mut attribution);
+    let m = attribution.memory_of(id);
+    ensure!(
+        m.current.get("all") == Some(&(6 * MIB)) && m.events == 2,
+        "accounting after denials: {m:?}"
+    );
+    let stats = attribution.kernel_stats();
+    ensure!(
+        stats.get("allocs_denied") == Some(&2),
+        "kernel stats {stats:?}"
+    );
+    // Exit closes the file: `security_file_free` announces it and its clients are released.
+    held.release();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        pump(&mut ring, &mut attribution);
+        if attribution.memory_of(id).current.get("all") == Some(&0) {
+            break;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "memory not released after the file closed: {:?}",
+            attribution.memory_of(id)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    attribution.shutdown(false);
+    drop(fake);
+    let _ = std::fs::remove_dir(&cg);
+    println!("[deny] memory checks passed");
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
     let cmd = std::env::args().nth(1).unwrap_or_default();
     if cmd != "test" {
@@ -161,6 +292,15 @@ fn main() -> std::process::ExitCode {
             println!("[{}] FAILED: {e:#}", want.as_str());
             failed.push(want.as_str());
         }
+    }
+    if gpud_tests::fakenv::available() {
+        if let Err(e) = memory_deny() {
+            println!("[deny] FAILED: {e:#}");
+            failed.push("deny");
+        }
+    } else {
+        println!("[deny] FAILED: /dev/fuse is absent in the VM");
+        failed.push("deny");
     }
     // The capability report must see BPF-LSM on this kernel (booted with lsm=...,bpf).
     if let Err(e) = check_lsm_probe() {

@@ -1,0 +1,332 @@
+//! GPU-memory accounting and limits end to end: real processes in real cgroups issue RM calls on
+//! the fake NVIDIA control device (FUSE, answering the real RM ABI), the real gpud binary's eBPF
+//! programs account them in the kernel, and the figures are read back over a real dbus-daemon and
+//! compared with the fake driver's own ground truth.
+
+use std::{collections::BTreeMap, path::Path, time::Duration};
+
+use futures_util::StreamExt as _;
+use gpud::api::model::CgroupRecord;
+use gpud_tests::{
+    Bus, Cgroup, Daemon, RmProc, TempDir, eventually,
+    fakenv::{self, FakeNv, Options},
+};
+
+const MIB: u64 = 1 << 20;
+
+/// A daemon config counting on the fake device. `keep_pinned`: whether a restart resumes the
+/// kernel maps (the default) or starts from nothing.
+fn config(dir: &Path, ctl: &Path, react_action: &str, keep_pinned: bool) -> std::path::PathBuf {
+    let text = format!(
+        r#"[daemon]
+state_dir = "{state}"
+log = "gpud=debug"
+
+[probes]
+attach = "auto"
+bpffs = "{bpffs}"
+keep_pinned = {keep_pinned}
+
+[devices]
+extra_paths = [{ctl:?}]
+
+[attribution]
+sweep_interval_secs = 1
+rescan_interval_secs = 0
+
+[enforcement]
+tier = "auto"
+react_action = "{react_action}"
+"#,
+        state = dir.join("state").display(),
+        bpffs = dir.join("bpffs").display(),
+        ctl = ctl.display().to_string(),
+    );
+    let p = dir.join("gpud.toml");
+    std::fs::write(&p, text).expect("write config");
+    p
+}
+
+fn fake(dir: &TempDir) -> Option<FakeNv> {
+    if !fakenv::available() {
+        eprintln!("SKIP: /dev/fuse is absent");
+        return None;
+    }
+    let opts = Options {
+        gpus: 2,
+        capacity: 1 << 30,
+        page_size: 2 * MIB,
+        verbose: false,
+    };
+    Some(fakenv::mount(&dir.path().join("fake"), opts).expect("mount the fake device"))
+}
+
+async fn get(d: &Daemon, path: &str) -> CgroupRecord {
+    let (_c, p) = d.proxy().await;
+    p.get_cgroup(path).await.expect("GetCgroup")
+}
+
+fn mem(r: &CgroupRecord, gpu: &str) -> u64 {
+    r.memory_current.get(gpu).copied().unwrap_or(0)
+}
+
+/// Waits until the cgroup's figures equal `want` (per GPU name) and returns the record.
+async fn expect_memory(d: &Daemon, path: &str, want: &[(&str, u64)]) -> CgroupRecord {
+    let want: BTreeMap<&str, u64> = want.iter().copied().collect();
+    let got = eventually(Duration::from_secs(5), || async {
+        let r = get(d, path).await;
+        want.iter().all(|(g, b)| mem(&r, g) == *b).then_some(r)
+    })
+    .await;
+    match got {
+        Some(r) => r,
+        None => {
+            let have = get(d, path).await.memory_current;
+            panic!("{path}: wanted {want:?}, have {have:?}\n{}", d.log_text())
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bytes_are_exact_per_cgroup_gpu_and_ancestor_across_the_object_lifecycle() {
+    let dir = TempDir::new("mem-exact");
+    let Some(fake) = fake(&dir) else { return };
+    let ctl = fake.ctl();
+    let bus = Bus::start();
+    let daemon = Daemon::start(&config(dir.path(), &ctl, "notify", false), &bus.address).await;
+
+    let parent = Cgroup::new("mem-parent");
+    let a_dir = parent.dir.join("a");
+    let b_dir = parent.dir.join("b");
+    std::fs::create_dir_all(&a_dir).expect("cgroup a");
+    std::fs::create_dir_all(&b_dir).expect("cgroup b");
+    let (p, a, b) = (
+        parent.rel.clone(),
+        format!("{}/a", parent.rel),
+        format!("{}/b", parent.rel),
+    );
+
+    // A: two GPUs, memory under a device, a subdevice and through every call form.
+    let mut pa = RmProc::start(&a_dir, &ctl);
+    let c = pa.ok("client");
+    let d0 = pa.ok(&format!("device {c} 0"));
+    let d1 = pa.ok(&format!("device {c} 1"));
+    let s0 = pa.ok(&format!("subdevice {c} {d0}"));
+    pa.ok(&format!("alloc {c} {d0} {} nvos64", 3 * MIB)); // rounded up to 4 MiB
+    let vh = pa.ok(&format!("alloc {c} {s0} {} vidheap", 5 * MIB)); // 6 MiB
+    pa.ok(&format!("alloc {c} {d1} {} xfer21", 2 * MIB));
+    pa.ok(&format!("alloc {c} {d1} {} xfer64", MIB)); // 2 MiB
+    // A failed allocation (RM status, ioctl returns 0) is not charged.
+    fake.inject("fail-next-alloc 0x51").expect("inject");
+    let failed = pa.send(&format!("alloc {c} {d0} {} nvos21", 64 * MIB));
+    assert_eq!(failed["status"], 0x51, "{failed}");
+    expect_memory(
+        &daemon,
+        &a,
+        &[("0", 10 * MIB), ("1", 4 * MIB), ("all", 14 * MIB)],
+    )
+    .await;
+
+    // B: a second cgroup under the same parent.
+    let mut pb = RmProc::start(&b_dir, &ctl);
+    let cb = pb.ok("client");
+    let db = pb.ok(&format!("device {cb} 0"));
+    pb.ok(&format!("alloc {cb} {db} {} nvos21", 8 * MIB));
+    expect_memory(&daemon, &b, &[("0", 8 * MIB), ("all", 8 * MIB)]).await;
+    // The parent holds what its descendants hold.
+    expect_memory(
+        &daemon,
+        &p,
+        &[("0", 18 * MIB), ("1", 4 * MIB), ("all", 22 * MIB)],
+    )
+    .await;
+    assert_eq!(
+        fake.snapshot().used_total(),
+        22 * MIB,
+        "the fake driver agrees"
+    );
+
+    // Free of one object, then of a device (its whole subtree).
+    pa.ok(&format!("vidheap-free {c} {s0} {vh}"));
+    expect_memory(
+        &daemon,
+        &a,
+        &[("0", 4 * MIB), ("1", 4 * MIB), ("all", 8 * MIB)],
+    )
+    .await;
+    pa.ok(&format!("free {c} {d1}"));
+    expect_memory(&daemon, &a, &[("0", 4 * MIB), ("1", 0), ("all", 4 * MIB)]).await;
+
+    // A forked child allocates on the shared file, in its own cgroup; it exits, its parent still
+    // holds the file, so the memory stays (the client lives); the parent's exit releases all.
+    let child = pb.send("fork");
+    assert_eq!(child["ok"], true, "{child}");
+    pb.ok(&format!("cgroup {}", a_dir.display()));
+    pb.ok(&format!("alloc {cb} {db} {} nvos64", 2 * MIB));
+    let reaped = pb.send("exit");
+    assert_eq!(reaped["ok"], true, "{reaped}");
+    let _ = pb.send("pid"); // the parent's answer to the fork ("reaped") comes next
+    expect_memory(&daemon, &a, &[("all", 6 * MIB)]).await;
+    expect_memory(&daemon, &b, &[("all", 8 * MIB)]).await;
+    let _ = pb.send("exit");
+    pb.wait();
+    expect_memory(&daemon, &b, &[("all", 0)]).await;
+    expect_memory(&daemon, &a, &[("all", 4 * MIB)]).await;
+
+    // Client free releases everything of the client.
+    pa.ok(&format!("free {c} {c}"));
+    expect_memory(&daemon, &a, &[("all", 0)]).await;
+
+    // Closing the file (without frees) releases its clients, like the driver does.
+    let c2 = pa.ok("open");
+    let _ = c2;
+    let c2 = pa.ok("client");
+    let d2 = pa.ok(&format!("device {c2} 0"));
+    pa.ok(&format!("alloc {c2} {d2} {} nvos64", 16 * MIB));
+    expect_memory(&daemon, &a, &[("all", 16 * MIB)]).await;
+    pa.ok("close");
+    expect_memory(&daemon, &a, &[("all", 0)]).await;
+    expect_memory(&daemon, &p, &[("all", 0)]).await;
+    fake.wait(Duration::from_secs(5), |s| s.used_total() == 0)
+        .expect("the fake driver freed everything too");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persist() {
+    let dir = TempDir::new("mem-limit");
+    let Some(fake) = fake(&dir) else { return };
+    let ctl = fake.ctl();
+    let bus = Bus::start();
+    let cfg = config(dir.path(), &ctl, "kill", true);
+    let mut daemon = Daemon::start(&cfg, &bus.address).await;
+    let (conn, proxy) = daemon.proxy().await;
+    let mut signals = proxy
+        .receive_memory_limit_exceeded()
+        .await
+        .expect("subscribe to MemoryLimitExceeded");
+
+    let parent = Cgroup::new("lim-parent");
+    let a_dir = parent.dir.join("a");
+    let b_dir = parent.dir.join("b");
+    std::fs::create_dir_all(&a_dir).expect("cgroup a");
+    std::fs::create_dir_all(&b_dir).expect("cgroup b");
+
+    // Bad input: typed errors, nothing changes.
+    let v = |b: u64| zbus::Variant::from(b);
+    for (cg, gpu, limits, err) in [
+        (
+            "/no-such-cgroup",
+            "all",
+            vec![("memory_max", v(MIB))],
+            "NotFound",
+        ),
+        (
+            "/../etc",
+            "all",
+            vec![("memory_max", v(MIB))],
+            "InvalidArgument",
+        ),
+        (
+            parent.rel.as_str(),
+            "all",
+            vec![("memory_max", v(0))],
+            "InvalidArgument",
+        ),
+        (
+            parent.rel.as_str(),
+            "all",
+            vec![("memory_max", zbus::Variant::from(-1i64))],
+            "InvalidArgument",
+        ),
+        (
+            parent.rel.as_str(),
+            "all",
+            vec![("memory_max", v(u64::MAX))],
+            "InvalidArgument",
+        ),
+        (
+            parent.rel.as_str(),
+            "gpu7x",
+            vec![("memory_max", v(MIB))],
+            "InvalidArgument",
+        ),
+        (
+            parent.rel.as_str(),
+            "GPU-abc",
+            vec![("memory_max", v(MIB))],
+            "InvalidArgument",
+        ),
+        (
+            parent.rel.as_str(),
+            "all",
+            vec![("memory_maximum", v(MIB))],
+            "InvalidArgument",
+        ),
+        (parent.rel.as_str(), "all", vec![], "InvalidArgument"),
+    ] {
+        let limits: BTreeMap<&str, zbus::Variant<'_>> = limits.into_iter().collect();
+        let e = proxy
+            .set_limits(cg, gpu, limits)
+            .await
+            .expect_err("bad SetLimits must fail");
+        assert!(e.to_string().contains(err), "{cg} {gpu}: {e}");
+    }
+    assert!(proxy.list_limits().await.expect("ListLimits").is_empty());
+
+    // A limit on the parent: the allocation that takes the parent over it is killed, in the
+    // cgroup that made it; the other process is untouched.
+    let limits = BTreeMap::from([("memory_max", zbus::Variant::from("16Mi"))]);
+    proxy
+        .set_limits(&parent.rel, "all", limits)
+        .await
+        .expect("SetLimits");
+    let mut pa = RmProc::start(&a_dir, &ctl);
+    let c = pa.ok("client");
+    let d = pa.ok(&format!("device {c} 0"));
+    pa.ok(&format!("alloc {c} {d} {} nvos64", 10 * MIB));
+    let mut pb = RmProc::start(&b_dir, &ctl);
+    let cb = pb.ok("client");
+    let db = pb.ok(&format!("device {cb} 0"));
+    let answer = pb.send(&format!("alloc {cb} {db} {} nvos64", 8 * MIB));
+    assert!(
+        answer.is_null(),
+        "the crossing allocator must not survive its ioctl: {answer}"
+    );
+    let status = pb.wait();
+    use std::os::unix::process::ExitStatusExt as _;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    let sig = tokio::time::timeout(Duration::from_secs(5), signals.next())
+        .await
+        .expect("MemoryLimitExceeded in time")
+        .expect("signal");
+    let args = sig.args().expect("signal args");
+    assert_eq!(args.cgroup, parent.rel);
+    assert_eq!(args.gpu, "all");
+    assert_eq!(args.pid, pb.pid);
+    assert_eq!(args.bytes, 8 * MIB);
+    assert_eq!(args.max, 16 * MIB);
+    assert_eq!(args.action, "killed");
+    // A is alive and still allocates within the limit.
+    pa.ok(&format!("alloc {c} {d} {} nvos64", 2 * MIB));
+    let r = expect_memory(&daemon, &parent.rel, &[("all", 12 * MIB)]).await;
+    assert_eq!(r.memory_max.get("all"), Some(&(16 * MIB)));
+    assert_eq!(r.memory_events, 1);
+
+    // The limit survives a restart (persisted and re-applied) and stays enforced.
+    drop(signals);
+    drop(conn);
+    daemon.stop();
+    let daemon = Daemon::start(&cfg, &bus.address).await;
+    let (_conn, proxy) = daemon.proxy().await;
+    let listed = proxy.list_limits().await.expect("ListLimits");
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].cgroup, parent.rel);
+    assert_eq!(listed[0].limits.get("memory_max"), Some(&(16 * MIB)));
+    let answer = pa.send(&format!("alloc {c} {d} {} nvos64", 8 * MIB));
+    assert!(answer.is_null(), "still enforced after restart: {answer}");
+    proxy
+        .clear_limits(&parent.rel, "all", &[])
+        .await
+        .expect("ClearLimits");
+    assert!(proxy.list_limits().await.expect("ListLimits").is_empty());
+}
