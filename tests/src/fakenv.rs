@@ -1416,7 +1416,7 @@ impl FakeNv {
         &self,
         timeout: Duration,
         mut pred: impl FnMut(&Snapshot) -> bool,
-    ) -> Result<Snapshot, Snapshot> {
+    ) -> Result<Snapshot, Box<Snapshot>> {
         let deadline = Instant::now() + timeout;
         loop {
             let s = self.snapshot();
@@ -1424,7 +1424,7 @@ impl FakeNv {
                 return Ok(s);
             }
             if Instant::now() > deadline {
-                return Err(s);
+                return Err(Box::new(s));
             }
             std::thread::sleep(Duration::from_millis(5));
         }

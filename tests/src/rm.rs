@@ -218,7 +218,10 @@ impl<'f> Ctl<'f> {
         Self { fd: file.as_fd() }
     }
 
-    /// Issues `cmd` with `arg` as argument; returns (ret, errno).
+    /// Issues `cmd` with `arg` as argument; returns (ret, errno). The pointer is handed to the
+    /// kernel, never dereferenced here: a bad one is the driver's `EFAULT`, which tests want to
+    /// provoke.
+    #[allow(clippy::not_unsafe_ptr_arg_deref)]
     pub fn raw(&self, cmd: u32, arg: *mut u8) -> (i32, i32) {
         // SAFETY: callers pass a buffer at least `_IOC_SIZE(cmd)` bytes long.
         let ret = unsafe { libc::ioctl(self.fd.as_raw_fd(), cmd as _, arg) };

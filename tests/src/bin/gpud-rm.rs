@@ -131,9 +131,7 @@ fn mem_request(args: &[&str]) -> Result<MemRequest, String> {
 
 /// Runs one command; `None` for lines that need no answer.
 fn run(st: &mut State, words: &[&str]) -> Option<Value> {
-    let Some((&cmd, args)) = words.split_first() else {
-        return None;
-    };
+    let (&cmd, args) = words.split_first()?;
     if cmd.starts_with('#') {
         return None;
     }
