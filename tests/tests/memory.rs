@@ -330,3 +330,27 @@ async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persis
         .expect("ClearLimits");
     assert!(proxy.list_limits().await.expect("ListLimits").is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn corrupted_rm_calls_never_charge_more_or_less_than_the_driver_allocated() {
+    let dir = TempDir::new("mem-fuzz");
+    let Some(fake) = fake(&dir) else { return };
+    let ctl = fake.ctl();
+    let bus = Bus::start();
+    let daemon = Daemon::start(&config(dir.path(), &ctl, "notify", false), &bus.address).await;
+    let cg = Cgroup::new("mem-fuzz");
+    let mut p = RmProc::start(&cg.dir, &ctl);
+    let c = p.ok("client");
+    let d = p.ok(&format!("device {c} 0"));
+    for seed in [1u64, 7, 42, 1234, 99991] {
+        let r = p.send(&format!("fuzz {c} {d} {seed} 400"));
+        assert_eq!(r["ok"], true, "{r}");
+        // Whatever the driver (the fake) holds now is exactly what gpud charges: nothing for
+        // malformed, refused or failed calls, the written-back size for the rest.
+        let truth = fake.snapshot().used_total();
+        expect_memory(&daemon, &cg.rel, &[("all", truth)]).await;
+    }
+    assert!(fake.snapshot().used_total() > 0, "some calls allocated");
+    p.ok("close");
+    expect_memory(&daemon, &cg.rel, &[("all", 0)]).await;
+}

@@ -20,6 +20,7 @@
 //! | `free CLIENT HANDLE` | `NV_ESC_RM_FREE` (HANDLE == CLIENT frees the client) |
 //! | `vidheap-free CLIENT PARENT HANDLE` | `NV_ESC_RM_VID_HEAP_CONTROL` FREE |
 //! | `ioctl CMD` | CMD on a zeroed buffer: `{"ok":…,"ret":…,"errno":…}` |
+//! | `fuzz CLIENT DEVICE SEED N` | N corrupted RM calls (see [`fuzz`]): `{"ok":true,"accepted":…}` |
 //! | `close` | closes the file descriptor |
 //! | `open [PATH]` | opens PATH (default: `--file`) as the file descriptor, closing the old one |
 //! | `cgroup DIR` | moves this process into DIR |
@@ -210,6 +211,7 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
             }
             ("free", 2) => reply_json(&ctl.free(n(0)?, n(1)?)),
             ("vidheap-free", 3) => reply_json(&ctl.vidheap_free(n(0)?, n(1)?, n(2)?)),
+            ("fuzz", 4) => fuzz(&ctl, n(0)?, n(1)?, u64::from(n(2)?), u64::from(n(3)?)),
             ("ioctl", 1) => {
                 // Large enough for any encoded size.
                 let mut buf = vec![0u8; nv::NV_MAX_IOCTL_SIZE as usize];
@@ -220,6 +222,127 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
         })
     })();
     Some(r.unwrap_or_else(err))
+}
+
+/// `fuzz CLIENT DEVICE SEED N`: N RM calls built from valid ones (an NVOS21/NVOS64 allocation
+/// of video memory under DEVICE, a VID_HEAP_CONTROL, a free) with random corruptions: classes,
+/// handles, sizes, flags, parameter pointers (garbage or null), ioctl sizes, XFER wrapping, random
+/// bytes. Deterministic for a seed. Answers how many calls the driver accepted.
+fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
+    use gpud_common::rm::{self as r, MemoryAllocationParams, Nvos00, Nvos32, Nvos64};
+    let mut x = seed | 1;
+    let mut next = move || {
+        // xorshift64*: a fixed, dependency-free generator, enough for mutation choices.
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    };
+    let mut accepted = 0u64;
+    let mut handles: Vec<u32> = Vec::new();
+    for _ in 0..n {
+        let mut params = MemoryAllocationParams {
+            size: (next() % (8 << 20)) + 1,
+            ..Default::default()
+        };
+        if next() % 8 == 0 {
+            params.flags = next() as u32;
+        }
+        if next() % 8 == 0 {
+            params.attr = next() as u32;
+        }
+        let pick = next() % 10;
+        let mut buf = [0u8; 256];
+        let (nr, size) = match pick {
+            0..=5 => {
+                let mut a = Nvos64 {
+                    h_root: if next() % 10 == 0 {
+                        next() as u32
+                    } else {
+                        client
+                    },
+                    h_object_parent: if next() % 10 == 0 {
+                        next() as u32
+                    } else {
+                        device
+                    },
+                    h_class: match next() % 6 {
+                        0 => r::class::MEMORY_VIRTUAL,
+                        1 => next() as u32,
+                        _ => r::class::MEMORY_LOCAL_USER,
+                    },
+                    p_alloc_parms: match next() % 10 {
+                        0 => 0,
+                        1 => next(),
+                        _ => (&mut params as *mut MemoryAllocationParams) as u64,
+                    },
+                    flags: if next() % 10 == 0 { next() as u32 } else { 0 },
+                    ..Default::default()
+                };
+                a.status = next() as u32; // an OUT field: garbage on the way in
+                buf[..48].copy_from_slice(gpud_tests::rm::bytes_of(&a));
+                let size = match next() % 6 {
+                    0 => 32,
+                    1 => (next() % 64) as u32,
+                    _ => 48,
+                };
+                (nv::NV_ESC_RM_ALLOC, size)
+            }
+            6 | 7 => {
+                let mut v = Nvos32 {
+                    h_root: client,
+                    h_object_parent: device,
+                    function: [2, 3, 6, 14, next() as u32][(next() % 5) as usize],
+                    ..Default::default()
+                };
+                for b in v.data.iter_mut() {
+                    if next() % 4 == 0 {
+                        *b = next() as u8;
+                    }
+                }
+                buf[..184].copy_from_slice(gpud_tests::rm::bytes_of(&v));
+                (nv::NV_ESC_RM_VID_HEAP_CONTROL, 184)
+            }
+            8 => {
+                let obj = match handles.last() {
+                    Some(h) if next() % 2 == 0 => *h,
+                    _ => next() as u32,
+                };
+                let f = Nvos00 {
+                    h_root: client,
+                    h_object_parent: 0,
+                    h_object_old: obj,
+                    status: 0,
+                };
+                buf[..16].copy_from_slice(gpud_tests::rm::bytes_of(&f));
+                (nv::NV_ESC_RM_FREE, 16)
+            }
+            _ => {
+                for b in buf.iter_mut() {
+                    *b = next() as u8;
+                }
+                (nv::NV_ESC_RM_ALLOC, 48)
+            }
+        };
+        let (ret, _) = if next() % 4 == 0 {
+            let mut x = r::NvIoctlXfer {
+                cmd: nr,
+                size,
+                ptr: buf.as_mut_ptr() as u64,
+            };
+            let cmd = nv::nv_iowr(nv::NV_ESC_IOCTL_XFER_CMD, nv::NV_IOCTL_XFER_SIZE);
+            ctl.raw(cmd, (&mut x as *mut r::NvIoctlXfer).cast())
+        } else {
+            ctl.raw(nv::nv_iowr(nr, size), buf.as_mut_ptr())
+        };
+        if ret == 0 {
+            accepted += 1;
+            if nr == nv::NV_ESC_RM_ALLOC && size == 48 {
+                handles.push(u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]));
+            }
+        }
+    }
+    json!({ "ok": true, "calls": n, "accepted": accepted })
 }
 
 /// Forks; the child answers and returns to the command loop, the parent waits for it and
