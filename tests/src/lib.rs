@@ -393,13 +393,23 @@ impl RmProc {
 
     /// Sends one command and returns its JSON answer (`null` if the process is gone).
     pub fn send(&mut self, line: &str) -> serde_json::Value {
-        use std::io::Write as _;
-        let Some(stdin) = self.stdin.as_mut() else {
-            return serde_json::Value::Null;
-        };
-        if writeln!(stdin, "{line}").is_err() || stdin.flush().is_err() {
+        if !self.post(line) {
             return serde_json::Value::Null;
         }
+        self.answer(line)
+    }
+
+    /// Sends one command without waiting for its answer ([`RmProc::answer`] reads it).
+    pub fn post(&mut self, line: &str) -> bool {
+        use std::io::Write as _;
+        let Some(stdin) = self.stdin.as_mut() else {
+            return false;
+        };
+        writeln!(stdin, "{line}").is_ok() && stdin.flush().is_ok()
+    }
+
+    /// Reads the answer to the command `line` posted earlier (`null` if the process is gone).
+    pub fn answer(&mut self, line: &str) -> serde_json::Value {
         let mut out = String::new();
         match self.stdout.read_line(&mut out) {
             Ok(n) if n > 0 => serde_json::from_str(&out)

@@ -354,3 +354,49 @@ async fn corrupted_rm_calls_never_charge_more_or_less_than_the_driver_allocated(
     p.ok("close");
     expect_memory(&daemon, &cg.rel, &[("all", 0)]).await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn freeze_action_freezes_the_cgroup_over_its_limit_until_the_limit_is_raised() {
+    let dir = TempDir::new("mem-freeze");
+    let Some(fake) = fake(&dir) else { return };
+    let ctl = fake.ctl();
+    let bus = Bus::start();
+    let daemon = Daemon::start(&config(dir.path(), &ctl, "freeze", false), &bus.address).await;
+    let (_conn, proxy) = daemon.proxy().await;
+    assert_eq!(proxy.react_action().await.expect("ReactAction"), "freeze");
+    let cg = Cgroup::new("mem-freeze");
+    let frozen = || {
+        std::fs::read_to_string(cg.dir.join("cgroup.events"))
+            .map(|t| t.lines().any(|l| l == "frozen 1"))
+            .unwrap_or(false)
+    };
+    let limits = BTreeMap::from([("memory_max", zbus::Variant::from(4 * MIB))]);
+    proxy
+        .set_limits(&cg.rel, "all", limits)
+        .await
+        .expect("SetLimits");
+    let mut p = RmProc::start(&cg.dir, &ctl);
+    let c = p.ok("client");
+    let d = p.ok(&format!("device {c} 0"));
+    p.ok(&format!("alloc {c} {d} {} nvos64", 2 * MIB));
+    assert!(!frozen());
+    let line = format!("alloc {c} {d} {} nvos64", 4 * MIB);
+    assert!(p.post(&line));
+    let became_frozen = eventually(Duration::from_secs(5), || async { frozen().then_some(()) })
+        .await
+        .is_some();
+    assert!(became_frozen, "cgroup not frozen:\n{}", daemon.log_text());
+    let r = get(&daemon, &cg.rel).await;
+    assert_eq!(mem(&r, "all"), 6 * MIB);
+    assert_eq!(r.memory_events, 1);
+    // Raising the limit above the usage thaws it; the process goes on.
+    let limits = BTreeMap::from([("memory_max", zbus::Variant::from(8 * MIB))]);
+    proxy
+        .set_limits(&cg.rel, "all", limits)
+        .await
+        .expect("SetLimits");
+    assert!(!frozen(), "still frozen after the limit was raised");
+    let a = p.answer(&line);
+    assert_eq!(a["ok"], true, "{a}");
+    p.ok(&format!("alloc {c} {d} {} nvos64", MIB));
+}
