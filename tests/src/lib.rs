@@ -1,6 +1,7 @@
 //! Harness for gpud's integration tests: real parts only. A private `dbus-daemon`, the real
 //! `gpud` binary on its own bpffs instance, real cgroup v2 children, and real processes
-//! (`gpud-ioctl`) issuing ioctls on stand-in device files.
+//! (`gpud-ioctl`, `gpud-rm`) issuing ioctls on stand-in device files or on the fake NVIDIA
+//! control device ([`fakenv`]).
 //!
 //! Tests need root, a kernel that loads BPF tracepoint programs, and `dbus-daemon`.
 
@@ -340,6 +341,98 @@ fn read_pid(out: &mut impl BufRead, prefix: &str) -> u32 {
         .strip_prefix(prefix)
         .and_then(|p| p.trim().parse().ok())
         .unwrap_or_else(|| panic!("issuer said {line:?}, expected {prefix}"))
+}
+
+/// A running `gpud-rm` (a scripted RM caller), answering one JSON line per command.
+pub struct RmProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+    /// The process (the one spawned; `fork` children report their own pids).
+    pub pid: u32,
+}
+
+impl RmProcess {
+    /// Spawns `gpud-rm [--cgroup DIR] --file FILE` (see its module docs for the commands).
+    pub fn spawn(cgroup: Option<&Path>, file: &Path) -> Self {
+        let mut cmd = Command::new(bin_dir().join("gpud-rm"));
+        if let Some(cg) = cgroup {
+            cmd.arg("--cgroup").arg(cg);
+        }
+        let mut child = cmd
+            .arg("--file")
+            .arg(file)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn gpud-rm");
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().expect("gpud-rm stdout"));
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut p = Self {
+            child,
+            stdin,
+            lines,
+            pid: 0,
+        };
+        p.pid = p.cmd("pid")["pid"].as_u64().expect("gpud-rm pid") as u32;
+        p
+    }
+
+    /// Writes one command line.
+    pub fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("gpud-rm stdin");
+        writeln!(stdin, "{line}").expect("write to gpud-rm");
+        stdin.flush().expect("flush gpud-rm stdin");
+    }
+
+    /// The next answer (within 10 s).
+    pub fn recv(&mut self) -> serde_json::Value {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(10))
+            .expect("no answer from gpud-rm within 10 s");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("gpud-rm said {line:?}: {e}"))
+    }
+
+    /// Sends a command and returns its answer.
+    pub fn cmd(&mut self, line: &str) -> serde_json::Value {
+        self.send(line);
+        self.recv()
+    }
+
+    /// Like [`RmProcess::cmd`], asserting `"ok": true`.
+    pub fn ok(&mut self, line: &str) -> serde_json::Value {
+        let v = self.cmd(line);
+        assert_eq!(v["ok"], true, "{line:?} answered {v}");
+        v
+    }
+
+    /// `handle` of an answer that must be ok.
+    pub fn handle(&mut self, line: &str) -> u32 {
+        self.ok(line)["handle"].as_u64().expect("handle") as u32
+    }
+
+    /// Closes standard input and reaps the process; returns its exit code.
+    pub fn finish(mut self) -> Option<i32> {
+        self.stdin.take();
+        self.child.wait().ok().and_then(|s| s.code())
+    }
+}
+
+impl Drop for RmProcess {
+    fn drop(&mut self) {
+        self.stdin.take();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// Polls `f` until it returns `Some`, for at most `timeout`.

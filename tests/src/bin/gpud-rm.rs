@@ -131,9 +131,7 @@ fn mem_request(args: &[&str]) -> Result<MemRequest, String> {
 
 /// Runs one command; `None` for lines that need no answer.
 fn run(st: &mut State, words: &[&str]) -> Option<Value> {
-    let Some((&cmd, args)) = words.split_first() else {
-        return None;
-    };
+    let (&cmd, args) = words.split_first()?;
     if cmd.starts_with('#') {
         return None;
     }
@@ -215,7 +213,8 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
             ("ioctl", 1) => {
                 // Large enough for any encoded size.
                 let mut buf = vec![0u8; nv::NV_MAX_IOCTL_SIZE as usize];
-                let (ret, errno) = ctl.raw(n(0)?, buf.as_mut_ptr());
+                // SAFETY: the buffer holds any encoded size; a zeroed struct points nowhere.
+                let (ret, errno) = unsafe { ctl.raw(n(0)?, buf.as_mut_ptr()) };
                 json!({ "ok": ret == 0, "ret": ret, "errno": errno })
             }
             _ => return Err(format!("unknown command or arguments: {}", words.join(" "))),
