@@ -33,6 +33,12 @@
 //! doing nothing, and numbers that are no escape fail with `EINVAL` (as RmIoctl's default case).
 //!
 //! Requests are served one at a time on one thread, so multi-threaded callers are serialized.
+//!
+//! Use: [`mount`] (root and `/dev/fuse` needed) serves until the [`FakeNv`] is dropped; callers
+//! open [`FakeNv::ctl`]; tests read [`FakeNv::snapshot`], or [`read_state`] from another process.
+//! In-process use suits binaries that run alone, like the VM test: a process that serves the
+//! fake may fork tenants (glibc's allocator is fork-safe; the server stays in the parent), as
+//! `gpud-fake-nvidia --self-test` shows. `gpud-fake-nvidia` is the same server as a process.
 
 use std::{
     collections::HashMap,
