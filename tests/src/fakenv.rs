@@ -668,3 +668,21 @@ impl Drop for FakeNv {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("5"), Some(5));
+        assert_eq!(parse_size("0x10"), Some(16));
+        assert_eq!(parse_size("2M"), Some(2 << 20));
+        assert_eq!(parse_size("64K"), Some(64 << 10));
+        assert_eq!(parse_size("1GiB"), Some(1 << 30));
+        assert_eq!(parse_size("3G"), Some(3 << 30));
+        assert_eq!(parse_size("1X"), None);
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("99999999999T"), None);
+    }
+}

@@ -64,7 +64,8 @@ pub(super) struct Inject {
     pub(super) delay: Duration,
 }
 
-fn take(slot: &mut Option<(u32, u64)>) -> Option<u32> {
+/// Uses one of a counted injection's remaining shots.
+fn take<T: Copy>(slot: &mut Option<(T, u64)>) -> Option<T> {
     let (v, n) = slot.as_mut()?;
     let v = *v;
     *n -= 1;
@@ -216,12 +217,7 @@ impl Rm {
     /// write-direction command). Returns the struct to copy out, or an errno.
     pub(super) fn ioctl(&mut self, c: Caller, cmd: u32, input: &[u8]) -> Result<Vec<u8>, i32> {
         self.stats.ioctls += 1;
-        if let Some((e, n)) = self.inject.errno.as_mut() {
-            let e = *e;
-            *n -= 1;
-            if *n == 0 {
-                self.inject.errno = None;
-            }
+        if let Some(e) = take(&mut self.inject.errno) {
             return Err(e);
         }
         let nr = nv::ioc_nr(cmd);
