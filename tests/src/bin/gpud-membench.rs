@@ -158,7 +158,11 @@ fn alloc_free(ctl: &Path, cg: &Path, pairs: u64, rounds: usize) -> anyhow::Resul
         if let Err(e) = inproc::join_cgroup(&cg) {
             return format!("join: {e}");
         }
-        let f = match std::fs::OpenOptions::new().read(true).write(true).open(&ctl) {
+        let f = match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&ctl)
+        {
             Ok(f) => f,
             Err(e) => return format!("open: {e}"),
         };
@@ -336,7 +340,11 @@ fn main() -> anyhow::Result<()> {
         let pid = unsafe { libc::fork() };
         if pid == 0 {
             let _ = inproc::join_cgroup(&cg);
-            if let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).open(&fake.ctl) {
+            if let Ok(f) = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&fake.ctl)
+            {
                 let rm = Ctl::new(&f);
                 let c = rm.alloc_client().handle;
                 let d = rm.alloc_device(c, 0).handle;
