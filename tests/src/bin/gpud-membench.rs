@@ -2,14 +2,21 @@
 //! accounting and enforcement cost and how fast they act, measured in one run (run by
 //! `cargo xtask bench`; method in docs/benchmarks.md).
 //!
-//! The fake NVIDIA control device runs as a separate process (`gpud-fake-nvidia`, FUSE), so this
-//! process has one thread and may fork. gpud's probes and its state code (attribution, limits,
+//! The fake NVIDIA control device runs as a separate process (this binary re-executed with
+//! `--serve-fake DIR`, FUSE), so the measuring process has one thread and may fork; and the one
+//! binary is all the VM needs. gpud's probes and its state code (attribution, limits,
 //! the freeze action) run in this process, as the daemon's state task would run them.
 //!
 //! - `alloc_free_ns`: time of one RM_ALLOC of video memory plus its RM_FREE by a process in a
 //!   cgroup, without probes and with gpud's probes attached (accounting both calls); fastest of R
-//!   rounds of N pairs, per pair. The fake answers through FUSE, which is far slower than the
-//!   real driver, so the added time is the figure to read, not the ratio.
+//!   rounds of N pairs, per pair. The fake answers through FUSE (tens of µs, noisy), which is far
+//!   slower than the real driver, so this wall-clock difference is only a sanity check.
+//! - `probe_ns_per_pair`: the precise figure: the kernel's own run-time statistics of gpud's
+//!   programs (`BPF_ENABLE_STATS`), summed over the programs that ran during the pairs, per pair
+//!   (the entry and return programs of both ioctls, charge and uncharge included; other
+//!   processes' ioctls during the run are in the sum too, so it is an upper bound), with the
+//!   per-program ns per run beside it (averaged over every run on the host, matched or not). The
+//!   hook's dispatch cost is not in it (see the `matched_ioctl` figures of `gpud-bench`).
 //! - `kill_ns`: a process whose cgroup is over its limit allocates; from just before its ioctl to
 //!   its reaping by the parent (it is killed inside the ioctl's return path), minus the median
 //!   time of the same ioctl without a limit: the time the kill adds after the ioctl's work.
@@ -124,10 +131,10 @@ struct Fake {
 
 impl Fake {
     fn start(dir: &Path) -> anyhow::Result<Self> {
-        let bin = std::env::current_exe()?.with_file_name("gpud-fake-nvidia");
+        let bin = std::env::current_exe()?;
         let mut child = Command::new(&bin)
+            .arg("--serve-fake")
             .arg(dir)
-            .args(["--capacity", "64G"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -183,6 +190,23 @@ fn alloc_free(ctl: &Path, cg: &Path, pairs: u64, rounds: usize) -> anyhow::Resul
     report
         .parse()
         .map_err(|_| anyhow::anyhow!("child: {report}"))
+}
+
+/// Run time (ns) and run count of every loaded gpud program, by name.
+fn prog_stats() -> std::collections::BTreeMap<String, (u64, u64)> {
+    aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .filter_map(|p| {
+            let name = p.name_as_str()?.to_owned();
+            name.starts_with("gpud_")
+                .then(|| (name, (p.run_time().as_nanos() as u64, p.run_count())))
+        })
+        .fold(Default::default(), |mut m, (k, (t, n))| {
+            let e: &mut (u64, u64) = m.entry(k).or_default();
+            e.0 += t;
+            e.1 += n;
+            m
+        })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -279,7 +303,28 @@ fn setup(
     Ok((Attribution::new(probes, cgroups, matcher)?, ring))
 }
 
+/// `--serve-fake DIR`: serves the fake device until standard input closes.
+fn serve_fake(dir: &Path) -> anyhow::Result<()> {
+    use std::io::{Read as _, Write as _};
+    let opts = gpud_tests::fakenv::Options {
+        capacity: 64 << 30,
+        ..Default::default()
+    };
+    let fake = gpud_tests::fakenv::mount(dir, opts).context("mounting the fake device")?;
+    println!("READY");
+    std::io::stdout().flush()?;
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    fake.unmount()?;
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--serve-fake") {
+        let dir = args.get(2).context("--serve-fake DIR")?;
+        return serve_fake(Path::new(dir));
+    }
     let o = parse()?;
     let work = std::env::temp_dir().join(format!("gpud-membench-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
@@ -289,16 +334,42 @@ fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&cg)?;
     let rel = format!("/{}", cg.file_name().unwrap_or_default().to_string_lossy());
 
-    // Accounting overhead: alternate without and with probes, cycles of both.
+    // Accounting overhead: alternate without and with probes, cycles of both; the programs'
+    // run-time statistics are read around the runs with probes.
+    let stats_fd = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("enabling BPF run-time statistics")?;
     let mut base = Vec::new();
     let mut with = Vec::new();
-    for _ in 0..3 {
+    let mut per_prog: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
+    for _ in 0..5 {
         base.push(alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?);
         let (attr, _ring) = setup(&o, &fake.ctl, ReactAction::Notify, "acct")?;
+        let before = prog_stats();
         with.push(alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?);
+        for (name, (t, n)) in prog_stats() {
+            let (t0, n0) = before.get(&name).copied().unwrap_or((0, 0));
+            let e = per_prog.entry(name).or_default();
+            e.0 += t.saturating_sub(t0);
+            e.1 += n.saturating_sub(n0);
+        }
         attr.shutdown(false);
     }
+    drop(stats_fd);
     let (base, with) = (median(base), median(with));
+    // Each alloc_free run issues client + device + rounds × pairs pairs.
+    let pairs_run = 5.0 * (o.rounds as f64 * o.pairs as f64 + 1.0);
+    // The ioctl programs' time during the runs; other processes' ioctls on the host (which leave
+    // after the first check) are in it too, so this is an upper bound for the matched path.
+    let probe_total: u64 = per_prog
+        .iter()
+        .filter(|(k, _)| k.contains("_ioc"))
+        .map(|(_, (t, _))| t)
+        .sum();
+    let per_prog_json: serde_json::Map<String, serde_json::Value> = per_prog
+        .iter()
+        .filter(|(_, (_, n))| *n > 0)
+        .map(|(k, (t, n))| (k.clone(), json!({"runs": n, "ns_per_run": *t as f64 / *n as f64})))
+        .collect();
 
     // Kill: baseline ioctl time without a limit, then with the cgroup already over its limit.
     let shared = Shared::new()?;
@@ -396,6 +467,8 @@ fn main() -> anyhow::Result<()> {
         "rounds": o.rounds,
         "samples": o.samples,
         "alloc_free_ns": { "without_probes": base, "with_probes": with, "added": with - base },
+        "probe_ns_per_pair": probe_total as f64 / pairs_run,
+        "programs": per_prog_json,
         "kill_ns": {
             "ioctl_alone_median": ioctl_median,
             "added_p50": percentile(kill_after.clone(), 0.5),
