@@ -368,7 +368,12 @@ fn main() -> anyhow::Result<()> {
     let per_prog_json: serde_json::Map<String, serde_json::Value> = per_prog
         .iter()
         .filter(|(_, (_, n))| *n > 0)
-        .map(|(k, (t, n))| (k.clone(), json!({"runs": n, "ns_per_run": *t as f64 / *n as f64})))
+        .map(|(k, (t, n))| {
+            (
+                k.clone(),
+                json!({"runs": n, "ns_per_run": *t as f64 / *n as f64}),
+            )
+        })
         .collect();
 
     // Kill: baseline ioctl time without a limit, then with the cgroup already over its limit.
