@@ -58,7 +58,7 @@ pub struct State {
 }
 
 /// An inventory entry as published.
-pub fn gpu_record(g: &crate::nvml::GpuInfo) -> GpuRecord {
+pub fn gpu_record(g: &crate::nvml::GpuInfo, xid: &BTreeMap<String, u64>) -> GpuRecord {
     GpuRecord {
         index: g.index,
         mig: g.mig.unwrap_or(u32::MAX),
@@ -71,6 +71,7 @@ pub fn gpu_record(g: &crate::nvml::GpuInfo) -> GpuRecord {
         cuda_version: g.cuda_version.clone(),
         compute_mode: g.compute_mode.clone(),
         mig_mode: g.mig_mode.clone(),
+        xid_errors: xid.get(&g.uuid).copied().unwrap_or(0),
     }
 }
 
@@ -170,7 +171,8 @@ fn handle(state: &mut State, msg: Message) {
             let _ = reply.send(state.memory.list());
         }
         Message::Request(Request::ListGpus(reply)) => {
-            let _ = reply.send(state.nvml.gpus.iter().map(gpu_record).collect());
+            let xid = &state.nvml.xid_errors;
+            let _ = reply.send(state.nvml.gpus.iter().map(|g| gpu_record(g, xid)).collect());
         }
         Message::Request(Request::NvmlStatus(reply)) => {
             let _ = reply.send((state.nvml.available, state.nvml.status.clone()));
@@ -201,7 +203,9 @@ fn handle(state: &mut State, msg: Message) {
         Message::Nvml(snapshot) => {
             state.nvml.apply(snapshot);
             if state.nvml.available {
-                let inventory: Vec<GpuRecord> = state.nvml.gpus.iter().map(gpu_record).collect();
+                let xid = &state.nvml.xid_errors;
+                let inventory: Vec<GpuRecord> =
+                    state.nvml.gpus.iter().map(|g| gpu_record(g, xid)).collect();
                 state.memory.set_catalog(Some(
                     state
                         .nvml

@@ -338,9 +338,20 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
     assert!(back.is_some(), "not recovered after the failure");
 
     // Initialization failing (driver not loaded) is reported the same way.
+    // A critical Xid error on GPU 1 is counted there.
     let mut s = two_gpus(json!([]));
-    s["init_error"] = json!(9);
+    s["xid"] = json!([{ "gpu": 1, "xid": 79 }]);
     scenario(&lib_dir, &s);
+    let xid = eventually(Duration::from_secs(10), || async {
+        let gpus = p.list_gpus().await.ok()?;
+        gpus.iter()
+            .find(|g| g.index == 1 && g.mig == u32::MAX && g.xid_errors == 1)
+            .map(|_| ())
+    })
+    .await;
+    assert!(xid.is_some(), "Xid not counted:\n{}", d.log_text());
+    assert!(d.log_text().contains("critical Xid error"));
+
     // Force a re-init: make the current handle fail first.
     let mut f = two_gpus(json!([]));
     f["fail"] = json!({ "nvmlDeviceGetCount_v2": 9 });

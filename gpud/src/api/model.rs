@@ -50,9 +50,9 @@ pub struct ProcessRecord {
     pub ioctls: BTreeMap<String, u64>,
 }
 
-/// A GPU or MIG device as NVML reports it: signature `(uussstt(ssss)s)` flattened to
-/// `(uussssttssss)`: index, MIG number (`u32::MAX` for a whole GPU), UUID, name, PCI bus id,
-/// memory total and used (bytes), driver and CUDA versions, compute mode, MIG mode.
+/// A GPU or MIG device as NVML reports it: signature `(uussssttsssst)`: index, MIG number
+/// (`u32::MAX` for a whole GPU), UUID, name, PCI bus id, memory total and used (bytes), driver and
+/// CUDA versions, compute mode, MIG mode, critical Xid errors seen since the daemon started.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct GpuRecord {
     pub index: u32,
@@ -66,6 +66,7 @@ pub struct GpuRecord {
     pub cuda_version: String,
     pub compute_mode: String,
     pub mig_mode: String,
+    pub xid_errors: u64,
 }
 
 /// NVML's figures for one cgroup on one GPU: signature `(tsuttuuuau)`.

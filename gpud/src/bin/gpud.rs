@@ -201,6 +201,21 @@ fn spawn_nvml_sampler(
         sample_interval: std::time::Duration::from_millis(cfg.sample_interval_ms),
         retry_interval: std::time::Duration::from_secs(cfg.retry_interval_secs),
     };
+    let xid_settings = settings.clone();
+    let xid_tx = tx.clone();
+    let xid_stop = shutdown.clone();
+    let xid = std::thread::Builder::new()
+        .name("nvml-xid".into())
+        .spawn(move || {
+            gpud::nvml::watch_xid(
+                xid_settings,
+                |s| xid_tx.blocking_send(Message::Nvml(s)).is_ok(),
+                || *xid_stop.borrow(),
+            )
+        });
+    if let Err(e) = xid {
+        warn!("cannot start the NVML Xid watcher: {e}");
+    }
     let spawned = std::thread::Builder::new()
         .name("nvml".into())
         .spawn(move || {

@@ -239,7 +239,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
             format!("  MIG {}/{}", g.index, g.mig)
         };
         println!(
-            "    {id:<10} {} {} {} {}/{} used, driver {}, CUDA {}, compute {}, MIG {}",
+            "    {id:<10} {} {} {} {}/{} used, driver {}, CUDA {}, compute {}, MIG {}, Xid errors {}",
             g.name,
             g.uuid,
             g.pci_bus_id,
@@ -248,7 +248,8 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
             g.driver_version,
             g.cuda_version,
             g.compute_mode,
-            g.mig_mode
+            g.mig_mode,
+            g.xid_errors
         );
     }
     println!("  kernel offers:    {}", offered.join(", "));

@@ -93,6 +93,12 @@ pub enum Snapshot {
         gpus: Vec<GpuInfo>,
         processes: Vec<ProcessSample>,
     },
+    /// A critical Xid error on the GPU with this UUID (NVML's event names the GPU, not a
+    /// process). `None`: NVML did not say which Xid.
+    Xid {
+        uuid: String,
+        xid: Option<u64>,
+    },
 }
 
 /// The state task's view of NVML: status, inventory, and per-cgroup usage.
@@ -104,6 +110,8 @@ pub struct NvmlView {
     pub gpus: Vec<GpuInfo>,
     pub processes: Vec<ProcessSample>,
     pub updated: Option<Instant>,
+    /// Critical Xid errors seen per GPU UUID since the daemon started.
+    pub xid_errors: BTreeMap<String, u64>,
 }
 
 impl NvmlView {
@@ -132,6 +140,17 @@ impl NvmlView {
                 self.status = "available".into();
                 self.gpus = gpus;
                 self.processes = processes;
+            }
+            Snapshot::Xid { uuid, xid } => {
+                let gpu = self
+                    .gpus
+                    .iter()
+                    .find(|g| g.uuid == uuid)
+                    .map(|g| g.index.to_string())
+                    .unwrap_or_else(|| "?".into());
+                warn!(gpu, uuid = %uuid, xid = ?xid, "critical Xid error on the GPU");
+                *self.xid_errors.entry(uuid).or_default() += 1;
+                return;
             }
         }
         self.updated = Some(Instant::now());
@@ -255,6 +274,68 @@ impl Sampler {
 
     pub fn interval(&self) -> Duration {
         self.settings.sample_interval
+    }
+}
+
+/// Watches NVML's critical Xid events on a thread of its own (`nvmlEventSetWait` blocks): it owns
+/// its NVML handle and event set, re-initializes after failures, and stops when `stop` says so or
+/// the receiver is gone.
+pub fn watch_xid(
+    settings: SamplerSettings,
+    mut send: impl FnMut(Snapshot) -> bool,
+    stop: impl Fn() -> bool,
+) {
+    while !stop() {
+        let nvml = match Sampler::new(settings.clone()).init() {
+            Ok(n) => n,
+            Err(_) => {
+                // The sampler reports why; just try again later.
+                std::thread::sleep(settings.retry_interval);
+                continue;
+            }
+        };
+        let mut set = nvml.create_event_set().ok();
+        let count = nvml.device_count().unwrap_or(0);
+        for i in 0..count {
+            let (Ok(d), Some(s)) = (nvml.device_by_index(i), set.take()) else {
+                break;
+            };
+            set = match d.register_events(
+                nvml_wrapper::bitmasks::event::EventTypes::CRITICAL_XID_ERROR,
+                s,
+            ) {
+                Ok(s) => Some(s),
+                // Not every GPU supports events; the failed set is gone, start a fresh one.
+                Err(e) => {
+                    debug!(gpu = i, "Xid events unavailable: {}", e.error);
+                    nvml.create_event_set().ok()
+                }
+            };
+        }
+        let Some(set) = set else {
+            std::thread::sleep(settings.retry_interval);
+            continue;
+        };
+        loop {
+            if stop() {
+                return;
+            }
+            match set.wait(500) {
+                Ok(ev) => {
+                    let uuid = ev.device.uuid().unwrap_or_default();
+                    let xid = match ev.event_data {
+                        Some(nvml_wrapper::enums::event::XidError::Value(v)) => Some(v),
+                        _ => None,
+                    };
+                    if !send(Snapshot::Xid { uuid, xid }) {
+                        return;
+                    }
+                }
+                Err(nvml_wrapper::error::NvmlError::Timeout) => {}
+                Err(_) => break,
+            }
+        }
+        std::thread::sleep(settings.retry_interval);
     }
 }
 

@@ -106,15 +106,28 @@ struct Scenario {
     processes: Vec<Process>,
     #[serde(default)]
     fail: HashMap<String, u32>,
+    /// Critical Xid errors to deliver once each to event sets: `{"gpu": 0, "xid": 79}`.
+    #[serde(default)]
+    xid: Vec<Xid>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Xid {
+    gpu: u32,
+    xid: u64,
 }
 
 #[derive(Default)]
 struct State {
-    initialized: bool,
+    /// `nvmlInit` calls not yet matched by `nvmlShutdown` (NVML counts them too).
+    initialized: u32,
     scenario: Scenario,
     mtime: Option<SystemTime>,
     /// Per pid: (summed runtime ns, wall time µs) at the previous sample.
     cpu: HashMap<u32, (u64, u64)>,
+    /// Xid entries of the scenario already delivered.
+    xid_delivered: usize,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -160,7 +173,7 @@ fn with(name: &str, f: impl FnOnce(&mut State) -> nvmlReturn_t) -> nvmlReturn_t 
     let Some(st) = guard.as_mut() else {
         return UNINITIALIZED;
     };
-    if !st.initialized {
+    if st.initialized == 0 {
         return UNINITIALIZED;
     }
     refresh(st);
@@ -216,16 +229,19 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
     if let Some(code) = st.scenario.init_error {
         return code;
     }
-    st.initialized = true;
+    st.initialized += 1;
     SUCCESS
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlShutdown() -> nvmlReturn_t {
-    if let Some(st) = lock().as_mut() {
-        st.initialized = false;
+    match lock().as_mut() {
+        Some(st) if st.initialized > 0 => {
+            st.initialized -= 1;
+            SUCCESS
+        }
+        _ => UNINITIALIZED,
     }
-    SUCCESS
 }
 
 #[unsafe(no_mangle)]
@@ -666,16 +682,35 @@ pub extern "C" fn nvmlDeviceRegisterEvents(
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlEventSetWait_v2(
+pub unsafe extern "C" fn nvmlEventSetWait_v2(
     _set: nvmlEventSet_t,
-    _data: *mut nvmlEventData_t,
+    data: *mut nvmlEventData_t,
     timeout_ms: c_uint,
 ) -> nvmlReturn_t {
-    // No events in scenarios yet: wait out the timeout like a quiet GPU.
-    std::thread::sleep(std::time::Duration::from_millis(u64::from(
-        timeout_ms.min(1000),
-    )));
-    TIMEOUT
+    let r = with("nvmlEventSetWait_v2", |st| {
+        let Some(x) = st.scenario.xid.get(st.xid_delivered).cloned() else {
+            return TIMEOUT;
+        };
+        if data.is_null() {
+            return INVALID_ARGUMENT;
+        }
+        st.xid_delivered += 1;
+        // SAFETY: non-null out pointer.
+        let out = unsafe { &mut *data };
+        out.device = handle(x.gpu, None);
+        out.eventType = 8; // nvmlEventTypeXidCriticalError
+        out.eventData = x.xid;
+        out.gpuInstanceId = u32::MAX;
+        out.computeInstanceId = u32::MAX;
+        SUCCESS
+    });
+    if r == TIMEOUT {
+        // A quiet GPU: wait out the timeout (bounded, so callers stay responsive).
+        std::thread::sleep(std::time::Duration::from_millis(u64::from(
+            timeout_ms.min(1000),
+        )));
+    }
+    r
 }
 
 #[unsafe(no_mangle)]
