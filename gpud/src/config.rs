@@ -40,6 +40,7 @@ pub struct Config {
     pub attribution: AttributionConfig,
     pub enforcement: EnforcementConfig,
     pub nvml: NvmlConfig,
+    pub compute: ComputeConfig,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -129,6 +130,13 @@ pub struct NvmlConfig {
     pub retry_interval_secs: u64,
 }
 
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeConfig {
+    pub enabled: bool,
+    pub period_ms: u64,
+}
+
 impl NvmlConfig {
     /// The configured library, or `None` for the system's.
     pub fn library(&self) -> Option<PathBuf> {
@@ -204,6 +212,9 @@ impl Config {
                 "nvml.sample_interval_ms",
                 "must be between 10 and 60000",
             ));
+        }
+        if !(20..=1000).contains(&self.compute.period_ms) {
+            return Err(invalid("compute.period_ms", "must be between 20 and 1000"));
         }
         if self.nvml.retry_interval_secs == 0 {
             return Err(invalid("nvml.retry_interval_secs", "must be at least 1"));

@@ -55,6 +55,79 @@ pub struct State {
     pub nvml: NvmlView,
     /// The GPU inventory, for the task that publishes `dev.gpud.Gpu1` objects.
     pub inventory: watch::Sender<Vec<GpuRecord>>,
+    /// Inputs of the compute controller (`None`: compute shares disabled).
+    pub control: Option<watch::Sender<crate::enforcement::compute::ControlInput>>,
+}
+
+/// The controller's input from the last NVML sample: per GPU, each controlled unit (the deepest
+/// cgroup with a compute policy above a process's cgroup, else the process's own cgroup) with its
+/// summed utilization and its policy.
+fn control_input(
+    nvml: &NvmlView,
+    memory: &MemoryEnforcement,
+    seq: u64,
+) -> crate::enforcement::compute::ControlInput {
+    use crate::enforcement::compute::{CgroupInput, ControlInput};
+    let policies = memory.compute_policies();
+    let unit_of = |path: &str| -> String {
+        policies
+            .iter()
+            .map(|(p, _, _)| p.as_str())
+            .filter(|p| path == *p || path.starts_with(&format!("{}/", p.trim_end_matches('/'))))
+            .max_by_key(|p| p.len())
+            .unwrap_or(path)
+            .to_owned()
+    };
+    // Per GPU and unit: summed utilization, and whether any of it was sampled this time.
+    let mut per_gpu: BTreeMap<u32, BTreeMap<String, (f64, bool)>> = BTreeMap::new();
+    for ((cgroup, gpu), u) in nvml.by_cgroup() {
+        if cgroup.is_empty() {
+            continue;
+        }
+        let e = per_gpu
+            .entry(gpu)
+            .or_default()
+            .entry(unit_of(&cgroup))
+            .or_default();
+        e.0 += f64::from(u.sm_util);
+        e.1 |= u.sampled;
+    }
+    let gpus_of = |path: &str| {
+        per_gpu
+            .values()
+            .filter(|units| units.contains_key(path))
+            .count() as u32
+    };
+    let gpus = per_gpu
+        .iter()
+        .map(|(&gpu, units)| {
+            // NVML produced a new sample on this GPU: whoever is not in it did not run then
+            // (a frozen process never appears). No new sample at all: nothing is known.
+            let gpu_sampled = units.values().any(|(_, s)| *s);
+            let list = units
+                .iter()
+                .map(|(path, (util, sampled))| CgroupInput {
+                    path: path.clone(),
+                    util: if *sampled {
+                        Some(util.min(100.0))
+                    } else if gpu_sampled {
+                        Some(0.0)
+                    } else {
+                        None
+                    },
+                    limits: memory
+                        .compute_policy_for(path, gpu, gpus_of(path))
+                        .unwrap_or_default(),
+                })
+                .collect();
+            (gpu, list)
+        })
+        .collect();
+    ControlInput {
+        seq,
+        gpus,
+        memory_frozen: memory.frozen().clone(),
+    }
 }
 
 /// An inventory entry as published.
@@ -201,7 +274,16 @@ fn handle(state: &mut State, msg: Message) {
             let _ = reply.send(out);
         }
         Message::Nvml(snapshot) => {
+            let fresh = matches!(
+                snapshot,
+                Snapshot::Available { .. } | Snapshot::Unavailable(_)
+            );
             state.nvml.apply(snapshot);
+            if fresh && let Some(control) = &state.control {
+                let seq = control.borrow().seq + 1;
+                let input = control_input(&state.nvml, &state.memory, seq);
+                let _ = control.send(input);
+            }
             if state.nvml.available {
                 let xid = &state.nvml.xid_errors;
                 let inventory: Vec<GpuRecord> =

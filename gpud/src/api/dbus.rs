@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 use tokio::sync::{mpsc, oneshot};
 use zbus::interface;
 
-use super::model::{CgroupRecord, GpuRecord, LimitRecord, NvmlUsageRecord, ProcessRecord};
+use super::model::{
+    CgroupRecord, ComputeRecord, GpuRecord, LimitRecord, NvmlUsageRecord, ProcessRecord,
+};
 use crate::{
     attribution::{AttributionError, CgroupError},
     daemon::{Message, Request},
@@ -104,14 +106,27 @@ pub struct DaemonInfo {
     pub probes_resumed: bool,
 }
 
+type ComputeStats = std::collections::BTreeMap<String, crate::enforcement::compute::ComputeStat>;
+
 pub struct Manager {
     tx: mpsc::Sender<Message>,
     info: DaemonInfo,
+    /// Published by the compute controller (its own task) after every period.
+    compute: Option<tokio::sync::watch::Receiver<ComputeStats>>,
 }
 
 impl Manager {
     pub fn new(tx: mpsc::Sender<Message>, info: DaemonInfo) -> Self {
-        Self { tx, info }
+        Self {
+            tx,
+            info,
+            compute: None,
+        }
+    }
+
+    pub fn with_compute_stats(mut self, rx: tokio::sync::watch::Receiver<ComputeStats>) -> Self {
+        self.compute = Some(rx);
+        self
     }
 
     async fn ask<T>(
@@ -275,6 +290,32 @@ impl Manager {
         self.ask(Request::ListNvmlUsage).await
     }
 
+    /// What the compute controller does per cgroup: `(cgroup, duty, target, measured,
+    /// throttled_usec, nr_throttled)`; empty when compute shares are off.
+    async fn list_compute(&self) -> Vec<ComputeRecord> {
+        let Some(rx) = &self.compute else {
+            return Vec::new();
+        };
+        rx.borrow()
+            .iter()
+            .map(|(cgroup, s)| ComputeRecord {
+                cgroup: cgroup.clone(),
+                duty: s.duty,
+                target: s.target,
+                measured: s.measured,
+                throttled_usec: s.throttled_usec,
+                nr_throttled: s.nr_throttled,
+            })
+            .collect()
+    }
+
+    /// The compute controller started throttling `cgroup` (freezing it for part of each period).
+    #[zbus(signal)]
+    pub async fn compute_throttled(
+        emitter: &zbus::object_server::SignalEmitter<'_>,
+        cgroup: &str,
+    ) -> zbus::Result<()>;
+
     /// Every attributed cgroup, ordered by path.
     async fn list_cgroups(&self) -> Result<Vec<CgroupRecord>, ApiError> {
         self.ask(Request::ListCgroups).await
@@ -343,6 +384,9 @@ pub trait Manager1 {
     fn nvml_status(&self) -> zbus::Result<String>;
     fn list_gpus(&self) -> zbus::Result<Vec<GpuRecord>>;
     fn list_nvml_usage(&self) -> zbus::Result<Vec<NvmlUsageRecord>>;
+    fn list_compute(&self) -> zbus::Result<Vec<ComputeRecord>>;
+    #[zbus(signal)]
+    fn compute_throttled(&self, cgroup: String) -> zbus::Result<()>;
     #[zbus(signal)]
     fn memory_limit_exceeded(
         &self,
@@ -393,5 +437,25 @@ pub fn connect_builder(bus: &str) -> zbus::connection::Builder<'static> {
     match bus {
         "system" => zbus::connection::Builder::system(),
         address => zbus::connection::Builder::address(address),
+    }
+}
+
+/// Publishes `ComputeThrottled` signals until the channel closes.
+pub async fn publish_throttled(
+    conn: zbus::Connection,
+    mut rx: tokio::sync::broadcast::Receiver<String>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        let cgroup = match rx.recv().await {
+            Ok(c) => c,
+            Err(RecvError::Lagged(_)) => continue,
+            Err(RecvError::Closed) => return,
+        };
+        if let Ok(emitter) = zbus::object_server::SignalEmitter::new(&conn, OBJECT_PATH)
+            && let Err(e) = Manager::compute_throttled(&emitter, &cgroup).await
+        {
+            tracing::warn!("cannot emit ComputeThrottled: {e}");
+        }
     }
 }

@@ -88,3 +88,18 @@ pub struct NvmlUsageRecord {
     pub dec_util: u32,
     pub pids: Vec<u32>,
 }
+
+/// What the compute controller does for a cgroup: signature `(sddddtt)`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Type)]
+pub struct ComputeRecord {
+    pub cgroup: String,
+    /// Share of each period it may run (percent).
+    pub duty: f64,
+    /// Target GPU utilization (percent of one GPU, summed over its GPUs).
+    pub target: f64,
+    /// Measured GPU utilization at the last sample (percent).
+    pub measured: f64,
+    /// Time frozen by the controller, and periods in which it was (like `cpu.stat`).
+    pub throttled_usec: u64,
+    pub nr_throttled: u64,
+}

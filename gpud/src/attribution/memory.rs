@@ -107,10 +107,14 @@ impl Attribution {
             gpu,
             _pad: 0,
         };
-        match self.maps.limits.remove(&key) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(e.into()),
+        // aya reports a missing key on delete as a failed syscall (ENOENT): look first.
+        match self.maps.limits.get(&key, 0) {
+            Err(aya::maps::MapError::KeyNotFound) => return Ok(()),
+            Err(e) => return Err(e.into()),
+            Ok(_) => {}
         }
+        self.maps.limits.remove(&key)?;
+        Ok(())
     }
 
     /// Kernel limits in force: (cgroup id, GPU key) → max.

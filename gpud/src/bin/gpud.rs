@@ -110,6 +110,7 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         probes_resumed: probes.resumed(),
     };
 
+    let cgroup_root = cgroups.root().to_owned();
     let mut attribution = Attribution::new(probes, cgroups, matcher)?;
     let found = attribution.scan();
     attribution.sweep();
@@ -122,6 +123,20 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
     memory.restore(&mut attribution);
     let (notices, notices_rx) = tokio::sync::broadcast::channel(256);
     let (inventory, inventory_rx) = watch::channel(Vec::new());
+    let (control, control_rx) = watch::channel(Default::default());
+    let (compute_stats, compute_stats_rx) = watch::channel(Default::default());
+    let (throttled, throttled_rx) = tokio::sync::broadcast::channel(256);
+    let compute_on = config.compute.enabled && config.nvml.enabled;
+    if compute_on {
+        // A crash may have left cgroups frozen mid-period: thaw every cgroup with a compute
+        // policy before the controller starts.
+        for (path, _, _) in memory.compute_policies() {
+            let f = state_root_join(&cgroup_root, &path).join("cgroup.freeze");
+            if f.exists() && std::fs::write(&f, "0").is_ok() {
+                info!(cgroup = %path, "thawed at start-up");
+            }
+        }
+    }
     let state = State {
         attribution,
         memory,
@@ -132,6 +147,7 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
             gpud::nvml::NvmlView::disabled()
         },
         inventory,
+        control: compute_on.then_some(control),
     };
 
     let (tx, rx) = mpsc::channel::<Message>(1024);
@@ -142,7 +158,10 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| config.dbus.bus.clone());
     let conn = gpud::api::dbus::connect_builder(&bus)
-        .serve_at(OBJECT_PATH, Manager::new(tx.clone(), info.clone()))
+        .serve_at(
+            OBJECT_PATH,
+            Manager::new(tx.clone(), info.clone()).with_compute_stats(compute_stats_rx),
+        )
         .name(BUS_NAME)
         .build()
         .await
@@ -150,6 +169,22 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
 
     let publisher = tokio::spawn(gpud::api::dbus::publish_notices(conn.clone(), notices_rx));
     let gpu_objects = tokio::spawn(gpud::api::gpu::publish_gpus(conn.clone(), inventory_rx));
+    let throttle_signals = tokio::spawn(gpud::api::dbus::publish_throttled(
+        conn.clone(),
+        throttled_rx,
+    ));
+    let controller = compute_on.then(|| {
+        tokio::spawn(gpud::enforcement::compute::run(
+            gpud::enforcement::compute::Controller::new(
+                cgroup_root.clone(),
+                std::time::Duration::from_millis(config.compute.period_ms),
+            ),
+            control_rx,
+            compute_stats,
+            throttled,
+            shutdown_rx.clone(),
+        ))
+    });
     if config.nvml.enabled {
         spawn_nvml_sampler(&config.nvml, tx.clone(), shutdown_rx.clone());
     }
@@ -184,10 +219,19 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         }
         Err(e) => warn!("state task: {e}"),
     }
+    if let Some(c) = controller {
+        // It thaws what it froze before it returns.
+        let _ = c.await;
+    }
     publisher.abort();
     gpu_objects.abort();
+    throttle_signals.abort();
     drop(conn);
     Ok(())
+}
+
+fn state_root_join(root: &std::path::Path, path: &str) -> std::path::PathBuf {
+    root.join(path.trim_start_matches('/'))
 }
 
 /// Samples NVML on a thread of its own (its calls block) until shutdown.

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use gpud::api::{
     dbus::{Manager1Proxy, connect_builder},
-    model::{CgroupRecord, NvmlUsageRecord},
+    model::{CgroupRecord, ComputeRecord, LimitRecord, NvmlUsageRecord},
 };
 use gpud_common::IOCTL_CLASS_NAMES;
 
@@ -38,7 +38,7 @@ enum Command {
         /// e.g. /kubepods/pod1/ctr
         path: String,
     },
-    /// Sets limits on a cgroup: `gpudctl set /kubepods/pod1 --memory-max 8Gi [--gpu 0]`.
+    /// Sets limits on a cgroup, e.g. `gpudctl set /kubepods/pod1 --memory-max 8Gi --compute-max 30`.
     Set {
         /// cgroup path relative to the cgroup v2 root.
         cgroup: String,
@@ -47,7 +47,19 @@ enum Command {
         gpu: String,
         /// GPU-memory maximum: bytes or a quantity such as 512Mi, 8Gi.
         #[arg(long, value_name = "BYTES")]
-        memory_max: String,
+        memory_max: Option<String>,
+        /// Cap in percent of one GPU's time (1-100).
+        #[arg(long, value_name = "PERCENT")]
+        compute_max: Option<u32>,
+        /// Share of contended GPU time (1-10000, default 100).
+        #[arg(long, value_name = "WEIGHT")]
+        compute_weight: Option<u32>,
+        /// Guaranteed percent of one GPU's time (1-100).
+        #[arg(long, value_name = "PERCENT")]
+        compute_min: Option<u32>,
+        /// latency-critical, normal or best-effort.
+        #[arg(long)]
+        priority: Option<String>,
     },
     /// Clears limits of a cgroup (all of them unless names are given).
     Clear {
@@ -64,6 +76,8 @@ enum Command {
 enum Failure {
     Unreachable(String),
     Daemon(String),
+    /// Already reported.
+    Usage,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -79,6 +93,7 @@ async fn main() -> ExitCode {
             eprintln!("gpudctl: cannot reach gpud: {m}");
             ExitCode::from(3)
         }
+        Err(Failure::Usage) => ExitCode::from(2),
     }
 }
 
@@ -107,7 +122,9 @@ async fn run(args: Args) -> Result<(), Failure> {
         Command::List => {
             let list = proxy.list_cgroups().await.map_err(daemon_err)?;
             let nvml = proxy.list_nvml_usage().await.map_err(daemon_err)?;
-            print_records(&list, &nvml, args.json);
+            let compute = proxy.list_compute().await.map_err(daemon_err)?;
+            let limits = proxy.list_limits().await.map_err(daemon_err)?;
+            print_records(&list, &nvml, &compute, &limits, args.json);
             Ok(())
         }
         Command::Ps => {
@@ -134,9 +151,31 @@ async fn run(args: Args) -> Result<(), Failure> {
             cgroup,
             gpu,
             memory_max,
+            compute_max,
+            compute_weight,
+            compute_min,
+            priority,
         } => {
-            let value = zbus::Variant::from(memory_max.as_str());
-            let limits = std::collections::BTreeMap::from([("memory_max", value)]);
+            let mut limits = std::collections::BTreeMap::new();
+            if let Some(m) = &memory_max {
+                limits.insert("memory_max", zbus::Variant::from(m.as_str()));
+            }
+            for (k, v) in [
+                ("compute_max", compute_max),
+                ("compute_weight", compute_weight),
+                ("compute_min", compute_min),
+            ] {
+                if let Some(v) = v {
+                    limits.insert(k, zbus::Variant::from(v));
+                }
+            }
+            if let Some(p) = &priority {
+                limits.insert("priority", zbus::Variant::from(p.as_str()));
+            }
+            if limits.is_empty() {
+                eprintln!("gpudctl: set needs at least one limit (see gpudctl set --help)");
+                return Err(Failure::Usage);
+            }
             proxy
                 .set_limits(&cgroup, &gpu, limits)
                 .await
@@ -174,7 +213,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             if args.json {
                 println!("{}", to_json(&rec));
             } else {
-                print_records(std::slice::from_ref(&rec), &[], false);
+                print_records(std::slice::from_ref(&rec), &[], &[], &[], false);
             }
             Ok(())
         }
@@ -267,7 +306,13 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
 
 /// Cgroup records with NVML's per-GPU figures joined in by path (`nvml` key in JSON; cgroups that
 /// only NVML knows are listed too).
-fn print_records(list: &[CgroupRecord], nvml: &[NvmlUsageRecord], json: bool) {
+fn print_records(
+    list: &[CgroupRecord],
+    nvml: &[NvmlUsageRecord],
+    compute: &[ComputeRecord],
+    limits: &[LimitRecord],
+    json: bool,
+) {
     if json {
         let mut out: Vec<serde_json::Value> = Vec::new();
         let mut by_path: std::collections::BTreeMap<
@@ -287,17 +332,49 @@ fn print_records(list: &[CgroupRecord], nvml: &[NvmlUsageRecord], json: bool) {
                 }),
             );
         }
-        for r in list {
-            let mut v = serde_json::to_value(r).unwrap_or_default();
-            if let Some(n) = by_path.remove(r.path.as_str())
-                && let Some(o) = v.as_object_mut()
-            {
+        let mut extra: std::collections::BTreeMap<
+            &str,
+            serde_json::Map<String, serde_json::Value>,
+        > = Default::default();
+        for c in compute {
+            extra.entry(c.cgroup.as_str()).or_default().insert(
+                "compute".into(),
+                serde_json::to_value(c).unwrap_or_default(),
+            );
+        }
+        for l in limits {
+            let e = extra.entry(l.cgroup.as_str()).or_default();
+            let all = e.entry("limits").or_insert_with(|| serde_json::json!({}));
+            all[l.gpu.as_str()] = serde_json::to_value(&l.limits).unwrap_or_default();
+        }
+        // cgroups only NVML or the controller know come after the attributed ones.
+        let mut paths: Vec<String> = list.iter().map(|r| r.path.clone()).collect();
+        let rest: std::collections::BTreeSet<String> = by_path
+            .keys()
+            .chain(extra.keys())
+            .map(|p| (*p).to_owned())
+            .filter(|p| !paths.contains(p))
+            .collect();
+        paths.extend(rest);
+        for path in paths {
+            let mut o = match list.iter().find(|r| r.path == path) {
+                Some(r) => match serde_json::to_value(r) {
+                    Ok(serde_json::Value::Object(o)) => o,
+                    _ => serde_json::Map::new(),
+                },
+                None => {
+                    let mut o = serde_json::Map::new();
+                    o.insert("path".into(), path.clone().into());
+                    o
+                }
+            };
+            if let Some(n) = by_path.remove(path.as_str()) {
                 o.insert("nvml".into(), serde_json::Value::Object(n));
             }
-            out.push(v);
-        }
-        for (path, n) in by_path {
-            out.push(serde_json::json!({ "path": path, "nvml": n }));
+            if let Some(x) = extra.remove(path.as_str()) {
+                o.extend(x);
+            }
+            out.push(serde_json::Value::Object(o));
         }
         println!("{}", to_json(&out));
         return;

@@ -1,7 +1,9 @@
 //! Enforcement of GPU-memory limits: turns the stored policy into kernel-map entries, re-applies
 //! it at start, and acts on the kernel's limit events (the `freeze` action, notices for D-Bus).
 //! The `kill` and `deny` actions happen in the kernel itself; this module only reports them.
-//! Owned by the state task.
+//! Owned by the state task. Compute shares are [`compute`]'s, a task of their own.
+
+pub mod compute;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -158,6 +160,28 @@ impl MemoryEnforcement {
             .unwrap_or_default();
         update.apply_to(&mut limits);
         entries.insert((path.clone(), gpu.clone()), limits.clone());
+        // Guarantees must fit in one GPU.
+        let mins: u32 = entries
+            .iter()
+            .filter(|((_, g), _)| *g == gpu || *g == GpuSelector::All || gpu == GpuSelector::All)
+            .filter_map(|(_, l)| l.compute_min)
+            .sum();
+        if mins > 100 {
+            return Err(PolicyError::InvalidValue {
+                name: "compute_min".into(),
+                reason: format!("guarantees on this GPU would add up to {mins} % (at most 100)"),
+            }
+            .into());
+        }
+        if let (Some(min), Some(max)) = (limits.compute_min, limits.compute_max)
+            && min > max
+        {
+            return Err(PolicyError::InvalidValue {
+                name: "compute_min".into(),
+                reason: format!("{min} is above compute_max {max}"),
+            }
+            .into());
+        }
         self.store.replace(entries)?;
         if let Some(max) = limits.memory_max {
             attr.set_kernel_limit(id, key, max)?;
@@ -177,16 +201,28 @@ impl MemoryEnforcement {
     ) -> Result<(), EnforcementError> {
         let gpu: GpuSelector = gpu.parse()?;
         let key = self.gpu_key(&gpu)?;
-        if let Some(bad) = names.iter().find(|n| n.as_str() != "memory_max") {
+        let mut probe = Limits::default();
+        if let Some(bad) = names.iter().find(|n| !probe.clear(n)) {
             return Err(PolicyError::UnknownLimit(bad.chars().take(80).collect()).into());
         }
         let (path, id) = attr.id_of(cgroup)?;
         let mut entries = self.store.entries().clone();
         if let Some(l) = entries.get_mut(&(path.clone(), gpu.clone())) {
-            *l = Limits { memory_max: None };
+            if names.is_empty() {
+                *l = Limits::default();
+            } else {
+                for n in names {
+                    l.clear(n);
+                }
+            }
         }
+        let memory_left = entries
+            .get(&(path.clone(), gpu.clone()))
+            .and_then(|l| l.memory_max);
         self.store.replace(entries)?;
-        attr.clear_kernel_limit(id, key)?;
+        if memory_left.is_none() {
+            attr.clear_kernel_limit(id, key)?;
+        }
         info!(cgroup = %path, gpu = %gpu, "limit cleared");
         self.maybe_thaw(attr, &path, id);
         Ok(())
@@ -198,10 +234,7 @@ impl MemoryEnforcement {
             .map(|((cgroup, gpu), l)| LimitRecord {
                 cgroup: cgroup.clone(),
                 gpu: gpu.to_string(),
-                limits: l
-                    .memory_max
-                    .map(|m| BTreeMap::from([("memory_max".to_owned(), m)]))
-                    .unwrap_or_default(),
+                limits: l.named(),
             })
             .collect()
     }
@@ -305,6 +338,51 @@ impl MemoryEnforcement {
                 error!(cgroup = %p, "cannot thaw at shutdown: {e}");
             }
         }
+    }
+
+    /// Compute policies in force: (cgroup path, GPU selector, limits).
+    pub fn compute_policies(&self) -> Vec<(String, GpuSelector, Limits)> {
+        self.store
+            .iter()
+            .filter(|(_, l)| l.has_compute())
+            .map(|((c, g), l)| (c.clone(), g.clone(), l.clone()))
+            .collect()
+    }
+
+    /// Resolves a selector to GPU indexes known to NVML (`All`: every GPU).
+    pub fn gpu_indexes(&self, gpu: &GpuSelector) -> Vec<u32> {
+        match (gpu, &self.catalog) {
+            (GpuSelector::All, Some(c)) => c.iter().map(|(i, _)| *i).collect(),
+            (GpuSelector::All, None) => Vec::new(),
+            (g, _) => self.gpu_key(g).map(|k| vec![k]).unwrap_or_default(),
+        }
+    }
+
+    /// cgroups the `freeze` action froze (the compute controller leaves them alone).
+    pub fn frozen(&self) -> &BTreeSet<String> {
+        &self.frozen
+    }
+
+    /// The compute policy of a cgroup path on a GPU: a per-GPU entry (index or UUID) wins over
+    /// an `all` entry, whose caps and guarantees are split evenly over the `n_gpus` it uses.
+    pub fn compute_policy_for(&self, path: &str, gpu: u32, n_gpus: u32) -> Option<Limits> {
+        let mut all = None;
+        for ((c, g), l) in self.store.iter() {
+            if c != path || !l.has_compute() {
+                continue;
+            }
+            match g {
+                GpuSelector::All => all = Some(l.clone()),
+                g if self.gpu_key(g).ok() == Some(gpu) => return Some(l.clone()),
+                _ => {}
+            }
+        }
+        all.map(|mut l| {
+            let n = n_gpus.max(1);
+            l.compute_max = l.compute_max.map(|v| (v / n).max(1));
+            l.compute_min = l.compute_min.map(|v| (v / n).max(1));
+            l
+        })
     }
 
     pub fn tier(&self) -> Tier {

@@ -162,6 +162,7 @@ impl NvmlView {
         for p in &self.processes {
             let u = out.entry((p.cgroup.clone(), p.gpu)).or_default();
             u.memory_bytes += p.memory_bytes;
+            u.sampled |= p.sm_util.is_some();
             u.sm_util += p.sm_util.unwrap_or(0);
             u.enc_util += p.enc_util.unwrap_or(0);
             u.dec_util += p.dec_util.unwrap_or(0);
@@ -186,6 +187,9 @@ impl NvmlView {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CgroupUsage {
     pub memory_bytes: u64,
+    /// Whether NVML returned a utilization sample for any of its processes since the previous
+    /// snapshot (no sample is not the same as idle).
+    pub sampled: bool,
     pub sm_util: u32,
     pub enc_util: u32,
     pub dec_util: u32,

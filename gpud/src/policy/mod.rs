@@ -22,7 +22,9 @@ pub enum PolicyError {
         "invalid GPU {0:?}: expected \"all\", an index (0, 1, ...) or a UUID (GPU-..., MIG-...)"
     )]
     InvalidGpu(String),
-    #[error("unknown limit {0:?} (known: memory_max)")]
+    #[error(
+        "unknown limit {0:?} (known: memory_max, compute_max, compute_weight, compute_min, priority)"
+    )]
     UnknownLimit(String),
     #[error("limit {name}: {reason}")]
     InvalidValue { name: String, reason: String },
@@ -94,17 +96,104 @@ impl<'de> Deserialize<'de> for GpuSelector {
     }
 }
 
+/// Scheduling class of a cgroup's GPU work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Priority {
+    /// Best-effort cgroups on its GPU are throttled as soon as it is active.
+    LatencyCritical,
+    #[default]
+    Normal,
+    /// Yields the GPU to latency-critical cgroups.
+    BestEffort,
+}
+
+impl Priority {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::LatencyCritical => "latency-critical",
+            Self::Normal => "normal",
+            Self::BestEffort => "best-effort",
+        }
+    }
+}
+
+impl FromStr for Priority {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "latency-critical" => Ok(Self::LatencyCritical),
+            "normal" => Ok(Self::Normal),
+            "best-effort" => Ok(Self::BestEffort),
+            other => Err(format!(
+                "{:?} is not a priority (latency-critical, normal, best-effort)",
+                truncate(other)
+            )),
+        }
+    }
+}
+
+/// Default `compute_weight`.
+pub const DEFAULT_WEIGHT: u32 = 100;
+
 /// The limits of one (cgroup, GPU) pair; `None` is "no limit".
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Limits {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_max: Option<u64>,
+    /// Cap in percent of one GPU's time (1–100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_max: Option<u32>,
+    /// Share of contended GPU time (1–10000; 100 when unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_weight: Option<u32>,
+    /// Guaranteed percent of one GPU's time (1–100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_min: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
 }
 
 impl Limits {
     pub fn is_empty(&self) -> bool {
-        self.memory_max.is_none()
+        self.memory_max.is_none() && !self.has_compute()
+    }
+
+    pub fn has_compute(&self) -> bool {
+        self.compute_max.is_some()
+            || self.compute_weight.is_some()
+            || self.compute_min.is_some()
+            || self.priority.is_some()
+    }
+
+    /// Clears one named limit; `false` for an unknown name.
+    pub fn clear(&mut self, name: &str) -> bool {
+        match name {
+            "memory_max" => self.memory_max = None,
+            "compute_max" => self.compute_max = None,
+            "compute_weight" => self.compute_weight = None,
+            "compute_min" => self.compute_min = None,
+            "priority" => self.priority = None,
+            _ => return false,
+        }
+        true
+    }
+
+    /// Named values, for listing (priority as 0/1/2: latency-critical, normal, best-effort).
+    pub fn named(&self) -> BTreeMap<String, u64> {
+        let mut m = BTreeMap::new();
+        let mut put = |k: &str, v: Option<u64>| {
+            if let Some(v) = v {
+                m.insert(k.to_owned(), v);
+            }
+        };
+        put("memory_max", self.memory_max);
+        put("compute_max", self.compute_max.map(u64::from));
+        put("compute_weight", self.compute_weight.map(u64::from));
+        put("compute_min", self.compute_min.map(u64::from));
+        put("priority", self.priority.map(|p| p as u64));
+        m
     }
 }
 
@@ -112,6 +201,10 @@ impl Limits {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LimitUpdate {
     pub memory_max: Option<u64>,
+    pub compute_max: Option<u32>,
+    pub compute_weight: Option<u32>,
+    pub compute_min: Option<u32>,
+    pub priority: Option<Priority>,
 }
 
 impl LimitUpdate {
@@ -125,8 +218,36 @@ impl LimitUpdate {
         for (name, v) in values {
             match name.as_str() {
                 "memory_max" => u.memory_max = Some(bytes(name, v)?),
+                "compute_max" => u.compute_max = Some(number(name, v, 1, 100)?),
+                "compute_min" => u.compute_min = Some(number(name, v, 1, 100)?),
+                "compute_weight" => u.compute_weight = Some(number(name, v, 1, 10_000)?),
+                "priority" => {
+                    u.priority = Some(match v {
+                        LimitValueIn::Text(t) => {
+                            t.parse().map_err(|reason| PolicyError::InvalidValue {
+                                name: name.clone(),
+                                reason,
+                            })?
+                        }
+                        _ => {
+                            return Err(PolicyError::InvalidValue {
+                                name: name.clone(),
+                                reason: "expected a string: latency-critical, normal, best-effort"
+                                    .into(),
+                            });
+                        }
+                    })
+                }
                 other => return Err(PolicyError::UnknownLimit(other.chars().take(80).collect())),
             }
+        }
+        if let (Some(min), Some(max)) = (u.compute_min, u.compute_max)
+            && min > max
+        {
+            return Err(PolicyError::InvalidValue {
+                name: "compute_min".into(),
+                reason: format!("{min} is above compute_max {max}"),
+            });
         }
         Ok(u)
     }
@@ -134,6 +255,18 @@ impl LimitUpdate {
     pub fn apply_to(&self, l: &mut Limits) {
         if let Some(m) = self.memory_max {
             l.memory_max = Some(m);
+        }
+        if let Some(v) = self.compute_max {
+            l.compute_max = Some(v);
+        }
+        if let Some(v) = self.compute_weight {
+            l.compute_weight = Some(v);
+        }
+        if let Some(v) = self.compute_min {
+            l.compute_min = Some(v);
+        }
+        if let Some(v) = self.priority {
+            l.priority = Some(v);
         }
     }
 }
@@ -171,6 +304,30 @@ fn bytes(name: &str, v: &LimitValueIn) -> Result<u64, PolicyError> {
         return Err(invalid(format!("{n} is larger than {MAX_BYTES}")));
     }
     Ok(n)
+}
+
+/// A whole number in `lo..=hi` (percent or weight): unsigned, non-negative signed, or a decimal
+/// string.
+fn number(name: &str, v: &LimitValueIn, lo: u32, hi: u32) -> Result<u32, PolicyError> {
+    let invalid = |reason: String| PolicyError::InvalidValue {
+        name: name.to_owned(),
+        reason,
+    };
+    let n: i128 = match v {
+        LimitValueIn::Unsigned(n) => i128::from(*n),
+        LimitValueIn::Signed(n) => i128::from(*n),
+        LimitValueIn::Text(t) => t
+            .trim()
+            .parse::<i128>()
+            .map_err(|_| invalid(format!("{:?} is not a whole number", truncate(t))))?,
+        LimitValueIn::Other(sig) => {
+            return Err(invalid(format!("expected a number, got type {sig}")));
+        }
+    };
+    if n < i128::from(lo) || n > i128::from(hi) {
+        return Err(invalid(format!("{n} is outside {lo}..={hi}")));
+    }
+    Ok(n as u32)
 }
 
 /// Parses a byte quantity: plain bytes or a Kubernetes-style suffix (Ki, Mi, Gi, Ti; k, M, G, T).
@@ -441,6 +598,9 @@ mod tests {
             ("/a".to_owned(), GpuSelector::All),
             Limits {
                 memory_max: Some(42),
+                compute_max: Some(30),
+                priority: Some(Priority::BestEffort),
+                ..Limits::default()
             },
         );
         s.replace(e.clone())?;

@@ -1,0 +1,78 @@
+#!/bin/sh
+# Real-GPU check of compute shares (run on a machine with an NVIDIA GPU, as root):
+#
+#   tests/gpu/compute-gpu.sh CARRY_DIR OUT_DIR
+#
+# Two PyTorch matmul loops (tests/gpu/matmul_loop.py) in two cgroups share the GPU under gpud
+# (real NVML, 100 ms samples, 100 ms period): unlimited, then compute_max 30 / 70, then weights
+# 1 / 3. Per phase, OUT_DIR/report.txt gets NVML's SM utilization per cgroup and the controller's
+# duty and target every second; loop-a/b.jsonl hold each loop's products per second.
+set -u
+C=$1
+OUT=$2
+HERE=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$OUT"
+R="$OUT/report.txt"
+: >"$R"
+export LD_LIBRARY_PATH="$C/lib"
+CG=$(awk '$9 == "cgroup2" { print $5; exit }' /proc/self/mountinfo)
+BUS="unix:path=/tmp/gpud-bus"
+ctl() { "$C/gpudctl" --bus-address "$BUS" "$@"; }
+sed "s#@SOCKET@#/tmp/gpud-bus#" "$C/private-bus.conf" >/tmp/bus.conf
+"$C/dbus-daemon" --config-file=/tmp/bus.conf --nofork --nopidfile >/dev/null 2>&1 &
+DBUS=$!
+sleep 1
+cat >/tmp/gpud.toml <<CONF
+[daemon]
+state_dir = "/tmp/gpud-state-compute"
+[dbus]
+bus = "$BUS"
+[nvml]
+sample_interval_ms = 100
+[compute]
+period_ms = 100
+CONF
+"$C/gpud" --config /tmp/gpud.toml >"$OUT/gpud.log" 2>&1 &
+GPUD=$!
+for _ in $(seq 50); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
+mkdir -p "$CG/share-a" "$CG/share-b"
+sh -c "echo \$\$ > $CG/share-a/cgroup.procs; RUN_SECS=62 exec python3 $HERE/matmul_loop.py" \
+	>"$OUT/loop-a.jsonl" 2>&1 &
+LA=$!
+sh -c "echo \$\$ > $CG/share-b/cgroup.procs; RUN_SECS=62 exec python3 $HERE/matmul_loop.py" \
+	>"$OUT/loop-b.jsonl" 2>&1 &
+LB=$!
+sleep 12
+phase() { # $1 name, $2 seconds
+	echo "== $1 $(date +%s)" >>"$R"
+	for _ in $(seq "$2"); do
+		ctl --json list | python3 -c '
+import json, sys
+row = []
+for e in json.load(sys.stdin):
+    if e.get("path", "").startswith("/share-"):
+        n = e.get("nvml", {}).get("0", {})
+        c = e.get("compute", {})
+        row.append("%s sm=%s duty=%.0f target=%.0f" % (e["path"], n.get("sm_util"), c.get("duty", 100), c.get("target", 0)))
+print(" | ".join(row))
+' >>"$R"
+		sleep 1
+	done
+}
+phase unlimited 10
+ctl set /share-a --gpu 0 --compute-max 30
+ctl set /share-b --gpu 0 --compute-max 70
+sleep 3
+phase "caps 30/70" 15
+ctl clear /share-a --gpu 0
+ctl clear /share-b --gpu 0
+ctl set /share-a --gpu 0 --compute-weight 1
+ctl set /share-b --gpu 0 --compute-weight 3
+sleep 3
+phase "weights 1:3" 15
+wait $LA $LB
+kill -TERM $GPUD
+wait $GPUD
+kill $DBUS
+echo "== end $(date +%s)" >>"$R"
+cat "$R"
