@@ -140,20 +140,11 @@ pub fn targets(cgroups: &[(f64, &Limits)]) -> Vec<f64> {
     target
 }
 
+#[derive(Default)]
 struct Slot {
     frozen: bool,
     throttled: bool,
     stat: ComputeStat,
-}
-
-impl Default for Slot {
-    fn default() -> Self {
-        Self {
-            frozen: false,
-            throttled: false,
-            stat: ComputeStat::default(),
-        }
-    }
 }
 
 /// The controller: duty cycles per cgroup, actuated every `period`.
