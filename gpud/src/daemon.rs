@@ -11,10 +11,12 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use crate::{
-    api::model::{CgroupRecord, GpuRecord, LimitRecord, NvmlUsageRecord, ProcessRecord},
+    api::model::{
+        CgroupRecord, GpuRecord, LimitRecord, NvmlEventRecord, NvmlUsageRecord, ProcessRecord,
+    },
     attribution::{Attribution, AttributionError, scan},
     enforcement::{EnforcementError, LimitNotice, MemoryEnforcement},
-    nvml::{NvmlView, Snapshot},
+    nvml::{AttributedXid, NvmlView, Snapshot},
     policy::LimitUpdate,
 };
 
@@ -44,6 +46,7 @@ pub enum Request {
     ListNvmlUsage(oneshot::Sender<Vec<NvmlUsageRecord>>),
     /// (available, status text).
     NvmlStatus(oneshot::Sender<(bool, String)>),
+    ListNvmlEvents(oneshot::Sender<Vec<NvmlEventRecord>>),
 }
 
 /// Everything the state task owns.
@@ -55,6 +58,8 @@ pub struct State {
     pub nvml: NvmlView,
     /// The GPU inventory, for the task that publishes `dev.gpud.Gpu1` objects.
     pub inventory: watch::Sender<Vec<GpuRecord>>,
+    /// Xid events, for the task that signals them on the `dev.gpud.Gpu1` objects.
+    pub nvml_events: tokio::sync::broadcast::Sender<NvmlEventRecord>,
 }
 
 /// An inventory entry as published.
@@ -72,6 +77,26 @@ pub fn gpu_record(g: &crate::nvml::GpuInfo, xid: &BTreeMap<String, u64>) -> GpuR
         compute_mode: g.compute_mode.clone(),
         mig_mode: g.mig_mode.clone(),
         xid_errors: xid.get(&g.uuid).copied().unwrap_or(0),
+    }
+}
+
+/// An Xid event as published, with the cgroup id of the process it is attributed to.
+fn event_record(attribution: &mut Attribution, e: AttributedXid) -> NvmlEventRecord {
+    let cgroup_id = if e.cgroup.is_empty() {
+        0
+    } else {
+        attribution.id_of(&e.cgroup).map(|(_, id)| id).unwrap_or(0)
+    };
+    NvmlEventRecord {
+        timestamp_us: e.timestamp_us,
+        gpu: e.gpu,
+        uuid: e.uuid,
+        kind: "xid".into(),
+        xid: e.xid,
+        pid: e.pid.unwrap_or(0),
+        cgroup_id,
+        cgroup: e.cgroup,
+        pids: e.pids,
     }
 }
 
@@ -134,6 +159,17 @@ pub async fn run_state(
     }
     debug!("state task stopped");
     state
+}
+
+/// Hands the current inventory to the task that publishes the `Gpu1` objects, if it changed.
+fn publish_inventory(state: &mut State) {
+    let xid = &state.nvml.xid_errors;
+    let inventory: Vec<GpuRecord> = state.nvml.gpus.iter().map(|g| gpu_record(g, xid)).collect();
+    state.inventory.send_if_modified(|cur| {
+        let changed = *cur != inventory;
+        *cur = inventory;
+        changed
+    });
 }
 
 fn handle(state: &mut State, msg: Message) {
@@ -200,12 +236,37 @@ fn handle(state: &mut State, msg: Message) {
             }
             let _ = reply.send(out);
         }
+        Message::Request(Request::ListNvmlEvents(reply)) => {
+            let events = state.nvml.events.clone();
+            let out = events
+                .into_iter()
+                .map(|e| event_record(attribution, e))
+                .collect();
+            let _ = reply.send(out);
+        }
+        Message::Nvml(Snapshot::Xid { uuid, xid }) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64);
+            let rec = event_record(attribution, state.nvml.on_xid(uuid, xid, now));
+            warn!(
+                gpu = rec.gpu,
+                uuid = %rec.uuid,
+                xid = rec.xid,
+                pid = rec.pid,
+                cgroup = %rec.cgroup,
+                pids = ?rec.pids,
+                "critical Xid error on the GPU"
+            );
+            // No subscriber (no bus yet) is fine: the event is logged and kept.
+            let _ = state.nvml_events.send(rec);
+            publish_inventory(state);
+        }
         Message::Nvml(snapshot) => {
             state.nvml.apply(snapshot);
+            // Unavailable: no inventory (the Gpu1 objects go away until NVML answers again).
+            publish_inventory(state);
             if state.nvml.available {
-                let xid = &state.nvml.xid_errors;
-                let inventory: Vec<GpuRecord> =
-                    state.nvml.gpus.iter().map(|g| gpu_record(g, xid)).collect();
                 state.memory.set_catalog(Some(
                     state
                         .nvml
@@ -215,15 +276,10 @@ fn handle(state: &mut State, msg: Message) {
                         .map(|g| (g.index, g.uuid.clone()))
                         .collect(),
                 ));
-                state.inventory.send_if_modified(|cur| {
-                    let changed = *cur != inventory;
-                    *cur = inventory;
-                    changed
-                });
                 // Reconciliation: objects of processes that are gone and that the driver no
                 // longer reports hold no memory any more.
                 let reported = state.nvml.reported_pids();
-                let n = attribution.release_objects_of_dead_pids(&reported);
+                let n = state.attribution.release_objects_of_dead_pids(&reported);
                 if n > 0 {
                     info!(
                         objects = n,

@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 use tokio::sync::{mpsc, oneshot};
 use zbus::interface;
 
-use super::model::{CgroupRecord, GpuRecord, LimitRecord, NvmlUsageRecord, ProcessRecord};
+use super::model::{
+    CgroupRecord, GpuRecord, LimitRecord, NvmlEventRecord, NvmlUsageRecord, ProcessRecord,
+};
 use crate::{
     attribution::{AttributionError, CgroupError},
     daemon::{Message, Request},
@@ -275,6 +277,12 @@ impl Manager {
         self.ask(Request::ListNvmlUsage).await
     }
 
+    /// The most recent NVML events (critical Xid errors), oldest first: `(timestamp_us, gpu,
+    /// uuid, kind, xid, pid, cgroup_id, cgroup, pids)`.
+    async fn list_nvml_events(&self) -> Result<Vec<NvmlEventRecord>, ApiError> {
+        self.ask(Request::ListNvmlEvents).await
+    }
+
     /// Every attributed cgroup, ordered by path.
     async fn list_cgroups(&self) -> Result<Vec<CgroupRecord>, ApiError> {
         self.ask(Request::ListCgroups).await
@@ -343,6 +351,7 @@ pub trait Manager1 {
     fn nvml_status(&self) -> zbus::Result<String>;
     fn list_gpus(&self) -> zbus::Result<Vec<GpuRecord>>;
     fn list_nvml_usage(&self) -> zbus::Result<Vec<NvmlUsageRecord>>;
+    fn list_nvml_events(&self) -> zbus::Result<Vec<NvmlEventRecord>>;
     #[zbus(signal)]
     fn memory_limit_exceeded(
         &self,

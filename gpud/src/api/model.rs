@@ -88,3 +88,26 @@ pub struct NvmlUsageRecord {
     pub dec_util: u32,
     pub pids: Vec<u32>,
 }
+
+/// An NVML event (a critical Xid error): signature `(tusstutsau)`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct NvmlEventRecord {
+    /// When the daemon received it, µs since the Unix epoch.
+    pub timestamp_us: u64,
+    /// GPU index (the parent GPU for an event on a MIG device).
+    pub gpu: u32,
+    /// UUID of the device NVML names in the event.
+    pub uuid: String,
+    /// `xid`.
+    pub kind: String,
+    /// The Xid number; 999 where NVML does not know it.
+    pub xid: u64,
+    /// The process the event is attributed to, 0 if none: NVML's event names a device, not a
+    /// process, so this is the only process NVML reported on that GPU at the last sample.
+    pub pid: u32,
+    /// cgroup v2 id and path of that process (0 and empty if none).
+    pub cgroup_id: u64,
+    pub cgroup: String,
+    /// Every process NVML reported on that GPU at the last sample.
+    pub pids: Vec<u32>,
+}
