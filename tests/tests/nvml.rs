@@ -264,6 +264,12 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
         .and_then(|a| a.iter().find(|e| e["path"] == idle_cg.rel.as_str()))
         .unwrap_or_else(|| panic!("{} not listed: {list}", idle_cg.rel));
     assert_eq!(entry["nvml"]["0"]["memory_bytes"], 512 * MIB, "{entry}");
+    // Known only to NVML (its process never used an NVIDIA file): listed with its cgroup id.
+    assert_eq!(
+        entry["id"],
+        std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&idle_cg.dir).expect("cgroup")),
+        "{entry}"
+    );
     let busy_entry = list
         .as_array()
         .and_then(|a| a.iter().find(|e| e["path"] == busy_cg.rel.as_str()))

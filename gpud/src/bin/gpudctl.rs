@@ -319,7 +319,11 @@ fn print_records(list: &[CgroupRecord], nvml: &[NvmlUsageRecord], json: bool) {
             out.push(v);
         }
         for (path, n) in by_path {
-            out.push(serde_json::json!({ "path": path, "nvml": n }));
+            let id = nvml
+                .iter()
+                .find(|u| u.cgroup == path)
+                .map_or(0, |u| u.cgroup_id);
+            out.push(serde_json::json!({ "id": id, "path": path, "nvml": n }));
         }
         println!("{}", to_json(&out));
         return;
