@@ -67,7 +67,7 @@ fn two_gpus(processes: serde_json::Value) -> serde_json::Value {
             { "uuid": "GPU-00000000-1111-2222-3333-444444444444", "name": "Fake H100",
               "pci_bus_id": "00000000:00:06.0", "memory_total": 80u64 << 30 },
             { "uuid": "GPU-55555555-6666-7777-8888-999999999999", "name": "Fake A100",
-              "pci_bus_id": "00000000:00:07.0", "memory_total": 40u64 << 30,
+              "pci_bus_id": "00000000:00:07.0", "memory_total": 40u64 << 30, "compute_mode": 3,
               "mig": [
                 { "uuid": "MIG-aaaaaaaa-0000-0000-0000-000000000001", "name": "Fake A100 MIG 3g.20gb",
                   "memory_total": 20u64 << 30 },
@@ -192,6 +192,10 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
     assert_eq!(
         (gpus[0].mig_mode.as_str(), gpus[1].mig_mode.as_str()),
         ("disabled", "enabled")
+    );
+    assert_eq!(
+        (gpus[0].compute_mode.as_str(), gpus[1].compute_mode.as_str()),
+        ("default", "exclusive_process")
     );
     assert_eq!((gpus[2].index, gpus[2].mig), (1, 0));
     assert_eq!(gpus[3].uuid, "MIG-aaaaaaaa-0000-0000-0000-000000000002");

@@ -50,7 +50,7 @@ pub struct ProcessRecord {
     pub ioctls: BTreeMap<String, u64>,
 }
 
-/// A GPU or MIG device as NVML reports it: signature `(uussssttsssst)`: index, MIG number
+/// A GPU or MIG device as NVML reports it: signature `(uusssttsssst)`: index, MIG number
 /// (`u32::MAX` for a whole GPU), UUID, name, PCI bus id, memory total and used (bytes), driver and
 /// CUDA versions, compute mode, MIG mode, critical Xid errors seen since the daemon started.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]

@@ -18,8 +18,9 @@ use std::{
 };
 
 use nvml_wrapper::{
-    Device, EventSet, Nvml, bitmasks::event::EventTypes, enums::device::UsedGpuMemory,
-    enums::event::XidError, error::NvmlError as WrapperError, struct_wrappers::device::ProcessInfo,
+    Device, EventSet, Nvml, bitmasks::event::EventTypes, enum_wrappers::device::ComputeMode,
+    enums::device::UsedGpuMemory, enums::event::XidError, error::NvmlError as WrapperError,
+    struct_wrappers::device::ProcessInfo,
 };
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
@@ -73,7 +74,7 @@ pub struct GpuInfo {
     pub memory_used: u64,
     pub driver_version: String,
     pub cuda_version: String,
-    /// `default`, `exclusive_process`, `prohibited`, ...
+    /// `default`, `exclusive_process`, `prohibited`, `exclusive_thread`, or `n/a`.
     pub compute_mode: String,
     /// `enabled`, `disabled` or `n/a` (MIG devices, GPUs without MIG).
     pub mig_mode: String,
@@ -472,9 +473,13 @@ fn device_info(
 ) -> Result<GpuInfo, NvmlError> {
     let mem = call("memory info", d.memory_info())?;
     let compute_mode = match d.compute_mode() {
-        Ok(m) => format!("{m:?}").to_lowercase(),
-        Err(_) => "n/a".into(),
-    };
+        Ok(ComputeMode::Default) => "default",
+        Ok(ComputeMode::ExclusiveThread) => "exclusive_thread",
+        Ok(ComputeMode::Prohibited) => "prohibited",
+        Ok(ComputeMode::ExclusiveProcess) => "exclusive_process",
+        Err(_) => "n/a",
+    }
+    .to_owned();
     let mig_mode = match (mig, d.mig_mode()) {
         (None, Ok(m)) if m.current == 1 => "enabled".into(),
         (None, Ok(_)) => "disabled".into(),
