@@ -80,13 +80,8 @@ pub fn gpu_record(g: &crate::nvml::GpuInfo, xid: &BTreeMap<String, u64>) -> GpuR
     }
 }
 
-/// An Xid event as published, with the cgroup id of the process it is attributed to.
-fn event_record(attribution: &mut Attribution, e: AttributedXid) -> NvmlEventRecord {
-    let cgroup_id = if e.cgroup.is_empty() {
-        0
-    } else {
-        attribution.id_of(&e.cgroup).map(|(_, id)| id).unwrap_or(0)
-    };
+/// An Xid event as published.
+fn event_record(e: AttributedXid) -> NvmlEventRecord {
     NvmlEventRecord {
         timestamp_us: e.timestamp_us,
         gpu: e.gpu,
@@ -94,7 +89,7 @@ fn event_record(attribution: &mut Attribution, e: AttributedXid) -> NvmlEventRec
         kind: "xid".into(),
         xid: e.xid,
         pid: e.pid.unwrap_or(0),
-        cgroup_id,
+        cgroup_id: e.cgroup_id,
         cgroup: e.cgroup,
         pids: e.pids,
     }
@@ -237,10 +232,12 @@ fn handle(state: &mut State, msg: Message) {
             let _ = reply.send(out);
         }
         Message::Request(Request::ListNvmlEvents(reply)) => {
-            let events = state.nvml.events.clone();
-            let out = events
-                .into_iter()
-                .map(|e| event_record(attribution, e))
+            let out = state
+                .nvml
+                .events
+                .iter()
+                .cloned()
+                .map(event_record)
                 .collect();
             let _ = reply.send(out);
         }
@@ -248,7 +245,8 @@ fn handle(state: &mut State, msg: Message) {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_micros() as u64);
-            let rec = event_record(attribution, state.nvml.on_xid(uuid, xid, now));
+            let id_of = |path: &str| attribution.id_of(path).map_or(0, |(_, id)| id);
+            let rec = event_record(state.nvml.on_xid(uuid, xid, now, id_of));
             warn!(
                 gpu = rec.gpu,
                 uuid = %rec.uuid,

@@ -130,6 +130,8 @@ pub struct AttributedXid {
     pub pid: Option<u32>,
     /// That process's cgroup path (empty if none).
     pub cgroup: String,
+    /// That cgroup's id when the event came (0 if none).
+    pub cgroup_id: u64,
 }
 
 /// The state task's view of NVML: status, inventory, and per-cgroup usage.
@@ -180,7 +182,7 @@ impl NvmlView {
                 let now = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_micros() as u64);
-                self.on_xid(uuid, xid, now);
+                self.on_xid(uuid, xid, now, |_| 0);
                 return;
             }
         }
@@ -188,9 +190,15 @@ impl NvmlView {
     }
 
     /// Records an Xid event on the device with `uuid`: counts it for that GPU, attributes it to
-    /// the GPU's only process if it has exactly one, keeps it among the recent events and returns
-    /// it.
-    pub fn on_xid(&mut self, uuid: String, xid: Option<u64>, timestamp_us: u64) -> AttributedXid {
+    /// the GPU's only process if it has exactly one (with the id `cgroup_id_of` gives its cgroup
+    /// path), keeps it among the recent events and returns it.
+    pub fn on_xid(
+        &mut self,
+        uuid: String,
+        xid: Option<u64>,
+        timestamp_us: u64,
+        cgroup_id_of: impl FnOnce(&str) -> u64,
+    ) -> AttributedXid {
         *self.xid_errors.entry(uuid.clone()).or_default() += 1;
         // A MIG device's event counts against its parent GPU (the inventory gives its index).
         let gpu = self
@@ -213,6 +221,7 @@ impl NvmlView {
             xid: xid.unwrap_or(999),
             pids,
             pid: only.map(|p| p.pid),
+            cgroup_id: only.map_or(0, |p| cgroup_id_of(&p.cgroup)),
             cgroup: only.map(|p| p.cgroup.clone()).unwrap_or_default(),
         };
         if self.events.len() == EVENTS_KEPT {
@@ -760,13 +769,20 @@ mod tests {
             ],
             processes: vec![p(10, 0, "/a"), p(20, 1, "/b"), p(21, 1, "/c")],
         });
-        let a = v.on_xid("GPU-0".into(), Some(79), 5);
+        let a = v.on_xid(
+            "GPU-0".into(),
+            Some(79),
+            5,
+            |p| if p == "/a" { 42 } else { 0 },
+        );
+        assert_eq!(a.cgroup_id, 42);
         assert_eq!(
             (a.gpu, a.xid, a.pid, a.cgroup.as_str(), a.pids.clone()),
             (0, 79, Some(10), "/a", vec![10])
         );
         // Two processes on the GPU: the event names neither.
-        let b = v.on_xid("MIG-1".into(), None, 6);
+        let b = v.on_xid("MIG-1".into(), None, 6, |_| 7);
+        assert_eq!(b.cgroup_id, 0, "no cgroup when the event names no process");
         assert_eq!(
             (b.gpu, b.xid, b.pid, b.cgroup.as_str(), b.pids.clone()),
             (1, 999, None, "", vec![20, 21])
