@@ -257,8 +257,29 @@ mod tests {
         assert!(c.probes.keep_pinned);
         assert_eq!(c.dbus.bus, "system");
         assert!(c.devices.extra_paths.is_empty());
+        assert!(c.nvml.enabled);
+        assert_eq!(
+            c.nvml.library(),
+            None,
+            "the system's libnvidia-ml by default"
+        );
+        assert_eq!(
+            (c.nvml.sample_interval_ms, c.nvml.retry_interval_secs),
+            (1000, 10)
+        );
         assert_eq!(parse(DEFAULT_CONFIG)?, c);
         assert_eq!(parse("")?, c);
+        Ok(())
+    }
+
+    #[test]
+    fn nvml_library_path_is_taken_as_given() -> Result<(), ConfigError> {
+        let c = parse("[nvml]\nlibrary_path = \"/opt/nvidia/libnvidia-ml.so.1\"\n")?;
+        assert_eq!(
+            c.nvml.library(),
+            Some(PathBuf::from("/opt/nvidia/libnvidia-ml.so.1"))
+        );
+        assert_eq!(c.nvml.sample_interval_ms, 1000);
         Ok(())
     }
 
@@ -287,6 +308,17 @@ mod tests {
                 "[attribution]\nrescan_interval_secs = -1",
                 "rescan_interval_secs",
             ),
+            ("[nvml]\nsample_interval_ms = 5", "nvml.sample_interval_ms"),
+            (
+                "[nvml]\nsample_interval_ms = 60001",
+                "nvml.sample_interval_ms",
+            ),
+            (
+                "[nvml]\nretry_interval_secs = 0",
+                "nvml.retry_interval_secs",
+            ),
+            ("[nvml]\nlibary_path = \"/x\"", "libary_path"),
+            ("[nvml]\nenabled = \"yes\"", "enabled"),
             ("not toml at all =", "test.toml"),
         ] {
             let err = parse(text).unwrap_err().to_string();

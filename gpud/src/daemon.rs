@@ -11,10 +11,12 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use crate::{
-    api::model::{CgroupRecord, GpuRecord, LimitRecord, NvmlUsageRecord, ProcessRecord},
+    api::model::{
+        CgroupRecord, GpuRecord, LimitRecord, NvmlEventRecord, NvmlUsageRecord, ProcessRecord,
+    },
     attribution::{Attribution, AttributionError, scan},
     enforcement::{EnforcementError, LimitNotice, MemoryEnforcement},
-    nvml::{NvmlView, Snapshot},
+    nvml::{AttributedXid, NvmlView, Snapshot},
     policy::LimitUpdate,
 };
 
@@ -44,6 +46,7 @@ pub enum Request {
     ListNvmlUsage(oneshot::Sender<Vec<NvmlUsageRecord>>),
     /// (available, status text).
     NvmlStatus(oneshot::Sender<(bool, String)>),
+    ListNvmlEvents(oneshot::Sender<Vec<NvmlEventRecord>>),
 }
 
 /// Everything the state task owns.
@@ -55,6 +58,8 @@ pub struct State {
     pub nvml: NvmlView,
     /// The GPU inventory, for the task that publishes `dev.gpud.Gpu1` objects.
     pub inventory: watch::Sender<Vec<GpuRecord>>,
+    /// Xid events, for the task that signals them on the `dev.gpud.Gpu1` objects.
+    pub nvml_events: tokio::sync::broadcast::Sender<NvmlEventRecord>,
     /// Inputs of the compute controller (`None`: compute shares disabled).
     pub control: Option<watch::Sender<crate::enforcement::compute::ControlInput>>,
 }
@@ -148,6 +153,21 @@ pub fn gpu_record(g: &crate::nvml::GpuInfo, xid: &BTreeMap<String, u64>) -> GpuR
     }
 }
 
+/// An Xid event as published.
+fn event_record(e: AttributedXid) -> NvmlEventRecord {
+    NvmlEventRecord {
+        timestamp_us: e.timestamp_us,
+        gpu: e.gpu,
+        uuid: e.uuid,
+        kind: "xid".into(),
+        xid: e.xid,
+        pid: e.pid.unwrap_or(0),
+        cgroup_id: e.cgroup_id,
+        cgroup: e.cgroup,
+        pids: e.pids,
+    }
+}
+
 /// Everything the state task reacts to.
 pub enum Message {
     Request(Request),
@@ -207,6 +227,17 @@ pub async fn run_state(
     }
     debug!("state task stopped");
     state
+}
+
+/// Hands the current inventory to the task that publishes the `Gpu1` objects, if it changed.
+fn publish_inventory(state: &mut State) {
+    let xid = &state.nvml.xid_errors;
+    let inventory: Vec<GpuRecord> = state.nvml.gpus.iter().map(|g| gpu_record(g, xid)).collect();
+    state.inventory.send_if_modified(|cur| {
+        let changed = *cur != inventory;
+        *cur = inventory;
+        changed
+    });
 }
 
 fn handle(state: &mut State, msg: Message) {
@@ -273,6 +304,35 @@ fn handle(state: &mut State, msg: Message) {
             }
             let _ = reply.send(out);
         }
+        Message::Request(Request::ListNvmlEvents(reply)) => {
+            let out = state
+                .nvml
+                .events
+                .iter()
+                .cloned()
+                .map(event_record)
+                .collect();
+            let _ = reply.send(out);
+        }
+        Message::Nvml(Snapshot::Xid { uuid, xid }) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64);
+            let id_of = |path: &str| attribution.id_of(path).map_or(0, |(_, id)| id);
+            let rec = event_record(state.nvml.on_xid(uuid, xid, now, id_of));
+            warn!(
+                gpu = rec.gpu,
+                uuid = %rec.uuid,
+                xid = rec.xid,
+                pid = rec.pid,
+                cgroup = %rec.cgroup,
+                pids = ?rec.pids,
+                "critical Xid error on the GPU"
+            );
+            // No subscriber (no bus yet) is fine: the event is logged and kept.
+            let _ = state.nvml_events.send(rec);
+            publish_inventory(state);
+        }
         Message::Nvml(snapshot) => {
             let fresh = matches!(
                 snapshot,
@@ -284,10 +344,9 @@ fn handle(state: &mut State, msg: Message) {
                 let input = control_input(&state.nvml, &state.memory, seq);
                 let _ = control.send(input);
             }
+            // Unavailable: no inventory (the Gpu1 objects go away until NVML answers again).
+            publish_inventory(state);
             if state.nvml.available {
-                let xid = &state.nvml.xid_errors;
-                let inventory: Vec<GpuRecord> =
-                    state.nvml.gpus.iter().map(|g| gpu_record(g, xid)).collect();
                 state.memory.set_catalog(Some(
                     state
                         .nvml
@@ -297,15 +356,10 @@ fn handle(state: &mut State, msg: Message) {
                         .map(|g| (g.index, g.uuid.clone()))
                         .collect(),
                 ));
-                state.inventory.send_if_modified(|cur| {
-                    let changed = *cur != inventory;
-                    *cur = inventory;
-                    changed
-                });
                 // Reconciliation: objects of processes that are gone and that the driver no
                 // longer reports hold no memory any more.
                 let reported = state.nvml.reported_pids();
-                let n = attribution.release_objects_of_dead_pids(&reported);
+                let n = state.attribution.release_objects_of_dead_pids(&reported);
                 if n > 0 {
                     info!(
                         objects = n,

@@ -15,7 +15,7 @@ use std::{
 use gpud_tests::{Bus, Cgroup, Daemon, TempDir, bin_dir, eventually};
 use serde_json::json;
 
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn install_fake(lib_dir: &Path) -> PathBuf {
     std::fs::create_dir_all(lib_dir).expect("lib dir");
@@ -165,7 +165,7 @@ async fn start(dir: &TempDir, lib_dir: &Path, bus: &Bus, pids: &[u32]) -> Daemon
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cap_of_30_holds_alone_and_throttling_is_reported() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let dir = TempDir::new("compute-cap");
     let lib_dir = dir.path().join("lib");
     let cg = Cgroup::new("cap");
@@ -209,7 +209,7 @@ async fn a_cap_of_30_holds_alone_and_throttling_is_reported() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn weights_1_to_3_share_a_contended_gpu_and_an_idle_neighbour_leaves_it_all() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let dir = TempDir::new("compute-weights");
     let lib_dir = dir.path().join("lib");
     let (a, b) = (Cgroup::new("w1"), Cgroup::new("w3"));
@@ -242,7 +242,7 @@ async fn weights_1_to_3_share_a_contended_gpu_and_an_idle_neighbour_leaves_it_al
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_guarantee_of_60_is_honoured_beside_a_busy_neighbour() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let dir = TempDir::new("compute-min");
     let lib_dir = dir.path().join("lib");
     let (a, b) = (Cgroup::new("min60"), Cgroup::new("other"));
@@ -266,7 +266,7 @@ async fn a_guarantee_of_60_is_honoured_beside_a_busy_neighbour() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn best_effort_is_throttled_as_soon_as_latency_critical_wakes_up() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let dir = TempDir::new("compute-prio");
     let lib_dir = dir.path().join("lib");
     let (lc, be) = (Cgroup::new("lc"), Cgroup::new("be"));

@@ -67,7 +67,7 @@ fn two_gpus(processes: serde_json::Value) -> serde_json::Value {
             { "uuid": "GPU-00000000-1111-2222-3333-444444444444", "name": "Fake H100",
               "pci_bus_id": "00000000:00:06.0", "memory_total": 80u64 << 30 },
             { "uuid": "GPU-55555555-6666-7777-8888-999999999999", "name": "Fake A100",
-              "pci_bus_id": "00000000:00:07.0", "memory_total": 40u64 << 30,
+              "pci_bus_id": "00000000:00:07.0", "memory_total": 40u64 << 30, "compute_mode": 3,
               "mig": [
                 { "uuid": "MIG-aaaaaaaa-0000-0000-0000-000000000001", "name": "Fake A100 MIG 3g.20gb",
                   "memory_total": 20u64 << 30 },
@@ -143,21 +143,26 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
     let dir = TempDir::new("nvml-usage");
     let lib_dir = dir.path().join("lib");
     let lib = install_fake(&lib_dir);
-    let (busy_cg, idle_cg, fixed_cg) = (
+    let (busy_cg, idle_cg, fixed_cg, mig_cg) = (
         Cgroup::new("nvml-busy"),
         Cgroup::new("nvml-idle"),
         Cgroup::new("nvml-fixed"),
+        Cgroup::new("nvml-mig"),
     );
     let busy = spawn_in(&busy_cg, "while :; do :; done");
     let idle = spawn_in(&idle_cg, "sleep 600");
     let fixed = spawn_in(&fixed_cg, "sleep 600");
+    let on_mig = spawn_in(&mig_cg, "sleep 600");
+    // `both`: listed as a compute and as a graphics process, with its whole usage in each list.
+    // On the MIG device NVML samples no per-process utilization.
     let procs = json!([
         { "pid": busy.id(), "gpu": 0, "memory": 1024 * MIB },
         { "pid": idle.id(), "gpu": 0, "memory": 512 * MIB },
-        { "pid": fixed.id(), "gpu": 1, "memory": 256 * MIB, "sm_util": 40, "enc_util": 7,
-          "kind": "graphics" },
+        { "pid": fixed.id(), "gpu": 0, "memory": 256 * MIB, "sm_util": 40, "enc_util": 7,
+          "kind": "both" },
+        { "pid": on_mig.id(), "gpu": 1, "mig": 1, "memory": 3 * 1024 * MIB },
     ]);
-    let _kill = Kill(vec![busy, idle, fixed]);
+    let _kill = Kill(vec![busy, idle, fixed, on_mig]);
     scenario(&lib_dir, &two_gpus(procs));
     let bus = Bus::start();
     let d = Daemon::start(&config(dir.path(), &lib), &bus.address).await;
@@ -178,13 +183,19 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
     assert_eq!(ids.len(), 4, "{gpus:?}");
     assert_eq!(gpus[0].name, "Fake H100");
     assert_eq!(gpus[0].memory_total, 80 << 30);
-    assert_eq!(gpus[0].memory_used, 1536 * MIB);
+    assert_eq!(gpus[0].memory_used, 1792 * MIB);
+    assert_eq!(gpus[2].memory_used, 0, "MIG device 0 has no process");
+    assert_eq!(gpus[3].memory_used, 3 * 1024 * MIB);
     assert_eq!(gpus[0].driver_version, "580.159.04");
     assert_eq!(gpus[0].cuda_version, "13.0");
     assert_eq!(gpus[0].pci_bus_id, "00000000:00:06.0");
     assert_eq!(
         (gpus[0].mig_mode.as_str(), gpus[1].mig_mode.as_str()),
         ("disabled", "enabled")
+    );
+    assert_eq!(
+        (gpus[0].compute_mode.as_str(), gpus[1].compute_mode.as_str()),
+        ("default", "exclusive_process")
     );
     assert_eq!((gpus[2].index, gpus[2].mig), (1, 0));
     assert_eq!(gpus[3].uuid, "MIG-aaaaaaaa-0000-0000-0000-000000000002");
@@ -215,7 +226,7 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
         let (b, i, f) = (
             find(&u, &busy_cg, 0)?,
             find(&u, &idle_cg, 0)?,
-            find(&u, &fixed_cg, 1)?,
+            find(&u, &fixed_cg, 0)?,
         );
         (b.sm_util >= 50 && i.sm_util <= 10 && f.sm_util == 40).then(|| u.clone())
     })
@@ -236,9 +247,17 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
         Some(512 * MIB)
     );
     assert_eq!(
-        find(&u, &fixed_cg, 1).map(|r| (r.nvml_memory_bytes, r.enc_util)),
-        Some((256 * MIB, 7))
+        find(&u, &fixed_cg, 0).map(|r| (r.nvml_memory_bytes, r.enc_util)),
+        Some((256 * MIB, 7)),
+        "a process with compute and graphics contexts counts once"
     );
+    // A GPU that does not sample per process (MIG) still reports memory, and NVML stays
+    // available.
+    assert_eq!(
+        find(&u, &mig_cg, 1).map(|r| (r.nvml_memory_bytes, r.sm_util)),
+        Some((3 * 1024 * MIB, 0))
+    );
+    assert_eq!(nvml_status(&d).await, (true, "available".to_owned()));
     assert_eq!(find(&u, &busy_cg, 0).map(|r| r.cgroup_id != 0), Some(true));
 
     // gpudctl list --json joins NVML's figures to each cgroup.
@@ -249,6 +268,20 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
         .and_then(|a| a.iter().find(|e| e["path"] == idle_cg.rel.as_str()))
         .unwrap_or_else(|| panic!("{} not listed: {list}", idle_cg.rel));
     assert_eq!(entry["nvml"]["0"]["memory_bytes"], 512 * MIB, "{entry}");
+    // Known only to NVML (its process never used an NVIDIA file): listed with its cgroup id.
+    assert_eq!(
+        entry["id"],
+        std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&idle_cg.dir).expect("cgroup")),
+        "{entry}"
+    );
+    let busy_entry = list
+        .as_array()
+        .and_then(|a| a.iter().find(|e| e["path"] == busy_cg.rel.as_str()))
+        .unwrap_or_else(|| panic!("{} not listed: {list}", busy_cg.rel));
+    assert!(
+        busy_entry["nvml"]["0"]["sm_util"].as_u64() > Some(0),
+        "{busy_entry}"
+    );
 
     // Closed loop: freezing the busy cgroup stops its CPU, so its GPU utilization drops.
     std::fs::write(busy_cg.dir.join("cgroup.freeze"), "1").expect("freeze");
@@ -337,7 +370,6 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
     .await;
     assert!(back.is_some(), "not recovered after the failure");
 
-    // Initialization failing (driver not loaded) is reported the same way.
     // A critical Xid error on GPU 1 is counted there.
     let mut s = two_gpus(json!([]));
     s["xid"] = json!([{ "gpu": 1, "xid": 79 }]);
@@ -352,19 +384,161 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
     assert!(xid.is_some(), "Xid not counted:\n{}", d.log_text());
     assert!(d.log_text().contains("critical Xid error"));
 
-    // Force a re-init: make the current handle fail first.
-    let mut f = two_gpus(json!([]));
-    f["fail"] = json!({ "nvmlDeviceGetCount_v2": 9 });
-    f["init_error"] = json!(9);
-    scenario(&lib_dir, &f);
-    let driver = eventually(Duration::from_secs(10), || async {
+    // A transient failure (the 3rd device count after this scenario fails, once): NVML is
+    // reported unavailable with the failing call, then re-initialized and back by itself.
+    let mut s = two_gpus(json!([]));
+    s["fail"] = json!({ "nvmlDeviceGetCount_v2": { "code": 15, "after": 2, "times": 1 } });
+    scenario(&lib_dir, &s);
+    let lost = eventually(Duration::from_secs(10), || async {
         let (a, why) = nvml_status(&d).await;
-        (!a && why.to_lowercase().contains("driver")).then_some(why)
+        (!a && why.contains("device count") && why.contains("fell off the bus")).then_some(why)
     })
     .await;
     assert!(
-        driver.is_some(),
-        "driver-not-loaded not reported:\n{}",
+        lost.is_some(),
+        "transient failure not reported:\n{}",
         d.log_text()
+    );
+    let back = eventually(Duration::from_secs(10), || async {
+        nvml_status(&d).await.0.then_some(())
+    })
+    .await;
+    assert!(back.is_some(), "not recovered from a transient failure");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn driver_not_loaded_at_start_is_reported_until_initialization_succeeds() {
+    let dir = TempDir::new("nvml-init");
+    let lib_dir = dir.path().join("lib");
+    let lib = install_fake(&lib_dir);
+    // The first three initializations fail as without a loaded driver; the fourth succeeds.
+    let mut s = two_gpus(json!([]));
+    s["fail"] = json!({ "nvmlInit_v2": { "code": 9, "times": 3 } });
+    scenario(&lib_dir, &s);
+    let bus = Bus::start();
+    let d = Daemon::start(&config(dir.path(), &lib), &bus.address).await;
+    let said = eventually(Duration::from_secs(5), || async {
+        let (a, why) = nvml_status(&d).await;
+        (!a && why.contains("driver is not loaded")).then_some(())
+    })
+    .await;
+    assert!(said.is_some(), "status: {:?}", nvml_status(&d).await);
+    let (_c, p) = d.proxy().await;
+    assert!(p.list_gpus().await.expect("ListGpus").is_empty());
+    let intro = Command::new("busctl")
+        .args(["--address", &bus.address, "tree", "dev.gpud.Daemon1"])
+        .output()
+        .expect("busctl");
+    assert!(
+        !String::from_utf8_lossy(&intro.stdout).contains("/gpu/"),
+        "GPU objects while NVML is unavailable"
+    );
+    let up = eventually(Duration::from_secs(10), || async {
+        nvml_status(&d).await.0.then_some(())
+    })
+    .await;
+    assert!(up.is_some(), "never initialized:\n{}", d.log_text());
+    assert_eq!(p.list_gpus().await.expect("ListGpus").len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
+    use futures_util::StreamExt as _;
+
+    let dir = TempDir::new("nvml-xid");
+    let lib_dir = dir.path().join("lib");
+    let lib = install_fake(&lib_dir);
+    let (solo_cg, a_cg, b_cg) = (
+        Cgroup::new("nvml-xid-solo"),
+        Cgroup::new("nvml-xid-a"),
+        Cgroup::new("nvml-xid-b"),
+    );
+    let solo = spawn_in(&solo_cg, "sleep 600");
+    let a = spawn_in(&a_cg, "sleep 600");
+    let b = spawn_in(&b_cg, "sleep 600");
+    let (solo_pid, a_pid, b_pid) = (solo.id(), a.id(), b.id());
+    let _kill = Kill(vec![solo, a, b]);
+    let procs = json!([
+        { "pid": solo_pid, "gpu": 0, "memory": 64 * MIB },
+        { "pid": a_pid, "gpu": 1, "mig": 0, "memory": 64 * MIB },
+        { "pid": b_pid, "gpu": 1, "mig": 1, "memory": 64 * MIB },
+    ]);
+    scenario(&lib_dir, &two_gpus(procs.clone()));
+    let bus = Bus::start();
+    let d = Daemon::start(&config(dir.path(), &lib), &bus.address).await;
+    let (conn, p) = d.proxy().await;
+    // The first sample has been taken once the processes are listed.
+    let sampled = eventually(Duration::from_secs(10), || async {
+        let u = usage(&d).await;
+        (find(&u, &solo_cg, 0).is_some() && find(&u, &b_cg, 1).is_some()).then_some(())
+    })
+    .await;
+    assert!(sampled.is_some(), "never sampled:\n{}", d.log_text());
+    assert!(p.list_nvml_events().await.expect("events").is_empty());
+
+    let gpu0 = gpud::api::gpu::Gpu1Proxy::builder(&conn)
+        .path("/dev/gpud/Daemon1/gpu/0")
+        .build()
+        .await
+        .expect("Gpu1 proxy");
+    let mut signals = gpu0.receive_xid().await.expect("subscribe to Xid");
+
+    let mut s = two_gpus(procs.clone());
+    s["events"] = json!([{ "id": 1, "gpu": 0, "xid": 79 }]);
+    scenario(&lib_dir, &s);
+    let sig = tokio::time::timeout(Duration::from_secs(10), signals.next())
+        .await
+        .expect("no Xid signal within 10 s")
+        .expect("signal stream ended");
+    let args = sig.args().expect("Xid args");
+    let solo_id = std::os::unix::fs::MetadataExt::ino(
+        &std::fs::metadata(&solo_cg.dir).expect("cgroup directory"),
+    );
+    assert_eq!(
+        (args.xid, args.pid, args.cgroup_id, args.cgroup.as_str()),
+        (79, solo_pid, solo_id, solo_cg.rel.as_str())
+    );
+
+    // On a GPU with two processes (one per MIG device) the event names neither.
+    s["events"] = json!([{ "id": 1, "gpu": 0, "xid": 79 }, { "id": 2, "gpu": 1, "xid": 43 }]);
+    scenario(&lib_dir, &s);
+    let both = eventually(Duration::from_secs(10), || async {
+        let ev = p.list_nvml_events().await.ok()?;
+        (ev.len() == 2).then_some(ev)
+    })
+    .await
+    .unwrap_or_else(|| panic!("second event missing:\n{}", d.log_text()));
+    let first = &both[0];
+    assert_eq!(
+        (
+            first.gpu,
+            first.xid,
+            first.pid,
+            first.cgroup.as_str(),
+            first.kind.as_str()
+        ),
+        (0, 79, solo_pid, solo_cg.rel.as_str(), "xid")
+    );
+    assert_eq!(first.uuid, "GPU-00000000-1111-2222-3333-444444444444");
+    let second = &both[1];
+    let mut pair = vec![a_pid, b_pid];
+    pair.sort_unstable();
+    assert_eq!(
+        (
+            second.gpu,
+            second.xid,
+            second.pid,
+            second.cgroup_id,
+            second.pids.clone()
+        ),
+        (1, 43, 0, 0, pair)
+    );
+    // Each event is delivered once: still two after more samples.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(p.list_nvml_events().await.expect("events").len(), 2);
+    let status = gpudctl(&bus.address, &["status"]);
+    assert!(
+        status.contains("Xid 79") && status.contains(&format!("pid {solo_pid} in {}", solo_cg.rel)),
+        "{status}"
     );
 }

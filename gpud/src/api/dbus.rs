@@ -12,7 +12,8 @@ use tokio::sync::{mpsc, oneshot};
 use zbus::interface;
 
 use super::model::{
-    CgroupRecord, ComputeRecord, GpuRecord, LimitRecord, NvmlUsageRecord, ProcessRecord,
+    CgroupRecord, ComputeRecord, GpuRecord, LimitRecord, NvmlEventRecord, NvmlUsageRecord,
+    ProcessRecord,
 };
 use crate::{
     attribution::{AttributionError, CgroupError},
@@ -316,6 +317,12 @@ impl Manager {
         cgroup: &str,
     ) -> zbus::Result<()>;
 
+    /// The most recent NVML events (critical Xid errors), oldest first: `(timestamp_us, gpu,
+    /// uuid, kind, xid, pid, cgroup_id, cgroup, pids)`.
+    async fn list_nvml_events(&self) -> Result<Vec<NvmlEventRecord>, ApiError> {
+        self.ask(Request::ListNvmlEvents).await
+    }
+
     /// Every attributed cgroup, ordered by path.
     async fn list_cgroups(&self) -> Result<Vec<CgroupRecord>, ApiError> {
         self.ask(Request::ListCgroups).await
@@ -387,6 +394,7 @@ pub trait Manager1 {
     fn list_compute(&self) -> zbus::Result<Vec<ComputeRecord>>;
     #[zbus(signal)]
     fn compute_throttled(&self, cgroup: String) -> zbus::Result<()>;
+    fn list_nvml_events(&self) -> zbus::Result<Vec<NvmlEventRecord>>;
     #[zbus(signal)]
     fn memory_limit_exceeded(
         &self,

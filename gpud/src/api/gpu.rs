@@ -1,13 +1,17 @@
 //! `dev.gpud.Gpu1` objects: one per GPU (`/dev/gpud/Daemon1/gpu/<index>`) and per MIG device
 //! (`/dev/gpud/Daemon1/gpu/<index>/mig/<n>`), published as NVML reports them. Their properties
-//! read the latest inventory, so they never go stale; objects appear and disappear with it.
+//! read the latest inventory, so they never go stale; objects appear and disappear with it. A
+//! GPU's object signals its critical Xid errors (`Xid`).
 
 use std::collections::BTreeSet;
 
 use tokio::sync::watch;
 use zbus::interface;
 
-use super::{dbus::OBJECT_PATH, model::GpuRecord};
+use super::{
+    dbus::OBJECT_PATH,
+    model::{GpuRecord, NvmlEventRecord},
+};
 
 pub const GPU_INTERFACE: &str = "dev.gpud.Gpu1";
 
@@ -87,6 +91,63 @@ impl Gpu {
     #[zbus(property(emits_changed_signal = "false"))]
     async fn mig_mode(&self) -> String {
         self.get(|g| g.mig_mode.clone())
+    }
+
+    /// NVML reported a critical Xid error on this GPU (or one of its MIG devices), attributed to
+    /// `pid` (0: none) in `cgroup_id`/`cgroup` when that was the GPU's only process.
+    #[zbus(signal)]
+    pub async fn xid(
+        emitter: &zbus::object_server::SignalEmitter<'_>,
+        xid: u64,
+        pid: u32,
+        cgroup_id: u64,
+        cgroup: &str,
+    ) -> zbus::Result<()>;
+}
+
+/// Client side of `dev.gpud.Gpu1`.
+#[zbus::proxy(interface = "dev.gpud.Gpu1", default_service = "dev.gpud.Daemon1")]
+pub trait Gpu1 {
+    #[zbus(property)]
+    fn index(&self) -> zbus::Result<u32>;
+    #[zbus(property)]
+    fn mig_device(&self) -> zbus::Result<u32>;
+    #[zbus(property)]
+    fn uuid(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn name(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn memory_used(&self) -> zbus::Result<u64>;
+    #[zbus(signal)]
+    fn xid(&self, xid: u64, pid: u32, cgroup_id: u64, cgroup: String) -> zbus::Result<()>;
+}
+
+/// Emits `Xid` on the GPU's object for every event until the channel closes.
+pub async fn publish_xids(
+    conn: zbus::Connection,
+    mut rx: tokio::sync::broadcast::Receiver<NvmlEventRecord>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        let e = match rx.recv().await {
+            Ok(e) => e,
+            Err(RecvError::Lagged(missed)) => {
+                tracing::warn!(missed, "Xid signals dropped (subscriber too slow)");
+                continue;
+            }
+            Err(RecvError::Closed) => return,
+        };
+        let path = gpu_path(e.gpu, u32::MAX);
+        let emitter = match zbus::object_server::SignalEmitter::new(&conn, path) {
+            Ok(em) => em,
+            Err(err) => {
+                tracing::warn!("cannot emit Xid: {err}");
+                continue;
+            }
+        };
+        if let Err(err) = Gpu::xid(&emitter, e.xid, e.pid, e.cgroup_id, &e.cgroup).await {
+            tracing::warn!("cannot emit Xid: {err}");
+        }
     }
 }
 

@@ -50,7 +50,7 @@ pub struct ProcessRecord {
     pub ioctls: BTreeMap<String, u64>,
 }
 
-/// A GPU or MIG device as NVML reports it: signature `(uussssttsssst)`: index, MIG number
+/// A GPU or MIG device as NVML reports it: signature `(uusssttsssst)`: index, MIG number
 /// (`u32::MAX` for a whole GPU), UUID, name, PCI bus id, memory total and used (bytes), driver and
 /// CUDA versions, compute mode, MIG mode, critical Xid errors seen since the daemon started.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
@@ -102,4 +102,27 @@ pub struct ComputeRecord {
     /// Time frozen by the controller, and periods in which it was (like `cpu.stat`).
     pub throttled_usec: u64,
     pub nr_throttled: u64,
+}
+
+/// An NVML event (a critical Xid error): signature `(tusstutsau)`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct NvmlEventRecord {
+    /// When the daemon received it, µs since the Unix epoch.
+    pub timestamp_us: u64,
+    /// GPU index (the parent GPU for an event on a MIG device).
+    pub gpu: u32,
+    /// UUID of the device NVML names in the event.
+    pub uuid: String,
+    /// `xid`.
+    pub kind: String,
+    /// The Xid number; 999 where NVML does not know it.
+    pub xid: u64,
+    /// The process the event is attributed to, 0 if none: NVML's event names a device, not a
+    /// process, so this is the only process NVML reported on that GPU at the last sample.
+    pub pid: u32,
+    /// cgroup v2 id and path of that process (0 and empty if none).
+    pub cgroup_id: u64,
+    pub cgroup: String,
+    /// Every process NVML reported on that GPU at the last sample.
+    pub pids: Vec<u32>,
 }

@@ -137,6 +137,7 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    let (nvml_events, nvml_events_rx) = tokio::sync::broadcast::channel(64);
     let state = State {
         attribution,
         memory,
@@ -148,6 +149,7 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         },
         inventory,
         control: compute_on.then_some(control),
+        nvml_events,
     };
 
     let (tx, rx) = mpsc::channel::<Message>(1024);
@@ -185,6 +187,7 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
             shutdown_rx.clone(),
         ))
     });
+    let xid_signals = tokio::spawn(gpud::api::gpu::publish_xids(conn.clone(), nvml_events_rx));
     if config.nvml.enabled {
         spawn_nvml_sampler(&config.nvml, tx.clone(), shutdown_rx.clone());
     }
@@ -226,6 +229,7 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
     publisher.abort();
     gpu_objects.abort();
     throttle_signals.abort();
+    xid_signals.abort();
     drop(conn);
     Ok(())
 }
@@ -234,7 +238,8 @@ fn state_root_join(root: &std::path::Path, path: &str) -> std::path::PathBuf {
     root.join(path.trim_start_matches('/'))
 }
 
-/// Samples NVML on a thread of its own (its calls block) until shutdown.
+/// Samples NVML and waits for its Xid events on a thread of its own (its calls block) until
+/// shutdown.
 fn spawn_nvml_sampler(
     cfg: &gpud::config::NvmlConfig,
     tx: mpsc::Sender<Message>,
@@ -245,33 +250,14 @@ fn spawn_nvml_sampler(
         sample_interval: std::time::Duration::from_millis(cfg.sample_interval_ms),
         retry_interval: std::time::Duration::from_secs(cfg.retry_interval_secs),
     };
-    let xid_settings = settings.clone();
-    let xid_tx = tx.clone();
-    let xid_stop = shutdown.clone();
-    let xid = std::thread::Builder::new()
-        .name("nvml-xid".into())
-        .spawn(move || {
-            gpud::nvml::watch_xid(
-                xid_settings,
-                |s| xid_tx.blocking_send(Message::Nvml(s)).is_ok(),
-                || *xid_stop.borrow(),
-            )
-        });
-    if let Err(e) = xid {
-        warn!("cannot start the NVML Xid watcher: {e}");
-    }
+    // One thread, one NVML handle: it samples, and waits for Xid events in between.
     let spawned = std::thread::Builder::new()
         .name("nvml".into())
         .spawn(move || {
-            let mut sampler = gpud::nvml::Sampler::new(settings);
-            while !*shutdown.borrow() {
-                if let Some(s) = sampler.step()
-                    && tx.blocking_send(Message::Nvml(s)).is_err()
-                {
-                    return;
-                }
-                std::thread::sleep(sampler.interval());
-            }
+            gpud::nvml::Sampler::new(settings).run(
+                |s| tx.blocking_send(Message::Nvml(s)).is_ok(),
+                || *shutdown.borrow(),
+            );
         });
     if let Err(e) = spawned {
         warn!("cannot start the NVML sampler: {e}");

@@ -237,11 +237,15 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     let action = proxy.react_action().await.map_err(daemon_err)?;
     let nvml_status = proxy.nvml_status().await.map_err(daemon_err)?;
     let gpus = proxy.list_gpus().await.map_err(daemon_err)?;
+    let nvml_available = proxy.nvml_available().await.map_err(daemon_err)?;
+    let nvml_events = proxy.list_nvml_events().await.map_err(daemon_err)?;
     if json {
         let v = serde_json::json!({
             "version": version,
+            "nvml_available": nvml_available,
             "nvml_status": nvml_status,
             "gpus": gpus,
+            "nvml_events": nvml_events,
             "attach_mode": mode,
             "enforcement_tier": tier,
             "react_action": action,
@@ -289,6 +293,24 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
             g.compute_mode,
             g.mig_mode,
             g.xid_errors
+        );
+    }
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0);
+    // The last few Xid events, oldest first.
+    for e in nvml_events.iter().skip(nvml_events.len().saturating_sub(5)) {
+        let whom = if e.pid != 0 {
+            format!("pid {} in {}", e.pid, e.cgroup)
+        } else {
+            format!("processes on the GPU: {:?}", e.pids)
+        };
+        println!(
+            "    Xid {:<6} GPU {} {}s ago, {whom}",
+            e.xid,
+            e.gpu,
+            now_us.saturating_sub(e.timestamp_us) / 1_000_000
         );
     }
     println!("  kernel offers:    {}", offered.join(", "));
@@ -363,7 +385,13 @@ fn print_records(
                     _ => serde_json::Map::new(),
                 },
                 None => {
+                    // Known only to NVML or the controller: NVML's cgroup id where it has one.
+                    let id = nvml
+                        .iter()
+                        .find(|u| u.cgroup == path)
+                        .map_or(0, |u| u.cgroup_id);
                     let mut o = serde_json::Map::new();
+                    o.insert("id".into(), id.into());
                     o.insert("path".into(), path.clone().into());
                     o
                 }

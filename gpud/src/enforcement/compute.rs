@@ -28,6 +28,11 @@ const GAIN: f64 = 0.6;
 /// NVML's per-process samples read 0 or ~100 depending on who held the GPU in the sample, so
 /// single samples are noise; the simulated GPU's samples are exact and lose little to this.
 const SMOOTHING: f64 = 0.25;
+/// Smallest duty of a cgroup that is allowed any GPU time: it keeps running a little in every
+/// period, so NVML keeps sampling it (NVML reports only processes that used the GPU).
+const MIN_DUTY: f64 = 0.02;
+/// A cgroup without any utilization sample for this long is taken as idle.
+const SAMPLE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// One cgroup on one GPU, as the state task sees it at a sample.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -153,8 +158,9 @@ pub struct Controller {
     period: Duration,
     /// Per (path, GPU): duty cycle in [0, 1].
     duties: BTreeMap<(String, u32), f64>,
-    /// Per (path, GPU): running average of the measured utilization.
-    util: BTreeMap<(String, u32), f64>,
+    /// Per (path, GPU): running average of the measured utilization and when it last had a
+    /// sample.
+    util: BTreeMap<(String, u32), (f64, Instant)>,
     slots: BTreeMap<String, Slot>,
     memory_frozen: BTreeSet<String>,
 }
@@ -195,14 +201,20 @@ impl Controller {
                 .iter()
                 .map(|c| {
                     let key = (c.path.clone(), gpu);
+                    let now = Instant::now();
                     let prev = self.util.get(&key).copied();
-                    let u = match (prev, c.util) {
-                        (Some(p), Some(u)) => p + SMOOTHING * (u - p),
-                        (None, Some(u)) => u,
-                        (Some(p), None) => p,
-                        (None, None) => 0.0,
+                    // No sample for a while: it did not use the GPU.
+                    let sample = match (c.util, prev) {
+                        (None, Some((_, at))) if now - at > SAMPLE_TIMEOUT => Some(0.0),
+                        (s, _) => s,
                     };
-                    self.util.insert(key, u);
+                    let (u, at) = match (prev, sample) {
+                        (Some((p, _)), Some(u)) => (p + SMOOTHING * (u - p), now),
+                        (None, Some(u)) => (u, now),
+                        (Some((p, at)), None) => (p, at),
+                        (None, None) => (0.0, now),
+                    };
+                    self.util.insert(key, (u, at));
                     u
                 })
                 .collect();
@@ -242,7 +254,7 @@ impl Controller {
                     let model = t[i] / demands[i].max(1.0);
                     let corrected = duty + GAIN * (t[i] - utils[i]) / 100.0;
                     // From unthrottled, jump to the model; then correct on the error.
-                    if duty >= 1.0 { model } else { corrected }.clamp(0.0, 1.0)
+                    if duty >= 1.0 { model } else { corrected }.clamp(MIN_DUTY, 1.0)
                 };
                 self.duties.insert(key.clone(), new);
                 seen.insert(key);

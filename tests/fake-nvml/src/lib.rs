@@ -1,47 +1,97 @@
 //! A stand-in for `libnvidia-ml.so` (test fixture; never in gpud's code path): the NVML calls
 //! gpud makes, with NVML's real C ABI (layouts from `nvml-wrapper-sys`), answered from a scenario
-//! file, so gpud's real `nvml-wrapper` code path runs against it.
+//! file, so gpud's real `nvml-wrapper` code path runs against it. gpud cannot tell it from the
+//! real library: it is loaded through `nvml.library_path` like any libnvidia-ml.
 //!
-//! **Scenario.** `fake-nvml.json` in the directory of this library's file (found with `dladdr`,
-//! so each test uses its own copy), re-read whenever it changes:
+//! # Scenario
+//!
+//! A JSON file: `$FAKE_NVML_SCENARIO` if that is set, else `fake-nvml.json` in the directory of
+//! this library's file (found with `dladdr`, so each test uses its own copy of the library and
+//! needs no environment). It is re-read whenever its modification time changes, so a test can
+//! change GPUs, processes, errors and events while the daemon runs (write a new file and rename it
+//! over the old one, so no half-written file is ever read; a file that does not parse is reported
+//! on stderr and the previous scenario stays). A missing file is an empty scenario (no GPU).
 //!
 //! ```json
 //! { "driver_version": "580.159.04", "cuda_version": 13000,
-//!   "init_error": 9,
 //!   "gpus": [ { "uuid": "GPU-…", "name": "…", "pci_bus_id": "00000000:00:06.0",
 //!               "memory_total": 85899345920, "compute_mode": 0,
 //!               "mig": [ { "uuid": "MIG-…", "name": "…", "memory_total": 10737418240 } ] } ],
-//!   "processes": [ { "pid": 123, "gpu": 0, "memory": 1073741824, "kind": "compute",
+//!   "processes": [ { "pid": 123, "gpu": 0, "mig": 1, "memory": 1073741824, "kind": "compute",
 //!                    "sm_util": 40, "enc_util": 0, "dec_util": 0 } ],
-//!   "fail": { "nvmlDeviceGetComputeRunningProcesses_v3": 15 } }
+//!   "events": [ { "id": 1, "gpu": 0, "xid": 79 } ],
+//!   "fail": { "nvmlDeviceGetComputeRunningProcesses_v3": 15,
+//!             "nvmlDeviceGetCount_v2": { "code": 15, "after": 10, "times": 2 } },
+//!   "init_error": 9 }
 //! ```
 //!
-//! `init_error` makes `nvmlInit_v2` fail with that NVML code; `fail` makes the named function
-//! fail with its code; a GPU with a `mig` list is in MIG mode and has those MIG devices.
+//! - `gpus`: a GPU with a `mig` list is in MIG mode and has those MIG devices (its MIG device
+//!   handles are indices into that list). `process_utilization: false` makes
+//!   `nvmlDeviceGetProcessUtilization` answer `NOT_SUPPORTED` (as it does on MIG devices and on
+//!   GPUs in MIG mode, where real NVML does not sample per process); `xid_events: false` makes the
+//!   GPU support no event type.
+//! - `processes`: `kind` is `compute` (the default), `graphics` or `both` (listed by both
+//!   `nvmlDeviceGet{Compute,Graphics}RunningProcesses_v3`, as a process with both contexts is);
+//!   `mig` puts it on that MIG device (its `gpuInstanceId` is the MIG index). A GPU's and a MIG
+//!   device's used memory is the sum of its processes' `memory`.
+//! - `events` (or `xid`): critical Xid errors, each delivered once (by `id`, default its position
+//!   in the list, so appending to the list delivers only the new ones) by `nvmlEventSetWait_v2` to
+//!   an event set that registered `nvmlEventTypeXidCriticalError` on that GPU.
+//! - `fail`: the named function returns that NVML code: always (a number), or
+//!   `{ "code", "after", "times" }`: the first `after` calls succeed, then `times` calls fail (all
+//!   further calls if `times` is absent). Calls are counted per function from the moment the
+//!   scenario's text last changed. `nvmlInit_v2` can fail the same way; `init_error` is a shorthand
+//!   for an always-failing `nvmlInit_v2`.
 //!
-//! **Simulated GPU.** A process without `sm_util` is a simulated GPU user: its SM utilization is
-//! its share of one CPU over the sample window — the growth of the `sum_exec_runtime` of all its
-//! threads (`/proc/<pid>/task/*/schedstat`, nanoseconds) since the previous sample, over the
-//! wall time since then. A frozen process consumes no CPU, so freezing it lowers its measured GPU
-//! utilization: a real closed loop for compute-share controllers.
+//! Initializations are counted like NVML's: the library stays initialized until as many
+//! `nvmlShutdown`s as `nvmlInit_v2`s came. It is linked `-z nodelete`, so call counts, delivered
+//! events and utilization history survive the caller's `dlclose` and re-`dlopen`, as the state of a
+//! driver would.
 //!
-//! **Sample log.** Every `nvmlDeviceGetProcessUtilization` that returns samples appends
+//! # Simulated GPU
+//!
+//! A process without `sm_util` is a simulated GPU user: its SM utilization is its share of one CPU
+//! over the window the caller asks about, from the caller's `lastSeenTimeStamp` to now:
+//!
+//! `sm_util = round(100 × Δruntime / Δwall)`, capped at 100,
+//!
+//! where runtime is the sum of `sum_exec_runtime` over the process's live threads
+//! (`/proc/<pid>/task/*/schedstat`, nanoseconds: exact, unlike the 10 ms ticks of
+//! `/proc/<pid>/stat`). Every data call records each simulated process's runtime under the
+//! timestamp it returns, so the next call, which passes that timestamp back as
+//! `lastSeenTimeStamp`, is measured from exactly there. A `lastSeenTimeStamp` from before the
+//! process started (0 on a first call) measures from its start (runtime 0 then; start time from
+//! `/proc/<pid>/stat`, 10 ms resolution). A process first seen after `lastSeenTimeStamp` had
+//! started yields no sample in that call, only a baseline for the next.
+//!
+//! So a frozen process (`cgroup.freeze`) consumes no CPU and its measured GPU utilization falls to
+//! 0 over the next window; thawed, it rises again: a real closed loop for compute-share
+//! controllers. Limits: a thread that exits during a window takes its runtime out of the sum, so
+//! that window under-counts; several busy processes on one GPU each report their own CPU share
+//! (the sum may exceed 100, unlike a time-sliced GPU).
+//!
+//! Like real NVML, a data call returns only samples with a non-zero utilization, each stamped with
+//! the call's timestamp (strictly increasing across calls), and `NOT_FOUND` when there is none.
+//!
+//! # Sample log
+//!
+//! Every data call of `nvmlDeviceGetProcessUtilization` appends
 //! `{"gpu":…,"last_seen":…,"returned":[timestamps]}` to `fake-nvml-samples.log` beside the
-//! scenario, so tests can check that the caller never asks for samples it already had.
+//! scenario, so tests can check that the caller never asks again for samples it already had.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet, VecDeque},
     ffi::{CStr, c_char, c_uint, c_ulonglong},
     io::Write as _,
     path::PathBuf,
     sync::{Mutex, MutexGuard},
-    time::SystemTime,
+    time::{Duration, Instant, SystemTime},
 };
 
 use nvml_wrapper_sys::bindings::{
-    nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlMemory_v2_t, nvmlPciInfo_t,
-    nvmlProcessInfo_t, nvmlProcessUtilizationSample_t, nvmlReturn_t,
+    nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlEventTypeXidCriticalError, nvmlMemory_v2_t,
+    nvmlPciInfo_t, nvmlProcessInfo_t, nvmlProcessUtilizationSample_t, nvmlReturn_t,
 };
 use serde::Deserialize;
 
@@ -52,6 +102,9 @@ const NOT_SUPPORTED: nvmlReturn_t = 3;
 const NOT_FOUND: nvmlReturn_t = 6;
 const INSUFFICIENT_SIZE: nvmlReturn_t = 7;
 const TIMEOUT: nvmlReturn_t = 10;
+/// `gpuInstanceId` / `computeInstanceId` of a process not on a MIG device.
+const NO_INSTANCE: u32 = u32::MAX;
+const XID: u64 = nvmlEventTypeXidCriticalError as u64;
 
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -61,7 +114,11 @@ struct Mig {
     memory_total: u64,
 }
 
-#[derive(Clone, Debug, Default, Deserialize)]
+fn yes() -> bool {
+    true
+}
+
+#[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Gpu {
     uuid: String,
@@ -72,6 +129,19 @@ struct Gpu {
     compute_mode: u32,
     #[serde(default)]
     mig: Option<Vec<Mig>>,
+    #[serde(default = "yes")]
+    process_utilization: bool,
+    #[serde(default = "yes")]
+    xid_events: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Kind {
+    #[default]
+    Compute,
+    Graphics,
+    Both,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -80,15 +150,53 @@ struct Process {
     pid: u32,
     gpu: u32,
     #[serde(default)]
+    mig: Option<u32>,
+    #[serde(default)]
     memory: u64,
     #[serde(default)]
-    kind: Option<String>,
+    kind: Kind,
+    /// Fixed utilization; absent: simulated from the process's CPU time.
     #[serde(default)]
     sm_util: Option<u32>,
     #[serde(default)]
     enc_util: u32,
     #[serde(default)]
     dec_util: u32,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Event {
+    #[serde(default)]
+    id: Option<u64>,
+    gpu: u32,
+    xid: u64,
+}
+
+/// When a function fails: always, or a number of calls after a number of successes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+enum Fail {
+    Always(u32),
+    Counted {
+        code: u32,
+        #[serde(default)]
+        after: u64,
+        #[serde(default)]
+        times: Option<u64>,
+    },
+}
+
+impl Fail {
+    /// The code the `n`-th call (1-based) returns, if it fails.
+    fn code_for_call(self, n: u64) -> Option<u32> {
+        match self {
+            Fail::Always(code) => Some(code),
+            Fail::Counted { code, after, times } => {
+                (n > after && times.is_none_or(|t| n <= after.saturating_add(t))).then_some(code)
+            }
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -104,18 +212,54 @@ struct Scenario {
     gpus: Vec<Gpu>,
     #[serde(default)]
     processes: Vec<Process>,
+    /// Also accepted as `xid`.
+    #[serde(default, alias = "xid")]
+    events: Vec<Event>,
     #[serde(default)]
-    fail: HashMap<String, u32>,
-    /// Critical Xid errors to deliver once each to event sets: `{"gpu": 0, "xid": 79}`.
-    #[serde(default)]
-    xid: Vec<Xid>,
+    fail: HashMap<String, Fail>,
 }
 
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Xid {
-    gpu: u32,
-    xid: u64,
+/// What the simulated GPU remembers of one process.
+#[derive(Debug, Default)]
+struct History {
+    /// Start time in clock ticks since boot (`/proc/<pid>/stat` field 22): tells a reused pid.
+    start_ticks: u64,
+    /// Start time as a wall-clock timestamp (µs).
+    start_us: u64,
+    /// (timestamp returned, summed runtime in ns at that moment), oldest first.
+    seen: VecDeque<(u64, u64)>,
+}
+
+/// How many observations per process are kept (far more than one sampling window needs).
+const HISTORY: usize = 256;
+
+impl History {
+    /// The runtime at the start of the window after `last_seen`: the newest observation at or
+    /// before it, or zero at the process's start if it started after it.
+    fn baseline(&self, last_seen: u64) -> Option<(u64, u64)> {
+        if let Some(&(ts, rt)) = self.seen.iter().rev().find(|(ts, _)| *ts <= last_seen) {
+            return Some((ts, rt));
+        }
+        (last_seen < self.start_us).then_some((self.start_us, 0))
+    }
+
+    fn record(&mut self, ts: u64, runtime_ns: u64) {
+        if self.seen.len() == HISTORY {
+            self.seen.pop_front();
+        }
+        self.seen.push_back((ts, runtime_ns));
+    }
+}
+
+/// Utilization in percent of one CPU: runtime growth over wall time, rounded, at most 100.
+fn share_of_cpu(runtime_ns: u64, since: (u64, u64), now_us: u64) -> Option<u32> {
+    let (t0, r0) = since;
+    if now_us <= t0 {
+        return None;
+    }
+    let busy_ns = runtime_ns.saturating_sub(r0) as f64;
+    let wall_ns = (now_us - t0) as f64 * 1000.0;
+    Some(((busy_ns / wall_ns) * 100.0).round().min(100.0) as u32)
 }
 
 #[derive(Default)]
@@ -123,11 +267,19 @@ struct State {
     /// `nvmlInit` calls not yet matched by `nvmlShutdown` (NVML counts them too).
     initialized: u32,
     scenario: Scenario,
+    /// The scenario file's modification time and text when last read.
     mtime: Option<SystemTime>,
-    /// Per pid: (summed runtime ns, wall time µs) at the previous sample.
-    cpu: HashMap<u32, (u64, u64)>,
-    /// Xid entries of the scenario already delivered.
-    xid_delivered: usize,
+    text: String,
+    /// Calls per function since the scenario's text last changed.
+    calls: HashMap<String, u64>,
+    history: HashMap<u32, History>,
+    /// The newest timestamp handed out (they strictly increase).
+    last_ts: u64,
+    /// Ids of the events already delivered.
+    delivered: HashSet<u64>,
+    /// Event sets: id → registered (GPU, event mask).
+    sets: HashMap<usize, Vec<(u32, u64)>>,
+    next_set: usize,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -138,6 +290,7 @@ fn lock() -> MutexGuard<'static, Option<State>> {
 
 /// The directory holding this library's file.
 fn own_dir() -> Option<PathBuf> {
+    // SAFETY: Dl_info is plain data, filled in by dladdr.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
     // SAFETY: any address inside this library identifies it.
     let ok = unsafe { libc::dladdr(own_dir as *const libc::c_void, &mut info) };
@@ -150,10 +303,14 @@ fn own_dir() -> Option<PathBuf> {
 }
 
 fn scenario_path() -> Option<PathBuf> {
-    Some(own_dir()?.join("fake-nvml.json"))
+    match std::env::var_os("FAKE_NVML_SCENARIO") {
+        Some(p) if !p.is_empty() => Some(PathBuf::from(p)),
+        _ => Some(own_dir()?.join("fake-nvml.json")),
+    }
 }
 
-/// Re-reads the scenario if its file changed; a missing or broken file reads as empty.
+/// Re-reads the scenario if its file changed. A missing file reads as an empty scenario; one that
+/// does not parse leaves the previous one in place.
 fn refresh(st: &mut State) {
     let Some(path) = scenario_path() else { return };
     let mtime = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
@@ -161,10 +318,35 @@ fn refresh(st: &mut State) {
         return;
     }
     st.mtime = mtime;
-    st.scenario = std::fs::read_to_string(&path)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default();
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    if text == st.text {
+        return;
+    }
+    let parsed = if text.trim().is_empty() {
+        Ok(Scenario::default())
+    } else {
+        serde_json::from_str(&text)
+    };
+    match parsed {
+        Ok(s) => {
+            st.scenario = s;
+            st.text = text;
+            st.calls.clear();
+        }
+        Err(e) => eprintln!("fake NVML: ignoring {}: {e}", path.display()),
+    }
+}
+
+/// Counts a call of `name`; the code it must fail with, if the scenario says so.
+fn injected(st: &mut State, name: &str) -> Option<nvmlReturn_t> {
+    let n = st.calls.entry(name.to_owned()).or_insert(0);
+    *n += 1;
+    let mut code = st.scenario.fail.get(name)?.code_for_call(*n)?;
+    if code == SUCCESS {
+        // A "failure" with code 0 would leave outputs unset; make it a visible error.
+        code = INVALID_ARGUMENT;
+    }
+    Some(code)
 }
 
 /// Runs `f` on the refreshed state, unless NVML is not initialized or `name` is set to fail.
@@ -177,8 +359,8 @@ fn with(name: &str, f: impl FnOnce(&mut State) -> nvmlReturn_t) -> nvmlReturn_t 
         return UNINITIALIZED;
     }
     refresh(st);
-    if let Some(code) = st.scenario.fail.get(name) {
-        return *code;
+    if let Some(code) = injected(st, name) {
+        return code;
     }
     f(st)
 }
@@ -195,6 +377,7 @@ fn decode(d: nvmlDevice_t) -> Option<(u32, Option<u32>)> {
     Some((gpu, mig))
 }
 
+/// The GPU (and MIG device) a handle names, if they exist in the current scenario.
 fn gpu_of(st: &State, d: nvmlDevice_t) -> Option<(&Gpu, Option<&Mig>)> {
     let (g, m) = decode(d)?;
     let gpu = st.scenario.gpus.get(g as usize)?;
@@ -202,6 +385,16 @@ fn gpu_of(st: &State, d: nvmlDevice_t) -> Option<(&Gpu, Option<&Mig>)> {
         None => Some((gpu, None)),
         Some(m) => Some((gpu, Some(gpu.mig.as_ref()?.get(m as usize)?))),
     }
+}
+
+/// Processes on the device a handle names: all of a GPU's, or those of one MIG device.
+fn processes_on(st: &State, gpu: u32, mig: Option<u32>) -> Vec<Process> {
+    st.scenario
+        .processes
+        .iter()
+        .filter(|p| p.gpu == gpu && (mig.is_none() || p.mig == mig))
+        .cloned()
+        .collect()
 }
 
 unsafe fn write_str(dst: *mut c_char, len: c_uint, s: &str) -> nvmlReturn_t {
@@ -224,9 +417,8 @@ unsafe fn write_str(dst: *mut c_char, len: c_uint, s: &str) -> nvmlReturn_t {
 pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
     let mut guard = lock();
     let st = guard.get_or_insert_with(State::default);
-    st.mtime = None;
     refresh(st);
-    if let Some(code) = st.scenario.init_error {
+    if let Some(code) = injected(st, "nvmlInit_v2").or(st.scenario.init_error) {
         return code;
     }
     st.initialized += 1;
@@ -238,6 +430,9 @@ pub extern "C" fn nvmlShutdown() -> nvmlReturn_t {
     match lock().as_mut() {
         Some(st) if st.initialized > 0 => {
             st.initialized -= 1;
+            if st.initialized == 0 {
+                st.sets.clear();
+            }
             SUCCESS
         }
         _ => UNINITIALIZED,
@@ -366,15 +561,6 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
     })
 }
 
-fn used_on(st: &State, gpu: u32) -> u64 {
-    st.scenario
-        .processes
-        .iter()
-        .filter(|p| p.gpu == gpu)
-        .map(|p| p.memory)
-        .sum()
-}
-
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: nvmlDevice_t,
@@ -388,7 +574,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             return INVALID_ARGUMENT;
         }
         let total = m.map_or(g.memory_total, |m| m.memory_total);
-        let used = if mi.is_some() { 0 } else { used_on(st, gi) };
+        let used: u64 = processes_on(st, gi, mi).iter().map(|p| p.memory).sum();
         // SAFETY: non-null out pointer.
         let out = unsafe { &mut *mem };
         out.total = total;
@@ -475,7 +661,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
     })
 }
 
-unsafe fn processes(
+unsafe fn running_processes(
     device: nvmlDevice_t,
     count: *mut c_uint,
     infos: *mut nvmlProcessInfo_t,
@@ -483,20 +669,24 @@ unsafe fn processes(
     name: &str,
 ) -> nvmlReturn_t {
     with(name, |st| {
-        let Some((gi, None)) = decode(device) else {
+        let (Some((gi, mi)), Some((gpu, _))) = (decode(device), gpu_of(st, device)) else {
             return INVALID_ARGUMENT;
         };
-        if count.is_null() || gi as usize >= st.scenario.gpus.len() {
+        if count.is_null() {
             return INVALID_ARGUMENT;
         }
-        let list: Vec<&Process> = st
-            .scenario
-            .processes
-            .iter()
-            .filter(|p| p.gpu == gi && (p.kind.as_deref() == Some("graphics")) == graphics)
+        let mig_mode = gpu.mig.is_some();
+        let list: Vec<Process> = processes_on(st, gi, mi)
+            .into_iter()
+            .filter(|p| match p.kind {
+                Kind::Both => true,
+                Kind::Graphics => graphics,
+                Kind::Compute => !graphics,
+            })
             .collect();
         // SAFETY: non-null in/out pointer.
         let room = unsafe { *count } as usize;
+        // SAFETY: as above.
         unsafe { *count = list.len() as c_uint };
         if infos.is_null() || room < list.len() {
             return if list.is_empty() {
@@ -510,8 +700,10 @@ unsafe fn processes(
             let out = unsafe { &mut *infos.add(i) };
             out.pid = p.pid;
             out.usedGpuMemory = p.memory;
-            out.gpuInstanceId = u32::MAX;
-            out.computeInstanceId = u32::MAX;
+            (out.gpuInstanceId, out.computeInstanceId) = match p.mig {
+                Some(m) if mig_mode => (m, 0),
+                _ => (NO_INSTANCE, NO_INSTANCE),
+            };
         }
         SUCCESS
     })
@@ -524,7 +716,7 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     infos: *mut nvmlProcessInfo_t,
 ) -> nvmlReturn_t {
     unsafe {
-        processes(
+        running_processes(
             device,
             count,
             infos,
@@ -541,7 +733,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
     infos: *mut nvmlProcessInfo_t,
 ) -> nvmlReturn_t {
     unsafe {
-        processes(
+        running_processes(
             device,
             count,
             infos,
@@ -551,11 +743,14 @@ pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
     }
 }
 
-fn now_us() -> u64 {
-    SystemTime::now()
+/// Wall-clock time in µs, strictly increasing across calls.
+fn next_timestamp(st: &mut State) -> u64 {
+    let now = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
+        .unwrap_or(0);
+    st.last_ts = now.max(st.last_ts + 1);
+    st.last_ts
 }
 
 /// Sum of `sum_exec_runtime` (ns) over the threads of `pid`; `None` if it is gone.
@@ -575,6 +770,61 @@ fn runtime_ns(pid: u32) -> Option<u64> {
     Some(total)
 }
 
+/// Start of `pid` in clock ticks since boot (`/proc/<pid>/stat` field 22).
+fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: count from the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // `rest` starts with field 3 (state); field 22 is the 20th after it.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Wall-clock start (µs) of a process that started `ticks` clock ticks after boot.
+fn start_us(ticks: u64, now_us: u64) -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    // SAFETY: timespec is plain data, filled in by clock_gettime.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    let since_boot_us = ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000;
+    let started_us = ticks * 1_000_000 / hz;
+    now_us.saturating_sub(since_boot_us.saturating_sub(started_us))
+}
+
+/// The simulated SM utilization of `pid` over (`last_seen`, `now`], recording its runtime at
+/// `now` for the next window. `None`: the process is gone or has no baseline yet.
+fn simulated(st: &mut State, pid: u32, last_seen: u64, now: u64) -> Option<u32> {
+    let rt = runtime_ns(pid)?;
+    let ticks = start_ticks(pid)?;
+    let h = st.history.entry(pid).or_default();
+    if h.start_ticks != ticks || h.start_us == 0 {
+        // A new process (or the pid was reused): forget what the old one did.
+        *h = History {
+            start_ticks: ticks,
+            start_us: start_us(ticks, now),
+            seen: VecDeque::new(),
+        };
+    }
+    let since = h.baseline(last_seen);
+    h.record(now, rt);
+    share_of_cpu(rt, since?, now)
+}
+
+fn log_samples(gpu: u32, last_seen: u64, returned: &[u64]) {
+    let Some(dir) = scenario_path().and_then(|p| p.parent().map(PathBuf::from)) else {
+        return;
+    };
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("fake-nvml-samples.log"))
+    {
+        let line = serde_json::json!({"gpu": gpu, "last_seen": last_seen, "returned": returned});
+        let _ = writeln!(f, "{line}");
+    }
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
     device: nvmlDevice_t,
@@ -583,26 +833,22 @@ pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
     last_seen: c_ulonglong,
 ) -> nvmlReturn_t {
     with("nvmlDeviceGetProcessUtilization", |st| {
-        let Some((gi, None)) = decode(device) else {
+        let (Some((gi, mi)), Some((gpu, _))) = (decode(device), gpu_of(st, device)) else {
             return INVALID_ARGUMENT;
         };
-        if count.is_null() || gi as usize >= st.scenario.gpus.len() {
+        if count.is_null() {
             return INVALID_ARGUMENT;
         }
-        let now = now_us();
-        let procs: Vec<Process> = st
-            .scenario
-            .processes
-            .iter()
-            .filter(|p| p.gpu == gi)
-            .cloned()
-            .collect();
-        // Each process yields one sample stamped `now`, newer than anything returned before.
-        let fresh = if now > last_seen { procs.len() } else { 0 };
+        // NVML samples per process only on whole GPUs outside MIG mode.
+        if mi.is_some() || gpu.mig.is_some() || !gpu.process_utilization {
+            return NOT_SUPPORTED;
+        }
+        let procs = processes_on(st, gi, None);
         if samples.is_null() {
+            // A size query: at most one sample per process.
             // SAFETY: non-null out pointer.
-            unsafe { *count = fresh as c_uint };
-            return if fresh == 0 {
+            unsafe { *count = procs.len() as c_uint };
+            return if procs.is_empty() {
                 NOT_FOUND
             } else {
                 INSUFFICIENT_SIZE
@@ -610,31 +856,23 @@ pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
         }
         // SAFETY: non-null in/out pointer.
         let room = unsafe { *count } as usize;
-        if room < fresh {
-            unsafe { *count = fresh as c_uint };
+        if room < procs.len() {
+            // SAFETY: as above.
+            unsafe { *count = procs.len() as c_uint };
             return INSUFFICIENT_SIZE;
         }
-        let mut returned = Vec::new();
+        let now = next_timestamp(st);
         let mut n = 0;
-        for p in procs.iter().take(fresh) {
+        for p in &procs {
             let sm = match p.sm_util {
                 Some(u) => u,
-                None => {
-                    let Some(rt) = runtime_ns(p.pid) else {
-                        continue;
-                    };
-                    let prev = st.cpu.insert(p.pid, (rt, now));
-                    match prev {
-                        Some((prt, pt)) if now > pt => {
-                            let busy_ns = rt.saturating_sub(prt) as f64;
-                            let wall_ns = (now - pt) as f64 * 1000.0;
-                            ((busy_ns / wall_ns) * 100.0).round().min(100.0) as u32
-                        }
-                        _ => 0,
-                    }
-                }
+                None => simulated(st, p.pid, last_seen, now).unwrap_or(0),
             };
-            // SAFETY: the caller's array holds `room` >= fresh entries.
+            if sm == 0 && p.enc_util == 0 && p.dec_util == 0 {
+                // Real NVML returns only processes with a non-zero figure in the window.
+                continue;
+            }
+            // SAFETY: the caller's array holds `room` >= procs.len() entries.
             let out = unsafe { &mut *samples.add(n) };
             out.pid = p.pid;
             out.timeStamp = now;
@@ -642,78 +880,259 @@ pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
             out.memUtil = 0;
             out.encUtil = p.enc_util;
             out.decUtil = p.dec_util;
-            returned.push(now);
             n += 1;
         }
         // SAFETY: non-null out pointer.
         unsafe { *count = n as c_uint };
-        if let Some(dir) = own_dir()
-            && let Ok(mut f) = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(dir.join("fake-nvml-samples.log"))
-        {
-            let line = serde_json::json!({"gpu": gi, "last_seen": last_seen, "returned": returned});
-            let _ = writeln!(f, "{line}");
-        }
-        SUCCESS
+        log_samples(gi, last_seen, &vec![now; n]);
+        if n == 0 { NOT_FOUND } else { SUCCESS }
     })
 }
 
 #[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
+    device: nvmlDevice_t,
+    types: *mut c_ulonglong,
+) -> nvmlReturn_t {
+    with("nvmlDeviceGetSupportedEventTypes", |st| {
+        match (decode(device), gpu_of(st, device)) {
+            (Some((_, None)), Some((g, None))) if !types.is_null() => {
+                // SAFETY: non-null out pointer.
+                unsafe { *types = if g.xid_events { XID } else { 0 } };
+                SUCCESS
+            }
+            (Some((_, Some(_))), Some(_)) => NOT_SUPPORTED,
+            _ => INVALID_ARGUMENT,
+        }
+    })
+}
+
+/// Event-set handles are opaque to the caller: small numbers above this base.
+const SET_BASE: usize = 0x5e70_0000;
+
+#[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlEventSetCreate(set: *mut nvmlEventSet_t) -> nvmlReturn_t {
-    with("nvmlEventSetCreate", |_| {
+    with("nvmlEventSetCreate", |st| {
         if set.is_null() {
             return INVALID_ARGUMENT;
         }
+        st.next_set += 1;
+        st.sets.insert(st.next_set, Vec::new());
         // SAFETY: non-null out pointer; the handle is opaque.
-        unsafe { *set = 0x5e7 as nvmlEventSet_t };
+        unsafe { *set = (SET_BASE + st.next_set) as nvmlEventSet_t };
         SUCCESS
     })
+}
+
+fn set_id(set: nvmlEventSet_t) -> usize {
+    (set as usize).wrapping_sub(SET_BASE)
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlDeviceRegisterEvents(
-    _device: nvmlDevice_t,
-    _types: c_ulonglong,
-    _set: nvmlEventSet_t,
+    device: nvmlDevice_t,
+    types: c_ulonglong,
+    set: nvmlEventSet_t,
 ) -> nvmlReturn_t {
-    with("nvmlDeviceRegisterEvents", |_| SUCCESS)
+    with("nvmlDeviceRegisterEvents", |st| {
+        let supported = match (decode(device), gpu_of(st, device)) {
+            (Some((_, None)), Some((g, None))) if g.xid_events => XID,
+            (Some(_), Some(_)) => 0,
+            _ => return INVALID_ARGUMENT,
+        };
+        let Some((gi, None)) = decode(device) else {
+            return NOT_SUPPORTED;
+        };
+        if types & !supported != 0 {
+            return NOT_SUPPORTED;
+        }
+        match st.sets.get_mut(&set_id(set)) {
+            Some(devices) => {
+                devices.push((gi, types));
+                SUCCESS
+            }
+            None => INVALID_ARGUMENT,
+        }
+    })
+}
+
+/// The next undelivered event for event set `set`, marked delivered.
+fn take_event(st: &mut State, set: usize) -> Option<(u32, u64)> {
+    let registered = st.sets.get(&set)?;
+    let (id, gpu, xid) = st
+        .scenario
+        .events
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.id.unwrap_or(i as u64), e.gpu, e.xid))
+        .find(|(id, gpu, _)| {
+            !st.delivered.contains(id)
+                && registered
+                    .iter()
+                    .any(|(g, mask)| g == gpu && mask & XID != 0)
+        })?;
+    st.delivered.insert(id);
+    Some((gpu, xid))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlEventSetWait_v2(
-    _set: nvmlEventSet_t,
+    set: nvmlEventSet_t,
     data: *mut nvmlEventData_t,
     timeout_ms: c_uint,
 ) -> nvmlReturn_t {
-    let r = with("nvmlEventSetWait_v2", |st| {
-        let Some(x) = st.scenario.xid.get(st.xid_delivered).cloned() else {
-            return TIMEOUT;
-        };
-        if data.is_null() {
-            return INVALID_ARGUMENT;
+    let rc = with("nvmlEventSetWait_v2", |st| {
+        if data.is_null() || !st.sets.contains_key(&set_id(set)) {
+            INVALID_ARGUMENT
+        } else {
+            SUCCESS
         }
-        st.xid_delivered += 1;
-        // SAFETY: non-null out pointer.
-        let out = unsafe { &mut *data };
-        out.device = handle(x.gpu, None);
-        out.eventType = 8; // nvmlEventTypeXidCriticalError
-        out.eventData = x.xid;
-        out.gpuInstanceId = u32::MAX;
-        out.computeInstanceId = u32::MAX;
-        SUCCESS
     });
-    if r == TIMEOUT {
-        // A quiet GPU: wait out the timeout (bounded, so callers stay responsive).
-        std::thread::sleep(std::time::Duration::from_millis(u64::from(
-            timeout_ms.min(1000),
-        )));
+    if rc != SUCCESS {
+        return rc;
     }
-    r
+    let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+    loop {
+        {
+            let mut guard = lock();
+            let Some(st) = guard.as_mut().filter(|s| s.initialized > 0) else {
+                return UNINITIALIZED;
+            };
+            refresh(st);
+            if let Some((gpu, xid)) = take_event(st, set_id(set)) {
+                // SAFETY: non-null out pointer (checked above).
+                let out = unsafe { &mut *data };
+                out.device = handle(gpu, None);
+                out.eventType = XID;
+                out.eventData = xid;
+                out.gpuInstanceId = NO_INSTANCE;
+                out.computeInstanceId = NO_INSTANCE;
+                return SUCCESS;
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return TIMEOUT;
+        }
+        // Poll without holding the lock, so other calls go on meanwhile.
+        std::thread::sleep(left.min(Duration::from_millis(20)));
+    }
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlEventSetFree(_set: nvmlEventSet_t) -> nvmlReturn_t {
+pub extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> nvmlReturn_t {
+    if let Some(st) = lock().as_mut() {
+        st.sets.remove(&set_id(set));
+    }
     SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counted_failures_start_after_and_stop_after_times() {
+        let f = Fail::Counted {
+            code: 15,
+            after: 2,
+            times: Some(2),
+        };
+        let codes: Vec<Option<u32>> = (1..=6).map(|n| f.code_for_call(n)).collect();
+        assert_eq!(codes, [None, None, Some(15), Some(15), None, None]);
+        let forever = Fail::Counted {
+            code: 9,
+            after: 1,
+            times: None,
+        };
+        assert_eq!(forever.code_for_call(1), None);
+        assert_eq!(forever.code_for_call(1000), Some(9));
+        assert_eq!(Fail::Always(3).code_for_call(1), Some(3));
+        let parsed: HashMap<String, Fail> =
+            serde_json::from_str(r#"{"a": 15, "b": {"code": 9, "after": 3}}"#).unwrap_or_default();
+        assert_eq!(parsed.get("a"), Some(&Fail::Always(15)));
+        assert_eq!(
+            parsed.get("b"),
+            Some(&Fail::Counted {
+                code: 9,
+                after: 3,
+                times: None
+            })
+        );
+    }
+
+    #[test]
+    fn window_starts_at_the_last_seen_observation_or_the_process_start() {
+        let mut h = History {
+            start_ticks: 1,
+            start_us: 1_000_000,
+            seen: VecDeque::new(),
+        };
+        // Before any observation: from the start if the window begins before it.
+        assert_eq!(h.baseline(0), Some((1_000_000, 0)));
+        assert_eq!(h.baseline(1_500_000), None);
+        h.record(2_000_000, 400_000_000);
+        h.record(3_000_000, 900_000_000);
+        // Exactly the observation the caller was handed, or the newest before it.
+        assert_eq!(h.baseline(3_000_000), Some((3_000_000, 900_000_000)));
+        assert_eq!(h.baseline(2_999_999), Some((2_000_000, 400_000_000)));
+        assert_eq!(h.baseline(0), Some((1_000_000, 0)));
+        // 500 ms of CPU in 1 s of wall time: 50 %; a busy process is capped at 100.
+        assert_eq!(
+            share_of_cpu(900_000_000, (2_000_000, 400_000_000), 3_000_000),
+            Some(50)
+        );
+        assert_eq!(
+            share_of_cpu(3_000_000_000, (2_000_000, 0), 3_000_000),
+            Some(100)
+        );
+        // A frozen process: no runtime growth, 0 %.
+        assert_eq!(
+            share_of_cpu(900_000_000, (3_000_000, 900_000_000), 4_000_000),
+            Some(0)
+        );
+        assert_eq!(share_of_cpu(1, (3_000_000, 0), 3_000_000), None);
+        for i in 0..(HISTORY as u64 + 10) {
+            h.record(4_000_000 + i, i);
+        }
+        assert_eq!(h.seen.len(), HISTORY);
+    }
+
+    /// The whole simulated path on this very process: idle and busy windows chained by the
+    /// timestamps handed out, as a caller passing back `lastSeenTimeStamp` sees them.
+    #[test]
+    fn simulated_utilization_follows_this_process_cpu_window_by_window() {
+        let pid = std::process::id();
+        let ticks = start_ticks(pid).expect("start ticks");
+        let now = 10_000_000_000_000;
+        let began = start_us(ticks, now);
+        assert!(began < now && now - began < 3_600_000_000, "{began}");
+
+        let mut st = State::default();
+        let t0 = next_timestamp(&mut st);
+        // A first call (lastSeenTimeStamp 0) measures from the process's start.
+        assert!(simulated(&mut st, pid, 0, t0).is_some());
+        std::thread::sleep(Duration::from_millis(300));
+        let t1 = next_timestamp(&mut st);
+        let idle = simulated(&mut st, pid, t0, t1);
+        assert!(idle.is_some_and(|u| u <= 10), "idle window: {idle:?}");
+        let busy_from = Instant::now();
+        while busy_from.elapsed() < Duration::from_millis(300) {
+            std::hint::black_box(0u64);
+        }
+        let t2 = next_timestamp(&mut st);
+        let busy = simulated(&mut st, pid, t1, t2);
+        assert!(busy.is_some_and(|u| u >= 50), "busy window: {busy:?}");
+        // Asked again from t1 (a caller that did not take the busy sample): the same window
+        // plus the moment since, so about the same figure; never the idle one.
+        let t3 = next_timestamp(&mut st);
+        let again = simulated(&mut st, pid, t1, t3);
+        assert!(again.is_some_and(|u| u >= 50), "re-asked window: {again:?}");
+        // A process first seen after the window began gives no figure, only a baseline.
+        let mut fresh = State::default();
+        assert_eq!(simulated(&mut fresh, pid, t2, t3), None);
+        let t4 = next_timestamp(&mut fresh);
+        assert!(simulated(&mut fresh, pid, t3, t4).is_some());
+        assert_eq!(simulated(&mut st, u32::MAX, 0, t3), None, "no such process");
+    }
 }
