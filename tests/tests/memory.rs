@@ -322,7 +322,28 @@ async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persis
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].cgroup, parent.rel);
     assert_eq!(listed[0].limits.get("memory_max"), Some(&(16 * MIB)));
-    let answer = pa.try_cmd(&format!("alloc {c} {d} {} nvos64", 8 * MIB));
+    // A max below what is held already kills nobody; the next allocation that crosses it kills
+    // its allocator, and nothing else.
+    let limits = BTreeMap::from([("memory_max", zbus::Variant::from(4 * MIB))]);
+    proxy
+        .set_limits(&parent.rel, "all", limits)
+        .await
+        .expect("SetLimits below usage");
+    let mut pc = RmProcess::spawn(Some(&b_dir), &ctl);
+    let cc = pc.handle("client");
+    let dc = pc.handle(&format!("device {cc} 0"));
+    assert_eq!(
+        pa.cmd("pid")["ok"],
+        true,
+        "the holder survived the lower limit"
+    );
+    let answer = pc.try_cmd(&format!("alloc {cc} {dc} {} nvos64", 2 * MIB));
+    assert!(
+        answer.is_none(),
+        "the crossing allocator must die: {answer:?}"
+    );
+    assert_eq!(pa.cmd("pid")["ok"], true, "the holder is still alive");
+    let answer = pa.try_cmd(&format!("alloc {c} {d} {} nvos64", 2 * MIB));
     assert!(answer.is_none(), "still enforced after restart: {answer:?}");
     proxy
         .clear_limits(&parent.rel, "all", &[])

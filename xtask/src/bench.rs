@@ -57,6 +57,42 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
     )?;
     results.push(json!({"where": "host", "mode": "tracepoint", "memory": parse(&mem)?}));
 
+    println!("bench: compute shares on the simulated GPU (closed loop, ~30 s)");
+    run_cmd(
+        "bench: cargo build --release (gpud, fake NVML)",
+        cargo().args([
+            "build",
+            "--release",
+            "-p",
+            "gpud",
+            "-p",
+            "fake-nvml",
+            "--bins",
+            "--lib",
+        ]),
+    )?;
+    let bench_dir = root().join("target/bench");
+    let compute = output(
+        "bench: compute shares",
+        cargo()
+            .args([
+                "test",
+                "--release",
+                "-p",
+                "gpud-tests",
+                "--test",
+                "compute",
+                "--",
+                "--ignored",
+                "--exact",
+                "bench_compute_shares",
+                "--nocapture",
+            ])
+            .env("GPUD_BENCH_DIR", &bench_dir),
+    )?;
+    results.push(json!({"where": "host", "compute": parse(&compute)?,
+        "plot": bench_dir.join("compute-weights-1-3.svg").display().to_string()}));
+
     if vm {
         for mode in ["fentry", "tracepoint"] {
             println!("bench: VM (qemu TCG, Debian kernel), {mode} mode");
