@@ -12,6 +12,7 @@ pub mod daemon;
 pub mod enforcement;
 pub mod policy;
 pub mod probes;
+pub mod runtime;
 
 /// Version reported on D-Bus and by `--version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
