@@ -12,6 +12,7 @@
 pub mod annotations;
 pub mod cgroup;
 pub mod client;
+pub mod nri;
 pub mod oci;
 
 pub use annotations::AnnotationError;
