@@ -402,3 +402,88 @@ async fn a_runc_container_using_the_gpu_is_attributed_and_held_to_its_annotated_
     assert!(limits_of(&daemon, &cg).await.is_empty(), "{}", read(&log));
     assert_eq!(fake.snapshot().used_total(), 0);
 }
+
+/// The hooks.d files shipped for CRI-O and Podman: their schema, the hook's arguments as the real
+/// hook binary takes them, and the annotation condition.
+#[test]
+fn the_hooks_d_files_run_the_hook_for_containers_with_gpud_annotations() {
+    let dir = TempDir::new("hooks-d");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/oci-hooks.d");
+    for (file, stage) in [
+        ("50-gpud-create.json", "createRuntime"),
+        ("50-gpud-poststop.json", "poststop"),
+    ] {
+        let v: serde_json::Value =
+            serde_json::from_str(&read(&root.join(file))).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(v["version"], "1.0.0", "{file}");
+        assert_eq!(v["stages"], serde_json::json!([stage]), "{file}");
+        let args: Vec<String> = serde_json::from_value(v["hook"]["args"].clone()).expect("args");
+        assert_eq!(args.first().map(String::as_str), Some("gpud-oci-hook"));
+        assert_eq!(args.last().map(String::as_str), Some(stage), "{file}");
+        assert!(
+            v["hook"]["path"]
+                .as_str()
+                .is_some_and(|p| p.ends_with("/gpud-oci-hook"))
+        );
+
+        // The condition: a gpud annotation, pod-level or container-scoped, and nothing else.
+        let when = v["when"]["annotations"]
+            .as_object()
+            .expect("when.annotations");
+        assert_eq!(when.len(), 1, "{file}");
+        let (key, value) = when.iter().next().expect("one condition");
+        let (key, value) = (
+            regex::Regex::new(key).expect("key pattern"),
+            regex::Regex::new(value.as_str().expect("value pattern")).expect("value pattern"),
+        );
+        for k in [
+            "gpud.dev/memory-max",
+            "gpud.dev/compute-max.0",
+            "train.container.gpud.dev/priority",
+        ] {
+            assert!(key.is_match(k) && value.is_match("8Gi"), "{file}: {k}");
+        }
+        for k in [
+            "example.com/memory-max",
+            "notgpud.dev/memory-max",
+            "io.kubernetes.pod.name",
+        ] {
+            assert!(!key.is_match(k), "{file}: {k}");
+        }
+
+        // The real hook takes these arguments (the log file redirected here).
+        let log = dir.path().join(format!("{stage}.log"));
+        let mut argv: Vec<String> = args[1..].to_vec();
+        if let Some(i) = argv.iter().position(|a| a == "--log-file") {
+            argv[i + 1] = log.display().to_string();
+        }
+        argv.splice(
+            0..0,
+            ["--record-dir".to_owned(), dir.path().display().to_string()],
+        );
+        let mut child = std::process::Command::new(bin_dir().join("gpud-oci-hook"))
+            .args(&argv)
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run gpud-oci-hook");
+        let state = r#"{"ociVersion":"1.0.2","id":"x1","status":"creating","pid":1,"bundle":"/","annotations":{"gpud.dev/memory-max":"8 GiB"}}"#;
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(state.as_bytes())
+            .expect("state");
+        let out = child.wait_with_output().expect("wait");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stage == "createRuntime" {
+            // Invalid: refused before anything else (closed).
+            assert_eq!(out.status.code(), Some(1), "{stderr}");
+            assert!(stderr.contains("gpud.dev/memory-max"), "{stderr}");
+            assert!(read(&log).contains("failing the container (closed)"));
+        } else {
+            // Nothing was recorded for x1: nothing to clear, no daemon needed.
+            assert_eq!(out.status.code(), Some(0), "{stderr}");
+        }
+    }
+}
