@@ -322,8 +322,8 @@ pub fn resolve(
         let Some(e) = parse_one(&key, &value)? else {
             continue;
         };
-        // A container-scoped key on the container itself counts as the container's own when it
-        // names this container (CRI-O copies pod annotations onto every container).
+        // A container-scoped key among the container's annotations (a runtime that copied the
+        // pod's annotations there) counts at the scoped level when it names this container.
         match e.container.as_deref() {
             None => insert(&mut own, &key, e)?,
             Some(c) if Some(c) == container_name => insert(&mut scoped, &key, e)?,

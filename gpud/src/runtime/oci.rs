@@ -168,8 +168,8 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
         .iter()
         .find_map(|k| ann.get(*k))
         .map(String::as_str);
-    // The runtime hands one set of annotations (CRI-O copies the pod's onto the container):
-    // they are the pod level; container-scoped keys pick this container by name.
+    // The runtime hands one set of annotations, whichever pod annotations it copied there: they
+    // are the pod level; container-scoped keys pick this container by name.
     let shares = annotations::resolve(&ann, &HashMap::new(), name)?;
     if shares.is_empty() {
         return Ok(Outcome::NoShares);
