@@ -15,6 +15,12 @@
 //! `bufio.Reader` (it reads directly into the destination only for reads of at least 4096
 //! bytes). Frames of at most 4096 bytes fit every read it makes, so that is what this side
 //! writes ([`MAX_WRITE_FRAME`]). Inbound frames of any size up to the NRI bound are accepted.
+//!
+//! The Go side queues at most 256 frames per connection before its reader takes them and closes
+//! the whole trunk when that queue overflows. Everything the plugin sends is small (responses
+//! without payload, a registration): one or two frames. A multi-megabyte message would take up
+//! to 1024 frames here, where Go's writer sends it in two; if the plugin ever sends such
+//! messages, frame them as Go does (the first 4096 bytes, then the rest of the message whole).
 
 use std::collections::HashMap;
 
