@@ -464,7 +464,7 @@ fn rm_call(cmd: u32, arg: u64) -> Option<(u32, u32, u64)> {
 #[inline(always)]
 fn gpu_of(client: u32, parent: u32) -> u32 {
     match unsafe {
-        OBJECTS.get(&ObjKey {
+        OBJECTS.get(ObjKey {
             client,
             object: parent,
         })
@@ -519,7 +519,7 @@ fn vidmem_request(nr: u32, size: u32, params: u64) -> Option<(u32, u32, u32, u64
 #[inline(always)]
 fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
     let leaf = unsafe { bpf_get_current_cgroup_id() };
-    if let Some(a) = unsafe { ANCESTRY.get(&leaf) } {
+    if let Some(a) = unsafe { ANCESTRY.get(leaf) } {
         return Some((leaf, a));
     }
     let scratch = SCRATCH.get_ptr_mut(0)?;
@@ -541,8 +541,8 @@ fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
         a.ids[0] = leaf;
         a.depth = 1;
     }
-    let _ = ANCESTRY.insert(&leaf, a, 0);
-    unsafe { ANCESTRY.get(&leaf) }.map(|a| (leaf, a))
+    let _ = ANCESTRY.insert(leaf, a, 0);
+    unsafe { ANCESTRY.get(leaf) }.map(|a| (leaf, a))
 }
 
 #[inline(always)]
@@ -552,11 +552,11 @@ fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
         gpu,
         _pad: 0,
     };
-    let slot = match USAGE.get_ptr_mut(&key) {
+    let slot = match USAGE.get_ptr_mut(key) {
         Some(p) => p,
         None => {
-            let _ = USAGE.insert(&key, &0, BPF_NOEXIST as u64);
-            match USAGE.get_ptr_mut(&key) {
+            let _ = USAGE.insert(key, 0, BPF_NOEXIST as u64);
+            match USAGE.get_ptr_mut(key) {
                 Some(p) => p,
                 None => return,
             }
@@ -585,7 +585,7 @@ fn usage(cgroup_id: u64, gpu: u32) -> u64 {
         gpu,
         _pad: 0,
     };
-    match USAGE.get_ptr(&key) {
+    match USAGE.get_ptr(key) {
         Some(p) => unsafe { core::ptr::read_volatile(p) },
         None => 0,
     }
@@ -606,7 +606,7 @@ fn over_limit(anc: &Ancestry, gpu: u32, extra: u64) -> Option<(u64, u32, u64)> {
                 gpu: g,
                 _pad: 0,
             };
-            if let Some(l) = LIMITS.get_ptr_mut(&key) {
+            if let Some(l) = LIMITS.get_ptr_mut(key) {
                 let now = usage(id, g);
                 if now.saturating_add(extra) > unsafe { (*l).max } {
                     unsafe {
@@ -640,7 +640,7 @@ fn track_object(key: ObjKey, kind: u32, parent: u32, gpu: u32, bytes: u64, file:
         file,
         serial: serial_now(),
     };
-    if OBJECTS.insert(&key, &entry, 0).is_err() {
+    if OBJECTS.insert(key, entry, 0).is_err() {
         bump_stat(stat::OBJECTS_FULL);
         return false;
     }
@@ -661,7 +661,7 @@ fn release(key: &ObjKey, expect: u64) -> bool {
         return false;
     }
     if e.kind == OBJ_MEMORY && e.bytes != 0 {
-        match unsafe { ANCESTRY.get(&e.cgroup_id) } {
+        match unsafe { ANCESTRY.get(e.cgroup_id) } {
             Some(anc) => charge(anc, e.gpu, e.bytes.wrapping_neg()),
             None => {
                 add_usage(e.cgroup_id, e.gpu, e.bytes.wrapping_neg());
@@ -705,7 +705,7 @@ fn rm_entry(file: u64, cmd: u32, arg: u64, deny: bool) -> i32 {
         nr,
         size,
     };
-    let _ = PENDING.insert(&bpf_get_current_pid_tgid(), &pending, 0);
+    let _ = PENDING.insert(bpf_get_current_pid_tgid(), pending, 0);
     0
 }
 
@@ -713,10 +713,10 @@ fn rm_entry(file: u64, cmd: u32, arg: u64, deny: bool) -> i32 {
 #[inline(always)]
 fn rm_exit(ret: i64) {
     let id = bpf_get_current_pid_tgid();
-    let Some(p) = (unsafe { PENDING.get(&id) }).copied() else {
+    let Some(p) = (unsafe { PENDING.get(id) }).copied() else {
         return;
     };
-    let _ = PENDING.remove(&id);
+    let _ = PENDING.remove(id);
     if ret != 0 {
         return;
     }
@@ -863,7 +863,7 @@ fn free_done(p: &Pending) {
         client: args.h_root,
         object: args.h_object_old,
     };
-    let kind = match unsafe { OBJECTS.get(&key) } {
+    let kind = match unsafe { OBJECTS.get(key) } {
         Some(e) => e.kind,
         // A client is keyed by its own handle; other unknown handles own nothing we charged.
         None if args.h_object_old == args.h_root => OBJ_CLIENT,

@@ -39,6 +39,7 @@ pub struct Config {
     pub devices: DevicesConfig,
     pub attribution: AttributionConfig,
     pub enforcement: EnforcementConfig,
+    pub nvml: NvmlConfig,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -118,6 +119,23 @@ pub struct EnforcementConfig {
     pub react_action: ReactAction,
 }
 
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmlConfig {
+    pub enabled: bool,
+    /// Path of libnvidia-ml; empty: the system's (`libnvidia-ml.so.1` through the loader).
+    pub library_path: PathBuf,
+    pub sample_interval_ms: u64,
+    pub retry_interval_secs: u64,
+}
+
+impl NvmlConfig {
+    /// The configured library, or `None` for the system's.
+    pub fn library(&self) -> Option<PathBuf> {
+        (!self.library_path.as_os_str().is_empty()).then(|| self.library_path.clone())
+    }
+}
+
 impl Config {
     /// The built-in defaults (`config/gpud.toml`; a unit test keeps it valid).
     pub fn defaults() -> Result<Self, ConfigError> {
@@ -180,6 +198,15 @@ impl Config {
                 "devices.extra_paths",
                 &format!("holds more than {} files", gpud_common::MAX_EXTRA_FILES),
             ));
+        }
+        if !(10..=60_000).contains(&self.nvml.sample_interval_ms) {
+            return Err(invalid(
+                "nvml.sample_interval_ms",
+                "must be between 10 and 60000",
+            ));
+        }
+        if self.nvml.retry_interval_secs == 0 {
+            return Err(invalid("nvml.retry_interval_secs", "must be at least 1"));
         }
         if self.attribution.sweep_interval_secs == 0 {
             return Err(invalid(

@@ -11,9 +11,10 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use crate::{
-    api::model::{CgroupRecord, LimitRecord, ProcessRecord},
+    api::model::{CgroupRecord, GpuRecord, LimitRecord, NvmlUsageRecord, ProcessRecord},
     attribution::{Attribution, AttributionError, scan},
     enforcement::{EnforcementError, LimitNotice, MemoryEnforcement},
+    nvml::{NvmlView, Snapshot},
     policy::LimitUpdate,
 };
 
@@ -39,6 +40,10 @@ pub enum Request {
         reply: oneshot::Sender<Result<(), EnforcementError>>,
     },
     ListLimits(oneshot::Sender<Vec<LimitRecord>>),
+    ListGpus(oneshot::Sender<Vec<GpuRecord>>),
+    ListNvmlUsage(oneshot::Sender<Vec<NvmlUsageRecord>>),
+    /// (available, status text).
+    NvmlStatus(oneshot::Sender<(bool, String)>),
 }
 
 /// Everything the state task owns.
@@ -47,6 +52,27 @@ pub struct State {
     pub memory: MemoryEnforcement,
     /// Limit events for the D-Bus signal task.
     pub notices: tokio::sync::broadcast::Sender<LimitNotice>,
+    pub nvml: NvmlView,
+    /// The GPU inventory, for the task that publishes `dev.gpud.Gpu1` objects.
+    pub inventory: watch::Sender<Vec<GpuRecord>>,
+}
+
+/// An inventory entry as published.
+pub fn gpu_record(g: &crate::nvml::GpuInfo, xid: &BTreeMap<String, u64>) -> GpuRecord {
+    GpuRecord {
+        index: g.index,
+        mig: g.mig.unwrap_or(u32::MAX),
+        uuid: g.uuid.clone(),
+        name: g.name.clone(),
+        pci_bus_id: g.pci_bus_id.clone(),
+        memory_total: g.memory_total,
+        memory_used: g.memory_used,
+        driver_version: g.driver_version.clone(),
+        cuda_version: g.cuda_version.clone(),
+        compute_mode: g.compute_mode.clone(),
+        mig_mode: g.mig_mode.clone(),
+        xid_errors: xid.get(&g.uuid).copied().unwrap_or(0),
+    }
 }
 
 /// Everything the state task reacts to.
@@ -55,6 +81,8 @@ pub enum Message {
     Kernel(gpud_common::Event),
     /// Result of a `/proc` scan run off the state task.
     Scanned(BTreeSet<u32>),
+    /// What the NVML sampler saw.
+    Nvml(Snapshot),
 }
 
 /// Timers of the state task.
@@ -141,6 +169,68 @@ fn handle(state: &mut State, msg: Message) {
         }
         Message::Request(Request::ListLimits(reply)) => {
             let _ = reply.send(state.memory.list());
+        }
+        Message::Request(Request::ListGpus(reply)) => {
+            let xid = &state.nvml.xid_errors;
+            let _ = reply.send(state.nvml.gpus.iter().map(|g| gpu_record(g, xid)).collect());
+        }
+        Message::Request(Request::NvmlStatus(reply)) => {
+            let _ = reply.send((state.nvml.available, state.nvml.status.clone()));
+        }
+        Message::Request(Request::ListNvmlUsage(reply)) => {
+            let mut out = Vec::new();
+            for ((cgroup, gpu), u) in state.nvml.by_cgroup() {
+                let id = attribution.id_of(&cgroup).map(|(_, id)| id).unwrap_or(0);
+                let ebpf = if id == 0 {
+                    0
+                } else {
+                    attribution.usage_of(id, gpu)
+                };
+                out.push(NvmlUsageRecord {
+                    cgroup_id: id,
+                    cgroup,
+                    gpu,
+                    nvml_memory_bytes: u.memory_bytes,
+                    ebpf_memory_bytes: ebpf,
+                    sm_util: u.sm_util,
+                    enc_util: u.enc_util,
+                    dec_util: u.dec_util,
+                    pids: u.pids,
+                });
+            }
+            let _ = reply.send(out);
+        }
+        Message::Nvml(snapshot) => {
+            state.nvml.apply(snapshot);
+            if state.nvml.available {
+                let xid = &state.nvml.xid_errors;
+                let inventory: Vec<GpuRecord> =
+                    state.nvml.gpus.iter().map(|g| gpu_record(g, xid)).collect();
+                state.memory.set_catalog(Some(
+                    state
+                        .nvml
+                        .gpus
+                        .iter()
+                        .filter(|g| g.mig.is_none())
+                        .map(|g| (g.index, g.uuid.clone()))
+                        .collect(),
+                ));
+                state.inventory.send_if_modified(|cur| {
+                    let changed = *cur != inventory;
+                    *cur = inventory;
+                    changed
+                });
+                // Reconciliation: objects of processes that are gone and that the driver no
+                // longer reports hold no memory any more.
+                let reported = state.nvml.reported_pids();
+                let n = attribution.release_objects_of_dead_pids(&reported);
+                if n > 0 {
+                    info!(
+                        objects = n,
+                        "released objects of processes NVML no longer reports"
+                    );
+                }
+            }
         }
         Message::Kernel(ev) => {
             attribution.on_kernel_event(&ev);

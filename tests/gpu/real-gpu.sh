@@ -52,10 +52,13 @@ wait_phase() { # $1: name, $2: phase
 }
 
 log "workload without a limit"
-run_workload free 6
+run_workload free 8
 wait_phase free holding
-log "while holding 1.25 GiB: gpud"
+log "while holding 1.25 GiB: gpud (eBPF bytes per cgroup, and NVML's figures joined in)"
 ctl --json get /gpud-demo >>"$R"
+sleep 2
+ctl --json list >>"$R"
+ctl status >>"$R"
 log "while holding: NVML (nvidia-smi) pid, used MiB"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits >>"$R"
 log "while holding: control-file descriptors of the workload"

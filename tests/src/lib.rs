@@ -1,6 +1,7 @@
 //! Harness for gpud's integration tests: real parts only. A private `dbus-daemon`, the real
 //! `gpud` binary on its own bpffs instance, real cgroup v2 children, and real processes
-//! (`gpud-ioctl`) issuing ioctls on stand-in device files.
+//! (`gpud-ioctl`, `gpud-rm`) issuing ioctls on stand-in device files or on the fake NVIDIA
+//! control device ([`fakenv`]).
 //!
 //! Tests need root, a kernel that loads BPF tracepoint programs, and `dbus-daemon`.
 
@@ -343,6 +344,119 @@ fn read_pid(out: &mut impl BufRead, prefix: &str) -> u32 {
         .unwrap_or_else(|| panic!("issuer said {line:?}, expected {prefix}"))
 }
 
+/// A running `gpud-rm` (a scripted RM caller), answering one JSON line per command.
+pub struct RmProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+    /// The process (the one spawned; `fork` children report their own pids).
+    pub pid: u32,
+}
+
+impl RmProcess {
+    /// Spawns `gpud-rm [--cgroup DIR] --file FILE` (see its module docs for the commands).
+    pub fn spawn(cgroup: Option<&Path>, file: &Path) -> Self {
+        let mut cmd = Command::new(bin_dir().join("gpud-rm"));
+        if let Some(cg) = cgroup {
+            cmd.arg("--cgroup").arg(cg);
+        }
+        let mut child = cmd
+            .arg("--file")
+            .arg(file)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn gpud-rm");
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().expect("gpud-rm stdout"));
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut p = Self {
+            child,
+            stdin,
+            lines,
+            pid: 0,
+        };
+        p.pid = p.cmd("pid")["pid"].as_u64().expect("gpud-rm pid") as u32;
+        p
+    }
+
+    /// Writes one command line.
+    pub fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("gpud-rm stdin");
+        writeln!(stdin, "{line}").expect("write to gpud-rm");
+        stdin.flush().expect("flush gpud-rm stdin");
+    }
+
+    /// The next answer (within 10 s).
+    pub fn recv(&mut self) -> serde_json::Value {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(10))
+            .expect("no answer from gpud-rm within 10 s");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("gpud-rm said {line:?}: {e}"))
+    }
+
+    /// Sends a command and returns its answer.
+    pub fn cmd(&mut self, line: &str) -> serde_json::Value {
+        self.send(line);
+        self.recv()
+    }
+
+    /// Like [`RmProcess::cmd`], asserting `"ok": true`.
+    pub fn ok(&mut self, line: &str) -> serde_json::Value {
+        let v = self.cmd(line);
+        assert_eq!(v["ok"], true, "{line:?} answered {v}");
+        v
+    }
+
+    /// `handle` of an answer that must be ok.
+    pub fn handle(&mut self, line: &str) -> u32 {
+        self.ok(line)["handle"].as_u64().expect("handle") as u32
+    }
+
+    /// The next answer, or `None` if the process ended (or said nothing within 10 s) first.
+    pub fn try_recv(&mut self) -> Option<serde_json::Value> {
+        let line = self.lines.recv_timeout(Duration::from_secs(10)).ok()?;
+        serde_json::from_str(&line).ok()
+    }
+
+    /// Sends a command; its answer, or `None` if the process ended first (e.g. killed in it).
+    pub fn try_cmd(&mut self, line: &str) -> Option<serde_json::Value> {
+        let stdin = self.stdin.as_mut()?;
+        if writeln!(stdin, "{line}").is_err() || stdin.flush().is_err() {
+            return None;
+        }
+        self.try_recv()
+    }
+
+    /// Closes standard input and reaps the process; its exit status (signals included).
+    pub fn wait(&mut self) -> std::process::ExitStatus {
+        self.stdin.take();
+        self.child.wait().expect("reap gpud-rm")
+    }
+
+    /// Closes standard input and reaps the process; returns its exit code.
+    pub fn finish(mut self) -> Option<i32> {
+        self.stdin.take();
+        self.child.wait().ok().and_then(|s| s.code())
+    }
+}
+
+impl Drop for RmProcess {
+    fn drop(&mut self) {
+        self.stdin.take();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Polls `f` until it returns `Some`, for at most `timeout`.
 pub async fn eventually<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
 where
@@ -358,84 +472,5 @@ where
             return None;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// A running `gpud-rm`: RM calls from a real process in a real cgroup, one command at a time.
-pub struct RmProc {
-    child: Child,
-    stdin: Option<std::process::ChildStdin>,
-    stdout: BufReader<std::process::ChildStdout>,
-    pub pid: u32,
-}
-
-impl RmProc {
-    /// Starts `gpud-rm --cgroup DIR --file FILE`.
-    pub fn start(cgroup: &Path, file: &Path) -> Self {
-        let mut child = Command::new(bin_dir().join("gpud-rm"))
-            .arg("--cgroup")
-            .arg(cgroup)
-            .arg("--file")
-            .arg(file)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start gpud-rm");
-        let stdin = child.stdin.take();
-        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
-        let pid = child.id();
-        Self {
-            child,
-            stdin,
-            stdout,
-            pid,
-        }
-    }
-
-    /// Sends one command and returns its JSON answer (`null` if the process is gone).
-    pub fn send(&mut self, line: &str) -> serde_json::Value {
-        if !self.post(line) {
-            return serde_json::Value::Null;
-        }
-        self.answer(line)
-    }
-
-    /// Sends one command without waiting for its answer ([`RmProc::answer`] reads it).
-    pub fn post(&mut self, line: &str) -> bool {
-        use std::io::Write as _;
-        let Some(stdin) = self.stdin.as_mut() else {
-            return false;
-        };
-        writeln!(stdin, "{line}").is_ok() && stdin.flush().is_ok()
-    }
-
-    /// Reads the answer to the command `line` posted earlier (`null` if the process is gone).
-    pub fn answer(&mut self, line: &str) -> serde_json::Value {
-        let mut out = String::new();
-        match self.stdout.read_line(&mut out) {
-            Ok(n) if n > 0 => serde_json::from_str(&out)
-                .unwrap_or_else(|e| panic!("gpud-rm answered {out:?} to {line:?}: {e}")),
-            _ => serde_json::Value::Null,
-        }
-    }
-
-    /// Sends a command that must succeed and returns the handle it produced.
-    pub fn ok(&mut self, line: &str) -> u64 {
-        let v = self.send(line);
-        assert_eq!(v["ok"], true, "{line:?} answered {v}");
-        v["handle"].as_u64().unwrap_or(0)
-    }
-
-    /// Waits for the process to end; its exit status.
-    pub fn wait(&mut self) -> std::process::ExitStatus {
-        self.stdin.take();
-        self.child.wait().expect("wait gpud-rm")
-    }
-}
-
-impl Drop for RmProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }

@@ -218,12 +218,13 @@ impl<'f> Ctl<'f> {
         Self { fd: file.as_fd() }
     }
 
-    /// Issues `cmd` with `arg` as argument; returns (ret, errno). The pointer is handed to the
-    /// kernel, never dereferenced here: a bad one is the driver's `EFAULT`, which tests want to
-    /// provoke.
-    #[allow(clippy::not_unsafe_ptr_arg_deref)]
-    pub fn raw(&self, cmd: u32, arg: *mut u8) -> (i32, i32) {
-        // SAFETY: callers pass a buffer at least `_IOC_SIZE(cmd)` bytes long.
+    /// Issues `cmd` with `arg` as argument; returns (ret, errno).
+    ///
+    /// # Safety
+    /// `arg` must be valid for reads and writes of `_IOC_SIZE(cmd)` bytes, and of whatever the
+    /// request points to in turn (an XFER payload, alloc params), as the driver writes there.
+    pub unsafe fn raw(&self, cmd: u32, arg: *mut u8) -> (i32, i32) {
+        // SAFETY: as the caller guarantees.
         let ret = unsafe { libc::ioctl(self.fd.as_raw_fd(), cmd as _, arg) };
         let errno = if ret < 0 {
             std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
@@ -243,14 +244,20 @@ impl<'f> Ctl<'f> {
                 ptr: (params as *mut T) as u64,
             };
             let cmd = nv::nv_iowr(nv::NV_ESC_IOCTL_XFER_CMD, nv::NV_IOCTL_XFER_SIZE);
-            self.raw(cmd, bytes_of_mut(&mut x).as_mut_ptr())
+            // SAFETY: the wrapper and `params` are live and of the sizes given.
+            unsafe { self.raw(cmd, bytes_of_mut(&mut x).as_mut_ptr()) }
         } else {
-            self.raw(nv::nv_iowr(nr, size), bytes_of_mut(params).as_mut_ptr())
+            // SAFETY: `params` is live and `size` bytes long.
+            unsafe { self.raw(nv::nv_iowr(nr, size), bytes_of_mut(params).as_mut_ptr()) }
         }
     }
 
     /// `NV_ESC_RM_ALLOC` of any class.
-    pub fn alloc(&self, a: &Alloc) -> Reply {
+    ///
+    /// # Safety
+    /// `a.params` must be null or valid for reads and writes of the class's parameter struct
+    /// (RM copies it back).
+    pub unsafe fn alloc(&self, a: &Alloc) -> Reply {
         let (ret, errno, status, handle) = if a.long {
             let mut p = rm::Nvos64 {
                 h_root: a.client,
@@ -290,7 +297,8 @@ impl<'f> Ctl<'f> {
 
     /// A client with a handle of the caller's choice.
     pub fn alloc_client_with(&self, handle: Handle) -> Reply {
-        self.alloc(&Alloc::new(0, 0, class::ROOT_CLIENT).handle(handle))
+        // SAFETY: no params.
+        unsafe { self.alloc(&Alloc::new(0, 0, class::ROOT_CLIENT).handle(handle)) }
     }
 
     /// `NV01_DEVICE_0` for GPU `device_id` under `client`.
@@ -300,14 +308,16 @@ impl<'f> Ctl<'f> {
             ..Default::default()
         };
         let ptr = bytes_of_mut(&mut p).as_mut_ptr();
-        self.alloc(&Alloc::new(client, client, class::DEVICE).params(ptr))
+        // SAFETY: `p` is the class's params and outlives the call.
+        unsafe { self.alloc(&Alloc::new(client, client, class::DEVICE).params(ptr)) }
     }
 
     /// `NV20_SUBDEVICE_0` (subdevice 0) under `device`.
     pub fn alloc_subdevice(&self, client: Handle, device: Handle) -> Reply {
         let mut p = rm::Nv2080AllocParams::default();
         let ptr = bytes_of_mut(&mut p).as_mut_ptr();
-        self.alloc(&Alloc::new(client, device, class::SUBDEVICE).params(ptr))
+        // SAFETY: `p` is the class's params and outlives the call.
+        unsafe { self.alloc(&Alloc::new(client, device, class::SUBDEVICE).params(ptr)) }
     }
 
     /// Video memory of `size` bytes under `parent` (a device or subdevice), issued as `form`.
@@ -358,7 +368,9 @@ impl<'f> Ctl<'f> {
                     .params(ptr);
                 a.long = matches!(form, Form::Nvos64 | Form::Xfer64);
                 a.xfer = form.xfer();
-                let mut reply = self.alloc(&a);
+                // SAFETY: `params` is NV_MEMORY_ALLOCATION_PARAMS, the params of every memory
+                // class, and outlives the call; other classes read at most as much.
+                let mut reply = unsafe { self.alloc(&a) };
                 reply.size = params.size;
                 reply
             }

@@ -8,7 +8,7 @@ use std::{collections::BTreeMap, path::Path, time::Duration};
 use futures_util::StreamExt as _;
 use gpud::api::model::CgroupRecord;
 use gpud_tests::{
-    Bus, Cgroup, Daemon, RmProc, TempDir, eventually,
+    Bus, Cgroup, Daemon, RmProcess, TempDir, eventually,
     fakenv::{self, FakeNv, Options},
 };
 
@@ -107,18 +107,18 @@ async fn bytes_are_exact_per_cgroup_gpu_and_ancestor_across_the_object_lifecycle
     );
 
     // A: two GPUs, memory under a device, a subdevice and through every call form.
-    let mut pa = RmProc::start(&a_dir, &ctl);
-    let c = pa.ok("client");
-    let d0 = pa.ok(&format!("device {c} 0"));
-    let d1 = pa.ok(&format!("device {c} 1"));
-    let s0 = pa.ok(&format!("subdevice {c} {d0}"));
+    let mut pa = RmProcess::spawn(Some(&a_dir), &ctl);
+    let c = pa.handle("client");
+    let d0 = pa.handle(&format!("device {c} 0"));
+    let d1 = pa.handle(&format!("device {c} 1"));
+    let s0 = pa.handle(&format!("subdevice {c} {d0}"));
     pa.ok(&format!("alloc {c} {d0} {} nvos64", 3 * MIB)); // rounded up to 4 MiB
-    let vh = pa.ok(&format!("alloc {c} {s0} {} vidheap", 5 * MIB)); // 6 MiB
+    let vh = pa.handle(&format!("alloc {c} {s0} {} vidheap", 5 * MIB)); // 6 MiB
     pa.ok(&format!("alloc {c} {d1} {} xfer21", 2 * MIB));
     pa.ok(&format!("alloc {c} {d1} {} xfer64", MIB)); // 2 MiB
     // A failed allocation (RM status, ioctl returns 0) is not charged.
     fake.inject("fail-next-alloc 0x51").expect("inject");
-    let failed = pa.send(&format!("alloc {c} {d0} {} nvos21", 64 * MIB));
+    let failed = pa.cmd(&format!("alloc {c} {d0} {} nvos21", 64 * MIB));
     assert_eq!(failed["status"], 0x51, "{failed}");
     expect_memory(
         &daemon,
@@ -128,9 +128,9 @@ async fn bytes_are_exact_per_cgroup_gpu_and_ancestor_across_the_object_lifecycle
     .await;
 
     // B: a second cgroup under the same parent.
-    let mut pb = RmProc::start(&b_dir, &ctl);
-    let cb = pb.ok("client");
-    let db = pb.ok(&format!("device {cb} 0"));
+    let mut pb = RmProcess::spawn(Some(&b_dir), &ctl);
+    let cb = pb.handle("client");
+    let db = pb.handle(&format!("device {cb} 0"));
     pb.ok(&format!("alloc {cb} {db} {} nvos21", 8 * MIB));
     expect_memory(&daemon, &b, &[("0", 8 * MIB), ("all", 8 * MIB)]).await;
     // The parent holds what its descendants hold.
@@ -159,16 +159,17 @@ async fn bytes_are_exact_per_cgroup_gpu_and_ancestor_across_the_object_lifecycle
 
     // A forked child allocates on the shared file, in its own cgroup; it exits, its parent still
     // holds the file, so the memory stays (the client lives); the parent's exit releases all.
-    let child = pb.send("fork");
+    let child = pb.cmd("fork");
     assert_eq!(child["ok"], true, "{child}");
     pb.ok(&format!("cgroup {}", a_dir.display()));
     pb.ok(&format!("alloc {cb} {db} {} nvos64", 2 * MIB));
-    let reaped = pb.send("exit");
+    let reaped = pb.cmd("exit");
     assert_eq!(reaped["ok"], true, "{reaped}");
-    let _ = pb.send("pid"); // the parent's answer to the fork ("reaped") comes next
+    let reaped_by_parent = pb.recv();
+    assert_eq!(reaped_by_parent["ok"], true, "{reaped_by_parent}");
     expect_memory(&daemon, &a, &[("all", 6 * MIB)]).await;
     expect_memory(&daemon, &b, &[("all", 8 * MIB)]).await;
-    let _ = pb.send("exit");
+    let _ = pb.cmd("exit");
     pb.wait();
     expect_memory(&daemon, &b, &[("all", 0)]).await;
     expect_memory(&daemon, &a, &[("all", 4 * MIB)]).await;
@@ -178,10 +179,9 @@ async fn bytes_are_exact_per_cgroup_gpu_and_ancestor_across_the_object_lifecycle
     expect_memory(&daemon, &a, &[("all", 0)]).await;
 
     // Closing the file (without frees) releases its clients, like the driver does.
-    let c2 = pa.ok("open");
-    let _ = c2;
-    let c2 = pa.ok("client");
-    let d2 = pa.ok(&format!("device {c2} 0"));
+    pa.ok("open");
+    let c2 = pa.handle("client");
+    let d2 = pa.handle(&format!("device {c2} 0"));
     pa.ok(&format!("alloc {c2} {d2} {} nvos64", 16 * MIB));
     expect_memory(&daemon, &a, &[("all", 16 * MIB)]).await;
     pa.ok("close");
@@ -280,17 +280,17 @@ async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persis
         .set_limits(&parent.rel, "all", limits)
         .await
         .expect("SetLimits");
-    let mut pa = RmProc::start(&a_dir, &ctl);
-    let c = pa.ok("client");
-    let d = pa.ok(&format!("device {c} 0"));
+    let mut pa = RmProcess::spawn(Some(&a_dir), &ctl);
+    let c = pa.handle("client");
+    let d = pa.handle(&format!("device {c} 0"));
     pa.ok(&format!("alloc {c} {d} {} nvos64", 10 * MIB));
-    let mut pb = RmProc::start(&b_dir, &ctl);
-    let cb = pb.ok("client");
-    let db = pb.ok(&format!("device {cb} 0"));
-    let answer = pb.send(&format!("alloc {cb} {db} {} nvos64", 8 * MIB));
+    let mut pb = RmProcess::spawn(Some(&b_dir), &ctl);
+    let cb = pb.handle("client");
+    let db = pb.handle(&format!("device {cb} 0"));
+    let answer = pb.try_cmd(&format!("alloc {cb} {db} {} nvos64", 8 * MIB));
     assert!(
-        answer.is_null(),
-        "the crossing allocator must not survive its ioctl: {answer}"
+        answer.is_none(),
+        "the crossing allocator must not survive its ioctl: {answer:?}"
     );
     let status = pb.wait();
     use std::os::unix::process::ExitStatusExt as _;
@@ -322,8 +322,8 @@ async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persis
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].cgroup, parent.rel);
     assert_eq!(listed[0].limits.get("memory_max"), Some(&(16 * MIB)));
-    let answer = pa.send(&format!("alloc {c} {d} {} nvos64", 8 * MIB));
-    assert!(answer.is_null(), "still enforced after restart: {answer}");
+    let answer = pa.try_cmd(&format!("alloc {c} {d} {} nvos64", 8 * MIB));
+    assert!(answer.is_none(), "still enforced after restart: {answer:?}");
     proxy
         .clear_limits(&parent.rel, "all", &[])
         .await
@@ -339,11 +339,11 @@ async fn corrupted_rm_calls_never_charge_more_or_less_than_the_driver_allocated(
     let bus = Bus::start();
     let daemon = Daemon::start(&config(dir.path(), &ctl, "notify", false), &bus.address).await;
     let cg = Cgroup::new("mem-fuzz");
-    let mut p = RmProc::start(&cg.dir, &ctl);
-    let c = p.ok("client");
-    let d = p.ok(&format!("device {c} 0"));
+    let mut p = RmProcess::spawn(Some(&cg.dir), &ctl);
+    let c = p.handle("client");
+    let d = p.handle(&format!("device {c} 0"));
     for seed in [1u64, 7, 42, 1234, 99991] {
-        let r = p.send(&format!("fuzz {c} {d} {seed} 400"));
+        let r = p.cmd(&format!("fuzz {c} {d} {seed} 400"));
         assert_eq!(r["ok"], true, "{r}");
         // Whatever the driver (the fake) holds now is exactly what gpud charges: nothing for
         // malformed, refused or failed calls, the written-back size for the rest.
@@ -375,13 +375,13 @@ async fn freeze_action_freezes_the_cgroup_over_its_limit_until_the_limit_is_rais
         .set_limits(&cg.rel, "all", limits)
         .await
         .expect("SetLimits");
-    let mut p = RmProc::start(&cg.dir, &ctl);
-    let c = p.ok("client");
-    let d = p.ok(&format!("device {c} 0"));
+    let mut p = RmProcess::spawn(Some(&cg.dir), &ctl);
+    let c = p.handle("client");
+    let d = p.handle(&format!("device {c} 0"));
     p.ok(&format!("alloc {c} {d} {} nvos64", 2 * MIB));
     assert!(!frozen());
     let line = format!("alloc {c} {d} {} nvos64", 4 * MIB);
-    assert!(p.post(&line));
+    p.send(&line);
     let became_frozen = eventually(Duration::from_secs(5), || async { frozen().then_some(()) })
         .await
         .is_some();
@@ -396,7 +396,7 @@ async fn freeze_action_freezes_the_cgroup_over_its_limit_until_the_limit_is_rais
         .await
         .expect("SetLimits");
     assert!(!frozen(), "still frozen after the limit was raised");
-    let a = p.answer(&line);
+    let a = p.recv();
     assert_eq!(a["ok"], true, "{a}");
     p.ok(&format!("alloc {c} {d} {} nvos64", MIB));
 }

@@ -36,9 +36,12 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
             "gpud-tests",
             "--bin",
             "gpud-bench",
+            "--bin",
+            "gpud-membench",
         ]),
     )?;
     let bin = root().join("target/release/gpud-bench");
+    let membench = root().join("target/release/gpud-membench");
     let mut results = Vec::new();
 
     println!("bench: host, tracepoint mode");
@@ -47,6 +50,12 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
         Command::new(&bin).args(["--mode", "tracepoint"]),
     )?;
     results.push(json!({"where": "host", "mode": "tracepoint", "result": parse(&host)?}));
+    println!("bench: host, GPU-memory accounting and enforcement, tracepoint mode");
+    let mem = output(
+        "bench: gpud-membench on the host",
+        Command::new(&membench).args(["--mode", "tracepoint"]),
+    )?;
+    results.push(json!({"where": "host", "mode": "tracepoint", "memory": parse(&mem)?}));
 
     if vm {
         for mode in ["fentry", "tracepoint"] {
@@ -59,6 +68,13 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
             let console = crate::vm::run(&bin, &args, VM_TIMEOUT)?;
             results.push(json!({"where": "vm", "mode": mode, "result": parse(&console)?}));
         }
+        println!("bench: VM, GPU-memory accounting and enforcement, fentry mode");
+        let args: Vec<String> = ["--mode", "fentry", "--pairs", "100", "--rounds", "3"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+        let console = crate::vm::run(&membench, &args, VM_TIMEOUT)?;
+        results.push(json!({"where": "vm", "mode": "fentry", "memory": parse(&console)?}));
     }
 
     let dir = root().join("target/bench");

@@ -69,16 +69,20 @@ fn clippy_ebpf() -> anyhow::Result<()> {
 }
 
 fn build() -> anyhow::Result<()> {
-    // The integration tests start these from target/debug.
+    // The integration tests start these from target/debug, and load the fake NVML library
+    // (target/debug/libnvidia_ml_fake.so) into the daemon.
     run_cmd(
-        "cargo build (gpud, gpud-tests binaries)",
+        "cargo build (gpud, gpud-tests binaries, fake NVML library)",
         cargo().args([
             "build",
             "--package",
             "gpud",
             "--package",
             "gpud-tests",
+            "--package",
+            "fake-nvml",
             "--bins",
+            "--lib",
         ]),
     )
 }

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use tokio::sync::{mpsc, oneshot};
 use zbus::interface;
 
-use super::model::{CgroupRecord, LimitRecord, ProcessRecord};
+use super::model::{CgroupRecord, GpuRecord, LimitRecord, NvmlUsageRecord, ProcessRecord};
 use crate::{
     attribution::{AttributionError, CgroupError},
     daemon::{Message, Request},
@@ -245,6 +245,36 @@ impl Manager {
         action: &str,
     ) -> zbus::Result<()>;
 
+    /// Whether NVML answers (library loaded, GPUs found, last sample succeeded).
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn nvml_available(&self) -> bool {
+        self.ask(Request::NvmlStatus)
+            .await
+            .map(|(a, _)| a)
+            .unwrap_or(false)
+    }
+
+    /// `available`, or why NVML is not (library missing, no GPU, the failing call).
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn nvml_status(&self) -> String {
+        self.ask(Request::NvmlStatus)
+            .await
+            .map(|(_, s)| s)
+            .unwrap_or_else(|e| format!("{e:?}"))
+    }
+
+    /// GPUs and MIG devices as NVML reports them (empty while NVML is unavailable).
+    async fn list_gpus(&self) -> Result<Vec<GpuRecord>, ApiError> {
+        self.ask(Request::ListGpus).await
+    }
+
+    /// NVML's per-cgroup, per-GPU figures from the last sample, beside the memory the probes
+    /// charged: `(cgroup_id, cgroup, gpu, nvml_memory_bytes, ebpf_memory_bytes, sm_util,
+    /// enc_util, dec_util, pids)`.
+    async fn list_nvml_usage(&self) -> Result<Vec<NvmlUsageRecord>, ApiError> {
+        self.ask(Request::ListNvmlUsage).await
+    }
+
     /// Every attributed cgroup, ordered by path.
     async fn list_cgroups(&self) -> Result<Vec<CgroupRecord>, ApiError> {
         self.ask(Request::ListCgroups).await
@@ -307,6 +337,12 @@ pub trait Manager1 {
     ) -> zbus::Result<()>;
     fn clear_limits(&self, cgroup: &str, gpu: &str, names: &[&str]) -> zbus::Result<()>;
     fn list_limits(&self) -> zbus::Result<Vec<LimitRecord>>;
+    #[zbus(property)]
+    fn nvml_available(&self) -> zbus::Result<bool>;
+    #[zbus(property)]
+    fn nvml_status(&self) -> zbus::Result<String>;
+    fn list_gpus(&self) -> zbus::Result<Vec<GpuRecord>>;
+    fn list_nvml_usage(&self) -> zbus::Result<Vec<NvmlUsageRecord>>;
     #[zbus(signal)]
     fn memory_limit_exceeded(
         &self,

@@ -1,4 +1,5 @@
 //! What gpud exposes: the D-Bus service and the records it carries.
 
 pub mod dbus;
+pub mod gpu;
 pub mod model;

@@ -49,3 +49,42 @@ pub struct ProcessRecord {
     /// Its ioctls on NVIDIA files by class, as in [`CgroupRecord::ioctls`].
     pub ioctls: BTreeMap<String, u64>,
 }
+
+/// A GPU or MIG device as NVML reports it: signature `(uussssttsssst)`: index, MIG number
+/// (`u32::MAX` for a whole GPU), UUID, name, PCI bus id, memory total and used (bytes), driver and
+/// CUDA versions, compute mode, MIG mode, critical Xid errors seen since the daemon started.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct GpuRecord {
+    pub index: u32,
+    pub mig: u32,
+    pub uuid: String,
+    pub name: String,
+    pub pci_bus_id: String,
+    pub memory_total: u64,
+    pub memory_used: u64,
+    pub driver_version: String,
+    pub cuda_version: String,
+    pub compute_mode: String,
+    pub mig_mode: String,
+    pub xid_errors: u64,
+}
+
+/// NVML's figures for one cgroup on one GPU: signature `(tsuttuuuau)`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct NvmlUsageRecord {
+    /// cgroup v2 id (0 if the cgroup is gone).
+    pub cgroup_id: u64,
+    /// Path relative to the cgroup v2 root.
+    pub cgroup: String,
+    /// GPU index.
+    pub gpu: u32,
+    /// Used GPU memory NVML reports for the cgroup's processes (bytes).
+    pub nvml_memory_bytes: u64,
+    /// GPU memory the probes charged to the cgroup on that GPU (bytes; hierarchical).
+    pub ebpf_memory_bytes: u64,
+    /// SM utilization in percent over the last sample window (sum over its processes, capped).
+    pub sm_util: u32,
+    pub enc_util: u32,
+    pub dec_util: u32,
+    pub pids: Vec<u32>,
+}

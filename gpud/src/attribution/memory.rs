@@ -181,6 +181,12 @@ impl Attribution {
     /// when the process that created it is gone and no live tracked process descends from it
     /// (a forked child may hold the same open file).
     pub fn release_orphaned_clients(&mut self) -> usize {
+        self.release_clients_unless_held(&std::collections::HashSet::new())
+    }
+
+    /// Releases clients whose creator is neither alive (nor an ancestor of a live tracked
+    /// process) nor in `also_held`.
+    fn release_clients_unless_held(&mut self, also_held: &std::collections::HashSet<u32>) -> usize {
         let live: std::collections::HashSet<u32> = self
             .maps
             .procs
@@ -209,7 +215,10 @@ impl Attribution {
             .objects()
             .iter()
             .filter(|(k, e)| {
-                e.kind == OBJ_CLIENT && k.client == k.object && !holders.contains(&e.tgid)
+                e.kind == OBJ_CLIENT
+                    && k.client == k.object
+                    && !holders.contains(&e.tgid)
+                    && !also_held.contains(&e.tgid)
             })
             .map(|(k, _)| k.client)
             .collect();
@@ -238,17 +247,15 @@ impl Attribution {
         }
     }
 
-    /// Drops objects of processes that are gone when NVML says the driver no longer reports
-    /// them, and objects whose cgroup ancestry is unknown; returns the number released.
-    pub fn release_objects_of_pids(&mut self, pids: &std::collections::HashSet<u32>) -> usize {
-        let objects = self.objects();
-        let mut n = 0;
-        for (k, e) in objects {
-            if pids.contains(&e.tgid) {
-                n += self.release_one(k, &e);
-            }
-        }
-        n
+    /// NVML reconciliation: releases the clients (and all below them) whose creating process is
+    /// gone, is not reported by the driver any more (`reported`: pids NVML lists), and has no live
+    /// descendant that may hold its file — whichever way their release was missed (events lost
+    /// while no daemon ran, a kernel without a file-release hook). Returns the objects released.
+    pub fn release_objects_of_dead_pids(
+        &mut self,
+        reported: &std::collections::HashSet<u32>,
+    ) -> usize {
+        self.release_clients_unless_held(reported)
     }
 
     /// Forgets ancestry records and zero usage entries of removed cgroups.

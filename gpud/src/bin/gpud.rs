@@ -121,10 +121,17 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
     );
     memory.restore(&mut attribution);
     let (notices, notices_rx) = tokio::sync::broadcast::channel(256);
+    let (inventory, inventory_rx) = watch::channel(Vec::new());
     let state = State {
         attribution,
         memory,
         notices,
+        nvml: if config.nvml.enabled {
+            gpud::nvml::NvmlView::default()
+        } else {
+            gpud::nvml::NvmlView::disabled()
+        },
+        inventory,
     };
 
     let (tx, rx) = mpsc::channel::<Message>(1024);
@@ -142,6 +149,10 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("serving {BUS_NAME} on the bus `{bus}`"))?;
 
     let publisher = tokio::spawn(gpud::api::dbus::publish_notices(conn.clone(), notices_rx));
+    let gpu_objects = tokio::spawn(gpud::api::gpu::publish_gpus(conn.clone(), inventory_rx));
+    if config.nvml.enabled {
+        spawn_nvml_sampler(&config.nvml, tx.clone(), shutdown_rx.clone());
+    }
     let reader = tokio::spawn(daemon::read_events(events, tx.clone()));
     let state = tokio::spawn(daemon::run_state(
         state,
@@ -174,8 +185,53 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         Err(e) => warn!("state task: {e}"),
     }
     publisher.abort();
+    gpu_objects.abort();
     drop(conn);
     Ok(())
+}
+
+/// Samples NVML on a thread of its own (its calls block) until shutdown.
+fn spawn_nvml_sampler(
+    cfg: &gpud::config::NvmlConfig,
+    tx: mpsc::Sender<Message>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let settings = gpud::nvml::SamplerSettings {
+        library_path: cfg.library(),
+        sample_interval: std::time::Duration::from_millis(cfg.sample_interval_ms),
+        retry_interval: std::time::Duration::from_secs(cfg.retry_interval_secs),
+    };
+    let xid_settings = settings.clone();
+    let xid_tx = tx.clone();
+    let xid_stop = shutdown.clone();
+    let xid = std::thread::Builder::new()
+        .name("nvml-xid".into())
+        .spawn(move || {
+            gpud::nvml::watch_xid(
+                xid_settings,
+                |s| xid_tx.blocking_send(Message::Nvml(s)).is_ok(),
+                || *xid_stop.borrow(),
+            )
+        });
+    if let Err(e) = xid {
+        warn!("cannot start the NVML Xid watcher: {e}");
+    }
+    let spawned = std::thread::Builder::new()
+        .name("nvml".into())
+        .spawn(move || {
+            let mut sampler = gpud::nvml::Sampler::new(settings);
+            while !*shutdown.borrow() {
+                if let Some(s) = sampler.step()
+                    && tx.blocking_send(Message::Nvml(s)).is_err()
+                {
+                    return;
+                }
+                std::thread::sleep(sampler.interval());
+            }
+        });
+    if let Err(e) = spawned {
+        warn!("cannot start the NVML sampler: {e}");
+    }
 }
 
 async fn wait_for_signal() -> anyhow::Result<()> {

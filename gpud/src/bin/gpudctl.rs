@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use gpud::api::{
     dbus::{Manager1Proxy, connect_builder},
-    model::CgroupRecord,
+    model::{CgroupRecord, NvmlUsageRecord},
 };
 use gpud_common::IOCTL_CLASS_NAMES;
 
@@ -106,7 +106,8 @@ async fn run(args: Args) -> Result<(), Failure> {
         Command::Status => status(&proxy, args.json).await,
         Command::List => {
             let list = proxy.list_cgroups().await.map_err(daemon_err)?;
-            print_records(&list, args.json);
+            let nvml = proxy.list_nvml_usage().await.map_err(daemon_err)?;
+            print_records(&list, &nvml, args.json);
             Ok(())
         }
         Command::Ps => {
@@ -173,7 +174,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             if args.json {
                 println!("{}", to_json(&rec));
             } else {
-                print_records(std::slice::from_ref(&rec), false);
+                print_records(std::slice::from_ref(&rec), &[], false);
             }
             Ok(())
         }
@@ -195,9 +196,13 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     let cgroups = proxy.list_cgroups().await.map_err(daemon_err)?.len();
     let tier = proxy.enforcement_tier().await.map_err(daemon_err)?;
     let action = proxy.react_action().await.map_err(daemon_err)?;
+    let nvml_status = proxy.nvml_status().await.map_err(daemon_err)?;
+    let gpus = proxy.list_gpus().await.map_err(daemon_err)?;
     if json {
         let v = serde_json::json!({
             "version": version,
+            "nvml_status": nvml_status,
+            "gpus": gpus,
             "attach_mode": mode,
             "enforcement_tier": tier,
             "react_action": action,
@@ -226,6 +231,27 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
         .map(|(k, _)| k.as_str())
         .collect();
     println!("  memory limits:    {tier} tier (react action: {action})");
+    println!("  NVML:             {nvml_status}");
+    for g in &gpus {
+        let id = if g.mig == u32::MAX {
+            format!("GPU {}", g.index)
+        } else {
+            format!("  MIG {}/{}", g.index, g.mig)
+        };
+        println!(
+            "    {id:<10} {} {} {} {}/{} used, driver {}, CUDA {}, compute {}, MIG {}, Xid errors {}",
+            g.name,
+            g.uuid,
+            g.pci_bus_id,
+            human(g.memory_used),
+            human(g.memory_total),
+            g.driver_version,
+            g.cuda_version,
+            g.compute_mode,
+            g.mig_mode,
+            g.xid_errors
+        );
+    }
     println!("  kernel offers:    {}", offered.join(", "));
     println!("  kernel lacks:     {}", missing.join(", "));
     println!("  cgroup v2 root:   {root}");
@@ -239,9 +265,41 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     Ok(())
 }
 
-fn print_records(list: &[CgroupRecord], json: bool) {
+/// Cgroup records with NVML's per-GPU figures joined in by path (`nvml` key in JSON; cgroups that
+/// only NVML knows are listed too).
+fn print_records(list: &[CgroupRecord], nvml: &[NvmlUsageRecord], json: bool) {
     if json {
-        println!("{}", to_json(&list));
+        let mut out: Vec<serde_json::Value> = Vec::new();
+        let mut by_path: std::collections::BTreeMap<
+            &str,
+            serde_json::Map<String, serde_json::Value>,
+        > = Default::default();
+        for u in nvml {
+            by_path.entry(u.cgroup.as_str()).or_default().insert(
+                u.gpu.to_string(),
+                serde_json::json!({
+                    "memory_bytes": u.nvml_memory_bytes,
+                    "ebpf_memory_bytes": u.ebpf_memory_bytes,
+                    "sm_util": u.sm_util,
+                    "enc_util": u.enc_util,
+                    "dec_util": u.dec_util,
+                    "pids": u.pids,
+                }),
+            );
+        }
+        for r in list {
+            let mut v = serde_json::to_value(r).unwrap_or_default();
+            if let Some(n) = by_path.remove(r.path.as_str())
+                && let Some(o) = v.as_object_mut()
+            {
+                o.insert("nvml".into(), serde_json::Value::Object(n));
+            }
+            out.push(v);
+        }
+        for (path, n) in by_path {
+            out.push(serde_json::json!({ "path": path, "nvml": n }));
+        }
+        println!("{}", to_json(&out));
         return;
     }
     print!(

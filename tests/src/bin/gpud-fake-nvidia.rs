@@ -10,10 +10,11 @@
 //! SIGINT or end of standard input (unless `--no-stdin`), then unmounts and exits 0. Defaults:
 //! 1 GPU of 80 GiB, 2 MiB pages; sizes take `K`/`M`/`G` suffixes or `0x` hex.
 //!
-//! `--self-test` mounts, drives the fake from this process and from a child process, checks the
-//! state, prints `SELF-TEST PASS` and exits (0 on success): a smoke test that needs nothing but
-//! this binary, e.g. inside the VM: `cargo xtask vm -- target/debug/gpud-fake-nvidia /tmp/fake
-//! --self-test`.
+//! `--self-test` mounts, drives the fake from this process, from a child process it runs and
+//! from a forked child (the VM test's pattern: fake served on a thread, tenants forked), checks
+//! the state, prints `SELF-TEST PASS` and exits (0 on success): a smoke test that needs nothing
+//! but this binary, e.g. inside the VM: `cargo xtask vm -- target/debug/gpud-fake-nvidia
+//! /tmp/fake --self-test`.
 
 use std::{
     fs::File,
@@ -27,6 +28,7 @@ use anyhow::{Context as _, bail, ensure};
 use gpud_common::rm::{class, status};
 use gpud_tests::{
     fakenv::{self, Options},
+    inproc,
     rm::{Ctl, Form, MemRequest},
 };
 
@@ -200,6 +202,43 @@ fn self_test(fake: &fakenv::FakeNv, opts: &Options) -> anyhow::Result<()> {
         .map_err(|s| anyhow::anyhow!("child's client not released: {s:?}"))?;
     ensure!(s.used(0) == 0, "child's memory not released: {s:?}");
     ensure!(s.stats.released >= 1, "no release counted: {s:?}");
+
+    // A forked child of this process (which serves the fake on a thread), as the VM test runs
+    // its tenants: it allocates and is held; its exit releases the file it opened.
+    let ctl_path = fake.ctl();
+    let held = inproc::fork_held(move || {
+        let Ok(file) = File::options().read(true).write(true).open(&ctl_path) else {
+            return "open failed".into();
+        };
+        let ctl = Ctl::new(&file);
+        let c = ctl.alloc_client();
+        let d = ctl.alloc_device(c.handle, 0);
+        let m = ctl.alloc_vidmem(c.handle, d.handle, 1, Form::VidHeap);
+        std::mem::forget(file);
+        format!("{} {} {}", c.handle, m.status, m.size)
+    })?;
+    let words: Vec<u64> = held
+        .report
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    ensure!(
+        words.len() == 3 && words[1] == 0 && words[2] == page,
+        "forked child said {:?}",
+        held.report
+    );
+    let forked_client = words[0] as u32;
+    let s = fake.snapshot();
+    ensure!(
+        s.memory()
+            .any(|o| o.client == forked_client && o.pid == held.pid),
+        "forked child's memory: {s:?}"
+    );
+    held.release();
+    fake.wait(Duration::from_secs(5), |s| {
+        !s.has_client(forked_client) && s.used(0) == 0
+    })
+    .map_err(|s| anyhow::anyhow!("forked child's client not released: {s:?}"))?;
 
     // Client freed through RM_FREE takes everything with it.
     let m = ctl.alloc_vidmem(client.handle, client.handle, page, Form::VidHeap);

@@ -215,7 +215,8 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
             ("ioctl", 1) => {
                 // Large enough for any encoded size.
                 let mut buf = vec![0u8; nv::NV_MAX_IOCTL_SIZE as usize];
-                let (ret, errno) = ctl.raw(n(0)?, buf.as_mut_ptr());
+                // SAFETY: the buffer holds any encoded size; a zeroed struct points nowhere.
+                let (ret, errno) = unsafe { ctl.raw(n(0)?, buf.as_mut_ptr()) };
                 json!({ "ok": ret == 0, "ret": ret, "errno": errno })
             }
             _ => return Err(format!("unknown command or arguments: {}", words.join(" "))),
@@ -271,9 +272,11 @@ fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
                         1 => next() as u32,
                         _ => r::class::MEMORY_LOCAL_USER,
                     },
+                    // Garbage pointers are in the kernel half, which no user mapping covers: the
+                    // driver's copy fails (EFAULT) and nothing in this process is written.
                     p_alloc_parms: match next() % 10 {
                         0 => 0,
-                        1 => next(),
+                        1 => next() | 1 << 63,
                         _ => (&mut params as *mut MemoryAllocationParams) as u64,
                     },
                     flags: if next() % 10 == 0 { next() as u32 } else { 0 },
@@ -321,6 +324,9 @@ fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
                 for b in buf.iter_mut() {
                     *b = next() as u8;
                 }
+                // pAllocParms and pRightsRequested: kernel-half garbage, as above.
+                buf[16..24].copy_from_slice(&(next() | 1 << 63).to_le_bytes());
+                buf[24..32].copy_from_slice(&(next() | 1 << 63).to_le_bytes());
                 (nv::NV_ESC_RM_ALLOC, 48)
             }
         };
@@ -331,9 +337,12 @@ fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
                 ptr: buf.as_mut_ptr() as u64,
             };
             let cmd = nv::nv_iowr(nv::NV_ESC_IOCTL_XFER_CMD, nv::NV_IOCTL_XFER_SIZE);
-            ctl.raw(cmd, (&mut x as *mut r::NvIoctlXfer).cast())
+            // SAFETY: `x` and `buf` (256 bytes, more than any size used here) live across the
+            // call; the only other pointers are `params` (live) or kernel-half garbage.
+            unsafe { ctl.raw(cmd, (&mut x as *mut r::NvIoctlXfer).cast()) }
         } else {
-            ctl.raw(nv::nv_iowr(nr, size), buf.as_mut_ptr())
+            // SAFETY: as above; `size` never exceeds `buf`.
+            unsafe { ctl.raw(nv::nv_iowr(nr, size), buf.as_mut_ptr()) }
         };
         if ret == 0 {
             accepted += 1;

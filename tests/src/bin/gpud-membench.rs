@@ -1,0 +1,490 @@
+//! `gpud-membench --mode tracepoint|fentry [--pairs N] [--rounds R] [--samples S]`: what GPU-memory
+//! accounting and enforcement cost and how fast they act, measured in one run (run by
+//! `cargo xtask bench`; method in docs/benchmarks.md).
+//!
+//! The fake NVIDIA control device runs as a separate process (this binary re-executed with
+//! `--serve-fake DIR`, FUSE), so the measuring process has one thread and may fork; and the one
+//! binary is all the VM needs. gpud's probes and its state code (attribution, limits,
+//! the freeze action) run in this process, as the daemon's state task would run them.
+//!
+//! - `alloc_free_ns`: time of one RM_ALLOC of video memory plus its RM_FREE by a process in a
+//!   cgroup, without probes and with gpud's probes attached (accounting both calls); fastest of R
+//!   rounds of N pairs, per pair. The fake answers through FUSE (tens of µs, noisy), which is far
+//!   slower than the real driver, so this wall-clock difference is only a sanity check.
+//! - `probe_ns_per_pair`: the precise figure: the kernel's own run-time statistics of gpud's
+//!   programs (`BPF_ENABLE_STATS`), summed over the programs that ran during the pairs, per pair
+//!   (the entry and return programs of both ioctls, charge and uncharge included; other
+//!   processes' ioctls during the run are in the sum too, so it is an upper bound), with the
+//!   per-program ns per run beside it (averaged over every run on the host, matched or not). The
+//!   hook's dispatch cost is not in it (see the `matched_ioctl` figures of `gpud-bench`).
+//! - `kill_ns`: a process whose cgroup is over its limit allocates; from just before its ioctl to
+//!   its reaping by the parent (it is killed inside the ioctl's return path), minus the median
+//!   time of the same ioctl without a limit: the time the kill adds after the ioctl's work.
+//! - `freeze_ns`: `react_action = freeze`: from the crossing ioctl's return in the allocating
+//!   process (its own clock reading) to `cgroup.events` showing `frozen 1`, with the ring-buffer
+//!   event handled by gpud's enforcement code in a polling loop (the daemon's state task adds a
+//!   channel hop, not measured here).
+//!
+//! Prints one line `BENCH JSON: {...}`.
+
+use std::{
+    io::BufRead as _,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail, ensure};
+use gpud::{
+    attribution::{Attribution, CgroupFs},
+    config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
+    enforcement::MemoryEnforcement,
+    policy::LimitStore,
+    probes::{AttachMode, DynamicMajors, Matcher, ProbeSetup, Probes, devices},
+};
+use gpud_tests::{
+    inproc,
+    rm::{Ctl, Form},
+};
+use serde_json::json;
+
+const MIB: u64 = 1 << 20;
+
+struct Opts {
+    mode: AttachMode,
+    pairs: u64,
+    rounds: usize,
+    samples: usize,
+}
+
+fn parse() -> anyhow::Result<Opts> {
+    let mut o = Opts {
+        mode: AttachMode::Tracepoint,
+        pairs: 500,
+        rounds: 5,
+        samples: 15,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let v = args.next().with_context(|| format!("{a} needs a value"))?;
+        match a.as_str() {
+            "--mode" => {
+                o.mode = match v.as_str() {
+                    "tracepoint" => AttachMode::Tracepoint,
+                    "fentry" => AttachMode::Fentry,
+                    _ => bail!("--mode tracepoint|fentry"),
+                }
+            }
+            "--pairs" => o.pairs = v.parse()?,
+            "--rounds" => o.rounds = v.parse()?,
+            "--samples" => o.samples = v.parse()?,
+            other => bail!("unknown option {other}"),
+        }
+    }
+    Ok(o)
+}
+
+/// CLOCK_MONOTONIC in ns: comparable between processes, unlike `Instant`.
+fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes into ts.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// A page of memory shared with forked children, for clock readings.
+struct Shared(*mut u64);
+
+impl Shared {
+    fn new() -> anyhow::Result<Self> {
+        // SAFETY: an anonymous shared mapping of one page.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        ensure!(p != libc::MAP_FAILED, "mmap failed");
+        Ok(Self(p.cast()))
+    }
+    fn set(&self, i: usize, v: u64) {
+        // SAFETY: i < 512 within the page.
+        unsafe { self.0.add(i).write_volatile(v) }
+    }
+    fn get(&self, i: usize) -> u64 {
+        // SAFETY: as above.
+        unsafe { self.0.add(i).read_volatile() }
+    }
+}
+
+struct Fake {
+    child: std::process::Child,
+    ctl: PathBuf,
+}
+
+impl Fake {
+    fn start(dir: &Path) -> anyhow::Result<Self> {
+        let bin = std::env::current_exe()?;
+        let mut child = Command::new(&bin)
+            .arg("--serve-fake")
+            .arg(dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().context("stdout")?).read_line(&mut line)?;
+        ensure!(line.trim() == "READY", "fake device said {line:?}");
+        Ok(Self {
+            child,
+            ctl: dir.join("nvidiactl"),
+        })
+    }
+}
+
+impl Drop for Fake {
+    fn drop(&mut self) {
+        // End of stdin unmounts and exits.
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// Fastest round of `pairs` alloc+free pairs in a child in `cg`, ns per pair.
+fn alloc_free(ctl: &Path, cg: &Path, pairs: u64, rounds: usize) -> anyhow::Result<f64> {
+    let ctl = ctl.to_owned();
+    let cg = cg.to_owned();
+    let report = inproc::in_child(move || {
+        if let Err(e) = inproc::join_cgroup(&cg) {
+            return format!("join: {e}");
+        }
+        let f = match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&ctl)
+        {
+            Ok(f) => f,
+            Err(e) => return format!("open: {e}"),
+        };
+        let rm = Ctl::new(&f);
+        let c = rm.alloc_client().handle;
+        let d = rm.alloc_device(c, 0).handle;
+        let mut best = f64::MAX;
+        for _ in 0..rounds {
+            let t = Instant::now();
+            for _ in 0..pairs {
+                let a = rm.alloc_vidmem(c, d, 2 * MIB, Form::Nvos64);
+                rm.free(c, a.handle);
+            }
+            best = best.min(t.elapsed().as_nanos() as f64 / pairs as f64);
+        }
+        format!("{best}")
+    })?;
+    report
+        .parse()
+        .map_err(|_| anyhow::anyhow!("child: {report}"))
+}
+
+/// Run time (ns) and run count of every loaded gpud program, by name.
+fn prog_stats() -> std::collections::BTreeMap<String, (u64, u64)> {
+    aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .filter_map(|p| {
+            let name = p.name_as_str()?.to_owned();
+            name.starts_with("gpud_")
+                .then(|| (name, (p.run_time().as_nanos() as u64, p.run_count())))
+        })
+        .fold(Default::default(), |mut m, (k, (t, n))| {
+            let e: &mut (u64, u64) = m.entry(k).or_default();
+            e.0 += t;
+            e.1 += n;
+            m
+        })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v.get(i).copied().unwrap_or(f64::NAN)
+}
+
+/// One allocation from a fresh child in `cg`; returns (ns from before the ioctl to reaping,
+/// whether it was killed, ns the ioctl took when it returned).
+fn one_alloc(ctl: &Path, cg: &Path, shared: &Shared) -> anyhow::Result<(u64, bool, u64)> {
+    shared.set(0, 0);
+    shared.set(1, 0);
+    let ready = inproc::fork_held(|| {
+        if let Err(e) = inproc::join_cgroup(cg) {
+            return format!("join: {e}");
+        }
+        "ok".into()
+    })?;
+    // The held child is only used to make sure the cgroup exists and is joinable.
+    ready.release();
+    // SAFETY: the child only issues RM calls and writes to the shared page, then _exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let code = (|| {
+            inproc::join_cgroup(cg).ok()?;
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(ctl)
+                .ok()?;
+            let rm = Ctl::new(&f);
+            let c = rm.alloc_client().handle;
+            let d = rm.alloc_device(c, 0).handle;
+            let t0 = mono_ns();
+            shared.set(0, t0);
+            let r = rm.alloc_vidmem(c, d, 4 * MIB, Form::Nvos64);
+            shared.set(1, mono_ns() - t0);
+            Some(i32::from(!r.ok()))
+        })()
+        .unwrap_or(2);
+        // SAFETY: leave without running destructors.
+        unsafe { libc::_exit(code) };
+    }
+    ensure!(pid > 0, "fork failed");
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    let t1 = mono_ns();
+    let killed = libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL;
+    ensure!(
+        killed || (libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0),
+        "child ended with status {status:#x}"
+    );
+    Ok((t1.saturating_sub(shared.get(0)), killed, shared.get(1)))
+}
+
+fn setup(
+    o: &Opts,
+    ctl: &Path,
+    action: ReactAction,
+    tag: &str,
+) -> anyhow::Result<(Attribution, aya::maps::RingBuf<aya::maps::MapData>)> {
+    let cgroups = CgroupFs::discover()?;
+    let root = cgroups.root().to_owned();
+    let extra = devices::resolve_extra_paths(&[ctl.to_owned()])?;
+    let config = ProbesConfig {
+        attach: match o.mode {
+            AttachMode::Tracepoint => AttachPreference::Tracepoint,
+            AttachMode::Fentry => AttachPreference::Fentry,
+        },
+        bpffs: PathBuf::from(format!("/sys/fs/bpf/gpud-membench-{tag}")),
+        keep_pinned: false,
+    };
+    let mut probes = Probes::start(ProbeSetup {
+        config: &config,
+        majors: DynamicMajors::read()?,
+        extra: &extra,
+        cgroup2_root: &root,
+        tier: TierPreference::React,
+        react_action: action,
+    })?;
+    ensure!(probes.mode() == o.mode, "attached in {:?}", probes.mode());
+    let ring = probes.take_events()?;
+    let matcher = Matcher {
+        majors: DynamicMajors::read()?,
+        extra,
+    };
+    Ok((Attribution::new(probes, cgroups, matcher)?, ring))
+}
+
+/// `--serve-fake DIR`: serves the fake device until standard input closes.
+fn serve_fake(dir: &Path) -> anyhow::Result<()> {
+    use std::io::{Read as _, Write as _};
+    let opts = gpud_tests::fakenv::Options {
+        capacity: 64 << 30,
+        ..Default::default()
+    };
+    let fake = gpud_tests::fakenv::mount(dir, opts).context("mounting the fake device")?;
+    println!("READY");
+    std::io::stdout().flush()?;
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    fake.unmount()?;
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--serve-fake") {
+        let dir = args.get(2).context("--serve-fake DIR")?;
+        return serve_fake(Path::new(dir));
+    }
+    let o = parse()?;
+    let work = std::env::temp_dir().join(format!("gpud-membench-{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let fake = Fake::start(&work.join("fake"))?;
+    let cg_root = CgroupFs::discover()?.root().to_owned();
+    let cg = cg_root.join(format!("gpud-membench-{}", std::process::id()));
+    std::fs::create_dir_all(&cg)?;
+    let rel = format!("/{}", cg.file_name().unwrap_or_default().to_string_lossy());
+
+    // Accounting overhead: alternate without and with probes, cycles of both; the programs'
+    // run-time statistics are read around the runs with probes.
+    let stats_fd = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("enabling BPF run-time statistics")?;
+    let mut base = Vec::new();
+    let mut with = Vec::new();
+    let mut per_prog: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
+    for _ in 0..5 {
+        base.push(alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?);
+        let (attr, _ring) = setup(&o, &fake.ctl, ReactAction::Notify, "acct")?;
+        let before = prog_stats();
+        with.push(alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?);
+        for (name, (t, n)) in prog_stats() {
+            let (t0, n0) = before.get(&name).copied().unwrap_or((0, 0));
+            let e = per_prog.entry(name).or_default();
+            e.0 += t.saturating_sub(t0);
+            e.1 += n.saturating_sub(n0);
+        }
+        attr.shutdown(false);
+    }
+    drop(stats_fd);
+    let (base, with) = (median(base), median(with));
+    // Each alloc_free run issues client + device + rounds × pairs pairs.
+    let pairs_run = 5.0 * (o.rounds as f64 * o.pairs as f64 + 1.0);
+    // The ioctl programs' time during the runs; other processes' ioctls on the host (which leave
+    // after the first check) are in it too, so this is an upper bound for the matched path.
+    let probe_total: u64 = per_prog
+        .iter()
+        .filter(|(k, _)| k.contains("_ioc"))
+        .map(|(_, (t, _))| t)
+        .sum();
+    let per_prog_json: serde_json::Map<String, serde_json::Value> = per_prog
+        .iter()
+        .filter(|(_, (_, n))| *n > 0)
+        .map(|(k, (t, n))| {
+            (
+                k.clone(),
+                json!({"runs": n, "ns_per_run": *t as f64 / *n as f64}),
+            )
+        })
+        .collect();
+
+    // Kill: baseline ioctl time without a limit, then with the cgroup already over its limit.
+    let shared = Shared::new()?;
+    let (mut attr, _ring) = setup(&o, &fake.ctl, ReactAction::Kill, "kill")?;
+    let (_, id) = attr.id_of(&rel)?;
+    let mut ioctl_ns = Vec::new();
+    for _ in 0..o.samples {
+        let (_, killed, took) = one_alloc(&fake.ctl, &cg, &shared)?;
+        ensure!(!killed, "killed without a limit");
+        ioctl_ns.push(took as f64);
+    }
+    attr.set_kernel_limit(id, gpud_common::GPU_ALL, MIB)?;
+    let mut kill_ns = Vec::new();
+    for _ in 0..o.samples {
+        let (total, killed, _) = one_alloc(&fake.ctl, &cg, &shared)?;
+        ensure!(killed, "not killed over the limit");
+        kill_ns.push(total as f64);
+    }
+    attr.clear_kernel_limit(id, gpud_common::GPU_ALL)?;
+    attr.shutdown(false);
+    let ioctl_median = median(ioctl_ns);
+    let kill_after: Vec<f64> = kill_ns.iter().map(|t| t - ioctl_median).collect();
+
+    // Freeze: the daemon's enforcement code reacts to the ring-buffer event.
+    let (mut attr, mut ring) = setup(&o, &fake.ctl, ReactAction::Freeze, "freeze")?;
+    let mut enforcement = MemoryEnforcement::new(
+        LimitStore::load(&work.join("state")),
+        gpud::probes::Tier::React,
+        ReactAction::Freeze,
+    );
+    let (_, id) = attr.id_of(&rel)?;
+    let mut freeze_ns = Vec::new();
+    for _ in 0..o.samples {
+        attr.set_kernel_limit(id, gpud_common::GPU_ALL, MIB)?;
+        shared.set(0, 0);
+        shared.set(1, 0);
+        // SAFETY: the child issues RM calls, writes the shared page and spins until frozen,
+        // thawed and told to leave.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let _ = inproc::join_cgroup(&cg);
+            if let Ok(f) = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&fake.ctl)
+            {
+                let rm = Ctl::new(&f);
+                let c = rm.alloc_client().handle;
+                let d = rm.alloc_device(c, 0).handle;
+                let _ = rm.alloc_vidmem(c, d, 4 * MIB, Form::Nvos64);
+                shared.set(0, mono_ns());
+                while shared.get(1) == 0 {
+                    std::hint::spin_loop();
+                }
+            }
+            // SAFETY: leave without running destructors.
+            unsafe { libc::_exit(0) };
+        }
+        ensure!(pid > 0, "fork failed");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let events = cg.join("cgroup.events");
+        let frozen_at = loop {
+            while let Some(item) = ring.next() {
+                if let Some(ev) = gpud::daemon::parse_event(&item) {
+                    attr.on_kernel_event(&ev);
+                    let _ = enforcement.on_event(&mut attr, &ev);
+                }
+            }
+            if std::fs::read_to_string(&events)
+                .map(|t| t.lines().any(|l| l == "frozen 1"))
+                .unwrap_or(false)
+            {
+                break mono_ns();
+            }
+            ensure!(Instant::now() < deadline, "never frozen");
+        };
+        let returned = shared.get(0);
+        ensure!(returned != 0, "frozen before the ioctl returned?");
+        freeze_ns.push(frozen_at.saturating_sub(returned) as f64);
+        std::fs::write(cg.join("cgroup.freeze"), "0")?;
+        shared.set(1, 1);
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        attr.clear_kernel_limit(id, gpud_common::GPU_ALL)?;
+    }
+    attr.shutdown(false);
+    drop(fake);
+    let _ = std::fs::remove_dir(&cg);
+    let _ = std::fs::remove_dir_all(&work);
+
+    let result = json!({
+        "mode": o.mode.as_str(),
+        "pairs": o.pairs,
+        "rounds": o.rounds,
+        "samples": o.samples,
+        "alloc_free_ns": { "without_probes": base, "with_probes": with, "added": with - base },
+        "probe_ns_per_pair": probe_total as f64 / pairs_run,
+        "programs": per_prog_json,
+        "kill_ns": {
+            "ioctl_alone_median": ioctl_median,
+            "added_p50": percentile(kill_after.clone(), 0.5),
+            "added_p90": percentile(kill_after, 0.9),
+        },
+        "freeze_ns": {
+            "p50": percentile(freeze_ns.clone(), 0.5),
+            "p90": percentile(freeze_ns.clone(), 0.9),
+            "max": percentile(freeze_ns, 1.0),
+        },
+    });
+    println!("BENCH JSON: {result}");
+    Ok(())
+}

@@ -1,0 +1,838 @@
+//! The fake's resource manager: clients bound to open files, object trees, per-GPU capacity,
+//! and the escapes that act on them. The FUSE side ([`super`]) hands it each ioctl with the
+//! caller's open file and thread; nested structs are read and written in the caller's memory.
+
+use std::{collections::BTreeMap, io, time::Duration};
+
+use gpud_common::{
+    nv,
+    rm::{self, Handle, class, status},
+};
+
+use super::{
+    ClientState, FileState, GpuState, ObjectState, Options, Snapshot, Stats, parse_num, parse_size,
+};
+use crate::rm::{Plain, bytes_of, bytes_of_mut, from_bytes, get_u32, get_u64, put_u32, put_u64};
+
+/// `hClass`-independent facts about a live object.
+#[derive(Clone, Copy, Debug)]
+struct Object {
+    parent: Handle,
+    class: u32,
+    gpu: Option<u32>,
+    bytes: u64,
+    pid: u32,
+}
+
+#[derive(Debug)]
+struct Client {
+    file: u64,
+    pid: u32,
+    objects: BTreeMap<Handle, Object>,
+    /// Next index for generated handles.
+    next: u32,
+}
+
+impl Client {
+    /// A handle from the client's generated range that is not in use.
+    fn generate(&mut self, me: Handle) -> Option<Handle> {
+        for _ in 0..rm::RS_UNIQUE_HANDLE_RANGE {
+            let h = rm::RS_UNIQUE_HANDLE_BASE + self.next % rm::RS_UNIQUE_HANDLE_RANGE;
+            self.next = self.next.wrapping_add(1);
+            if h != me && !self.objects.contains_key(&h) {
+                return Some(h);
+            }
+        }
+        None
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Gpu {
+    capacity: u64,
+    used: u64,
+}
+
+/// Pending fault injections.
+#[derive(Debug, Default)]
+pub(super) struct Inject {
+    /// The next `count` video-memory allocations fail with `status`.
+    fail_alloc: Option<(u32, u64)>,
+    /// The next `count` ioctls fail with `errno`.
+    errno: Option<(i32, u64)>,
+    /// Every ioctl waits this long before it is handled.
+    pub(super) delay: Duration,
+}
+
+/// Uses one of a counted injection's remaining shots.
+fn take<T: Copy>(slot: &mut Option<(T, u64)>) -> Option<T> {
+    let (v, n) = slot.as_mut()?;
+    let v = *v;
+    *n -= 1;
+    if *n == 0 {
+        *slot = None;
+    }
+    Some(v)
+}
+
+/// Who issued a request.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Caller {
+    /// The open file (FUSE file handle).
+    pub(super) fh: u64,
+    /// The calling thread, as FUSE names it (a thread id serves for process_vm_readv).
+    pub(super) tid: u32,
+}
+
+/// Video-memory request fields, from `NV_MEMORY_ALLOCATION_PARAMS` or `NVOS32`.
+#[derive(Clone, Copy, Debug)]
+struct VidReq {
+    size: u64,
+    flags: u32,
+    attr: u32,
+}
+
+/// The fields of an `NV_ESC_RM_ALLOC` the fake acts on.
+#[derive(Clone, Copy, Debug)]
+struct AllocReq {
+    root: Handle,
+    parent: Handle,
+    new: Handle,
+    class: u32,
+    /// `pAllocParms`, in the caller's memory.
+    params: u64,
+    /// NVOS64 with `FINN_SERIALIZED`.
+    finn: bool,
+}
+
+/// What kind of object is made, with what its construction needs.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Device(u32),
+    Subdevice(u32),
+    Vidmem(VidReq),
+    /// Memory classes without video memory (virtual, system): under a device or subdevice.
+    Memory,
+    Plain,
+}
+
+/// Result of an escape: `Ok` for `ioctl()` returning 0 (the RM status is in the struct), or an
+/// errno.
+type EscapeResult = Result<(), i32>;
+
+/// The fake resource manager.
+#[derive(Debug)]
+pub(super) struct Rm {
+    page_size: u64,
+    gpus: Vec<Gpu>,
+    clients: BTreeMap<Handle, Client>,
+    /// Open `nvidiactl` files: FUSE file handle → opener's pid.
+    pub(super) files: BTreeMap<u64, u32>,
+    next_client: u32,
+    pub(super) inject: Inject,
+    stats: Stats,
+    verbose: bool,
+}
+
+impl Rm {
+    pub(super) fn new(o: &Options) -> Self {
+        Self {
+            page_size: o.page_size.max(1),
+            gpus: vec![
+                Gpu {
+                    capacity: o.capacity,
+                    used: 0
+                };
+                o.gpus as usize
+            ],
+            clients: BTreeMap::new(),
+            files: BTreeMap::new(),
+            next_client: 1,
+            inject: Inject::default(),
+            stats: Stats::default(),
+            verbose: o.verbose,
+        }
+    }
+
+    pub(super) fn snapshot(&self) -> Snapshot {
+        let gpus = self
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| GpuState {
+                index: i as u32,
+                capacity: g.capacity,
+                used: g.used,
+            })
+            .collect();
+        let files = self
+            .files
+            .iter()
+            .map(|(&fh, &pid)| FileState {
+                fh,
+                pid,
+                clients: self
+                    .clients
+                    .iter()
+                    .filter(|(_, c)| c.file == fh)
+                    .map(|(&h, _)| h)
+                    .collect(),
+            })
+            .collect();
+        let clients = self
+            .clients
+            .iter()
+            .map(|(&handle, c)| ClientState {
+                handle,
+                file: c.file,
+                pid: c.pid,
+            })
+            .collect();
+        let objects = self
+            .clients
+            .iter()
+            .flat_map(|(&client, c)| {
+                c.objects.iter().map(move |(&handle, o)| ObjectState {
+                    client,
+                    handle,
+                    parent: o.parent,
+                    class: o.class,
+                    gpu: o.gpu,
+                    bytes: o.bytes,
+                    pid: o.pid,
+                })
+            })
+            .collect();
+        Snapshot {
+            page_size: self.page_size,
+            gpus,
+            files,
+            clients,
+            objects,
+            stats: self.stats.clone(),
+        }
+    }
+
+    /// One ioctl on `nvidiactl`: `input` is what the kernel copied in (`_IOC_SIZE` bytes for a
+    /// write-direction command). Returns the struct to copy out, or an errno.
+    pub(super) fn ioctl(&mut self, c: Caller, cmd: u32, input: &[u8]) -> Result<Vec<u8>, i32> {
+        self.stats.ioctls += 1;
+        if let Some(e) = take(&mut self.inject.errno) {
+            return Err(e);
+        }
+        let nr = nv::ioc_nr(cmd);
+        let mut buf = input.to_vec();
+        buf.resize(nv::ioc_size(cmd) as usize, 0);
+        let r = if nr == nv::NV_ESC_IOCTL_XFER_CMD {
+            self.xfer(c, &buf)
+        } else {
+            self.escape(c, nr, &mut buf)
+        };
+        if self.verbose {
+            eprintln!(
+                "fakenv: tid {} fh {} cmd {cmd:#010x} (nr {nr:#x}, size {}) -> {r:?}",
+                c.tid,
+                c.fh,
+                buf.len()
+            );
+        }
+        r.map(|()| buf)
+    }
+
+    /// `NV_ESC_IOCTL_XFER_CMD`: the inner struct lives at `xfer.ptr` in the caller's memory.
+    fn xfer(&mut self, c: Caller, buf: &[u8]) -> EscapeResult {
+        if buf.len() != nv::NV_IOCTL_XFER_SIZE as usize {
+            return Err(libc::EINVAL);
+        }
+        let x: rm::NvIoctlXfer = from_bytes(buf);
+        if x.size > nv::NV_MAX_IOCTL_SIZE || x.cmd > 0xff || x.cmd == nv::NV_ESC_IOCTL_XFER_CMD {
+            return Err(libc::EINVAL);
+        }
+        let mut inner = vec![0u8; x.size as usize];
+        remote_read(c.tid, x.ptr, &mut inner).map_err(|_| libc::EFAULT)?;
+        self.escape(c, x.cmd, &mut inner)?;
+        remote_write(c.tid, x.ptr, &inner).map_err(|_| libc::EFAULT)
+    }
+
+    /// One escape on its parameter struct (`buf.len()` is the size the caller gave).
+    fn escape(&mut self, c: Caller, nr: u32, buf: &mut [u8]) -> EscapeResult {
+        let size = buf.len() as u32;
+        match nr {
+            nv::NV_ESC_RM_ALLOC => self.rm_alloc(c, buf),
+            nv::NV_ESC_RM_FREE => {
+                if size != nv::NVOS00_SIZE {
+                    return Err(libc::EINVAL);
+                }
+                let mut p: rm::Nvos00 = from_bytes(buf);
+                p.status = self.free(c.fh, p.h_root, p.h_object_old);
+                self.count(p.status);
+                buf.copy_from_slice(bytes_of(&p));
+                Ok(())
+            }
+            nv::NV_ESC_RM_VID_HEAP_CONTROL => self.vid_heap(c, buf),
+            // Device files only: the driver refuses it on the control device.
+            nv::NV_ESC_RM_ALLOC_MEMORY => Err(libc::EINVAL),
+            _ => match rm::escape_status_offset(nr, size) {
+                Some((off, has_client)) => {
+                    let st = if nr == nv::NV_ESC_RM_DUP_OBJECT {
+                        status::NV_ERR_NOT_SUPPORTED
+                    } else if has_client {
+                        self.check_client(c.fh, get_u32(buf, 0))
+                    } else {
+                        status::NV_OK
+                    };
+                    self.count(st);
+                    put_u32(buf, off, st);
+                    Ok(())
+                }
+                // An escape the fake knows with a size the driver refuses.
+                None if known_size_escape(nr) => Err(libc::EINVAL),
+                None if (0x27..=0x5f).contains(&nr) || (200..=218).contains(&nr) => Ok(()),
+                // RmIoctl's default case: an unknown command is a malformed request.
+                None => Err(libc::EINVAL),
+            },
+        }
+    }
+
+    fn count(&mut self, st: u32) {
+        if st != status::NV_OK {
+            self.stats.refused += 1;
+        }
+    }
+
+    /// `NV_ESC_RM_ALLOC`, NVOS21 or NVOS64 by size.
+    fn rm_alloc(&mut self, c: Caller, buf: &mut [u8]) -> EscapeResult {
+        let (long, status_at) = match buf.len() as u32 {
+            nv::NVOS21_SIZE => (false, rm::NVOS21_STATUS),
+            nv::NVOS64_SIZE => (true, rm::NVOS64_STATUS),
+            _ => return Err(libc::EINVAL),
+        };
+        let finn = long && get_u32(buf, rm::NVOS64_FLAGS) & rm::NVOS64_FLAGS_FINN_SERIALIZED != 0;
+        let a = AllocReq {
+            root: get_u32(buf, rm::ALLOC_H_ROOT),
+            parent: get_u32(buf, rm::ALLOC_H_PARENT),
+            new: get_u32(buf, rm::ALLOC_H_NEW),
+            class: get_u32(buf, rm::ALLOC_H_CLASS),
+            params: get_u64(buf, rm::ALLOC_P_PARAMS),
+            finn,
+        };
+        let st = match self.alloc(c, a) {
+            Ok(h) => {
+                put_u32(buf, rm::ALLOC_H_NEW, h);
+                status::NV_OK
+            }
+            Err(st) => st,
+        };
+        self.count(st);
+        put_u32(buf, status_at, st);
+        Ok(())
+    }
+
+    fn alloc(&mut self, c: Caller, a: AllocReq) -> Result<Handle, u32> {
+        let AllocReq {
+            root,
+            parent,
+            new,
+            class,
+            params,
+            finn,
+        } = a;
+        if class::is_root(class) {
+            return self.alloc_client(c, new);
+        }
+        match class {
+            class::MEMORY_LOCAL_USER => {
+                if finn {
+                    return Err(status::NV_ERR_NOT_SUPPORTED);
+                }
+                let mut p: rm::MemoryAllocationParams =
+                    read_remote(c.tid, params).ok_or(status::NV_ERR_INVALID_POINTER)?;
+                let req = VidReq {
+                    size: p.size,
+                    flags: p.flags,
+                    attr: p.attr,
+                };
+                let (h, bytes) = self.create(c, root, parent, new, class, Kind::Vidmem(req))?;
+                // RM copies the whole params struct back on success, with the allocated size.
+                p.size = bytes;
+                p.limit = bytes - 1;
+                if remote_write(c.tid, params, bytes_of(&p)).is_err() {
+                    self.free(c.fh, root, h);
+                    return Err(status::NV_ERR_INVALID_POINTER);
+                }
+                Ok(h)
+            }
+            class::MEMORY_VIRTUAL | class::MEMORY_SYSTEM => {
+                if finn {
+                    return Err(status::NV_ERR_NOT_SUPPORTED);
+                }
+                self.create(c, root, parent, new, class, Kind::Memory)
+                    .map(|(h, _)| h)
+            }
+            class::DEVICE => {
+                let p: rm::Nv0080AllocParams = read_params(c.tid, params)?;
+                self.create(c, root, parent, new, class, Kind::Device(p.device_id))
+                    .map(|(h, _)| h)
+            }
+            class::SUBDEVICE => {
+                let p: rm::Nv2080AllocParams = read_params(c.tid, params)?;
+                self.create(
+                    c,
+                    root,
+                    parent,
+                    new,
+                    class,
+                    Kind::Subdevice(p.sub_device_id),
+                )
+                .map(|(h, _)| h)
+            }
+            _ => self
+                .create(c, root, parent, new, class, Kind::Plain)
+                .map(|(h, _)| h),
+        }
+    }
+
+    /// A client bound to the caller's open file; `new` 0 generates the handle.
+    fn alloc_client(&mut self, c: Caller, new: Handle) -> Result<Handle, u32> {
+        let h = if new != 0 {
+            if self.clients.contains_key(&new) {
+                return Err(status::NV_ERR_INSERT_DUPLICATE_NAME);
+            }
+            new
+        } else {
+            let mut found = None;
+            for _ in 0..0x10_0000 {
+                let h = rm::RS_CLIENT_HANDLE_BASE | (self.next_client & 0xf_ffff);
+                self.next_client = self.next_client.wrapping_add(1);
+                if !self.clients.contains_key(&h) {
+                    found = Some(h);
+                    break;
+                }
+            }
+            found.ok_or(status::NV_ERR_INSUFFICIENT_RESOURCES)?
+        };
+        self.clients.insert(
+            h,
+            Client {
+                file: c.fh,
+                pid: tgid(c.tid),
+                objects: BTreeMap::new(),
+                next: 0,
+            },
+        );
+        self.stats.created += 1;
+        Ok(h)
+    }
+
+    /// `NV_OK` when `client` is live and bound to file `fh`.
+    fn check_client(&self, fh: u64, client: Handle) -> u32 {
+        match self.clients.get(&client) {
+            Some(c) if c.file == fh => status::NV_OK,
+            _ => status::NV_ERR_INVALID_CLIENT,
+        }
+    }
+
+    /// Makes an object of `class` under `parent` in `root`; returns its handle and the video
+    /// memory it holds.
+    fn create(
+        &mut self,
+        c: Caller,
+        root: Handle,
+        parent: Handle,
+        new: Handle,
+        class: u32,
+        kind: Kind,
+    ) -> Result<(Handle, u64), u32> {
+        let st = self.check_client(c.fh, root);
+        if st != status::NV_OK {
+            return Err(st);
+        }
+        let client = &self.clients[&root];
+        let parent_obj = if parent == root {
+            None
+        } else {
+            Some(
+                *client
+                    .objects
+                    .get(&parent)
+                    .ok_or(status::NV_ERR_INVALID_OBJECT_PARENT)?,
+            )
+        };
+        let parent_class = parent_obj.map(|o| o.class);
+        let parent_gpu = parent_obj.and_then(|o| o.gpu);
+        let under_gpu = matches!(parent_class, Some(class::DEVICE | class::SUBDEVICE));
+        if new != 0 && (new == root || client.objects.contains_key(&new)) {
+            return Err(status::NV_ERR_INSERT_DUPLICATE_NAME);
+        }
+        let (gpu, vid) = match kind {
+            Kind::Device(id) => {
+                if parent_obj.is_some() {
+                    return Err(status::NV_ERR_INVALID_OBJECT_PARENT);
+                }
+                if id as usize >= self.gpus.len() {
+                    return Err(status::NV_ERR_INVALID_ARGUMENT);
+                }
+                (Some(id), None)
+            }
+            Kind::Subdevice(id) => {
+                if parent_class != Some(class::DEVICE) {
+                    return Err(status::NV_ERR_INVALID_OBJECT_PARENT);
+                }
+                if id != 0 {
+                    return Err(status::NV_ERR_INVALID_ARGUMENT);
+                }
+                (parent_gpu, None)
+            }
+            Kind::Vidmem(req) => {
+                if !under_gpu {
+                    return Err(status::NV_ERR_INVALID_OBJECT_PARENT);
+                }
+                (parent_gpu, Some(req))
+            }
+            Kind::Memory => {
+                if !under_gpu {
+                    return Err(status::NV_ERR_INVALID_OBJECT_PARENT);
+                }
+                (parent_gpu, None)
+            }
+            Kind::Plain => (parent_gpu, None),
+        };
+        let bytes = match (vid, gpu) {
+            (Some(req), Some(g)) => self.charge(g, req)?,
+            _ => 0,
+        };
+        let client = self.clients.get_mut(&root).expect("client checked above");
+        let h = if new != 0 {
+            new
+        } else {
+            match client.generate(root) {
+                Some(h) => h,
+                None => {
+                    if let Some(g) = gpu {
+                        self.gpus[g as usize].used -= bytes;
+                    }
+                    return Err(status::NV_ERR_INSUFFICIENT_RESOURCES);
+                }
+            }
+        };
+        client.objects.insert(
+            h,
+            Object {
+                parent,
+                class,
+                gpu,
+                bytes,
+                pid: tgid(c.tid),
+            },
+        );
+        self.stats.created += 1;
+        Ok((h, bytes))
+    }
+
+    /// Takes video memory from `gpu` as `vidmemConstruct` would; returns the rounded size.
+    fn charge(&mut self, gpu: u32, req: VidReq) -> Result<u64, u32> {
+        if req.flags & rm::NVOS32_ALLOC_FLAGS_VIRTUAL != 0
+            || rm::attr_location(req.attr) != rm::NVOS32_ATTR_LOCATION_VIDMEM
+        {
+            return Err(status::NV_ERR_INVALID_ARGUMENT);
+        }
+        if let Some(st) = take(&mut self.inject.fail_alloc) {
+            return Err(st);
+        }
+        if req.size == 0 {
+            return Err(status::NV_ERR_INVALID_ARGUMENT);
+        }
+        let rounded = req
+            .size
+            .checked_next_multiple_of(self.page_size)
+            .ok_or(status::NV_ERR_NO_MEMORY)?;
+        let g = &mut self.gpus[gpu as usize];
+        match g.used.checked_add(rounded) {
+            Some(total) if total <= g.capacity => {
+                g.used = total;
+                Ok(rounded)
+            }
+            _ => Err(status::NV_ERR_NO_MEMORY),
+        }
+    }
+
+    fn uncharge(&mut self, objects: impl IntoIterator<Item = Object>) {
+        for o in objects {
+            if let (Some(g), true) = (o.gpu, o.bytes > 0) {
+                self.gpus[g as usize].used -= o.bytes;
+            }
+        }
+    }
+
+    /// `RM_FREE` semantics: the object and its subtree, the whole client when `handle == root`,
+    /// `NV_OK` for a handle that does not exist.
+    fn free(&mut self, fh: u64, root: Handle, handle: Handle) -> u32 {
+        let st = self.check_client(fh, root);
+        if st != status::NV_OK {
+            return st;
+        }
+        if handle == root {
+            self.free_client(root);
+            return status::NV_OK;
+        }
+        let client = self.clients.get_mut(&root).expect("client checked above");
+        if !client.objects.contains_key(&handle) {
+            return status::NV_OK;
+        }
+        let mut doomed = vec![handle];
+        let mut i = 0;
+        while i < doomed.len() {
+            let p = doomed[i];
+            doomed.extend(
+                client
+                    .objects
+                    .iter()
+                    .filter(|(_, o)| o.parent == p)
+                    .map(|(&h, _)| h),
+            );
+            i += 1;
+        }
+        let gone: Vec<Object> = doomed
+            .iter()
+            .filter_map(|h| client.objects.remove(h))
+            .collect();
+        self.uncharge(gone);
+        status::NV_OK
+    }
+
+    fn free_client(&mut self, root: Handle) {
+        if let Some(c) = self.clients.remove(&root) {
+            self.uncharge(c.objects.into_values());
+        }
+    }
+
+    /// The last reference to open file `fh` is gone: its clients go, with no RM_FREE.
+    pub(super) fn release(&mut self, fh: u64) {
+        let mine: Vec<Handle> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| c.file == fh)
+            .map(|(&h, _)| h)
+            .collect();
+        for h in mine {
+            self.free_client(h);
+        }
+        if self.files.remove(&fh).is_some() {
+            self.stats.released += 1;
+        }
+    }
+
+    /// `NV_ESC_RM_VID_HEAP_CONTROL`.
+    fn vid_heap(&mut self, c: Caller, buf: &mut [u8]) -> EscapeResult {
+        if buf.len() != nv::NVOS32_SIZE as usize {
+            return Err(libc::EINVAL);
+        }
+        let root = get_u32(buf, rm::VIDHEAP_H_ROOT);
+        let parent = get_u32(buf, rm::VIDHEAP_H_PARENT);
+        let function = get_u32(buf, rm::VIDHEAP_FUNCTION);
+        let st = if let Some((attr_at, size_at)) = rm::vidheap_alloc_fields(function) {
+            let flags = get_u32(buf, rm::VIDHEAP_FLAGS);
+            let attr = get_u32(buf, attr_at);
+            let size = get_u64(buf, size_at);
+            let new = if flags & rm::NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED != 0 {
+                get_u32(buf, rm::VIDHEAP_H_MEMORY)
+            } else {
+                0
+            };
+            // The class the driver turns the request into (rmapi_deprecated_vidheapctrl.c).
+            let (class, kind) = if flags & rm::NVOS32_ALLOC_FLAGS_VIRTUAL != 0 {
+                (class::MEMORY_VIRTUAL, Kind::Memory)
+            } else if rm::attr_location(attr) != rm::NVOS32_ATTR_LOCATION_VIDMEM {
+                (class::MEMORY_SYSTEM, Kind::Memory)
+            } else {
+                let req = VidReq { size, flags, attr };
+                (class::MEMORY_LOCAL_USER, Kind::Vidmem(req))
+            };
+            match self.create(c, root, parent, new, class, kind) {
+                Ok((h, bytes)) => {
+                    put_u32(buf, rm::VIDHEAP_H_MEMORY, h);
+                    if class == class::MEMORY_LOCAL_USER {
+                        put_u64(buf, size_at, bytes);
+                    }
+                    status::NV_OK
+                }
+                Err(st) => st,
+            }
+        } else {
+            match function {
+                rm::NVOS32_FUNCTION_FREE => {
+                    self.free(c.fh, root, get_u32(buf, rm::VIDHEAP_H_MEMORY))
+                }
+                rm::NVOS32_FUNCTION_INFO => match self.gpu_of(c.fh, root, parent) {
+                    Ok(g) => {
+                        let g = self.gpus[g as usize];
+                        put_u64(buf, rm::VIDHEAP_TOTAL, g.capacity);
+                        put_u64(buf, rm::VIDHEAP_FREE, g.capacity - g.used);
+                        status::NV_OK
+                    }
+                    Err(st) => st,
+                },
+                _ => self.check_client(c.fh, root),
+            }
+        };
+        self.count(st);
+        put_u32(buf, rm::VIDHEAP_STATUS, st);
+        Ok(())
+    }
+
+    /// The GPU of object `h` of `root` (a device, subdevice or something under one).
+    fn gpu_of(&self, fh: u64, root: Handle, h: Handle) -> Result<u32, u32> {
+        let st = self.check_client(fh, root);
+        if st != status::NV_OK {
+            return Err(st);
+        }
+        self.clients[&root]
+            .objects
+            .get(&h)
+            .and_then(|o| o.gpu)
+            .ok_or(status::NV_ERR_INVALID_OBJECT_PARENT)
+    }
+
+    pub(super) fn inject_text(&self) -> String {
+        let mut s = String::new();
+        if let Some((st, n)) = self.inject.fail_alloc {
+            s += &format!("fail-next-alloc {st:#x} {n}\n");
+        }
+        if let Some((e, n)) = self.inject.errno {
+            s += &format!("errno-next-ioctl {e} {n}\n");
+        }
+        if !self.inject.delay.is_zero() {
+            s += &format!("delay-ioctl-ms {}\n", self.inject.delay.as_millis());
+        }
+        s
+    }
+
+    /// Applies one line of the `inject` grammar (see [`FakeNv::inject`]).
+    pub(super) fn apply_inject(&mut self, line: &str) -> Result<(), String> {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let num = |s: &str| parse_num(s).ok_or_else(|| format!("bad number {s:?}"));
+        let count = |w: Option<&&str>| w.map_or(Ok(1), |s| num(s)).map(|n| n.max(1));
+        match words.as_slice() {
+            [] => Ok(()),
+            [w, ..] if w.starts_with('#') => Ok(()),
+            ["fail-next-alloc", st, rest @ ..] if rest.len() <= 1 => {
+                self.inject.fail_alloc = Some((num(st)? as u32, count(rest.first())?));
+                Ok(())
+            }
+            ["errno-next-ioctl", e, rest @ ..] if rest.len() <= 1 => {
+                let e = num(e)? as i32;
+                if e <= 0 {
+                    return Err("errno must be positive".into());
+                }
+                self.inject.errno = Some((e, count(rest.first())?));
+                Ok(())
+            }
+            ["delay-ioctl-ms", ms] => {
+                self.inject.delay = Duration::from_millis(num(ms)?);
+                Ok(())
+            }
+            ["capacity", gpu, bytes] => {
+                let g = num(gpu)? as usize;
+                let bytes = parse_size(bytes).ok_or_else(|| format!("bad size {bytes:?}"))?;
+                let gpu = self.gpus.get_mut(g).ok_or_else(|| format!("no GPU {g}"))?;
+                gpu.capacity = bytes;
+                Ok(())
+            }
+            ["clear"] => {
+                self.inject = Inject::default();
+                Ok(())
+            }
+            _ => Err(format!("unknown injection {line:?}")),
+        }
+    }
+}
+
+/// Escapes whose only valid sizes are the ones in [`rm::escape_status_offset`].
+fn known_size_escape(nr: u32) -> bool {
+    matches!(
+        nr,
+        nv::NV_ESC_RM_CONTROL
+            | nv::NV_ESC_RM_MAP_MEMORY
+            | nv::NV_ESC_RM_UNMAP_MEMORY
+            | nv::NV_ESC_RM_MAP_MEMORY_DMA
+            | nv::NV_ESC_RM_UNMAP_MEMORY_DMA
+            | nv::NV_ESC_RM_DUP_OBJECT
+            | nv::NV_ESC_RM_SHARE
+            | nv::NV_ESC_ALLOC_OS_EVENT
+            | nv::NV_ESC_FREE_OS_EVENT
+    )
+}
+
+/// Thread group id of thread `tid` (the process to report), or `tid` itself when unknown.
+pub(super) fn tgid(tid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{tid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Tgid:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(tid)
+}
+
+/// Reads `buf.len()` bytes at `addr` in process (or thread) `pid`; all or an error.
+fn remote_read(pid: u32, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+    if buf.is_empty() {
+        return Ok(());
+    }
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: one local iovec over `buf`; the remote side is checked by the kernel.
+    let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    match n {
+        n if n < 0 => Err(io::Error::last_os_error()),
+        n if n as usize != buf.len() => Err(io::Error::from_raw_os_error(libc::EFAULT)),
+        _ => Ok(()),
+    }
+}
+
+/// Writes `buf` at `addr` in process (or thread) `pid`; all or an error.
+fn remote_write(pid: u32, addr: u64, buf: &[u8]) -> io::Result<()> {
+    if buf.is_empty() {
+        return Ok(());
+    }
+    let local = libc::iovec {
+        iov_base: buf.as_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: one local iovec over `buf` (only read); the remote side is checked by the kernel.
+    let n = unsafe { libc::process_vm_writev(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    match n {
+        n if n < 0 => Err(io::Error::last_os_error()),
+        n if n as usize != buf.len() => Err(io::Error::from_raw_os_error(libc::EFAULT)),
+        _ => Ok(()),
+    }
+}
+
+/// A `T` read from `addr` in `pid`'s memory; `None` for a null or unreadable pointer.
+fn read_remote<T: Plain>(pid: u32, addr: u64) -> Option<T> {
+    if addr == 0 {
+        return None;
+    }
+    let mut v = T::default();
+    remote_read(pid, addr, bytes_of_mut(&mut v)).ok()?;
+    Some(v)
+}
+
+/// Class params: zeroes for a null pointer (RM's defaults), the struct otherwise.
+fn read_params<T: Plain>(pid: u32, addr: u64) -> Result<T, u32> {
+    if addr == 0 {
+        return Ok(T::default());
+    }
+    read_remote(pid, addr).ok_or(status::NV_ERR_INVALID_POINTER)
+}
