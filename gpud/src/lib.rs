@@ -13,6 +13,7 @@ pub mod enforcement;
 pub mod nvml;
 pub mod policy;
 pub mod probes;
+pub mod runtime;
 
 /// Version reported on D-Bus and by `--version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -17,6 +17,7 @@ use gpud::api::dbus::{Manager1Proxy, connect_builder};
 pub mod fakenv;
 pub mod inproc;
 pub mod rm;
+pub mod runtime;
 
 /// Per-class counts as gpud reports them (every class present), from the non-zero ones.
 pub fn class_counts(pairs: &[(&str, u64)]) -> std::collections::BTreeMap<String, u64> {

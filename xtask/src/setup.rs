@@ -64,7 +64,16 @@ const PACKAGES: &[(&str, Probe, &str)] = &[
         Probe::Dpkg,
         "the Debian kernel the VM tests boot",
     ),
-    ("busybox-static", Probe::Dpkg, "the VM's init and tools"),
+    (
+        "busybox-static",
+        Probe::Dpkg,
+        "the VM's init and tools; the rootfs of the runc containers",
+    ),
+    (
+        "runc",
+        Probe::Dpkg,
+        "the OCI hook's end-to-end tests run real containers",
+    ),
     ("cpio", Probe::Dpkg, "packing the VM's initramfs"),
 ];
 

@@ -12,7 +12,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     api::model::LimitRecord,
-    attribution::{Attribution, AttributionError, memory::gpu_name},
+    attribution::{Attribution, AttributionError, CgroupError, memory::gpu_name},
     config::ReactAction,
     policy::{GpuSelector, LimitStore, LimitUpdate, Limits, PolicyError},
     probes::Tier,
@@ -205,7 +205,13 @@ impl MemoryEnforcement {
         if let Some(bad) = names.iter().find(|n| !probe.clear(n)) {
             return Err(PolicyError::UnknownLimit(bad.chars().take(80).collect()).into());
         }
-        let (path, id) = attr.id_of(cgroup)?;
+        let (path, id) = match attr.id_of(cgroup) {
+            Ok(found) => found,
+            Err(AttributionError::Cgroup(CgroupError::NotFound(missing))) => {
+                return self.forget_removed(&missing, &gpu);
+            }
+            Err(e) => return Err(e.into()),
+        };
         let mut entries = self.store.entries().clone();
         if let Some(l) = entries.get_mut(&(path.clone(), gpu.clone())) {
             if names.is_empty() {
@@ -225,6 +231,25 @@ impl MemoryEnforcement {
         }
         info!(cgroup = %path, gpu = %gpu, "limit cleared");
         self.maybe_thaw(attr, &path, id);
+        Ok(())
+    }
+
+    /// Clearing the limits of a cgroup that was removed (as a container runtime's `poststop`
+    /// hook does: the runtime removes the container's cgroup first) drops what is stored for it
+    /// at once rather than at the next sweep; its kernel entry went with its id. `NotFound` when
+    /// nothing is stored for it either.
+    fn forget_removed(&mut self, path: &str, gpu: &GpuSelector) -> Result<(), EnforcementError> {
+        let key = (path.to_owned(), gpu.clone());
+        if self.store.get(path, gpu).is_none() {
+            return Err(AttributionError::Cgroup(CgroupError::NotFound(path.to_owned())).into());
+        }
+        let mut entries = self.store.entries().clone();
+        entries.remove(&key);
+        self.store.replace(entries)?;
+        if !self.store.entries().keys().any(|(cg, _)| cg == path) {
+            self.frozen.remove(path);
+        }
+        info!(cgroup = %path, gpu = %gpu, "limits of a removed cgroup cleared");
         Ok(())
     }
 

@@ -1,0 +1,647 @@
+//! The annotation schema by which containers ask for GPU shares (documented in
+//! docs/runtime-integration.md), and its parser.
+//!
+//! Keys, each with an optional GPU suffix (`.0`, `.GPU-<uuid>`, `.MIG-<uuid>`; none: the limit
+//! applies to the sum over all GPUs, gpud's `all`):
+//!
+//! | key | value | D-Bus limit |
+//! | --- | --- | --- |
+//! | `gpud.dev/memory-max[.GPU]` | bytes, or a quantity: `512Mi`, `8Gi`, `2G` | `memory_max` |
+//! | `gpud.dev/compute-max[.GPU]` | percent of one GPU's time, 1–100 | `compute_max` |
+//! | `gpud.dev/compute-min[.GPU]` | guaranteed percent, 1–100 | `compute_min` |
+//! | `gpud.dev/compute-weight[.GPU]` | 1–10000 | `compute_weight` |
+//! | `gpud.dev/priority[.GPU]` | `latency-critical`, `normal`, `best-effort` | `priority` |
+//!
+//! Three levels, each overriding the one before it key by key (limit and GPU): the pod's
+//! annotations (`gpud.dev/…`), the pod's annotations scoped to one container by name
+//! (`<container>.container.gpud.dev/…`; Kubernetes users cannot annotate single containers
+//! otherwise), and the container's own annotations (`gpud.dev/…`, as a runtime or a device plugin
+//! sets them). Every `gpud.dev` annotation is validated, also those scoped to other containers,
+//! so a typo fails the whole pod the same way; other annotations are ignored.
+
+use std::{collections::BTreeMap, collections::HashMap, str::FromStr};
+
+use crate::policy::{GpuSelector, MAX_BYTES, parse_quantity};
+
+/// The domain of gpud's annotation keys.
+pub const DOMAIN: &str = "gpud.dev";
+/// The prefix of pod- and container-level keys.
+pub const PREFIX: &str = "gpud.dev/";
+/// The prefix-suffix of container-scoped pod keys: `<container>.container.gpud.dev/…`.
+pub const CONTAINER_SCOPE: &str = ".container.gpud.dev/";
+
+/// Longest annotation value looked at; longer values are invalid.
+const MAX_VALUE_LEN: usize = 256;
+
+/// An annotation that cannot be used; the message names the annotation and the problem.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AnnotationError {
+    #[error("annotation {key}: unknown gpud annotation (known: {known})", known = known_keys())]
+    UnknownKey { key: String },
+    #[error("annotation {key}: invalid GPU suffix {gpu:?}: {reason}")]
+    InvalidGpu {
+        key: String,
+        gpu: String,
+        reason: String,
+    },
+    #[error("annotation {key}={value:?}: {reason}")]
+    InvalidValue {
+        key: String,
+        value: String,
+        reason: String,
+    },
+    #[error("annotations {key} and {other} set the same limit on the same GPU")]
+    Duplicate { key: String, other: String },
+    #[error(
+        "annotation {min_key}={min} exceeds {max_key}={max}: the guaranteed share cannot be larger than the cap"
+    )]
+    MinAboveMax {
+        min_key: String,
+        min: u32,
+        max_key: String,
+        max: u32,
+    },
+}
+
+/// One kind of limit an annotation can set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum LimitKind {
+    MemoryMax,
+    ComputeMax,
+    ComputeMin,
+    ComputeWeight,
+    Priority,
+}
+
+impl LimitKind {
+    pub const ALL: [LimitKind; 5] = [
+        Self::MemoryMax,
+        Self::ComputeMax,
+        Self::ComputeMin,
+        Self::ComputeWeight,
+        Self::Priority,
+    ];
+
+    /// The annotation name (after `gpud.dev/`).
+    pub fn annotation(self) -> &'static str {
+        match self {
+            Self::MemoryMax => "memory-max",
+            Self::ComputeMax => "compute-max",
+            Self::ComputeMin => "compute-min",
+            Self::ComputeWeight => "compute-weight",
+            Self::Priority => "priority",
+        }
+    }
+
+    /// The limit's name in gpud's `SetLimits` dictionary.
+    pub fn dbus_name(self) -> &'static str {
+        match self {
+            Self::MemoryMax => "memory_max",
+            Self::ComputeMax => "compute_max",
+            Self::ComputeMin => "compute_min",
+            Self::ComputeWeight => "compute_weight",
+            Self::Priority => "priority",
+        }
+    }
+
+    fn from_annotation(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.annotation() == name)
+    }
+}
+
+fn known_keys() -> String {
+    LimitKind::ALL
+        .iter()
+        .map(|k| format!("{PREFIX}{}[.GPU]", k.annotation()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Priority classes of compute shares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    LatencyCritical,
+    Normal,
+    BestEffort,
+}
+
+impl Priority {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::LatencyCritical => "latency-critical",
+            Self::Normal => "normal",
+            Self::BestEffort => "best-effort",
+        }
+    }
+}
+
+impl FromStr for Priority {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "latency-critical" => Ok(Self::LatencyCritical),
+            "normal" => Ok(Self::Normal),
+            "best-effort" => Ok(Self::BestEffort),
+            _ => Err("expected latency-critical, normal or best-effort".into()),
+        }
+    }
+}
+
+/// A validated limit value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LimitValue {
+    /// Bytes, percent or weight.
+    Number(u64),
+    Priority(Priority),
+}
+
+/// The shares asked for, by GPU (`all` or one GPU) and limit.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Shares {
+    pub gpus: BTreeMap<GpuSelector, BTreeMap<LimitKind, LimitValue>>,
+}
+
+impl Shares {
+    pub fn is_empty(&self) -> bool {
+        self.gpus.values().all(BTreeMap::is_empty)
+    }
+
+    /// The value of one limit on one GPU.
+    pub fn get(&self, gpu: &GpuSelector, kind: LimitKind) -> Option<&LimitValue> {
+        self.gpus.get(gpu).and_then(|l| l.get(&kind))
+    }
+}
+
+/// One parsed annotation: which limit on which GPU, and for which container if scoped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Entry {
+    container: Option<String>,
+    gpu: GpuSelector,
+    kind: LimitKind,
+    value: LimitValue,
+}
+
+/// Parses one annotation. `Ok(None)` for annotations that are not gpud's.
+fn parse_one(key: &str, value: &str) -> Result<Option<Entry>, AnnotationError> {
+    let (container, rest) = if let Some(rest) = key.strip_prefix(PREFIX) {
+        (None, rest)
+    } else if let Some((scope, rest)) = key.split_once(CONTAINER_SCOPE) {
+        if scope.is_empty() || scope.contains('/') {
+            return Ok(None);
+        }
+        (Some(scope.to_owned()), rest)
+    } else {
+        // `foo.gpud.dev/x` or `gpud.dev.example/x`: not ours unless it is our domain exactly.
+        if key
+            .split_once('/')
+            .is_some_and(|(d, _)| d == DOMAIN || d.ends_with(&format!(".{DOMAIN}")))
+        {
+            return Err(AnnotationError::UnknownKey {
+                key: key.to_owned(),
+            });
+        }
+        return Ok(None);
+    };
+    let (name, gpu) = match rest.split_once('.') {
+        Some((n, g)) => (n, Some(g)),
+        None => (rest, None),
+    };
+    let kind = LimitKind::from_annotation(name).ok_or_else(|| AnnotationError::UnknownKey {
+        key: key.to_owned(),
+    })?;
+    let gpu = match gpu {
+        None => GpuSelector::All,
+        Some(g) => match g.parse::<GpuSelector>() {
+            Ok(GpuSelector::All) => {
+                return Err(AnnotationError::InvalidGpu {
+                    key: key.to_owned(),
+                    gpu: g.to_owned(),
+                    reason: format!("leave the suffix out for all GPUs ({PREFIX}{name})"),
+                });
+            }
+            Ok(sel) => sel,
+            Err(e) => {
+                return Err(AnnotationError::InvalidGpu {
+                    key: key.to_owned(),
+                    gpu: g.chars().take(80).collect(),
+                    reason: e.to_string(),
+                });
+            }
+        },
+    };
+    let value = parse_value(kind, value).map_err(|reason| AnnotationError::InvalidValue {
+        key: key.to_owned(),
+        value: value.chars().take(80).collect(),
+        reason,
+    })?;
+    Ok(Some(Entry {
+        container,
+        gpu,
+        kind,
+        value,
+    }))
+}
+
+/// Validates one value of a limit.
+pub fn parse_value(kind: LimitKind, value: &str) -> Result<LimitValue, String> {
+    if value.len() > MAX_VALUE_LEN {
+        return Err(format!("longer than {MAX_VALUE_LEN} bytes"));
+    }
+    let v = value.trim();
+    match kind {
+        LimitKind::MemoryMax => {
+            let n = parse_quantity(v)?;
+            if n == 0 {
+                return Err("0 bytes: leave the annotation out for no limit".into());
+            }
+            if n > MAX_BYTES {
+                return Err(format!("{n} bytes is more than gpud accepts ({MAX_BYTES})"));
+            }
+            Ok(LimitValue::Number(n))
+        }
+        LimitKind::ComputeMax | LimitKind::ComputeMin => {
+            integer_in(v, 1, 100, "a percentage").map(LimitValue::Number)
+        }
+        LimitKind::ComputeWeight => integer_in(v, 1, 10_000, "a weight").map(LimitValue::Number),
+        LimitKind::Priority => v.parse().map(LimitValue::Priority),
+    }
+}
+
+fn integer_in(v: &str, lo: u64, hi: u64, what: &str) -> Result<u64, String> {
+    let range = || format!("expected {what}, an integer from {lo} to {hi}");
+    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(range());
+    }
+    match v.parse::<u64>() {
+        Ok(n) if (lo..=hi).contains(&n) => Ok(n),
+        _ => Err(range()),
+    }
+}
+
+/// The shares of one container, from the pod's annotations, the container's name (for
+/// container-scoped pod keys) and the container's own annotations; see the module documentation
+/// for the precedence. Errors name the first offending annotation (in key order).
+pub fn resolve(
+    pod: &HashMap<String, String>,
+    container: &HashMap<String, String>,
+    container_name: Option<&str>,
+) -> Result<Shares, AnnotationError> {
+    // level → (gpu, kind) → (key, value)
+    type Level = BTreeMap<(GpuSelector, LimitKind), (String, LimitValue)>;
+    let mut pod_level = Level::new();
+    let mut scoped = Level::new();
+    let mut own = Level::new();
+    let insert = |level: &mut Level, key: &str, e: Entry| match level.get(&(e.gpu.clone(), e.kind))
+    {
+        Some((other, _)) => Err(AnnotationError::Duplicate {
+            key: key.to_owned(),
+            other: other.clone(),
+        }),
+        None => {
+            level.insert((e.gpu, e.kind), (key.to_owned(), e.value));
+            Ok(())
+        }
+    };
+    // Sorted so that the error reported for several bad annotations is always the same.
+    let sorted = |m: &HashMap<String, String>| {
+        let mut v: Vec<(String, String)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        v.sort();
+        v
+    };
+    for (key, value) in sorted(pod) {
+        let Some(e) = parse_one(&key, &value)? else {
+            continue;
+        };
+        match e.container.as_deref() {
+            None => insert(&mut pod_level, &key, e)?,
+            Some(c) if Some(c) == container_name => insert(&mut scoped, &key, e)?,
+            Some(_) => {}
+        }
+    }
+    for (key, value) in sorted(container) {
+        let Some(e) = parse_one(&key, &value)? else {
+            continue;
+        };
+        // A container-scoped key among the container's annotations (a runtime that copied the
+        // pod's annotations there) counts at the scoped level when it names this container.
+        match e.container.as_deref() {
+            None => insert(&mut own, &key, e)?,
+            Some(c) if Some(c) == container_name => insert(&mut scoped, &key, e)?,
+            Some(_) => {}
+        }
+    }
+    let mut merged = pod_level;
+    merged.extend(scoped);
+    merged.extend(own);
+    check_min_max(&merged)?;
+    let mut shares = Shares::default();
+    for ((gpu, kind), (_, value)) in merged {
+        shares.gpus.entry(gpu).or_default().insert(kind, value);
+    }
+    Ok(shares)
+}
+
+fn check_min_max(
+    merged: &BTreeMap<(GpuSelector, LimitKind), (String, LimitValue)>,
+) -> Result<(), AnnotationError> {
+    for ((gpu, kind), (min_key, min)) in merged {
+        if *kind != LimitKind::ComputeMin {
+            continue;
+        }
+        let Some((max_key, max)) = merged.get(&(gpu.clone(), LimitKind::ComputeMax)) else {
+            continue;
+        };
+        if let (LimitValue::Number(min), LimitValue::Number(max)) = (min, max)
+            && min > max
+        {
+            return Err(AnnotationError::MinAboveMax {
+                min_key: min_key.clone(),
+                min: u32::try_from(*min).unwrap_or(u32::MAX),
+                max_key: max_key.clone(),
+                max: u32::try_from(*max).unwrap_or(u32::MAX),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn map(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    const UUID: &str = "GPU-0f0b13fe-cea9-4935-ec40-fd1087fa9f42";
+
+    /// Valid annotations: (key, value, GPU, limit, parsed value).
+    #[test]
+    #[rustfmt::skip]
+    fn valid_values() {
+        use LimitKind::*;
+        use LimitValue::{Number as N, Priority as P};
+        let all = || GpuSelector::All;
+        let idx = GpuSelector::Index;
+        let uuid = || GpuSelector::Uuid(UUID.into());
+        let uuid_key = format!("gpud.dev/memory-max.{UUID}");
+        let cases: Vec<(&str, &str, GpuSelector, LimitKind, LimitValue)> = vec![
+            ("gpud.dev/memory-max",        "8Gi",        all(),  MemoryMax, N(8 << 30)),
+            ("gpud.dev/memory-max",        "512Mi",      all(),  MemoryMax, N(512 << 20)),
+            ("gpud.dev/memory-max",        "1073741824", all(),  MemoryMax, N(1 << 30)),
+            ("gpud.dev/memory-max",        " 2G ",       all(),  MemoryMax, N(2_000_000_000)),
+            ("gpud.dev/memory-max",        "100k",       all(),  MemoryMax, N(100_000)),
+            ("gpud.dev/memory-max",        "1Ti",        all(),  MemoryMax, N(1 << 40)),
+            ("gpud.dev/memory-max",        "1",          all(),  MemoryMax, N(1)),
+            ("gpud.dev/memory-max.0",      "4Gi",        idx(0), MemoryMax, N(4 << 30)),
+            ("gpud.dev/memory-max.7",      "4Gi",        idx(7), MemoryMax, N(4 << 30)),
+            (&uuid_key,                    "1Gi",        uuid(), MemoryMax, N(1 << 30)),
+            ("gpud.dev/compute-max",       "30",         all(),  ComputeMax, N(30)),
+            ("gpud.dev/compute-max",       "1",          all(),  ComputeMax, N(1)),
+            ("gpud.dev/compute-max.1",     "100",        idx(1), ComputeMax, N(100)),
+            ("gpud.dev/compute-min",       "60",         all(),  ComputeMin, N(60)),
+            ("gpud.dev/compute-weight",    "1",          all(),  ComputeWeight, N(1)),
+            ("gpud.dev/compute-weight",    "10000",      all(),  ComputeWeight, N(10000)),
+            ("gpud.dev/priority",          "latency-critical", all(), Priority, P(super::Priority::LatencyCritical)),
+            ("gpud.dev/priority",          "normal",     all(),  Priority, P(super::Priority::Normal)),
+            ("gpud.dev/priority.0",        "best-effort", idx(0), Priority, P(super::Priority::BestEffort)),
+            ("train.container.gpud.dev/memory-max", "2Gi", all(), MemoryMax, N(2 << 30)),
+        ];
+        for (key, value, gpu, kind, want) in cases {
+            let got = resolve(&map(&[(key, value)]), &HashMap::new(), Some("train"))
+                .unwrap_or_else(|e| panic!("{key}={value:?}: {e}"));
+            assert_eq!(got.get(&gpu, kind), Some(&want), "{key}={value:?}");
+            assert_eq!(got.gpus.len(), 1, "{key}={value:?}");
+        }
+    }
+
+    /// Invalid annotations: (key, value, words the message must contain).
+    #[test]
+    #[rustfmt::skip]
+    fn invalid_values() {
+        let uuid_key = format!("gpud.dev/memory-max.{UUID}x");
+        let long = "1".repeat(300);
+        let cases: Vec<(&str, &str, &[&str])> = vec![
+            ("gpud.dev/memory-max",      "",           &["gpud.dev/memory-max", "not a byte quantity"]),
+            ("gpud.dev/memory-max",      "0",          &["gpud.dev/memory-max=\"0\"", "0 bytes"]),
+            ("gpud.dev/memory-max",      "0Gi",        &["0 bytes"]),
+            ("gpud.dev/memory-max",      "8GB",        &["\"8GB\"", "unknown suffix"]),
+            ("gpud.dev/memory-max",      "8 Gi",       &["unknown suffix"]),
+            ("gpud.dev/memory-max",      "-1",         &["not a byte quantity"]),
+            ("gpud.dev/memory-max",      "1.5Gi",      &["unknown suffix"]),
+            ("gpud.dev/memory-max",      "lots",       &["not a byte quantity"]),
+            ("gpud.dev/memory-max",      "2000000Ti",  &["more than gpud accepts"]),
+            ("gpud.dev/memory-max",      "99999999999999999999", &["too large"]),
+            ("gpud.dev/memory-max",      "17179869184Ti", &["too large"]),
+            ("gpud.dev/memory-max",      &long,        &["longer than 256 bytes"]),
+            ("gpud.dev/memory-max.all",  "1Gi",        &["gpud.dev/memory-max.all", "leave the suffix out"]),
+            ("gpud.dev/memory-max.",     "1Gi",        &["invalid GPU suffix"]),
+            ("gpud.dev/memory-max.gpu0", "1Gi",        &["invalid GPU suffix \"gpu0\""]),
+            ("gpud.dev/memory-max.999",  "1Gi",        &["invalid GPU suffix"]),
+            ("gpud.dev/memory-max.-1",   "1Gi",        &["invalid GPU suffix"]),
+            ("gpud.dev/memory-max.0.1",  "1Gi",        &["invalid GPU suffix"]),
+            (&uuid_key,                  "1Gi",        &["invalid GPU suffix"]),
+            ("gpud.dev/memory-maxx",     "1Gi",        &["gpud.dev/memory-maxx", "unknown gpud annotation"]),
+            ("gpud.dev/memory",          "1Gi",        &["unknown gpud annotation"]),
+            ("gpud.dev/",                "1Gi",        &["unknown gpud annotation"]),
+            ("gpud.dev/Memory-Max",      "1Gi",        &["unknown gpud annotation"]),
+            ("a.b.gpud.dev/memory-max",  "1Gi",        &["a.b.gpud.dev/memory-max", "unknown gpud annotation"]),
+            ("x.container.gpud.dev/cpu", "1",          &["x.container.gpud.dev/cpu", "unknown gpud annotation"]),
+            ("gpud.dev/compute-max",     "0",          &["gpud.dev/compute-max", "1 to 100"]),
+            ("gpud.dev/compute-max",     "101",        &["1 to 100"]),
+            ("gpud.dev/compute-max",     "30%",        &["1 to 100"]),
+            ("gpud.dev/compute-max",     "-5",         &["1 to 100"]),
+            ("gpud.dev/compute-max",     "",           &["1 to 100"]),
+            ("gpud.dev/compute-max",     "99999999999999999999999", &["1 to 100"]),
+            ("gpud.dev/compute-min",     "0",          &["gpud.dev/compute-min", "1 to 100"]),
+            ("gpud.dev/compute-min",     "1000",       &["1 to 100"]),
+            ("gpud.dev/compute-weight",  "0",          &["gpud.dev/compute-weight", "1 to 10000"]),
+            ("gpud.dev/compute-weight",  "10001",      &["1 to 10000"]),
+            ("gpud.dev/compute-weight",  "1.5",        &["1 to 10000"]),
+            ("gpud.dev/priority",        "high",       &["gpud.dev/priority", "latency-critical, normal or best-effort"]),
+            ("gpud.dev/priority",        "Normal",     &["latency-critical, normal or best-effort"]),
+            ("gpud.dev/priority",        "",           &["latency-critical, normal or best-effort"]),
+        ];
+        for (key, value, words) in cases {
+            let err = match resolve(&map(&[(key, value)]), &HashMap::new(), None) {
+                Ok(s) => panic!("{key}={value:?} accepted as {s:?}"),
+                Err(e) => e.to_string(),
+            };
+            for w in words {
+                assert!(err.contains(w), "{key}={value:?}: {err:?} lacks {w:?}");
+            }
+            // The same annotation on the container is rejected the same way.
+            assert!(
+                resolve(&HashMap::new(), &map(&[(key, value)]), None).is_err(),
+                "{key}={value:?} on the container"
+            );
+        }
+    }
+
+    #[test]
+    fn other_annotations_are_ignored() {
+        let s = resolve(
+            &map(&[
+                ("io.kubernetes.pod.name", "x"),
+                ("example.com/memory-max", "garbage"),
+                ("gpud.dev.example.com/memory-max", "garbage"),
+                ("notgpud.dev/memory-max", "garbage"),
+                ("memory-max", "garbage"),
+            ]),
+            &HashMap::new(),
+            Some("c"),
+        );
+        assert_eq!(s, Ok(Shares::default()));
+    }
+
+    #[test]
+    fn container_overrides_scoped_overrides_pod_key_by_key() {
+        let pod = map(&[
+            ("gpud.dev/memory-max", "8Gi"),
+            ("gpud.dev/memory-max.0", "6Gi"),
+            ("gpud.dev/compute-max", "50"),
+            ("gpud.dev/priority", "normal"),
+            ("train.container.gpud.dev/memory-max", "4Gi"),
+            ("train.container.gpud.dev/compute-weight", "300"),
+            ("infer.container.gpud.dev/memory-max", "2Gi"),
+        ]);
+        let own = map(&[
+            ("gpud.dev/compute-max", "20"),
+            ("gpud.dev/memory-max.1", "1Gi"),
+        ]);
+        let s = resolve(&pod, &own, Some("train")).unwrap_or_default();
+        let n = |v| Some(LimitValue::Number(v));
+        let all = GpuSelector::All;
+        assert_eq!(
+            s.get(&all, LimitKind::MemoryMax).cloned(),
+            n(4 << 30),
+            "scoped over pod"
+        );
+        assert_eq!(
+            s.get(&all, LimitKind::ComputeMax).cloned(),
+            n(20),
+            "own over pod"
+        );
+        assert_eq!(s.get(&all, LimitKind::ComputeWeight).cloned(), n(300));
+        assert_eq!(
+            s.get(&all, LimitKind::Priority).cloned(),
+            Some(LimitValue::Priority(Priority::Normal)),
+            "pod value kept"
+        );
+        assert_eq!(
+            s.get(&GpuSelector::Index(0), LimitKind::MemoryMax).cloned(),
+            n(6 << 30)
+        );
+        assert_eq!(
+            s.get(&GpuSelector::Index(1), LimitKind::MemoryMax).cloned(),
+            n(1 << 30)
+        );
+        // The other container gets its own scoped value, and no container name: only the pod's.
+        let infer = resolve(&pod, &HashMap::new(), Some("infer")).unwrap_or_default();
+        assert_eq!(infer.get(&all, LimitKind::MemoryMax).cloned(), n(2 << 30));
+        let anon = resolve(&pod, &HashMap::new(), None).unwrap_or_default();
+        assert_eq!(anon.get(&all, LimitKind::MemoryMax).cloned(), n(8 << 30));
+        // The container's own annotations beat scoped ones too.
+        let own = map(&[("gpud.dev/memory-max", "3Gi")]);
+        let s = resolve(&pod, &own, Some("train")).unwrap_or_default();
+        assert_eq!(s.get(&all, LimitKind::MemoryMax).cloned(), n(3 << 30));
+    }
+
+    #[test]
+    fn invalid_scoped_annotations_of_other_containers_still_fail() {
+        let pod = map(&[("other.container.gpud.dev/memory-max", "8GB")]);
+        let err = resolve(&pod, &HashMap::new(), Some("me"))
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            err.as_deref()
+                .is_some_and(|e| e.contains("other.container.gpud.dev/memory-max")),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn duplicates_and_min_above_max() {
+        let dup = map(&[
+            ("gpud.dev/memory-max.0", "1Gi"),
+            ("gpud.dev/memory-max.00", "2Gi"),
+        ]);
+        assert!(matches!(
+            resolve(&dup, &HashMap::new(), None),
+            Err(AnnotationError::Duplicate { .. })
+        ));
+        let bad = map(&[
+            ("gpud.dev/compute-max", "30"),
+            ("gpud.dev/compute-min", "60"),
+        ]);
+        let err = resolve(&bad, &HashMap::new(), None)
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            err.as_deref()
+                .is_some_and(|e| e.contains("gpud.dev/compute-min=60")
+                    && e.contains("gpud.dev/compute-max=30")),
+            "{err:?}"
+        );
+        // min <= max, and a min on another GPU than the max, are fine.
+        let ok = map(&[
+            ("gpud.dev/compute-max", "30"),
+            ("gpud.dev/compute-min", "30"),
+            ("gpud.dev/compute-min.0", "90"),
+        ]);
+        assert!(resolve(&ok, &HashMap::new(), None).is_ok());
+        // The container lowering the pod's max below the pod's min is caught after merging.
+        let pod = map(&[("gpud.dev/compute-min", "40")]);
+        let own = map(&[("gpud.dev/compute-max", "20")]);
+        assert!(matches!(
+            resolve(&pod, &own, None),
+            Err(AnnotationError::MinAboveMax { .. })
+        ));
+    }
+
+    proptest! {
+        /// Arbitrary keys and values never panic; whatever is accepted is within range.
+        #[test]
+        fn random_annotations_never_panic(
+            pairs in proptest::collection::vec(
+                (
+                    prop_oneof![
+                        "\\PC{0,40}",
+                        "(gpud\\.dev/|[a-z]{1,8}\\.container\\.gpud\\.dev/)(memory-max|compute-max|compute-min|compute-weight|priority)(\\.[0-9A-Za-z-]{0,45})?",
+                    ],
+                    prop_oneof!["\\PC{0,40}", "[0-9]{0,25}(Ki|Mi|Gi|Ti|k|M|G|T|%|)", "(latency-critical|normal|best-effort)"],
+                ),
+                0..6,
+            ),
+            name in proptest::option::of("[a-z]{1,8}"),
+        ) {
+            let m: HashMap<String, String> = pairs.into_iter().collect();
+            let empty = HashMap::new();
+            for (pod, own) in [(&m, &empty), (&empty, &m), (&m, &m)] {
+                if let Ok(shares) = resolve(pod, own, name.as_deref()) {
+                    for limits in shares.gpus.values() {
+                        for (kind, value) in limits {
+                            match (kind, value) {
+                                (LimitKind::MemoryMax, LimitValue::Number(n)) => {
+                                    prop_assert!((1..=MAX_BYTES).contains(n))
+                                }
+                                (LimitKind::ComputeMax | LimitKind::ComputeMin, LimitValue::Number(n)) => {
+                                    prop_assert!((1..=100).contains(n))
+                                }
+                                (LimitKind::ComputeWeight, LimitValue::Number(n)) => {
+                                    prop_assert!((1..=10_000).contains(n))
+                                }
+                                (LimitKind::Priority, LimitValue::Priority(_)) => {}
+                                other => prop_assert!(false, "{other:?}"),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! Where a container's cgroup is, as a path relative to the cgroup v2 root (what gpud's D-Bus
+//! API takes): from its process (`/proc/<pid>/cgroup`, the `0::` line, exact whatever the cgroup
+//! driver) or, without a process, from the OCI `linux.cgroupsPath` in its cgroupfs
+//! (`/kubepods/pod1/ctr`) or systemd (`<slice>:<prefix>:<name>`) form.
+//!
+//! Paths read from `/proc` are relative to the reader's cgroup namespace: the hook and the plugin
+//! run in the host's, like gpud.
+
+use super::RuntimeError;
+use crate::attribution::CgroupFs;
+
+/// The cgroup of process `pid`. Refuses the root cgroup: a limit there would apply to the whole
+/// machine, and a container is never meant to run in it.
+pub fn of_pid(pid: u32) -> Result<String, RuntimeError> {
+    if pid == 0 {
+        return Err(RuntimeError::Cgroup("no container process (pid 0)".into()));
+    }
+    let raw = CgroupFs::path_of_pid(pid).ok_or_else(|| {
+        RuntimeError::Cgroup(format!(
+            "cannot read the cgroup v2 path of pid {pid} from /proc/{pid}/cgroup (process gone, \
+             or no cgroup v2 hierarchy)"
+        ))
+    })?;
+    container_cgroup(&raw, &format!("pid {pid}"))
+}
+
+/// The cgroup named by an OCI `linux.cgroupsPath`: `<slice>:<prefix>:<name>` (the systemd cgroup
+/// driver, as runc and crun resolve it) or an absolute path below the cgroup v2 root (cgroupfs).
+pub fn of_cgroups_path(cgroups_path: &str) -> Result<String, RuntimeError> {
+    let what = format!("cgroupsPath {cgroups_path:?}");
+    let parts: Vec<&str> = cgroups_path.split(':').collect();
+    match parts.as_slice() {
+        [slice, prefix, name] => {
+            let slice = if slice.is_empty() {
+                "system.slice"
+            } else {
+                slice
+            };
+            let parent =
+                expand_slice(slice).map_err(|r| RuntimeError::Cgroup(format!("{what}: {r}")))?;
+            if name.is_empty() || name.contains('/') {
+                return Err(RuntimeError::Cgroup(format!("{what}: invalid unit name")));
+            }
+            // As runc names the unit: a scope unless a slice is asked for.
+            let unit = if name.ends_with(".slice") {
+                (*name).to_owned()
+            } else {
+                format!("{prefix}-{name}.scope")
+            };
+            container_cgroup(&format!("{parent}/{unit}"), &what)
+        }
+        [path] if path.starts_with('/') => container_cgroup(path, &what),
+        [_] => Err(RuntimeError::Cgroup(format!(
+            "{what}: a relative path depends on the runtime's own cgroup; need the container's pid"
+        ))),
+        _ => Err(RuntimeError::Cgroup(format!(
+            "{what}: neither a path nor <slice>:<prefix>:<name>"
+        ))),
+    }
+}
+
+/// systemd's slice naming: `a-b-c.slice` is `/a.slice/a-b.slice/a-b-c.slice`; `-.slice` is the
+/// root.
+pub fn expand_slice(slice: &str) -> Result<String, String> {
+    let Some(stem) = slice.strip_suffix(".slice") else {
+        return Err(format!("slice {slice:?} does not end in .slice"));
+    };
+    if slice.contains('/') {
+        return Err(format!("slice {slice:?} contains a /"));
+    }
+    if stem == "-" {
+        return Ok(String::new());
+    }
+    if stem.is_empty() || stem.starts_with('-') || stem.ends_with('-') || stem.contains("--") {
+        return Err(format!("invalid slice name {slice:?}"));
+    }
+    let mut path = String::new();
+    let mut prefix = String::new();
+    for part in stem.split('-') {
+        if !prefix.is_empty() {
+            prefix.push('-');
+        }
+        prefix.push_str(part);
+        path.push('/');
+        path.push_str(&prefix);
+        path.push_str(".slice");
+    }
+    Ok(path)
+}
+
+/// Normalizes and refuses the root.
+fn container_cgroup(raw: &str, what: &str) -> Result<String, RuntimeError> {
+    let path =
+        CgroupFs::normalize(raw).map_err(|e| RuntimeError::Cgroup(format!("{what}: {e}")))?;
+    if path == "/" {
+        return Err(RuntimeError::Cgroup(format!(
+            "{what} is in the root cgroup; refusing to set limits on the whole machine"
+        )));
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn systemd_and_cgroupfs_paths() {
+        let ok = |p: &str| of_cgroups_path(p).unwrap_or_else(|e| panic!("{p}: {e}"));
+        assert_eq!(
+            ok("kubepods-besteffort-pod12ab.slice:cri-containerd:0123abcd"),
+            "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod12ab.slice/cri-containerd-0123abcd.scope"
+        );
+        assert_eq!(ok("system.slice:crio:abc"), "/system.slice/crio-abc.scope");
+        assert_eq!(ok(":runc:abc"), "/system.slice/runc-abc.scope");
+        assert_eq!(ok("-.slice:p:abc"), "/p-abc.scope");
+        assert_eq!(ok("user.slice::abc"), "/user.slice/-abc.scope");
+        assert_eq!(ok("machine.slice:x:my.slice"), "/machine.slice/my.slice");
+        assert_eq!(
+            ok("/kubepods/burstable/pod1/ctr"),
+            "/kubepods/burstable/pod1/ctr"
+        );
+        assert_eq!(ok("//a//b/"), "/a/b");
+        for bad in [
+            "",
+            "relative/path",
+            "/",
+            "/a/../..",
+            "noslice:p:n",
+            "a--b.slice:p:n",
+            "-a.slice:p:n",
+            "a/b.slice:p:n",
+            "a.slice:p:",
+            "a.slice:p:x/y",
+            "a:b",
+            "a:b:c:d",
+        ] {
+            assert!(of_cgroups_path(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn own_process() {
+        // This test's own cgroup, unless it runs in the root cgroup (then refused).
+        let pid = std::process::id();
+        match CgroupFs::path_of_pid(pid).as_deref() {
+            Some("/") => assert!(of_pid(pid).is_err()),
+            Some(p) => assert_eq!(of_pid(pid).ok(), CgroupFs::normalize(p).ok()),
+            None => assert!(of_pid(pid).is_err()),
+        }
+        assert!(of_pid(0).is_err());
+        assert!(of_pid(u32::MAX).is_err(), "no such process");
+    }
+}

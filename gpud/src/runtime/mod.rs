@@ -1,0 +1,103 @@
+//! Container-runtime integration: containers ask for GPU shares with annotations
+//! ([`annotations`]); the OCI hook (`gpud-oci-hook`, [`oci`]) and the NRI plugin (`gpud-nri`,
+//! [`nri`]) find the container's cgroup ([`cgroup`]) and set the shares through gpud's D-Bus API
+//! ([`client`]), and clear them when the container goes. docs/runtime-integration.md is the
+//! operator's guide.
+//!
+//! What happens when something goes wrong is the operator's choice ([`FailPolicy`]): an invalid
+//! request (a malformed annotation, a limit gpud refuses, a cgroup that cannot be found) fails
+//! the container by default (closed); an unreachable gpud lets it run without limits by default
+//! (open). Both are logged.
+
+pub mod annotations;
+pub mod cgroup;
+pub mod client;
+pub mod nri;
+pub mod oci;
+
+pub use annotations::AnnotationError;
+
+/// Errors of the runtime integration.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Annotation(#[from] AnnotationError),
+    /// The container's cgroup cannot be determined or is not one to limit.
+    #[error("container cgroup: {0}")]
+    Cgroup(String),
+    /// gpud answered `dev.gpud.Error.InvalidArgument` or `NotFound`.
+    #[error("gpud refused {call}: {name}: {message}")]
+    Refused {
+        call: String,
+        name: String,
+        message: String,
+    },
+    /// No answer from gpud: no bus, no daemon on it, a timeout, or `dev.gpud.Error.Failed`.
+    #[error("gpud unreachable ({call}): {reason}")]
+    Unreachable { call: String, reason: String },
+    /// The runtime handed over something unusable (e.g. an OCI state that does not parse).
+    #[error("{0}")]
+    Input(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Which policy decides about an error: see [`FailPolicy`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureClass {
+    /// The request cannot be honoured as given.
+    Invalid,
+    /// gpud cannot be asked.
+    Unreachable,
+}
+
+impl RuntimeError {
+    pub fn class(&self) -> FailureClass {
+        match self {
+            Self::Unreachable { .. } => FailureClass::Unreachable,
+            Self::Annotation(_)
+            | Self::Cgroup(_)
+            | Self::Refused { .. }
+            | Self::Input(_)
+            | Self::Io { .. } => FailureClass::Invalid,
+        }
+    }
+}
+
+/// What to do with the container when its shares cannot be applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FailMode {
+    /// Fail the container (the hook exits non-zero; the NRI plugin returns an error).
+    Closed,
+    /// Log and let the container run without the shares.
+    Open,
+}
+
+/// The operator's choice per class of failure; the default is closed for invalid requests and
+/// open for an unreachable gpud.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FailPolicy {
+    pub on_invalid: FailMode,
+    pub on_unreachable: FailMode,
+}
+
+impl Default for FailPolicy {
+    fn default() -> Self {
+        Self {
+            on_invalid: FailMode::Closed,
+            on_unreachable: FailMode::Open,
+        }
+    }
+}
+
+impl FailPolicy {
+    pub fn mode_for(&self, e: &RuntimeError) -> FailMode {
+        match e.class() {
+            FailureClass::Invalid => self.on_invalid,
+            FailureClass::Unreachable => self.on_unreachable,
+        }
+    }
+}

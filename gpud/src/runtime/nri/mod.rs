@@ -1,0 +1,591 @@
+//! The NRI plugin (`gpud-nri`): a long-running process that registers with the container
+//! runtime's NRI socket (containerd 1.7+ with NRI enabled, 2.x; CRI-O 1.26+) and sets each
+//! container's GPU shares from its pod's and its own annotations.
+//!
+//! Protocol: one unix-socket connection, multiplexed ([`mux`]) into two ttrpc connections; the
+//! plugin serves NRI's `Plugin` service on one and calls the runtime's `Runtime` service on the
+//! other ([`api`], generated from `gpud/proto/nri.proto`). The plugin calls `RegisterPlugin`;
+//! the runtime answers with `Configure` (the plugin subscribes to events) and `Synchronize`
+//! (every existing pod and container), then sends the subscribed events.
+//!
+//! What the plugin does:
+//! - `Synchronize`: applies the shares of every created or running container (containers that
+//!   existed before the plugin started); failures are logged, never returned (the runtime would
+//!   drop the plugin).
+//! - `CreateContainer`: validates the annotations; invalid ones fail the container when
+//!   `on_invalid` is closed (the default), before anything runs.
+//! - `StartContainer`: the container's process exists in its cgroup: resolves the cgroup (from
+//!   the pid, else from `linux.cgroups_path`) and sets the shares.
+//! - `StopContainer`, `RemoveContainer`: clears what was set.
+//! - `StateChange`: the same for runtimes that deliver start and remove there (NRI < 0.12).
+//! - `Shutdown` or a closed connection: the plugin exits (a service manager restarts it; the
+//!   next registration synchronizes again).
+
+pub mod api;
+pub mod mux;
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use api::{nri, nri_ttrpc};
+use tokio::sync::{Mutex, Notify};
+use tracing::{debug, info, warn};
+
+use super::{
+    FailMode, FailPolicy, RuntimeError,
+    annotations::{self, Shares},
+    client::Client,
+};
+
+/// Environment variable through which a runtime that launched the plugin passes the connected
+/// socket's file descriptor.
+pub const PLUGIN_SOCKET_ENV: &str = "NRI_PLUGIN_SOCKET";
+/// Environment variables with the name and index a runtime-launched plugin must register with.
+pub const PLUGIN_NAME_ENV: &str = "NRI_PLUGIN_NAME";
+pub const PLUGIN_IDX_ENV: &str = "NRI_PLUGIN_IDX";
+/// Where runtimes listen for external plugins by default.
+pub const DEFAULT_SOCKET: &str = "/var/run/nri/nri.sock";
+
+/// Errors of the plugin's connection to the runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum NriError {
+    #[error("invalid plugin name {0:?}: use letters, digits and _ . + -")]
+    InvalidName(String),
+    #[error("invalid plugin index {0:?}: two digits, 00 to 99")]
+    InvalidIndex(String),
+    #[error(transparent)]
+    Mux(#[from] mux::MuxError),
+    #[error("ttrpc: {0}")]
+    Ttrpc(#[from] ttrpc::Error),
+    #[error("registration refused or unanswered: {0}")]
+    Register(String),
+    #[error("the runtime did not configure the plugin within {0:?} of its registration")]
+    NotConfigured(Duration),
+}
+
+/// How the plugin registers and where it applies shares.
+#[derive(Clone, Debug)]
+pub struct PluginConfig {
+    /// Registered name (`[A-Za-z0-9_.+-]+`).
+    pub name: String,
+    /// Registered index: two digits; plugins are called in ascending order.
+    pub idx: String,
+    /// `"system"` or the D-Bus address of gpud's bus.
+    pub bus: String,
+    /// Bound of each D-Bus call and of the registration.
+    pub timeout: Duration,
+    pub policy: FailPolicy,
+}
+
+impl PluginConfig {
+    /// Checks name and index as NRI does.
+    pub fn validate(&self) -> Result<(), NriError> {
+        let name_ok = !self.name.is_empty()
+            && self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.+-".contains(&b));
+        if !name_ok {
+            return Err(NriError::InvalidName(self.name.clone()));
+        }
+        if self.idx.len() != 2 || !self.idx.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(NriError::InvalidIndex(self.idx.clone()));
+        }
+        Ok(())
+    }
+}
+
+/// Event numbers (NRI's `Event` enum); bit `event - 1` of the subscription mask.
+fn event_bit(e: nri::Event) -> i32 {
+    1 << ((e as i32) - 1)
+}
+
+/// The events gpud's plugin subscribes to.
+pub fn subscribed_events() -> i32 {
+    event_bit(nri::Event::CREATE_CONTAINER)
+        | event_bit(nri::Event::START_CONTAINER)
+        | event_bit(nri::Event::STOP_CONTAINER)
+        | event_bit(nri::Event::REMOVE_CONTAINER)
+}
+
+/// What was set on a container, to clear it later.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Tracked {
+    cgroup: String,
+    gpus: Vec<String>,
+}
+
+/// The plugin's state, shared by the ttrpc handlers.
+struct Inner {
+    cfg: PluginConfig,
+    /// Cached connection to gpud; dropped after a failure so that the next call reconnects.
+    client: Mutex<Option<Client>>,
+    /// Containers with shares set, by id.
+    tracked: Mutex<HashMap<String, Tracked>>,
+    /// Synchronize batches received with `more` set.
+    pending_sync: Mutex<(Vec<nri::PodSandbox>, Vec<nri::Container>)>,
+    configured: Notify,
+    shutdown: Notify,
+}
+
+/// The `Plugin` service.
+#[derive(Clone)]
+pub struct Handler {
+    inner: Arc<Inner>,
+}
+
+fn status(e: &RuntimeError) -> ttrpc::Error {
+    let code = match e.class() {
+        super::FailureClass::Invalid => ttrpc::Code::INVALID_ARGUMENT,
+        super::FailureClass::Unreachable => ttrpc::Code::UNAVAILABLE,
+    };
+    ttrpc::Error::RpcStatus(ttrpc::get_status(code, format!("gpud: {e}")))
+}
+
+/// A short name of a container for logs: `namespace/pod/container (id)`.
+fn describe(pod: Option<&nri::PodSandbox>, c: &nri::Container) -> String {
+    let short: String = c.id.chars().take(12).collect();
+    match pod {
+        Some(p) if !p.name.is_empty() => {
+            format!("{}/{}/{} ({short})", p.namespace, p.name, c.name)
+        }
+        _ if !c.name.is_empty() => format!("{} ({short})", c.name),
+        _ => short,
+    }
+}
+
+impl Handler {
+    pub fn new(cfg: PluginConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                cfg,
+                client: Mutex::new(None),
+                tracked: Mutex::new(HashMap::new()),
+                pending_sync: Mutex::new((Vec::new(), Vec::new())),
+                configured: Notify::new(),
+                shutdown: Notify::new(),
+            }),
+        }
+    }
+
+    /// Resolves when the runtime asked the plugin to shut down.
+    pub async fn shutdown_requested(&self) {
+        self.inner.shutdown.notified().await;
+    }
+
+    /// Containers with shares set (id → cgroup), for tests and logs.
+    pub async fn tracked(&self) -> HashMap<String, String> {
+        self.inner
+            .tracked
+            .lock()
+            .await
+            .iter()
+            .map(|(id, t)| (id.clone(), t.cgroup.clone()))
+            .collect()
+    }
+
+    async fn client(&self) -> Result<Client, RuntimeError> {
+        let mut slot = self.inner.client.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let c = Client::connect(&self.inner.cfg.bus, self.inner.cfg.timeout).await?;
+        *slot = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Forgets the cached connection after an error that may mean gpud went away.
+    async fn on_error(&self, e: &RuntimeError) {
+        if e.class() == super::FailureClass::Unreachable {
+            *self.inner.client.lock().await = None;
+        }
+    }
+
+    fn shares(pod: Option<&nri::PodSandbox>, c: &nri::Container) -> Result<Shares, RuntimeError> {
+        let empty = HashMap::new();
+        let pod_ann = pod.map_or(&empty, |p| &p.annotations);
+        let name = (!c.name.is_empty()).then_some(c.name.as_str());
+        Ok(annotations::resolve(pod_ann, &c.annotations, name)?)
+    }
+
+    fn cgroup_of(c: &nri::Container) -> Result<String, RuntimeError> {
+        if c.pid > 0 {
+            match super::cgroup::of_pid(c.pid) {
+                Ok(cg) => return Ok(cg),
+                // The process may have exited already; the path may still name the cgroup.
+                Err(e) => debug!(container = %c.id, "cgroup from pid {}: {e}", c.pid),
+            }
+        }
+        let path = c
+            .linux
+            .as_ref()
+            .map(|l| l.cgroups_path.as_str())
+            .unwrap_or("");
+        if path.is_empty() {
+            return Err(RuntimeError::Cgroup(
+                "the runtime gave neither a pid nor a cgroups path".into(),
+            ));
+        }
+        super::cgroup::of_cgroups_path(path)
+    }
+
+    /// Sets a container's shares; `Ok(false)` when it asks for none.
+    async fn apply(
+        &self,
+        pod: Option<&nri::PodSandbox>,
+        c: &nri::Container,
+    ) -> Result<bool, RuntimeError> {
+        let shares = Self::shares(pod, c)?;
+        if shares.is_empty() {
+            return Ok(false);
+        }
+        let cgroup = Self::cgroup_of(c)?;
+        let client = self.client().await?;
+        let applied = match client.apply(&cgroup, &shares).await {
+            Ok(a) => a,
+            Err(e) => {
+                self.on_error(&e).await;
+                return Err(e);
+            }
+        };
+        if !applied.unsupported.is_empty() {
+            info!(
+                container = %describe(pod, c),
+                "not supported by this gpud, not applied: {}",
+                applied.unsupported.join(", ")
+            );
+        }
+        if !applied.gpus.is_empty() {
+            info!(
+                container = %describe(pod, c),
+                cgroup = %cgroup,
+                gpus = %applied.gpus.join(","),
+                "GPU shares set"
+            );
+            self.inner.tracked.lock().await.insert(
+                c.id.clone(),
+                Tracked {
+                    cgroup,
+                    gpus: applied.gpus,
+                },
+            );
+        }
+        Ok(true)
+    }
+
+    /// Clears what was set on a container, if anything.
+    async fn clear(
+        &self,
+        pod: Option<&nri::PodSandbox>,
+        c: &nri::Container,
+    ) -> Result<(), RuntimeError> {
+        let Some(t) = self.inner.tracked.lock().await.remove(&c.id) else {
+            return Ok(());
+        };
+        let result = match self.client().await {
+            Ok(client) => client.clear(&t.cgroup, &t.gpus).await,
+            Err(e) => Err(e),
+        };
+        match &result {
+            Ok(()) => {
+                info!(container = %describe(pod, c), cgroup = %t.cgroup, "GPU shares cleared")
+            }
+            Err(e) => {
+                self.on_error(e).await;
+                warn!(container = %describe(pod, c), "cannot clear GPU shares: {e}");
+            }
+        }
+        result
+    }
+
+    /// Applies the failure policy to an event's result: `Err` fails the runtime's request.
+    fn decide(
+        &self,
+        what: &str,
+        pod: Option<&nri::PodSandbox>,
+        c: &nri::Container,
+        r: Result<(), RuntimeError>,
+    ) -> ttrpc::Result<()> {
+        let Err(e) = r else { return Ok(()) };
+        match self.inner.cfg.policy.mode_for(&e) {
+            FailMode::Closed => {
+                warn!(container = %describe(pod, c), "{what}: {e}; failing the container (closed)");
+                Err(status(&e))
+            }
+            FailMode::Open => {
+                warn!(
+                    container = %describe(pod, c),
+                    "{what}: {e}; the container runs without GPU shares (open)"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    async fn on_start(
+        &self,
+        pod: Option<&nri::PodSandbox>,
+        c: &nri::Container,
+    ) -> ttrpc::Result<()> {
+        let r = self.apply(pod, c).await.map(|_| ());
+        self.decide("StartContainer", pod, c, r)
+    }
+
+    async fn on_remove(
+        &self,
+        pod: Option<&nri::PodSandbox>,
+        c: &nri::Container,
+    ) -> ttrpc::Result<()> {
+        // Clearing cannot fail a container that is going away: only logged.
+        let _ = self.clear(pod, c).await;
+        Ok(())
+    }
+
+    /// Applies the shares of every existing container.
+    async fn synchronize_all(&self, pods: &[nri::PodSandbox], containers: &[nri::Container]) {
+        let by_id: HashMap<&str, &nri::PodSandbox> =
+            pods.iter().map(|p| (p.id.as_str(), p)).collect();
+        let (mut set, mut failed) = (0usize, 0usize);
+        for c in containers {
+            let live = matches!(
+                c.state.enum_value(),
+                Ok(nri::ContainerState::CONTAINER_CREATED
+                    | nri::ContainerState::CONTAINER_RUNNING
+                    | nri::ContainerState::CONTAINER_PAUSED)
+            );
+            if !live {
+                continue;
+            }
+            let pod = by_id.get(c.pod_sandbox_id.as_str()).copied();
+            match self.apply(pod, c).await {
+                Ok(true) => set += 1,
+                Ok(false) => {}
+                Err(e) if e.class() == super::FailureClass::Unreachable => {
+                    warn!("synchronize: {e}; the remaining containers are not synchronized");
+                    failed += 1;
+                    break;
+                }
+                Err(e) => {
+                    failed += 1;
+                    warn!(container = %describe(pod, c), "synchronize: {e}");
+                }
+            }
+        }
+        info!(
+            pods = pods.len(),
+            containers = containers.len(),
+            with_shares = set,
+            failed,
+            "synchronized with the runtime"
+        );
+    }
+}
+
+#[async_trait::async_trait]
+impl nri_ttrpc::Plugin for Handler {
+    async fn configure(
+        &self,
+        _ctx: &ttrpc::r#async::TtrpcContext,
+        req: nri::ConfigureRequest,
+    ) -> ttrpc::Result<nri::ConfigureResponse> {
+        info!(
+            runtime = %req.runtime_name,
+            version = %req.runtime_version,
+            nri = %req.NRI_version,
+            "configured by the runtime"
+        );
+        let budget = Duration::from_millis(u64::try_from(req.request_timeout).unwrap_or(0));
+        if !budget.is_zero() && self.inner.cfg.timeout >= budget {
+            warn!(
+                "the D-Bus timeout ({:?}) is not below the runtime's request timeout ({budget:?}): \
+                 a slow gpud would make the runtime drop this plugin",
+                self.inner.cfg.timeout
+            );
+        }
+        if !req.config.trim().is_empty() {
+            warn!("plugin configuration from the runtime is not used (gpud-nri takes flags)");
+        }
+        self.inner.configured.notify_one();
+        Ok(nri::ConfigureResponse {
+            events: subscribed_events(),
+            ..Default::default()
+        })
+    }
+
+    async fn synchronize(
+        &self,
+        _ctx: &ttrpc::r#async::TtrpcContext,
+        req: nri::SynchronizeRequest,
+    ) -> ttrpc::Result<nri::SynchronizeResponse> {
+        let more = req.more;
+        let (pods, containers) = {
+            let mut pending = self.inner.pending_sync.lock().await;
+            pending.0.extend(req.pods);
+            pending.1.extend(req.containers);
+            if more {
+                // Answer `more` as asked: the runtime sends the rest.
+                return Ok(nri::SynchronizeResponse {
+                    more,
+                    ..Default::default()
+                });
+            }
+            std::mem::take(&mut *pending)
+        };
+        // Answered at once, applied in the background: the runtime bounds each request (2 s by
+        // default) and drops a plugin that overruns it.
+        let this = self.clone();
+        tokio::spawn(async move { this.synchronize_all(&pods, &containers).await });
+        Ok(nri::SynchronizeResponse::default())
+    }
+
+    async fn shutdown(
+        &self,
+        _ctx: &ttrpc::r#async::TtrpcContext,
+        _req: nri::Empty,
+    ) -> ttrpc::Result<nri::Empty> {
+        info!("the runtime is shutting down");
+        self.inner.shutdown.notify_one();
+        Ok(nri::Empty::default())
+    }
+
+    async fn create_container(
+        &self,
+        _ctx: &ttrpc::r#async::TtrpcContext,
+        req: nri::CreateContainerRequest,
+    ) -> ttrpc::Result<nri::CreateContainerResponse> {
+        let pod = req.pod.as_ref();
+        let c = req.container.get_or_default();
+        // Only validation: the container's cgroup does not exist yet.
+        let r = Self::shares(pod, c).map(|_| ());
+        self.decide("CreateContainer", pod, c, r)?;
+        Ok(nri::CreateContainerResponse::default())
+    }
+
+    async fn start_container(
+        &self,
+        _ctx: &ttrpc::r#async::TtrpcContext,
+        req: nri::StartContainerRequest,
+    ) -> ttrpc::Result<nri::StartContainerResponse> {
+        self.on_start(req.pod.as_ref(), req.container.get_or_default())
+            .await?;
+        Ok(nri::StartContainerResponse::default())
+    }
+
+    async fn stop_container(
+        &self,
+        _ctx: &ttrpc::r#async::TtrpcContext,
+        req: nri::StopContainerRequest,
+    ) -> ttrpc::Result<nri::StopContainerResponse> {
+        self.on_remove(req.pod.as_ref(), req.container.get_or_default())
+            .await?;
+        Ok(nri::StopContainerResponse::default())
+    }
+
+    async fn remove_container(
+        &self,
+        _ctx: &ttrpc::r#async::TtrpcContext,
+        req: nri::RemoveContainerRequest,
+    ) -> ttrpc::Result<nri::RemoveContainerResponse> {
+        self.on_remove(req.pod.as_ref(), req.container.get_or_default())
+            .await?;
+        Ok(nri::RemoveContainerResponse::default())
+    }
+
+    async fn state_change(
+        &self,
+        _ctx: &ttrpc::r#async::TtrpcContext,
+        req: nri::StateChangeEvent,
+    ) -> ttrpc::Result<nri::Empty> {
+        let pod = req.pod.as_ref();
+        let c = req.container.get_or_default();
+        match req.event.enum_value() {
+            Ok(nri::Event::START_CONTAINER) => self.on_start(pod, c).await?,
+            Ok(nri::Event::STOP_CONTAINER | nri::Event::REMOVE_CONTAINER) => {
+                self.on_remove(pod, c).await?
+            }
+            other => debug!("state change {other:?} ignored"),
+        }
+        Ok(nri::Empty::default())
+    }
+}
+
+/// Why [`serve`] returned.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// The runtime called `Shutdown`.
+    Shutdown,
+    /// The connection closed (the runtime stopped or dropped the plugin).
+    Disconnected(String),
+}
+
+/// Runs the plugin on a connected NRI socket until the runtime shuts it down or the connection
+/// closes: serves `Plugin`, registers, and waits for the runtime's `Configure`.
+pub async fn serve<T>(trunk: T, handler: Handler) -> Result<Ending, NriError>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
+    use futures_util::StreamExt as _;
+    let cfg = handler.inner.cfg.clone();
+    cfg.validate()?;
+    let (mut mux, mut conns) = mux::Mux::start(
+        trunk,
+        &[mux::PLUGIN_SERVICE_CONN, mux::RUNTIME_SERVICE_CONN],
+    )?;
+    let (Some(plugin_conn), Some(runtime_conn)) = (
+        conns.remove(&mux::PLUGIN_SERVICE_CONN),
+        conns.remove(&mux::RUNTIME_SERVICE_CONN),
+    ) else {
+        return Err(NriError::Mux(mux::MuxError::Closed));
+    };
+    // The Plugin service: the runtime's one connection, then no more.
+    let incoming = futures_util::stream::once(async move { Ok(plugin_conn) })
+        .chain(futures_util::stream::pending());
+    let mut server = ttrpc::r#async::Server::new()
+        .add_listener(ttrpc::r#async::transport::Listener::new(incoming))
+        .register_service(nri_ttrpc::create_plugin(Arc::new(handler.clone())));
+    server.start().await?;
+
+    let client = ttrpc::r#async::Client::new(ttrpc::r#async::transport::Socket::new(runtime_conn));
+    let runtime = nri_ttrpc::RuntimeClient::new(client);
+    let configured = handler.inner.configured.notified();
+    tokio::pin!(configured);
+    // Registered before the request goes out: Configure may arrive before its answer.
+    configured.as_mut().enable();
+    let req = nri::RegisterPluginRequest {
+        plugin_name: cfg.name.clone(),
+        plugin_idx: cfg.idx.clone(),
+        NRI_version: String::new(),
+        ..Default::default()
+    };
+    info!(name = %cfg.name, idx = %cfg.idx, "registering with the runtime");
+    let registered = tokio::select! {
+        r = runtime.register_plugin(ttrpc::context::with_duration(cfg.timeout), &req) => r,
+        why = mux.closed() => {
+            let _ = server.shutdown().await;
+            return Ok(Ending::Disconnected(why.to_string()));
+        }
+    };
+    if let Err(e) = registered {
+        let _ = server.shutdown().await;
+        return Err(NriError::Register(e.to_string()));
+    }
+    let wait = cfg.timeout.max(Duration::from_secs(5));
+    tokio::select! {
+        () = &mut configured => {}
+        why = mux.closed() => {
+            let _ = server.shutdown().await;
+            return Ok(Ending::Disconnected(why.to_string()));
+        }
+        () = tokio::time::sleep(wait) => {
+            let _ = server.shutdown().await;
+            return Err(NriError::NotConfigured(wait));
+        }
+    }
+    let ending = tokio::select! {
+        () = handler.shutdown_requested() => Ending::Shutdown,
+        why = mux.closed() => Ending::Disconnected(why.to_string()),
+    };
+    let _ = server.shutdown().await;
+    mux.shutdown();
+    drop(runtime);
+    Ok(ending)
+}

@@ -1,0 +1,302 @@
+//! The OCI hook (`gpud-oci-hook`): what it does at each stage, with the OCI state it receives on
+//! standard input.
+//!
+//! - `createRuntime` (or the deprecated `prestart`, which runc runs at the same point): the
+//!   container's process exists in its cgroup and the hook runs in the runtime's namespaces. The
+//!   hook reads the annotations (from the state; from the bundle's `config.json` when the state
+//!   has none), resolves the cgroup from the state's pid, sets the shares, and records what it
+//!   set in `<record dir>/<container id>.json`.
+//! - `poststop`: the process is gone and runc has already removed the cgroup, so nothing can be
+//!   learned from the container any more: the hook clears what the record says and removes it.
+//!   A record rather than re-deriving the path from `linux.cgroupsPath` because the record holds
+//!   the path the kernel reported for the container's own process, whatever the cgroup driver.
+//!
+//! `createContainer` and `startContainer` hooks run inside the container's mount namespace,
+//! where neither this binary nor gpud's bus socket can be assumed; they are not used.
+
+use std::{
+    collections::HashMap,
+    io::Read,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use oci_spec::runtime::{Spec, State};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    RuntimeError, annotations,
+    client::{Applied, Client},
+};
+
+/// Where create records what it set, for poststop.
+pub const DEFAULT_RECORD_DIR: &str = "/run/gpud-hook";
+
+/// Annotations with which runtimes mark a pod's sandbox (infrastructure) container: CRI-O and
+/// containerd's CRI. It runs no workload and gets no shares.
+const SANDBOX_MARKERS: &[(&str, &str)] = &[
+    ("io.kubernetes.cri-o.ContainerType", "sandbox"),
+    ("io.kubernetes.cri.container-type", "sandbox"),
+];
+/// The container's name in a pod (CRI-O, containerd's CRI), for container-scoped pod keys.
+const CONTAINER_NAME_KEYS: &[&str] = &[
+    "io.kubernetes.container.name",
+    "io.kubernetes.cri.container-name",
+];
+
+/// Largest state document read from standard input.
+const MAX_STATE_BYTES: u64 = 1 << 20;
+
+/// Settings of one hook run.
+#[derive(Clone, Debug)]
+pub struct HookConfig {
+    /// `"system"` or a D-Bus address.
+    pub bus: String,
+    /// Bound of the connection and of each D-Bus call.
+    pub timeout: Duration,
+    pub record_dir: PathBuf,
+}
+
+/// What a hook run did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Shares set on the container's cgroup.
+    Applied { cgroup: String, applied: Applied },
+    /// The container asks for no shares.
+    NoShares,
+    /// Not a container that gets shares (a pod sandbox).
+    Skipped(&'static str),
+    /// poststop: the limits set at create were cleared.
+    Cleared { cgroup: String, gpus: Vec<String> },
+    /// poststop: nothing was set at create.
+    NothingToClear,
+}
+
+/// What create leaves for poststop.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Record {
+    pub id: String,
+    pub cgroup: String,
+    pub gpus: Vec<String>,
+}
+
+/// Reads and parses the OCI state from `input` (the hook's standard input).
+pub fn read_state(input: impl Read) -> Result<State, RuntimeError> {
+    let mut text = String::new();
+    input
+        .take(MAX_STATE_BYTES)
+        .read_to_string(&mut text)
+        .map_err(|e| RuntimeError::Input(format!("reading the OCI state from stdin: {e}")))?;
+    serde_json::from_str(&text)
+        .map_err(|e| RuntimeError::Input(format!("the OCI state on stdin does not parse: {e}")))
+}
+
+/// The container's annotations: the state's, or the bundle's `config.json`'s when the state
+/// carries none (the runtime spec makes them optional in the state).
+pub fn annotations_of(state: &State) -> Result<HashMap<String, String>, RuntimeError> {
+    if let Some(a) = state.annotations() {
+        return Ok(a.clone());
+    }
+    let config = state.bundle().join("config.json");
+    let spec = Spec::load(&config)
+        .map_err(|e| RuntimeError::Input(format!("{}: {e}", config.display())))?;
+    Ok(spec.annotations().clone().unwrap_or_default())
+}
+
+/// The container id, checked to be usable as a file name (runc allows `[A-Za-z0-9_+.-]`).
+fn checked_id(state: &State) -> Result<&str, RuntimeError> {
+    let id = state.id().as_str();
+    let fine = !id.is_empty()
+        && id.len() <= 1024
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_+.-".contains(&b));
+    if fine {
+        Ok(id)
+    } else {
+        Err(RuntimeError::Input(format!(
+            "container id {:?} is not a valid OCI container id",
+            id.chars().take(80).collect::<String>()
+        )))
+    }
+}
+
+fn record_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.json"))
+}
+
+fn save(dir: &Path, record: &Record) -> Result<(), RuntimeError> {
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| RuntimeError::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let path = record_path(dir, &record.id);
+    let tmp = path.with_extension("json.tmp");
+    let text = serde_json::to_string(record)
+        .map_err(|e| RuntimeError::Input(format!("cannot encode the record: {e}")))?;
+    std::fs::write(&tmp, text).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io(&path))
+}
+
+fn load(dir: &Path, id: &str) -> Result<Option<Record>, RuntimeError> {
+    let path = record_path(dir, id);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(RuntimeError::Io { path, source }),
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| RuntimeError::Input(format!("{}: {e}", path.display())))
+}
+
+/// The `createRuntime`/`prestart` stage.
+pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeError> {
+    let id = checked_id(state)?;
+    let ann = annotations_of(state)?;
+    if SANDBOX_MARKERS
+        .iter()
+        .any(|(k, v)| ann.get(*k).is_some_and(|x| x == v))
+    {
+        return Ok(Outcome::Skipped("pod sandbox container"));
+    }
+    let name = CONTAINER_NAME_KEYS
+        .iter()
+        .find_map(|k| ann.get(*k))
+        .map(String::as_str);
+    // The runtime hands one set of annotations, whichever pod annotations it copied there: they
+    // are the pod level; container-scoped keys pick this container by name.
+    let shares = annotations::resolve(&ann, &HashMap::new(), name)?;
+    if shares.is_empty() {
+        return Ok(Outcome::NoShares);
+    }
+    let pid = state
+        .pid()
+        .and_then(|p| u32::try_from(p).ok())
+        .ok_or_else(|| RuntimeError::Input("the OCI state has no container pid".into()))?;
+    let cgroup = super::cgroup::of_pid(pid)?;
+    let client = Client::connect(&cfg.bus, cfg.timeout).await?;
+    let applied = client.apply(&cgroup, &shares).await?;
+    if !applied.gpus.is_empty() {
+        let record = Record {
+            id: id.to_owned(),
+            cgroup: cgroup.clone(),
+            gpus: applied.gpus.clone(),
+        };
+        if let Err(e) = save(&cfg.record_dir, &record) {
+            // The limits stay until gpud sees the cgroup removed; not worth failing the
+            // container for.
+            tracing::warn!(
+                "cannot record the limits for poststop ({e}); gpud drops them when the cgroup is removed"
+            );
+        }
+    }
+    Ok(Outcome::Applied { cgroup, applied })
+}
+
+/// The `poststop` stage.
+pub async fn poststop(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeError> {
+    let id = checked_id(state)?;
+    let Some(record) = load(&cfg.record_dir, id)? else {
+        return Ok(Outcome::NothingToClear);
+    };
+    let path = record_path(&cfg.record_dir, id);
+    let result = async {
+        let client = Client::connect(&cfg.bus, cfg.timeout).await?;
+        client.clear(&record.cgroup, &record.gpus).await
+    }
+    .await;
+    // Removed whatever happened: a gpud that cannot be reached now drops the limits of removed
+    // cgroups when it sweeps or restarts, and a retry would find nothing else to do.
+    if let Err(source) = std::fs::remove_file(&path)
+        && source.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!("cannot remove {}: {source}", path.display());
+    }
+    result.map(|()| Outcome::Cleared {
+        cgroup: record.cgroup,
+        gpus: record.gpus,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(json: &str) -> State {
+        read_state(json.as_bytes()).unwrap_or_else(|e| panic!("{json}: {e}"))
+    }
+
+    #[test]
+    fn states_as_runc_sends_them() {
+        // runc 1.1's createRuntime and poststop states, verbatim.
+        let s = state(
+            r#"{"ociVersion":"1.0.2-dev","id":"try1","status":"creating","pid":19319,"bundle":"/tmp/b","annotations":{"gpud.dev/memory-max":"8Gi"}}"#,
+        );
+        assert_eq!(s.pid(), &Some(19319));
+        assert_eq!(
+            annotations_of(&s)
+                .ok()
+                .and_then(|a| a.get("gpud.dev/memory-max").cloned()),
+            Some("8Gi".to_owned())
+        );
+        let s = state(
+            r#"{"ociVersion":"1.0.2-dev","id":"try1","status":"stopped","bundle":"/tmp/b","annotations":{"gpud.dev/memory-max":"8Gi"}}"#,
+        );
+        assert_eq!(s.pid(), &None);
+        assert!(checked_id(&s).is_ok());
+        for bad in ["", "{", "null", r#"{"id": 5}"#, r#"{"id":"x","pid":"1"}"#] {
+            assert!(read_state(bad.as_bytes()).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn annotations_from_the_bundle_when_the_state_has_none() {
+        let dir = std::env::temp_dir().join(format!("gpud-oci-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let config = r#"{"ociVersion":"1.0.2","root":{"path":"rootfs"},"annotations":{"gpud.dev/memory-max":"1Gi"}}"#;
+        let written = std::fs::write(dir.join("config.json"), config);
+        assert!(written.is_ok(), "{written:?}");
+        let s = state(&format!(
+            r#"{{"ociVersion":"1.0.2","id":"c1","status":"creating","pid":1,"bundle":{:?}}}"#,
+            dir.display().to_string()
+        ));
+        assert_eq!(
+            annotations_of(&s)
+                .ok()
+                .and_then(|a| a.get("gpud.dev/memory-max").cloned()),
+            Some("1Gi".to_owned())
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(annotations_of(&s).is_err(), "no config.json");
+    }
+
+    #[test]
+    fn ids_that_cannot_be_file_names_are_refused() {
+        for bad in ["", ".", "..", "a/b", "../x", "a b", "a\0b"] {
+            let id = serde_json::to_string(bad).unwrap_or_default();
+            let s = state(&format!(
+                r#"{{"ociVersion":"1.0.2","id":{id},"status":"stopped","bundle":"/"}}"#
+            ));
+            assert!(checked_id(&s).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn records_round_trip() {
+        let dir = std::env::temp_dir().join(format!("gpud-rec-{}", std::process::id()));
+        let r = Record {
+            id: "c1".into(),
+            cgroup: "/a/b".into(),
+            gpus: vec!["all".into(), "0".into()],
+        };
+        assert!(save(&dir, &r).is_ok());
+        assert_eq!(load(&dir, "c1").ok().flatten(), Some(r));
+        assert_eq!(load(&dir, "c2").ok().flatten(), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,518 @@
+//! Fixtures of the container-runtime integration tests: real `runc` containers from a busybox
+//! rootfs built on the spot, and a test NRI runtime that drives a plugin over the real NRI
+//! protocol (multiplexed ttrpc on a unix socket), with gpud's own generated NRI code.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    process::{Command, Output, Stdio},
+    sync::Arc,
+    time::Duration,
+};
+
+use gpud::runtime::nri::{
+    api::{nri, nri_ttrpc},
+    mux::{self, Mux},
+};
+use oci_spec::runtime::{Hook, HookBuilder, Mount, MountBuilder, Spec};
+use tokio::sync::mpsc;
+
+use crate::bin_dir;
+
+/// `runc` on PATH (the Debian package installs /usr/sbin/runc; `cargo xtask setup` installs it).
+pub fn runc_path() -> PathBuf {
+    for dir in [
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+        "/usr/local/sbin",
+        "/usr/local/bin",
+    ] {
+        let p = Path::new(dir).join("runc");
+        if p.exists() {
+            return p;
+        }
+    }
+    panic!("runc not found: `cargo xtask setup` installs the Debian package");
+}
+
+/// A runc with its own state directory (`--root`), so tests never see other containers.
+pub struct Runc {
+    root: PathBuf,
+    ids: std::sync::Mutex<Vec<String>>,
+    /// cgroups paths of the containers run, for the cleanup of cgroup v1 directories.
+    cgroups: std::sync::Mutex<Vec<String>>,
+}
+
+impl Runc {
+    pub fn new(dir: &Path) -> Self {
+        let root = dir.join("runc-root");
+        std::fs::create_dir_all(&root).expect("runc root");
+        Self {
+            root,
+            ids: std::sync::Mutex::new(Vec::new()),
+            cgroups: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn command(&self) -> Command {
+        let mut c = Command::new(runc_path());
+        c.arg("--root").arg(&self.root);
+        c
+    }
+
+    /// `runc run --detach`, the container's stdio passed through as `stdin` and `stdout`
+    /// (runc's detached pass-through mode). runc's stderr, which the container inherits too,
+    /// goes to a file: its exit status and what it wrote there.
+    pub fn run_detached(
+        &self,
+        bundle: &Bundle,
+        id: &str,
+        stdin: Stdio,
+        stdout: Stdio,
+    ) -> (std::process::ExitStatus, String) {
+        self.ids.lock().expect("ids").push(id.to_owned());
+        self.cgroups
+            .lock()
+            .expect("cgroups")
+            .push(bundle.cgroups_path.clone());
+        let err_path = bundle.dir.join(format!("runc-{id}.stderr"));
+        let err = std::fs::File::create(&err_path).expect("runc stderr file");
+        let status = self
+            .command()
+            .args(["run", "--detach", "--bundle"])
+            .arg(&bundle.dir)
+            .arg(id)
+            .stdin(stdin)
+            .stdout(stdout)
+            .stderr(err)
+            .status()
+            .expect("run runc");
+        (
+            status,
+            std::fs::read_to_string(&err_path).unwrap_or_default(),
+        )
+    }
+
+    /// `runc state ID`'s JSON, or `None` if runc knows no such container.
+    pub fn state(&self, id: &str) -> Option<serde_json::Value> {
+        let out = self.command().args(["state", id]).output().ok()?;
+        out.status
+            .success()
+            .then(|| serde_json::from_slice(&out.stdout).ok())
+            .flatten()
+    }
+
+    /// `runc kill ID KILL`, waits until stopped, then `runc delete ID` (which runs poststop).
+    pub fn kill_and_delete(&self, id: &str) -> Output {
+        let _ = self.command().args(["kill", id, "KILL"]).output();
+        for _ in 0..200 {
+            match self.state(id) {
+                Some(s) if s["status"] == "stopped" => break,
+                None => break,
+                _ => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        self.command()
+            .args(["delete", id])
+            .output()
+            .expect("runc delete")
+    }
+}
+
+impl Drop for Runc {
+    fn drop(&mut self) {
+        let ids = std::mem::take(&mut *self.ids.lock().unwrap_or_else(|e| e.into_inner()));
+        for id in ids {
+            let _ = self.command().args(["delete", "--force", &id]).output();
+        }
+        let cgroups = std::mem::take(&mut *self.cgroups.lock().unwrap_or_else(|e| e.into_inner()));
+        for rel in cgroups {
+            remove_v1_dirs(&rel);
+        }
+    }
+}
+
+/// Mount points of cgroup v1 hierarchies (hybrid hosts have them beside the v2 one).
+fn cgroup_v1_mounts() -> Vec<PathBuf> {
+    let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    mi.lines()
+        .filter_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            (post.split_whitespace().next()? == "cgroup")
+                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))
+                .flatten()
+        })
+        .collect()
+}
+
+/// runc (cgroupfs driver) also makes the container's path in every v1 hierarchy and, on delete,
+/// removes only the leaf: removes the now empty directories of `rel` and its ancestors there.
+pub fn remove_v1_dirs(rel: &str) {
+    for mount in cgroup_v1_mounts() {
+        let mut path = Path::new(rel.trim_start_matches('/'));
+        loop {
+            if path.as_os_str().is_empty() {
+                break;
+            }
+            match std::fs::remove_dir(mount.join(path)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(_) => break,
+            }
+            path = path.parent().unwrap_or(Path::new(""));
+        }
+    }
+}
+
+/// An OCI bundle: `config.json` from `runc spec` (the runtime's own defaults) and a busybox
+/// rootfs.
+pub struct Bundle {
+    pub dir: PathBuf,
+    /// `linux.cgroupsPath`.
+    pub cgroups_path: String,
+}
+
+impl Bundle {
+    /// A bundle in `dir` whose process runs `args`, in the cgroup `cgroups_path` (relative to the
+    /// cgroup v2 root, cgroupfs driver).
+    pub fn busybox(dir: &Path, args: &[&str], cgroups_path: &str) -> Self {
+        let rootfs = dir.join("rootfs");
+        for d in ["bin", "proc", "sys", "dev", "tmp", "etc"] {
+            std::fs::create_dir_all(rootfs.join(d)).expect("rootfs dir");
+        }
+        std::fs::copy("/bin/busybox", rootfs.join("bin/busybox"))
+            .expect("copy /bin/busybox (Debian busybox-static)");
+        for applet in ["sh", "sleep", "cat", "ls"] {
+            let _ = std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet));
+        }
+        let status = Command::new(runc_path())
+            .args(["spec", "--bundle"])
+            .arg(dir)
+            .status()
+            .expect("runc spec");
+        assert!(status.success(), "runc spec failed");
+        let b = Self {
+            dir: dir.to_owned(),
+            cgroups_path: cgroups_path.to_owned(),
+        };
+        b.edit(|spec| {
+            let mut process = spec.process().clone().unwrap_or_default();
+            process.set_terminal(Some(false));
+            process.set_args(Some(args.iter().map(|a| (*a).to_owned()).collect()));
+            spec.set_process(Some(process));
+            let mut linux = spec.linux().clone().unwrap_or_default();
+            linux.set_cgroups_path(Some(PathBuf::from(cgroups_path)));
+            spec.set_linux(Some(linux));
+        });
+        b
+    }
+
+    pub fn config(&self) -> PathBuf {
+        self.dir.join("config.json")
+    }
+
+    /// Loads `config.json`, lets `f` change it, saves it.
+    pub fn edit(&self, f: impl FnOnce(&mut Spec)) {
+        let mut spec = Spec::load(self.config()).expect("load config.json");
+        f(&mut spec);
+        spec.save(self.config()).expect("save config.json");
+    }
+
+    pub fn set_annotations(&self, pairs: &[(&str, &str)]) {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        self.edit(|spec| {
+            spec.set_annotations(Some(map));
+        });
+    }
+
+    /// `createRuntime` and `poststop` hooks running gpud-oci-hook with `args` (before the stage)
+    /// and `env`.
+    pub fn set_gpud_hooks(&self, args: &[&str], env: &[&str]) {
+        let hook = |stage: &str| -> Hook {
+            let mut argv = vec!["gpud-oci-hook".to_owned()];
+            argv.extend(args.iter().map(|a| (*a).to_owned()));
+            argv.push(stage.to_owned());
+            HookBuilder::default()
+                .path(bin_dir().join("gpud-oci-hook"))
+                .args(argv)
+                .env(env.iter().map(|e| (*e).to_owned()).collect::<Vec<_>>())
+                .build()
+                .expect("hook")
+        };
+        self.edit(|spec| {
+            let mut hooks = spec.hooks().clone().unwrap_or_default();
+            hooks.set_create_runtime(Some(vec![hook("createRuntime")]));
+            hooks.set_poststop(Some(vec![hook("poststop")]));
+            spec.set_hooks(Some(hooks));
+        });
+    }
+
+    /// Adds a bind mount of the host's `source` at `destination`.
+    pub fn bind(&self, source: &Path, destination: &str, read_only: bool) {
+        let mut options = vec!["rbind".to_owned()];
+        options.push(if read_only { "ro" } else { "rw" }.to_owned());
+        let m: Mount = MountBuilder::default()
+            .destination(destination)
+            .typ("bind")
+            .source(source)
+            .options(options)
+            .build()
+            .expect("mount");
+        self.edit(|spec| {
+            let mut mounts = spec.mounts().clone().unwrap_or_default();
+            mounts.push(m);
+            spec.set_mounts(Some(mounts));
+        });
+    }
+
+    /// Makes the host's dynamic libraries available in the container (read-only), so that
+    /// dynamically linked test fixtures run there: `/usr` bound, `/lib` and `/lib64` bound or,
+    /// where they are the merged-/usr symlinks, recreated as the same symlinks.
+    pub fn with_host_libraries(&self) {
+        let rootfs = self.dir.join("rootfs");
+        self.bind(Path::new("/usr"), "/usr", true);
+        for d in ["lib", "lib64"] {
+            let host = Path::new("/").join(d);
+            match std::fs::read_link(&host) {
+                Ok(target) => {
+                    let _ = std::os::unix::fs::symlink(target, rootfs.join(d));
+                }
+                Err(_) if host.is_dir() => self.bind(&host, &format!("/{d}"), true),
+                Err(_) => {}
+            }
+        }
+    }
+}
+
+/// What the test runtime saw of the plugin's registration.
+pub type Registration = nri::RegisterPluginRequest;
+
+/// The runtime side of NRI: serves `Runtime` (registration) and calls the plugin's `Plugin`
+/// service, over one accepted connection multiplexed as NRI does.
+pub struct TestRuntime {
+    listener: tokio::net::UnixListener,
+    pub socket: PathBuf,
+}
+
+/// One plugin's connection.
+pub struct Session {
+    pub plugin: nri_ttrpc::PluginClient,
+    pub registration: Registration,
+    pub mux: Mux,
+    _server: ttrpc::r#async::Server,
+}
+
+struct RuntimeService {
+    registered: mpsc::Sender<Registration>,
+}
+
+#[async_trait::async_trait]
+impl nri_ttrpc::Runtime for RuntimeService {
+    async fn register_plugin(
+        &self,
+        _ctx: &ttrpc::r#async::TtrpcContext,
+        req: nri::RegisterPluginRequest,
+    ) -> ttrpc::Result<nri::Empty> {
+        // NRI's own checks (CheckPluginName, CheckPluginIndex).
+        let name_ok = !req.plugin_name.is_empty()
+            && req
+                .plugin_name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.+-".contains(&b));
+        let idx_ok =
+            req.plugin_idx.len() == 2 && req.plugin_idx.bytes().all(|b| b.is_ascii_digit());
+        if !name_ok || !idx_ok {
+            return Err(ttrpc::Error::RpcStatus(ttrpc::get_status(
+                ttrpc::Code::INVALID_ARGUMENT,
+                "invalid plugin name or index",
+            )));
+        }
+        let _ = self.registered.send(req).await;
+        Ok(nri::Empty::default())
+    }
+}
+
+impl TestRuntime {
+    pub fn bind(dir: &Path) -> Self {
+        let socket = dir.join("nri.sock");
+        let _ = std::fs::remove_file(&socket);
+        let listener = tokio::net::UnixListener::bind(&socket).expect("bind NRI socket");
+        Self { listener, socket }
+    }
+
+    /// Accepts a raw connection (for wire-level checks).
+    pub async fn accept_raw(&self, timeout: Duration) -> tokio::net::UnixStream {
+        tokio::time::timeout(timeout, self.listener.accept())
+            .await
+            .expect("the plugin did not connect in time")
+            .expect("accept")
+            .0
+    }
+
+    /// Accepts the plugin's connection and waits for its registration.
+    pub async fn accept(&self, timeout: Duration) -> Session {
+        let conn = self.accept_raw(timeout).await;
+        Self::session(conn, timeout).await
+    }
+
+    /// Runs NRI's runtime side on an accepted connection until the plugin registered.
+    pub async fn session<T>(conn: T, timeout: Duration) -> Session
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+    {
+        use futures_util::StreamExt as _;
+        let (mux, mut conns) =
+            Mux::start(conn, &[mux::PLUGIN_SERVICE_CONN, mux::RUNTIME_SERVICE_CONN]).expect("mux");
+        let plugin_conn = conns.remove(&mux::PLUGIN_SERVICE_CONN).expect("conn 1");
+        let runtime_conn = conns.remove(&mux::RUNTIME_SERVICE_CONN).expect("conn 2");
+        let (tx, mut rx) = mpsc::channel(1);
+        let incoming = futures_util::stream::once(async move { Ok(runtime_conn) })
+            .chain(futures_util::stream::pending());
+        let mut server = ttrpc::r#async::Server::new()
+            .add_listener(ttrpc::r#async::transport::Listener::new(incoming))
+            .register_service(nri_ttrpc::create_runtime(Arc::new(RuntimeService {
+                registered: tx,
+            })));
+        server.start().await.expect("serve Runtime");
+        let client =
+            ttrpc::r#async::Client::new(ttrpc::r#async::transport::Socket::new(plugin_conn));
+        let registration = tokio::time::timeout(timeout, rx.recv())
+            .await
+            .expect("the plugin did not register in time")
+            .expect("registration");
+        Session {
+            plugin: nri_ttrpc::PluginClient::new(client),
+            registration,
+            mux,
+            _server: server,
+        }
+    }
+}
+
+/// A ttrpc context with NRI's default request timeout (2 s).
+pub fn ctx() -> ttrpc::context::Context {
+    ttrpc::context::with_duration(Duration::from_secs(2))
+}
+
+/// A pod as a runtime describes it.
+pub fn pod(id: &str, name: &str, annotations: &[(&str, &str)]) -> nri::PodSandbox {
+    nri::PodSandbox {
+        id: id.to_owned(),
+        name: name.to_owned(),
+        namespace: "default".to_owned(),
+        uid: format!("uid-{id}"),
+        annotations: annotations
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A container as a runtime describes it: its pid (0: none) and cgroups path.
+pub fn container(
+    id: &str,
+    pod: &nri::PodSandbox,
+    name: &str,
+    state: nri::ContainerState,
+    pid: u32,
+    cgroups_path: &str,
+    annotations: &[(&str, &str)],
+) -> nri::Container {
+    let mut linux = nri::LinuxContainer::new();
+    linux.cgroups_path = cgroups_path.to_owned();
+    nri::Container {
+        id: id.to_owned(),
+        pod_sandbox_id: pod.id.clone(),
+        name: name.to_owned(),
+        state: state.into(),
+        pid,
+        linux: Some(linux).into(),
+        annotations: annotations
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A running `gpud-nri`, killed on drop.
+pub struct NriPlugin {
+    child: std::process::Child,
+    pub log: PathBuf,
+}
+
+impl NriPlugin {
+    /// Starts `gpud-nri ARGS` with its log in `log`.
+    pub fn start(args: &[&str], log: &Path) -> Self {
+        let log_file = std::fs::File::create(log).expect("plugin log");
+        let child = Command::new(bin_dir().join("gpud-nri"))
+            .args(args)
+            .arg("--log")
+            .arg("gpud=debug,gpud_nri=debug")
+            .env_remove(gpud::runtime::nri::PLUGIN_SOCKET_ENV)
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .expect("start gpud-nri");
+        Self {
+            child,
+            log: log.to_owned(),
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits up to `timeout` for the plugin to exit; its exit code.
+    pub async fn wait(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            if std::time::Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for NriPlugin {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `sleep` process moved into the cgroup directory `dir`; killed on drop.
+pub struct Sleeper {
+    child: std::process::Child,
+    pub pid: u32,
+}
+
+impl Sleeper {
+    pub fn start_in(dir: &Path) -> Self {
+        let child = Command::new("sleep")
+            .arg("600")
+            .spawn()
+            .expect("spawn sleep");
+        let pid = child.id();
+        std::fs::write(dir.join("cgroup.procs"), pid.to_string()).expect("move into cgroup");
+        Self { child, pid }
+    }
+}
+
+impl Drop for Sleeper {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,729 @@
+//! The NRI plugin against a test runtime: the real `gpud-nri` binary connects to a unix socket
+//! where the test plays the container runtime over the real NRI protocol (NRI's connection
+//! multiplexing, ttrpc, the `nri.pkg.api.v1alpha1` services), and sets limits in the real gpud
+//! on a private dbus-daemon, on real cgroups.
+//!
+//! One test speaks the protocol byte by byte (frames, ttrpc headers, protobuf), independently of
+//! gpud's own multiplexer, to pin the wire format; the others drive the plugin through the same
+//! generated ttrpc code it uses.
+//!
+//! The daemons never sweep (`sweep_interval_secs` is an hour): limits that disappear were
+//! cleared by the plugin.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use gpud::runtime::nri::{
+    api::nri::{self, ContainerState},
+    mux,
+};
+use gpud_tests::{
+    Bus, Cgroup, Daemon, TempDir, eventually,
+    runtime::{NriPlugin, Sleeper, TestRuntime, container, ctx, pod},
+};
+use protobuf::Message as _;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const WAIT: Duration = Duration::from_secs(10);
+
+/// CREATE_CONTAINER (4), START_CONTAINER (6), STOP_CONTAINER (10), REMOVE_CONTAINER (11): bit
+/// `event - 1` each.
+const EVENTS: i32 = (1 << 3) | (1 << 5) | (1 << 9) | (1 << 10);
+
+fn config(dir: &Path) -> PathBuf {
+    let text = format!(
+        r#"[daemon]
+state_dir = "{state}"
+log = "gpud=debug"
+
+[probes]
+attach = "auto"
+bpffs = "{bpffs}"
+keep_pinned = false
+
+[devices]
+extra_paths = []
+
+[attribution]
+sweep_interval_secs = 3600
+rescan_interval_secs = 0
+"#,
+        state = dir.join("state").display(),
+        bpffs = dir.join("bpffs").display(),
+    );
+    let p = dir.join("gpud.toml");
+    std::fs::write(&p, text).expect("write config");
+    p
+}
+
+/// memory_max by GPU in force on `cgroup`.
+async fn limits_of(d: &Daemon, cgroup: &str) -> BTreeMap<String, u64> {
+    let (_c, p) = d.proxy().await;
+    p.list_limits()
+        .await
+        .expect("ListLimits")
+        .into_iter()
+        .filter(|l| l.cgroup == cgroup)
+        .filter_map(|l| l.limits.get("memory_max").map(|m| (l.gpu, *m)))
+        .collect()
+}
+
+async fn expect_limits(d: &Daemon, plugin: &NriPlugin, cgroup: &str, want: &[(&str, u64)]) {
+    let want: BTreeMap<String, u64> = want.iter().map(|(g, b)| ((*g).to_owned(), *b)).collect();
+    let got = eventually(WAIT, || async {
+        let have = limits_of(d, cgroup).await;
+        (have == want).then_some(())
+    })
+    .await;
+    if got.is_none() {
+        panic!(
+            "{cgroup}: wanted {want:?}, have {:?}\nplugin log:\n{}",
+            limits_of(d, cgroup).await,
+            plugin.log_text()
+        );
+    }
+}
+
+fn plugin_args<'a>(socket: &'a Path, bus: &'a str, extra: &[&'a str]) -> Vec<String> {
+    let mut v = vec![
+        "--socket".to_owned(),
+        socket.display().to_string(),
+        "--bus-address".to_owned(),
+        bus.to_owned(),
+    ];
+    v.extend(extra.iter().map(|s| (*s).to_owned()));
+    v
+}
+
+fn start_plugin(dir: &Path, socket: &Path, bus: &str, extra: &[&str]) -> NriPlugin {
+    let args = plugin_args(socket, bus, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    NriPlugin::start(&args, &dir.join("plugin.log"))
+}
+
+fn configure_request() -> nri::ConfigureRequest {
+    nri::ConfigureRequest {
+        runtime_name: "gpud-test-runtime".into(),
+        runtime_version: "1.0".into(),
+        registration_timeout: 5000,
+        request_timeout: 2000,
+        NRI_version: "v0.12.0".into(),
+        ..Default::default()
+    }
+}
+
+/// systemd-style cgroups (`<slice>:<prefix>:<name>`) made for real under the v2 root, removed on
+/// drop.
+struct SystemdStyle {
+    dirs: Vec<PathBuf>,
+    cgroups_path: String,
+    rel: String,
+}
+
+impl SystemdStyle {
+    fn new(tag: &str, id: &str) -> Self {
+        let base = format!("gpudt{}{tag}", std::process::id());
+        let slice = format!("{base}-pods.slice");
+        let rel = format!("/{base}.slice/{slice}/cri-containerd-{id}.scope");
+        let root = gpud_tests::cgroup2_root();
+        let mut dirs = Vec::new();
+        let mut path = root.clone();
+        for part in rel.trim_start_matches('/').split('/') {
+            path = path.join(part);
+            std::fs::create_dir_all(&path).expect("systemd-style cgroup");
+            dirs.push(path.clone());
+        }
+        Self {
+            dirs,
+            cgroups_path: format!("{slice}:cri-containerd:{id}"),
+            rel,
+        }
+    }
+}
+
+impl Drop for SystemdStyle {
+    fn drop(&mut self) {
+        for d in self.dirs.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn registration_configuration_and_synchronize_of_existing_containers() {
+    let dir = TempDir::new("nri-sync");
+    let bus = Bus::start();
+    let daemon = Daemon::start(&config(dir.path()), &bus.address).await;
+    let rt = TestRuntime::bind(dir.path());
+    let mut plugin = start_plugin(
+        dir.path(),
+        &rt.socket,
+        &bus.address,
+        &["--name", "gpud-test", "--idx", "10"],
+    );
+    let session = rt.accept(WAIT).await;
+    assert_eq!(session.registration.plugin_name, "gpud-test");
+    assert_eq!(session.registration.plugin_idx, "10");
+    let cfg = session
+        .plugin
+        .configure(ctx(), &configure_request())
+        .await
+        .expect("Configure");
+    assert_eq!(cfg.events, EVENTS);
+
+    // Containers that existed before the plugin: a running one with a pid; one known only by
+    // its cgroupfs path; one by a systemd-style path; one with an invalid annotation; a
+    // stopped one; one without annotations.
+    let parent = Cgroup::new("nri");
+    let cg = |n: &str| {
+        let d = parent.dir.join(n);
+        std::fs::create_dir_all(&d).expect("cgroup");
+        (d, format!("{}/{n}", parent.rel))
+    };
+    let (a_dir, a) = cg("a");
+    let (_, b) = cg("b");
+    let (c_dir, c) = cg("c");
+    let (_, d) = cg("d");
+    let (_, e) = cg("e");
+    let f = SystemdStyle::new("sync", "f0123");
+    let a_proc = Sleeper::start_in(&a_dir);
+    let c_proc = Sleeper::start_in(&c_dir);
+    let p1 = pod(
+        "p1",
+        "train",
+        &[
+            ("gpud.dev/memory-max", "2Gi"),
+            ("b.container.gpud.dev/memory-max", "1Gi"),
+        ],
+    );
+    let p2 = pod("p2", "infer", &[]);
+    use ContainerState::*;
+    let first = nri::SynchronizeRequest {
+        pods: vec![p1.clone()],
+        containers: vec![
+            container("ca", &p1, "a", CONTAINER_RUNNING, a_proc.pid, "", &[]),
+            container("cb", &p1, "b", CONTAINER_CREATED, 0, &b, &[]),
+        ],
+        more: true,
+        ..Default::default()
+    };
+    let rpl = session
+        .plugin
+        .synchronize(ctx(), &first)
+        .await
+        .expect("Synchronize 1/2");
+    assert!(
+        rpl.more,
+        "a plugin answers `more` as asked while more follows"
+    );
+    let rest = nri::SynchronizeRequest {
+        pods: vec![p2.clone()],
+        containers: vec![
+            container(
+                "cc",
+                &p2,
+                "c",
+                CONTAINER_RUNNING,
+                c_proc.pid,
+                "",
+                &[("gpud.dev/memory-max", "lots")],
+            ),
+            container(
+                "cd",
+                &p2,
+                "d",
+                CONTAINER_STOPPED,
+                0,
+                &d,
+                &[("gpud.dev/memory-max", "1Gi")],
+            ),
+            container("ce", &p2, "e", CONTAINER_RUNNING, 0, &e, &[]),
+            container(
+                "cf",
+                &p2,
+                "f",
+                CONTAINER_RUNNING,
+                0,
+                &f.cgroups_path,
+                &[("gpud.dev/memory-max.0", "512Mi")],
+            ),
+        ],
+        more: false,
+        ..Default::default()
+    };
+    let rpl = session
+        .plugin
+        .synchronize(ctx(), &rest)
+        .await
+        .expect("Synchronize 2/2 (malformed annotations do not fail it)");
+    assert!(!rpl.more);
+
+    expect_limits(&daemon, &plugin, &a, &[("all", 2 * GIB)]).await;
+    expect_limits(&daemon, &plugin, &b, &[("all", GIB)]).await;
+    expect_limits(&daemon, &plugin, &f.rel, &[("0", 512 * MIB)]).await;
+    for (cgroup, why) in [(&c, "invalid"), (&d, "stopped"), (&e, "no annotations")] {
+        assert!(limits_of(&daemon, cgroup).await.is_empty(), "{why}");
+    }
+    let log = plugin.log_text();
+    assert!(
+        log.contains("annotation gpud.dev/memory-max=\"lots\""),
+        "the invalid container is reported:\n{log}"
+    );
+
+    // The runtime shuts down: the plugin exits cleanly. Limits stay (containers outlive a
+    // plugin restart; the next synchronize sets them again).
+    session
+        .plugin
+        .shutdown(ctx(), &nri::Empty::default())
+        .await
+        .expect("Shutdown");
+    assert_eq!(plugin.wait(WAIT).await, Some(0), "{}", plugin.log_text());
+    expect_limits(&daemon, &plugin, &a, &[("all", 2 * GIB)]).await;
+}
+
+fn status_of(e: &ttrpc::Error) -> (ttrpc::Code, String) {
+    match e {
+        ttrpc::Error::RpcStatus(s) => (
+            s.code.enum_value().unwrap_or(ttrpc::Code::UNKNOWN),
+            s.message.clone(),
+        ),
+        other => panic!("not an RPC status: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn container_events_validate_apply_and_clear() {
+    let dir = TempDir::new("nri-events");
+    let bus = Bus::start();
+    let daemon = Daemon::start(&config(dir.path()), &bus.address).await;
+    let rt = TestRuntime::bind(dir.path());
+    let plugin = start_plugin(dir.path(), &rt.socket, &bus.address, &[]);
+    let session = rt.accept(WAIT).await;
+    assert_eq!(
+        (
+            session.registration.plugin_name.as_str(),
+            session.registration.plugin_idx.as_str()
+        ),
+        ("gpud", "50"),
+        "defaults"
+    );
+    session
+        .plugin
+        .configure(ctx(), &configure_request())
+        .await
+        .expect("Configure");
+    session
+        .plugin
+        .synchronize(ctx(), &nri::SynchronizeRequest::default())
+        .await
+        .expect("Synchronize");
+
+    let parent = Cgroup::new("nriev");
+    let cg = |n: &str| {
+        let d = parent.dir.join(n);
+        std::fs::create_dir_all(&d).expect("cgroup");
+        (d, format!("{}/{n}", parent.rel))
+    };
+    let p = pod(
+        "pod1",
+        "web",
+        &[
+            ("gpud.dev/memory-max", "4Gi"),
+            ("gpud.dev/compute-weight", "300"),
+        ],
+    );
+
+    // CreateContainer with a malformed annotation: refused (closed), naming it.
+    let bad = container(
+        "bad",
+        &p,
+        "bad",
+        ContainerState::CONTAINER_UNKNOWN,
+        0,
+        "",
+        &[("gpud.dev/memory-max.GPU-zz", "1Gi")],
+    );
+    let err = session
+        .plugin
+        .create_container(
+            ctx(),
+            &nri::CreateContainerRequest {
+                pod: Some(p.clone()).into(),
+                container: Some(bad).into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect_err("an invalid annotation fails CreateContainer");
+    let (code, msg) = status_of(&err);
+    assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT);
+    assert!(msg.contains("gpud.dev/memory-max.GPU-zz"), "{msg}");
+    // The pod's own malformed annotation fails every container of it.
+    let bad_pod = pod("pod2", "x", &[("gpud.dev/priority", "urgent")]);
+    let plain = container(
+        "plain",
+        &bad_pod,
+        "plain",
+        ContainerState::CONTAINER_UNKNOWN,
+        0,
+        "",
+        &[],
+    );
+    let err = session
+        .plugin
+        .create_container(
+            ctx(),
+            &nri::CreateContainerRequest {
+                pod: Some(bad_pod).into(),
+                container: Some(plain).into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect_err("invalid pod annotation");
+    assert!(status_of(&err).1.contains("gpud.dev/priority"), "{err:?}");
+
+    // Create, then start (the dedicated RPC of NRI >= 0.12): the limits are set at start.
+    let (a_dir, a) = cg("a");
+    let a_proc = Sleeper::start_in(&a_dir);
+    let ca = container(
+        "ca",
+        &p,
+        "a",
+        ContainerState::CONTAINER_CREATED,
+        a_proc.pid,
+        "",
+        &[("gpud.dev/memory-max.1", "1Gi")],
+    );
+    session
+        .plugin
+        .create_container(
+            ctx(),
+            &nri::CreateContainerRequest {
+                pod: Some(p.clone()).into(),
+                container: Some(ca.clone()).into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("CreateContainer");
+    assert!(
+        limits_of(&daemon, &a).await.is_empty(),
+        "nothing before start"
+    );
+    session
+        .plugin
+        .start_container(
+            ctx(),
+            &nri::StartContainerRequest {
+                pod: Some(p.clone()).into(),
+                container: Some(ca.clone()).into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("StartContainer");
+    expect_limits(&daemon, &plugin, &a, &[("1", GIB), ("all", 4 * GIB)]).await;
+    assert!(
+        plugin
+            .log_text()
+            .contains("not supported by this gpud, not applied: gpud.dev/compute-weight"),
+        "{}",
+        plugin.log_text()
+    );
+    // Stop clears.
+    session
+        .plugin
+        .stop_container(
+            ctx(),
+            &nri::StopContainerRequest {
+                pod: Some(p.clone()).into(),
+                container: Some(ca.clone()).into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("StopContainer");
+    expect_limits(&daemon, &plugin, &a, &[]).await;
+
+    // Older runtimes deliver start and remove as StateChange events.
+    let (_, b) = cg("b");
+    let cb = container("cb", &p, "b", ContainerState::CONTAINER_CREATED, 0, &b, &[]);
+    let event = |e: nri::Event, c: &nri::Container| nri::StateChangeEvent {
+        event: e.into(),
+        pod: Some(p.clone()).into(),
+        container: Some(c.clone()).into(),
+        ..Default::default()
+    };
+    session
+        .plugin
+        .state_change(ctx(), &event(nri::Event::START_CONTAINER, &cb))
+        .await
+        .expect("StateChange start");
+    expect_limits(&daemon, &plugin, &b, &[("all", 4 * GIB)]).await;
+    session
+        .plugin
+        .state_change(ctx(), &event(nri::Event::REMOVE_CONTAINER, &cb))
+        .await
+        .expect("StateChange remove");
+    expect_limits(&daemon, &plugin, &b, &[]).await;
+
+    // RemoveContainer clears a container that was never stopped; its cgroup is already gone.
+    let (c_dir, c) = cg("c");
+    let cc = container("cc", &p, "c", ContainerState::CONTAINER_CREATED, 0, &c, &[]);
+    session
+        .plugin
+        .start_container(
+            ctx(),
+            &nri::StartContainerRequest {
+                pod: Some(p.clone()).into(),
+                container: Some(cc.clone()).into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("StartContainer c");
+    expect_limits(&daemon, &plugin, &c, &[("all", 4 * GIB)]).await;
+    std::fs::remove_dir(&c_dir).expect("remove cgroup c");
+    session
+        .plugin
+        .remove_container(
+            ctx(),
+            &nri::RemoveContainerRequest {
+                pod: Some(p.clone()).into(),
+                container: Some(cc).into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("RemoveContainer");
+    expect_limits(&daemon, &plugin, &c, &[]).await;
+
+    // Start of a container whose cgroup cannot be found: closed by default.
+    let lost = container(
+        "lost",
+        &p,
+        "lost",
+        ContainerState::CONTAINER_CREATED,
+        0,
+        "/gpud-no-such-cgroup/x",
+        &[],
+    );
+    let err = session
+        .plugin
+        .start_container(
+            ctx(),
+            &nri::StartContainerRequest {
+                pod: Some(p.clone()).into(),
+                container: Some(lost).into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect_err("no such cgroup");
+    let (code, msg) = status_of(&err);
+    assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
+    assert!(msg.contains("NotFound"), "{msg}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unreachable_gpud_is_open_by_default_and_closed_on_request() {
+    let dir = TempDir::new("nri-unreach");
+    let nowhere = format!("unix:path={}", dir.path().join("no-bus").display());
+    let parent = Cgroup::new("nriun");
+    let p = pod("p", "p", &[("gpud.dev/memory-max", "1Gi")]);
+    let c = container(
+        "c",
+        &p,
+        "c",
+        ContainerState::CONTAINER_CREATED,
+        0,
+        &parent.rel,
+        &[],
+    );
+    let start = nri::StartContainerRequest {
+        pod: Some(p.clone()).into(),
+        container: Some(c).into(),
+        ..Default::default()
+    };
+    for (mode, closed) in [(None, false), (Some("closed"), true)] {
+        let sub = dir.path().join(mode.unwrap_or("default"));
+        std::fs::create_dir_all(&sub).expect("dir");
+        let rt = TestRuntime::bind(&sub);
+        let extra: Vec<&str> = match mode {
+            Some(m) => vec!["--on-unreachable", m],
+            None => vec![],
+        };
+        let plugin = start_plugin(&sub, &rt.socket, &nowhere, &extra);
+        let session = rt.accept(WAIT).await;
+        session
+            .plugin
+            .configure(ctx(), &configure_request())
+            .await
+            .expect("Configure");
+        let r = session.plugin.start_container(ctx(), &start).await;
+        if closed {
+            let err = r.expect_err("closed: the container fails");
+            let (code, msg) = status_of(&err);
+            assert_eq!(code, ttrpc::Code::UNAVAILABLE, "{msg}");
+            assert!(msg.contains("gpud unreachable"), "{msg}");
+        } else {
+            r.expect("open: the container starts");
+            assert!(
+                plugin.log_text().contains("runs without GPU shares (open)"),
+                "{}",
+                plugin.log_text()
+            );
+        }
+    }
+}
+
+/// Reads one mux frame: (connection id, payload).
+async fn read_frame(s: &mut tokio::net::UnixStream) -> (u32, Vec<u8>) {
+    let mut h = [0u8; mux::HEADER_LEN];
+    tokio::time::timeout(WAIT, s.read_exact(&mut h))
+        .await
+        .expect("a frame in time")
+        .expect("frame header");
+    let id = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
+    let len = u32::from_be_bytes([h[4], h[5], h[6], h[7]]) as usize;
+    let mut p = vec![0u8; len];
+    s.read_exact(&mut p).await.expect("frame payload");
+    (id, p)
+}
+
+/// Reads frames of connection `id` until one whole ttrpc message is in: (stream id, type,
+/// payload); asserts every frame is at most 4096 bytes.
+async fn read_ttrpc(s: &mut tokio::net::UnixStream, id: u32) -> (u32, u8, Vec<u8>) {
+    let mut buf = Vec::new();
+    loop {
+        let (cid, p) = read_frame(s).await;
+        assert_eq!(cid, id, "frame on connection {cid}, expected {id}");
+        assert!(
+            p.len() <= mux::MAX_WRITE_FRAME,
+            "frame of {} bytes",
+            p.len()
+        );
+        buf.extend(p);
+        if buf.len() >= 10 {
+            let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+            if buf.len() >= 10 + len {
+                assert_eq!(buf.len(), 10 + len, "one message, nothing after it");
+                let stream = u32::from_be_bytes([buf[4], buf[5], buf[6], buf[7]]);
+                return (stream, buf[8], buf[10..].to_vec());
+            }
+        }
+    }
+}
+
+/// A ttrpc message (10-byte header: length, stream id, type, flags) in mux frames, split the way
+/// Go's ttrpc writes through its 4096-byte buffer: a first frame of 4096 bytes, then the rest in
+/// one frame.
+fn frames(conn: u32, stream: u32, kind: u8, body: &[u8]) -> Vec<u8> {
+    let mut msg = Vec::new();
+    msg.extend((body.len() as u32).to_be_bytes());
+    msg.extend(stream.to_be_bytes());
+    msg.extend([kind, 0]);
+    msg.extend(body);
+    let mut out = Vec::new();
+    let (head, tail) = msg.split_at(msg.len().min(4096));
+    for chunk in [head, tail] {
+        if !chunk.is_empty() {
+            out.extend(mux::header(conn, chunk.len()));
+            out.extend(chunk);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_plugin_speaks_nri_on_the_wire() {
+    let dir = TempDir::new("nri-wire");
+    let rt = TestRuntime::bind(dir.path());
+    let nowhere = format!("unix:path={}", dir.path().join("no-bus").display());
+    let mut plugin = start_plugin(dir.path(), &rt.socket, &nowhere, &[]);
+    let mut s = rt.accept_raw(WAIT).await;
+
+    // First thing on the wire: RegisterPlugin, a ttrpc request on connection 2.
+    let (stream, kind, payload) = read_ttrpc(&mut s, mux::RUNTIME_SERVICE_CONN).await;
+    assert_eq!(kind, 1, "a request");
+    assert_eq!(stream % 2, 1, "client streams are odd");
+    let req = ttrpc::Request::parse_from_bytes(&payload).expect("ttrpc Request");
+    assert_eq!(req.service, "nri.pkg.api.v1alpha1.Runtime");
+    assert_eq!(req.method, "RegisterPlugin");
+    let reg = nri::RegisterPluginRequest::parse_from_bytes(&req.payload).expect("RegisterPlugin");
+    assert_eq!(
+        (reg.plugin_name.as_str(), reg.plugin_idx.as_str()),
+        ("gpud", "50")
+    );
+
+    // Answer it: a ttrpc response (type 2) with an OK status and an empty payload.
+    let mut resp = ttrpc::Response::new();
+    resp.status = Some(ttrpc::get_status(ttrpc::Code::OK, "")).into();
+    resp.payload = nri::Empty::new().write_to_bytes().expect("Empty");
+    let body = resp.write_to_bytes().expect("Response");
+    s.write_all(&frames(mux::RUNTIME_SERVICE_CONN, stream, 2, &body))
+        .await
+        .expect("write");
+
+    // Configure, sent as Go's runtime would, big enough (a 6000-byte config) to span frames,
+    // with a frame for a connection nobody opened in between (dropped).
+    let mut cfg = configure_request();
+    cfg.config = "#".repeat(6000);
+    let mut req = ttrpc::Request::new();
+    req.service = "nri.pkg.api.v1alpha1.Plugin".into();
+    req.method = "Configure".into();
+    req.payload = cfg.write_to_bytes().expect("ConfigureRequest");
+    req.timeout_nano = 2_000_000_000;
+    let body = req.write_to_bytes().expect("Request");
+    let mut wire = mux::header(9, 4).to_vec();
+    wire.extend(b"junk");
+    wire.extend(frames(mux::PLUGIN_SERVICE_CONN, 1, 1, &body));
+    s.write_all(&wire).await.expect("write");
+    let (stream, kind, payload) = read_ttrpc(&mut s, mux::PLUGIN_SERVICE_CONN).await;
+    assert_eq!((stream, kind), (1, 2), "the response to stream 1");
+    let resp = ttrpc::Response::parse_from_bytes(&payload).expect("ttrpc Response");
+    let code = resp
+        .status
+        .code
+        .enum_value()
+        .unwrap_or(ttrpc::Code::UNKNOWN);
+    assert_eq!(code, ttrpc::Code::OK, "{:?}", resp.status.message);
+    let cfg = nri::ConfigureResponse::parse_from_bytes(&resp.payload).expect("ConfigureResponse");
+    assert_eq!(cfg.events, EVENTS);
+
+    // An unknown method is answered with an error status, not a dropped connection.
+    let mut req = ttrpc::Request::new();
+    req.service = "nri.pkg.api.v1alpha1.Plugin".into();
+    req.method = "ValidateContainerAdjustment".into();
+    let body = req.write_to_bytes().expect("Request");
+    s.write_all(&frames(mux::PLUGIN_SERVICE_CONN, 3, 1, &body))
+        .await
+        .expect("write");
+    let (stream, _, payload) = read_ttrpc(&mut s, mux::PLUGIN_SERVICE_CONN).await;
+    assert_eq!(stream, 3);
+    let resp = ttrpc::Response::parse_from_bytes(&payload).expect("ttrpc Response");
+    assert_ne!(
+        resp.status.code.enum_value().unwrap_or(ttrpc::Code::OK),
+        ttrpc::Code::OK
+    );
+
+    // The runtime goes away: the plugin notices and exits (1: connection lost).
+    drop(s);
+    assert_eq!(plugin.wait(WAIT).await, Some(1), "{}", plugin.log_text());
+    assert!(plugin.log_text().contains("connection to the runtime lost"));
+
+    // A name or index NRI would refuse is refused before connecting.
+    let mut bad = start_plugin(dir.path(), &rt.socket, &nowhere, &["--idx", "5"]);
+    assert_eq!(bad.wait(WAIT).await, Some(1));
+    assert!(
+        bad.log_text().contains("invalid plugin index"),
+        "{}",
+        bad.log_text()
+    );
+}
