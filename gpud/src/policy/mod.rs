@@ -97,7 +97,9 @@ impl<'de> Deserialize<'de> for GpuSelector {
 }
 
 /// Scheduling class of a cgroup's GPU work.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum Priority {
     /// Best-effort cgroups on its GPU are throttled as soon as it is active.

@@ -19,7 +19,7 @@
 //! sets them). Every `gpud.dev` annotation is validated, also those scoped to other containers,
 //! so a typo fails the whole pod the same way; other annotations are ignored.
 
-use std::{collections::BTreeMap, collections::HashMap, str::FromStr};
+use std::{collections::BTreeMap, collections::HashMap};
 
 use crate::policy::{GpuSelector, MAX_BYTES, parse_quantity};
 
@@ -117,35 +117,8 @@ fn known_keys() -> String {
         .join(", ")
 }
 
-/// Priority classes of compute shares.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Priority {
-    LatencyCritical,
-    Normal,
-    BestEffort,
-}
-
-impl Priority {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::LatencyCritical => "latency-critical",
-            Self::Normal => "normal",
-            Self::BestEffort => "best-effort",
-        }
-    }
-}
-
-impl FromStr for Priority {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "latency-critical" => Ok(Self::LatencyCritical),
-            "normal" => Ok(Self::Normal),
-            "best-effort" => Ok(Self::BestEffort),
-            _ => Err("expected latency-critical, normal or best-effort".into()),
-        }
-    }
-}
+/// Priority classes of compute shares: the policy's own type.
+pub use crate::policy::Priority;
 
 /// A validated limit value.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -462,9 +435,9 @@ mod tests {
             ("gpud.dev/compute-weight",  "0",          &["gpud.dev/compute-weight", "1 to 10000"]),
             ("gpud.dev/compute-weight",  "10001",      &["1 to 10000"]),
             ("gpud.dev/compute-weight",  "1.5",        &["1 to 10000"]),
-            ("gpud.dev/priority",        "high",       &["gpud.dev/priority", "latency-critical, normal or best-effort"]),
-            ("gpud.dev/priority",        "Normal",     &["latency-critical, normal or best-effort"]),
-            ("gpud.dev/priority",        "",           &["latency-critical, normal or best-effort"]),
+            ("gpud.dev/priority",        "high",       &["gpud.dev/priority", "is not a priority (latency-critical, normal, best-effort)"]),
+            ("gpud.dev/priority",        "Normal",     &["is not a priority (latency-critical, normal, best-effort)"]),
+            ("gpud.dev/priority",        "",           &["is not a priority (latency-critical, normal, best-effort)"]),
         ];
         for (key, value, words) in cases {
             let err = match resolve(&map(&[(key, value)]), &HashMap::new(), None) {

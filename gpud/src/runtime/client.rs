@@ -9,10 +9,9 @@ use super::{
 };
 use crate::api::dbus::{Manager1Proxy, connect_builder};
 
-/// The limits this gpud accepts in `SetLimits`; the others are parsed and validated but not
-/// sent (gpud answers `InvalidArgument` "unknown limit" for them), and reported as not
-/// supported. When gpud learns the compute shares, add them here: nothing else changes.
-pub const DAEMON_LIMITS: &[LimitKind] = &[LimitKind::MemoryMax];
+/// The limits this gpud accepts in `SetLimits`; any other would be parsed and validated but not
+/// sent, and reported as not supported (kept for limits a newer annotation schema may add).
+pub const DAEMON_LIMITS: &[LimitKind] = &LimitKind::ALL;
 
 /// Whether gpud accepts this limit in `SetLimits`.
 pub fn supported_by_daemon(kind: LimitKind) -> bool {
@@ -188,7 +187,7 @@ mod tests {
     use crate::runtime::annotations::Priority;
 
     #[test]
-    fn only_supported_limits_are_sent() {
+    fn every_limit_is_sent_with_the_daemons_names_and_types() {
         let limits = BTreeMap::from([
             (LimitKind::MemoryMax, LimitValue::Number(1 << 30)),
             (LimitKind::ComputeMax, LimitValue::Number(30)),
@@ -198,11 +197,18 @@ mod tests {
             ),
         ]);
         let (dict, left_out) = dictionary(&limits);
-        assert_eq!(dict.keys().copied().collect::<Vec<_>>(), ["memory_max"]);
+        assert_eq!(
+            dict.keys().copied().collect::<Vec<_>>(),
+            ["compute_max", "memory_max", "priority"]
+        );
         assert_eq!(
             dict.get("memory_max"),
             Some(&zbus::Variant::from(1u64 << 30))
         );
-        assert_eq!(left_out, [LimitKind::ComputeMax, LimitKind::Priority]);
+        assert_eq!(
+            dict.get("priority"),
+            Some(&zbus::Variant::from("best-effort"))
+        );
+        assert!(left_out.is_empty());
     }
 }
