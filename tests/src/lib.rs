@@ -474,3 +474,21 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Copies the fake NVML library (tests/fake-nvml) to `lib_dir/libnvidia-ml.so.1`, where a test
+/// points `nvml.library_path`; its scenario goes beside it ([`write_nvml_scenario`]).
+pub fn install_fake_nvml(lib_dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(lib_dir).expect("lib dir");
+    let dst = lib_dir.join("libnvidia-ml.so.1");
+    std::fs::copy(bin_dir().join("libnvidia_ml_fake.so"), &dst)
+        .expect("copy the fake NVML library (is fake-nvml built?)");
+    dst
+}
+
+/// Writes the fake NVML's scenario beside it (write then rename: never read half-written).
+pub fn write_nvml_scenario(lib_dir: &Path, v: &serde_json::Value) {
+    std::fs::create_dir_all(lib_dir).expect("lib dir");
+    let tmp = lib_dir.join("fake-nvml.json.tmp");
+    std::fs::write(&tmp, v.to_string()).expect("scenario");
+    std::fs::rename(&tmp, lib_dir.join("fake-nvml.json")).expect("scenario");
+}

@@ -18,10 +18,7 @@ use serde_json::json;
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn install_fake(lib_dir: &Path) -> PathBuf {
-    std::fs::create_dir_all(lib_dir).expect("lib dir");
-    let dst = lib_dir.join("libnvidia-ml.so.1");
-    std::fs::copy(bin_dir().join("libnvidia_ml_fake.so"), &dst).expect("copy the fake NVML");
-    dst
+    gpud_tests::install_fake_nvml(lib_dir)
 }
 
 fn scenario(lib_dir: &Path, pids: &[u32]) {
@@ -35,9 +32,7 @@ fn scenario(lib_dir: &Path, pids: &[u32]) {
                     "pci_bus_id": "00000000:00:06.0", "memory_total": 80u64 << 30 } ],
         "processes": processes,
     });
-    let tmp = lib_dir.join("fake-nvml.json.tmp");
-    std::fs::write(&tmp, v.to_string()).expect("scenario");
-    std::fs::rename(&tmp, lib_dir.join("fake-nvml.json")).expect("scenario");
+    gpud_tests::write_nvml_scenario(lib_dir, &v);
 }
 
 fn config(dir: &Path, lib: &Path) -> PathBuf {

@@ -429,13 +429,16 @@ async fn container_events_validate_apply_and_clear() {
         .await
         .expect("StartContainer");
     expect_limits(&daemon, &plugin, &a, &[("1", GIB), ("all", 4 * GIB)]).await;
-    assert!(
-        plugin
-            .log_text()
-            .contains("not supported by this gpud, not applied: gpud.dev/compute-weight"),
-        "{}",
-        plugin.log_text()
-    );
+    // The compute share went to gpud as well.
+    let (_c, proxy) = daemon.proxy().await;
+    let weight = proxy
+        .list_limits()
+        .await
+        .expect("ListLimits")
+        .into_iter()
+        .find(|l| l.cgroup == a && l.gpu == "all")
+        .and_then(|l| l.limits.get("compute_weight").copied());
+    assert_eq!(weight, Some(300), "{}", plugin.log_text());
     // Stop clears.
     session
         .plugin

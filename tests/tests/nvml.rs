@@ -9,26 +9,18 @@ use std::{
 };
 
 use gpud::api::model::NvmlUsageRecord;
-use gpud_tests::{Bus, Cgroup, Daemon, TempDir, bin_dir, eventually, gpudctl_bin};
+use gpud_tests::{Bus, Cgroup, Daemon, TempDir, eventually, gpudctl_bin};
 use serde_json::json;
 
 const MIB: u64 = 1 << 20;
 
 /// The fake library, copied to `dir/lib/libnvidia-ml.so.1` (its scenario lives beside it).
 fn install_fake(lib_dir: &Path) -> PathBuf {
-    std::fs::create_dir_all(lib_dir).expect("lib dir");
-    let dst = lib_dir.join("libnvidia-ml.so.1");
-    std::fs::copy(bin_dir().join("libnvidia_ml_fake.so"), &dst)
-        .expect("copy the fake NVML library (is fake-nvml built?)");
-    dst
+    gpud_tests::install_fake_nvml(lib_dir)
 }
 
 fn scenario(lib_dir: &Path, v: &serde_json::Value) {
-    std::fs::create_dir_all(lib_dir).expect("lib dir");
-    // Write then rename, so the fake never reads half a file.
-    let tmp = lib_dir.join("fake-nvml.json.tmp");
-    std::fs::write(&tmp, v.to_string()).expect("scenario");
-    std::fs::rename(&tmp, lib_dir.join("fake-nvml.json")).expect("scenario");
+    gpud_tests::write_nvml_scenario(lib_dir, v);
 }
 
 fn config(dir: &Path, lib: &Path) -> PathBuf {

@@ -137,7 +137,12 @@ async fn runc_container_gets_the_annotated_limits_and_loses_them_on_delete() {
         ),
         (
             "all".to_owned(),
-            BTreeMap::from([("memory_max".to_owned(), 8 * GIB)]),
+            BTreeMap::from([
+                ("memory_max".to_owned(), 8 * GIB),
+                ("compute_max".to_owned(), 30),
+                // ListLimits numbers priorities: 2 is best-effort.
+                ("priority".to_owned(), 2),
+            ]),
         ),
     ]);
     assert_eq!(limits_of(&daemon, &cg).await, want, "{}", read(&log));
@@ -151,11 +156,9 @@ async fn runc_container_gets_the_annotated_limits_and_loses_them_on_delete() {
         hook_log.contains(&format!("GPU shares set on {cg} (GPU all, 0)")),
         "{hook_log}"
     );
-    // Compute shares are validated but this gpud does not take them yet: said, not failed.
+    // Every limit, compute shares included, went to gpud.
     assert!(
-        hook_log.contains(
-            "not supported by this gpud, not applied: gpud.dev/compute-max, gpud.dev/priority"
-        ),
+        !hook_log.contains("not supported by this gpud"),
         "{hook_log}"
     );
     let record: serde_json::Value =
