@@ -127,6 +127,8 @@ fn control_input(
                 .collect();
             (gpu, list)
         })
+        // A GPU where no cgroup has a compute policy is left to the driver's own time-slicing.
+        .filter(|(_, list): &(u32, Vec<CgroupInput>)| list.iter().any(|c| c.limits.has_compute()))
         .collect();
     ControlInput {
         seq,
