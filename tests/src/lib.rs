@@ -136,6 +136,26 @@ pub fn cgroup2_root() -> PathBuf {
     gpud::attribution::cgroupfs::cgroup2_mount_from(&mi).expect("a cgroup2 mount")
 }
 
+/// A process running `script` under sh inside `cg`, returned once it is in the cgroup.
+pub fn spawn_in_cgroup(cg: &Cgroup, script: &str) -> Child {
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "echo $$ > {}/cgroup.procs && exec sh -c '{script}'",
+            cg.dir.display()
+        ))
+        .spawn()
+        .expect("spawn");
+    for _ in 0..200 {
+        let procs = std::fs::read_to_string(cg.dir.join("cgroup.procs")).unwrap_or_default();
+        if procs.lines().any(|l| l.trim() == child.id().to_string()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child
+}
+
 /// A child cgroup, removed (after killing its processes) on drop.
 pub struct Cgroup {
     pub dir: PathBuf,

@@ -73,23 +73,7 @@ fn two_gpus(processes: serde_json::Value) -> serde_json::Value {
 
 /// A process in `cg` running `script` under sh.
 fn spawn_in(cg: &Cgroup, script: &str) -> Child {
-    let child = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "echo $$ > {}/cgroup.procs && exec sh -c '{script}'",
-            cg.dir.display()
-        ))
-        .spawn()
-        .expect("spawn");
-    // Wait until it is in its cgroup.
-    for _ in 0..100 {
-        let procs = std::fs::read_to_string(cg.dir.join("cgroup.procs")).unwrap_or_default();
-        if procs.lines().any(|l| l.trim() == child.id().to_string()) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child
+    gpud_tests::spawn_in_cgroup(cg, script)
 }
 
 async fn usage(d: &Daemon) -> Vec<NvmlUsageRecord> {

@@ -26,45 +26,44 @@ pub struct MemoryView {
     pub events: u64,
 }
 
+impl MemoryView {
+    /// No memory, no limits (`all` is always listed).
+    pub fn empty() -> Self {
+        let mut v = Self::default();
+        v.current.insert("all".to_owned(), 0);
+        v
+    }
+}
+
 impl Attribution {
     /// Usage and limits of `cgroup_id` by GPU name.
     pub fn memory_of(&self, cgroup_id: u64) -> MemoryView {
-        let mut v = MemoryView::default();
-        v.current.insert("all".to_owned(), 0);
+        self.memory_views(Some(cgroup_id))
+            .remove(&cgroup_id)
+            .unwrap_or_else(MemoryView::empty)
+    }
+
+    /// Usage and limits of every cgroup that has any (or of `only`), from one walk of each map.
+    pub fn memory_views(&self, only: Option<u64>) -> HashMap<u64, MemoryView> {
+        let mut views: HashMap<u64, MemoryView> = HashMap::new();
+        let wanted = |id: u64| only.is_none_or(|o| o == id);
         for (k, bytes) in self.maps.usage.iter().filter_map(Result::ok) {
-            if k.cgroup_id == cgroup_id && (bytes != 0 || k.gpu == GPU_ALL) {
-                v.current.insert(gpu_name(k.gpu), bytes);
+            if wanted(k.cgroup_id) && (bytes != 0 || k.gpu == GPU_ALL) {
+                views
+                    .entry(k.cgroup_id)
+                    .or_insert_with(MemoryView::empty)
+                    .current
+                    .insert(gpu_name(k.gpu), bytes);
             }
         }
         for (k, l) in self.maps.limits.iter().filter_map(Result::ok) {
-            if k.cgroup_id == cgroup_id {
+            if wanted(k.cgroup_id) {
+                let v = views.entry(k.cgroup_id).or_insert_with(MemoryView::empty);
                 v.max.insert(gpu_name(k.gpu), l.max);
                 v.events += l.events;
             }
         }
-        v
-    }
-
-    /// cgroup ids that hold memory or limits.
-    pub fn memory_cgroups(&self) -> Vec<u64> {
-        let mut ids: Vec<u64> = self
-            .maps
-            .usage
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, b)| k.gpu == GPU_ALL && *b != 0)
-            .map(|(k, _)| k.cgroup_id)
-            .chain(
-                self.maps
-                    .limits
-                    .iter()
-                    .filter_map(Result::ok)
-                    .map(|(k, _)| k.cgroup_id),
-            )
-            .collect();
-        ids.sort_unstable();
-        ids.dedup();
-        ids
+        views
     }
 
     /// Bytes `cgroup_id` holds on `gpu` (hierarchical).

@@ -114,15 +114,20 @@ impl Attribution {
         for id in pids.keys() {
             counts.entry(*id).or_default();
         }
-        for id in self.memory_cgroups() {
-            counts.entry(id).or_default();
+        // Memory figures of all cgroups from one walk of the usage and limit maps; a cgroup with
+        // memory or a limit (but no ioctl of its own, e.g. a parent) is listed too.
+        let mut memory = self.memory_views(None);
+        for (id, v) in &memory {
+            if v.current.get("all").is_some_and(|b| *b != 0) || !v.max.is_empty() {
+                counts.entry(*id).or_default();
+            }
         }
         let mut out: Vec<CgroupRecord> = counts
             .into_iter()
             .filter_map(|(id, c)| {
                 // A cgroup removed since is left to the sweep.
                 let path = self.cgroups.path_of(id)?;
-                let mem = self.memory_of(id);
+                let mem = memory.remove(&id).unwrap_or_else(memory::MemoryView::empty);
                 Some(CgroupRecord {
                     id,
                     path,

@@ -6,7 +6,7 @@
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    process::{Child, Command},
+    process::Child,
     time::{Duration, Instant},
 };
 
@@ -62,22 +62,7 @@ period_ms = 100
 
 /// A process burning one CPU in `cg`.
 pub fn burner(cg: &Cgroup) -> Child {
-    let child = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "echo $$ > {}/cgroup.procs && exec sh -c 'while :; do :; done'",
-            cg.dir.display()
-        ))
-        .spawn()
-        .expect("spawn");
-    for _ in 0..200 {
-        let procs = std::fs::read_to_string(cg.dir.join("cgroup.procs")).unwrap_or_default();
-        if procs.lines().any(|l| l.trim() == child.id().to_string()) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    child
+    gpud_tests::spawn_in_cgroup(cg, "while :; do :; done")
 }
 
 pub fn runtime_ns(pid: u32) -> u64 {
