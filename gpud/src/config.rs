@@ -6,9 +6,55 @@
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use toml::{
+    Spanned,
+    de::{DeTable, DeValue},
+};
 
 /// The documented default configuration, shipped as `config/gpud.toml`.
 pub const DEFAULT_CONFIG: &str = include_str!("../../config/gpud.toml");
+
+/// Where in a config file an error is: the file, and the line (1-based) when the error is tied
+/// to a place in it (a key or value the file itself holds).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub path: PathBuf,
+    pub line: Option<usize>,
+    pub column: Option<usize>,
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.path.display())?;
+        if let Some(line) = self.line {
+            write!(f, ":{line}")?;
+            if let Some(column) = self.column {
+                write!(f, ":{column}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Location {
+    /// The location of byte range `span` of `text`, read from `path`.
+    fn at(path: &Path, text: &str, span: Option<std::ops::Range<usize>>) -> Self {
+        let (line, column) = match span {
+            Some(s) if s.start <= text.len() => {
+                let before = &text[..s.start];
+                let line = before.matches('\n').count() + 1;
+                let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+                (Some(line), Some(column))
+            }
+            _ => (None, None),
+        };
+        Self {
+            path: path.to_owned(),
+            line,
+            column,
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -17,17 +63,26 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("invalid config file {path}: {source}")]
-    Parse {
-        path: PathBuf,
-        source: Box<toml::de::Error>,
-    },
-    #[error("invalid config file {path}: `{key}` {reason}")]
+    /// Not TOML, an unknown key or section, or a value of the wrong type or enum variant.
+    #[error("{at}: {reason}")]
+    Parse { at: Location, reason: String },
+    /// A value of the right type that validation refuses (range, relative path, ...).
+    #[error("{at}: `{key}` {reason}")]
     Invalid {
-        path: PathBuf,
+        at: Location,
         key: &'static str,
         reason: String,
     },
+}
+
+impl ConfigError {
+    /// The file and line the error is about (none for an unreadable file).
+    pub fn location(&self) -> Option<&Location> {
+        match self {
+            Self::Read { .. } => None,
+            Self::Parse { at, .. } | Self::Invalid { at, .. } => Some(at),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -147,47 +202,88 @@ impl NvmlConfig {
 impl Config {
     /// The built-in defaults (`config/gpud.toml`; a unit test keeps it valid).
     pub fn defaults() -> Result<Self, ConfigError> {
-        Self::parse_over(toml::Table::new(), Path::new("<built-in config/gpud.toml>"))
+        Self::from_toml("", Path::new("<built-in config/gpud.toml>"))
     }
 
     /// Reads `path` and applies it over the defaults.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        Self::load_effective(path).map(|(c, _)| c)
+    }
+
+    /// Like [`Config::load`], also returning the effective values (the defaults with the file
+    /// over them) as a table, to tell which keys a reload changes ([`changed_keys`]).
+    pub fn load_effective(path: &Path) -> Result<(Self, toml::Table), ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        Self::from_toml(&text, path)
+        Self::effective_from_toml(&text, path)
     }
 
     /// Parses `text` (named `path` in errors) over the defaults.
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let user: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: path.to_owned(),
-            source: Box::new(e),
+        Self::effective_from_toml(text, path).map(|(c, _)| c)
+    }
+
+    /// The built-in defaults with their effective values (see [`Config::load_effective`]).
+    pub fn defaults_effective() -> Result<(Self, toml::Table), ConfigError> {
+        Self::effective_from_toml("", Path::new("<built-in config/gpud.toml>"))
+    }
+
+    /// Parses `text` over the defaults, keeping toml's spans so that every error names the line
+    /// of the offending key or value in `text`.
+    fn effective_from_toml(text: &str, path: &Path) -> Result<(Self, toml::Table), ConfigError> {
+        let parse_err = |src: &str, src_path: &Path, e: toml::de::Error| ConfigError::Parse {
+            at: Location::at(src_path, src, e.span()),
+            reason: e.message().trim_end().to_owned(),
+        };
+        let user = DeTable::parse(text).map_err(|e| parse_err(text, path, e))?;
+        // A type or variant error points at a value: name its key too.
+        let named = |e: toml::de::Error| {
+            let key = e.span().and_then(|s| key_of_value(user.get_ref(), "", &s));
+            match (parse_err(text, path, e), key) {
+                (ConfigError::Parse { at, reason }, Some(key)) => ConfigError::Parse {
+                    at,
+                    reason: format!("`{key}`: {reason}"),
+                },
+                (other, _) => other,
+            }
+        };
+        let mut merged = DeTable::parse(DEFAULT_CONFIG)
+            .map_err(|e| parse_err(DEFAULT_CONFIG, Path::new("config/gpud.toml"), e))?
+            .into_inner();
+        merge(&mut merged, user.get_ref().clone());
+        // Every span in `merged` that deserialization can fail on is the user's: the defaults
+        // are valid (a unit test keeps them so), so a bad key or value came from `text`.
+        let de = || toml::de::Deserializer::from(Spanned::new(0..text.len(), merged.clone()));
+        let config = Config::deserialize(de()).map_err(named)?;
+        let table = toml::Table::deserialize(de()).map_err(named)?;
+        config.validate().map_err(|(key, reason)| {
+            let span = lookup(user.get_ref(), key).map(Spanned::span);
+            ConfigError::Invalid {
+                at: Location::at(path, text, span),
+                key,
+                reason,
+            }
         })?;
-        Self::parse_over(user, path)
+        Ok((config, table))
     }
 
-    fn parse_over(user: toml::Table, path: &Path) -> Result<Self, ConfigError> {
-        let parse_err = |e| ConfigError::Parse {
-            path: path.to_owned(),
-            source: Box::new(e),
-        };
-        let mut merged: toml::Table = toml::from_str(DEFAULT_CONFIG).map_err(parse_err)?;
-        merge(&mut merged, user);
-        let config: Config = toml::Value::Table(merged).try_into().map_err(parse_err)?;
-        config.validate(path)?;
-        Ok(config)
-    }
-
-    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
-        let invalid = |key, reason: &str| ConfigError::Invalid {
-            path: path.to_owned(),
-            key,
-            reason: reason.to_owned(),
-        };
+    /// Semantic checks on values of the right type: the offending key and why.
+    fn validate(&self) -> Result<(), (&'static str, String)> {
+        let invalid = |key, reason: &str| (key, reason.to_owned());
         if !self.daemon.state_dir.is_absolute() {
             return Err(invalid("daemon.state_dir", "must be an absolute path"));
+        }
+        if let Err(e) = crate::logging::parse_filter(&self.daemon.log) {
+            let reason = match e {
+                crate::logging::LogError::Filter { reason, .. } => reason,
+                other => other.to_string(),
+            };
+            return Err(invalid(
+                "daemon.log",
+                &format!("is not a valid filter: {reason}"),
+            ));
         }
         if !self.probes.bpffs.is_absolute() {
             return Err(invalid("probes.bpffs", "must be an absolute path"));
@@ -230,15 +326,75 @@ impl Config {
 }
 
 /// Recursively overlays `over` on `base`: tables merge, everything else replaces.
-fn merge(base: &mut toml::Table, over: toml::Table) {
+fn merge<'i>(base: &mut DeTable<'i>, over: DeTable<'i>) {
     for (key, value) in over {
-        match (base.get_mut(&key), value) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+        let (span, value) = (value.span(), value.into_inner());
+        match (base.get_mut(key.get_ref().as_ref()), value) {
+            (Some(b), DeValue::Table(o)) if matches!(b.get_ref(), DeValue::Table(_)) => {
+                if let DeValue::Table(b) = b.get_mut() {
+                    merge(b, o);
+                }
+            }
             (_, v) => {
-                base.insert(key, v);
+                // Remove first: `insert` would keep the default's key (and its span).
+                base.remove(key.get_ref().as_ref());
+                base.insert(key, Spanned::new(span, v));
             }
         }
     }
+}
+
+/// The entry of dotted `key` in `table`, with its span.
+fn lookup<'a, 'i>(table: &'a DeTable<'i>, key: &str) -> Option<&'a Spanned<DeValue<'i>>> {
+    let mut parts = key.split('.');
+    let mut value = table.get(parts.next()?)?;
+    for part in parts {
+        value = value.get_ref().as_table()?.get(part)?;
+    }
+    Some(value)
+}
+
+/// The dotted key whose value (not a table) spans exactly `span`.
+fn key_of_value(
+    table: &DeTable<'_>,
+    prefix: &str,
+    span: &std::ops::Range<usize>,
+) -> Option<String> {
+    table.iter().find_map(|(k, v)| {
+        let name = if prefix.is_empty() {
+            k.get_ref().to_string()
+        } else {
+            format!("{prefix}.{}", k.get_ref())
+        };
+        match v.get_ref() {
+            DeValue::Table(t) => key_of_value(t, &name, span),
+            _ => (v.span() == *span).then_some(name),
+        }
+    })
+}
+
+/// Dotted names of the keys whose effective values differ between `old` and `new`.
+pub fn changed_keys(old: &toml::Table, new: &toml::Table) -> Vec<String> {
+    fn walk(prefix: &str, old: &toml::Table, new: &toml::Table, out: &mut Vec<String>) {
+        let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
+        for k in keys {
+            let name = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            match (old.get(k), new.get(k)) {
+                (Some(toml::Value::Table(a)), Some(toml::Value::Table(b))) => {
+                    walk(&name, a, b, out)
+                }
+                (a, b) if a != b => out.push(name),
+                _ => {}
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk("", old, new, &mut out);
+    out
 }
 
 #[cfg(test)]
@@ -324,6 +480,72 @@ mod tests {
             let err = parse(text).unwrap_err().to_string();
             assert!(err.contains(needle), "{text:?} gave {err}");
         }
+    }
+
+    /// Every error tied to the file names its line, and the reason.
+    #[test]
+    fn errors_name_the_line() {
+        for (text, line, needle) in [
+            ("[probes]\n\natach = \"auto\"", 3, "unknown field `atach`"),
+            ("# c\n[nope]\n", 2, "unknown field `nope`"),
+            (
+                "[nvml]\nenabled = \"yes\"",
+                2,
+                "`nvml.enabled`: invalid type",
+            ),
+            ("[enforcement]\ntier = \"lsm\"", 2, "unknown variant `lsm`"),
+            (
+                "[daemon]\nlog = \"info\"\n[nvml]\nsample_interval_ms = 5",
+                4,
+                "between 10 and 60000",
+            ),
+            ("[compute]\nperiod_ms = 5000", 2, "`compute.period_ms`"),
+            (
+                "[daemon]\n\nlog = \"gpud=loudest\"",
+                3,
+                "`daemon.log` is not a valid filter",
+            ),
+            ("a = \n", 1, "string values must be quoted"),
+        ] {
+            let err = parse(text).unwrap_err();
+            let msg = err.to_string();
+            assert_eq!(
+                err.location().and_then(|l| l.line),
+                Some(line),
+                "{text:?} gave {msg}"
+            );
+            assert!(msg.starts_with(&format!("test.toml:{line}:")), "{msg}");
+            assert!(msg.contains(needle), "{text:?} gave {msg}");
+        }
+    }
+
+    /// Every key of the shipped file has a comment right above it (or above the run of keys it
+    /// opens), so the defaults document themselves.
+    #[test]
+    fn every_shipped_key_is_documented() {
+        let mut previous = "";
+        for line in DEFAULT_CONFIG.lines().map(str::trim) {
+            let is_key = !line.is_empty() && !line.starts_with('#') && !line.starts_with('[');
+            if is_key {
+                assert!(
+                    previous.starts_with('#'),
+                    "config/gpud.toml: `{line}` has no comment above it"
+                );
+            }
+            previous = line;
+        }
+    }
+
+    #[test]
+    fn changed_keys_are_named() -> Result<(), ConfigError> {
+        let (_, a) = Config::defaults_effective()?;
+        let (_, b) = Config::effective_from_toml(
+            "[daemon]\nlog = \"debug\"\n[probes]\nattach = \"tracepoint\"",
+            Path::new("t"),
+        )?;
+        assert_eq!(changed_keys(&a, &b), ["daemon.log", "probes.attach"]);
+        assert!(changed_keys(&a, &a).is_empty());
+        Ok(())
     }
 
     proptest::proptest! {

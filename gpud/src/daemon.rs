@@ -185,6 +185,8 @@ pub struct Intervals {
     /// Periodic `/proc` scan; `None` disables it.
     pub rescan: Option<Duration>,
     pub sweep: Duration,
+    /// Period of the service manager's watchdog keep-alives (`WATCHDOG=1`); `None`: no watchdog.
+    pub watchdog: Option<Duration>,
 }
 
 /// Runs the state task until `shutdown` turns true or every sender is gone; hands the state back
@@ -201,6 +203,8 @@ pub async fn run_state(
     // A disabled rescan still needs a timer to select on; it just never fires usefully.
     let mut rescan = tokio::time::interval(intervals.rescan.unwrap_or(Duration::from_secs(86_400)));
     rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut watchdog =
+        tokio::time::interval(intervals.watchdog.unwrap_or(Duration::from_secs(86_400)));
     // The start-up scan already ran; skip the immediate first ticks.
     sweep.tick().await;
     rescan.tick().await;
@@ -223,6 +227,12 @@ pub async fn run_state(
                     let found = scan::holders(&matcher);
                     let _ = tx.blocking_send(Message::Scanned(found));
                 });
+            }
+            // Sent from this loop, so that it stops when the state task hangs.
+            _ = watchdog.tick(), if intervals.watchdog.is_some() => {
+                if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]) {
+                    warn!("cannot send the watchdog keep-alive: {e}");
+                }
             }
             _ = shutdown.changed() => break,
         }

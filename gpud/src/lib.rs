@@ -10,6 +10,7 @@ pub mod attribution;
 pub mod config;
 pub mod daemon;
 pub mod enforcement;
+pub mod logging;
 pub mod nvml;
 pub mod policy;
 pub mod probes;

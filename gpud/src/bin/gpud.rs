@@ -1,23 +1,29 @@
 //! `gpud`: the daemon. Loads the probes, attributes NVIDIA device use to cgroups, and serves
 //! `dev.gpud.Daemon1` on D-Bus.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use clap::Parser;
 use gpud::{
     api::dbus::{BUS_NAME, DaemonInfo, Manager, OBJECT_PATH},
     attribution::{Attribution, CgroupFs},
-    config::Config,
+    config::{Config, ConfigError},
     daemon::{self, Intervals, Message, State},
     enforcement::MemoryEnforcement,
+    logging::LogHandle,
     policy::LimitStore,
     probes::{self, DynamicMajors, Matcher, ProbeSetup, Probes},
 };
+use sd_notify::NotifyState;
 use tokio::sync::{mpsc, watch};
 use tracing::{error, info, warn};
 
 const DEFAULT_CONFIG_PATH: &str = "/etc/gpud/gpud.toml";
+
+/// sysexits' EX_CONFIG: the configuration is wrong; systemd does not restart on it in a loop
+/// (RestartPreventExitStatus in the unit).
+const EX_CONFIG: u8 = 78;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -32,51 +38,151 @@ struct Args {
     /// D-Bus address to serve on instead of the system bus (overrides `dbus.bus`).
     #[arg(long, value_name = "ADDRESS")]
     bus_address: Option<String>,
+    /// Only validate the configuration: print its source and `ok` (exit 0) or the error with
+    /// file and line (exit 78). Loads no probes, touches no bus.
+    #[arg(long)]
+    check_config: bool,
 }
 
-fn load_config(args: &Args) -> anyhow::Result<(Config, String)> {
-    match &args.config {
-        Some(p) => Ok((Config::load(p)?, p.display().to_string())),
-        None if std::path::Path::new(DEFAULT_CONFIG_PATH).exists() => Ok((
-            Config::load(std::path::Path::new(DEFAULT_CONFIG_PATH))?,
-            DEFAULT_CONFIG_PATH.to_owned(),
-        )),
-        None => Ok((Config::defaults()?, "built-in defaults".to_owned())),
+/// Where the configuration comes from; a reload reads the same source again.
+#[derive(Clone, Debug)]
+enum ConfigSource {
+    File(PathBuf),
+    BuiltIn,
+}
+
+impl std::fmt::Display for ConfigSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::File(p) => write!(f, "{}", p.display()),
+            Self::BuiltIn => f.write_str("built-in defaults"),
+        }
     }
 }
 
-fn init_tracing(filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .or_else(|_| tracing_subscriber::EnvFilter::try_new(filter))
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+impl ConfigSource {
+    fn of(args: &Args) -> Self {
+        match &args.config {
+            Some(p) => Self::File(p.clone()),
+            None if Path::new(DEFAULT_CONFIG_PATH).exists() => {
+                Self::File(PathBuf::from(DEFAULT_CONFIG_PATH))
+            }
+            None => Self::BuiltIn,
+        }
+    }
+
+    /// The configuration and its effective values (to tell what a reload changes).
+    fn load(&self) -> Result<(Config, toml::Table), ConfigError> {
+        match self {
+            Self::File(p) => Config::load_effective(p),
+            Self::BuiltIn => Config::defaults_effective(),
+        }
+    }
 }
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    let (config, source) = match load_config(&args) {
+    let source = ConfigSource::of(&args);
+    let (config, effective) = match source.load() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("gpud: {e:#}");
-            return std::process::ExitCode::from(78); // EX_CONFIG
+            eprintln!("gpud: {e}");
+            return std::process::ExitCode::from(EX_CONFIG);
         }
     };
-    init_tracing(&config.daemon.log);
-    info!(version = gpud::VERSION, config = %source, "starting");
-    match run(config, args).await {
+    if args.check_config {
+        println!("config: {source}");
+        println!("ok");
+        return std::process::ExitCode::SUCCESS;
+    }
+    let log = match gpud::logging::init(&config.daemon.log) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("gpud: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    info!(version = gpud::VERSION, config = %source, output = ?log.output, "starting");
+    let live = Live {
+        source,
+        effective,
+        log,
+    };
+    match run(config, args, live).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             error!("{e:#}");
+            notify(&[NotifyState::Status(&format!("failed: {e:#}"))]);
             std::process::ExitCode::FAILURE
         }
     }
 }
 
-async fn run(config: Config, args: Args) -> anyhow::Result<()> {
+/// What a reload (SIGHUP) works on: the source to read again, the values in force, the log
+/// filter's handle.
+struct Live {
+    source: ConfigSource,
+    effective: toml::Table,
+    log: LogHandle,
+}
+
+/// Keys a reload applies without a restart; every other changed key is logged by name.
+const LIVE_KEYS: &[&str] = &["daemon.log"];
+
+impl Live {
+    /// Reads the configuration again; applies it if valid, keeps the running one otherwise.
+    fn reload(&mut self) {
+        let mut reloading = vec![NotifyState::Reloading];
+        if let Ok(now) = NotifyState::monotonic_usec_now() {
+            reloading.push(now);
+        }
+        notify(&reloading);
+        info!(config = %self.source, "reloading the configuration");
+        match self.source.load() {
+            Err(e) => {
+                // The error names file, line and reason.
+                error!("configuration not reloaded, the running one stays in force: {e}");
+            }
+            Ok((config, effective)) => {
+                for key in gpud::config::changed_keys(&self.effective, &effective) {
+                    if !LIVE_KEYS.contains(&key.as_str()) {
+                        warn!(key = %key, "changed in the configuration; takes effect on restart");
+                        continue;
+                    }
+                    match self.log.set_filter(&config.daemon.log) {
+                        Ok(true) => {
+                            info!(key = %key, filter = %config.daemon.log, "log filter applied");
+                        }
+                        Ok(false) => info!(key = %key, "RUST_LOG is set and stays in force"),
+                        Err(e) => error!(key = %key, "{e}"),
+                    }
+                    // Only live keys enter the values in force: a restart-only change stays
+                    // pending (and is reported again on the next reload).
+                    if let (Some(toml::Value::Table(old)), Some(toml::Value::Table(new))) =
+                        (self.effective.get_mut("daemon"), effective.get("daemon"))
+                        && let Some(v) = new.get("log")
+                    {
+                        old.insert("log".to_owned(), v.clone());
+                    }
+                }
+            }
+        }
+        notify(&[
+            NotifyState::Ready,
+            NotifyState::Status("serving; configuration reloaded"),
+        ]);
+    }
+}
+
+/// Tells the service manager (systemd's `NOTIFY_SOCKET`) a state change; a no-op without one.
+fn notify(states: &[NotifyState]) {
+    if let Err(e) = sd_notify::notify(states) {
+        warn!("cannot notify the service manager: {e}");
+    }
+}
+
+async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
     let cgroups = CgroupFs::discover().context("locating the cgroup v2 hierarchy")?;
     let majors = DynamicMajors::read()?;
     let extra = probes::devices::resolve_extra_paths(&config.devices.extra_paths)?;
@@ -198,6 +304,9 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
             rescan: (config.attribution.rescan_interval_secs > 0)
                 .then(|| std::time::Duration::from_secs(config.attribution.rescan_interval_secs)),
             sweep: std::time::Duration::from_secs(config.attribution.sweep_interval_secs),
+            // Keep-alives at half the service manager's timeout, from the state task itself:
+            // a hung state task stops them and systemd restarts the daemon.
+            watchdog: sd_notify::watchdog_enabled().map(|t| t / 2),
         },
         tx,
         rx,
@@ -210,8 +319,18 @@ async fn run(config: Config, args: Args) -> anyhow::Result<()> {
         bus = %bus,
         "ready: {BUS_NAME} at {OBJECT_PATH}"
     );
+    // Probes attached, state restored, name owned (`build` returned after the name request
+    // succeeded), state task running: ready.
+    notify(&[
+        NotifyState::Ready,
+        NotifyState::Status(&format!(
+            "serving {BUS_NAME}; attach mode {}, enforcement {}",
+            info.attach_mode, info.enforcement_tier
+        )),
+    ]);
 
-    wait_for_signal().await?;
+    wait_for_signal(&mut live).await?;
+    notify(&[NotifyState::Stopping]);
     info!("shutting down");
     let _ = shutdown_tx.send(true);
     reader.abort();
@@ -264,13 +383,17 @@ fn spawn_nvml_sampler(
     }
 }
 
-async fn wait_for_signal() -> anyhow::Result<()> {
+/// Waits for SIGTERM or SIGINT; reloads the configuration on every SIGHUP meanwhile.
+async fn wait_for_signal(live: &mut Live) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+    let mut hup = signal(SignalKind::hangup())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => return Ok(()),
+            _ = int.recv() => return Ok(()),
+            _ = hup.recv() => live.reload(),
+        }
     }
-    Ok(())
 }
