@@ -226,11 +226,24 @@ rescan_interval_secs = 0
 impl Daemon {
     /// Starts gpud and waits until it answers on the bus.
     pub async fn start(config: &Path, bus: &str) -> Self {
+        Self::start_with_env(config, bus, &[]).await
+    }
+
+    /// Like [`Daemon::start`], with environment changes: `(name, Some(value))` sets a variable,
+    /// `(name, None)` removes it (e.g. `NOTIFY_SOCKET`, `WATCHDOG_USEC`, `RUST_LOG`).
+    pub async fn start_with_env(config: &Path, bus: &str, env: &[(&str, Option<&str>)]) -> Self {
         static STARTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = STARTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let log = config.with_file_name(format!("gpud-{n}.log"));
         let log_file = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(gpud_bin())
+        let mut cmd = Command::new(gpud_bin());
+        for (name, value) in env {
+            match value {
+                Some(v) => cmd.env(name, v),
+                None => cmd.env_remove(name),
+            };
+        }
+        let child = cmd
             .arg("--config")
             .arg(config)
             .arg("--bus-address")
@@ -274,6 +287,26 @@ impl Daemon {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The daemon's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGHUP`) to the daemon.
+    pub fn signal(&self, signal: i32) {
+        if let Some(pid) = self.pid() {
+            // SAFETY: plain kill(2) on our own (unreaped) child.
+            unsafe { libc::kill(pid as i32, signal) };
+        }
+    }
+
+    /// Whether the daemon is still running.
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
     /// SIGTERM and wait; returns the exit status code.

@@ -1,0 +1,187 @@
+//! Bad configuration files, through the real `gpud` binary: `gpud --check-config` and the daemon
+//! itself refuse each with exit status 78 (EX_CONFIG) and a message naming the file, the line and
+//! the reason; a good file passes the check without loading probes or touching a bus.
+
+use std::{
+    path::Path,
+    process::{Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use gpud_tests::{TempDir, gpud_bin};
+
+/// (file name, text, line, reason text).
+const BAD: &[(&str, &str, Option<usize>, &str)] = &[
+    (
+        "unknown-key.toml",
+        "[probes]\nattach = \"auto\"\nbpfs = \"/sys/fs/bpf\"\n",
+        Some(3),
+        "unknown field `bpfs`",
+    ),
+    (
+        "unknown-section.toml",
+        "# gpud\n\n[daemon]\nlog = \"info\"\n\n[metricz]\n",
+        Some(6),
+        "unknown field `metricz`",
+    ),
+    (
+        "wrong-type.toml",
+        "[attribution]\nsweep_interval_secs = \"10\"\n",
+        Some(2),
+        "`attribution.sweep_interval_secs`: invalid type: string \"10\", expected u64",
+    ),
+    (
+        "negative.toml",
+        "[attribution]\n\nrescan_interval_secs = -1\n",
+        Some(3),
+        "`attribution.rescan_interval_secs`: invalid value",
+    ),
+    (
+        "sample-range.toml",
+        "[nvml]\nenabled = true\nsample_interval_ms = 60001\n",
+        Some(3),
+        "`nvml.sample_interval_ms` must be between 10 and 60000",
+    ),
+    (
+        "period-range.toml",
+        "[compute]\nperiod_ms = 10\n",
+        Some(2),
+        "`compute.period_ms` must be between 20 and 1000",
+    ),
+    (
+        "sweep-zero.toml",
+        "[attribution]\nsweep_interval_secs = 0\n",
+        Some(2),
+        "`attribution.sweep_interval_secs` must be at least 1",
+    ),
+    (
+        "relative-path.toml",
+        "[daemon]\nstate_dir = \"var/lib/gpud\"\n",
+        Some(2),
+        "`daemon.state_dir` must be an absolute path",
+    ),
+    (
+        "bad-filter.toml",
+        "[daemon]\nlog = \"gpud=chatty\"\n",
+        Some(2),
+        "`daemon.log` is not a valid filter",
+    ),
+    (
+        "bad-enum.toml",
+        "[enforcement]\ntier = \"react\"\nreact_action = \"stop\"\n",
+        Some(3),
+        "unknown variant `stop`, expected one of `kill`, `freeze`, `notify`",
+    ),
+    (
+        "not-toml.toml",
+        "[daemon\nlog = \"info\"\n",
+        Some(1),
+        "unclosed table, expected `]`",
+    ),
+];
+
+fn check(config: &Path) -> Output {
+    Command::new(gpud_bin())
+        .arg("--check-config")
+        .arg("--config")
+        .arg(config)
+        .output()
+        .expect("run gpud --check-config")
+}
+
+/// Starts the daemon proper on `config`; it must exit by itself (killed after 20 s if not).
+fn start(config: &Path) -> (Option<i32>, String) {
+    let mut child = Command::new(gpud_bin())
+        .arg("--config")
+        .arg(config)
+        // Never reached: the configuration is refused first.
+        .args(["--bus-address", "unix:path=/nonexistent/gpud-test-bus"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start gpud");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("gpud output");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bad_configs_are_refused_with_file_line_and_reason() {
+    let dir = TempDir::new("config-errors");
+    for (name, text, line, reason) in BAD {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write config");
+        let at = match line {
+            Some(l) => format!("{}:{l}:", path.display()),
+            None => path.display().to_string(),
+        };
+
+        let out = check(&path);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(78), "{name}: {stderr}");
+        assert!(
+            stderr.contains(&at) && stderr.contains(reason),
+            "{name}: wanted {at} and {reason:?} in {stderr:?}"
+        );
+        assert!(out.stdout.is_empty(), "{name}: nothing on stdout");
+
+        let (code, stderr) = start(&path);
+        assert_eq!(code, Some(78), "{name}: the daemon must refuse: {stderr}");
+        assert!(
+            stderr.contains(&at) && stderr.contains(reason),
+            "{name}: wanted {at} and {reason:?} in {stderr:?}"
+        );
+    }
+}
+
+#[test]
+fn unreadable_files_are_refused() {
+    let dir = TempDir::new("config-unreadable");
+    let missing = dir.path().join("missing.toml");
+    let a_dir = dir.path().join("a-directory.toml");
+    std::fs::create_dir(&a_dir).expect("dir");
+    for (path, reason) in [
+        (&missing, "No such file or directory"),
+        (&a_dir, "Is a directory"),
+    ] {
+        let out = check(path);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(78), "{stderr}");
+        assert!(
+            stderr.contains(&format!("cannot read config file {}", path.display()))
+                && stderr.contains(reason),
+            "{stderr}"
+        );
+        let (code, stderr) = start(path);
+        assert_eq!(code, Some(78), "{stderr}");
+        assert!(stderr.contains(reason), "{stderr}");
+    }
+}
+
+#[test]
+fn good_config_passes_the_check() {
+    let dir = TempDir::new("config-good");
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gpud.toml");
+    let partial = dir.path().join("partial.toml");
+    std::fs::write(&partial, "[daemon]\nlog = \"gpud=debug\"\n").expect("write");
+    for path in [shipped.as_path(), partial.as_path()] {
+        let out = check(path);
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            stdout,
+            format!("config: {}\nok\n", path.display()),
+            "the source and ok"
+        );
+    }
+}
