@@ -13,6 +13,7 @@ pub mod enforcement;
 pub mod logging;
 pub mod nvml;
 pub mod policy;
+pub mod privileges;
 pub mod probes;
 pub mod runtime;
 

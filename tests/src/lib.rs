@@ -232,11 +232,29 @@ impl Daemon {
     /// Like [`Daemon::start`], with environment changes: `(name, Some(value))` sets a variable,
     /// `(name, None)` removes it (e.g. `NOTIFY_SOCKET`, `WATCHDOG_USEC`, `RUST_LOG`).
     pub async fn start_with_env(config: &Path, bus: &str, env: &[(&str, Option<&str>)]) -> Self {
+        Self::start_wrapped(config, bus, env, &[]).await
+    }
+
+    /// Like [`Daemon::start_with_env`], run through `wrapper` (a command that ends by exec'ing
+    /// its arguments, e.g. `setpriv ... --`): the daemon's pid is the wrapper's.
+    pub async fn start_wrapped(
+        config: &Path,
+        bus: &str,
+        env: &[(&str, Option<&str>)],
+        wrapper: &[String],
+    ) -> Self {
         static STARTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = STARTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let log = config.with_file_name(format!("gpud-{n}.log"));
         let log_file = std::fs::File::create(&log).expect("log file");
-        let mut cmd = Command::new(gpud_bin());
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(gpud_bin());
+                c
+            }
+            None => Command::new(gpud_bin()),
+        };
         for (name, value) in env {
             match value {
                 Some(v) => cmd.env(name, v),

@@ -52,7 +52,12 @@ const PACKAGES: &[(&str, Probe, &str)] = &[
     (
         "systemd",
         Probe::Command("busctl"),
-        "busctl for the D-Bus tests",
+        "busctl for the D-Bus tests; systemd-analyze verifies the unit",
+    ),
+    (
+        "libcap2-bin",
+        Probe::Command("capsh"),
+        "capsh decodes capability sets in the unit's capability test",
     ),
     (
         "qemu-system-x86",

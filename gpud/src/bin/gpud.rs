@@ -183,6 +183,9 @@ fn notify(states: &[NotifyState]) {
 }
 
 async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
+    for w in gpud::privileges::check(gpud::privileges::effective()?)? {
+        warn!("{w}");
+    }
     let cgroups = CgroupFs::discover().context("locating the cgroup v2 hierarchy")?;
     let majors = DynamicMajors::read()?;
     let extra = probes::devices::resolve_extra_paths(&config.devices.extra_paths)?;
