@@ -2,6 +2,7 @@
 //! (`setup`), so a fresh machine needs nothing but this repository, rustup and its `nightly`.
 
 mod bench;
+mod install;
 mod run;
 mod setup;
 mod test;
@@ -46,6 +47,21 @@ enum Task {
         #[arg(long)]
         no_vm: bool,
     },
+    /// Build the release binaries and install gpud as a system service (unit, D-Bus policy,
+    /// default config if none, OCI hooks, manifest for uninstall). Needs root for the real /.
+    Install {
+        #[command(flatten)]
+        layout: LayoutArgs,
+        /// Install the binaries found in DIR instead of building the release ones.
+        #[arg(long, value_name = "DIR")]
+        bin_dir: Option<PathBuf>,
+    },
+    /// Remove what `install` put there (per its manifest), except files changed since; never the
+    /// state directory.
+    Uninstall {
+        #[command(flatten)]
+        layout: LayoutArgs,
+    },
     /// Boot the Debian-kernel VM and run BINARY ARGS… inside it: `cargo xtask vm -- BINARY ARGS…`.
     Vm {
         /// Seconds before qemu is killed.
@@ -57,6 +73,26 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+}
+
+/// Where `install` and `uninstall` work.
+#[derive(clap::Args)]
+struct LayoutArgs {
+    /// Installation prefix of the binaries (PREFIX/bin) and their documentation.
+    #[arg(long, default_value = "/usr/local", value_name = "DIR")]
+    prefix: PathBuf,
+    /// Staging root: every path goes under DIR (for packaging); no group, no reloads.
+    #[arg(long, value_name = "DIR")]
+    destdir: Option<PathBuf>,
+}
+
+impl LayoutArgs {
+    fn layout(self) -> install::Layout {
+        install::Layout {
+            prefix: self.prefix,
+            destdir: self.destdir,
+        }
+    }
 }
 
 /// An error that has already been reported (e.g. by the test summary): exit non-zero quietly.
@@ -77,6 +113,8 @@ fn main() -> ExitCode {
         Task::Run { args } => run::run(&args),
         Task::Test { no_vm, no_lint } => test::run(!no_vm, !no_lint),
         Task::Bench { no_vm } => bench::run(!no_vm),
+        Task::Install { layout, bin_dir } => install::install(&layout.layout(), bin_dir.as_deref()),
+        Task::Uninstall { layout } => install::uninstall(&layout.layout()),
         // The console is echoed as it comes.
         Task::Vm {
             timeout,
