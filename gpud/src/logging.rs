@@ -57,8 +57,18 @@ pub fn init(filter: &str) -> Result<LogHandle, LogError> {
     let journal = stderr_is_journal()
         .then(|| tracing_journald::layer().ok())
         .flatten()
-        // Fields as they are named in the code (CGROUP=, not the default F_CGROUP=).
-        .map(|l| l.with_field_prefix(None));
+        // Fields as they are named in the code (CGROUP=, not the default F_CGROUP=), levels as
+        // syslog's (info is 6, not the crate's default 5 "notice").
+        .map(|l| {
+            l.with_field_prefix(None)
+                .with_priority_mappings(tracing_journald::PriorityMappings {
+                    error: tracing_journald::Priority::Error,
+                    warn: tracing_journald::Priority::Warning,
+                    info: tracing_journald::Priority::Informational,
+                    debug: tracing_journald::Priority::Debug,
+                    trace: tracing_journald::Priority::Debug,
+                })
+        });
     let output = if journal.is_some() {
         Output::Journal
     } else {

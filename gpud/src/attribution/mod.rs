@@ -291,7 +291,15 @@ impl Attribution {
                 if ev.client != 0 {
                     self.parents.insert(ev.tgid, ev.client);
                 }
-                debug!(pid = ev.tgid, cgroup = ?path, "process attributed");
+                // The path as text (a journal field), the id where the path is unknown.
+                match path {
+                    Some(p) => debug!(pid = ev.tgid, cgroup = %p, "process attributed"),
+                    None => debug!(
+                        pid = ev.tgid,
+                        cgroup_id = ev.cgroup_id,
+                        "process attributed"
+                    ),
+                }
             }
             EVENT_PROC_EXIT => {
                 debug!(pid = ev.tgid, "attributed process exited");
