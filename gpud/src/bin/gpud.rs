@@ -309,7 +309,9 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
             sweep: std::time::Duration::from_secs(config.attribution.sweep_interval_secs),
             // Keep-alives at half the service manager's timeout, from the state task itself:
             // a hung state task stops them and systemd restarts the daemon.
-            watchdog: sd_notify::watchdog_enabled().map(|t| t / 2),
+            watchdog: sd_notify::watchdog_enabled()
+                .map(|t| t / 2)
+                .filter(|t| !t.is_zero()),
         },
         tx,
         rx,
