@@ -99,8 +99,9 @@ async fn main() -> std::process::ExitCode {
     let log = match gpud::logging::init(&config.daemon.log) {
         Ok(l) => l,
         Err(e) => {
+            // An invalid RUST_LOG: a configuration error too.
             eprintln!("gpud: {e}");
-            return std::process::ExitCode::FAILURE;
+            return std::process::ExitCode::from(EX_CONFIG);
         }
     };
     info!(version = gpud::VERSION, config = %source, output = ?log.output, "starting");
