@@ -354,7 +354,7 @@ fn lookup<'a, 'i>(table: &'a DeTable<'i>, key: &str) -> Option<&'a Spanned<DeVal
     Some(value)
 }
 
-/// The dotted key whose value (not a table) spans exactly `span`.
+/// The dotted key whose value (not a table; an array counts with its elements) holds `span`.
 fn key_of_value(
     table: &DeTable<'_>,
     prefix: &str,
@@ -368,7 +368,10 @@ fn key_of_value(
         };
         match v.get_ref() {
             DeValue::Table(t) => key_of_value(t, &name, span),
-            _ => (v.span() == *span).then_some(name),
+            _ => {
+                let own = v.span();
+                (own.start <= span.start && span.end <= own.end).then_some(name)
+            }
         }
     })
 }
@@ -506,6 +509,16 @@ mod tests {
                 "`daemon.log` is not a valid filter",
             ),
             ("a = \n", 1, "string values must be quoted"),
+            (
+                "[devices]\nextra_paths = [\"/a\",\n  7]",
+                3,
+                "`devices.extra_paths`: invalid type",
+            ),
+            (
+                "[devices]\nextra_paths = [\"rel\"]",
+                2,
+                "`devices.extra_paths` must hold absolute",
+            ),
         ] {
             let err = parse(text).unwrap_err();
             let msg = err.to_string();
