@@ -143,7 +143,7 @@ impl Bus {
     fn spawn(dir: TempDir, conf: &Path) -> Self {
         let mut child = Command::new("dbus-daemon")
             .arg("--config-file")
-            .arg(&conf)
+            .arg(conf)
             .args(["--nofork", "--print-address"])
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
