@@ -33,10 +33,6 @@ impl Authorizer {
         }
     }
 
-    pub fn admin_group(&self) -> &str {
-        &self.admin_group
-    }
-
     /// Allows the call in `header` (received on `conn`) or refuses it with
     /// `dev.gpud.Error.AccessDenied`, logged at warn.
     pub async fn check(&self, conn: &Connection, header: &Header<'_>) -> Result<(), ApiError> {
