@@ -110,6 +110,9 @@ pub struct DaemonConfig {
 pub struct DbusConfig {
     /// `"system"` or a D-Bus address.
     pub bus: String,
+    /// Group whose members (besides root) may call the methods that change state; empty: root
+    /// only. Must match the group in the bus policy (systemd/dev.gpud.Daemon1.conf).
+    pub admin_group: String,
 }
 
 /// How the programs attach to the ioctl path.
@@ -291,6 +294,13 @@ impl Config {
         if self.dbus.bus.trim().is_empty() {
             return Err(invalid("dbus.bus", "must be \"system\" or a D-Bus address"));
         }
+        if !valid_group_name(&self.dbus.admin_group) {
+            return Err(invalid(
+                "dbus.admin_group",
+                "must be empty or a group name (letters, digits, `_`, `-`, `.`; not starting \
+                 with `-`; at most 64 characters)",
+            ));
+        }
         if let Some(p) = self.devices.extra_paths.iter().find(|p| !p.is_absolute()) {
             return Err(invalid(
                 "devices.extra_paths",
@@ -323,6 +333,16 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Empty (root only) or a plausible group name; whether the group exists is checked per call.
+fn valid_group_name(name: &str) -> bool {
+    name.is_empty()
+        || (name.len() <= 64
+            && !name.starts_with('-')
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.')))
 }
 
 /// Recursively overlays `over` on `base`: tables merge, everything else replaces.
@@ -415,6 +435,8 @@ mod tests {
         assert_eq!(c.probes.bpffs, PathBuf::from("/sys/fs/bpf"));
         assert!(c.probes.keep_pinned);
         assert_eq!(c.dbus.bus, "system");
+        assert_eq!(c.dbus.admin_group, "gpud-admin");
+        assert_eq!(parse("[dbus]\nadmin_group = \"\"")?.dbus.admin_group, "");
         assert!(c.devices.extra_paths.is_empty());
         assert!(c.nvml.enabled);
         assert_eq!(
@@ -476,6 +498,9 @@ mod tests {
                 "[nvml]\nretry_interval_secs = 0",
                 "nvml.retry_interval_secs",
             ),
+            ("[dbus]\nadmin_group = \"a b\"", "dbus.admin_group"),
+            ("[dbus]\nadmin_group = \"-x\"", "dbus.admin_group"),
+            ("[dbus]\nadmin_group = \"x:y\"", "dbus.admin_group"),
             ("[nvml]\nlibary_path = \"/x\"", "libary_path"),
             ("[nvml]\nenabled = \"yes\"", "enabled"),
             ("not toml at all =", "test.toml"),

@@ -1,5 +1,6 @@
 //! What gpud exposes: the D-Bus service and the records it carries.
 
+pub mod authz;
 pub mod dbus;
 pub mod gpu;
 pub mod model;

@@ -272,7 +272,9 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
     let conn = gpud::api::dbus::connect_builder(&bus)
         .serve_at(
             OBJECT_PATH,
-            Manager::new(tx.clone(), info.clone()).with_compute_stats(compute_stats_rx),
+            Manager::new(tx.clone(), info.clone())
+                .with_compute_stats(compute_stats_rx)
+                .with_admin_group(&config.dbus.admin_group),
         )
         .name(BUS_NAME)
         .build()

@@ -1,0 +1,705 @@
+//! Who may call what on `dev.gpud.Daemon1`, and what bad input gets back.
+//!
+//! Authorization is tested with a real `dbus-daemon` in two layers: a bus with the system bus's
+//! default policy that includes the shipped systemd/dev.gpud.Daemon1.conf (the bus refuses
+//! mutations to non-members), and a permissive bus (gpud itself refuses them, from the caller's
+//! credentials). Callers are real processes: `gpudctl`/`busctl` run by `setpriv` as uid/gid
+//! 65534, with or without a temporary admin group, and root.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    time::Duration,
+};
+
+use gpud::api::dbus::{BUS_NAME, MANAGER_INTERFACE, MUTATING_METHODS, OBJECT_PATH};
+use gpud_tests::{
+    Bus, Cgroup, Daemon, TempDir, TestGroup, eventually, gpudctl_bin, shipped_bus_policy,
+    write_config,
+};
+use serde_json::json;
+use zbus::{Structure, Variant};
+
+const NOBODY: u32 = 65534;
+
+/// A daemon config with `admin_group`, optionally with the fake NVML (one GPU) at `nvml_lib`.
+fn config(dir: &Path, admin_group: &str, nvml_lib: Option<&Path>) -> PathBuf {
+    let p = write_config(dir, &[], "auto");
+    let mut text = std::fs::read_to_string(&p).expect("config");
+    text.push_str(&format!("\n[dbus]\nadmin_group = \"{admin_group}\"\n"));
+    if let Some(lib) = nvml_lib {
+        text.push_str(&format!(
+            "\n[nvml]\nlibrary_path = \"{}\"\nsample_interval_ms = 200\nretry_interval_secs = 1\n",
+            lib.display()
+        ));
+    }
+    std::fs::write(&p, text).expect("config");
+    p
+}
+
+const GPU0_UUID: &str = "GPU-00000000-1111-2222-3333-444444444444";
+
+/// Installs the fake NVML with one GPU under `dir/lib`; returns the library's path.
+fn one_gpu(dir: &Path) -> PathBuf {
+    let lib_dir = dir.join("lib");
+    gpud_tests::write_nvml_scenario(
+        &lib_dir,
+        &json!({
+            "driver_version": "580.159.04",
+            "cuda_version": 13000,
+            "gpus": [{ "uuid": GPU0_UUID, "name": "Fake H100", "pci_bus_id": "00000000:00:06.0",
+                       "memory_total": 80u64 << 30 }],
+            "processes": [],
+        }),
+    );
+    gpud_tests::install_fake_nvml(&lib_dir)
+}
+
+async fn wait_for_gpus(d: &Daemon) {
+    let (_c, p) = d.proxy().await;
+    let up = eventually(Duration::from_secs(15), || async {
+        (!p.list_gpus().await.ok()?.is_empty()).then_some(())
+    })
+    .await;
+    assert!(up.is_some(), "NVML never came up:\n{}", d.log_text());
+}
+
+/// Who runs a client process.
+#[derive(Clone, Copy, Debug)]
+enum Who {
+    Root,
+    /// uid/gid 65534 with no supplementary group.
+    Nobody,
+    /// uid/gid 65534 with the given supplementary group.
+    Member(u32),
+}
+
+fn run_as(who: Who, program: &Path, args: &[&str]) -> Output {
+    let mut cmd = match who {
+        Who::Root => Command::new(program),
+        Who::Nobody | Who::Member(_) => {
+            let mut c = Command::new("setpriv");
+            c.args([
+                "--reuid",
+                &NOBODY.to_string(),
+                "--regid",
+                &NOBODY.to_string(),
+            ]);
+            match who {
+                Who::Member(gid) => c.args(["--groups", &gid.to_string()]),
+                _ => c.arg("--clear-groups"),
+            };
+            c.arg(program);
+            c
+        }
+    };
+    cmd.args(args).output().expect("run client")
+}
+
+/// `gpudctl --bus-address BUS ARGS` as `who`: (success, stdout and stderr).
+fn gpudctl(who: Who, bus: &str, args: &[&str]) -> (bool, String) {
+    let mut all = vec!["--bus-address", bus];
+    all.extend_from_slice(args);
+    let out = run_as(who, &gpudctl_bin(), &all);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// `busctl --address=BUS ARGS` as `who`.
+fn busctl(who: Who, bus: &str, args: &[&str]) -> (bool, String) {
+    let addr = format!("--address={bus}");
+    let mut all = vec![addr.as_str()];
+    all.extend_from_slice(args);
+    let out = run_as(who, Path::new("busctl"), &all);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// What a call could have changed: the limits listed and the file they persist in.
+async fn snapshot(d: &Daemon, state: &Path) -> (String, Option<Vec<u8>>) {
+    let (_c, p) = d.proxy().await;
+    let limits = p.list_limits().await.expect("ListLimits");
+    (
+        format!("{limits:?}"),
+        std::fs::read(state.join("limits.json")).ok(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn system_bus_policy_lets_anyone_read_and_only_root_and_admins_change() {
+    let group = TestGroup::create("s");
+    let dir = TempDir::new("authz-sys");
+    let bus = Bus::start_system_like(&group.name);
+    let d = Daemon::start(&config(dir.path(), &group.name, None), &bus.address).await;
+    let state = dir.path().join("state");
+    let cg = Cgroup::new("authz-sys");
+    let before = snapshot(&d, &state).await;
+
+    // A non-member: the bus refuses both mutations; nothing changes.
+    for args in [
+        vec!["set", &cg.rel, "--memory-max", "1Gi"],
+        vec!["clear", &cg.rel],
+    ] {
+        let (ok, text) = gpudctl(Who::Nobody, &bus.address, &args);
+        assert!(!ok, "{args:?} allowed to a non-member: {text}");
+        assert!(
+            text.contains("org.freedesktop.DBus.Error.AccessDenied"),
+            "{args:?}: {text}"
+        );
+    }
+    assert_eq!(snapshot(&d, &state).await, before);
+
+    // ... nor may it take the name.
+    let (ok, text) = busctl(
+        Who::Nobody,
+        &bus.address,
+        &[
+            "call",
+            "org.freedesktop.DBus",
+            "/org/freedesktop/DBus",
+            "org.freedesktop.DBus",
+            "RequestName",
+            "su",
+            BUS_NAME,
+            "0",
+        ],
+    );
+    assert!(!ok && text.to_lowercase().contains("denied"), "{text}");
+
+    // It may read: methods, properties, introspection.
+    for args in [vec!["list"], vec!["ps"], vec!["limits"], vec!["status"]] {
+        let (ok, text) = gpudctl(Who::Nobody, &bus.address, &args);
+        assert!(ok, "{args:?} refused to a non-member: {text}");
+    }
+    let (ok, text) = gpudctl(Who::Nobody, &bus.address, &["get", &cg.rel]);
+    assert!(ok || text.contains("dev.gpud.Error.NotFound"), "{text}");
+    let (ok, text) = busctl(
+        Who::Nobody,
+        &bus.address,
+        &["introspect", BUS_NAME, OBJECT_PATH],
+    );
+    assert!(ok && text.contains(".SetLimits"), "{text}");
+    let (ok, text) = busctl(
+        Who::Nobody,
+        &bus.address,
+        &[
+            "get-property",
+            BUS_NAME,
+            OBJECT_PATH,
+            MANAGER_INTERFACE,
+            "Version",
+        ],
+    );
+    assert!(ok, "{text}");
+    // Properties.Set is not read access.
+    let (ok, text) = busctl(
+        Who::Nobody,
+        &bus.address,
+        &[
+            "set-property",
+            BUS_NAME,
+            OBJECT_PATH,
+            MANAGER_INTERFACE,
+            "Version",
+            "s",
+            "x",
+        ],
+    );
+    assert!(!ok && text.to_lowercase().contains("denied"), "{text}");
+
+    // A member of the admin group may change limits.
+    let (ok, text) = gpudctl(
+        Who::Member(group.gid),
+        &bus.address,
+        &["set", &cg.rel, "--memory-max", "1Gi"],
+    );
+    assert!(ok, "member refused: {text}\n{}", d.log_text());
+    let (_c, p) = d.proxy().await;
+    let limits = p.list_limits().await.expect("ListLimits");
+    assert_eq!(limits.len(), 1, "{limits:?}");
+    assert_eq!(limits[0].limits.get("memory_max"), Some(&(1u64 << 30)));
+    let (ok, text) = gpudctl(Who::Member(group.gid), &bus.address, &["clear", &cg.rel]);
+    assert!(ok, "member refused: {text}");
+
+    // And root.
+    let (ok, text) = gpudctl(
+        Who::Root,
+        &bus.address,
+        &["set", &cg.rel, "--compute-max", "50"],
+    );
+    assert!(ok, "root refused: {text}");
+    let (ok, text) = gpudctl(Who::Root, &bus.address, &["clear", &cg.rel]);
+    assert!(ok, "root refused: {text}");
+    assert!(p.list_limits().await.expect("ListLimits").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn gpud_refuses_mutations_from_non_members_even_when_the_bus_allows_them() {
+    let group = TestGroup::create("p");
+    let dir = TempDir::new("authz-daemon");
+    let bus = Bus::start();
+    let d = Daemon::start(&config(dir.path(), &group.name, None), &bus.address).await;
+    let state = dir.path().join("state");
+    let cg = Cgroup::new("authz-daemon");
+    let (_c, p) = d.proxy().await;
+    let limits = BTreeMap::from([("memory_max", zbus::Variant::from("1Gi"))]);
+    p.set_limits(&cg.rel, "all", limits)
+        .await
+        .expect("root's SetLimits");
+    let before = snapshot(&d, &state).await;
+    assert!(before.1.is_some(), "limits.json not written");
+
+    for (args, method) in [
+        (vec!["set", &cg.rel, "--memory-max", "2Gi"], "SetLimits"),
+        (vec!["clear", &cg.rel], "ClearLimits"),
+        // Refused before its arguments are looked at.
+        (vec!["set", "/..", "--memory-max", "2Gi"], "SetLimits"),
+    ] {
+        let (ok, text) = gpudctl(Who::Nobody, &bus.address, &args);
+        assert!(!ok, "{args:?} allowed to a non-member: {text}");
+        for needle in [
+            "dev.gpud.Error.AccessDenied",
+            method,
+            "uid 65534",
+            &format!("group `{}`", group.name),
+        ] {
+            assert!(text.contains(needle), "{args:?}: {needle} not in {text}");
+        }
+        assert_eq!(snapshot(&d, &state).await, before, "{args:?} changed state");
+    }
+    let log = d.log_text();
+    assert!(
+        // (Colored: `uid=65534` has escape codes around the `=`.)
+        log.contains("WARN") && log.contains("65534") && log.contains("refused"),
+        "no warning logged:\n{log}"
+    );
+
+    // The member's calls pass the daemon's check.
+    let (ok, text) = gpudctl(
+        Who::Member(group.gid),
+        &bus.address,
+        &["set", &cg.rel, "--memory-max", "2Gi"],
+    );
+    assert!(ok, "member refused: {text}\n{}", d.log_text());
+    let limits = p.list_limits().await.expect("ListLimits");
+    assert_eq!(limits[0].limits.get("memory_max"), Some(&(2u64 << 30)));
+    let (ok, text) = gpudctl(Who::Member(group.gid), &bus.address, &["clear", &cg.rel]);
+    assert!(ok, "member refused: {text}");
+    assert!(p.list_limits().await.expect("ListLimits").is_empty());
+}
+
+/// The rules of one `<policy>` element that allow sending to gpud: (interface, member), `None`
+/// matching any.
+fn allowed_in(
+    doc: &roxmltree::Document<'_>,
+    attr: &str,
+    value: &str,
+) -> Vec<(Option<String>, Option<String>)> {
+    doc.descendants()
+        .filter(|n| n.has_tag_name("policy") && n.attribute(attr) == Some(value))
+        .flat_map(|p| p.children().filter(|c| c.has_tag_name("allow")))
+        .filter(|a| a.attribute("send_destination") == Some(BUS_NAME))
+        .map(|a| {
+            (
+                a.attribute("send_interface").map(str::to_owned),
+                a.attribute("send_member").map(str::to_owned),
+            )
+        })
+        .collect()
+}
+
+fn allows(rules: &[(Option<String>, Option<String>)], interface: &str, member: &str) -> bool {
+    rules.iter().any(|(i, m)| {
+        i.as_deref().is_none_or(|i| i == interface) && m.as_deref().is_none_or(|m| m == member)
+    })
+}
+
+/// Bus policies and introspection data come with a DOCTYPE.
+fn parse_xml(text: &str) -> roxmltree::Document<'_> {
+    let opts = roxmltree::ParsingOptions {
+        allow_dtd: true,
+        ..Default::default()
+    };
+    roxmltree::Document::parse_with_options(text, opts).expect("XML")
+}
+
+/// Every object path under `path` with its introspection XML.
+async fn introspect_tree(conn: &zbus::Connection, path: &str, out: &mut Vec<(String, String)>) {
+    let proxy = zbus::fdo::IntrospectableProxy::builder(conn)
+        .destination(BUS_NAME)
+        .path(path.to_owned())
+        .build()
+        .await
+        .expect("proxy");
+    let xml = proxy.introspect().await.expect("Introspect");
+    let doc = parse_xml(&xml);
+    let children: Vec<String> = doc
+        .root_element()
+        .children()
+        .filter(|n| n.has_tag_name("node"))
+        .filter_map(|n| n.attribute("name").map(str::to_owned))
+        .collect();
+    out.push((path.to_owned(), xml));
+    for c in children {
+        let child = if path == "/" {
+            format!("/{c}")
+        } else {
+            format!("{path}/{c}")
+        };
+        Box::pin(introspect_tree(conn, &child, out)).await;
+    }
+}
+
+/// A method added later must be classified: listed in `MUTATING_METHODS` (and then allowed only
+/// to root and the admin group) or allowed to everyone by the shipped policy.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_method_is_either_mutating_or_open_to_everyone_in_the_policy() {
+    let group = TestGroup::create("c");
+    let dir = TempDir::new("authz-classes");
+    let lib = one_gpu(dir.path());
+    let bus = Bus::start_system_like(&group.name);
+    let d = Daemon::start(&config(dir.path(), &group.name, Some(&lib)), &bus.address).await;
+    wait_for_gpus(&d).await; // so that the per-GPU objects exist too
+
+    let policy_text = std::fs::read_to_string(shipped_bus_policy()).expect("policy");
+    let policy = parse_xml(&policy_text);
+    let open = allowed_in(&policy, "context", "default");
+    let admins = allowed_in(&policy, "group", "gpud-admin");
+    let root = allowed_in(&policy, "user", "root");
+
+    let (conn, _p) = d.proxy().await;
+    let mut tree = Vec::new();
+    introspect_tree(&conn, "/", &mut tree).await;
+    let mut seen = BTreeSet::new();
+    let mut interfaces = BTreeSet::new();
+    for (path, xml) in &tree {
+        let doc = parse_xml(xml);
+        // Only this object's own interfaces (children may be inlined as nested nodes).
+        for iface in doc
+            .root_element()
+            .children()
+            .filter(|n| n.has_tag_name("interface"))
+        {
+            let Some(name) = iface
+                .attribute("name")
+                .filter(|n| n.starts_with("dev.gpud."))
+            else {
+                continue;
+            };
+            interfaces.insert(name.to_owned());
+            for prop in iface.children().filter(|c| c.has_tag_name("property")) {
+                assert_eq!(
+                    prop.attribute("access"),
+                    Some("read"),
+                    "{name}.{:?} on {path} is writable: Properties.Set would change state",
+                    prop.attribute("name")
+                );
+            }
+            for m in iface.children().filter(|c| c.has_tag_name("method")) {
+                let member = m.attribute("name").expect("method name");
+                let takes_args = m
+                    .children()
+                    .any(|a| a.has_tag_name("arg") && a.attribute("direction") == Some("in"));
+                seen.insert(member.to_owned());
+                if MUTATING_METHODS.contains(&member) {
+                    assert!(
+                        !allows(&open, name, member),
+                        "{name}.{member} changes state but the policy allows it to everyone"
+                    );
+                    assert!(
+                        allows(&admins, name, member) && allows(&root, name, member),
+                        "{name}.{member} changes state but the policy does not allow it to root \
+                         and the admin group"
+                    );
+                } else {
+                    assert!(
+                        allows(&open, name, member),
+                        "{name}.{member} is neither in MUTATING_METHODS nor allowed to everyone by \
+                         systemd/dev.gpud.Daemon1.conf: classify it"
+                    );
+                    if !takes_args {
+                        // And the bus really lets an unprivileged user call it.
+                        let (ok, text) = busctl(
+                            Who::Nobody,
+                            &bus.address,
+                            &["call", BUS_NAME, path, name, member],
+                        );
+                        assert!(ok, "{name}.{member} refused to a non-member: {text}");
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        interfaces.contains(MANAGER_INTERFACE) && interfaces.contains("dev.gpud.Gpu1"),
+        "{interfaces:?}"
+    );
+    for m in MUTATING_METHODS {
+        assert!(
+            seen.contains(*m),
+            "MUTATING_METHODS names {m}, which the daemon lacks"
+        );
+    }
+}
+
+/// The body of a raw call: the fields as given, whatever the method's signature.
+fn body(fields: Vec<Variant<'static>>) -> Structure<'static> {
+    fields
+        .into_iter()
+        .fold(Structure::builder(), |b, f| b.append_field(f))
+        .build()
+        .expect("body")
+}
+
+fn s(text: &str) -> Variant<'static> {
+    Variant::from(text.to_owned())
+}
+
+/// An `a{sv}` of limits.
+fn lims(pairs: Vec<(&str, Variant<'static>)>) -> Variant<'static> {
+    let m: HashMap<String, Variant<'static>> =
+        pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    Variant::from(m)
+}
+
+/// The D-Bus error name and message of a failed call.
+fn error_name(e: &zbus::Error) -> Option<(String, String)> {
+    use zbus::DBusError;
+    match e {
+        zbus::Error::MethodError(name, msg, _) => {
+            Some((name.to_string(), msg.clone().unwrap_or_default()))
+        }
+        zbus::Error::FDO(e) => Some((
+            e.name().to_string(),
+            e.description().unwrap_or_default().to_owned(),
+        )),
+        _ => None,
+    }
+}
+
+/// A call of `interface.method(args)` that must fail with `want`, its message containing `says`.
+fn call(
+    what: &'static str,
+    interface: &'static str,
+    method: &'static str,
+    args: Vec<Variant<'static>>,
+    want: &'static str,
+    says: &'static str,
+) -> Case {
+    Case {
+        what,
+        interface,
+        method,
+        args,
+        want,
+        says,
+    }
+}
+
+struct Case {
+    what: &'static str,
+    interface: &'static str,
+    method: &'static str,
+    args: Vec<Variant<'static>>,
+    /// Error name.
+    want: &'static str,
+    /// Part of the error message (the reason).
+    says: &'static str,
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_dbus_input_gets_a_typed_error_and_changes_nothing() {
+    let dir = TempDir::new("badinput");
+    let lib = one_gpu(dir.path());
+    let bus = Bus::start();
+    let d = Daemon::start(&config(dir.path(), "", Some(&lib)), &bus.address).await;
+    wait_for_gpus(&d).await;
+    let state = dir.path().join("state");
+    let cg = Cgroup::new("badinput");
+    let (conn, p) = d.proxy().await;
+    // Something in force that a bad call could disturb.
+    let start = BTreeMap::from([
+        ("memory_max", zbus::Variant::from("1Gi")),
+        ("compute_max", zbus::Variant::from(50u32)),
+    ]);
+    p.set_limits(&cg.rel, "all", start)
+        .await
+        .expect("SetLimits");
+
+    const M: &str = MANAGER_INTERFACE;
+    const INVALID: &str = "dev.gpud.Error.InvalidArgument";
+    const NOT_FOUND: &str = "dev.gpud.Error.NotFound";
+    const BAD_SIG: &str = "org.freedesktop.DBus.Error.InvalidArgs";
+    let mib = "x".repeat(1 << 20);
+    let cgv = || s(&cg.rel);
+    let mem = || lims(vec![("memory_max", s("2Gi"))]);
+    let set = |what: &'static str,
+               cgroup: Variant<'static>,
+               gpu: &str,
+               l: Variant<'static>,
+               want: &'static str,
+               says: &'static str| {
+        call(what, M, "SetLimits", vec![cgroup, s(gpu), l], want, says)
+    };
+    let one = |what: &'static str, l: (&str, Variant<'static>), says: &'static str| {
+        set(what, cgv(), "all", lims(vec![l]), INVALID, says)
+    };
+    #[rustfmt::skip]
+    let cases = vec![
+        // Wrong signatures.
+        call("SetLimits (su)", M, "SetLimits", vec![cgv(), Variant::from(5u32)], BAD_SIG, "Signature mismatch"),
+        call("SetLimits with a{ss}", M, "SetLimits", vec![cgv(), s("all"), Variant::from(HashMap::from([("memory_max".to_owned(), "1Gi".to_owned())]))], BAD_SIG, "Signature mismatch"),
+        call("SetLimits with an extra argument", M, "SetLimits", vec![cgv(), s("all"), mem(), s("junk")], BAD_SIG, "Signature mismatch"),
+        call("ClearLimits (sss)", M, "ClearLimits", vec![cgv(), s("all"), s("memory_max")], BAD_SIG, "Signature mismatch"),
+        call("GetCgroup (u)", M, "GetCgroup", vec![Variant::from(1u32)], BAD_SIG, "Signature mismatch"),
+        call("unknown method", M, "DropAllLimits", vec![cgv()], "org.freedesktop.DBus.Error.UnknownMethod", "DropAllLimits"),
+        call("unknown interface", "dev.gpud.Manager9", "SetLimits", vec![cgv(), s("all"), mem()], "org.freedesktop.DBus.Error.UnknownInterface", "dev.gpud.Manager9"),
+        // zbus answers UnknownProperty for a property without a setter.
+        call("Properties.Set of a read-only property", "org.freedesktop.DBus.Properties", "Set", vec![s(M), s("Version"), Variant::new(s("9"))], "org.freedesktop.DBus.Error.UnknownProperty", "Version"),
+        call("Properties.Get of an unknown property", "org.freedesktop.DBus.Properties", "Get", vec![s(M), s("Secret")], "org.freedesktop.DBus.Error.UnknownProperty", "Secret"),
+        // Cgroup paths.
+        set("empty cgroup", s(""), "all", mem(), INVALID, "empty"),
+        set("cgroup /../..", s("/../.."), "all", mem(), INVALID, "`..`"),
+        set("cgroup a/../../etc", s("a/../../etc"), "all", mem(), INVALID, "`..`"),
+        set("cgroup ./x", s("./x"), "all", mem(), INVALID, "`.`"),
+        set("unknown cgroup", s("/gpud-no-such-cgroup"), "all", mem(), NOT_FOUND, "gpud-no-such-cgroup"),
+        set("cgroup with trailing junk", s(&format!("{}/cgroup.procs", cg.rel)), "all", mem(), NOT_FOUND, "cgroup.procs"),
+        set("1 MiB cgroup", s(&mib), "all", mem(), INVALID, "bytes long"),
+        // GPU selectors.
+        set("empty GPU", cgv(), "", mem(), INVALID, "invalid GPU"),
+        set("GPU 7x", cgv(), "7x", mem(), INVALID, "invalid GPU"),
+        set("unknown GPU index", cgv(), "5", mem(), INVALID, "no GPU with this index"),
+        set("GPU- alone", cgv(), "GPU-", mem(), INVALID, "invalid GPU"),
+        set("malformed UUID", cgv(), "GPU-zz!", mem(), INVALID, "invalid GPU"),
+        set("unknown UUID", cgv(), "GPU-00000000-0000-0000-0000-000000000000", mem(), INVALID, "no GPU with this UUID"),
+        set("1 MiB GPU", cgv(), &mib, mem(), INVALID, "bytes long"),
+        // Limit names and values.
+        set("no limits", cgv(), "all", lims(vec![]), INVALID, "no limits"),
+        one("unknown limit", ("memory_maximum", s("1Gi")), "unknown limit"),
+        set("unknown limit beside a good one", cgv(), "all", lims(vec![("memory_max", s("2Gi")), ("bogus", Variant::from(1u32))]), INVALID, "unknown limit"),
+        one("1 MiB limit name", (mib.as_str(), s("1Gi")), "unknown limit"),
+        one("memory_max as a boolean", ("memory_max", Variant::from(true)), "got type b"),
+        one("memory_max as a double", ("memory_max", Variant::from(1.5f64)), "got type d"),
+        one("memory_max as an array", ("memory_max", Variant::from(vec![1u64])), "got type at"),
+        one("overflowing quantity", ("memory_max", s("99999999999999999999Gi")), "too large"),
+        one("u64::MAX + 1", ("memory_max", s("18446744073709551616")), "too large"),
+        one("u64::MAX bytes", ("memory_max", Variant::from(u64::MAX)), "larger than"),
+        one("quantity overflowing on its suffix", ("memory_max", s("17179869184Gi")), "too large"),
+        one("negative bytes", ("memory_max", Variant::from(-1i64)), "negative"),
+        one("negative quantity", ("memory_max", s("-1Gi")), "not a byte quantity"),
+        one("zero bytes", ("memory_max", Variant::from(0u64)), "ClearLimits"),
+        one("empty quantity", ("memory_max", s("")), "not a byte quantity"),
+        one("unknown suffix", ("memory_max", s("1Xi")), "unknown suffix"),
+        one("1 MiB quantity", ("memory_max", s(&mib)), "not a byte quantity"),
+        one("compute_max 0", ("compute_max", Variant::from(0u32)), "outside 1..=100"),
+        one("compute_max 101", ("compute_max", Variant::from(101u32)), "outside 1..=100"),
+        one("compute_max -5", ("compute_max", Variant::from(-5i32)), "outside 1..=100"),
+        one("compute_max text", ("compute_max", s("half")), "not a whole number"),
+        one("compute_weight 0", ("compute_weight", Variant::from(0u32)), "outside 1..=10000"),
+        one("compute_weight 10001", ("compute_weight", Variant::from(10_001u32)), "outside 1..=10000"),
+        set("compute_min above compute_max", cgv(), "all", lims(vec![("compute_min", Variant::from(60u32)), ("compute_max", Variant::from(40u32))]), INVALID, "above compute_max"),
+        one("compute_min above the stored compute_max", ("compute_min", Variant::from(70u32)), "above compute_max"),
+        one("bad priority name", ("priority", s("urgent")), "not a priority"),
+        one("priority as a number", ("priority", Variant::from(1u32)), "expected a string"),
+        // ClearLimits.
+        call("ClearLimits duplicate names", M, "ClearLimits", vec![cgv(), s("all"), Variant::from(vec!["memory_max", "memory_max"])], INVALID, "more than once"),
+        call("ClearLimits unknown name", M, "ClearLimits", vec![cgv(), s("all"), Variant::from(vec!["memory_max", "vram"])], INVALID, "unknown limit"),
+        call("ClearLimits escaping path", M, "ClearLimits", vec![s("/a/../../etc"), s("all"), Variant::from(Vec::<String>::new())], INVALID, "`..`"),
+        call("ClearLimits bad GPU", M, "ClearLimits", vec![cgv(), s("GPU-"), Variant::from(Vec::<String>::new())], INVALID, "invalid GPU"),
+        call("ClearLimits 1 MiB name", M, "ClearLimits", vec![cgv(), s("all"), Variant::from(vec![mib.clone()])], INVALID, "bytes long"),
+        // GetCgroup.
+        call("GetCgroup empty", M, "GetCgroup", vec![s("")], INVALID, "empty"),
+        call("GetCgroup /..", M, "GetCgroup", vec![s("/..")], INVALID, "`..`"),
+        call("GetCgroup 1 MiB", M, "GetCgroup", vec![s(&mib)], INVALID, "bytes long"),
+        call("GetCgroup unknown", M, "GetCgroup", vec![s("/gpud-no-such-cgroup")], NOT_FOUND, "gpud-no-such-cgroup"),
+        call("GetCgroup of a file", M, "GetCgroup", vec![s("cgroup.procs")], NOT_FOUND, "cgroup.procs"),
+    ];
+    assert!(cases.len() >= 30);
+
+    let before = snapshot(&d, &state).await;
+    assert!(before.1.is_some(), "limits.json not written");
+    for c in cases {
+        let reply = if c.args.is_empty() {
+            conn.call_method(
+                Some(BUS_NAME),
+                OBJECT_PATH,
+                Some(c.interface),
+                c.method,
+                &(),
+            )
+            .await
+        } else {
+            conn.call_method(
+                Some(BUS_NAME),
+                OBJECT_PATH,
+                Some(c.interface),
+                c.method,
+                &body(c.args),
+            )
+            .await
+        };
+        match reply.as_ref().err().and_then(error_name) {
+            Some((name, msg)) => {
+                assert_eq!(name.as_str(), c.want, "{}: {msg}", c.what);
+                assert!(
+                    msg.contains(c.says),
+                    "{}: {:?} lacks {:?}",
+                    c.what,
+                    &msg[..msg.len().min(300)],
+                    c.says
+                );
+                assert!(
+                    msg.len() < 2000,
+                    "{}: message of {} bytes",
+                    c.what,
+                    msg.len()
+                );
+            }
+            None => panic!("{}: expected {}, got {reply:?}", c.what, c.want),
+        }
+        assert_eq!(
+            snapshot(&d, &state).await,
+            before,
+            "{} changed state",
+            c.what
+        );
+    }
+
+    // A string with a NUL byte is not valid D-Bus: it never reaches gpud as a call (the bus
+    // drops the sender's connection), and gpud goes on answering.
+    let (nul_conn, _) = d.proxy().await;
+    let nul = nul_conn
+        .call_method(
+            Some(BUS_NAME),
+            OBJECT_PATH,
+            Some(M),
+            "GetCgroup",
+            &("/a\0b",),
+        )
+        .await;
+    assert!(nul.is_err(), "{nul:?}");
+    let (_c2, p2) = d.proxy().await;
+    assert_eq!(p2.get_cgroup("/").await.expect("GetCgroup /").path, "/");
+    assert_eq!(snapshot(&d, &state).await, before);
+
+    // gpudctl maps a daemon error to exit code 1 and an unreachable bus to 3.
+    let st = Command::new(gpudctl_bin())
+        .args(["--bus-address", &bus.address, "get", "/../x"])
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(1));
+    let st = Command::new(gpudctl_bin())
+        .args(["--bus-address", "unix:path=/nonexistent/bus", "status"])
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(3));
+}
