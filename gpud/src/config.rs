@@ -96,6 +96,8 @@ pub struct Config {
     pub enforcement: EnforcementConfig,
     pub nvml: NvmlConfig,
     pub compute: ComputeConfig,
+    pub idle: IdleConfig,
+    pub metrics: MetricsConfig,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -193,6 +195,35 @@ pub struct NvmlConfig {
 pub struct ComputeConfig {
     pub enabled: bool,
     pub period_ms: u64,
+}
+
+/// The idle/hoarding report (`[idle]`).
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct IdleConfig {
+    /// SM utilization (percent) under which a cgroup holding GPU memory counts as idle.
+    pub threshold_percent: u32,
+    /// How long it must stay under the threshold before it is reported.
+    pub min_duration_secs: u64,
+    /// Only cgroups holding at least this much GPU memory on the GPU are considered.
+    pub min_memory_bytes: u64,
+    /// Emit `IdleChanged` on D-Bus when a cgroup becomes idle or active again.
+    pub signal: bool,
+}
+
+/// The Prometheus endpoint (`[metrics]`).
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// `host:port` to serve `/metrics` on; empty: no endpoint.
+    pub listen: String,
+}
+
+impl MetricsConfig {
+    /// The address to listen on, `None` when the endpoint is off.
+    pub fn address(&self) -> Option<std::net::SocketAddr> {
+        self.listen.parse().ok()
+    }
 }
 
 impl NvmlConfig {
@@ -324,6 +355,22 @@ impl Config {
         }
         if self.nvml.retry_interval_secs == 0 {
             return Err(invalid("nvml.retry_interval_secs", "must be at least 1"));
+        }
+        if !(1..=100).contains(&self.idle.threshold_percent) {
+            return Err(invalid(
+                "idle.threshold_percent",
+                "must be between 1 and 100",
+            ));
+        }
+        if self.idle.min_duration_secs == 0 {
+            return Err(invalid("idle.min_duration_secs", "must be at least 1"));
+        }
+        if !self.metrics.listen.is_empty() && self.metrics.address().is_none() {
+            return Err(invalid(
+                "metrics.listen",
+                "must be empty (no endpoint) or an IP address and port such as \"127.0.0.1:9400\" \
+                 or \"[::1]:9400\"",
+            ));
         }
         if self.attribution.sweep_interval_secs == 0 {
             return Err(invalid(

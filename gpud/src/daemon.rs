@@ -12,12 +12,16 @@ use tracing::{debug, info, warn};
 
 use crate::{
     api::model::{
-        CgroupRecord, GpuRecord, LimitRecord, NvmlEventRecord, NvmlUsageRecord, ProcessRecord,
+        CgroupRecord, GpuRecord, IdleRecord, LimitRecord, NvmlEventRecord, NvmlUsageRecord,
+        ProcessRecord,
     },
     attribution::{Attribution, AttributionError, scan},
     enforcement::{EnforcementError, LimitNotice, MemoryEnforcement},
     nvml::{AttributedXid, NvmlView, Snapshot},
-    policy::LimitUpdate,
+    policy::{
+        LimitUpdate,
+        idle::{IdleChange, IdleTracker, Observation},
+    },
 };
 
 /// Questions and changes from the API.
@@ -47,6 +51,7 @@ pub enum Request {
     /// (available, status text).
     NvmlStatus(oneshot::Sender<(bool, String)>),
     ListNvmlEvents(oneshot::Sender<Vec<NvmlEventRecord>>),
+    ListIdle(oneshot::Sender<Vec<IdleRecord>>),
 }
 
 /// Everything the state task owns.
@@ -62,6 +67,87 @@ pub struct State {
     pub nvml_events: tokio::sync::broadcast::Sender<NvmlEventRecord>,
     /// Inputs of the compute controller (`None`: compute shares disabled).
     pub control: Option<watch::Sender<crate::enforcement::compute::ControlInput>>,
+    /// The idle/hoarding report.
+    pub idle: IdleTracker,
+    /// Idle transitions, for the task that signals them (`None`: no signal).
+    pub idle_changes: Option<tokio::sync::broadcast::Sender<IdleChange>>,
+}
+
+/// What the idle rule sees at an NVML sample: every cgroup with live attributed processes or
+/// NVML-reported processes, per GPU index, with the larger of the probes' and NVML's memory
+/// figure and NVML's utilization. A process without a utilization sample since the previous one
+/// did not run on the GPU: it counts as 0 %.
+fn idle_observations(attribution: &mut Attribution, nvml: &NvmlView) -> Vec<Observation> {
+    let mut seen: BTreeMap<(String, u32), Observation> = BTreeMap::new();
+    for c in attribution.list() {
+        if c.pids.is_empty() {
+            continue;
+        }
+        for (gpu, bytes) in &c.memory_current {
+            let Ok(gpu) = gpu.parse::<u32>() else {
+                continue;
+            };
+            seen.insert(
+                (c.path.clone(), gpu),
+                Observation {
+                    cgroup: c.path.clone(),
+                    cgroup_id: c.id,
+                    gpu,
+                    memory_bytes: *bytes,
+                    util: 0,
+                },
+            );
+        }
+    }
+    for ((cgroup, gpu), u) in nvml.by_cgroup() {
+        if cgroup.is_empty() {
+            continue;
+        }
+        let id = attribution.id_of(&cgroup).map_or(0, |(_, id)| id);
+        let o = seen
+            .entry((cgroup.clone(), gpu))
+            .or_insert_with(|| Observation {
+                cgroup,
+                cgroup_id: id,
+                gpu,
+                memory_bytes: 0,
+                util: 0,
+            });
+        o.memory_bytes = o.memory_bytes.max(u.memory_bytes);
+        o.util = if u.sampled { u.sm_util } else { 0 };
+    }
+    seen.into_values().collect()
+}
+
+/// Runs the idle rule on the current figures and forwards its transitions.
+fn update_idle(state: &mut State) {
+    let now = std::time::Instant::now();
+    let changes = if state.nvml.available {
+        let obs = idle_observations(&mut state.attribution, &state.nvml);
+        state.idle.observe(now, std::time::SystemTime::now(), obs)
+    } else {
+        // Utilization unknown: no cgroup can be called idle.
+        state.idle.reset(now)
+    };
+    for c in changes {
+        info!(
+            cgroup = %c.cgroup,
+            gpu = c.gpu,
+            idle = c.idle,
+            memory_bytes = c.memory_bytes,
+            idle_secs = c.idle_secs,
+            "{}",
+            if c.idle {
+                "cgroup holds GPU memory while idle"
+            } else {
+                "cgroup no longer idle"
+            }
+        );
+        if let Some(tx) = &state.idle_changes {
+            // No subscriber (no bus yet) is fine: the change is logged and listed.
+            let _ = tx.send(c);
+        }
+    }
 }
 
 /// The controller's input from the last NVML sample: per GPU, each controlled unit (the deepest
@@ -316,6 +402,9 @@ fn handle(state: &mut State, msg: Message) {
             }
             let _ = reply.send(out);
         }
+        Message::Request(Request::ListIdle(reply)) => {
+            let _ = reply.send(state.idle.list(std::time::Instant::now()));
+        }
         Message::Request(Request::ListNvmlEvents(reply)) => {
             let out = state
                 .nvml
@@ -358,6 +447,9 @@ fn handle(state: &mut State, msg: Message) {
             }
             // Unavailable: no inventory (the Gpu1 objects go away until NVML answers again).
             publish_inventory(state);
+            if fresh {
+                update_idle(state);
+            }
             if state.nvml.available {
                 state.memory.set_catalog(Some(
                     state

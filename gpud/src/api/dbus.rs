@@ -13,8 +13,8 @@ use zbus::interface;
 
 use super::authz::Authorizer;
 use super::model::{
-    CgroupRecord, ComputeRecord, GpuRecord, LimitRecord, NvmlEventRecord, NvmlUsageRecord,
-    ProcessRecord,
+    CgroupRecord, ComputeRecord, GpuRecord, IdleRecord, LimitRecord, NvmlEventRecord,
+    NvmlUsageRecord, ProcessRecord,
 };
 use crate::{
     attribution::{AttributionError, CgroupError},
@@ -357,6 +357,26 @@ impl Manager {
         self.ask(Request::ListNvmlEvents).await
     }
 
+    /// cgroups holding GPU memory while their utilization on that GPU stayed under the idle
+    /// threshold for at least the configured time (`[idle]`), longest idle first: `(cgroup,
+    /// cgroup_id, gpu, memory_bytes, idle_secs, last_active, util)`.
+    async fn list_idle(&self) -> Result<Vec<IdleRecord>, ApiError> {
+        self.ask(Request::ListIdle).await
+    }
+
+    /// A cgroup became idle while holding GPU memory (`idle` true, after `[idle]
+    /// min_duration_secs`) or stopped being so (`idle` false: active again, memory released or
+    /// gone; `memory_bytes` 0 when released).
+    #[zbus(signal)]
+    pub async fn idle_changed(
+        emitter: &zbus::object_server::SignalEmitter<'_>,
+        cgroup: &str,
+        gpu: u32,
+        idle: bool,
+        memory_bytes: u64,
+        idle_secs: u64,
+    ) -> zbus::Result<()>;
+
     /// Every attributed cgroup, ordered by path.
     async fn list_cgroups(&self) -> Result<Vec<CgroupRecord>, ApiError> {
         self.ask(Request::ListCgroups).await
@@ -429,6 +449,16 @@ pub trait Manager1 {
     #[zbus(signal)]
     fn compute_throttled(&self, cgroup: String) -> zbus::Result<()>;
     fn list_nvml_events(&self) -> zbus::Result<Vec<NvmlEventRecord>>;
+    fn list_idle(&self) -> zbus::Result<Vec<IdleRecord>>;
+    #[zbus(signal)]
+    fn idle_changed(
+        &self,
+        cgroup: String,
+        gpu: u32,
+        idle: bool,
+        memory_bytes: u64,
+        idle_secs: u64,
+    ) -> zbus::Result<()>;
     #[zbus(signal)]
     fn memory_limit_exceeded(
         &self,
@@ -479,6 +509,37 @@ pub fn connect_builder(bus: &str) -> zbus::connection::Builder<'static> {
     match bus {
         "system" => zbus::connection::Builder::system(),
         address => zbus::connection::Builder::address(address),
+    }
+}
+
+/// Publishes `IdleChanged` signals until the channel closes.
+pub async fn publish_idle(
+    conn: zbus::Connection,
+    mut rx: tokio::sync::broadcast::Receiver<crate::policy::idle::IdleChange>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        let c = match rx.recv().await {
+            Ok(c) => c,
+            Err(RecvError::Lagged(missed)) => {
+                tracing::warn!(missed, "idle signals dropped (subscriber too slow)");
+                continue;
+            }
+            Err(RecvError::Closed) => return,
+        };
+        if let Ok(emitter) = zbus::object_server::SignalEmitter::new(&conn, OBJECT_PATH)
+            && let Err(e) = Manager::idle_changed(
+                &emitter,
+                &c.cgroup,
+                c.gpu,
+                c.idle,
+                c.memory_bytes,
+                c.idle_secs,
+            )
+            .await
+        {
+            tracing::warn!("cannot emit IdleChanged: {e}");
+        }
     }
 }
 

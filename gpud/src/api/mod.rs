@@ -3,4 +3,5 @@
 pub mod authz;
 pub mod dbus;
 pub mod gpu;
+pub mod metrics;
 pub mod model;

@@ -126,3 +126,25 @@ pub struct NvmlEventRecord {
     /// Every process NVML reported on that GPU at the last sample.
     pub pids: Vec<u32>,
 }
+
+/// A cgroup holding GPU memory while idle on that GPU, as `ListIdle` reports it: signature
+/// `(stutttu)`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct IdleRecord {
+    /// Path relative to the cgroup v2 root.
+    pub cgroup: String,
+    /// cgroup v2 id (0 if unknown to the probes: NVML-only).
+    pub cgroup_id: u64,
+    /// GPU index.
+    pub gpu: u32,
+    /// GPU memory it holds there at the last sample (bytes; the larger of the probes' and
+    /// NVML's figure).
+    pub memory_bytes: u64,
+    /// Seconds since the first sample that saw it under the threshold.
+    pub idle_secs: u64,
+    /// Last sample at or above the threshold, seconds since the Unix epoch; 0: not since gpud
+    /// started.
+    pub last_active: u64,
+    /// SM utilization at the last sample (percent).
+    pub util: u32,
+}

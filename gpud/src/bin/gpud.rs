@@ -248,6 +248,7 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
         }
     }
     let (nvml_events, nvml_events_rx) = tokio::sync::broadcast::channel(64);
+    let (idle_tx, idle_rx) = tokio::sync::broadcast::channel(64);
     let state = State {
         attribution,
         memory,
@@ -260,10 +261,17 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
         inventory,
         control: compute_on.then_some(control),
         nvml_events,
+        idle: gpud::policy::idle::IdleTracker::new((&config.idle).into()),
+        idle_changes: config.idle.signal.then_some(idle_tx),
     };
 
     let (tx, rx) = mpsc::channel::<Message>(1024);
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    // Bound before readiness, so a taken or forbidden address fails the start.
+    let metrics_listener = match config.metrics.address() {
+        Some(addr) => Some(gpud::api::metrics::bind(addr).await?),
+        None => None,
+    };
 
     let bus = args
         .bus_address
@@ -273,7 +281,7 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
         .serve_at(
             OBJECT_PATH,
             Manager::new(tx.clone(), info.clone())
-                .with_compute_stats(compute_stats_rx)
+                .with_compute_stats(compute_stats_rx.clone())
                 .with_admin_group(&config.dbus.admin_group),
         )
         .name(BUS_NAME)
@@ -300,6 +308,22 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
         ))
     });
     let xid_signals = tokio::spawn(gpud::api::gpu::publish_xids(conn.clone(), nvml_events_rx));
+    let idle_signals = tokio::spawn(gpud::api::dbus::publish_idle(conn.clone(), idle_rx));
+    let metrics = metrics_listener.map(|listener| {
+        if let Ok(addr) = listener.local_addr() {
+            info!(%addr, "metrics at http://{addr}/metrics");
+        }
+        let exporter = gpud::api::metrics::Exporter::new(
+            tx.clone(),
+            compute_on.then(|| compute_stats_rx.clone()),
+            info.clone(),
+        );
+        tokio::spawn(gpud::api::metrics::serve(
+            listener,
+            std::sync::Arc::new(exporter),
+            shutdown_rx.clone(),
+        ))
+    });
     if config.nvml.enabled {
         spawn_nvml_sampler(&config.nvml, tx.clone(), shutdown_rx.clone());
     }
@@ -357,6 +381,10 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
     gpu_objects.abort();
     throttle_signals.abort();
     xid_signals.abort();
+    idle_signals.abort();
+    if let Some(m) = metrics {
+        m.abort();
+    }
     drop(conn);
     Ok(())
 }

@@ -4,6 +4,8 @@
 //! A limit is addressed by a cgroup path (relative to the cgroup v2 root) and a GPU selector:
 //! `all`, an index, or a UUID. Values are validated here, before anything changes.
 
+pub mod idle;
+
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},

@@ -1,7 +1,10 @@
 //! `gpudctl`: command-line client of gpud over D-Bus.
 //!
 //! Exit codes: 0 success; 1 the daemon answered with an error (e.g. unknown cgroup);
-//! 2 bad usage; 3 the daemon cannot be reached.
+//! 2 bad usage; 3 the daemon cannot be reached (or went away during `top`/`events`).
+
+mod events;
+mod top;
 
 use std::process::ExitCode;
 
@@ -71,9 +74,18 @@ enum Command {
     },
     /// Limits in force.
     Limits,
+    /// cgroups holding GPU memory while idle on that GPU ([idle] in gpud.toml), longest first.
+    Idle,
+    /// Live per-cgroup view (memory, utilization, compute share, throttling, ioctl rate, idle
+    /// time), refreshed every interval. Keys: q quits; m, u, s, t, i, c sort by memory,
+    /// utilization, share, throttling, ioctl rate, cgroup.
+    Top(top::TopArgs),
+    /// Follows gpud's D-Bus signals (limit crossings, throttling, idle changes, Xid errors), one
+    /// line (or, with --json, one JSON object) per event.
+    Events(events::EventsArgs),
 }
 
-enum Failure {
+pub(crate) enum Failure {
     Unreachable(String),
     Daemon(String),
     /// Already reported.
@@ -97,7 +109,7 @@ async fn main() -> ExitCode {
     }
 }
 
-fn daemon_err(e: zbus::Error) -> Failure {
+pub(crate) fn daemon_err(e: zbus::Error) -> Failure {
     match &e {
         zbus::Error::MethodError(name, msg, _) => Failure::Daemon(format!(
             "{}: {}",
@@ -208,6 +220,17 @@ async fn run(args: Args) -> Result<(), Failure> {
             }
             Ok(())
         }
+        Command::Idle => {
+            let idle = proxy.list_idle().await.map_err(daemon_err)?;
+            if args.json {
+                println!("{}", to_json(&idle));
+            } else {
+                print_idle(&idle);
+            }
+            Ok(())
+        }
+        Command::Top(t) => top::run(&proxy, t, args.json).await,
+        Command::Events(e) => events::run(&conn, e, args.json).await,
         Command::Get { path } => {
             let rec = proxy.get_cgroup(&path).await.map_err(daemon_err)?;
             if args.json {
@@ -220,7 +243,42 @@ async fn run(args: Args) -> Result<(), Failure> {
     }
 }
 
-fn to_json<T: serde::Serialize>(v: &T) -> String {
+fn print_idle(idle: &[gpud::api::model::IdleRecord]) {
+    println!(
+        "{:<50} {:>4} {:>12} {:>10} {:>5} {:<20}",
+        "CGROUP", "GPU", "MEMORY", "IDLE", "UTIL", "LAST ACTIVE"
+    );
+    for i in idle {
+        let last = if i.last_active == 0 {
+            "not since gpud started".to_owned()
+        } else {
+            humantime::format_rfc3339_seconds(
+                std::time::UNIX_EPOCH + std::time::Duration::from_secs(i.last_active),
+            )
+            .to_string()
+        };
+        println!(
+            "{:<50} {:>4} {:>12} {:>10} {:>4}% {:<20}",
+            i.cgroup,
+            i.gpu,
+            human(i.memory_bytes),
+            duration(i.idle_secs),
+            i.util,
+            last
+        );
+    }
+}
+
+/// Seconds as `1h02m`, `5m03s` or `42s`.
+pub(crate) fn duration(secs: u64) -> String {
+    match secs {
+        s if s >= 3600 => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+        s if s >= 60 => format!("{}m{:02}s", s / 60, s % 60),
+        s => format!("{s}s"),
+    }
+}
+
+pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> String {
     // Serializing plain records to a String cannot fail.
     serde_json::to_string_pretty(v).unwrap_or_default()
 }
@@ -437,7 +495,7 @@ fn print_records(
 }
 
 /// Bytes in binary units (as `nvidia-smi` and Kubernetes quantities read).
-fn human(b: u64) -> String {
+pub(crate) fn human(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut u = 0;

@@ -1,0 +1,563 @@
+//! The optional Prometheus endpoint (`[metrics] listen`): `GET /metrics` in the OpenMetrics text
+//! format, built with `prometheus-client` and served over HTTP/1.1 by hyper.
+//!
+//! Every scrape asks the state task for the same records the D-Bus API serves (it owns the data;
+//! nothing here caches or mutates it) and builds a fresh registry from them, so a scrape always
+//! shows one consistent moment and a vanished cgroup leaves no stale series behind. The metric
+//! names are documented in docs/metrics.md.
+
+use std::{collections::BTreeMap, convert::Infallible, sync::Arc, time::Duration};
+
+use http_body_util::Full;
+use hyper::{
+    Method, Request as HttpRequest, Response, StatusCode, body::Bytes, header, server::conn::http1,
+    service::service_fn,
+};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::{
+    encoding::text::encode,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, info::Info},
+    registry::Registry,
+};
+use std::sync::atomic::AtomicU64;
+use tokio::sync::{Semaphore, mpsc, oneshot, watch};
+use tracing::{debug, warn};
+
+use super::{
+    dbus::DaemonInfo,
+    model::{CgroupRecord, GpuRecord, IdleRecord, NvmlUsageRecord},
+};
+use crate::{
+    daemon::{Message, Request},
+    enforcement::compute::ComputeStat,
+};
+
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// How long a scrape waits for the state task.
+const ASK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Scrapes served at once; more wait for a slot.
+const MAX_CONNECTIONS: usize = 16;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("cannot listen on {addr} for metrics: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("the daemon's state task did not answer: {0}")]
+    State(&'static str),
+    #[error("cannot encode the metrics: {0}")]
+    Encode(#[from] std::fmt::Error),
+}
+
+type Labels = Vec<(String, String)>;
+type ComputeStats = BTreeMap<String, ComputeStat>;
+
+/// Everything one scrape shows.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    pub cgroups: Vec<CgroupRecord>,
+    pub nvml_usage: Vec<NvmlUsageRecord>,
+    pub nvml_available: bool,
+    pub gpus: Vec<GpuRecord>,
+    pub kernel_stats: BTreeMap<String, u64>,
+    pub idle: Vec<IdleRecord>,
+    pub compute: ComputeStats,
+}
+
+/// Gathers snapshots and renders them.
+pub struct Exporter {
+    tx: mpsc::Sender<Message>,
+    compute: Option<watch::Receiver<ComputeStats>>,
+    info: DaemonInfo,
+    started: std::time::SystemTime,
+}
+
+impl Exporter {
+    pub fn new(
+        tx: mpsc::Sender<Message>,
+        compute: Option<watch::Receiver<ComputeStats>>,
+        info: DaemonInfo,
+    ) -> Self {
+        Self {
+            tx,
+            compute,
+            info,
+            started: std::time::SystemTime::now(),
+        }
+    }
+
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Request,
+    ) -> Result<T, MetricsError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Message::Request(make(reply)))
+            .await
+            .map_err(|_| MetricsError::State("shutting down"))?;
+        tokio::time::timeout(ASK_TIMEOUT, rx)
+            .await
+            .map_err(|_| MetricsError::State("timed out"))?
+            .map_err(|_| MetricsError::State("dropped the request"))
+    }
+
+    async fn snapshot(&self) -> Result<Snapshot, MetricsError> {
+        Ok(Snapshot {
+            cgroups: self.ask(Request::ListCgroups).await?,
+            nvml_usage: self.ask(Request::ListNvmlUsage).await?,
+            nvml_available: self.ask(Request::NvmlStatus).await?.0,
+            gpus: self.ask(Request::ListGpus).await?,
+            kernel_stats: self.ask(Request::KernelStats).await?,
+            idle: self.ask(Request::ListIdle).await?,
+            compute: self
+                .compute
+                .as_ref()
+                .map(|rx| rx.borrow().clone())
+                .unwrap_or_default(),
+        })
+    }
+
+    /// The text of one scrape.
+    pub async fn render(&self) -> Result<String, MetricsError> {
+        let t = std::time::Instant::now();
+        let snap = self.snapshot().await?;
+        let mut registry = build(&snap, &self.info, self.started);
+        let took: Gauge<f64, AtomicU64> = Gauge::default();
+        took.set(t.elapsed().as_secs_f64());
+        registry.register(
+            "gpud_scrape_collect_seconds",
+            "Time this scrape waited for the daemon's figures",
+            took,
+        );
+        let mut out = String::new();
+        encode(&mut out, &registry)?;
+        Ok(out)
+    }
+
+    async fn respond(&self, req: HttpRequest<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+        let reply = |status, ctype: &str, body: String| {
+            let mut r = Response::new(Full::new(Bytes::from(body)));
+            *r.status_mut() = status;
+            if let Ok(v) = header::HeaderValue::from_str(ctype) {
+                r.headers_mut().insert(header::CONTENT_TYPE, v);
+            }
+            r
+        };
+        if req.uri().path() != "/metrics" {
+            return reply(
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "gpud serves /metrics only\n".into(),
+            );
+        }
+        if req.method() != Method::GET {
+            return reply(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "text/plain",
+                "use GET\n".into(),
+            );
+        }
+        match self.render().await {
+            Ok(text) => reply(StatusCode::OK, CONTENT_TYPE, text),
+            Err(e) => {
+                warn!("metrics scrape failed: {e}");
+                reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    format!("{e}\n"),
+                )
+            }
+        }
+    }
+}
+
+/// Binds `addr` (at start-up, so a taken port fails the start with a clear error).
+pub async fn bind(addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener, MetricsError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| MetricsError::Bind { addr, source })
+}
+
+/// Serves scrapes on `listener` until `shutdown` turns true.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    exporter: Arc<Exporter>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = shutdown.changed() => return,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of fds or similar: back off rather than spin.
+                warn!("metrics endpoint: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let exporter = exporter.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let svc = service_fn(move |req| {
+                let exporter = exporter.clone();
+                async move { Ok::<_, Infallible>(exporter.respond(req).await) }
+            });
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                // A client that never finishes its request does not hold a slot forever.
+                .header_read_timeout(Duration::from_secs(10))
+                .serve_connection(TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                debug!(%peer, "metrics connection: {e}");
+            }
+        });
+    }
+}
+
+/// The container id a cgroup path names, if any: the last component that is a runtime's scope
+/// (`docker-<id>.scope`, `cri-containerd-<id>.scope`, `crio-<id>.scope`, `libpod-<id>.scope`) or
+/// a bare 64-hex-digit id (cgroupfs drivers).
+pub fn container_id(path: &str) -> Option<String> {
+    const PREFIXES: [&str; 4] = ["docker-", "cri-containerd-", "crio-", "libpod-"];
+    let is_id = |s: &str| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit());
+    path.rsplit('/').find_map(|c| {
+        let bare = c.strip_suffix(".scope").map_or(c, |s| {
+            PREFIXES.iter().find_map(|p| s.strip_prefix(p)).unwrap_or(s)
+        });
+        is_id(bare).then(|| bare.to_ascii_lowercase())
+    })
+}
+
+fn cgroup_labels(path: &str) -> Labels {
+    vec![
+        ("cgroup".into(), path.to_owned()),
+        (
+            "container_id".into(),
+            container_id(path).unwrap_or_default(),
+        ),
+    ]
+}
+
+fn with(mut labels: Labels, k: &str, v: impl ToString) -> Labels {
+    labels.push((k.to_owned(), v.to_string()));
+    labels
+}
+
+fn gauges() -> Family<Labels, Gauge<f64, AtomicU64>> {
+    Family::default()
+}
+
+fn counters() -> Family<Labels, Counter<f64, AtomicU64>> {
+    Family::default()
+}
+
+/// The registry for one snapshot.
+pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime) -> Registry {
+    let mut r = Registry::default();
+
+    r.register(
+        "gpud_build",
+        "gpud version and how it enforces",
+        Info::new(vec![
+            ("version".to_owned(), info.version.clone()),
+            ("attach_mode".to_owned(), info.attach_mode.clone()),
+            ("enforcement_tier".to_owned(), info.enforcement_tier.clone()),
+            ("react_action".to_owned(), info.react_action.clone()),
+        ]),
+    );
+    let start: Gauge<f64, AtomicU64> = Gauge::default();
+    start.set(
+        started
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64()),
+    );
+    r.register(
+        "gpud_start_time_seconds",
+        "When the daemon started (Unix time)",
+        start,
+    );
+    let nvml: Gauge = Gauge::default();
+    nvml.set(i64::from(snap.nvml_available));
+    r.register(
+        "gpud_nvml_available",
+        "1 while NVML answers, 0 otherwise (see NvmlStatus on D-Bus)",
+        nvml,
+    );
+    let kernel = counters();
+    for (name, v) in &snap.kernel_stats {
+        kernel
+            .get_or_create(&vec![("event".to_owned(), name.clone())])
+            .inc_by(*v as f64);
+    }
+    r.register(
+        "gpud_kernel_events",
+        "Counters kept by the eBPF programs (events_lost, limit_crossings, objects_map_full, ...)",
+        kernel,
+    );
+
+    let memory = gauges();
+    let limit = gauges();
+    let limit_events = counters();
+    let ioctls = counters();
+    let processes = gauges();
+    for c in &snap.cgroups {
+        let l = cgroup_labels(&c.path);
+        for (gpu, bytes) in &c.memory_current {
+            // "all" is the sum of the others: leave summing to PromQL.
+            if gpu != "all" {
+                memory
+                    .get_or_create(&with(l.clone(), "gpu", gpu))
+                    .set(*bytes as f64);
+            }
+        }
+        for (gpu, bytes) in &c.memory_max {
+            limit
+                .get_or_create(&with(l.clone(), "gpu", gpu))
+                .set(*bytes as f64);
+        }
+        limit_events
+            .get_or_create(&l)
+            .inc_by(c.memory_events as f64);
+        for (class, n) in &c.ioctls {
+            ioctls
+                .get_or_create(&with(l.clone(), "class", class))
+                .inc_by(*n as f64);
+        }
+        processes.get_or_create(&l).set(c.pids.len() as f64);
+    }
+    r.register(
+        "gpud_cgroup_memory_bytes",
+        "GPU memory the probes charged to the cgroup and its descendants, by GPU index (or unknown)",
+        memory,
+    );
+    r.register(
+        "gpud_cgroup_memory_limit_bytes",
+        "memory_max in force on the cgroup, by GPU index or all",
+        limit,
+    );
+    r.register(
+        "gpud_cgroup_memory_limit_events",
+        "Allocations that crossed (react) or were refused by (deny) the cgroup's limits",
+        limit_events,
+    );
+    r.register(
+        "gpud_cgroup_ioctls",
+        "ioctls on NVIDIA files by the cgroup's processes, by class",
+        ioctls,
+    );
+    r.register(
+        "gpud_cgroup_processes",
+        "Live processes attributed to the cgroup",
+        processes,
+    );
+
+    let nvml_memory = gauges();
+    let util = gauges();
+    for u in &snap.nvml_usage {
+        let l = with(cgroup_labels(&u.cgroup), "gpu", u.gpu);
+        nvml_memory
+            .get_or_create(&l)
+            .set(u.nvml_memory_bytes as f64);
+        util.get_or_create(&l).set(f64::from(u.sm_util));
+    }
+    r.register(
+        "gpud_cgroup_nvml_memory_bytes",
+        "GPU memory NVML reports for the cgroup's processes, by GPU index",
+        nvml_memory,
+    );
+    r.register(
+        "gpud_cgroup_sm_utilization_percent",
+        "SM utilization of the cgroup's processes over the last NVML sample, by GPU index",
+        util,
+    );
+
+    let duty = gauges();
+    let target = gauges();
+    let measured = gauges();
+    let throttled = counters();
+    let periods = counters();
+    for (cgroup, s) in &snap.compute {
+        let l = cgroup_labels(cgroup);
+        duty.get_or_create(&l).set(s.duty);
+        target.get_or_create(&l).set(s.target);
+        measured.get_or_create(&l).set(s.measured);
+        throttled
+            .get_or_create(&l)
+            .inc_by(s.throttled_usec as f64 / 1e6);
+        periods.get_or_create(&l).inc_by(s.nr_throttled as f64);
+    }
+    r.register(
+        "gpud_cgroup_compute_duty_percent",
+        "Share of each compute period the cgroup may run",
+        duty,
+    );
+    r.register(
+        "gpud_cgroup_compute_target_percent",
+        "GPU utilization the compute controller aims the cgroup at",
+        target,
+    );
+    r.register(
+        "gpud_cgroup_compute_measured_percent",
+        "GPU utilization measured for the cgroup at the last sample",
+        measured,
+    );
+    r.register(
+        "gpud_cgroup_compute_throttled_seconds",
+        "Time the compute controller kept the cgroup frozen",
+        throttled,
+    );
+    r.register(
+        "gpud_cgroup_compute_throttled_periods",
+        "Compute periods in which the cgroup was frozen",
+        periods,
+    );
+
+    let idle = gauges();
+    let idle_memory = gauges();
+    for i in &snap.idle {
+        let l = with(cgroup_labels(&i.cgroup), "gpu", i.gpu);
+        idle.get_or_create(&l).set(i.idle_secs as f64);
+        idle_memory.get_or_create(&l).set(i.memory_bytes as f64);
+    }
+    r.register(
+        "gpud_cgroup_idle_seconds",
+        "How long a cgroup reported idle ([idle]) has held GPU memory under the utilization threshold",
+        idle,
+    );
+    r.register(
+        "gpud_cgroup_idle_memory_bytes",
+        "GPU memory held by a cgroup reported idle, by GPU index",
+        idle_memory,
+    );
+
+    let gpu_info = Family::<Labels, Gauge>::default();
+    let total = gauges();
+    let used = gauges();
+    let xid = counters();
+    for g in &snap.gpus {
+        let mig = if g.mig == u32::MAX {
+            String::new()
+        } else {
+            g.mig.to_string()
+        };
+        let l: Labels = vec![
+            ("gpu".into(), g.index.to_string()),
+            ("mig".into(), mig),
+            ("uuid".into(), g.uuid.clone()),
+        ];
+        gpu_info
+            .get_or_create(&with(
+                with(
+                    with(l.clone(), "name", &g.name),
+                    "pci_bus_id",
+                    &g.pci_bus_id,
+                ),
+                "driver_version",
+                &g.driver_version,
+            ))
+            .set(1);
+        total.get_or_create(&l).set(g.memory_total as f64);
+        used.get_or_create(&l).set(g.memory_used as f64);
+        xid.get_or_create(&l).inc_by(g.xid_errors as f64);
+    }
+    r.register(
+        "gpud_gpu_info",
+        "GPUs and MIG devices NVML reports (value 1)",
+        gpu_info,
+    );
+    r.register("gpud_gpu_memory_total_bytes", "GPU memory size", total);
+    r.register(
+        "gpud_gpu_memory_used_bytes",
+        "GPU memory in use (all processes)",
+        used,
+    );
+    r.register(
+        "gpud_gpu_xid_errors",
+        "Critical Xid errors seen since the daemon started",
+        xid,
+    );
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn container_ids_from_runtime_cgroup_paths() {
+        for p in [
+            format!("/system.slice/docker-{ID}.scope"),
+            format!("/kubepods.slice/kubepods-pod1.slice/cri-containerd-{ID}.scope"),
+            format!("/kubepods.slice/kubepods-besteffort.slice/crio-{ID}.scope"),
+            format!("/machine.slice/libpod-{ID}.scope/container"),
+            format!("/docker/{ID}"),
+            format!("/kubepods/besteffort/pod1234/{}", ID.to_uppercase()),
+        ] {
+            assert_eq!(container_id(&p).as_deref(), Some(ID), "{p}");
+        }
+        for p in [
+            "/",
+            "/user.slice/session-1.scope",
+            "/docker-abc.scope",
+            &format!("/docker-{}.scope", &ID[1..]),
+            &format!("/x/{ID}0"),
+            "/crio-conmon-zz.scope",
+        ] {
+            assert_eq!(container_id(p), None, "{p}");
+        }
+    }
+
+    #[test]
+    fn one_snapshot_renders_every_family() {
+        let snap = Snapshot {
+            cgroups: vec![CgroupRecord {
+                id: 9,
+                path: format!("/system.slice/docker-{ID}.scope"),
+                pids: vec![1, 2],
+                ioctls: [("alloc".to_owned(), 3)].into(),
+                memory_current: [("0".to_owned(), 4096), ("all".to_owned(), 4096)].into(),
+                memory_max: [("all".to_owned(), 8192)].into(),
+                memory_events: 1,
+            }],
+            kernel_stats: [("events_lost".to_owned(), 0)].into(),
+            ..Default::default()
+        };
+        let info = DaemonInfo {
+            version: "1".into(),
+            attach_mode: "tracepoint".into(),
+            enforcement_tier: "react".into(),
+            react_action: "kill".into(),
+            kernel_capabilities: BTreeMap::new(),
+            cgroup_root: "/".into(),
+            probes_resumed: false,
+        };
+        let mut out = String::new();
+        encode(&mut out, &build(&snap, &info, std::time::SystemTime::now())).expect("encode");
+        let labels = format!("cgroup=\"/system.slice/docker-{ID}.scope\",container_id=\"{ID}\"");
+        for line in [
+            format!("gpud_cgroup_memory_bytes{{{labels},gpu=\"0\"}} 4096.0"),
+            format!("gpud_cgroup_memory_limit_bytes{{{labels},gpu=\"all\"}} 8192.0"),
+            format!("gpud_cgroup_ioctls_total{{{labels},class=\"alloc\"}} 3.0"),
+            format!("gpud_cgroup_processes{{{labels}}} 2.0"),
+            "gpud_nvml_available 0".to_owned(),
+        ] {
+            assert!(out.lines().any(|l| l == line), "missing {line} in\n{out}");
+        }
+        assert!(
+            !out.contains("gpu=\"all\"} 4096"),
+            "the sum is not exported"
+        );
+        assert!(out.ends_with("# EOF\n"));
+    }
+}
