@@ -252,12 +252,26 @@ fn with(mut labels: Labels, k: &str, v: impl ToString) -> Labels {
     labels
 }
 
+/// Fractional values (percent, seconds).
 fn gauges() -> Family<Labels, Gauge<f64, AtomicU64>> {
     Family::default()
 }
 
-fn counters() -> Family<Labels, Counter<f64, AtomicU64>> {
+/// Whole values (bytes, counts).
+fn int_gauges() -> Family<Labels, Gauge> {
     Family::default()
+}
+
+fn counters() -> Family<Labels, Counter> {
+    Family::default()
+}
+
+fn seconds_counters() -> Family<Labels, Counter<f64, AtomicU64>> {
+    Family::default()
+}
+
+fn int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 /// The registry for one snapshot.
@@ -296,7 +310,7 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
     for (name, v) in &snap.kernel_stats {
         kernel
             .get_or_create(&vec![("event".to_owned(), name.clone())])
-            .inc_by(*v as f64);
+            .inc_by(*v);
     }
     r.register(
         "gpud_kernel_events",
@@ -304,11 +318,11 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
         kernel,
     );
 
-    let memory = gauges();
-    let limit = gauges();
+    let memory = int_gauges();
+    let limit = int_gauges();
     let limit_events = counters();
     let ioctls = counters();
-    let processes = gauges();
+    let processes = int_gauges();
     for c in &snap.cgroups {
         let l = cgroup_labels(&c.path);
         for (gpu, bytes) in &c.memory_current {
@@ -316,23 +330,21 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
             if gpu != "all" {
                 memory
                     .get_or_create(&with(l.clone(), "gpu", gpu))
-                    .set(*bytes as f64);
+                    .set(int(*bytes));
             }
         }
         for (gpu, bytes) in &c.memory_max {
             limit
                 .get_or_create(&with(l.clone(), "gpu", gpu))
-                .set(*bytes as f64);
+                .set(int(*bytes));
         }
-        limit_events
-            .get_or_create(&l)
-            .inc_by(c.memory_events as f64);
+        limit_events.get_or_create(&l).inc_by(c.memory_events);
         for (class, n) in &c.ioctls {
             ioctls
                 .get_or_create(&with(l.clone(), "class", class))
-                .inc_by(*n as f64);
+                .inc_by(*n);
         }
-        processes.get_or_create(&l).set(c.pids.len() as f64);
+        processes.get_or_create(&l).set(int(c.pids.len() as u64));
     }
     r.register(
         "gpud_cgroup_memory_bytes",
@@ -360,13 +372,11 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
         processes,
     );
 
-    let nvml_memory = gauges();
+    let nvml_memory = int_gauges();
     let util = gauges();
     for u in &snap.nvml_usage {
         let l = with(cgroup_labels(&u.cgroup), "gpu", u.gpu);
-        nvml_memory
-            .get_or_create(&l)
-            .set(u.nvml_memory_bytes as f64);
+        nvml_memory.get_or_create(&l).set(int(u.nvml_memory_bytes));
         util.get_or_create(&l).set(f64::from(u.sm_util));
     }
     r.register(
@@ -383,7 +393,7 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
     let duty = gauges();
     let target = gauges();
     let measured = gauges();
-    let throttled = counters();
+    let throttled = seconds_counters();
     let periods = counters();
     for (cgroup, s) in &snap.compute {
         let l = cgroup_labels(cgroup);
@@ -393,7 +403,7 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
         throttled
             .get_or_create(&l)
             .inc_by(s.throttled_usec as f64 / 1e6);
-        periods.get_or_create(&l).inc_by(s.nr_throttled as f64);
+        periods.get_or_create(&l).inc_by(s.nr_throttled);
     }
     r.register(
         "gpud_cgroup_compute_duty_percent",
@@ -421,12 +431,12 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
         periods,
     );
 
-    let idle = gauges();
-    let idle_memory = gauges();
+    let idle = int_gauges();
+    let idle_memory = int_gauges();
     for i in &snap.idle {
         let l = with(cgroup_labels(&i.cgroup), "gpu", i.gpu);
-        idle.get_or_create(&l).set(i.idle_secs as f64);
-        idle_memory.get_or_create(&l).set(i.memory_bytes as f64);
+        idle.get_or_create(&l).set(int(i.idle_secs));
+        idle_memory.get_or_create(&l).set(int(i.memory_bytes));
     }
     r.register(
         "gpud_cgroup_idle_seconds",
@@ -439,9 +449,9 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
         idle_memory,
     );
 
-    let gpu_info = Family::<Labels, Gauge>::default();
-    let total = gauges();
-    let used = gauges();
+    let gpu_info = int_gauges();
+    let total = int_gauges();
+    let used = int_gauges();
     let xid = counters();
     for g in &snap.gpus {
         let mig = if g.mig == u32::MAX {
@@ -465,9 +475,9 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
                 &g.driver_version,
             ))
             .set(1);
-        total.get_or_create(&l).set(g.memory_total as f64);
-        used.get_or_create(&l).set(g.memory_used as f64);
-        xid.get_or_create(&l).inc_by(g.xid_errors as f64);
+        total.get_or_create(&l).set(int(g.memory_total));
+        used.get_or_create(&l).set(int(g.memory_used));
+        xid.get_or_create(&l).inc_by(g.xid_errors);
     }
     r.register(
         "gpud_gpu_info",
@@ -546,10 +556,10 @@ mod tests {
         encode(&mut out, &build(&snap, &info, std::time::SystemTime::now())).expect("encode");
         let labels = format!("cgroup=\"/system.slice/docker-{ID}.scope\",container_id=\"{ID}\"");
         for line in [
-            format!("gpud_cgroup_memory_bytes{{{labels},gpu=\"0\"}} 4096.0"),
-            format!("gpud_cgroup_memory_limit_bytes{{{labels},gpu=\"all\"}} 8192.0"),
-            format!("gpud_cgroup_ioctls_total{{{labels},class=\"alloc\"}} 3.0"),
-            format!("gpud_cgroup_processes{{{labels}}} 2.0"),
+            format!("gpud_cgroup_memory_bytes{{{labels},gpu=\"0\"}} 4096"),
+            format!("gpud_cgroup_memory_limit_bytes{{{labels},gpu=\"all\"}} 8192"),
+            format!("gpud_cgroup_ioctls_total{{{labels},class=\"alloc\"}} 3"),
+            format!("gpud_cgroup_processes{{{labels}}} 2"),
             "gpud_nvml_available 0".to_owned(),
         ] {
             assert!(out.lines().any(|l| l == line), "missing {line} in\n{out}");

@@ -110,7 +110,20 @@ async fn main() -> ExitCode {
 }
 
 pub(crate) fn daemon_err(e: zbus::Error) -> Failure {
+    /// The bus answered for a daemon that is not there (not started, exited, restarting).
+    const ABSENT: [&str; 3] = [
+        "org.freedesktop.DBus.Error.ServiceUnknown",
+        "org.freedesktop.DBus.Error.NameHasNoOwner",
+        "org.freedesktop.DBus.Error.NoReply",
+    ];
     match &e {
+        zbus::Error::MethodError(name, msg, _) if ABSENT.contains(&name.as_str()) => {
+            Failure::Unreachable(format!(
+                "{}: {}",
+                name.as_str(),
+                msg.as_deref().unwrap_or("")
+            ))
+        }
         zbus::Error::MethodError(name, msg, _) => Failure::Daemon(format!(
             "{}: {}",
             name.as_str(),

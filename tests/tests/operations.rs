@@ -1,0 +1,464 @@
+//! What operators watch: the Prometheus endpoint (scraped over TCP and parsed with a Prometheus
+//! text parser), the idle/hoarding report on the simulated GPU (ListIdle, IdleChanged, metrics),
+//! and `gpudctl idle`, `top` and `events` against the real daemon.
+//!
+//! Real parts: the gpud binary with its eBPF probes, a private dbus-daemon, the FUSE fake NVIDIA
+//! control device for byte-exact memory, the fake libnvidia-ml loaded by nvml-wrapper (a
+//! process's SM utilization there is its share of one CPU), real cgroups and processes.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use gpud_tests::{
+    Bus, Cgroup, Daemon, RmProcess, TempDir, eventually,
+    fakenv::{self, Options},
+    gpudctl_bin, install_fake_nvml, spawn_in_cgroup, write_nvml_scenario,
+};
+use serde_json::{Value, json};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const ID: &str = "4f2c1e9d8b7a65432100fedcba98765432100123456789abcdef0123456789ab";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn config(dir: &Path, ctl: Option<&Path>, lib: &Path, port: u16, min_idle_secs: u64) -> PathBuf {
+    let extra = ctl.map_or_else(String::new, |c| format!("{:?}", c.display().to_string()));
+    let text = format!(
+        r#"[daemon]
+state_dir = "{state}"
+log = "gpud=debug"
+
+[probes]
+bpffs = "{bpffs}"
+keep_pinned = false
+
+[devices]
+extra_paths = [{extra}]
+
+[attribution]
+sweep_interval_secs = 1
+rescan_interval_secs = 0
+
+[enforcement]
+react_action = "notify"
+
+[nvml]
+library_path = "{lib}"
+sample_interval_ms = 100
+retry_interval_secs = 1
+
+[idle]
+threshold_percent = 5
+min_duration_secs = {min_idle_secs}
+
+[metrics]
+listen = "127.0.0.1:{port}"
+"#,
+        state = dir.join("state").display(),
+        bpffs = dir.join("bpffs").display(),
+        lib = lib.display(),
+    );
+    let p = dir.join("gpud.toml");
+    std::fs::write(&p, text).expect("write config");
+    p
+}
+
+/// NVML's view: these processes on one 80 GiB GPU, each with its memory.
+fn scenario(lib_dir: &Path, procs: &[(u32, u64)]) {
+    let processes: Vec<_> = procs
+        .iter()
+        .map(|(pid, mem)| json!({ "pid": pid, "gpu": 0, "memory": mem }))
+        .collect();
+    write_nvml_scenario(
+        lib_dir,
+        &json!({
+            "driver_version": "580.159.04", "cuda_version": 13000,
+            "gpus": [ { "uuid": "GPU-00000000-1111-2222-3333-444444444444",
+                        "name": "Simulated GPU", "pci_bus_id": "00000000:00:06.0",
+                        "memory_total": 80u64 << 30 } ],
+            "processes": processes,
+        }),
+    );
+}
+
+struct Scrape {
+    content_type: String,
+    text: String,
+    samples: Vec<prometheus_parse::Sample>,
+}
+
+fn scrape(port: u16) -> Scrape {
+    let mut resp = ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+        .call()
+        .expect("scrape /metrics");
+    let content_type = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let text = resp.body_mut().read_to_string().expect("metrics body");
+    let lines = text.lines().map(|l| Ok(l.to_owned()));
+    let parsed = prometheus_parse::Scrape::parse(lines).expect("parse the exposition");
+    Scrape {
+        content_type,
+        text,
+        samples: parsed.samples,
+    }
+}
+
+impl Scrape {
+    /// The value of `name` with exactly these labels among its labels.
+    fn value(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        self.samples
+            .iter()
+            .filter(|s| s.metric == name)
+            .find(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+            .map(|s| match s.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => v,
+                _ => f64::NAN,
+            })
+    }
+}
+
+/// `gpudctl ARGS --bus-address BUS` run to completion: (exit code, stdout).
+fn gpudctl(bus: &str, args: &[&str]) -> (i32, String) {
+    let out = Command::new(gpudctl_bin())
+        .args(args)
+        .args(["--bus-address", bus])
+        .output()
+        .expect("run gpudctl");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// A `gpudctl events` follower; its stdout lines arrive on a channel.
+struct Follower {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Follower {
+    fn start(bus: &str, args: &[&str]) -> Self {
+        let mut child = Command::new(gpudctl_bin())
+            .arg("events")
+            .args(args)
+            .args(["--bus-address", bus])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start gpudctl events");
+        // It says so on stderr once its match rule is in place.
+        let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+        let mut line = String::new();
+        err.read_line(&mut line).expect("gpudctl events stderr");
+        assert!(line.contains("following"), "gpudctl events said {line:?}");
+        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in stdout.lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, lines }
+    }
+
+    fn next(&self, timeout: Duration) -> Option<Value> {
+        let l = self.lines.recv_timeout(timeout).ok()?;
+        Some(serde_json::from_str(&l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}")))
+    }
+}
+
+impl Drop for Follower {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_endpoint_reports_what_dbus_reports() {
+    if !fakenv::available() {
+        eprintln!("SKIP: /dev/fuse is absent");
+        return;
+    }
+    let dir = TempDir::new("ops-metrics");
+    let fake = fakenv::mount(
+        &dir.path().join("fake"),
+        Options {
+            gpus: 1,
+            capacity: GIB,
+            page_size: 2 * MIB,
+            verbose: false,
+        },
+    )
+    .expect("mount the fake device");
+    let ctl = fake.ctl();
+    let lib_dir = dir.path().join("nvml");
+    let lib = install_fake_nvml(&lib_dir);
+
+    // A container's cgroup as docker's systemd driver names it.
+    let parent = Cgroup::new("ops-metrics");
+    let ctr_dir = parent.dir.join(format!("docker-{ID}.scope"));
+    std::fs::create_dir_all(&ctr_dir).expect("container cgroup");
+    let ctr = format!("{}/docker-{ID}.scope", parent.rel);
+    let mut rm = RmProcess::spawn(Some(&ctr_dir), &ctl);
+    scenario(&lib_dir, &[(rm.pid, 3 * GIB)]);
+
+    let bus = Bus::start();
+    let port = free_port();
+    let daemon = Daemon::start(
+        &config(dir.path(), Some(&ctl), &lib, port, 300),
+        &bus.address,
+    )
+    .await;
+    let (_c, proxy) = daemon.proxy().await;
+
+    let c = rm.handle("client");
+    let d0 = rm.handle(&format!("device {c} 0"));
+    rm.ok(&format!("alloc {c} {d0} {} nvos64", 6 * MIB));
+    let limits: BTreeMap<&str, zbus::Variant<'_>> =
+        [("memory_max", zbus::Variant::from("64Mi"))].into();
+    proxy
+        .set_limits(&ctr, "all", limits)
+        .await
+        .expect("SetLimits");
+
+    // NVML sampled it and the probes charged it.
+    let rec = eventually(Duration::from_secs(10), || async {
+        let r = proxy.get_cgroup(&ctr).await.ok()?;
+        let nvml = proxy.list_nvml_usage().await.ok()?;
+        (r.memory_current.get("0") == Some(&(6 * MIB)) && nvml.iter().any(|u| u.cgroup == ctr))
+            .then_some(r)
+    })
+    .await
+    .unwrap_or_else(|| panic!("never attributed:\n{}", daemon.log_text()));
+
+    let s = tokio::task::spawn_blocking(move || scrape(port))
+        .await
+        .expect("scrape task");
+    // Shown with --nocapture (docs/metrics.md's sample comes from here).
+    println!("{}", s.text);
+    assert!(
+        s.content_type.starts_with("application/openmetrics-text"),
+        "{}",
+        s.content_type
+    );
+    let cg = [("cgroup", ctr.as_str()), ("container_id", ID)];
+    let with = |extra: (&'static str, &'static str)| {
+        let mut v = cg.to_vec();
+        v.push(extra);
+        v
+    };
+    assert_eq!(
+        s.value("gpud_cgroup_memory_bytes", &with(("gpu", "0"))),
+        Some(rec.memory_current["0"] as f64)
+    );
+    assert_eq!(
+        s.value("gpud_cgroup_memory_limit_bytes", &with(("gpu", "all"))),
+        Some((64 * MIB) as f64)
+    );
+    assert_eq!(
+        s.value("gpud_cgroup_nvml_memory_bytes", &with(("gpu", "0"))),
+        Some((3 * GIB) as f64)
+    );
+    assert_eq!(
+        s.value("gpud_cgroup_ioctls_total", &with(("class", "alloc"))),
+        Some(rec.ioctls["alloc"] as f64)
+    );
+    assert_eq!(s.value("gpud_cgroup_processes", &cg), Some(1.0));
+    assert_eq!(s.value("gpud_nvml_available", &[]), Some(1.0));
+    assert_eq!(
+        s.value("gpud_gpu_memory_total_bytes", &[("gpu", "0")]),
+        Some((80 * GIB) as f64)
+    );
+    assert_eq!(
+        s.value("gpud_gpu_info", &[("gpu", "0"), ("name", "Simulated GPU")]),
+        Some(1.0)
+    );
+    let stats = proxy.get_kernel_stats().await.expect("stats");
+    assert_eq!(
+        s.value("gpud_kernel_events_total", &[("event", "memory_charges")]),
+        Some(stats["memory_charges"] as f64)
+    );
+    assert_eq!(
+        s.value(
+            "gpud_build_info",
+            &[("react_action", "notify"), ("enforcement_tier", "react")]
+        ),
+        Some(1.0)
+    );
+
+    // Anything but /metrics is not found.
+    let err = ureq::get(&format!("http://127.0.0.1:{port}/"))
+        .call()
+        .expect_err("/ is not served");
+    assert!(
+        matches!(err, ureq::Error::StatusCode(404)),
+        "unexpected {err:?}"
+    );
+    rm.finish();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_cgroups_holding_memory_are_reported_and_followed() {
+    let dir = TempDir::new("ops-idle");
+    let lib_dir = dir.path().join("nvml");
+    let lib = install_fake_nvml(&lib_dir);
+    let idle_cg = Cgroup::new("ops-idle");
+    let busy_cg = Cgroup::new("ops-busy");
+    let nomem_cg = Cgroup::new("ops-nomem");
+    let flag = dir.path().join("wake");
+    // Sleeps until the flag appears, then burns a CPU (= the simulated GPU).
+    let mut idle_p = spawn_in_cgroup(
+        &idle_cg,
+        &format!(
+            "while [ ! -e {} ]; do sleep 0.2; done; while :; do :; done",
+            flag.display()
+        ),
+    );
+    let mut busy_p = spawn_in_cgroup(&busy_cg, "while :; do :; done");
+    let mut nomem_p = spawn_in_cgroup(&nomem_cg, "sleep 600");
+    scenario(
+        &lib_dir,
+        &[
+            (idle_p.id(), 2 * GIB),
+            (busy_p.id(), GIB),
+            (nomem_p.id(), 0),
+        ],
+    );
+
+    let bus = Bus::start();
+    let port = free_port();
+    let daemon = Daemon::start(&config(dir.path(), None, &lib, port, 2), &bus.address).await;
+    let (_c, proxy) = daemon.proxy().await;
+    let follower = Follower::start(&bus.address, &["--json", "--type", "IdleChanged"]);
+
+    let listed = eventually(Duration::from_secs(15), || async {
+        let l = proxy.list_idle().await.ok()?;
+        l.iter().any(|i| i.cgroup == idle_cg.rel).then_some(l)
+    })
+    .await
+    .unwrap_or_else(|| panic!("the idle cgroup was never reported:\n{}", daemon.log_text()));
+    assert_eq!(listed.len(), 1, "only the idle cgroup: {listed:?}");
+    let rec = &listed[0];
+    assert_eq!(rec.gpu, 0);
+    assert_eq!(rec.memory_bytes, 2 * GIB);
+    assert!(rec.idle_secs >= 2, "{rec:?}");
+    assert_eq!(rec.last_active, 0, "never active since gpud started");
+    assert!(rec.util < 5, "{rec:?}");
+
+    let ev = follower
+        .next(Duration::from_secs(10))
+        .expect("an IdleChanged event");
+    assert_eq!(ev["signal"], "IdleChanged");
+    assert_eq!(ev["cgroup"], idle_cg.rel.as_str());
+    assert_eq!(ev["idle"], true);
+    assert_eq!(ev["memory_bytes"], 2 * GIB);
+
+    // gpudctl idle, the metric and a top frame say the same.
+    let (code, out) = gpudctl(&bus.address, &["idle", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let v: Value = serde_json::from_str(&out).expect("idle JSON");
+    assert_eq!(v[0]["cgroup"], idle_cg.rel.as_str());
+    let s = tokio::task::spawn_blocking(move || scrape(port))
+        .await
+        .expect("scrape task");
+    let idle_secs = s
+        .value(
+            "gpud_cgroup_idle_seconds",
+            &[("cgroup", idle_cg.rel.as_str()), ("gpu", "0")],
+        )
+        .expect("idle metric");
+    assert!(idle_secs >= 2.0);
+    assert_eq!(
+        s.value(
+            "gpud_cgroup_idle_memory_bytes",
+            &[("cgroup", idle_cg.rel.as_str()), ("gpu", "0")]
+        ),
+        Some((2 * GIB) as f64)
+    );
+    assert!(
+        s.value(
+            "gpud_cgroup_idle_seconds",
+            &[("cgroup", busy_cg.rel.as_str())]
+        )
+        .is_none()
+    );
+
+    let (code, out) = gpudctl(
+        &bus.address,
+        &[
+            "top",
+            "--json",
+            "-n",
+            "2",
+            "--interval",
+            "0.3",
+            "--sort",
+            "util",
+        ],
+    );
+    assert_eq!(code, 0, "{out}");
+    let frames: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("frame JSON"))
+        .collect();
+    assert_eq!(frames.len(), 2, "{out}");
+    let rows = frames[1]["cgroups"].as_array().expect("rows");
+    assert_eq!(
+        rows[0]["cgroup"],
+        busy_cg.rel.as_str(),
+        "sorted by util: {out}"
+    );
+    assert!(rows[0]["sm_util"].as_u64().unwrap_or(0) >= 5, "{out}");
+    let idle_row = rows
+        .iter()
+        .find(|r| r["cgroup"] == idle_cg.rel.as_str())
+        .expect("idle row");
+    assert!(idle_row["idle_secs"].as_u64().unwrap_or(0) >= 2, "{out}");
+    assert_eq!(idle_row["nvml_memory_bytes"], 2 * GIB);
+    assert_eq!(frames[1]["gpus"][0]["name"], "Simulated GPU");
+    let (code, text) = gpudctl(&bus.address, &["top", "-n", "1"]);
+    assert_eq!(code, 0);
+    assert!(
+        text.contains("CGROUP") && text.contains(&idle_cg.rel),
+        "{text}"
+    );
+
+    // It wakes up: no longer idle, and the signal says so.
+    std::fs::write(&flag, "").expect("wake");
+    let ev = follower
+        .next(Duration::from_secs(10))
+        .expect("IdleChanged(idle=false)");
+    assert_eq!(ev["cgroup"], idle_cg.rel.as_str());
+    assert_eq!(ev["idle"], false);
+    assert!(proxy.list_idle().await.expect("ListIdle").is_empty());
+
+    for p in [&mut idle_p, &mut busy_p, &mut nomem_p] {
+        let _ = p.kill();
+        let _ = p.wait();
+    }
+    drop(follower);
+    // gpudctl's exit code when the daemon is gone.
+    drop(daemon);
+    let (code, _) = gpudctl(&bus.address, &["idle"]);
+    assert_eq!(code, 3, "unreachable daemon");
+}
