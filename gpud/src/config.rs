@@ -105,6 +105,8 @@ pub struct Config {
 pub struct DaemonConfig {
     pub state_dir: PathBuf,
     pub log: String,
+    /// What to do with a stored limits file that cannot be read back.
+    pub on_corrupt_state: crate::policy::CorruptState,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]

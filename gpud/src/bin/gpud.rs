@@ -115,7 +115,20 @@ async fn main() -> std::process::ExitCode {
         Err(e) => {
             error!("{e:#}");
             notify(&[NotifyState::Status(&format!("failed: {e:#}"))]);
-            std::process::ExitCode::FAILURE
+            // A state directory or stored limits that need a person, like a bad config: not
+            // worth restarting (RestartPreventExitStatus=78 in the unit).
+            let needs_a_person = matches!(
+                e.downcast_ref::<gpud::policy::PolicyError>(),
+                Some(
+                    gpud::policy::PolicyError::CorruptState { .. }
+                        | gpud::policy::PolicyError::StateDir { .. }
+                )
+            );
+            if needs_a_person {
+                std::process::ExitCode::from(EX_CONFIG)
+            } else {
+                std::process::ExitCode::FAILURE
+            }
         }
     }
 }
@@ -187,6 +200,9 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
     for w in gpud::privileges::check(gpud::privileges::effective()?)? {
         warn!("{w}");
     }
+    // Before anything is attached: the limits must be loadable and storable.
+    LimitStore::check_dir(&config.daemon.state_dir)?;
+    let store = LimitStore::load(&config.daemon.state_dir, config.daemon.on_corrupt_state)?;
     let cgroups = CgroupFs::discover().context("locating the cgroup v2 hierarchy")?;
     let majors = DynamicMajors::read()?;
     let extra = probes::devices::resolve_extra_paths(&config.devices.extra_paths)?;
@@ -225,11 +241,7 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
     let found = attribution.scan();
     attribution.sweep();
     info!(found, "start-up scan of /proc done");
-    let mut memory = MemoryEnforcement::new(
-        LimitStore::load(&config.daemon.state_dir),
-        tier,
-        config.enforcement.react_action,
-    );
+    let mut memory = MemoryEnforcement::new(store, tier, config.enforcement.react_action);
     memory.restore(&mut attribution);
     let (notices, notices_rx) = tokio::sync::broadcast::channel(256);
     let (inventory, inventory_rx) = watch::channel(Vec::new());

@@ -13,7 +13,7 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use tracing::{info, warn};
+use tracing::info;
 
 /// Largest accepted byte value: far above any GPU, and far from overflowing when usage is added.
 pub const MAX_BYTES: u64 = 1 << 60;
@@ -37,6 +37,30 @@ pub enum PolicyError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "stored limits in {path} are unusable ({reason}); fix or remove the file, or set \
+         [daemon] on_corrupt_state = \"start-empty\" to start without them"
+    )]
+    CorruptState { path: PathBuf, reason: String },
+    #[error(
+        "state directory {path} is not usable ({source}); gpud keeps its limits there: make it a \
+         writable directory or point [daemon] state_dir elsewhere"
+    )]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// What to do with a stored limits file that cannot be read back (`[daemon] on_corrupt_state`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CorruptState {
+    /// Keep it aside and start with no limits rather than wrong ones.
+    #[default]
+    StartEmpty,
+    /// Refuse to start until a person looks at it.
+    Refuse,
 }
 
 /// Which GPUs a limit applies to.
@@ -400,22 +424,49 @@ pub struct LimitStore {
 impl LimitStore {
     pub const FILE: &'static str = "limits.json";
 
-    /// Loads the store. A missing file is an empty store; an unreadable or corrupt one is moved
-    /// aside (`limits.json.corrupt-<unix time>`) with an error log, and the daemon starts with no
-    /// limits rather than wrong ones.
-    pub fn load(state_dir: &Path) -> Self {
+    /// Makes sure `state_dir` exists and takes files: a limit set later must not fail to persist
+    /// because of a mistake that start-up could have shown.
+    pub fn check_dir(state_dir: &Path) -> Result<(), PolicyError> {
+        let err = |source| PolicyError::StateDir {
+            path: state_dir.to_owned(),
+            source,
+        };
+        std::fs::create_dir_all(state_dir).map_err(err)?;
+        let probe = state_dir.join(".gpud-write-test");
+        std::fs::write(&probe, b"").map_err(err)?;
+        std::fs::remove_file(&probe).map_err(err)
+    }
+
+    /// Loads the store. A missing file is an empty store. An unreadable or corrupt one (bad
+    /// JSON, another schema, an unsupported version) is, with [`CorruptState::StartEmpty`],
+    /// moved aside (`limits.json.corrupt-<unix time>`) with an error log, and the daemon starts
+    /// with no limits rather than wrong ones; with [`CorruptState::Refuse`] it is left in place
+    /// and the load fails.
+    pub fn load(state_dir: &Path, on_corrupt: CorruptState) -> Result<Self, PolicyError> {
         let path = state_dir.join(Self::FILE);
         let mut store = Self {
             path: path.clone(),
             entries: BTreeMap::new(),
         };
+        let corrupt = |reason: String| -> Result<Self, PolicyError> {
+            match on_corrupt {
+                CorruptState::Refuse => Err(PolicyError::CorruptState {
+                    path: path.clone(),
+                    reason,
+                }),
+                CorruptState::StartEmpty => {
+                    set_aside(&path, &reason);
+                    Ok(Self {
+                        path: path.clone(),
+                        entries: BTreeMap::new(),
+                    })
+                }
+            }
+        };
         let text = match std::fs::read_to_string(&path) {
             Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return store,
-            Err(e) => {
-                warn!(path = %path.display(), "cannot read stored limits, starting without: {e}");
-                return store;
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(store),
+            Err(e) => return corrupt(format!("cannot read it: {e}")),
         };
         match serde_json::from_str::<StateFile>(&text) {
             Ok(f) if f.version == STATE_VERSION => {
@@ -425,11 +476,11 @@ impl LimitStore {
                     }
                 }
                 info!(path = %path.display(), limits = store.entries.len(), "limits restored");
+                Ok(store)
             }
-            Ok(f) => set_aside(&path, &format!("unsupported version {}", f.version)),
-            Err(e) => set_aside(&path, &e.to_string()),
+            Ok(f) => corrupt(format!("unsupported version {}", f.version)),
+            Err(e) => corrupt(e.to_string()),
         }
-        store
     }
 
     pub fn get(&self, cgroup: &str, gpu: &GpuSelector) -> Option<&Limits> {
@@ -595,7 +646,7 @@ mod tests {
     fn store_round_trips_and_sets_corrupt_files_aside() -> Result<(), PolicyError> {
         let dir = std::env::temp_dir().join(format!("gpud-store-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let mut s = LimitStore::load(&dir);
+        let mut s = LimitStore::load(&dir, CorruptState::StartEmpty)?;
         assert!(s.entries().is_empty());
         let mut e = BTreeMap::new();
         e.insert(
@@ -608,14 +659,30 @@ mod tests {
             },
         );
         s.replace(e.clone())?;
-        assert_eq!(LimitStore::load(&dir).entries(), &e);
+        assert_eq!(
+            LimitStore::load(&dir, CorruptState::StartEmpty)?.entries(),
+            &e
+        );
         std::fs::write(dir.join(LimitStore::FILE), "{ not json").map_err(|source| {
             PolicyError::Write {
                 path: dir.clone(),
                 source,
             }
         })?;
-        assert!(LimitStore::load(&dir).entries().is_empty());
+        assert!(matches!(
+            LimitStore::load(&dir, CorruptState::Refuse),
+            Err(PolicyError::CorruptState { .. })
+        ));
+        assert!(
+            dir.join(LimitStore::FILE).exists(),
+            "refuse leaves it in place"
+        );
+        assert!(
+            LimitStore::load(&dir, CorruptState::StartEmpty)?
+                .entries()
+                .is_empty()
+        );
+        assert!(!dir.join(LimitStore::FILE).exists(), "moved aside");
         let aside = std::fs::read_dir(&dir)
             .map(|d| {
                 d.flatten()

@@ -401,7 +401,7 @@ fn main() -> anyhow::Result<()> {
     // Freeze: the daemon's enforcement code reacts to the ring-buffer event.
     let (mut attr, mut ring) = setup(&o, &fake.ctl, ReactAction::Freeze, "freeze")?;
     let mut enforcement = MemoryEnforcement::new(
-        LimitStore::load(&work.join("state")),
+        LimitStore::load(&work.join("state"), Default::default())?,
         gpud::probes::Tier::React,
         ReactAction::Freeze,
     );
