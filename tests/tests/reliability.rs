@@ -448,3 +448,130 @@ async fn removed_cgroups_and_mid_allocation_forks_and_exits_leave_nothing_behind
         "no tracked process is left"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nvml_failing_mid_run_stops_compute_control_cleanly_and_memory_limits_stay() {
+    let dir = TempDir::new("rel-nvml");
+    let Some(fake) = fake(&dir) else { return };
+    let ctl = fake.ctl();
+    let lib_dir = dir.path().join("nvml");
+    let lib = gpud_tests::install_fake_nvml(&lib_dir);
+    let throttled_cg = Cgroup::new("rel-nvml-burn");
+    let mut burner = gpud_tests::spawn_in_cgroup(&throttled_cg, "while :; do :; done");
+    let scenario = |fail: bool| {
+        let mut v = serde_json::json!({
+            "driver_version": "580.159.04", "cuda_version": 13000,
+            "gpus": [ { "uuid": "GPU-00000000-1111-2222-3333-444444444444",
+                        "name": "Simulated GPU", "pci_bus_id": "00000000:00:06.0",
+                        "memory_total": 80u64 << 30 } ],
+            "processes": [ { "pid": burner.id(), "gpu": 0, "memory": 1u64 << 30 } ],
+        });
+        if fail {
+            // GPU lost (NVML_ERROR_GPU_IS_LOST) on every process query.
+            v["fail"] = serde_json::json!({ "nvmlDeviceGetComputeRunningProcesses_v3": 15 });
+        }
+        gpud_tests::write_nvml_scenario(&lib_dir, &v);
+    };
+    scenario(false);
+    let extra = format!(
+        "\n[nvml]\nenabled = true\nlibrary_path = \"{}\"\nsample_interval_ms = 100\nretry_interval_secs = 1\n",
+        lib.display()
+    );
+    let cfg = config(dir.path(), &ctl, "").with_file_name("nvml.toml");
+    std::fs::write(
+        &cfg,
+        std::fs::read_to_string(config(dir.path(), &ctl, ""))
+            .expect("config")
+            .replace("[nvml]\nenabled = false\n", &extra),
+    )
+    .expect("config");
+    let bus = Bus::start();
+    let daemon = Daemon::start(&cfg, &bus.address).await;
+    let (_c, proxy) = daemon.proxy().await;
+
+    let cap = BTreeMap::from([("compute_max", zbus::Variant::from(20u32))]);
+    proxy
+        .set_limits(&throttled_cg.rel, "0", cap)
+        .await
+        .expect("SetLimits compute_max");
+    let throttling = eventually(Duration::from_secs(10), || async {
+        let c = proxy.list_compute().await.ok()?;
+        c.iter()
+            .any(|r| r.cgroup == throttled_cg.rel && r.throttled_usec > 0)
+            .then_some(())
+    })
+    .await;
+    assert!(
+        throttling.is_some(),
+        "never throttled:\n{}",
+        daemon.log_text()
+    );
+    let mem_cg = Cgroup::new("rel-nvml-mem");
+    let limits = BTreeMap::from([("memory_max", zbus::Variant::from("8Mi"))]);
+    proxy
+        .set_limits(&mem_cg.rel, "all", limits)
+        .await
+        .expect("SetLimits memory_max");
+
+    // NVML fails: reported, and the controller lets go of the cgroup (no frozen leftovers).
+    scenario(true);
+    let down = eventually(Duration::from_secs(10), || async {
+        let available = proxy.nvml_available().await.ok()?;
+        (!available).then_some(())
+    })
+    .await;
+    assert!(
+        down.is_some(),
+        "failure not reported:\n{}",
+        daemon.log_text()
+    );
+    let freeze = throttled_cg.dir.join("cgroup.freeze");
+    let thawed = eventually(Duration::from_secs(5), || async {
+        (std::fs::read_to_string(&freeze).ok()?.trim() == "0").then_some(())
+    })
+    .await;
+    assert!(thawed.is_some(), "left frozen:\n{}", daemon.log_text());
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            std::fs::read_to_string(&freeze)
+                .expect("cgroup.freeze")
+                .trim(),
+            "0",
+            "frozen again while NVML is down"
+        );
+    }
+
+    // Memory accounting and limits do not depend on NVML.
+    let mut p = RmProcess::spawn(Some(&mem_cg.dir), &ctl);
+    let c = p.handle("client");
+    let d = p.handle(&format!("device {c} 0"));
+    p.ok(&format!("alloc {c} {d} {} nvos64", 4 * MIB));
+    expect_bytes(&daemon, &mem_cg.rel, truth(&fake, &[p.pid])).await;
+    let answer = p.try_cmd(&format!("alloc {c} {d} {} nvos64", 8 * MIB));
+    assert!(answer.is_none(), "limit enforced without NVML: {answer:?}");
+
+    // NVML is back: control resumes.
+    let before = proxy
+        .list_compute()
+        .await
+        .expect("ListCompute")
+        .iter()
+        .find(|r| r.cgroup == throttled_cg.rel)
+        .map_or(0, |r| r.throttled_usec);
+    scenario(false);
+    let resumed = eventually(Duration::from_secs(15), || async {
+        let c = proxy.list_compute().await.ok()?;
+        c.iter()
+            .any(|r| r.cgroup == throttled_cg.rel && r.throttled_usec > before)
+            .then_some(())
+    })
+    .await;
+    assert!(
+        resumed.is_some(),
+        "control did not resume:\n{}",
+        daemon.log_text()
+    );
+    let _ = burner.kill();
+    let _ = burner.wait();
+}

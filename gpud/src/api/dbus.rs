@@ -439,9 +439,10 @@ pub trait Manager1 {
     ) -> zbus::Result<()>;
     fn clear_limits(&self, cgroup: &str, gpu: &str, names: &[&str]) -> zbus::Result<()>;
     fn list_limits(&self) -> zbus::Result<Vec<LimitRecord>>;
-    #[zbus(property)]
+    // Not cached by the proxy: the daemon sends no change signal for these.
+    #[zbus(property(emits_changed_signal = "false"))]
     fn nvml_available(&self) -> zbus::Result<bool>;
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "false"))]
     fn nvml_status(&self) -> zbus::Result<String>;
     fn list_gpus(&self) -> zbus::Result<Vec<GpuRecord>>;
     fn list_nvml_usage(&self) -> zbus::Result<Vec<NvmlUsageRecord>>;
