@@ -301,6 +301,14 @@ pub async fn run_state(
                 handle(&mut state, msg);
             }
             _ = sweep.tick() => {
+                let lost = state.attribution.newly_lost_events();
+                if lost > 0 {
+                    warn!(
+                        lost,
+                        "kernel events lost (ring buffer full); the sweeps reconcile what they \
+                         would have said"
+                    );
+                }
                 state.attribution.sweep();
                 state.attribution.sweep_memory();
                 state.memory.sweep(&mut state.attribution);

@@ -57,6 +57,8 @@ pub struct Attribution {
     /// Parent of each process the probes saw forked by a tracked process (tracepoint mode uses
     /// it to tell whether a dead process's control files may live on in a child).
     parents: HashMap<u32, u32>,
+    /// The kernel's `events_lost` counter when last looked at.
+    events_lost_seen: u64,
 }
 
 impl Attribution {
@@ -72,7 +74,23 @@ impl Attribution {
             cgroups,
             matcher,
             parents: HashMap::new(),
+            events_lost_seen: 0,
         })
+    }
+
+    /// Ring-buffer records the kernel could not deliver since the last call (the buffer was
+    /// full: the daemon stopped or fell behind). What they would have said is caught up by the
+    /// periodic sweeps and reconciliation; the count is what operators alert on.
+    pub fn newly_lost_events(&mut self) -> u64 {
+        let lost = self
+            .maps
+            .stats
+            .get(&stat::EVENTS_LOST, 0)
+            .map(|per_cpu| per_cpu.iter().sum::<u64>())
+            .unwrap_or(0);
+        let new = lost.saturating_sub(self.events_lost_seen);
+        self.events_lost_seen = lost;
+        new
     }
 
     /// Stops; see [`Probes::shutdown`].

@@ -1,0 +1,483 @@
+//! Benchmark: gpud at scale, end to end. Drives the real `gpud` binary (next to this one, so a
+//! `--release` build measures the release daemon) on a private dbus-daemon with real cgroups and
+//! processes issuing ioctls on a stand-in device file (listed in `devices.extra_paths`; the probes
+//! count them exactly as on `/dev/nvidiactl`, without a driver behind them), and prints one
+//! `BENCH JSON: {…}` line with:
+//!
+//! - `idle`: daemon CPU (percent of one core) and RSS/HWM after settling, nothing happening;
+//! - `attribution_us`: a new process in a new cgroup issues its first ioctl; from reading its
+//!   "done" line (written right after the ioctl returned) to the cgroup's ioctl showing in
+//!   `GetCgroup` (polled back to back);
+//! - `limit_change_us`: from calling `SetLimits` to the value being in the kernel's pinned
+//!   `LIMITS` map (what the probes enforce), polled back to back;
+//! - `dbus_us`: with `--cgroups` attributed cgroups (each with a live process) and `--clients`
+//!   concurrent connections calling `ListCgroups`, `GetCgroup`, `ListLimits` and a property `Get`
+//!   in turn for `--seconds`: per-method p50/p99/max;
+//! - `load`: daemon CPU and RSS while those processes issue about `--rate` matched ioctls/s spread
+//!   over all cgroups (achieved rate from the kernel's own counter);
+//! - `events`: ring-buffer events (process fork/exit of tracked processes) consumed per second
+//!   with none lost, and the same burst with the daemon stopped (SIGSTOP): the ring fills, the
+//!   kernel counts the loss (`events_lost`), and the daemon reports it once resumed.
+//!
+//! `gpud-scalebench [--cgroups N] [--clients N] [--trials N] [--seconds S] [--rate R]`
+//! (`gpud-scalebench forker FILE N` is its own event generator.)
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Write},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use gpud::api::dbus::{Manager1Proxy, connect_builder};
+use gpud_tests::{Bus, Cgroup, Daemon, TempDir, write_config};
+use serde_json::{Value, json};
+
+/// RM_ALLOC as CUDA encodes it: a matched, classified ioctl.
+const RM_ALLOC: &str = "0xc030462b";
+
+struct Opts {
+    cgroups: usize,
+    clients: usize,
+    trials: usize,
+    seconds: u64,
+    rate: u64,
+}
+
+fn opts() -> anyhow::Result<Opts> {
+    let mut o = Opts {
+        cgroups: 1000,
+        clients: 100,
+        trials: 200,
+        seconds: 10,
+        rate: 10_000,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut v = || -> anyhow::Result<u64> {
+            args.next()
+                .with_context(|| format!("{a} needs a value"))?
+                .parse()
+                .with_context(|| format!("bad value for {a}"))
+        };
+        match a.as_str() {
+            "--cgroups" => o.cgroups = v()? as usize,
+            "--clients" => o.clients = v()? as usize,
+            "--trials" => o.trials = v()? as usize,
+            "--seconds" => o.seconds = v()?,
+            "--rate" => o.rate = v()?,
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    Ok(o)
+}
+
+/// p50, p99, max of microsecond samples.
+fn dist(mut v: Vec<f64>) -> Value {
+    if v.is_empty() {
+        return json!(null);
+    }
+    v.sort_by(f64::total_cmp);
+    let q = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    json!({"n": v.len(), "p50": q(0.5), "p99": q(0.99), "max": v[v.len() - 1]})
+}
+
+/// CPU time (user + system, seconds) and RSS/HWM (KiB) of `pid`.
+fn usage(pid: u32) -> anyhow::Result<(f64, u64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may contain spaces) closing parenthesis.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = (f.get(11).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0))
+        // SAFETY: sysconf has no preconditions.
+        / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    Ok((ticks, kib("VmRSS:"), kib("VmHWM:")))
+}
+
+/// Daemon CPU (percent of one core) over `window`, and its RSS/HWM at the end.
+fn cpu_over(pid: u32, window: Duration) -> anyhow::Result<Value> {
+    let (c0, _, _) = usage(pid)?;
+    let t = Instant::now();
+    std::thread::sleep(window);
+    let (c1, rss, hwm) = usage(pid)?;
+    Ok(json!({
+        "cpu_percent": (c1 - c0) / t.elapsed().as_secs_f64() * 100.0,
+        "rss_kib": rss, "hwm_kib": hwm, "window_s": window.as_secs_f64(),
+    }))
+}
+
+/// A held `gpud-ioctl` in a cgroup; each line written to it re-issues its ioctls.
+struct Holder {
+    child: Child,
+    stdin: ChildStdin,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Holder {
+    fn spawn(cg: &Path, file: &Path, per_line: u64) -> anyhow::Result<Self> {
+        let mut child = Command::new(exe_dir().join("gpud-ioctl"))
+            .arg("--cgroup")
+            .arg(cg)
+            .arg("--file")
+            .arg(file)
+            .args(["--ioctl", &format!("{RM_ALLOC}:{per_line}"), "--hold"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("spawn gpud-ioctl")?;
+        let stdin = child.stdin.take().context("stdin")?;
+        let out = BufReader::new(child.stdout.take().context("stdout")?);
+        let mut h = Self { child, stdin, out };
+        h.done()?;
+        Ok(h)
+    }
+
+    /// Waits for its `DONE` line.
+    fn done(&mut self) -> anyhow::Result<()> {
+        let mut line = String::new();
+        self.out.read_line(&mut line)?;
+        if !line.starts_with("DONE") {
+            bail!("gpud-ioctl said {line:?}");
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The directory of this binary, where cargo put the daemon and the fixtures of the same build.
+fn exe_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+        .unwrap_or_default()
+}
+
+fn pinned_limit(bpffs: &Path, cgroup_id: u64) -> Option<u64> {
+    use libbpf_rs::MapCore as _;
+    let path = bpffs
+        .join("gpud")
+        .join(format!("v{}", gpud_common::ABI_VERSION))
+        .join(gpud_common::maps::LIMITS);
+    let map = libbpf_rs::MapHandle::from_pinned_path(path).ok()?;
+    let key = gpud_common::UsageKey {
+        cgroup_id,
+        gpu: gpud_common::GPU_ALL,
+        ..Default::default()
+    };
+    // SAFETY: UsageKey is repr(C) plain data; the slice covers exactly its bytes.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(
+            (&key as *const gpud_common::UsageKey).cast::<u8>(),
+            size_of::<gpud_common::UsageKey>(),
+        )
+    };
+    let v = map.lookup(bytes, libbpf_rs::MapFlags::ANY).ok()??;
+    (v.len() >= size_of::<gpud_common::LimitValue>()).then(|| {
+        // SAFETY: the length was checked; LimitValue is plain data.
+        unsafe { std::ptr::read_unaligned(v.as_ptr().cast::<gpud_common::LimitValue>()) }.max
+    })
+}
+
+fn cgroup_id(dir: &Path) -> anyhow::Result<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    Ok(std::fs::metadata(dir)?.ino())
+}
+
+/// `forker FILE N`: opens FILE (a tracked device file), issues one ioctl, then forks N children
+/// that exit at once (a PROC_NEW and a PROC_EXIT event each); prints the seconds it took.
+fn forker(file: &str, n: u64) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)?;
+    let mut buf = [0u8; 48];
+    // SAFETY: ioctl on our own descriptor with a buffer of the size the command encodes.
+    unsafe { libc::ioctl(f.as_raw_fd(), 0xc030462b_u32 as _, buf.as_mut_ptr()) };
+    let t = Instant::now();
+    for _ in 0..n {
+        // SAFETY: the child only calls _exit, which is async-signal-safe.
+        match unsafe { libc::fork() } {
+            0 => unsafe { libc::_exit(0) },
+            pid if pid > 0 => {
+                let mut status = 0;
+                // SAFETY: reaping our own child.
+                unsafe { libc::waitpid(pid, &mut status, 0) };
+            }
+            _ => bail!("fork failed: {}", std::io::Error::last_os_error()),
+        }
+    }
+    println!("{}", t.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn run_forker(cg: &Path, file: &Path, n: u64) -> anyhow::Result<f64> {
+    let me = std::env::current_exe()?;
+    let cg = cg.to_owned();
+    let mut cmd = Command::new(me);
+    cmd.arg("forker").arg(file).arg(n.to_string());
+    // SAFETY: only writes its own pid into cgroup.procs between fork and exec.
+    unsafe {
+        use std::os::unix::process::CommandExt as _;
+        cmd.pre_exec(move || std::fs::write(cg.join("cgroup.procs"), "0"));
+    }
+    let out = cmd.output()?;
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .context("forker output")
+}
+
+async fn stats(p: &Manager1Proxy<'_>) -> anyhow::Result<BTreeMap<String, u64>> {
+    Ok(p.get_kernel_stats().await?)
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut argv = std::env::args().skip(1);
+    if argv.next().as_deref() == Some("forker") {
+        let file = argv.next().context("forker FILE N")?;
+        let n = argv.next().context("forker FILE N")?.parse()?;
+        return forker(&file, n);
+    }
+    let o = opts()?;
+    if std::env::var_os("GPUD_BIN").is_none() {
+        // SAFETY: no other thread runs yet (the runtime starts below).
+        unsafe { std::env::set_var("GPUD_BIN", exe_dir().join("gpud")) };
+    }
+    tokio::runtime::Runtime::new()?.block_on(bench(o))
+}
+
+async fn bench(o: Opts) -> anyhow::Result<()> {
+    let dir = TempDir::new("scalebench");
+    let standin = dir.path().join("standin");
+    std::fs::write(&standin, "")?;
+    let bus = Bus::start();
+    let cfg = write_config(dir.path(), &[&standin], "auto");
+    // NVML off: this measures attribution and the API; sweep at the default pace.
+    let text = std::fs::read_to_string(&cfg)?
+        .replace("sweep_interval_secs = 1", "sweep_interval_secs = 10")
+        + "\n[nvml]\nenabled = false\n";
+    std::fs::write(&cfg, text)?;
+    let daemon = Daemon::start(&cfg, &bus.address).await;
+    let pid = daemon.pid().context("daemon pid")?;
+    let bpffs = dir.path().join("bpffs");
+    let conn = connect_builder(&bus.address).build().await?;
+    let proxy = Manager1Proxy::new(&conn).await?;
+    let mut report = serde_json::Map::new();
+    report.insert(
+        "opts".into(),
+        json!({"cgroups": o.cgroups, "clients": o.clients,
+        "trials": o.trials, "seconds": o.seconds, "rate": o.rate}),
+    );
+
+    eprintln!("scalebench: idle");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    report.insert(
+        "idle".into(),
+        tokio::task::block_in_place(|| cpu_over(pid, Duration::from_secs(o.seconds * 2)))?,
+    );
+
+    eprintln!("scalebench: attribution latency ({} trials)", o.trials);
+    let mut attr = Vec::new();
+    for i in 0..o.trials {
+        let cg = Cgroup::new(&format!("sb-attr-{i}"));
+        let h = tokio::task::block_in_place(|| Holder::spawn(&cg.dir, &standin, 1))?;
+        let t0 = Instant::now();
+        loop {
+            if let Ok(r) = proxy.get_cgroup(&cg.rel).await
+                && r.ioctls.values().sum::<u64>() >= 1
+            {
+                break;
+            }
+            if t0.elapsed() > Duration::from_secs(5) {
+                bail!("cgroup {} never became visible", cg.rel);
+            }
+        }
+        attr.push(t0.elapsed().as_secs_f64() * 1e6);
+        drop(h);
+    }
+    report.insert("attribution_us".into(), dist(attr));
+
+    eprintln!("scalebench: limit-change latency ({} trials)", o.trials);
+    let lim_cg = Cgroup::new("sb-limit");
+    let id = cgroup_id(&lim_cg.dir)?;
+    let mut lim = Vec::new();
+    for i in 0..o.trials as u64 {
+        let want = (64 << 20) + i * 4096;
+        let limits = BTreeMap::from([("memory_max", zbus::Variant::from(want))]);
+        let t0 = Instant::now();
+        proxy.set_limits(&lim_cg.rel, "all", limits).await?;
+        while pinned_limit(&bpffs, id) != Some(want) {
+            if t0.elapsed() > Duration::from_secs(5) {
+                bail!("limit {want} never reached the kernel map");
+            }
+        }
+        lim.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    proxy.clear_limits(&lim_cg.rel, "all", &[]).await?;
+    report.insert("limit_change_us".into(), dist(lim));
+
+    eprintln!("scalebench: {} cgroups with a live process each", o.cgroups);
+    // Per line, each holder issues this many ioctls: the load loop writes lines.
+    let per_line = 10u64;
+    let mut cgroups = Vec::with_capacity(o.cgroups);
+    let mut holders = Vec::with_capacity(o.cgroups);
+    for i in 0..o.cgroups {
+        let cg = Cgroup::new(&format!("sb-{i}"));
+        holders.push(tokio::task::block_in_place(|| {
+            Holder::spawn(&cg.dir, &standin, per_line)
+        })?);
+        cgroups.push(cg);
+    }
+    let listed = proxy.list_cgroups().await?.len();
+    report.insert("attributed_cgroups".into(), json!(listed));
+
+    eprintln!(
+        "scalebench: D-Bus, {} clients for {} s",
+        o.clients, o.seconds
+    );
+    let paths: Vec<String> = cgroups.iter().map(|c| c.rel.clone()).collect();
+    let deadline = Instant::now() + Duration::from_secs(o.seconds);
+    let mut tasks = Vec::new();
+    for c in 0..o.clients {
+        let bus = bus.address.clone();
+        let paths = paths.clone();
+        tasks.push(tokio::spawn(async move {
+            let conn = connect_builder(&bus).build().await?;
+            let p = Manager1Proxy::builder(&conn)
+                .cache_properties(zbus::proxy::CacheProperties::No)
+                .build()
+                .await?;
+            let mut lat: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+            let mut k = c;
+            while Instant::now() < deadline {
+                let t = Instant::now();
+                let name = match k % 4 {
+                    0 => {
+                        p.list_cgroups().await?;
+                        "ListCgroups"
+                    }
+                    1 => {
+                        p.get_cgroup(&paths[k % paths.len()]).await?;
+                        "GetCgroup"
+                    }
+                    2 => {
+                        p.list_limits().await?;
+                        "ListLimits"
+                    }
+                    _ => {
+                        p.version().await?;
+                        "Get(Version)"
+                    }
+                };
+                lat.entry(name)
+                    .or_default()
+                    .push(t.elapsed().as_secs_f64() * 1e6);
+                k += 1;
+            }
+            anyhow::Ok(lat)
+        }));
+    }
+    let mut all: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+    for t in tasks {
+        for (k, v) in t.await?? {
+            all.entry(k).or_default().extend(v);
+        }
+    }
+    let calls: usize = all.values().map(Vec::len).sum();
+    let mut dbus = serde_json::Map::new();
+    for (k, v) in all {
+        dbus.insert(k.into(), dist(v));
+    }
+    dbus.insert("calls_per_s".into(), json!(calls as f64 / o.seconds as f64));
+    report.insert("dbus_us".into(), Value::Object(dbus));
+
+    eprintln!(
+        "scalebench: ~{} matched ioctls/s over {} cgroups",
+        o.rate, o.cgroups
+    );
+    let before = stats(&proxy).await?["matched_ioctls"];
+    let lines_per_s = (o.rate / per_line).max(1);
+    let tick = Duration::from_millis(10);
+    let per_tick = (lines_per_s as f64 * tick.as_secs_f64()).ceil() as usize;
+    let (c0, _, _) = usage(pid)?;
+    let t0 = Instant::now();
+    let end = t0 + Duration::from_secs(o.seconds);
+    let mut next = 0usize;
+    let mut interval = tokio::time::interval(tick);
+    while Instant::now() < end {
+        interval.tick().await;
+        for _ in 0..per_tick {
+            let n = holders.len();
+            let h = &mut holders[next % n];
+            writeln!(h.stdin)?;
+            h.stdin.flush()?;
+            next += 1;
+        }
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let (c1, rss, hwm) = usage(pid)?;
+    // Let the holders finish their lines before reading the counter.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = stats(&proxy).await?["matched_ioctls"];
+    report.insert(
+        "load".into(),
+        json!({
+            "ioctls_per_s": (after - before) as f64 / elapsed,
+            "cpu_percent": (c1 - c0) / elapsed * 100.0,
+            "rss_kib": rss, "hwm_kib": hwm, "window_s": elapsed,
+        }),
+    );
+    drop(holders);
+    drop(cgroups);
+
+    eprintln!("scalebench: ring-buffer events");
+    let ev_cg = Cgroup::new("sb-events");
+    let forks = 20_000u64;
+    let lost0 = stats(&proxy).await?["events_lost"];
+    let secs = tokio::task::block_in_place(|| run_forker(&ev_cg.dir, &standin, forks))?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let lost1 = stats(&proxy).await?["events_lost"];
+    // The same burst with the daemon stopped: nothing drains the ring.
+    daemon.signal(libc::SIGSTOP);
+    let stopped = tokio::task::block_in_place(|| run_forker(&ev_cg.dir, &standin, forks));
+    daemon.signal(libc::SIGCONT);
+    let stopped_secs = stopped?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let lost2 = stats(&proxy).await?["events_lost"];
+    let reported = daemon.log_text().contains("kernel events lost");
+    report.insert(
+        "events".into(),
+        json!({
+            // A fork and an exit event per child.
+            "events_per_s_running": (2 * forks) as f64 / secs,
+            "lost_running": lost1 - lost0,
+            "events_per_s_stopped": (2 * forks) as f64 / stopped_secs,
+            "lost_while_stopped": lost2 - lost1,
+            "loss_logged": reported,
+        }),
+    );
+    drop(ev_cg);
+
+    println!("BENCH JSON: {}", Value::Object(report));
+    drop(conn);
+    drop(daemon);
+    Ok(())
+}
