@@ -14,7 +14,8 @@
 //! `GPUD_SOAK_SEED` replays a run. It prints `SOAK SUMMARY: {…}`.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
+    os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -139,6 +140,13 @@ fn entries<K: aya::Pod, V: aya::Pod>(base: &Path, name: &str) -> usize {
     m.keys().filter(Result::is_ok).count()
 }
 
+/// USAGE's entries: (cgroup id, GPU) and bytes.
+fn usage_entries(base: &Path) -> Vec<(UsageKey, u64)> {
+    let data = MapData::from_pin(base.join(maps::USAGE)).expect("open USAGE");
+    let m = aya::maps::HashMap::<_, UsageKey, u64>::try_from(Map::HashMap(data)).expect("USAGE");
+    m.iter().filter_map(Result::ok).collect()
+}
+
 fn map_entries(base: &Path) -> BTreeMap<&'static str, usize> {
     BTreeMap::from([
         (
@@ -188,6 +196,8 @@ struct Soak {
     parent: Cgroup,
     cgroups: Vec<Cg>,
     next_cg: u32,
+    /// ids of the cgroups above the soak's (they outlive it).
+    ancestors: HashSet<u64>,
     /// Every pid that allocated, to the cgroup it allocated in.
     owner: HashMap<u32, String>,
     n: Counts,
@@ -398,7 +408,7 @@ impl Soak {
                     self.n.limits_set += 1;
                 }
             }
-            85..=89 if !self.cgroups.is_empty() => {
+            85..=86 if !self.cgroups.is_empty() => {
                 let c = self.rng.below(self.cgroups.len());
                 self.remove_cgroup(c).await;
             }
@@ -550,8 +560,16 @@ impl Soak {
             .map_err(|x| e("ListLimits", x))?;
         let left: Vec<String> = m
             .iter()
-            .filter(|(_, n)| **n > 0)
+            // Live cgroups keep zero entries (the daemon forgets those of removed ones); the
+            // soak's cgroups are all gone, only their ancestors live.
+            .filter(|(k, n)| **n > 0 && **k != maps::USAGE)
             .map(|(k, n)| format!("{k}={n}"))
+            .chain(
+                usage_entries(base)
+                    .into_iter()
+                    .filter(|(k, b)| *b != 0 || !self.ancestors.contains(&k.cgroup_id))
+                    .map(|(k, b)| format!("USAGE ({}, {:#x})={b}", k.cgroup_id, k.gpu)),
+            )
             .chain((used > 0).then(|| format!("driver still holds {used} bytes")))
             .chain(
                 procs
@@ -627,11 +645,21 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
     let mut daemon = Daemon::start(&config(dir.path(), &ctl), &bus.address).await;
     let base = gpud::probes::Probes::pin_base(&dir.path().join("bpffs"));
     let (conn, proxy) = daemon.proxy().await;
+    let parent = Cgroup::new("soak");
+    let root = gpud_tests::cgroup2_root();
+    let ancestors: HashSet<u64> = parent
+        .dir
+        .ancestors()
+        .skip(1)
+        .take_while(|d| d.starts_with(&root))
+        .map(|d| std::fs::metadata(d).expect("stat cgroup").ino())
+        .collect();
     let mut soak = Soak {
+        ancestors,
         rng: Rng(seed | 1),
         fake,
         ctl,
-        parent: Cgroup::new("soak"),
+        parent,
         cgroups: Vec::new(),
         next_cg: 0,
         owner: HashMap::new(),
