@@ -651,7 +651,7 @@ mod fuzz {
         SUFFIXES
             .iter()
             .rev()
-            .filter(|(_, m)| bytes != 0 && bytes % m == 0)
+            .filter(|(_, m)| bytes != 0 && bytes.is_multiple_of(*m))
             .max_by_key(|(_, m)| *m)
             .map_or_else(|| bytes.to_string(), |(s, m)| format!("{}{s}", bytes / m))
     }
