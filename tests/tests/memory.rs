@@ -366,7 +366,10 @@ async fn corrupted_rm_calls_never_charge_more_or_less_than_the_driver_allocated(
     // `cargo xtask fuzz` runs more rounds of more calls: GPUD_FUZZ_RM_ROUNDS rounds (seeds) of
     // GPUD_FUZZ_RM_CALLS calls each.
     let env = |name: &str, default: u64| {
-        std::env::var(name).map_or(default, |v| v.parse().expect("a number in {name}"))
+        std::env::var(name).map_or(default, |v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{name}={v:?} is not a number"))
+        })
     };
     let (rounds, calls) = (
         env("GPUD_FUZZ_RM_ROUNDS", 5),
