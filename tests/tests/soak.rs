@@ -193,7 +193,10 @@ struct Soak {
     rng: Rng,
     fake: FakeNv,
     ctl: PathBuf,
-    parent: Cgroup,
+    /// The soak's cgroup, above all others; taken (removed) at the end.
+    parent: Option<Cgroup>,
+    parent_dir: PathBuf,
+    parent_rel: String,
     cgroups: Vec<Cg>,
     next_cg: u32,
     /// ids of the cgroups above the soak's (they outlive it).
@@ -209,11 +212,11 @@ impl Soak {
     fn new_cgroup(&mut self) {
         let name = format!("c{}", self.next_cg);
         self.next_cg += 1;
-        let dir = self.parent.dir.join(&name);
+        let dir = self.parent_dir.join(&name);
         std::fs::create_dir(&dir).expect("create cgroup");
         self.cgroups.push(Cg {
             dir,
-            rel: format!("{}/{name}", self.parent.rel),
+            rel: format!("{}/{name}", self.parent_rel),
             procs: Vec::new(),
             limited: false,
         });
@@ -508,7 +511,7 @@ impl Soak {
             .cgroups
             .iter()
             .map(|c| (&c.rel, want.get(&c.rel).cloned().unwrap_or_default()));
-        for (path, want) in live.chain([(&self.parent.rel, all)]) {
+        for (path, want) in live.chain([(&self.parent_rel, all)]) {
             let got = self
                 .proxy
                 .get_cgroup(path)
@@ -659,7 +662,9 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
         rng: Rng(seed | 1),
         fake,
         ctl,
-        parent,
+        parent_dir: parent.dir.clone(),
+        parent_rel: parent.rel.clone(),
+        parent: Some(parent),
         cgroups: Vec::new(),
         next_cg: 0,
         owner: HashMap::new(),
@@ -690,14 +695,8 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
     while !soak.cgroups.is_empty() {
         soak.remove_cgroup(0).await;
     }
-    let parent_rel = soak.parent.rel.clone();
-    drop(std::mem::replace(
-        &mut soak.parent,
-        Cgroup {
-            dir: PathBuf::new(),
-            rel: String::new(),
-        },
-    ));
+    let parent_rel = soak.parent_rel.clone();
+    drop(soak.parent.take());
     let settled = settle(|| soak.leftovers(&base, &parent_rel)).await;
     let summary = json!({
         "seed": seed,
