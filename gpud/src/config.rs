@@ -659,3 +659,130 @@ mod tests {
         }
     }
 }
+
+/// Fuzz targets (`cargo xtask fuzz`): TOML documents of any shape over the known sections and
+/// keys, and the shipped file with arbitrary bytes changed. Every outcome is a configuration or a
+/// typed [`ConfigError`] that points into the text.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const NAME: &str = "fuzz.toml";
+
+    /// (section, key) of every key in the shipped file.
+    fn known_keys() -> Vec<(String, String)> {
+        let t: toml::Table = DEFAULT_CONFIG.parse().expect("the shipped file is TOML");
+        t.iter()
+            .flat_map(|(s, v)| {
+                v.as_table()
+                    .into_iter()
+                    .flat_map(|t| t.keys())
+                    .map(move |k| (s.clone(), k.clone()))
+            })
+            .collect()
+    }
+
+    fn value() -> impl Strategy<Value = toml::Value> {
+        let leaf = prop_oneof![
+            any::<i64>().prop_map(toml::Value::Integer),
+            (-5i64..5000).prop_map(toml::Value::Integer),
+            any::<bool>().prop_map(toml::Value::Boolean),
+            any::<f64>().prop_map(toml::Value::Float),
+            "\\PC{0,16}".prop_map(toml::Value::String),
+            "(/[a-z]{0,6}){0,3}|auto|fentry|tracepoint|kill|freeze|notify|deny|system|session|info|debug"
+                .prop_map(toml::Value::String),
+        ];
+        leaf.prop_recursive(2, 8, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(toml::Value::Array),
+                proptest::collection::btree_map("[a-z_]{1,8}", inner, 0..3)
+                    .prop_map(|m| toml::Value::Table(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// Where an error points must be inside `text`.
+    fn check_error(e: &ConfigError, text: &str) -> Result<(), TestCaseError> {
+        let at = e
+            .location()
+            .ok_or_else(|| TestCaseError::fail(format!("{e:?} has no location")))?;
+        prop_assert_eq!(&at.path, Path::new(NAME));
+        if let Some(line) = at.line {
+            prop_assert!(
+                line <= text.lines().count() + 1,
+                "{e} is past the end of\n{text}"
+            );
+        }
+        Ok(())
+    }
+
+    proptest! {
+        /// Documents built from known and unknown sections and keys with values of any type.
+        #[test]
+        fn any_document_is_a_config_or_a_located_error(
+            entries in proptest::collection::vec(
+                (any::<prop::sample::Index>(), "[a-z_]{1,10}", any::<bool>(), value()),
+                0..8,
+            ),
+        ) {
+            let known = known_keys();
+            let mut doc = toml::Table::new();
+            for (i, other, use_known, v) in entries {
+                let (section, key) = if use_known {
+                    i.get(&known).clone()
+                } else {
+                    (i.get(&known).0.clone(), other)
+                };
+                if let toml::Value::Table(s) = doc
+                    .entry(section)
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                {
+                    s.insert(key, v);
+                }
+            }
+            let text = toml::to_string(&doc).expect("serializable");
+            if let Err(e) = Config::from_toml(&text, Path::new(NAME)) {
+                prop_assert!(matches!(e, ConfigError::Parse { .. } | ConfigError::Invalid { .. }), "{e:?}");
+                check_error(&e, &text)?;
+            }
+        }
+
+        /// The shipped file with bytes overwritten, inserted or removed anywhere.
+        #[test]
+        fn arbitrary_bytes_over_the_defaults(
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..12),
+        ) {
+            let mut bytes = DEFAULT_CONFIG.as_bytes().to_vec();
+            for (at, b, op) in edits {
+                let i = at.index(bytes.len().max(1));
+                match op {
+                    0 if i < bytes.len() => bytes[i] = b,
+                    1 => bytes.insert(i.min(bytes.len()), b),
+                    _ if i < bytes.len() => {
+                        bytes.remove(i);
+                    }
+                    _ => {}
+                }
+            }
+            match std::str::from_utf8(&bytes) {
+                Ok(text) => {
+                    if let Err(e) = Config::from_toml(text, Path::new(NAME)) {
+                        check_error(&e, text)?;
+                    }
+                }
+                // Not text: reading it is what fails, naming the file.
+                Err(_) => {
+                    let dir = std::env::temp_dir().join(format!("gpud-config-fuzz-{}", std::process::id()));
+                    std::fs::create_dir_all(&dir).expect("temp dir");
+                    let path = dir.join(NAME);
+                    std::fs::write(&path, &bytes).expect("write");
+                    let got = Config::load(&path);
+                    let _ = std::fs::remove_dir_all(&dir);
+                    prop_assert!(matches!(got, Err(ConfigError::Read { .. })), "{got:?}");
+                }
+            }
+        }
+    }
+}

@@ -555,3 +555,45 @@ mod tests {
         assert_eq!(parse_event(&[]), None);
     }
 }
+
+/// Fuzz targets (`cargo xtask fuzz` runs them with many more cases): ring-buffer records of any
+/// length and content.
+#[cfg(test)]
+mod fuzz {
+    use gpud_common::Event;
+    use proptest::prelude::*;
+
+    use super::parse_event;
+
+    fn bytes_of(ev: &Event) -> Vec<u8> {
+        // SAFETY: Event is repr(C) plain data without implicit padding (48 bytes of fields).
+        unsafe { std::slice::from_raw_parts((ev as *const Event).cast::<u8>(), size_of::<Event>()) }
+            .to_vec()
+    }
+
+    proptest! {
+        /// Any record decodes exactly when it has the event's size, and then to its own bytes.
+        #[test]
+        fn any_record_decodes_or_is_refused(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
+            let ev = parse_event(&bytes);
+            prop_assert_eq!(ev.is_some(), bytes.len() == size_of::<Event>());
+            if let Some(ev) = ev {
+                prop_assert_eq!(bytes_of(&ev), bytes);
+            }
+        }
+
+        /// An event read from any offset of a buffer (the ring buffer guarantees no alignment
+        /// to user space) is the event written there.
+        #[test]
+        fn events_round_trip_at_any_alignment(
+            kind in any::<u32>(), tgid in any::<u32>(), cgroup_id in any::<u64>(),
+            client in any::<u32>(), object in any::<u32>(), value in any::<u64>(),
+            bytes in any::<u64>(), gpu in any::<u32>(), offset in 0usize..16,
+        ) {
+            let ev = Event { kind, tgid, cgroup_id, client, object, value, bytes, gpu, _pad: 0 };
+            let mut buf = vec![0xa5u8; offset];
+            buf.extend(bytes_of(&ev));
+            prop_assert_eq!(parse_event(&buf[offset..]), Some(ev));
+        }
+    }
+}

@@ -363,8 +363,23 @@ async fn corrupted_rm_calls_never_charge_more_or_less_than_the_driver_allocated(
     let mut p = RmProcess::spawn(Some(&cg.dir), &ctl);
     let c = p.handle("client");
     let d = p.handle(&format!("device {c} 0"));
-    for seed in [1u64, 7, 42, 1234, 99991] {
-        let r = p.cmd(&format!("fuzz {c} {d} {seed} 400"));
+    // `cargo xtask fuzz` runs more rounds of more calls: GPUD_FUZZ_RM_ROUNDS rounds (seeds) of
+    // GPUD_FUZZ_RM_CALLS calls each.
+    let env = |name: &str, default: u64| {
+        std::env::var(name).map_or(default, |v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{name}={v:?} is not a number"))
+        })
+    };
+    let (rounds, calls) = (
+        env("GPUD_FUZZ_RM_ROUNDS", 5),
+        env("GPUD_FUZZ_RM_CALLS", 400),
+    );
+    let seeds = [1u64, 7, 42, 1234, 99991]
+        .into_iter()
+        .chain((0..).map(|i| 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(i + 1)));
+    for seed in seeds.take(rounds as usize) {
+        let r = p.cmd(&format!("fuzz {c} {d} {seed} {calls}"));
         assert_eq!(r["ok"], true, "{r}");
         // Whatever the driver (the fake) holds now is exactly what gpud charges: nothing for
         // malformed, refused or failed calls, the written-back size for the rest.

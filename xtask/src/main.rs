@@ -2,9 +2,11 @@
 //! (`setup`), so a fresh machine needs nothing but this repository, rustup and its `nightly`.
 
 mod bench;
+mod fuzz;
 mod install;
 mod run;
 mod setup;
+mod soak;
 mod test;
 mod util;
 mod vm;
@@ -46,6 +48,23 @@ enum Task {
         /// Skip the VM runs.
         #[arg(long)]
         no_vm: bool,
+    },
+    /// Run the fuzz targets with many cases (PROPTEST_CASES) and more corrupted RM calls
+    /// through the real probes. The RM run needs root.
+    Fuzz {
+        /// Cases per property target.
+        #[arg(long, default_value_t = 20_000)]
+        cases: u32,
+        /// Rounds of 400 corrupted RM calls, each checked against the fake driver.
+        #[arg(long, default_value_t = 50)]
+        rm_rounds: u64,
+    },
+    /// Churn soak: the real gpud while cgroups and processes come and go, allocate, fork, exit
+    /// and are killed; asserts usage equals the fake driver's and nothing leaks. Needs root.
+    Soak {
+        /// How long to churn.
+        #[arg(long, default_value_t = 10)]
+        minutes: u64,
     },
     /// Build the release binaries and install gpud as a system service (unit, D-Bus policy,
     /// default config if none, OCI hooks, manifest for uninstall). Needs root for the real /.
@@ -113,6 +132,8 @@ fn main() -> ExitCode {
         Task::Run { args } => run::run(&args),
         Task::Test { no_vm, no_lint } => test::run(!no_vm, !no_lint),
         Task::Bench { no_vm } => bench::run(!no_vm),
+        Task::Fuzz { cases, rm_rounds } => fuzz::run(cases, rm_rounds),
+        Task::Soak { minutes } => soak::run(std::time::Duration::from_secs(minutes * 60)),
         Task::Install { layout, bin_dir } => install::install(&layout.layout(), bin_dir.as_deref()),
         Task::Uninstall { layout } => install::uninstall(&layout.layout()),
         // The console is echoed as it comes.

@@ -48,13 +48,17 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
+        // Octal digits are ASCII: checking bytes (not slicing `s`) cannot split a character.
         if b[i] == b'\\'
-            && i + 3 < b.len()
-            && let Ok(v) = u8::from_str_radix(&s[i + 1..i + 4], 8)
+            && let Some(digits) = b.get(i + 1..i + 4)
+            && digits.iter().all(|d| (b'0'..=b'7').contains(d))
         {
-            out.push(v);
-            i += 4;
-            continue;
+            let v = digits.iter().fold(0u32, |v, d| v * 8 + u32::from(d - b'0'));
+            if let Ok(v) = u8::try_from(v) {
+                out.push(v);
+                i += 4;
+                continue;
+            }
         }
         out.push(b[i]);
         i += 1;
@@ -276,6 +280,40 @@ mod tests {
                 proptest::prop_assert!(!n.split('/').any(|c| c == ".." || c == "."));
                 proptest::prop_assert!(!n.contains('\0') && !n.contains("//"));
             }
+        }
+    }
+}
+
+/// Fuzz targets (`cargo xtask fuzz`): mountinfo text of any content.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Any text (mount points with multi-byte characters after a backslash included) yields
+        /// a mount point or none; nothing panics.
+        #[test]
+        fn any_mountinfo_never_panics(text in "(?s)(.|\\\\[0-7]{0,3}){0,200}") {
+            let _ = cgroup2_mount_from(&text);
+        }
+
+        /// A mount point escaped as the kernel escapes it (`\ooo` for space, tab, newline and
+        /// backslash) reads back as written.
+        #[test]
+        fn escaped_mount_points_round_trip(dir in "/([^\\s\\x00]|[ \\t\\n\\\\]){0,40}") {
+            let escaped: String = dir
+                .chars()
+                .map(|c| match c {
+                    ' ' | '\t' | '\n' | '\\' => format!("\\{:03o}", c as u32),
+                    c => c.to_string(),
+                })
+                .collect();
+            let text = format!(
+                "30 1 0:25 / /proc rw - proc proc rw\n31 1 0:26 / {escaped} rw,nosuid - cgroup2 cgroup2 rw\n"
+            );
+            prop_assert_eq!(cgroup2_mount_from(&text), Some(PathBuf::from(dir)));
         }
     }
 }

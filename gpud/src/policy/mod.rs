@@ -694,3 +694,147 @@ mod tests {
         Ok(())
     }
 }
+
+/// Fuzz targets (`cargo xtask fuzz`): quantities, GPU selectors and named limit values as they
+/// arrive from D-Bus callers and annotations.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const SUFFIXES: [(&str, u64); 9] = [
+        ("", 1),
+        ("Ki", 1 << 10),
+        ("Mi", 1 << 20),
+        ("Gi", 1 << 30),
+        ("Ti", 1 << 40),
+        ("k", 1_000),
+        ("M", 1_000_000),
+        ("G", 1_000_000_000),
+        ("T", 1_000_000_000_000),
+    ];
+
+    /// `bytes` in the largest unit that divides it, as a person would write it.
+    fn format_quantity(bytes: u64) -> String {
+        SUFFIXES
+            .iter()
+            .rev()
+            .filter(|(_, m)| bytes != 0 && bytes.is_multiple_of(*m))
+            .max_by_key(|(_, m)| *m)
+            .map_or_else(|| bytes.to_string(), |(s, m)| format!("{}{s}", bytes / m))
+    }
+
+    fn value_in() -> impl Strategy<Value = LimitValueIn> {
+        prop_oneof![
+            any::<u64>().prop_map(LimitValueIn::Unsigned),
+            any::<i64>().prop_map(LimitValueIn::Signed),
+            "\\PC{0,30}".prop_map(LimitValueIn::Text),
+            "[0-9]{1,22}(Ki|Mi|Gi|Ti|k|M|G|T)?".prop_map(LimitValueIn::Text),
+            "[a-z()]{0,4}".prop_map(LimitValueIn::Other),
+        ]
+    }
+
+    proptest! {
+        /// Any text is a byte count or a message; nothing panics.
+        #[test]
+        fn any_quantity_text_never_panics(text in "(?s).{0,64}") {
+            if let Ok(n) = parse_quantity(&text) {
+                let t = text.trim();
+                prop_assert!(t.starts_with(|c: char| c.is_ascii_digit()), "{text:?} -> {n}");
+            }
+        }
+
+        /// Number and suffix give their exact product, or an error where it overflows (never a
+        /// wrapped value).
+        #[test]
+        fn quantities_multiply_exactly_or_overflow(n in any::<u64>(), s in 0usize..SUFFIXES.len(), pad in "[ \t]{0,2}") {
+            let (suffix, mult) = SUFFIXES[s];
+            let got = parse_quantity(&format!("{pad}{n}{suffix}{pad}"));
+            match n.checked_mul(mult) {
+                Some(want) => prop_assert_eq!(got, Ok(want)),
+                None => prop_assert!(got.is_err_and(|e| e.contains("too large"))),
+            }
+        }
+
+        /// A formatted quantity parses back to the same bytes.
+        #[test]
+        fn formatted_quantities_round_trip(bytes in prop_oneof![
+            any::<u64>(),
+            (any::<u32>(), 0u32..5).prop_map(|(n, p)| u64::from(n) << (10 * p)),
+            (any::<u32>(), 0u32..5).prop_map(|(n, p)| u64::from(n).saturating_mul(1000u64.pow(p))),
+        ]) {
+            let text = format_quantity(bytes);
+            prop_assert_eq!(parse_quantity(&text), Ok(bytes), "{}", text);
+        }
+
+        /// Any text is a selector or `InvalidGpu`; an accepted one prints as text that parses
+        /// back to it.
+        #[test]
+        fn any_gpu_selector_round_trips_or_is_invalid(text in prop_oneof![
+            "(?s).{0,70}",
+            "(GPU|MIG|gpu)-[0-9a-fA-F/-]{0,64}",
+            "[ ]?[0-9]{1,4}[ ]?",
+            "[aA][lL][lL]",
+        ]) {
+            match text.parse::<GpuSelector>() {
+                Ok(sel) => {
+                    let printed = sel.to_string();
+                    prop_assert_eq!(printed.parse::<GpuSelector>().ok(), Some(sel.clone()));
+                    if let GpuSelector::Index(i) = sel {
+                        prop_assert!(i <= gpud_common::nv::NV_GPU_MINOR_MAX);
+                    }
+                }
+                Err(e) => prop_assert!(matches!(e, PolicyError::InvalidGpu(_)), "{e:?}"),
+            }
+        }
+
+        /// Every GPU index the driver can have round-trips; the next one is refused.
+        #[test]
+        fn gpu_indexes_round_trip(i in 0u32..=gpud_common::nv::NV_GPU_MINOR_MAX + 8) {
+            let sel = i.to_string().parse::<GpuSelector>();
+            if i <= gpud_common::nv::NV_GPU_MINOR_MAX {
+                prop_assert_eq!(sel.ok(), Some(GpuSelector::Index(i)));
+            } else {
+                prop_assert!(sel.is_err());
+            }
+        }
+
+        /// Named values of any name, type and content are an update within range or a typed
+        /// error; an update carries exactly the values given.
+        #[test]
+        fn any_named_values_are_validated(values in proptest::collection::btree_map(
+            prop_oneof![
+                Just("memory_max".to_owned()),
+                Just("compute_max".to_owned()),
+                Just("compute_min".to_owned()),
+                Just("compute_weight".to_owned()),
+                Just("priority".to_owned()),
+                "\\PC{0,12}",
+            ],
+            value_in(),
+            0..6,
+        )) {
+            match LimitUpdate::from_named(&values) {
+                Ok(u) => {
+                    prop_assert!(u.memory_max.is_none_or(|m| (1..=MAX_BYTES).contains(&m)));
+                    prop_assert!(u.compute_max.is_none_or(|m| (1..=100).contains(&m)));
+                    prop_assert!(u.compute_min.is_none_or(|m| (1..=100).contains(&m)));
+                    prop_assert!(u.compute_weight.is_none_or(|m| (1..=10_000).contains(&m)));
+                    if let (Some(min), Some(max)) = (u.compute_min, u.compute_max) {
+                        prop_assert!(min <= max);
+                    }
+                    let given = [
+                        u.memory_max.is_some(),
+                        u.compute_max.is_some(),
+                        u.compute_min.is_some(),
+                        u.compute_weight.is_some(),
+                        u.priority.is_some(),
+                    ];
+                    prop_assert_eq!(given.iter().filter(|g| **g).count(), values.len());
+                }
+                Err(e) => prop_assert!(!matches!(e, PolicyError::Write { .. }), "{e:?}"),
+            }
+        }
+    }
+}

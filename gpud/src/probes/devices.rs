@@ -193,3 +193,56 @@ mod tests {
         Ok(())
     }
 }
+
+/// Fuzz targets (`cargo xtask fuzz`): `/proc/devices` text of any content.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Any text yields majors (0 where absent); nothing panics.
+        #[test]
+        fn any_proc_devices_never_panics(text in "(?s).{0,400}") {
+            let _ = DynamicMajors::parse(&text);
+        }
+
+        /// The character section as the kernel writes it, among other drivers and with the same
+        /// names in the block section, reads back the character majors only.
+        #[test]
+        fn character_majors_round_trip(
+            uvm in proptest::option::of(1u32..4096),
+            caps in proptest::option::of(1u32..4096),
+            imex in proptest::option::of(1u32..4096),
+            others in proptest::collection::vec((1u32..4096, "[a-z][a-z0-9_-]{0,12}"), 0..8),
+        ) {
+            let ours = [
+                (uvm, nv::UVM_DEVICE_NAME),
+                (caps, nv::CAPS_DEVICE_NAME),
+                (imex, nv::CAPS_IMEX_DEVICE_NAME),
+            ];
+            let mut text = String::from("Character devices:\n");
+            for (n, name) in &others {
+                if !ours.iter().any(|(_, o)| o == name) {
+                    text.push_str(&format!("{n:>3} {name}\n"));
+                }
+            }
+            for (n, name) in ours {
+                if let Some(n) = n {
+                    text.push_str(&format!("{n:>3} {name}\n"));
+                }
+            }
+            text.push_str("\nBlock devices:\n");
+            for (_, name) in ours {
+                text.push_str(&format!("259 {name}\n"));
+            }
+            let want = DynamicMajors {
+                uvm: uvm.unwrap_or(0),
+                caps: caps.unwrap_or(0),
+                caps_imex: imex.unwrap_or(0),
+            };
+            prop_assert_eq!(DynamicMajors::parse(&text), want);
+        }
+    }
+}

@@ -618,3 +618,61 @@ mod tests {
         }
     }
 }
+
+/// Fuzz targets (`cargo xtask fuzz`): annotation keys and values of any content.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const KINDS: [LimitKind; 5] = [
+        LimitKind::MemoryMax,
+        LimitKind::ComputeMax,
+        LimitKind::ComputeMin,
+        LimitKind::ComputeWeight,
+        LimitKind::Priority,
+    ];
+
+    proptest! {
+        /// Any value of any limit is in range or a message; nothing panics.
+        #[test]
+        fn any_value_is_in_range_or_refused(k in 0usize..KINDS.len(), value in prop_oneof![
+            "(?s).{0,300}",
+            "[ ]?[0-9]{0,22}(Ki|Mi|Gi|Ti|k|M|G|T|%)?[ ]?",
+        ]) {
+            match (KINDS[k], parse_value(KINDS[k], &value)) {
+                (LimitKind::MemoryMax, Ok(LimitValue::Number(n))) => prop_assert!((1..=MAX_BYTES).contains(&n)),
+                (LimitKind::ComputeMax | LimitKind::ComputeMin, Ok(LimitValue::Number(n))) => {
+                    prop_assert!((1..=100).contains(&n))
+                }
+                (LimitKind::ComputeWeight, Ok(LimitValue::Number(n))) => prop_assert!((1..=10_000).contains(&n)),
+                (LimitKind::Priority, Ok(LimitValue::Priority(_))) | (_, Err(_)) => {}
+                other => prop_assert!(false, "{other:?}"),
+            }
+        }
+
+        /// Any single annotation is ignored, accepted, or refused with a typed error that names
+        /// its key; nothing panics.
+        #[test]
+        fn any_single_annotation_is_typed(
+            key in prop_oneof![
+                "(?s).{0,80}",
+                "([a-z.]{0,12}gpud\\.dev|[a-z]{0,8}\\.container\\.gpud\\.dev)/[a-z.-]{0,20}",
+                "gpud\\.dev/(memory-max|compute-max|compute-min|compute-weight|priority)\\.(?s).{0,70}",
+            ],
+            value in "(?s).{0,40}",
+        ) {
+            match parse_one(&key, &value) {
+                Ok(None) => prop_assert!(!key.starts_with(PREFIX)),
+                Ok(Some(_)) => prop_assert!(key.contains(DOMAIN)),
+                Err(
+                    AnnotationError::UnknownKey { key: k }
+                    | AnnotationError::InvalidGpu { key: k, .. }
+                    | AnnotationError::InvalidValue { key: k, .. },
+                ) => prop_assert_eq!(k, key),
+                Err(other) => prop_assert!(false, "one annotation cannot give {other:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,727 @@
+//! Churn soak: the real gpud on a private bus, the fake NVIDIA device, and a random but seeded
+//! stream of cgroups and processes coming and going: processes open the device, allocate and free
+//! video memory of random sizes through every call form, fork children that allocate (in their
+//! own or another cgroup) and exit, exit or are killed with memory still allocated, close and
+//! reopen the device; limits are set (react action `kill`, so crossings kill) and cleared;
+//! cgroups are removed, some while memory charged to them is still held by a process elsewhere.
+//!
+//! At every checkpoint the per-cgroup and per-GPU figures must equal the fake driver's ground
+//! truth; at the end, after every process and cgroup is gone and the daemon's sweep ran, every
+//! accounting map in the daemon's bpffs (OBJECTS, USAGE, ANCESTRY, PENDING, LIMITS, PROCS,
+//! CGROUPS) must be empty and ListProcesses / ListCgroups must track nothing.
+//!
+//! `cargo test` runs it for 30 s; `cargo xtask soak --minutes N` for longer (`GPUD_SOAK_SECS`).
+//! `GPUD_SOAK_SEED` replays a run. It prints `SOAK SUMMARY: {…}`.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use aya::maps::{Map, MapData};
+use gpud_common::{
+    Ancestry, IoctlCounts, LimitValue, ObjEntry, ObjKey, Pending, ProcEntry, UsageKey, maps,
+};
+use gpud_tests::{
+    Bus, Cgroup, Daemon, RmProcess, TempDir,
+    fakenv::{self, FakeNv, Options, Snapshot},
+};
+use serde_json::{Value, json};
+
+const MIB: u64 = 1 << 20;
+const GPUS: u32 = 2;
+const MAX_CGROUPS: usize = 6;
+const MAX_PROCS: usize = 10;
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(8);
+/// How long the daemon may take to settle after a quiesce (sweep interval 1 s).
+const SETTLE: Duration = Duration::from_secs(20);
+
+fn config(dir: &Path, ctl: &Path) -> PathBuf {
+    let text = format!(
+        r#"[daemon]
+state_dir = "{state}"
+log = "gpud=info"
+
+[probes]
+attach = "auto"
+bpffs = "{bpffs}"
+keep_pinned = false
+
+[devices]
+extra_paths = [{ctl:?}]
+
+[attribution]
+sweep_interval_secs = 1
+rescan_interval_secs = 0
+
+[enforcement]
+tier = "auto"
+react_action = "kill"
+"#,
+        state = dir.join("state").display(),
+        bpffs = dir.join("bpffs").display(),
+        ctl = ctl.display().to_string(),
+    );
+    let p = dir.join("gpud.toml");
+    std::fs::write(&p, text).expect("write config");
+    p
+}
+
+/// xorshift64*: seeded, reproducible choices without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.next() % 100 < percent
+    }
+}
+
+/// A memory object a process holds.
+struct Obj {
+    client: u32,
+    parent: u32,
+    handle: u32,
+    vidheap: bool,
+}
+
+struct Proc {
+    rm: RmProcess,
+    client: u32,
+    devices: [u32; GPUS as usize],
+    objects: Vec<Obj>,
+}
+
+struct Cg {
+    dir: PathBuf,
+    rel: String,
+    procs: Vec<Proc>,
+    limited: bool,
+}
+
+#[derive(Default, Debug)]
+struct Counts {
+    iterations: u64,
+    cgroups_created: u64,
+    cgroups_removed: u64,
+    processes: u64,
+    forks: u64,
+    exits: u64,
+    kills: u64,
+    killed_by_limit: u64,
+    allocations: u64,
+    refused: u64,
+    frees: u64,
+    reopens: u64,
+    limits_set: u64,
+    limits_cleared: u64,
+    checkpoints: u64,
+}
+
+/// Entries of a pinned map.
+fn entries<K: aya::Pod, V: aya::Pod>(base: &Path, name: &str) -> usize {
+    let data = MapData::from_pin(base.join(name)).unwrap_or_else(|e| panic!("open {name}: {e}"));
+    let map = if name == maps::PENDING {
+        Map::LruHashMap(data)
+    } else {
+        Map::HashMap(data)
+    };
+    let m = aya::maps::HashMap::<_, K, V>::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"));
+    m.keys().filter(Result::is_ok).count()
+}
+
+/// USAGE's entries: (cgroup id, GPU) and bytes.
+fn usage_entries(base: &Path) -> Vec<(UsageKey, u64)> {
+    let data = MapData::from_pin(base.join(maps::USAGE)).expect("open USAGE");
+    let m = aya::maps::HashMap::<_, UsageKey, u64>::try_from(Map::HashMap(data)).expect("USAGE");
+    m.iter().filter_map(Result::ok).collect()
+}
+
+fn map_entries(base: &Path) -> BTreeMap<&'static str, usize> {
+    BTreeMap::from([
+        (
+            maps::OBJECTS,
+            entries::<ObjKey, ObjEntry>(base, maps::OBJECTS),
+        ),
+        (maps::USAGE, entries::<UsageKey, u64>(base, maps::USAGE)),
+        (
+            maps::ANCESTRY,
+            entries::<u64, Ancestry>(base, maps::ANCESTRY),
+        ),
+        (maps::PENDING, entries::<u64, Pending>(base, maps::PENDING)),
+        (
+            maps::LIMITS,
+            entries::<UsageKey, LimitValue>(base, maps::LIMITS),
+        ),
+        (maps::PROCS, entries::<u32, ProcEntry>(base, maps::PROCS)),
+        (
+            maps::CGROUPS,
+            entries::<u64, IoctlCounts>(base, maps::CGROUPS),
+        ),
+    ])
+}
+
+/// The fake driver's video memory by cgroup path (through the allocating pid) and GPU name.
+fn truth(s: &Snapshot, owner: &HashMap<u32, String>) -> BTreeMap<String, BTreeMap<String, u64>> {
+    let mut t: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    for o in s.memory() {
+        let cg = owner
+            .get(&o.pid)
+            .cloned()
+            .unwrap_or_else(|| format!("?pid {}", o.pid));
+        let per = t.entry(cg).or_default();
+        let gpu = o
+            .gpu
+            .map_or_else(|| "unknown".to_owned(), |g| g.to_string());
+        *per.entry(gpu).or_default() += o.bytes;
+        *per.entry("all".to_owned()).or_default() += o.bytes;
+    }
+    t
+}
+
+struct Soak {
+    rng: Rng,
+    fake: FakeNv,
+    ctl: PathBuf,
+    /// The soak's cgroup, above all others; taken (removed) at the end.
+    parent: Option<Cgroup>,
+    parent_dir: PathBuf,
+    parent_rel: String,
+    cgroups: Vec<Cg>,
+    next_cg: u32,
+    /// ids of the cgroups above the soak's (they outlive it).
+    ancestors: HashSet<u64>,
+    /// Every pid that allocated, to the cgroup it allocated in.
+    owner: HashMap<u32, String>,
+    n: Counts,
+    proxy: gpud::api::dbus::Manager1Proxy<'static>,
+    _conn: zbus::Connection,
+}
+
+impl Soak {
+    fn new_cgroup(&mut self) {
+        let name = format!("c{}", self.next_cg);
+        self.next_cg += 1;
+        let dir = self.parent_dir.join(&name);
+        std::fs::create_dir(&dir).expect("create cgroup");
+        self.cgroups.push(Cg {
+            dir,
+            rel: format!("{}/{name}", self.parent_rel),
+            procs: Vec::new(),
+            limited: false,
+        });
+        self.n.cgroups_created += 1;
+    }
+
+    fn spawn(&mut self, c: usize) {
+        let mut rm = RmProcess::spawn(Some(&self.cgroups[c].dir), &self.ctl);
+        let client = rm.handle("client");
+        let d0 = rm.handle(&format!("device {client} 0"));
+        let d1 = rm.handle(&format!("device {client} 1"));
+        self.owner.insert(rm.pid, self.cgroups[c].rel.clone());
+        self.cgroups[c].procs.push(Proc {
+            rm,
+            client,
+            devices: [d0, d1],
+            objects: Vec::new(),
+        });
+        self.n.processes += 1;
+    }
+
+    /// One allocation by `p` (or its forked child, which is talking now); `None` if the caller
+    /// died in it (killed on crossing a limit).
+    fn alloc(rng: &mut Rng, n: &mut Counts, p: &mut Proc) -> Option<Value> {
+        let size = (rng.next() % (48 * MIB)) + 1;
+        let gpu = rng.below(GPUS as usize);
+        let form = [
+            "nvos21",
+            "nvos64",
+            "vidheap",
+            "xfer21",
+            "xfer64",
+            "xfervidheap",
+        ][rng.below(6)];
+        let r = p.rm.try_cmd(&format!(
+            "alloc {} {} {size} {form}",
+            p.client, p.devices[gpu]
+        ))?;
+        if r.get("reaped").is_some() {
+            // A forked child died in the call; this is its parent's answer.
+            return Some(r);
+        }
+        n.allocations += 1;
+        if r["ok"] == true {
+            p.objects.push(Obj {
+                client: p.client,
+                parent: p.devices[gpu],
+                handle: r["handle"].as_u64().expect("handle") as u32,
+                vidheap: form.contains("vidheap"),
+            });
+        } else {
+            n.refused += 1;
+        }
+        Some(r)
+    }
+
+    fn free(rng: &mut Rng, n: &mut Counts, p: &mut Proc) -> Option<()> {
+        if p.objects.is_empty() {
+            return Some(());
+        }
+        let o = p.objects.swap_remove(rng.below(p.objects.len()));
+        let line = if o.vidheap {
+            format!("vidheap-free {} {} {}", o.client, o.parent, o.handle)
+        } else {
+            format!("free {} {}", o.client, o.handle)
+        };
+        let r = p.rm.try_cmd(&line)?;
+        assert_eq!(r["ok"], true, "{line}: {r}");
+        n.frees += 1;
+        Some(())
+    }
+
+    /// A process that died (killed by a limit): reap it and forget it.
+    fn bury(&mut self, c: usize, i: usize) {
+        let mut p = self.cgroups[c].procs.swap_remove(i);
+        let st = p.rm.wait();
+        assert!(!st.success() || st.code().is_some(), "{st}");
+        self.n.killed_by_limit += 1;
+    }
+
+    /// Random process: (cgroup, index).
+    fn pick_proc(&mut self) -> Option<(usize, usize)> {
+        let all: Vec<(usize, usize)> = self
+            .cgroups
+            .iter()
+            .enumerate()
+            .flat_map(|(c, cg)| (0..cg.procs.len()).map(move |i| (c, i)))
+            .collect();
+        (!all.is_empty()).then(|| all[self.rng.below(all.len())])
+    }
+
+    async fn step(&mut self) {
+        self.n.iterations += 1;
+        let procs: usize = self.cgroups.iter().map(|c| c.procs.len()).sum();
+        let action = self.rng.below(100);
+        match action {
+            0..=4 if self.cgroups.len() < MAX_CGROUPS => self.new_cgroup(),
+            0..=11 if procs < MAX_PROCS && !self.cgroups.is_empty() => {
+                let c = self.rng.below(self.cgroups.len());
+                self.spawn(c);
+            }
+            0..=44 => {
+                let Some((c, i)) = self.pick_proc() else {
+                    return;
+                };
+                let (rng, n) = (&mut self.rng, &mut self.n);
+                let p = &mut self.cgroups[c].procs[i];
+                let alive = if rng.chance(60) || p.objects.is_empty() {
+                    Self::alloc(rng, n, p).is_some()
+                } else {
+                    Self::free(rng, n, p).is_some()
+                };
+                if !alive {
+                    self.bury(c, i);
+                }
+            }
+            45..=54 => self.fork(),
+            55..=59 => {
+                // Close the device with memory allocated (the driver frees the clients), reopen.
+                let Some((c, i)) = self.pick_proc() else {
+                    return;
+                };
+                let p = &mut self.cgroups[c].procs[i];
+                p.rm.ok("close");
+                p.rm.ok("open");
+                p.client = p.rm.handle("client");
+                for g in 0..GPUS {
+                    p.devices[g as usize] = p.rm.handle(&format!("device {} {g}", p.client));
+                }
+                p.objects.clear();
+                self.n.reopens += 1;
+            }
+            60..=63 => {
+                // Free the whole client, then start over with a new one.
+                let Some((c, i)) = self.pick_proc() else {
+                    return;
+                };
+                let p = &mut self.cgroups[c].procs[i];
+                p.rm.ok(&format!("free {} {}", p.client, p.client));
+                p.client = p.rm.handle("client");
+                for g in 0..GPUS {
+                    p.devices[g as usize] = p.rm.handle(&format!("device {} {g}", p.client));
+                }
+                p.objects.clear();
+                self.n.frees += 1;
+            }
+            64..=69 => {
+                // Exit with whatever is allocated.
+                let Some((c, i)) = self.pick_proc() else {
+                    return;
+                };
+                let mut p = self.cgroups[c].procs.swap_remove(i);
+                let _ = p.rm.try_cmd("exit");
+                p.rm.wait();
+                self.n.exits += 1;
+            }
+            70..=74 => {
+                let Some((c, i)) = self.pick_proc() else {
+                    return;
+                };
+                let mut p = self.cgroups[c].procs.swap_remove(i);
+                // SAFETY: kill(2) of our own, unreaped child.
+                unsafe { libc::kill(p.rm.pid as i32, libc::SIGKILL) };
+                p.rm.wait();
+                self.n.kills += 1;
+            }
+            75..=84 if !self.cgroups.is_empty() => {
+                let c = self.rng.below(self.cgroups.len());
+                let rel = self.cgroups[c].rel.clone();
+                let gpu = ["all", "0", "1"][self.rng.below(3)];
+                if self.cgroups[c].limited && self.rng.chance(50) {
+                    self.proxy
+                        .clear_limits(&rel, gpu, &[])
+                        .await
+                        .or_else(|e| {
+                            if e.to_string().contains("NotFound") {
+                                Ok(())
+                            } else {
+                                Err(e)
+                            }
+                        })
+                        .expect("ClearLimits");
+                    self.n.limits_cleared += 1;
+                } else {
+                    let max = (self.rng.next() % (256 * MIB)) + 64 * MIB;
+                    let limits = BTreeMap::from([("memory_max", zbus::Variant::from(max))]);
+                    self.proxy
+                        .set_limits(&rel, gpu, limits)
+                        .await
+                        .expect("SetLimits");
+                    self.cgroups[c].limited = true;
+                    self.n.limits_set += 1;
+                }
+            }
+            85..=86 if !self.cgroups.is_empty() => {
+                let c = self.rng.below(self.cgroups.len());
+                self.remove_cgroup(c).await;
+            }
+            _ => {}
+        }
+    }
+
+    /// A process forks; the child (here or moved to another cgroup) allocates, maybe frees, and
+    /// exits; what it allocated stays with the parent's client.
+    fn fork(&mut self) {
+        let Some((c, i)) = self.pick_proc() else {
+            return;
+        };
+        let target = if self.rng.chance(40) {
+            self.rng.below(self.cgroups.len())
+        } else {
+            c
+        };
+        let target_dir = self.cgroups[target].dir.clone();
+        let target_rel = self.cgroups[target].rel.clone();
+        let (rng, n) = (&mut self.rng, &mut self.n);
+        let p = &mut self.cgroups[c].procs[i];
+        let Some(child) = p.rm.try_cmd("fork") else {
+            self.bury(c, i);
+            return;
+        };
+        assert_eq!(child["ok"], true, "{child}");
+        let child_pid = child["pid"].as_u64().expect("child pid") as u32;
+        n.forks += 1;
+        if target != c {
+            p.rm.ok(&format!("cgroup {}", target_dir.display()));
+        }
+        self.owner.insert(child_pid, target_rel);
+        let mut child_died = false;
+        for _ in 0..=rng.below(3) {
+            match Self::alloc(rng, n, p) {
+                Some(r) if r.get("reaped").is_some() => {
+                    child_died = true;
+                    n.killed_by_limit += 1;
+                    break;
+                }
+                Some(_) => {}
+                None => {
+                    // Only a child is killed by its own crossing; the parent lives on.
+                    panic!("the parent of a forked child ended");
+                }
+            }
+        }
+        if !child_died {
+            let bye = p.rm.ok("exit");
+            assert_eq!(bye["exit"], child_pid, "{bye}");
+            let reaped = p.rm.recv();
+            assert_eq!(reaped["reaped"], child_pid, "{reaped}");
+        }
+    }
+
+    async fn remove_cgroup(&mut self, c: usize) {
+        let mut cg = self.cgroups.swap_remove(c);
+        if cg.limited {
+            let _ = self.proxy.clear_limits(&cg.rel, "all", &[]).await;
+            let _ = self.proxy.clear_limits(&cg.rel, "0", &[]).await;
+            let _ = self.proxy.clear_limits(&cg.rel, "1", &[]).await;
+        }
+        for mut p in cg.procs.drain(..) {
+            if self.rng.chance(50) {
+                // SAFETY: kill(2) of our own, unreaped child.
+                unsafe { libc::kill(p.rm.pid as i32, libc::SIGKILL) };
+                self.n.kills += 1;
+            } else {
+                let _ = p.rm.try_cmd("exit");
+                self.n.exits += 1;
+            }
+            p.rm.wait();
+        }
+        let mut removed = false;
+        for _ in 0..200 {
+            if std::fs::remove_dir(&cg.dir).is_ok() {
+                removed = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(removed, "rmdir {}", cg.dir.display());
+        self.n.cgroups_removed += 1;
+    }
+
+    /// Per live cgroup and for their parent: the daemon's figures equal the fake driver's.
+    async fn compare(&self) -> Result<(), String> {
+        let want = truth(&self.fake.snapshot(), &self.owner);
+        let mut all = BTreeMap::<String, u64>::new();
+        for per in want.values() {
+            for (g, b) in per {
+                *all.entry(g.clone()).or_default() += b;
+            }
+        }
+        let live = self
+            .cgroups
+            .iter()
+            .map(|c| (&c.rel, want.get(&c.rel).cloned().unwrap_or_default()));
+        for (path, want) in live.chain([(&self.parent_rel, all)]) {
+            let got = self
+                .proxy
+                .get_cgroup(path)
+                .await
+                .map_err(|e| format!("GetCgroup {path}: {e}"))?;
+            let got: BTreeMap<String, u64> = got
+                .memory_current
+                .into_iter()
+                .filter(|(_, b)| *b > 0)
+                .collect();
+            if got != want {
+                return Err(format!("{path}: daemon {got:?}, driver {want:?}"));
+            }
+        }
+        Ok(())
+    }
+
+    async fn checkpoint(&mut self, daemon: &Daemon) {
+        self.n.checkpoints += 1;
+        let r = settle(|| self.compare()).await;
+        if let Err(e) = r {
+            panic!(
+                "usage differs from the driver's: {e}\n{}",
+                daemon.log_text()
+            );
+        }
+    }
+
+    /// What is left once every test process and cgroup is gone: map entries, driver memory,
+    /// tracked processes and cgroups, limits.
+    async fn leftovers(&self, base: &Path, parent_rel: &str) -> Result<(), String> {
+        let used = self.fake.snapshot().used_total();
+        let m = map_entries(base);
+        let e = |what: &str, err: zbus::Error| format!("{what}: {err}");
+        let procs = self
+            .proxy
+            .list_processes()
+            .await
+            .map_err(|x| e("ListProcesses", x))?;
+        let cgroups = self
+            .proxy
+            .list_cgroups()
+            .await
+            .map_err(|x| e("ListCgroups", x))?;
+        let limits = self
+            .proxy
+            .list_limits()
+            .await
+            .map_err(|x| e("ListLimits", x))?;
+        let left: Vec<String> = m
+            .iter()
+            // Live cgroups keep zero entries (the daemon forgets those of removed ones); the
+            // soak's cgroups are all gone, only their ancestors live.
+            .filter(|(k, n)| **n > 0 && **k != maps::USAGE)
+            .map(|(k, n)| format!("{k}={n}"))
+            .chain(
+                usage_entries(base)
+                    .into_iter()
+                    .filter(|(k, b)| *b != 0 || !self.ancestors.contains(&k.cgroup_id))
+                    .map(|(k, b)| format!("USAGE ({}, {:#x})={b}", k.cgroup_id, k.gpu)),
+            )
+            .chain((used > 0).then(|| format!("driver still holds {used} bytes")))
+            .chain(
+                procs
+                    .iter()
+                    .map(|p| format!("process {} ({})", p.pid, p.cgroup)),
+            )
+            .chain(
+                cgroups
+                    .iter()
+                    .map(|c| format!("cgroup {} {:?} {:?}", c.id, c.path, c.memory_current)),
+            )
+            .chain(
+                limits
+                    .iter()
+                    .filter(|l| l.cgroup.starts_with(parent_rel))
+                    .map(|l| format!("limit on {}", l.cgroup)),
+            )
+            .collect();
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(left.join(", "))
+        }
+    }
+}
+
+/// Polls `f` until it is `Ok`, for at most [`SETTLE`]; its last error otherwise.
+async fn settle<F, Fut>(mut f: F) -> Result<(), String>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        let r = f().await;
+        if r.is_ok() || Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn churn_soak_leaks_nothing_and_matches_the_driver() {
+    let secs: u64 =
+        std::env::var("GPUD_SOAK_SECS").map_or(30, |v| v.parse().expect("GPUD_SOAK_SECS"));
+    let seed: u64 = std::env::var("GPUD_SOAK_SEED").map_or_else(
+        |_| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        },
+        |v| v.parse().expect("GPUD_SOAK_SEED"),
+    );
+    eprintln!("soak: {secs} s, GPUD_SOAK_SEED={seed}");
+    let dir = TempDir::new("soak");
+    if !fakenv::available() {
+        eprintln!("SKIP: /dev/fuse is absent");
+        return;
+    }
+    let fake = fakenv::mount(
+        &dir.path().join("fake"),
+        Options {
+            gpus: GPUS,
+            capacity: 1 << 30,
+            page_size: 2 * MIB,
+            verbose: false,
+        },
+    )
+    .expect("mount the fake device");
+    let ctl = fake.ctl();
+    let bus = Bus::start();
+    let mut daemon = Daemon::start(&config(dir.path(), &ctl), &bus.address).await;
+    let base = gpud::probes::Probes::pin_base(&dir.path().join("bpffs"));
+    let (conn, proxy) = daemon.proxy().await;
+    let parent = Cgroup::new("soak");
+    let root = gpud_tests::cgroup2_root();
+    let ancestors: HashSet<u64> = parent
+        .dir
+        .ancestors()
+        .skip(1)
+        .take_while(|d| d.starts_with(&root))
+        .map(|d| std::fs::metadata(d).expect("stat cgroup").ino())
+        .collect();
+    let mut soak = Soak {
+        ancestors,
+        rng: Rng(seed | 1),
+        fake,
+        ctl,
+        parent_dir: parent.dir.clone(),
+        parent_rel: parent.rel.clone(),
+        parent: Some(parent),
+        cgroups: Vec::new(),
+        next_cg: 0,
+        owner: HashMap::new(),
+        n: Counts::default(),
+        proxy,
+        _conn: conn,
+    };
+    let mut max_entries: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut note = |m: BTreeMap<&'static str, usize>| {
+        for (k, v) in m {
+            let e = max_entries.entry(k).or_default();
+            *e = (*e).max(v);
+        }
+    };
+    let started = Instant::now();
+    let mut next_checkpoint = started + CHECKPOINT_EVERY;
+    while started.elapsed() < Duration::from_secs(secs) {
+        soak.step().await;
+        note(map_entries(&base));
+        if Instant::now() >= next_checkpoint {
+            soak.checkpoint(&daemon).await;
+            next_checkpoint = Instant::now() + CHECKPOINT_EVERY;
+        }
+    }
+    soak.checkpoint(&daemon).await;
+
+    // Wind down: every process and cgroup goes; then nothing may remain anywhere.
+    while !soak.cgroups.is_empty() {
+        soak.remove_cgroup(0).await;
+    }
+    let parent_rel = soak.parent_rel.clone();
+    drop(soak.parent.take());
+    let settled = settle(|| soak.leftovers(&base, &parent_rel)).await;
+    let summary = json!({
+        "seed": seed,
+        "seconds": started.elapsed().as_secs(),
+        "iterations": soak.n.iterations,
+        "cgroups_created": soak.n.cgroups_created,
+        "cgroups_removed": soak.n.cgroups_removed,
+        "processes": soak.n.processes,
+        "forks": soak.n.forks,
+        "exits": soak.n.exits,
+        "kills": soak.n.kills,
+        "killed_by_limit": soak.n.killed_by_limit,
+        "allocations": soak.n.allocations,
+        "refused_allocations": soak.n.refused,
+        "frees": soak.n.frees,
+        "reopens": soak.n.reopens,
+        "limits_set": soak.n.limits_set,
+        "limits_cleared": soak.n.limits_cleared,
+        "checkpoints": soak.n.checkpoints,
+        "max_map_entries": max_entries,
+        "leaks": settled.as_ref().map_or_else(|l| l.split(", ").count(), |()| 0),
+    });
+    println!("SOAK SUMMARY: {summary}");
+    if let Err(leaks) = settled {
+        panic!("leaked after the churn: {leaks}\n{}", daemon.log_text());
+    }
+    assert!(daemon.running(), "gpud died:\n{}", daemon.log_text());
+}
