@@ -38,6 +38,10 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
             "gpud-bench",
             "--bin",
             "gpud-membench",
+            "--bin",
+            "gpud-scalebench",
+            "--bin",
+            "gpud-ioctl",
         ]),
     )?;
     let bin = root().join("target/release/gpud-bench");
@@ -71,6 +75,13 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
             "--lib",
         ]),
     )?;
+    println!("bench: gpud at scale (1,000 cgroups, 100 D-Bus clients; ~3 min)");
+    let scale = output(
+        "bench: gpud-scalebench",
+        &mut Command::new(root().join("target/release/gpud-scalebench")),
+    )?;
+    results.push(json!({"where": "host", "scale": parse(&scale)?}));
+
     let bench_dir = root().join("target/bench");
     let compute = output(
         "bench: compute shares",

@@ -41,6 +41,7 @@ pub fn run(duration: Duration) -> anyhow::Result<()> {
                 "--test",
                 "soak",
                 "--",
+                "--ignored",
                 "--nocapture",
             ])
             .env("GPUD_SOAK_SECS", duration.as_secs().to_string()),
