@@ -52,18 +52,7 @@ pub fn run(cases: u32, rm_rounds: u64) -> anyhow::Result<()> {
     println!(
         "fuzz: {rm_rounds} rounds of {RM_FUZZ_CALLS} corrupted RM calls through gpud's probes"
     );
-    run_cmd(
-        "fuzz: cargo build (gpud, gpud-tests binaries)",
-        cargo().args([
-            "build",
-            "--package",
-            "gpud",
-            "--package",
-            "gpud-tests",
-            "--bins",
-            "--lib",
-        ]),
-    )?;
+    crate::test::build_test_binaries("fuzz: cargo build (gpud, gpud-tests binaries)")?;
     run_cmd(
         "fuzz: corrupted RM calls",
         cargo()

@@ -19,18 +19,7 @@ pub fn run(duration: Duration) -> anyhow::Result<()> {
         bail!("soak: --minutes must be at least 1");
     }
     crate::setup::run()?;
-    run_cmd(
-        "soak: cargo build (gpud, gpud-tests binaries)",
-        cargo().args([
-            "build",
-            "--package",
-            "gpud",
-            "--package",
-            "gpud-tests",
-            "--bins",
-            "--lib",
-        ]),
-    )?;
+    crate::test::build_test_binaries("soak: cargo build (gpud, gpud-tests binaries)")?;
     run_cmd(
         "soak: churn",
         cargo()

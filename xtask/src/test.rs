@@ -69,10 +69,14 @@ fn clippy_ebpf() -> anyhow::Result<()> {
 }
 
 fn build() -> anyhow::Result<()> {
-    // The integration tests start these from target/debug, and load the fake NVML library
-    // (target/debug/libnvidia_ml_fake.so) into the daemon.
+    build_test_binaries("cargo build (gpud, gpud-tests binaries, fake NVML library)")
+}
+
+/// Builds what the integration tests start from target/debug (gpud, gpudctl, the fixtures) and
+/// the fake NVML library they load into the daemon; also used by `fuzz` and `soak`.
+pub fn build_test_binaries(what: &str) -> anyhow::Result<()> {
     run_cmd(
-        "cargo build (gpud, gpud-tests binaries, fake NVML library)",
+        what,
         cargo().args([
             "build",
             "--package",
