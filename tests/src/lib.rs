@@ -306,6 +306,22 @@ rescan_interval_secs = 0
     p
 }
 
+/// The FUSE fake NVIDIA control device mounted under `dir` with `gpus` GPUs of 1 GiB and 2 MiB
+/// pages, or `None` (after saying why) where /dev/fuse is absent.
+pub fn fake_device(dir: &TempDir, gpus: u32) -> Option<fakenv::FakeNv> {
+    if !fakenv::available() {
+        eprintln!("SKIP: /dev/fuse is absent");
+        return None;
+    }
+    let opts = fakenv::Options {
+        gpus,
+        capacity: 1 << 30,
+        page_size: 2 << 20,
+        verbose: false,
+    };
+    Some(fakenv::mount(&dir.path().join("fake"), opts).expect("mount the fake device"))
+}
+
 impl Daemon {
     /// Starts gpud and waits until it answers on the bus.
     pub async fn start(config: &Path, bus: &str) -> Self {

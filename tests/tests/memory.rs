@@ -7,10 +7,7 @@ use std::{collections::BTreeMap, path::Path, time::Duration};
 
 use futures_util::StreamExt as _;
 use gpud::api::model::CgroupRecord;
-use gpud_tests::{
-    Bus, Cgroup, Daemon, RmProcess, TempDir, eventually,
-    fakenv::{self, FakeNv, Options},
-};
+use gpud_tests::{Bus, Cgroup, Daemon, RmProcess, TempDir, eventually, fakenv::FakeNv};
 
 const MIB: u64 = 1 << 20;
 
@@ -48,17 +45,7 @@ react_action = "{react_action}"
 }
 
 fn fake(dir: &TempDir) -> Option<FakeNv> {
-    if !fakenv::available() {
-        eprintln!("SKIP: /dev/fuse is absent");
-        return None;
-    }
-    let opts = Options {
-        gpus: 2,
-        capacity: 1 << 30,
-        page_size: 2 * MIB,
-        verbose: false,
-    };
-    Some(fakenv::mount(&dir.path().join("fake"), opts).expect("mount the fake device"))
+    gpud_tests::fake_device(dir, 2)
 }
 
 async fn get(d: &Daemon, path: &str) -> CgroupRecord {

@@ -11,64 +11,23 @@ use std::{
 };
 
 use gpud::api::model::CgroupRecord;
-use gpud_tests::{
-    Bus, Cgroup, Daemon, RmProcess, TempDir, eventually,
-    fakenv::{self, FakeNv, Options},
-    gpud_bin,
-};
+use gpud_tests::{Bus, Cgroup, Daemon, RmProcess, TempDir, eventually, fakenv::FakeNv, gpud_bin};
 
 const MIB: u64 = 1 << 20;
 
+/// The harness's daemon config on `ctl`, kept pinned across restarts, killing at a crossing,
+/// NVML off, then `extra`.
 fn config(dir: &Path, ctl: &Path, extra: &str) -> PathBuf {
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=debug"
-
-[probes]
-bpffs = "{bpffs}"
-keep_pinned = true
-
-[devices]
-extra_paths = [{ctl:?}]
-
-[attribution]
-sweep_interval_secs = 1
-rescan_interval_secs = 0
-
-[enforcement]
-react_action = "kill"
-
-[nvml]
-enabled = false
-{extra}
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-        ctl = ctl.display().to_string(),
-    );
-    let p = dir.join("gpud.toml");
+    let p = gpud_tests::write_config(dir, &[ctl], "auto");
+    let text = std::fs::read_to_string(&p).expect("read config")
+        + "\n[enforcement]\nreact_action = \"kill\"\n\n[nvml]\nenabled = false\n"
+        + extra;
     std::fs::write(&p, text).expect("write config");
     p
 }
 
 fn fake(dir: &TempDir) -> Option<FakeNv> {
-    if !fakenv::available() {
-        eprintln!("SKIP: /dev/fuse is absent");
-        return None;
-    }
-    Some(
-        fakenv::mount(
-            &dir.path().join("fake"),
-            Options {
-                gpus: 1,
-                capacity: 1 << 30,
-                page_size: 2 * MIB,
-                verbose: false,
-            },
-        )
-        .expect("mount the fake device"),
-    )
+    gpud_tests::fake_device(dir, 1)
 }
 
 /// Bytes of video memory the fake driver holds for these processes.
