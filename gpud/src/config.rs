@@ -134,6 +134,7 @@ pub struct ProbesConfig {
     pub attach: AttachPreference,
     pub bpffs: PathBuf,
     pub keep_pinned: bool,
+    pub events_ring_kib: u32,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -324,6 +325,14 @@ impl Config {
         if !self.probes.bpffs.is_absolute() {
             return Err(invalid("probes.bpffs", "must be an absolute path"));
         }
+        if !(64..=262_144).contains(&self.probes.events_ring_kib)
+            || !self.probes.events_ring_kib.is_power_of_two()
+        {
+            return Err(invalid(
+                "probes.events_ring_kib",
+                "must be a power of two between 64 and 262144",
+            ));
+        }
         if self.dbus.bus.trim().is_empty() {
             return Err(invalid("dbus.bus", "must be \"system\" or a D-Bus address"));
         }
@@ -483,6 +492,7 @@ mod tests {
         assert_eq!(c.probes.attach, AttachPreference::Auto);
         assert_eq!(c.probes.bpffs, PathBuf::from("/sys/fs/bpf"));
         assert!(c.probes.keep_pinned);
+        assert_eq!(c.probes.events_ring_kib, 256);
         assert_eq!(c.dbus.bus, "system");
         assert_eq!(c.dbus.admin_group, "gpud-admin");
         assert_eq!(parse("[dbus]\nadmin_group = \"\"")?.dbus.admin_group, "");
@@ -539,6 +549,9 @@ mod tests {
                 "rescan_interval_secs",
             ),
             ("[nvml]\nsample_interval_ms = 5", "nvml.sample_interval_ms"),
+            ("[probes]\nevents_ring_kib = 96", "probes.events_ring_kib"),
+            ("[probes]\nevents_ring_kib = 32", "probes.events_ring_kib"),
+            ("[probes]\nevents_ring_kib = 524288", "probes.events_ring_kib"),
             (
                 "[nvml]\nsample_interval_ms = 60001",
                 "nvml.sample_interval_ms",

@@ -354,6 +354,8 @@ impl Probes {
         std::fs::create_dir_all(base_dir.join("links"))
             .map_err(io_err(format!("creating {}", base_dir.display())))?;
 
+        let ring_bytes = cfg.events_ring_kib.saturating_mul(1024);
+        warn_if_pinned_ring_differs(&base_dir, ring_bytes);
         let kbtf = btf::KernelBtf::load()?;
         let offsets = kbtf.kernel_offsets()?;
         debug!(?offsets, "kernel offsets from BTF");
@@ -374,6 +376,7 @@ impl Probes {
             .override_global("BTF_SB_DEV", &offsets.sb_dev, true)
             .override_global("BTF_FILE_REFS", &offsets.file_refs, true)
             .map_max_entries(maps::TRACKED, gpud_common::tracked_words(pid_max()))
+            .map_max_entries(maps::EVENTS, ring_bytes)
             .load(OBJECT)?;
 
         let mut caps = KernelCaps {
@@ -826,6 +829,20 @@ fn expected_layouts() -> [(&'static str, usize, usize); 12] {
         (maps::TRACKED, size_of::<u32>(), size_of::<u64>()),
         (maps::EVENTS, 0, 0),
     ]
+}
+
+/// A pinned ring buffer is adopted as it is (the programs attached to it keep sending): a new
+/// size applies once the pins are gone. Say so rather than silently run with the old size.
+fn warn_if_pinned_ring_differs(base_dir: &Path, want: u32) {
+    if let Ok(info) = aya::maps::MapInfo::from_pin(base_dir.join(maps::EVENTS))
+        && info.max_entries() != want
+    {
+        warn!(
+            pinned_kib = info.max_entries() / 1024,
+            configured_kib = want / 1024,
+            "the pinned event ring keeps its size until the pins are removed (probes.events_ring_kib)"
+        );
+    }
 }
 
 /// Pinned maps whose key or value size differs from this build's (an ABI change without a

@@ -165,6 +165,7 @@ fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
         },
         bpffs: bpffs.join(format!("gpud-bench-{}", std::process::id())),
         keep_pinned: false,
+        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
     };
     let cgroups = CgroupFs::discover()?;
     let extra = devices::resolve_extra_paths(&[standin.to_path_buf()])?;

@@ -285,6 +285,7 @@ fn setup(
         },
         bpffs: PathBuf::from(format!("/sys/fs/bpf/gpud-membench-{tag}")),
         keep_pinned: false,
+        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
     };
     let mut probes = Probes::start(ProbeSetup {
         config: &config,

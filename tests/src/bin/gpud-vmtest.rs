@@ -34,6 +34,7 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
         attach: pref,
         bpffs: PathBuf::from(format!("/sys/fs/bpf/{tag}")),
         keep_pinned: false,
+        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
     };
     let probes = Probes::start(ProbeSetup {
         config: &config,
@@ -175,6 +176,7 @@ fn memory_deny() -> anyhow::Result<()> {
         attach: AttachPreference::Auto,
         bpffs: PathBuf::from("/sys/fs/bpf/deny"),
         keep_pinned: false,
+        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
     };
     let mut probes = Probes::start(ProbeSetup {
         config: &config,
@@ -322,6 +324,7 @@ fn check_lsm_probe() -> anyhow::Result<()> {
         attach: AttachPreference::Auto,
         bpffs: PathBuf::from("/sys/fs/bpf/caps"),
         keep_pinned: false,
+        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
     };
     let probes = Probes::start(ProbeSetup {
         config: &config,
