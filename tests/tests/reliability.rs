@@ -534,3 +534,42 @@ async fn nvml_failing_mid_run_stops_compute_control_cleanly_and_memory_limits_st
     let _ = burner.kill();
     let _ = burner.wait();
 }
+
+/// `probes.events_ring_kib` sizes the pinned event ring; a restart with another size adopts the
+/// pinned ring as it is and says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn event_ring_size_follows_the_configuration() {
+    let dir = TempDir::new("rel-ring");
+    let standin = dir.path().join("standin");
+    std::fs::write(&standin, "").expect("stand-in");
+    let with_ring = |kib: u32| {
+        let p = config(dir.path(), &standin, "");
+        let text = std::fs::read_to_string(&p)
+            .expect("read config")
+            .replace("[probes]\n", &format!("[probes]\nevents_ring_kib = {kib}\n"));
+        std::fs::write(&p, text).expect("write config");
+        p
+    };
+    let ring = dir
+        .path()
+        .join("bpffs/gpud")
+        .join(format!("v{}", gpud_common::ABI_VERSION))
+        .join(gpud_common::maps::EVENTS);
+    let ring_bytes = || {
+        let m = libbpf_rs::MapHandle::from_pinned_path(&ring)
+            .unwrap_or_else(|e| panic!("open pinned {}: {e}", ring.display()));
+        libbpf_rs::MapCore::max_entries(&m)
+    };
+    let bus = Bus::start();
+    let mut daemon = Daemon::start(&with_ring(1024), &bus.address).await;
+    assert_eq!(ring_bytes(), 1024 * 1024, "{}", daemon.log_text());
+    assert_eq!(daemon.stop(), Some(0));
+
+    let daemon = Daemon::start(&with_ring(256), &bus.address).await;
+    assert_eq!(ring_bytes(), 1024 * 1024, "the pinned ring is adopted");
+    let log = daemon.log_text();
+    assert!(
+        log.contains("keeps its size") && log.contains("pinned_kib=1024"),
+        "{log}"
+    );
+}
