@@ -30,7 +30,6 @@ pub fn run(duration: Duration) -> anyhow::Result<()> {
                 "--test",
                 "soak",
                 "--",
-                "--ignored",
                 "--nocapture",
             ])
             .env("GPUD_SOAK_SECS", duration.as_secs().to_string()),

@@ -8,6 +8,7 @@ use gpud_common::{GPU_ALL, GPU_UNKNOWN, LimitValue, OBJ_CLIENT, ObjEntry, ObjKey
 use tracing::{debug, info, warn};
 
 use super::{Attribution, AttributionError};
+use crate::probes::map_entries;
 
 /// Name of a GPU key in records: the index, `unknown`, or `all`.
 pub fn gpu_name(gpu: u32) -> String {
@@ -47,7 +48,7 @@ impl Attribution {
     pub fn memory_views(&self, only: Option<u64>) -> HashMap<u64, MemoryView> {
         let mut views: HashMap<u64, MemoryView> = HashMap::new();
         let wanted = |id: u64| only.is_none_or(|o| o == id);
-        for (k, bytes) in self.maps.usage.iter().filter_map(Result::ok) {
+        for (k, bytes) in map_entries(&self.maps.usage) {
             if wanted(k.cgroup_id) && (bytes != 0 || k.gpu == GPU_ALL) {
                 views
                     .entry(k.cgroup_id)
@@ -56,7 +57,7 @@ impl Attribution {
                     .insert(gpu_name(k.gpu), bytes);
             }
         }
-        for (k, l) in self.maps.limits.iter().filter_map(Result::ok) {
+        for (k, l) in map_entries(&self.maps.limits) {
             if wanted(k.cgroup_id) {
                 let v = views.entry(k.cgroup_id).or_insert_with(MemoryView::empty);
                 v.max.insert(gpu_name(k.gpu), l.max);
@@ -118,16 +119,14 @@ impl Attribution {
 
     /// Kernel limits in force: (cgroup id, GPU key) → max.
     pub fn kernel_limits(&self) -> HashMap<(u64, u32), u64> {
-        self.maps
-            .limits
-            .iter()
-            .filter_map(Result::ok)
+        map_entries(&self.maps.limits)
+            .into_iter()
             .map(|(k, l)| ((k.cgroup_id, k.gpu), l.max))
             .collect()
     }
 
     fn objects(&self) -> Vec<(ObjKey, ObjEntry)> {
-        self.maps.objects.iter().filter_map(Result::ok).collect()
+        map_entries(&self.maps.objects)
     }
 
     /// Releases `object` of `client` and everything below it that is older than `before`
@@ -190,11 +189,18 @@ impl Attribution {
     /// Releases clients whose creator is neither alive (nor an ancestor of a live tracked
     /// process) nor in `also_held`.
     fn release_clients_unless_held(&mut self, also_held: &std::collections::HashSet<u32>) -> usize {
-        let live: std::collections::HashSet<u32> = self
-            .maps
-            .procs
-            .keys()
-            .filter_map(Result::ok)
+        // Only clients created before the process table is read below may be judged by it: a
+        // process that opens the device and creates a client while this runs is missing from
+        // `live` but alive, and releasing its client would orphan everything it allocates next.
+        // Object serials are the kernel's monotonic clock (`bpf_ktime_get_ns`). A client created
+        // earlier was created by a process that had opened the device, so was in the table.
+        let Some(before) = monotonic_ns() else {
+            warn!("monotonic clock unreadable: releasing no clients");
+            return 0;
+        };
+        let live: std::collections::HashSet<u32> = map_entries(&self.maps.procs)
+            .into_iter()
+            .map(|(pid, _)| pid)
             .filter(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
             .collect();
         let holders: std::collections::HashSet<u32> = live
@@ -214,20 +220,31 @@ impl Attribution {
                 chain
             })
             .collect();
-        let orphans: Vec<u32> = self
+        let orphans: Vec<(u32, u32)> = self
             .objects()
             .iter()
             .filter(|(k, e)| {
                 e.kind == OBJ_CLIENT
                     && k.client == k.object
+                    && e.serial < before
                     && !holders.contains(&e.tgid)
                     && !also_held.contains(&e.tgid)
             })
-            .map(|(k, _)| k.client)
+            .map(|(k, e)| (k.client, e.tgid))
             .collect();
         let mut released = 0;
-        for c in orphans {
-            released += self.release_tree(c, c, u64::MAX);
+        for (c, creator) in orphans {
+            // All of it, however new: what was allocated under it after `before` was allocated by
+            // its creator before dying (or by a descendant, which would have kept it), and left
+            // here without its client nothing would ever release it.
+            let n = self.release_tree(c, c, u64::MAX);
+            debug!(
+                client = c,
+                creator,
+                released = n,
+                "client of an exited process released"
+            );
+            released += n;
         }
         if released > 0 {
             info!(released, "clients of exited processes released");
@@ -261,28 +278,57 @@ impl Attribution {
         self.release_clients_unless_held(reported)
     }
 
-    /// Forgets ancestry records and zero usage entries of removed cgroups.
+    /// Forgets ancestry records and zero usage entries of removed cgroups that no object is
+    /// charged to any more. The order matters: first which cgroups are gone, then which are
+    /// still charged. An object charged to a cgroup was allocated before the cgroup could be
+    /// removed, so the second read sees it; read the other way round, an object allocated just
+    /// before the cgroup went would lose its ancestry, and its release would leave the charge
+    /// on every ancestor.
     pub fn sweep_memory(&mut self) {
-        let live_objects: std::collections::HashSet<u64> =
-            self.objects().iter().map(|(_, e)| e.cgroup_id).collect();
-        let ids: Vec<u64> = self.maps.ancestry.keys().filter_map(Result::ok).collect();
-        for id in ids {
-            if !live_objects.contains(&id) && self.cgroups.path_of(id).is_none() {
-                let _ = self.maps.ancestry.remove(&id);
-            }
-        }
-        let zero: Vec<UsageKey> = self
-            .maps
-            .usage
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, b)| *b == 0 && self.cgroups.path_of(k.cgroup_id).is_none())
+        let ancestry: Vec<u64> = map_entries(&self.maps.ancestry)
+            .into_iter()
             .map(|(k, _)| k)
             .collect();
-        for k in zero {
-            let _ = self.maps.usage.remove(&k);
+        let usage: Vec<UsageKey> = map_entries(&self.maps.usage)
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        let mut gone = std::collections::HashSet::new();
+        for id in ancestry
+            .iter()
+            .copied()
+            .chain(usage.iter().map(|k| k.cgroup_id))
+        {
+            if !gone.contains(&id) && self.cgroups.path_of(id).is_none() {
+                gone.insert(id);
+            }
+        }
+        if gone.is_empty() {
+            return;
+        }
+        for (_, e) in self.objects() {
+            gone.remove(&e.cgroup_id);
+        }
+        for id in ancestry.into_iter().filter(|id| gone.contains(id)) {
+            let _ = self.maps.ancestry.remove(&id);
+        }
+        // Nothing charges a removed cgroup, and with no object charged to it nothing uncharges
+        // it: its usage entries stay as they are read here.
+        for k in usage.into_iter().filter(|k| gone.contains(&k.cgroup_id)) {
+            if self.maps.usage.get(&k, 0).is_ok_and(|b| b == 0) {
+                let _ = self.maps.usage.remove(&k);
+            }
         }
     }
+}
+
+/// Now on the clock the probes stamp objects with (`CLOCK_MONOTONIC`, as `bpf_ktime_get_ns`).
+fn monotonic_ns() -> Option<u64> {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).ok()?;
+    u64::try_from(t.tv_sec())
+        .ok()?
+        .checked_mul(1_000_000_000)?
+        .checked_add(u64::try_from(t.tv_nsec()).ok()?)
 }
 
 /// Whether `handle` has `ancestor` on its parent chain within one client.

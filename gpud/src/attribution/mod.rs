@@ -17,7 +17,7 @@ use tracing::{debug, info, warn};
 
 use crate::{
     api::model::{CgroupRecord, ProcessRecord},
-    probes::{KernelMaps, Matcher, Probes},
+    probes::{KernelMaps, Matcher, Probes, map_entries},
 };
 pub use cgroupfs::{CgroupError, CgroupFs};
 
@@ -108,7 +108,7 @@ impl Attribution {
     }
 
     fn procs(&self) -> Vec<(u32, ProcEntry)> {
-        self.maps.procs.iter().filter_map(Result::ok).collect()
+        map_entries(&self.maps.procs)
     }
 
     fn pids_by_cgroup(&self) -> HashMap<u64, Vec<u32>> {
@@ -124,11 +124,38 @@ impl Attribution {
         by
     }
 
+    /// The attributed processes of one cgroup, found among its members (`cgroup.procs`) rather
+    /// than by walking the whole kernel process table: one lookup per member, so a query stays
+    /// cheap however many processes the host tracks. Same rule as [`Self::list`]: visible, and
+    /// in this cgroup at their last open or ioctl.
+    fn pids_in(&self, path: &str, id: u64) -> Vec<u32> {
+        let file = self
+            .cgroups
+            .root()
+            .join(path.trim_start_matches('/'))
+            .join("cgroup.procs");
+        // Gone or unreadable: the cgroup was just removed; it has no members then.
+        let members = std::fs::read_to_string(file).unwrap_or_default();
+        let mut pids: Vec<u32> = members
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .filter(|pid| {
+                self.maps
+                    .procs
+                    .get(pid, 0)
+                    .is_ok_and(|p| p.cgroup_id == id && visible(&p))
+            })
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
     /// Every attributed cgroup that still exists, ordered by path.
     pub fn list(&mut self) -> Vec<CgroupRecord> {
         let mut pids = self.pids_by_cgroup();
         let mut counts: HashMap<u64, IoctlCounts> =
-            self.maps.cgroups.iter().filter_map(Result::ok).collect();
+            map_entries(&self.maps.cgroups).into_iter().collect();
         for id in pids.keys() {
             counts.entry(*id).or_default();
         }
@@ -188,7 +215,7 @@ impl Attribution {
             Err(aya::maps::MapError::KeyNotFound) => IoctlCounts::default(),
             Err(e) => return Err(e.into()),
         };
-        let pids = self.pids_by_cgroup().remove(&id).unwrap_or_default();
+        let pids = self.pids_in(&path, id);
         let mem = self.memory_of(id);
         Ok(CgroupRecord {
             id,
@@ -256,8 +283,7 @@ impl Attribution {
         self.parents.retain(|child, _| live.contains(child));
         let live_cgroups: std::collections::HashSet<u64> =
             procs.iter().map(|(_, p)| p.cgroup_id).collect();
-        let ids: Vec<(u64, IoctlCounts)> =
-            self.maps.cgroups.iter().filter_map(Result::ok).collect();
+        let ids: Vec<(u64, IoctlCounts)> = map_entries(&self.maps.cgroups);
         for (id, counts) in ids {
             if live_cgroups.contains(&id) || self.cgroups.path_of(id).is_some() {
                 continue;
@@ -311,9 +337,15 @@ impl Attribution {
                 }
                 // The path as text (a journal field), the id where the path is unknown.
                 match path {
-                    Some(p) => debug!(pid = ev.tgid, cgroup = %p, "process attributed"),
+                    Some(p) => debug!(
+                        pid = ev.tgid,
+                        parent = ev.client,
+                        cgroup = %p,
+                        "process attributed"
+                    ),
                     None => debug!(
                         pid = ev.tgid,
+                        parent = ev.client,
                         cgroup_id = ev.cgroup_id,
                         "process attributed"
                     ),

@@ -748,6 +748,85 @@ pub struct KernelMaps {
     pub ancestry: HashMap<MapData, u64, Ancestry>,
 }
 
+/// Entries per `BPF_MAP_LOOKUP_BATCH` call: far more than a hash bucket ever holds (a bucket
+/// larger than the batch is refused with `ENOSPC`).
+const LOOKUP_BATCH: usize = 1024;
+
+/// Every entry of a hash map. Read in batches (one `bpf()` call per 1,024 entries instead of two
+/// per entry: the walks behind `ListCgroups`, the sweeps and the releases stay cheap with
+/// thousands of processes and objects); by key walk where the kernel refuses batches. Entries
+/// changing meanwhile may be seen or not, as with any walk of a live map.
+pub fn map_entries<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> Vec<(K, V)> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let fd = aya::maps::IterableMap::map(map).fd().as_fd().as_raw_fd();
+    match batch_entries(fd) {
+        Ok(v) => v,
+        Err(e) => {
+            debug!("batched map read refused ({e}); walking keys");
+            map.iter().filter_map(Result::ok).collect()
+        }
+    }
+}
+
+fn batch_entries<K: aya::Pod, V: aya::Pod>(fd: i32) -> std::io::Result<Vec<(K, V)>> {
+    let (ks, vs) = (size_of::<K>(), size_of::<V>());
+    let mut keys = vec![0u8; LOOKUP_BATCH * ks];
+    let mut values = vec![0u8; LOOKUP_BATCH * vs];
+    // Hash maps use a bucket index as the batch cursor; key-sized buffers hold it.
+    let mut cursor_in = vec![0u8; ks.max(8)];
+    let mut cursor_out = vec![0u8; ks.max(8)];
+    let opts = libbpf_sys::bpf_map_batch_opts {
+        sz: size_of::<libbpf_sys::bpf_map_batch_opts>() as _,
+        elem_flags: 0,
+        flags: 0,
+    };
+    let mut out = Vec::new();
+    let mut first = true;
+    loop {
+        let mut count = LOOKUP_BATCH as u32;
+        // SAFETY: the buffers hold `count` keys and values of the map's sizes (checked by aya
+        // when the map was taken) and cursors of at least the key size; libbpf writes no more.
+        let rc = unsafe {
+            libbpf_sys::bpf_map_lookup_batch(
+                fd,
+                if first {
+                    std::ptr::null_mut()
+                } else {
+                    cursor_in.as_mut_ptr().cast()
+                },
+                cursor_out.as_mut_ptr().cast(),
+                keys.as_mut_ptr().cast(),
+                values.as_mut_ptr().cast(),
+                &mut count,
+                &opts,
+            )
+        };
+        let done = match rc {
+            0 => false,
+            e if -e == libc::ENOENT => true,
+            e if -e == libc::EINTR => continue,
+            e => return Err(std::io::Error::from_raw_os_error(-e)),
+        };
+        let n = (count as usize).min(LOOKUP_BATCH);
+        for i in 0..n {
+            // SAFETY: in bounds (i < n ≤ LOOKUP_BATCH) and both types are plain old data;
+            // read_unaligned makes no assumption about the byte buffers' alignment.
+            let (k, v) = unsafe {
+                (
+                    std::ptr::read_unaligned(keys.as_ptr().add(i * ks).cast::<K>()),
+                    std::ptr::read_unaligned(values.as_ptr().add(i * vs).cast::<V>()),
+                )
+            };
+            out.push((k, v));
+        }
+        if done {
+            return Ok(out);
+        }
+        std::mem::swap(&mut cursor_in, &mut cursor_out);
+        first = false;
+    }
+}
+
 fn write_config(
     ebpf: &mut Ebpf,
     offsets: gpud_common::KernelOffsets,
