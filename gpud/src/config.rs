@@ -551,7 +551,10 @@ mod tests {
             ("[nvml]\nsample_interval_ms = 5", "nvml.sample_interval_ms"),
             ("[probes]\nevents_ring_kib = 96", "probes.events_ring_kib"),
             ("[probes]\nevents_ring_kib = 32", "probes.events_ring_kib"),
-            ("[probes]\nevents_ring_kib = 524288", "probes.events_ring_kib"),
+            (
+                "[probes]\nevents_ring_kib = 524288",
+                "probes.events_ring_kib",
+            ),
             (
                 "[nvml]\nsample_interval_ms = 60001",
                 "nvml.sample_interval_ms",

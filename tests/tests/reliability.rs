@@ -544,9 +544,10 @@ async fn event_ring_size_follows_the_configuration() {
     std::fs::write(&standin, "").expect("stand-in");
     let with_ring = |kib: u32| {
         let p = config(dir.path(), &standin, "");
-        let text = std::fs::read_to_string(&p)
-            .expect("read config")
-            .replace("[probes]\n", &format!("[probes]\nevents_ring_kib = {kib}\n"));
+        let text = std::fs::read_to_string(&p).expect("read config").replace(
+            "[probes]\n",
+            &format!("[probes]\nevents_ring_kib = {kib}\n"),
+        );
         std::fs::write(&p, text).expect("write config");
         p
     };
