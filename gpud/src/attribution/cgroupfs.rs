@@ -71,6 +71,21 @@ pub struct CgroupFs {
     root: PathBuf,
     root_dir: Option<std::fs::File>,
     cache: HashMap<u64, String>,
+    /// Ids found gone (cgroup ids are not reused): a removed cgroup's id is met by every list
+    /// and sweep until its entries are forgotten, and must not cost a lookup each time.
+    gone: std::collections::HashSet<u64>,
+}
+
+/// Bound on remembered removed ids (forgotten all at once when reached; they are only a cache).
+const MAX_GONE: usize = 65_536;
+
+/// What opening a cgroup by its id as a file handle said.
+enum ByHandle {
+    Found(String),
+    /// The kernel knows no such cgroup (any more).
+    Gone,
+    /// Handles cannot answer here (no capability, no handle support): walk instead.
+    Unavailable,
 }
 
 impl CgroupFs {
@@ -91,6 +106,7 @@ impl CgroupFs {
             root,
             root_dir,
             cache: HashMap::new(),
+            gone: std::collections::HashSet::new(),
         }
     }
 
@@ -141,6 +157,7 @@ impl CgroupFs {
             return Err(CgroupError::NotFound(path.to_owned()));
         }
         let id = meta.ino();
+        self.gone.remove(&id);
         self.cache.insert(id, path.to_owned());
         Ok(id)
     }
@@ -155,14 +172,75 @@ impl CgroupFs {
             }
             self.cache.remove(&id);
         }
-        let path = self.path_by_handle(id).or_else(|| self.path_by_walk(id))?;
+        // Walk the hierarchy only where handles cannot answer: a cgroup the kernel says is gone
+        // stays gone, and walking thousands of directories for every removed id that a list
+        // or sweep meets would cost more than everything else the list does.
+        if self.gone.contains(&id) {
+            return None;
+        }
+        let found = match self.path_by_handle(id) {
+            ByHandle::Found(p) => Some(p),
+            ByHandle::Gone => None,
+            ByHandle::Unavailable => self.path_by_walk(id),
+        };
+        let Some(path) = found else {
+            if self.gone.len() >= MAX_GONE {
+                self.gone.clear();
+            }
+            self.gone.insert(id);
+            return None;
+        };
         self.cache.insert(id, path.clone());
         Some(path)
     }
 
+    /// The paths of many cgroups at once (`None` for those gone), as [`Self::path_of`] would
+    /// give them. Cached paths are checked by reading each parent directory once (a directory
+    /// entry's inode number is the cgroup id) instead of one path lookup per cgroup: listing a
+    /// thousand cgroups under one parent takes a few `getdents` calls, not a thousand `statx`.
+    pub fn paths_of(&mut self, ids: impl IntoIterator<Item = u64>) -> HashMap<u64, Option<String>> {
+        let mut out = HashMap::new();
+        let mut by_parent: HashMap<String, Vec<(u64, String)>> = HashMap::new();
+        let mut unchecked = Vec::new();
+        for id in ids {
+            match self.cache.get(&id) {
+                Some(p) if p != "/" => {
+                    let (parent, name) = p.rsplit_once('/').unwrap_or(("", p));
+                    by_parent
+                        .entry(parent.to_owned())
+                        .or_default()
+                        .push((id, name.to_owned()));
+                }
+                _ => unchecked.push(id),
+            }
+        }
+        for (parent, children) in by_parent {
+            let dir = self.root.join(parent.trim_start_matches('/'));
+            let listed: HashMap<std::ffi::OsString, u64> = match std::fs::read_dir(&dir) {
+                Ok(entries) => entries
+                    .flatten()
+                    .map(|e| (e.file_name(), std::os::unix::fs::DirEntryExt::ino(&e)))
+                    .collect(),
+                Err(_) => HashMap::new(),
+            };
+            for (id, name) in children {
+                if listed.get(std::ffi::OsStr::new(&name)) == Some(&id) {
+                    out.insert(id, Some(format!("{parent}/{name}")));
+                } else {
+                    unchecked.push(id);
+                }
+            }
+        }
+        for id in unchecked {
+            let p = self.path_of(id);
+            out.insert(id, p);
+        }
+        out
+    }
+
     /// kernfs exports cgroup ids as file handles: open the directory by handle and read back
     /// its path. Needs CAP_DAC_READ_SEARCH.
-    fn path_by_handle(&self, id: u64) -> Option<String> {
+    fn path_by_handle(&self, id: u64) -> ByHandle {
         #[repr(C)]
         struct Handle {
             header: libc::file_handle,
@@ -170,7 +248,9 @@ impl CgroupFs {
         }
         // FILEID_KERNFS, from include/linux/exportfs.h.
         const FILEID_KERNFS: libc::c_int = 0xfe;
-        let mount = self.root_dir.as_ref()?;
+        let Some(mount) = self.root_dir.as_ref() else {
+            return ByHandle::Unavailable;
+        };
         let mut h = Handle {
             header: libc::file_handle {
                 handle_bytes: 8,
@@ -188,16 +268,29 @@ impl CgroupFs {
             )
         };
         if fd < 0 {
-            return None;
+            return match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::ESTALE | libc::ENOENT) => ByHandle::Gone,
+                _ => ByHandle::Unavailable,
+            };
         }
         // SAFETY: fd was just returned to us and is owned by nobody else.
         let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        let target = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()?;
-        let rel = target.strip_prefix(&self.root).ok()?;
-        Some(format!("/{}", rel.display()))
+        let Ok(target) = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) else {
+            return ByHandle::Unavailable;
+        };
+        let Ok(rel) = target.strip_prefix(&self.root) else {
+            // Outside the mount (another namespace's view): let the walk decide.
+            return ByHandle::Unavailable;
+        };
+        let rel = rel.display().to_string();
+        // Removed while open: the link names it with this suffix.
+        if rel.ends_with(" (deleted)") {
+            return ByHandle::Gone;
+        }
+        ByHandle::Found(format!("/{rel}"))
     }
 
-    /// Fallback: walk the hierarchy comparing inode numbers.
+    /// Fallback where file handles are unavailable: walk the hierarchy comparing inode numbers.
     fn path_by_walk(&self, id: u64) -> Option<String> {
         let mut stack = vec![self.root.clone()];
         while let Some(dir) = stack.pop() {
@@ -257,6 +350,40 @@ mod tests {
             cgroup2_mount_from("1 2 0:3 / /x rw - ext4 /dev/a rw\n"),
             None
         );
+    }
+
+    /// Real cgroups (needs root and cgroup v2, as all of gpud's tests; v2 refuses renames): a
+    /// path is found by id, and a removed cgroup reads as gone, every time.
+    #[test]
+    fn paths_by_id_and_removals() -> Result<(), Box<dyn std::error::Error>> {
+        let mut fs = CgroupFs::discover()?;
+        let name = format!("gpud-unit-cgroupfs-{}", std::process::id());
+        let dir = fs.root().join(&name);
+        std::fs::create_dir(&dir)?;
+        let id = std::fs::metadata(&dir)?.ino();
+        // Fresh state: nothing cached, the lookup by handle (or the walk) finds it.
+        let mut fresh = CgroupFs::at(fs.root().to_owned());
+        assert_eq!(fresh.path_of(id), Some(format!("/{name}")));
+        let root_id = std::fs::metadata(fs.root())?.ino();
+        let never = u64::MAX - 1;
+        let many = fresh.paths_of([id, root_id, never]);
+        assert_eq!(
+            many[&id],
+            Some(format!("/{name}")),
+            "checked by its parent's listing"
+        );
+        assert_eq!(many[&root_id], Some("/".to_owned()));
+        assert_eq!(many[&never], None);
+        std::fs::remove_dir(&dir)?;
+        assert_eq!(
+            fresh.paths_of([id])[&id],
+            None,
+            "its parent no longer lists it"
+        );
+        assert_eq!(fresh.path_of(id), None);
+        assert_eq!(fresh.path_of(id), None, "still gone");
+        assert_eq!(fs.path_of(id), None);
+        Ok(())
     }
 
     #[test]

@@ -167,11 +167,12 @@ impl Attribution {
                 counts.entry(*id).or_default();
             }
         }
+        let mut paths = self.cgroups.paths_of(counts.keys().copied());
         let mut out: Vec<CgroupRecord> = counts
             .into_iter()
             .filter_map(|(id, c)| {
                 // A cgroup removed since is left to the sweep.
-                let path = self.cgroups.path_of(id)?;
+                let path = paths.remove(&id).flatten()?;
                 let mem = memory.remove(&id).unwrap_or_else(memory::MemoryView::empty);
                 Some(CgroupRecord {
                     id,
@@ -190,14 +191,24 @@ impl Attribution {
 
     /// Every live attributed process, ordered by pid.
     pub fn processes(&mut self) -> Vec<ProcessRecord> {
-        let mut out: Vec<ProcessRecord> = self
+        let procs: Vec<(u32, ProcEntry)> = self
             .procs()
             .into_iter()
             .filter(|(_, p)| visible(p))
+            .collect();
+        let paths = self
+            .cgroups
+            .paths_of(procs.iter().map(|(_, p)| p.cgroup_id));
+        let mut out: Vec<ProcessRecord> = procs
+            .into_iter()
             .map(|(pid, p)| ProcessRecord {
                 pid,
                 cgroup_id: p.cgroup_id,
-                cgroup: self.cgroups.path_of(p.cgroup_id).unwrap_or_default(),
+                cgroup: paths
+                    .get(&p.cgroup_id)
+                    .cloned()
+                    .flatten()
+                    .unwrap_or_default(),
                 ioctls: class_map(&p.counts),
             })
             .collect();
