@@ -12,14 +12,18 @@
 //!   `LIMITS` map (what the probes enforce), polled back to back;
 //! - `dbus_us`: with `--cgroups` attributed cgroups (each with a live process) and `--clients`
 //!   concurrent connections calling `ListCgroups`, `GetCgroup`, `ListLimits` and a property `Get`
-//!   in turn for `--seconds`: per-method p50/p99/max;
+//!   in turn for `--seconds`, back to back: per-method p50/p99/max and calls/s (throughput; with
+//!   many clients the latency is mostly queueing behind the others);
+//! - `dbus_paced_us`: the same clients and mix, each calling once every `--pace-ms` (1,000 by
+//!   default: 100 monitoring agents polling once a second), starts spread over the period;
 //! - `load`: daemon CPU and RSS while those processes issue about `--rate` matched ioctls/s spread
 //!   over all cgroups (achieved rate from the kernel's own counter);
 //! - `events`: ring-buffer events (process fork/exit of tracked processes) consumed per second
 //!   with none lost, and the same burst with the daemon stopped (SIGSTOP): the ring fills, the
 //!   kernel counts the loss (`events_lost`), and the daemon reports it once resumed.
 //!
-//! `gpud-scalebench [--cgroups N] [--clients N] [--trials N] [--seconds S] [--rate R]`
+//! `gpud-scalebench [--cgroups N] [--clients N] [--trials N] [--seconds S] [--rate R]
+//! [--pace-ms MS] [--ring-kib KIB]` (`--ring-kib`: the daemon's `probes.events_ring_kib`)
 //! (`gpud-scalebench forker FILE N` is its own event generator.)
 
 use std::{
@@ -44,6 +48,8 @@ struct Opts {
     trials: usize,
     seconds: u64,
     rate: u64,
+    pace_ms: u64,
+    ring_kib: u64,
 }
 
 fn opts() -> anyhow::Result<Opts> {
@@ -53,6 +59,8 @@ fn opts() -> anyhow::Result<Opts> {
         trials: 200,
         seconds: 10,
         rate: 10_000,
+        pace_ms: 1000,
+        ring_kib: 256,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -68,6 +76,8 @@ fn opts() -> anyhow::Result<Opts> {
             "--trials" => o.trials = v()? as usize,
             "--seconds" => o.seconds = v()?,
             "--rate" => o.rate = v()?,
+            "--pace-ms" => o.pace_ms = v()?.max(1),
+            "--ring-kib" => o.ring_kib = v()?,
             other => bail!("unknown argument {other}"),
         }
     }
@@ -249,6 +259,86 @@ async fn stats(p: &Manager1Proxy<'_>) -> anyhow::Result<BTreeMap<String, u64>> {
     Ok(p.get_kernel_stats().await?)
 }
 
+/// `clients` connections calling `ListCgroups`, `GetCgroup`, `ListLimits` and a property `Get`
+/// in turn for `seconds`: back to back (`pace` None: the daemon's and bus's throughput, latency
+/// is then queueing behind the other clients), or each once per `pace`, starts spread over one
+/// period (latency at a stated load). Per-method p50/p99/max in µs and the calls per second.
+async fn dbus_clients(
+    bus: &str,
+    paths: &[String],
+    clients: usize,
+    seconds: u64,
+    pace: Option<Duration>,
+) -> anyhow::Result<Value> {
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let bus = bus.to_owned();
+        let paths = paths.to_vec();
+        tasks.push(tokio::spawn(async move {
+            let conn = connect_builder(&bus).build().await?;
+            let p = Manager1Proxy::builder(&conn)
+                .cache_properties(zbus::proxy::CacheProperties::No)
+                .build()
+                .await?;
+            let mut tick = pace.map(|period| {
+                let offset = period.mul_f64(c as f64 / clients as f64);
+                let mut t = tokio::time::interval_at(tokio::time::Instant::now() + offset, period);
+                t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                t
+            });
+            let mut lat: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+            let mut k = c;
+            while Instant::now() < deadline {
+                if let Some(t) = tick.as_mut() {
+                    t.tick().await;
+                }
+                let t = Instant::now();
+                let name = match k % 4 {
+                    0 => {
+                        p.list_cgroups().await?;
+                        "ListCgroups"
+                    }
+                    1 => {
+                        p.get_cgroup(&paths[k % paths.len()]).await?;
+                        "GetCgroup"
+                    }
+                    2 => {
+                        p.list_limits().await?;
+                        "ListLimits"
+                    }
+                    _ => {
+                        p.version().await?;
+                        "Get(Version)"
+                    }
+                };
+                lat.entry(name)
+                    .or_default()
+                    .push(t.elapsed().as_secs_f64() * 1e6);
+                k += 1;
+            }
+            anyhow::Ok(lat)
+        }));
+    }
+    let mut all: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+    for t in tasks {
+        for (k, v) in t.await?? {
+            all.entry(k).or_default().extend(v);
+        }
+    }
+    let calls: usize = all.values().map(Vec::len).sum();
+    let mut out = serde_json::Map::new();
+    out.insert(
+        "all".into(),
+        dist(all.values().flatten().copied().collect()),
+    );
+    for (k, v) in all {
+        out.insert(k.into(), dist(v));
+    }
+    out.insert("calls_per_s".into(), json!(calls as f64 / seconds as f64));
+    Ok(Value::Object(out))
+}
+
 fn main() -> anyhow::Result<()> {
     let mut argv = std::env::args().skip(1);
     if argv.next().as_deref() == Some("forker") {
@@ -275,6 +365,10 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         .replace("sweep_interval_secs = 1", "sweep_interval_secs = 10")
         // As deployed: no per-event debug lines.
         .replace("log = \"gpud=debug\"", "log = \"info\"")
+        .replace(
+            "[probes]\n",
+            &format!("[probes]\nevents_ring_kib = {}\n", o.ring_kib),
+        )
         + "\n[nvml]\nenabled = false\n";
     std::fs::write(&cfg, text)?;
     let daemon = Daemon::start(&cfg, &bus.address).await;
@@ -286,7 +380,8 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
     report.insert(
         "opts".into(),
         json!({"cgroups": o.cgroups, "clients": o.clients,
-        "trials": o.trials, "seconds": o.seconds, "rate": o.rate}),
+        "trials": o.trials, "seconds": o.seconds, "rate": o.rate,
+        "pace_ms": o.pace_ms, "ring_kib": o.ring_kib}),
     );
 
     eprintln!("scalebench: idle");
@@ -351,65 +446,20 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
     let listed = proxy.list_cgroups().await?.len();
     report.insert("attributed_cgroups".into(), json!(listed));
 
+    let paths: Vec<String> = cgroups.iter().map(|c| c.rel.clone()).collect();
     eprintln!(
-        "scalebench: D-Bus, {} clients for {} s",
+        "scalebench: D-Bus, {} clients back to back for {} s",
         o.clients, o.seconds
     );
-    let paths: Vec<String> = cgroups.iter().map(|c| c.rel.clone()).collect();
-    let deadline = Instant::now() + Duration::from_secs(o.seconds);
-    let mut tasks = Vec::new();
-    for c in 0..o.clients {
-        let bus = bus.address.clone();
-        let paths = paths.clone();
-        tasks.push(tokio::spawn(async move {
-            let conn = connect_builder(&bus).build().await?;
-            let p = Manager1Proxy::builder(&conn)
-                .cache_properties(zbus::proxy::CacheProperties::No)
-                .build()
-                .await?;
-            let mut lat: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
-            let mut k = c;
-            while Instant::now() < deadline {
-                let t = Instant::now();
-                let name = match k % 4 {
-                    0 => {
-                        p.list_cgroups().await?;
-                        "ListCgroups"
-                    }
-                    1 => {
-                        p.get_cgroup(&paths[k % paths.len()]).await?;
-                        "GetCgroup"
-                    }
-                    2 => {
-                        p.list_limits().await?;
-                        "ListLimits"
-                    }
-                    _ => {
-                        p.version().await?;
-                        "Get(Version)"
-                    }
-                };
-                lat.entry(name)
-                    .or_default()
-                    .push(t.elapsed().as_secs_f64() * 1e6);
-                k += 1;
-            }
-            anyhow::Ok(lat)
-        }));
-    }
-    let mut all: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
-    for t in tasks {
-        for (k, v) in t.await?? {
-            all.entry(k).or_default().extend(v);
-        }
-    }
-    let calls: usize = all.values().map(Vec::len).sum();
-    let mut dbus = serde_json::Map::new();
-    for (k, v) in all {
-        dbus.insert(k.into(), dist(v));
-    }
-    dbus.insert("calls_per_s".into(), json!(calls as f64 / o.seconds as f64));
-    report.insert("dbus_us".into(), Value::Object(dbus));
+    let saturated = dbus_clients(&bus.address, &paths, o.clients, o.seconds, None).await?;
+    report.insert("dbus_us".into(), saturated);
+    let pace = Duration::from_millis(o.pace_ms);
+    eprintln!(
+        "scalebench: D-Bus, {} clients each calling every {} ms for {} s",
+        o.clients, o.pace_ms, o.seconds
+    );
+    let paced = dbus_clients(&bus.address, &paths, o.clients, o.seconds, Some(pace)).await?;
+    report.insert("dbus_paced_us".into(), paced);
 
     eprintln!(
         "scalebench: ~{} matched ioctls/s over {} cgroups",
