@@ -384,7 +384,7 @@ pub const MAX_CGROUPS: u32 = 16_384;
 pub const MAX_EXTRA_FILES: u32 = 256;
 /// The event ring's size in the object; the daemon sets it at load (`probes.events_ring_kib`,
 /// whose default this is).
-pub const EVENTS_BYTES: u32 = 256 * 1024;
+pub const EVENTS_BYTES: u32 = 1024 * 1024;
 pub const MAX_OBJECTS: u32 = 262_144;
 pub const MAX_USAGE: u32 = 65_536;
 pub const MAX_LIMITS: u32 = 16_384;

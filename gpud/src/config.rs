@@ -492,7 +492,7 @@ mod tests {
         assert_eq!(c.probes.attach, AttachPreference::Auto);
         assert_eq!(c.probes.bpffs, PathBuf::from("/sys/fs/bpf"));
         assert!(c.probes.keep_pinned);
-        assert_eq!(c.probes.events_ring_kib, 256);
+        assert_eq!(c.probes.events_ring_kib, 1024);
         assert_eq!(c.dbus.bus, "system");
         assert_eq!(c.dbus.admin_group, "gpud-admin");
         assert_eq!(parse("[dbus]\nadmin_group = \"\"")?.dbus.admin_group, "");

@@ -562,15 +562,15 @@ async fn event_ring_size_follows_the_configuration() {
         libbpf_rs::MapCore::max_entries(&m)
     };
     let bus = Bus::start();
-    let mut daemon = Daemon::start(&with_ring(1024), &bus.address).await;
-    assert_eq!(ring_bytes(), 1024 * 1024, "{}", daemon.log_text());
+    let mut daemon = Daemon::start(&with_ring(2048), &bus.address).await;
+    assert_eq!(ring_bytes(), 2048 * 1024, "{}", daemon.log_text());
     assert_eq!(daemon.stop(), Some(0));
 
     let daemon = Daemon::start(&with_ring(256), &bus.address).await;
-    assert_eq!(ring_bytes(), 1024 * 1024, "the pinned ring is adopted");
+    assert_eq!(ring_bytes(), 2048 * 1024, "the pinned ring is adopted");
     let log = daemon.log_text();
     assert!(
-        log.contains("keeps its size") && log.contains("pinned_kib=1024"),
+        log.contains("keeps its size") && log.contains("pinned_kib=2048"),
         "{log}"
     );
 }

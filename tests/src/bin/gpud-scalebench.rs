@@ -60,7 +60,7 @@ fn opts() -> anyhow::Result<Opts> {
         seconds: 10,
         rate: 10_000,
         pace_ms: 1000,
-        ring_kib: 256,
+        ring_kib: u64::from(gpud_common::EVENTS_BYTES / 1024),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
