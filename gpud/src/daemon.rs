@@ -299,6 +299,9 @@ pub async fn run_state(
             msg = rx.recv() => {
                 let Some(msg) = msg else { break };
                 handle(&mut state, msg);
+                if rx.is_empty() {
+                    state.attribution.release_pending_orphans();
+                }
             }
             _ = sweep.tick() => {
                 let lost = state.attribution.newly_lost_events();
@@ -309,6 +312,7 @@ pub async fn run_state(
                          would have said"
                     );
                 }
+                state.attribution.release_pending_orphans();
                 state.attribution.sweep();
                 state.attribution.sweep_memory();
                 state.memory.sweep(&mut state.attribution);
@@ -348,6 +352,10 @@ fn publish_inventory(state: &mut State) {
 }
 
 fn handle(state: &mut State, msg: Message) {
+    if matches!(msg, Message::Request(_)) {
+        // Answers reflect every exit read so far.
+        state.attribution.release_pending_orphans();
+    }
     let attribution = &mut state.attribution;
     match msg {
         Message::Request(Request::ListCgroups(reply)) => {

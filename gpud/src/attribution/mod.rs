@@ -21,6 +21,9 @@ use crate::{
 };
 pub use cgroupfs::{CgroupError, CgroupFs};
 
+/// Most process exits answered by one release of orphaned clients while events keep coming.
+const ORPHAN_BATCH: u32 = 256;
+
 /// aya's `BPF_NOEXIST`: insert only if absent, so a kernel-side entry is never overwritten.
 const BPF_NOEXIST: u64 = 1;
 
@@ -59,6 +62,10 @@ pub struct Attribution {
     parents: HashMap<u32, u32>,
     /// The kernel's `events_lost` counter when last looked at.
     events_lost_seen: u64,
+    /// A tracked process exited (tracepoint mode) and the release of clients left without a
+    /// holder has not run since: it walks the process and object tables, so a burst of exits
+    /// is answered with one walk (see [`Self::release_pending_orphans`]). Counts the exits.
+    orphans_pending: u32,
 }
 
 impl Attribution {
@@ -75,6 +82,7 @@ impl Attribution {
             matcher,
             parents: HashMap::new(),
             events_lost_seen: 0,
+            orphans_pending: 0,
         })
     }
 
@@ -365,7 +373,11 @@ impl Attribution {
             EVENT_PROC_EXIT => {
                 debug!(pid = ev.tgid, "attributed process exited");
                 if self.probes.mode() == crate::probes::AttachMode::Tracepoint {
-                    self.release_orphaned_clients();
+                    self.orphans_pending += 1;
+                    // Under a sustained stream of events the queue may never run empty.
+                    if self.orphans_pending >= ORPHAN_BATCH {
+                        self.release_pending_orphans();
+                    }
                 }
             }
             EVENT_FREE_TREE => {
@@ -376,6 +388,15 @@ impl Attribution {
             }
             EVENT_LIMIT_CROSSED | EVENT_ALLOC_DENIED => {}
             other => warn!(kind = other, "unknown kernel event"),
+        }
+    }
+
+    /// Runs the release of clients whose creator exited, if an exit asked for it since the
+    /// last run. The state task calls it when no further event is queued and before answering
+    /// a query, so queries see it done and a storm of exits costs one walk, not one per exit.
+    pub fn release_pending_orphans(&mut self) {
+        if std::mem::take(&mut self.orphans_pending) > 0 {
+            self.release_orphaned_clients();
         }
     }
 
