@@ -133,6 +133,18 @@ impl Attribution {
     /// (`RM_FREE` of a client, device or subdevice). Returns the number of objects released.
     pub fn release_tree(&mut self, client: u32, object: u32, before: u64) -> usize {
         let objects = self.objects();
+        self.release_tree_of(&objects, client, object, before)
+    }
+
+    /// [`Self::release_tree`] on objects already read (one walk of `OBJECTS` serves several
+    /// clients: releasing one client's objects does not change another's).
+    fn release_tree_of(
+        &mut self,
+        objects: &[(ObjKey, ObjEntry)],
+        client: u32,
+        object: u32,
+        before: u64,
+    ) -> usize {
         let in_client: HashMap<u32, ObjEntry> = objects
             .iter()
             .filter(|(k, e)| k.client == client && e.serial < before)
@@ -157,8 +169,8 @@ impl Attribution {
     /// Releases every client owned by the control file at address `file` that is older than
     /// `before` (the file's last reference went; the driver freed its clients without RM_FREE).
     pub fn release_file(&mut self, file: u64, before: u64) -> usize {
-        let clients: Vec<u32> = self
-            .objects()
+        let objects = self.objects();
+        let clients: Vec<u32> = objects
             .iter()
             .filter(|(k, e)| {
                 e.kind == OBJ_CLIENT && e.file == file && e.serial < before && k.client == k.object
@@ -167,7 +179,7 @@ impl Attribution {
             .collect();
         let mut released = 0;
         for c in clients {
-            released += self.release_tree(c, c, before);
+            released += self.release_tree_of(&objects, c, c, before);
         }
         if released > 0 {
             info!(
@@ -220,8 +232,8 @@ impl Attribution {
                 chain
             })
             .collect();
-        let orphans: Vec<(u32, u32)> = self
-            .objects()
+        let objects = self.objects();
+        let orphans: Vec<(u32, u32)> = objects
             .iter()
             .filter(|(k, e)| {
                 e.kind == OBJ_CLIENT
@@ -237,7 +249,7 @@ impl Attribution {
             // All of it, however new: what was allocated under it after `before` was allocated by
             // its creator before dying (or by a descendant, which would have kept it), and left
             // here without its client nothing would ever release it.
-            let n = self.release_tree(c, c, u64::MAX);
+            let n = self.release_tree_of(&objects, c, c, u64::MAX);
             debug!(
                 client = c,
                 creator,
