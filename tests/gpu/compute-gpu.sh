@@ -10,18 +10,8 @@
 set -u
 C=$1
 OUT=$2
-HERE=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$OUT"
-R="$OUT/report.txt"
-: >"$R"
-export LD_LIBRARY_PATH="$C/lib"
-CG=$(awk '$9 == "cgroup2" { print $5; exit }' /proc/self/mountinfo)
-BUS="unix:path=/tmp/gpud-bus"
-ctl() { "$C/gpudctl" --bus-address "$BUS" "$@"; }
-sed "s#@SOCKET@#/tmp/gpud-bus#" "$C/private-bus.conf" >/tmp/bus.conf
-"$C/dbus-daemon" --config-file=/tmp/bus.conf --nofork --nopidfile >/dev/null 2>&1 &
-DBUS=$!
-sleep 1
+. "$(dirname "$0")/common.sh"
+start_bus
 cat >/tmp/gpud.toml <<CONF
 [daemon]
 state_dir = "/tmp/gpud-state-compute"

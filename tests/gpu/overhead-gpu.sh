@@ -16,23 +16,13 @@ set -u
 C=$1
 OUT=$2
 ROUNDS=${3:-3}
-HERE=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$OUT"
-R="$OUT/report.txt"
-: >"$R"
-export LD_LIBRARY_PATH="$C/lib"
-CG=$(awk '$9 == "cgroup2" { print $5; exit }' /proc/self/mountinfo)
+. "$(dirname "$0")/common.sh"
 W="$CG/gpud-overhead"
-BUS="unix:path=/tmp/gpud-bus"
-ctl() { "$C/gpudctl" --bus-address "$BUS" "$@"; }
 note() { echo "$*" | tee -a "$R"; }
 
 note "# kernel $(uname -r), driver $(head -1 /proc/driver/nvidia/version | sed 's/.*Kernel Module *//')"
 note "# $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader), $(nproc) CPUs"
-sed "s#@SOCKET@#/tmp/gpud-bus#" "$C/private-bus.conf" >/tmp/bus.conf
-"$C/dbus-daemon" --config-file=/tmp/bus.conf --nofork --nopidfile >/dev/null 2>&1 &
-DBUS=$!
-sleep 1
+start_bus
 cat >/tmp/gpud-overhead.toml <<CONF
 [daemon]
 state_dir = "/tmp/gpud-state-overhead"

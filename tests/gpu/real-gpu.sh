@@ -12,22 +12,12 @@
 set -u
 C=$1
 OUT=$2
-HERE=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$OUT"
-R="$OUT/report.txt"
-: >"$R"
-export LD_LIBRARY_PATH="$C/lib"
-CG=$(awk '$9 == "cgroup2" { print $5; exit }' /proc/self/mountinfo)
+. "$(dirname "$0")/common.sh"
 DEMO="$CG/gpud-demo"
-BUS="unix:path=/tmp/gpud-bus"
-ctl() { "$C/gpudctl" --bus-address "$BUS" "$@"; }
 log() { echo "== $*" | tee -a "$R"; }
 
 log "kernel $(uname -r), driver $(head -1 /proc/driver/nvidia/version)"
-sed "s#@SOCKET@#/tmp/gpud-bus#" "$C/private-bus.conf" >/tmp/bus.conf
-"$C/dbus-daemon" --config-file=/tmp/bus.conf --nofork --nopidfile >/dev/null 2>&1 &
-DBUS=$!
-sleep 1
+start_bus
 cat >/tmp/gpud.toml <<CONF
 [daemon]
 state_dir = "/tmp/gpud-state"
