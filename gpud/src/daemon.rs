@@ -531,7 +531,6 @@ pub async fn read_events(ring: RingBuf<MapData>, tx: mpsc::Sender<Message>) -> s
     }
 }
 
-/// Decodes one record; `None` if its size is not that of [`gpud_common::Event`].
 /// Gives the heap's free pages back to the system. A burst of large replies (ListCgroups of
 /// thousands of cgroups to many clients at once) leaves glibc's per-thread arenas holding
 /// 100+ MiB that they would otherwise keep for the daemon's lifetime.
@@ -543,6 +542,7 @@ fn release_free_heap() {
     }
 }
 
+/// Decodes one record; `None` if its size is not that of [`gpud_common::Event`].
 pub fn parse_event(bytes: &[u8]) -> Option<gpud_common::Event> {
     if bytes.len() != size_of::<gpud_common::Event>() {
         return None;
