@@ -128,8 +128,8 @@ struct Counts {
     checkpoints: u64,
 }
 
-/// Entries of a pinned map.
-fn entries<K: aya::Pod, V: aya::Pod>(base: &Path, name: &str) -> usize {
+/// The entries of a pinned map.
+fn pinned<K: aya::Pod, V: aya::Pod>(base: &Path, name: &str) -> Vec<(K, V)> {
     let data = MapData::from_pin(base.join(name)).unwrap_or_else(|e| panic!("open {name}: {e}"));
     let map = if name == maps::PENDING {
         Map::LruHashMap(data)
@@ -137,23 +137,18 @@ fn entries<K: aya::Pod, V: aya::Pod>(base: &Path, name: &str) -> usize {
         Map::HashMap(data)
     };
     let m = aya::maps::HashMap::<_, K, V>::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"));
-    m.keys().filter(Result::is_ok).count()
+    m.iter().filter_map(Result::ok).collect()
 }
 
-/// USAGE's entries: (cgroup id, GPU) and bytes.
-fn usage_entries(base: &Path) -> Vec<(UsageKey, u64)> {
-    let data = MapData::from_pin(base.join(maps::USAGE)).expect("open USAGE");
-    let m = aya::maps::HashMap::<_, UsageKey, u64>::try_from(Map::HashMap(data)).expect("USAGE");
-    m.iter().filter_map(Result::ok).collect()
+/// The number of entries of a pinned map.
+fn entries<K: aya::Pod, V: aya::Pod>(base: &Path, name: &str) -> usize {
+    pinned::<K, V>(base, name).len()
 }
 
 /// For a failed comparison: the kernel's objects the driver no longer holds (client, handle,
 /// entry) and, for each of their clients, whether the driver and the kernel still have it.
 fn stray_objects(base: &Path, s: &Snapshot) -> String {
-    let data = MapData::from_pin(base.join(maps::OBJECTS)).expect("open OBJECTS");
-    let m =
-        aya::maps::HashMap::<_, ObjKey, ObjEntry>::try_from(Map::HashMap(data)).expect("OBJECTS");
-    let kernel: Vec<(ObjKey, ObjEntry)> = m.iter().filter_map(Result::ok).collect();
+    let kernel: Vec<(ObjKey, ObjEntry)> = pinned(base, maps::OBJECTS);
     let held: HashSet<(u32, u32)> = s.objects.iter().map(|o| (o.client, o.handle)).collect();
     let mut out = String::from("kernel objects the driver does not hold:");
     for (k, e) in kernel
@@ -596,7 +591,7 @@ impl Soak {
             .filter(|(k, n)| **n > 0 && **k != maps::USAGE)
             .map(|(k, n)| format!("{k}={n}"))
             .chain(
-                usage_entries(base)
+                pinned::<UsageKey, u64>(base, maps::USAGE)
                     .into_iter()
                     .filter(|(k, b)| *b != 0 || !self.ancestors.contains(&k.cgroup_id))
                     .map(|(k, b)| format!("USAGE ({}, {:#x})={b}", k.cgroup_id, k.gpu)),
