@@ -305,16 +305,17 @@ impl Attribution {
             .into_iter()
             .map(|(k, _)| k)
             .collect();
-        let mut gone = std::collections::HashSet::new();
-        for id in ancestry
+        let ids: std::collections::HashSet<u64> = ancestry
             .iter()
             .copied()
             .chain(usage.iter().map(|k| k.cgroup_id))
-        {
-            if !gone.contains(&id) && self.cgroups.path_of(id).is_none() {
-                gone.insert(id);
-            }
-        }
+            .collect();
+        let mut gone: std::collections::HashSet<u64> = self
+            .cgroups
+            .paths_of(ids)
+            .into_iter()
+            .filter_map(|(id, path)| path.is_none().then_some(id))
+            .collect();
         if gone.is_empty() {
             return;
         }

@@ -302,9 +302,13 @@ impl Attribution {
         self.parents.retain(|child, _| live.contains(child));
         let live_cgroups: std::collections::HashSet<u64> =
             procs.iter().map(|(_, p)| p.cgroup_id).collect();
-        let ids: Vec<(u64, IoctlCounts)> = map_entries(&self.maps.cgroups);
+        let ids: Vec<(u64, IoctlCounts)> = map_entries(&self.maps.cgroups)
+            .into_iter()
+            .filter(|(id, _)| !live_cgroups.contains(id))
+            .collect();
+        let paths = self.cgroups.paths_of(ids.iter().map(|(id, _)| *id));
         for (id, counts) in ids {
-            if live_cgroups.contains(&id) || self.cgroups.path_of(id).is_some() {
+            if paths.get(&id).is_some_and(Option::is_some) {
                 continue;
             }
             info!(
