@@ -58,9 +58,10 @@ impl Location {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
+    #[error("cannot read config file {path}")]
     Read {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
     /// Not TOML, an unknown key or section, or a value of the wrong type or enum variant.
@@ -106,7 +107,7 @@ pub struct DaemonConfig {
     pub state_dir: PathBuf,
     pub log: String,
     /// What to do with a stored limits file that cannot be read back.
-    pub on_corrupt_state: crate::policy::CorruptState,
+    pub on_corrupt_state: CorruptState,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -117,6 +118,17 @@ pub struct DbusConfig {
     /// Group whose members (besides root) may call the methods that change state; empty: root
     /// only. Must match the group in the bus policy (systemd/dev.gpud.Daemon1.conf).
     pub admin_group: String,
+}
+
+/// What to do with a stored limits file that cannot be read back (`[daemon] on_corrupt_state`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CorruptState {
+    /// Keep it aside and start with no limits rather than wrong ones.
+    #[default]
+    StartEmpty,
+    /// Refuse to start until a person looks at it.
+    Refuse,
 }
 
 /// How the programs attach to the ioctl path.
@@ -452,6 +464,55 @@ fn key_of_value(
             }
         }
     })
+}
+
+/// Keys a reload (SIGHUP, `systemctl reload gpud`) applies without a restart, each by its owner:
+/// the log filter and the admin group by the daemon binary, the sweep and rescan timers and the
+/// idle rule by the state task, the period by the compute controller, the intervals by the NVML
+/// sampler. A changed key that is not listed is logged as taking effect on restart.
+pub const LIVE_KEYS: &[&str] = &[
+    "daemon.log",
+    "dbus.admin_group",
+    "attribution.rescan_interval_secs",
+    "attribution.sweep_interval_secs",
+    "nvml.sample_interval_ms",
+    "nvml.retry_interval_secs",
+    "compute.period_ms",
+    "idle.threshold_percent",
+    "idle.min_duration_secs",
+    "idle.min_memory_bytes",
+    "idle.signal",
+];
+
+/// Whether a reload applies the dotted `key` without a restart.
+pub fn is_live(key: &str) -> bool {
+    LIVE_KEYS.contains(&key)
+}
+
+/// Copies the value of dotted `key` from `from` into `to` (removing it where `from` has none).
+pub fn copy_key(from: &toml::Table, to: &mut toml::Table, key: &str) {
+    let Some((section, name)) = key.split_once('.') else {
+        match from.get(key) {
+            Some(v) => to.insert(key.to_owned(), v.clone()),
+            None => to.remove(key),
+        };
+        return;
+    };
+    let value = from
+        .get(section)
+        .and_then(toml::Value::as_table)
+        .and_then(|t| t.get(name))
+        .cloned();
+    let toml::Value::Table(target) = to
+        .entry(section.to_owned())
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+    else {
+        return;
+    };
+    match value {
+        Some(v) => target.insert(name.to_owned(), v),
+        None => target.remove(name),
+    };
 }
 
 /// Dotted names of the keys whose effective values differ between `old` and `new`.

@@ -1,12 +1,27 @@
-//! gpud: per-cgroup attribution (and, later, limits) of NVIDIA GPU use.
+//! gpud: per-cgroup attribution and limits of NVIDIA GPU use, for containers sharing GPUs.
 //!
 //! The data path, in module order: [`probes`] (eBPF load/attach/pin, kernel capabilities) →
-//! [`attribution`] (cgroups, processes and GPU memory behind the counters) → [`policy`] (limits
-//! and their persistence) → [`enforcement`] (limits into the kernel, actions on crossings) →
-//! [`daemon`] (the one task that owns state) → [`api`] (D-Bus). [`config`] is the TOML schema.
+//! [`attribution`] (cgroups, processes and GPU memory behind the counters) → [`nvml`] (the
+//! driver's own view: inventory, per-process memory and utilization) → [`policy`] (limits, their
+//! validation and persistence; the idle rule) → [`enforcement`] (memory limits into the kernel,
+//! actions on crossings; the compute controller) → [`daemon`] (the one task that owns state, and
+//! its typed [`daemon::Handle`]) → [`api`] (D-Bus and metrics). [`runtime`] is the client side
+//! for container runtimes (NRI plugin, OCI hook).
+//!
+//! # Dependency flow
+//!
+//! Imports point one way, down the data path: `api` uses `daemon`'s handle and converts the
+//! core's domain types into gpud-api's wire records at its edge; `daemon` uses `enforcement`,
+//! `policy`, `nvml` and `attribution`; `attribution` uses `probes`. Nothing below `api` knows
+//! D-Bus, and nothing below `daemon` knows the state task's messages. Leaves that anyone may use:
+//! [`config`] (the TOML schema), [`cgroupfs`] (cgroup paths, ids and the freezer), [`report`]
+//! (errors printed at the edges), [`logging`], [`privileges`]. [`runtime`] uses only the leaves,
+//! [`policy`]'s value types and gpud-api: the hooks and the NRI plugin link no eBPF code path.
+//! The kernel/user ABI is gpud-common's; the D-Bus ABI is gpud-api's.
 
 pub mod api;
 pub mod attribution;
+pub mod cgroupfs;
 pub mod config;
 pub mod daemon;
 pub mod enforcement;
@@ -15,6 +30,7 @@ pub mod nvml;
 pub mod policy;
 pub mod privileges;
 pub mod probes;
+pub mod report;
 pub mod runtime;
 
 /// Version reported on D-Bus and by `--version`.

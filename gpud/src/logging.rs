@@ -16,9 +16,9 @@ use tracing_subscriber::{
 pub enum LogError {
     #[error("invalid log filter `{filter}`: {reason}")]
     Filter { filter: String, reason: String },
-    #[error("cannot replace the log filter: {0}")]
+    #[error("cannot replace the log filter")]
     Reload(#[from] reload::Error),
-    #[error("cannot install the log subscriber: {0}")]
+    #[error("cannot install the log subscriber")]
     Init(#[from] tracing_subscriber::util::TryInitError),
 }
 

@@ -15,7 +15,7 @@ const CAP_BPF: u32 = 39;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PrivilegeError {
-    #[error("cannot read the process's capabilities from /proc/self/status: {0}")]
+    #[error("cannot read the process's capabilities from /proc/self/status")]
     Read(#[from] std::io::Error),
     #[error(
         "missing {missing}: gpud needs CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN) to load and \

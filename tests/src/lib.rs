@@ -12,7 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gpud::api::dbus::{Manager1Proxy, connect_builder};
+use gpud_api::{Manager1Proxy, connect_builder};
 
 pub mod fakenv;
 pub mod inproc;
@@ -216,7 +216,7 @@ impl Drop for Bus {
 /// The cgroup v2 mount point, from mountinfo (hybrid hosts have it at /sys/fs/cgroup/unified).
 pub fn cgroup2_root() -> PathBuf {
     let mi = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
-    gpud::attribution::cgroupfs::cgroup2_mount_from(&mi).expect("a cgroup2 mount")
+    gpud::cgroupfs::cgroup2_mount_from(&mi).expect("a cgroup2 mount")
 }
 
 /// A process running `script` under sh inside `cg`, returned once it is in the cgroup.

@@ -4,7 +4,7 @@
 
 use std::{path::Path, time::Duration};
 
-use gpud::api::model::CgroupRecord;
+use gpud_api::CgroupRecord;
 use gpud_common::nv::{self, nv_iowr};
 use gpud_tests::{
     Bus, Cgroup, Daemon, Issuer, TempDir, class_counts, eventually, gpudctl_bin, write_config,

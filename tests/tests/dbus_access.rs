@@ -13,7 +13,7 @@ use std::{
     time::Duration,
 };
 
-use gpud::api::dbus::{BUS_NAME, MANAGER_INTERFACE, MUTATING_METHODS, OBJECT_PATH};
+use gpud_api::{BUS_NAME, MANAGER_INTERFACE, MUTATING_METHODS, OBJECT_PATH};
 use gpud_tests::{
     Bus, Cgroup, Daemon, TempDir, TestGroup, eventually, gpudctl_bin, shipped_bus_policy,
     write_config,

@@ -6,7 +6,7 @@
 use std::{collections::BTreeMap, path::Path, time::Duration};
 
 use futures_util::StreamExt as _;
-use gpud::api::model::CgroupRecord;
+use gpud_api::CgroupRecord;
 use gpud_tests::{Bus, Cgroup, Daemon, RmProcess, TempDir, eventually, fakenv::FakeNv};
 
 const MIB: u64 = 1 << 20;

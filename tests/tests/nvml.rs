@@ -8,7 +8,7 @@ use std::{
     time::Duration,
 };
 
-use gpud::api::model::NvmlUsageRecord;
+use gpud_api::NvmlUsageRecord;
 use gpud_tests::{Bus, Cgroup, Daemon, TempDir, eventually, gpudctl_bin};
 use serde_json::json;
 
@@ -452,7 +452,7 @@ async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
     assert!(sampled.is_some(), "never sampled:\n{}", d.log_text());
     assert!(p.list_nvml_events().await.expect("events").is_empty());
 
-    let gpu0 = gpud::api::gpu::Gpu1Proxy::builder(&conn)
+    let gpu0 = gpud_api::Gpu1Proxy::builder(&conn)
         .path("/dev/gpud/Daemon1/gpu/0")
         .build()
         .await

@@ -14,7 +14,8 @@ use std::{
     time::Duration,
 };
 
-use gpud::{api::model::CgroupRecord, attribution::CgroupFs};
+use gpud::cgroupfs::CgroupFs;
+use gpud_api::CgroupRecord;
 use gpud_tests::{
     Bus, Cgroup, Daemon, TempDir, bin_dir, cgroup2_root, eventually,
     fakenv::{self, Options},

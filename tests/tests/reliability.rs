@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use gpud::api::model::CgroupRecord;
+use gpud_api::CgroupRecord;
 use gpud_tests::{Bus, Cgroup, Daemon, RmProcess, TempDir, eventually, fakenv::FakeNv, gpud_bin};
 
 const MIB: u64 = 1 << 20;

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gpud::api::dbus::{BUS_NAME, Manager1Proxy, connect_builder};
+use gpud_api::{BUS_NAME, Manager1Proxy, connect_builder};
 use gpud_tests::{Bus, Cgroup, Daemon, Issuer, TempDir, eventually};
 use tokio::net::UnixDatagram;
 
@@ -213,7 +213,8 @@ async fn ready_after_the_name_is_owned_watchdog_and_reload() {
         std::fs::read_to_string(&cfg)
             .expect("config")
             .replace("log = \"info\"", "log = \"gpud=debug\"")
-            .replace("sweep_interval_secs = 1", "sweep_interval_secs = 2"),
+            .replace("sweep_interval_secs = 1", "sweep_interval_secs = 2")
+            .replace("keep_pinned = false", "keep_pinned = true"),
     )
     .expect("rewrite config");
     daemon.signal(libc::SIGHUP);
@@ -240,12 +241,18 @@ async fn ready_after_the_name_is_owned_watchdog_and_reload() {
     })
     .await
     .unwrap_or_else(|| panic!("no debug line after the reload:\n{}", daemon.log_text()));
-    // The change that needs a restart is named, the live one applied.
+    // The change that needs a restart is named, the live ones applied (the log filter by the
+    // binary, the sweep interval by the state task).
     assert!(
-        log.contains("attribution.sweep_interval_secs") && log.contains("takes effect on restart"),
+        log.contains("probes.keep_pinned") && log.contains("takes effect on restart"),
         "{log}"
     );
     assert!(log.contains("log filter applied"), "{log}");
+    assert!(
+        log.lines().any(|l| l.contains("live settings applied")
+            && l.contains("attribution.sweep_interval_secs")),
+        "{log}"
+    );
     after.finish();
 
     // An invalid change: the error names file and line, nothing changes, it keeps serving.

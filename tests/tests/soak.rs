@@ -226,7 +226,7 @@ struct Soak {
     /// Every pid that allocated, to the cgroup it allocated in.
     owner: HashMap<u32, String>,
     n: Counts,
-    proxy: gpud::api::dbus::Manager1Proxy<'static>,
+    proxy: gpud_api::Manager1Proxy<'static>,
     _conn: zbus::Connection,
 }
 

@@ -1,14 +1,15 @@
 //! Who may change state over D-Bus: root and members of the admin group (`[dbus] admin_group`).
 //!
 //! The system bus policy (systemd/dev.gpud.Daemon1.conf) already refuses the mutating methods
-//! ([`super::dbus::MUTATING_METHODS`]) to everyone else; the daemon checks again, from the
+//! ([`gpud_api::MUTATING_METHODS`]) to everyone else; the daemon checks again, from the
 //! credentials the bus reports for the caller, so a permissive or mistaken bus policy does not
 //! open them up. Anything that cannot be established (no bus, no sender, a failed lookup) is
 //! refused.
 
+use tokio::sync::watch;
 use zbus::{Connection, fdo::DBusProxy, message::Header, names::BusName};
 
-use super::dbus::ApiError;
+use super::error::ApiError;
 
 /// What the bus says about a caller.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,17 +21,15 @@ pub struct Caller {
 }
 
 /// Checks callers of mutating methods against the admin group.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Authorizer {
-    /// Group name; empty: root only.
-    admin_group: String,
+    /// Group name; empty: root only. A reload changes it (`[dbus] admin_group` is live).
+    admin_group: watch::Receiver<String>,
 }
 
 impl Authorizer {
-    pub fn new(admin_group: &str) -> Self {
-        Self {
-            admin_group: admin_group.to_owned(),
-        }
+    pub fn new(admin_group: watch::Receiver<String>) -> Self {
+        Self { admin_group }
     }
 
     /// Allows the call in `header` (received on `conn`) or refuses it with
@@ -52,16 +51,17 @@ impl Authorizer {
         if caller.uid == 0 {
             return Ok(());
         }
+        let admin_group = self.admin_group.borrow().clone();
         let denied = |why: String| {
             tracing::warn!(method, uid = caller.uid, pid = caller.pid, "refused: {why}");
             ApiError::AccessDenied(format!("{method} refused for uid {}: {why}", caller.uid))
         };
-        if self.admin_group.is_empty() {
+        if admin_group.is_empty() {
             return Err(denied(
                 "it needs root (no admin group is configured: [dbus] admin_group)".into(),
             ));
         }
-        let group = self.admin_group.clone();
+        let group = admin_group.clone();
         let found =
             blocking(move || nix::unistd::Group::from_name(&group).map_err(|e| e.to_string()))
                 .await
@@ -71,15 +71,11 @@ impl Authorizer {
             Ok(Some(g)) => g.gid.as_raw(),
             Ok(None) => {
                 return Err(denied(format!(
-                    "it needs root or group `{}`, which does not exist",
-                    self.admin_group
+                    "it needs root or group `{admin_group}`, which does not exist"
                 )));
             }
             Err(e) => {
-                return Err(denied(format!(
-                    "cannot look up group `{}`: {e}",
-                    self.admin_group
-                )));
+                return Err(denied(format!("cannot look up group `{admin_group}`: {e}")));
             }
         };
         let gids = match caller.gids.clone() {
@@ -92,8 +88,7 @@ impl Authorizer {
             Ok(())
         } else {
             Err(denied(format!(
-                "it needs root or membership in group `{}` (gid {gid})",
-                self.admin_group
+                "it needs root or membership in group `{admin_group}` (gid {gid})"
             )))
         }
     }

@@ -8,26 +8,14 @@ use std::collections::BTreeSet;
 use tokio::sync::watch;
 use zbus::interface;
 
-use super::{
-    dbus::OBJECT_PATH,
-    model::{GpuRecord, NvmlEventRecord},
-};
+use gpud_api::{GpuRecord, gpu_path};
 
-pub const GPU_INTERFACE: &str = "dev.gpud.Gpu1";
-
-/// Object path of a GPU (`mig == u32::MAX`) or MIG device.
-pub fn gpu_path(index: u32, mig: u32) -> String {
-    if mig == u32::MAX {
-        format!("{OBJECT_PATH}/gpu/{index}")
-    } else {
-        format!("{OBJECT_PATH}/gpu/{index}/mig/{mig}")
-    }
-}
+use crate::nvml::{AttributedXid, GpuStatus};
 
 pub struct Gpu {
     index: u32,
     mig: u32,
-    inventory: watch::Receiver<Vec<GpuRecord>>,
+    inventory: watch::Receiver<Vec<GpuStatus>>,
 }
 
 impl Gpu {
@@ -35,7 +23,9 @@ impl Gpu {
         self.inventory
             .borrow()
             .iter()
+            .map(GpuRecord::from)
             .find(|g| g.index == self.index && g.mig == self.mig)
+            .as_ref()
             .map(f)
             .unwrap_or_default()
     }
@@ -105,27 +95,10 @@ impl Gpu {
     ) -> zbus::Result<()>;
 }
 
-/// Client side of `dev.gpud.Gpu1`.
-#[zbus::proxy(interface = "dev.gpud.Gpu1", default_service = "dev.gpud.Daemon1")]
-pub trait Gpu1 {
-    #[zbus(property)]
-    fn index(&self) -> zbus::Result<u32>;
-    #[zbus(property)]
-    fn mig_device(&self) -> zbus::Result<u32>;
-    #[zbus(property)]
-    fn uuid(&self) -> zbus::Result<String>;
-    #[zbus(property)]
-    fn name(&self) -> zbus::Result<String>;
-    #[zbus(property)]
-    fn memory_used(&self) -> zbus::Result<u64>;
-    #[zbus(signal)]
-    fn xid(&self, xid: u64, pid: u32, cgroup_id: u64, cgroup: String) -> zbus::Result<()>;
-}
-
 /// Emits `Xid` on the GPU's object for every event until the channel closes.
 pub async fn publish_xids(
     conn: zbus::Connection,
-    mut rx: tokio::sync::broadcast::Receiver<NvmlEventRecord>,
+    mut rx: tokio::sync::broadcast::Receiver<AttributedXid>,
 ) {
     use tokio::sync::broadcast::error::RecvError;
     loop {
@@ -145,17 +118,22 @@ pub async fn publish_xids(
                 continue;
             }
         };
-        if let Err(err) = Gpu::xid(&emitter, e.xid, e.pid, e.cgroup_id, &e.cgroup).await {
+        let pid = e.pid.unwrap_or(0);
+        if let Err(err) = Gpu::xid(&emitter, e.xid, pid, e.cgroup_id, &e.cgroup).await {
             tracing::warn!("cannot emit Xid: {err}");
         }
     }
 }
 
 /// Keeps the `Gpu1` objects in step with the inventory until the channel closes.
-pub async fn publish_gpus(conn: zbus::Connection, mut rx: watch::Receiver<Vec<GpuRecord>>) {
+pub async fn publish_gpus(conn: zbus::Connection, mut rx: watch::Receiver<Vec<GpuStatus>>) {
     let mut published: BTreeSet<(u32, u32)> = BTreeSet::new();
     loop {
-        let want: BTreeSet<(u32, u32)> = rx.borrow().iter().map(|g| (g.index, g.mig)).collect();
+        let want: BTreeSet<(u32, u32)> = rx
+            .borrow()
+            .iter()
+            .map(|g| (g.info.index, g.info.mig.unwrap_or(u32::MAX)))
+            .collect();
         let server = conn.object_server();
         for &(index, mig) in want.difference(&published) {
             let obj = Gpu {

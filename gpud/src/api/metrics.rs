@@ -1,10 +1,10 @@
 //! The optional Prometheus endpoint (`[metrics] listen`): `GET /metrics` in the OpenMetrics text
 //! format, built with `prometheus-client` and served over HTTP/1.1 by hyper.
 //!
-//! Every scrape asks the state task for the same records the D-Bus API serves (it owns the data;
-//! nothing here caches or mutates it) and builds a fresh registry from them, so a scrape always
-//! shows one consistent moment and a vanished cgroup leaves no stale series behind. The metric
-//! names are documented in docs/metrics.md.
+//! Every scrape asks the state task for one snapshot (it owns the data; nothing here caches or
+//! mutates it), turns it into the same records the D-Bus API serves, and builds a fresh registry
+//! from them, so a scrape shows one consistent moment and a vanished cgroup leaves no stale
+//! series behind. The metric names are documented in docs/metrics.md.
 
 use std::{collections::BTreeMap, convert::Infallible, sync::Arc, time::Duration};
 
@@ -20,16 +20,16 @@ use prometheus_client::{
     registry::Registry,
 };
 use std::sync::atomic::AtomicU64;
-use tokio::sync::{Semaphore, mpsc, oneshot, watch};
+use tokio::sync::{Semaphore, watch};
 use tracing::{debug, warn};
 
-use super::{
-    dbus::DaemonInfo,
-    model::{CgroupRecord, GpuRecord, IdleRecord, NvmlUsageRecord},
-};
+use gpud_api::{CgroupRecord, GpuRecord, IdleRecord, NvmlUsageRecord, container_id};
+
+use super::records::all;
 use crate::{
-    daemon::{Message, Request},
+    daemon::{self, DaemonInfo, Handle},
     enforcement::compute::ComputeStat,
+    report::Chain,
 };
 
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -40,21 +40,24 @@ const MAX_CONNECTIONS: usize = 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
-    #[error("cannot listen on {addr} for metrics: {source}")]
+    #[error("cannot listen on {addr} for metrics")]
     Bind {
         addr: std::net::SocketAddr,
+        #[source]
         source: std::io::Error,
     },
-    #[error("the daemon's state task did not answer: {0}")]
-    State(&'static str),
-    #[error("cannot encode the metrics: {0}")]
+    #[error("the daemon's state task did not answer")]
+    State(#[source] daemon::DaemonError),
+    #[error("the daemon's state task did not answer within {0:?}")]
+    TimedOut(Duration),
+    #[error("cannot encode the metrics")]
     Encode(#[from] std::fmt::Error),
 }
 
 type Labels = Vec<(String, String)>;
 type ComputeStats = BTreeMap<String, ComputeStat>;
 
-/// Everything one scrape shows.
+/// Everything one scrape shows, as records.
 #[derive(Debug, Default)]
 pub struct Snapshot {
     pub cgroups: Vec<CgroupRecord>,
@@ -68,55 +71,26 @@ pub struct Snapshot {
 
 /// Gathers snapshots and renders them.
 pub struct Exporter {
-    tx: mpsc::Sender<Message>,
-    compute: Option<watch::Receiver<ComputeStats>>,
+    daemon: Handle,
     info: DaemonInfo,
     started: std::time::SystemTime,
 }
 
 impl Exporter {
-    pub fn new(
-        tx: mpsc::Sender<Message>,
-        compute: Option<watch::Receiver<ComputeStats>>,
-        info: DaemonInfo,
-    ) -> Self {
+    pub fn new(daemon: Handle, info: DaemonInfo) -> Self {
         Self {
-            tx,
-            compute,
+            daemon,
             info,
             started: std::time::SystemTime::now(),
         }
     }
 
-    async fn ask<T>(
-        &self,
-        make: impl FnOnce(oneshot::Sender<T>) -> Request,
-    ) -> Result<T, MetricsError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Message::Request(make(reply)))
-            .await
-            .map_err(|_| MetricsError::State("shutting down"))?;
-        tokio::time::timeout(ASK_TIMEOUT, rx)
-            .await
-            .map_err(|_| MetricsError::State("timed out"))?
-            .map_err(|_| MetricsError::State("dropped the request"))
-    }
-
     async fn snapshot(&self) -> Result<Snapshot, MetricsError> {
-        Ok(Snapshot {
-            cgroups: self.ask(Request::ListCgroups).await?,
-            nvml_usage: self.ask(Request::ListNvmlUsage).await?,
-            nvml_available: self.ask(Request::NvmlStatus).await?.0,
-            gpus: self.ask(Request::ListGpus).await?,
-            kernel_stats: self.ask(Request::KernelStats).await?,
-            idle: self.ask(Request::ListIdle).await?,
-            compute: self
-                .compute
-                .as_ref()
-                .map(|rx| rx.borrow().clone())
-                .unwrap_or_default(),
-        })
+        let s = tokio::time::timeout(ASK_TIMEOUT, self.daemon.snapshot())
+            .await
+            .map_err(|_| MetricsError::TimedOut(ASK_TIMEOUT))?
+            .map_err(MetricsError::State)?;
+        Ok(Snapshot::from(s))
     }
 
     /// The text of one scrape.
@@ -162,13 +136,27 @@ impl Exporter {
         match self.render().await {
             Ok(text) => reply(StatusCode::OK, CONTENT_TYPE, text),
             Err(e) => {
-                warn!("metrics scrape failed: {e}");
+                warn!("metrics scrape failed: {}", Chain(&e));
                 reply(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "text/plain",
-                    format!("{e}\n"),
+                    format!("{}\n", Chain(&e)),
                 )
             }
+        }
+    }
+}
+
+impl From<daemon::Snapshot> for Snapshot {
+    fn from(s: daemon::Snapshot) -> Self {
+        Self {
+            cgroups: all(s.cgroups),
+            nvml_usage: all(s.nvml_usage),
+            nvml_available: s.nvml_available,
+            gpus: s.gpus.iter().map(GpuRecord::from).collect(),
+            kernel_stats: s.kernel_stats,
+            idle: all(s.idle),
+            compute: s.compute,
         }
     }
 }
@@ -221,20 +209,6 @@ pub async fn serve(
             }
         });
     }
-}
-
-/// The container id a cgroup path names, if any: the last component that is a runtime's scope
-/// (`docker-<id>.scope`, `cri-containerd-<id>.scope`, `crio-<id>.scope`, `libpod-<id>.scope`) or
-/// a bare 64-hex-digit id (cgroupfs drivers).
-pub fn container_id(path: &str) -> Option<String> {
-    const PREFIXES: [&str; 4] = ["docker-", "cri-containerd-", "crio-", "libpod-"];
-    let is_id = |s: &str| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit());
-    path.rsplit('/').find_map(|c| {
-        let bare = c.strip_suffix(".scope").map_or(c, |s| {
-            PREFIXES.iter().find_map(|p| s.strip_prefix(p)).unwrap_or(s)
-        });
-        is_id(bare).then(|| bare.to_ascii_lowercase())
-    })
 }
 
 fn cgroup_labels(path: &str) -> Labels {
@@ -503,30 +477,6 @@ mod tests {
     use super::*;
 
     const ID: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-
-    #[test]
-    fn container_ids_from_runtime_cgroup_paths() {
-        for p in [
-            format!("/system.slice/docker-{ID}.scope"),
-            format!("/kubepods.slice/kubepods-pod1.slice/cri-containerd-{ID}.scope"),
-            format!("/kubepods.slice/kubepods-besteffort.slice/crio-{ID}.scope"),
-            format!("/machine.slice/libpod-{ID}.scope/container"),
-            format!("/docker/{ID}"),
-            format!("/kubepods/besteffort/pod1234/{}", ID.to_uppercase()),
-        ] {
-            assert_eq!(container_id(&p).as_deref(), Some(ID), "{p}");
-        }
-        for p in [
-            "/",
-            "/user.slice/session-1.scope",
-            "/docker-abc.scope",
-            &format!("/docker-{}.scope", &ID[1..]),
-            &format!("/x/{ID}0"),
-            "/crio-conmon-zz.scope",
-        ] {
-            assert_eq!(container_id(p), None, "{p}");
-        }
-    }
 
     #[test]
     fn one_snapshot_renders_every_family() {

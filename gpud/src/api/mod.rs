@@ -1,7 +1,10 @@
-//! What gpud exposes: the D-Bus service and the records it carries.
+//! What gpud exposes: the D-Bus service (`dev.gpud.Manager1` and the `dev.gpud.Gpu1` objects), its
+//! authorization, and the Prometheus endpoint. The wire shapes are gpud-api's; this module turns
+//! the core's answers into them.
 
 pub mod authz;
 pub mod dbus;
+pub mod error;
 pub mod gpu;
 pub mod metrics;
-pub mod model;
+pub mod records;

@@ -22,8 +22,11 @@ pub fn gpu_name(gpu: u32) -> String {
 /// Memory figures of one cgroup (hierarchical: descendants included).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MemoryView {
+    /// Bytes charged by GPU name ([`gpu_name`]: an index, `unknown`, and `all`, the sum).
     pub current: BTreeMap<String, u64>,
+    /// Limits in force on this cgroup, by GPU name.
     pub max: BTreeMap<String, u64>,
+    /// Allocations that crossed (react) or were refused by (deny) its limits.
     pub events: u64,
 }
 

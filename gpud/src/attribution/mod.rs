@@ -2,7 +2,6 @@
 //! maps cgroup ids to paths, seeds processes found holding devices, and forgets processes and
 //! cgroups that are gone. Owned by the state task (`daemon`); nothing here is shared.
 
-pub mod cgroupfs;
 pub mod memory;
 pub mod scan;
 
@@ -10,16 +9,16 @@ use std::collections::{BTreeMap, HashMap};
 
 use gpud_common::{
     EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, EVENT_PROC_EXIT,
-    EVENT_PROC_NEW, Event, IOCTL_CLASS_NAMES, IoctlCounts, PROC_OPENED, PROC_SCANNED, ProcEntry,
-    stat,
+    EVENT_PROC_NEW, Event, IoctlCounts, PROC_OPENED, PROC_SCANNED, ProcEntry, stat,
 };
 use tracing::{debug, info, warn};
 
+use crate::cgroupfs::{CgroupError, CgroupFs};
 use crate::{
-    api::model::{CgroupRecord, ProcessRecord},
     probes::{KernelMaps, Matcher, Probes, map_entries},
+    report::Chain,
 };
-pub use cgroupfs::{CgroupError, CgroupFs};
+pub use memory::MemoryView;
 
 /// Most process exits answered by one release of orphaned clients while events keep coming.
 const ORPHAN_BATCH: u32 = 256;
@@ -31,7 +30,7 @@ const BPF_NOEXIST: u64 = 1;
 pub enum AttributionError {
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
-    #[error("reading kernel map: {0}")]
+    #[error("cannot read a kernel map")]
     Map(#[from] aya::maps::MapError),
     #[error(transparent)]
     Probes(#[from] crate::probes::ProbeError),
@@ -43,12 +42,32 @@ fn visible(p: &ProcEntry) -> bool {
     p.flags & (PROC_OPENED | PROC_SCANNED) != 0 || p.counts.total() > 0
 }
 
-fn class_map(c: &IoctlCounts) -> BTreeMap<String, u64> {
-    IOCTL_CLASS_NAMES
-        .iter()
-        .zip(c.by_class)
-        .map(|(n, v)| ((*n).to_owned(), v))
-        .collect()
+/// One attributed cgroup: what its processes did on NVIDIA files and the GPU memory charged to
+/// it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CgroupView {
+    /// cgroup v2 id (the inode number of its directory).
+    pub id: u64,
+    /// Path relative to the cgroup v2 root.
+    pub path: String,
+    /// Live attributed processes in it, ordered.
+    pub pids: Vec<u32>,
+    /// Its ioctls on NVIDIA files by class.
+    pub ioctls: IoctlCounts,
+    /// GPU memory charged to it (with its descendants) and its limits.
+    pub memory: MemoryView,
+}
+
+/// One live attributed process.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProcessView {
+    pub pid: u32,
+    /// cgroup at its last open or ioctl of an NVIDIA file, and that cgroup's path (empty if it
+    /// was removed).
+    pub cgroup_id: u64,
+    pub cgroup: String,
+    /// Its ioctls on NVIDIA files by class.
+    pub ioctls: IoctlCounts,
 }
 
 /// The attribution state, with the probes it reads (owned here so that one task owns both).
@@ -160,7 +179,7 @@ impl Attribution {
     }
 
     /// Every attributed cgroup that still exists, ordered by path.
-    pub fn list(&mut self) -> Vec<CgroupRecord> {
+    pub fn list(&mut self) -> Vec<CgroupView> {
         let mut pids = self.pids_by_cgroup();
         let mut counts: HashMap<u64, IoctlCounts> =
             map_entries(&self.maps.cgroups).into_iter().collect();
@@ -176,20 +195,17 @@ impl Attribution {
             }
         }
         let mut paths = self.cgroups.paths_of(counts.keys().copied());
-        let mut out: Vec<CgroupRecord> = counts
+        let mut out: Vec<CgroupView> = counts
             .into_iter()
-            .filter_map(|(id, c)| {
+            .filter_map(|(id, ioctls)| {
                 // A cgroup removed since is left to the sweep.
                 let path = paths.remove(&id).flatten()?;
-                let mem = memory.remove(&id).unwrap_or_else(memory::MemoryView::empty);
-                Some(CgroupRecord {
+                Some(CgroupView {
                     id,
                     path,
                     pids: pids.remove(&id).unwrap_or_default(),
-                    ioctls: class_map(&c),
-                    memory_current: mem.current,
-                    memory_max: mem.max,
-                    memory_events: mem.events,
+                    ioctls,
+                    memory: memory.remove(&id).unwrap_or_else(MemoryView::empty),
                 })
             })
             .collect();
@@ -198,7 +214,7 @@ impl Attribution {
     }
 
     /// Every live attributed process, ordered by pid.
-    pub fn processes(&mut self) -> Vec<ProcessRecord> {
+    pub fn processes(&mut self) -> Vec<ProcessView> {
         let procs: Vec<(u32, ProcEntry)> = self
             .procs()
             .into_iter()
@@ -207,9 +223,9 @@ impl Attribution {
         let paths = self
             .cgroups
             .paths_of(procs.iter().map(|(_, p)| p.cgroup_id));
-        let mut out: Vec<ProcessRecord> = procs
+        let mut out: Vec<ProcessView> = procs
             .into_iter()
-            .map(|(pid, p)| ProcessRecord {
+            .map(|(pid, p)| ProcessView {
                 pid,
                 cgroup_id: p.cgroup_id,
                 cgroup: paths
@@ -217,7 +233,7 @@ impl Attribution {
                     .cloned()
                     .flatten()
                     .unwrap_or_default(),
-                ioctls: class_map(&p.counts),
+                ioctls: p.counts,
             })
             .collect();
         out.sort_by_key(|r| r.pid);
@@ -226,7 +242,7 @@ impl Attribution {
 
     /// One cgroup by path (relative to the cgroup v2 root). An existing cgroup that never used a
     /// device reads as zeros; a path that is not a cgroup is an error.
-    pub fn get(&mut self, path: &str) -> Result<CgroupRecord, AttributionError> {
+    pub fn get(&mut self, path: &str) -> Result<CgroupView, AttributionError> {
         let path = CgroupFs::normalize(path)?;
         let id = self.cgroups.id_of(&path)?;
         let counts = match self.maps.cgroups.get(&id, 0) {
@@ -235,15 +251,12 @@ impl Attribution {
             Err(e) => return Err(e.into()),
         };
         let pids = self.pids_in(&path, id);
-        let mem = self.memory_of(id);
-        Ok(CgroupRecord {
+        Ok(CgroupView {
             id,
             path,
             pids,
-            ioctls: class_map(&counts),
-            memory_current: mem.current,
-            memory_max: mem.max,
-            memory_events: mem.events,
+            ioctls: counts,
+            memory: self.memory_of(id),
         })
     }
 
@@ -282,7 +295,7 @@ impl Attribution {
                 Err(e) => debug!(pid, "scan insert skipped: {e}"),
             }
             if let Err(e) = self.probes.seed(pid) {
-                warn!(pid, "cannot mark process as tracked: {e}");
+                warn!(pid, "cannot mark process as tracked: {}", Chain(&e));
             }
         }
         added
@@ -406,17 +419,7 @@ impl Attribution {
 
     /// Freezes (or thaws) a cgroup through `cgroup.freeze`.
     pub fn freeze(&mut self, path: &str, frozen: bool) -> Result<(), AttributionError> {
-        let file = self
-            .cgroups
-            .root()
-            .join(path.trim_start_matches('/'))
-            .join("cgroup.freeze");
-        std::fs::write(&file, if frozen { "1" } else { "0" }).map_err(|source| {
-            AttributionError::Cgroup(CgroupError::Write {
-                path: file.display().to_string(),
-                source,
-            })
-        })
+        Ok(self.cgroups.freeze(path, frozen)?)
     }
 
     /// Path of a cgroup id, if it still exists.

@@ -16,6 +16,7 @@ use std::{
 };
 
 use clap::{Parser, ValueEnum};
+use gpud::report::Chain;
 use gpud::runtime::{
     FailMode, FailPolicy, RuntimeError,
     oci::{self, HookConfig, Outcome},
@@ -168,12 +169,16 @@ fn report(log: &Log, outcome: &Outcome) {
 fn fail(log: &Log, policy: &FailPolicy, e: &RuntimeError) -> ExitCode {
     match policy.mode_for(e) {
         FailMode::Closed => {
-            log.line(&format!("error: {e}; failing the container (closed)"));
+            log.line(&format!(
+                "error: {}; failing the container (closed)",
+                Chain(e)
+            ));
             ExitCode::from(1)
         }
         FailMode::Open => {
             log.line(&format!(
-                "error: {e}; the container runs without GPU shares (open)"
+                "error: {}; the container runs without GPU shares (open)",
+                Chain(e)
             ));
             ExitCode::SUCCESS
         }

@@ -178,14 +178,10 @@ impl Controller {
     }
 
     fn write_freeze(&self, path: &str, frozen: bool) -> bool {
-        let file = self
-            .root
-            .join(path.trim_start_matches('/'))
-            .join("cgroup.freeze");
-        match std::fs::write(&file, if frozen { "1" } else { "0" }) {
+        match crate::cgroupfs::freeze_at(&self.root, path, frozen) {
             Ok(()) => true,
             Err(e) => {
-                debug!(cgroup = path, "cgroup.freeze: {e}");
+                debug!(cgroup = path, "{}", crate::report::Chain(&e));
                 false
             }
         }
@@ -362,11 +358,13 @@ impl Controller {
     }
 }
 
-/// Runs the controller until shutdown: re-plans on every new input, actuates every period,
+/// Runs the controller until shutdown: re-plans on every new input, actuates every period (whose
+/// length `period` may change on a reload),
 /// publishes statistics and the cgroups that start being throttled; thaws what it froze on exit.
 pub async fn run(
     mut controller: Controller,
     mut input: watch::Receiver<ControlInput>,
+    period: watch::Receiver<Duration>,
     stats: watch::Sender<BTreeMap<String, ComputeStat>>,
     throttled: broadcast::Sender<String>,
     mut shutdown: watch::Receiver<bool>,
@@ -376,6 +374,8 @@ pub async fn run(
         if *shutdown.borrow() {
             break;
         }
+        // A reload may change the period; it applies from the next one.
+        controller.period = *period.borrow();
         {
             let current = input.borrow_and_update().clone();
             if current.seq != seq {

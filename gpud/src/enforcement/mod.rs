@@ -11,11 +11,12 @@ use gpud_common::{EVENT_ALLOC_DENIED, EVENT_LIMIT_CROSSED, Event, GPU_ALL};
 use tracing::{error, info, warn};
 
 use crate::{
-    api::model::LimitRecord,
-    attribution::{Attribution, AttributionError, CgroupError, memory::gpu_name},
+    attribution::{Attribution, AttributionError, memory::gpu_name},
+    cgroupfs::CgroupError,
     config::ReactAction,
     policy::{GpuSelector, LimitStore, LimitUpdate, Limits, PolicyError},
     probes::Tier,
+    report::Chain,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +43,15 @@ pub struct LimitNotice {
     pub max: u64,
     /// `denied`, `killed`, `frozen` or `notified`.
     pub action: String,
+}
+
+/// The limits set on one (cgroup, GPU selector).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitEntry {
+    /// Path relative to the cgroup v2 root.
+    pub cgroup: String,
+    pub gpu: GpuSelector,
+    pub limits: Limits,
 }
 
 /// GPUs the daemon knows (index, UUID), to validate selectors; `None` while no inventory is
@@ -106,20 +116,20 @@ impl MemoryEnforcement {
             let id = match attr.id_of(&cgroup) {
                 Ok((_, id)) => id,
                 Err(e) => {
-                    warn!(cgroup = %cgroup, gpu = %gpu, "dropping stored limit: {e}");
+                    warn!(cgroup = %cgroup, gpu = %gpu, "dropping stored limit: {}", Chain(&e));
                     continue;
                 }
             };
             let key = match self.gpu_key(&gpu) {
                 Ok(k) => k,
                 Err(e) => {
-                    warn!(cgroup = %cgroup, "dropping stored limit: {e}");
+                    warn!(cgroup = %cgroup, "dropping stored limit: {}", Chain(&e));
                     continue;
                 }
             };
             if let Some(max) = limits.memory_max {
                 if let Err(e) = attr.set_kernel_limit(id, key, max) {
-                    error!(cgroup = %cgroup, "cannot apply stored limit: {e}");
+                    error!(cgroup = %cgroup, "cannot apply stored limit: {}", Chain(&e));
                     continue;
                 }
                 wanted.insert((id, key));
@@ -136,7 +146,7 @@ impl MemoryEnforcement {
         if keep != *self.store.entries()
             && let Err(e) = self.store.replace(keep)
         {
-            error!("cannot persist limits: {e}");
+            error!("cannot persist limits: {}", Chain(&e));
         }
         info!(limits = n, tier = self.tier.as_str(), "limits in force");
     }
@@ -253,13 +263,14 @@ impl MemoryEnforcement {
         Ok(())
     }
 
-    pub fn list(&self) -> Vec<LimitRecord> {
+    /// Every limit in force, ordered by cgroup and GPU.
+    pub fn list(&self) -> Vec<LimitEntry> {
         self.store
             .iter()
-            .map(|((cgroup, gpu), l)| LimitRecord {
+            .map(|((cgroup, gpu), l)| LimitEntry {
                 cgroup: cgroup.clone(),
-                gpu: gpu.to_string(),
-                limits: l.named(),
+                gpu: gpu.clone(),
+                limits: l.clone(),
             })
             .collect()
     }
@@ -283,7 +294,7 @@ impl MemoryEnforcement {
             self.frozen.remove(&k.0);
         }
         if let Err(e) = self.store.replace(entries) {
-            error!("cannot persist limits: {e}");
+            error!("cannot persist limits: {}", Chain(&e));
         }
     }
 
@@ -311,7 +322,7 @@ impl MemoryEnforcement {
                             "frozen"
                         }
                         Err(e) => {
-                            error!(cgroup = %p, "cannot freeze: {e}");
+                            error!(cgroup = %p, "cannot freeze: {}", Chain(&e));
                             "notified"
                         }
                     },
@@ -350,7 +361,7 @@ impl MemoryEnforcement {
                     info!(cgroup = %path, "thawed: back within its limits");
                     self.frozen.remove(path);
                 }
-                Err(e) => error!(cgroup = %path, "cannot thaw: {e}"),
+                Err(e) => error!(cgroup = %path, "cannot thaw: {}", Chain(&e)),
             }
         }
     }
@@ -360,7 +371,7 @@ impl MemoryEnforcement {
     pub fn thaw_all(&mut self, attr: &mut Attribution) {
         for p in std::mem::take(&mut self.frozen) {
             if let Err(e) = attr.freeze(&p, false) {
-                error!(cgroup = %p, "cannot thaw at shutdown: {e}");
+                error!(cgroup = %p, "cannot thaw at shutdown: {}", Chain(&e));
             }
         }
     }

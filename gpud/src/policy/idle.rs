@@ -8,10 +8,8 @@
 
 use std::{
     collections::BTreeMap,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime},
 };
-
-use crate::api::model::IdleRecord;
 
 /// The rule (`[idle]` in the configuration).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,6 +67,23 @@ struct Entry {
     reported: bool,
 }
 
+/// A cgroup reported idle on a GPU, as [`IdleTracker::list`] gives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdleEntry {
+    pub cgroup: String,
+    /// cgroup v2 id (0 if unknown to the probes: NVML-only).
+    pub cgroup_id: u64,
+    pub gpu: u32,
+    /// GPU memory it holds there at the last sample (bytes).
+    pub memory_bytes: u64,
+    /// Since the first sample that saw it under the threshold.
+    pub idle_for: Duration,
+    /// Last sample at or above the threshold; `None`: not since gpud started.
+    pub last_active: Option<SystemTime>,
+    /// SM utilization at the last sample (percent).
+    pub util: u32,
+}
+
 /// Per (cgroup, GPU) idleness.
 #[derive(Debug)]
 pub struct IdleTracker {
@@ -82,6 +97,12 @@ impl IdleTracker {
             rule,
             entries: BTreeMap::new(),
         }
+    }
+
+    /// Replaces the rule (a reload); what was observed so far is judged by the new one from the
+    /// next sample on.
+    pub fn set_rule(&mut self, rule: IdleRule) {
+        self.rule = rule;
     }
 
     /// Takes one sample's observations (every cgroup holding memory on a GPU that NVML
@@ -144,27 +165,24 @@ impl IdleTracker {
     }
 
     /// The cgroups idle for at least the minimum time, longest first.
-    pub fn list(&self, now: Instant) -> Vec<IdleRecord> {
-        let mut out: Vec<IdleRecord> = self
+    pub fn list(&self, now: Instant) -> Vec<IdleEntry> {
+        let mut out: Vec<IdleEntry> = self
             .entries
             .iter()
             .filter(|(_, e)| e.reported)
-            .map(|((cgroup, gpu), e)| IdleRecord {
+            .map(|((cgroup, gpu), e)| IdleEntry {
                 cgroup: cgroup.clone(),
                 cgroup_id: e.cgroup_id,
                 gpu: *gpu,
                 memory_bytes: e.memory_bytes,
-                idle_secs: idle_secs(e, now),
-                last_active: e
-                    .last_active
-                    .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-                    .map_or(0, |d| d.as_secs()),
+                idle_for: Duration::from_secs(idle_secs(e, now)),
+                last_active: e.last_active,
                 util: e.util,
             })
             .collect();
         out.sort_by(|a, b| {
-            b.idle_secs
-                .cmp(&a.idle_secs)
+            b.idle_for
+                .cmp(&a.idle_for)
                 .then_with(|| a.cgroup.cmp(&b.cgroup))
         });
         out
@@ -231,8 +249,8 @@ mod tests {
         assert!(t.observe(at(20), w, [obs("/a", 1000, 0)]).is_empty());
         let l = t.list(at(20));
         assert_eq!(l.len(), 1);
-        assert_eq!(l[0].idle_secs, 20);
-        assert_eq!(l[0].last_active, 0, "never seen active");
+        assert_eq!(l[0].idle_for.as_secs(), 20);
+        assert_eq!(l[0].last_active, None, "never seen active");
     }
 
     #[test]
@@ -251,7 +269,7 @@ mod tests {
         assert!(t.observe(at(12), w, [obs("/a", 1000, 0)]).is_empty());
         assert!(t.observe(at(21), w, [obs("/a", 1000, 0)]).is_empty());
         assert_eq!(t.observe(at(22), w, [obs("/a", 1000, 0)]).len(), 1);
-        assert!(t.list(at(22))[0].last_active > 0);
+        assert!(t.list(at(22))[0].last_active.is_some());
     }
 
     #[test]

@@ -5,18 +5,16 @@
 //! `all`, an index, or a UUID. Values are validated here, before anything changes.
 
 pub mod idle;
+mod quantity;
+mod store;
 
-use std::{
-    collections::BTreeMap,
-    path::{Path, PathBuf},
-    str::FromStr,
-};
+use std::{collections::BTreeMap, path::PathBuf, str::FromStr};
 
 use serde::{Deserialize, Serialize};
-use tracing::info;
 
-/// Largest accepted byte value: far above any GPU, and far from overflowing when usage is added.
-pub const MAX_BYTES: u64 = 1 << 60;
+use quantity::truncate;
+pub use quantity::{MAX_BYTES, parse_quantity};
+pub use store::{LimitStore, StoredLimit};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
@@ -32,9 +30,10 @@ pub enum PolicyError {
     InvalidValue { name: String, reason: String },
     #[error("no limits given")]
     Empty,
-    #[error("writing {path}: {source}")]
+    #[error("cannot write {path}")]
     Write {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
     #[error(
@@ -43,24 +42,14 @@ pub enum PolicyError {
     )]
     CorruptState { path: PathBuf, reason: String },
     #[error(
-        "state directory {path} is not usable ({source}); gpud keeps its limits there: make it a \
-         writable directory or point [daemon] state_dir elsewhere"
+        "state directory {path} is not usable (gpud keeps its limits there: make it a writable \
+         directory or point [daemon] state_dir elsewhere)"
     )]
     StateDir {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
-}
-
-/// What to do with a stored limits file that cannot be read back (`[daemon] on_corrupt_state`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum CorruptState {
-    /// Keep it aside and start with no limits rather than wrong ones.
-    #[default]
-    StartEmpty,
-    /// Refuse to start until a person looks at it.
-    Refuse,
 }
 
 /// Which GPUs a limit applies to.
@@ -358,207 +347,6 @@ fn number(name: &str, v: &LimitValueIn, lo: u32, hi: u32) -> Result<u32, PolicyE
     Ok(n as u32)
 }
 
-/// Parses a byte quantity: plain bytes or a Kubernetes-style suffix (Ki, Mi, Gi, Ti; k, M, G, T).
-pub fn parse_quantity(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (digits, suffix) = t.split_at(split);
-    if digits.is_empty() {
-        return Err(format!("{:?} is not a byte quantity", truncate(text)));
-    }
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{:?} is too large", truncate(text)))?;
-    let mult: u64 = match suffix {
-        "" => 1,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        "k" => 1_000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "T" => 1_000_000_000_000,
-        other => {
-            return Err(format!(
-                "unknown suffix {:?} in {:?} (use Ki, Mi, Gi, Ti, k, M, G, T)",
-                truncate(other),
-                truncate(text)
-            ));
-        }
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("{:?} is too large", truncate(text)))
-}
-
-fn truncate(s: &str) -> String {
-    s.chars().take(80).collect()
-}
-
-/// One stored entry.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StoredLimit {
-    pub cgroup: String,
-    pub gpu: GpuSelector,
-    #[serde(flatten)]
-    pub limits: Limits,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct StateFile {
-    version: u32,
-    limits: Vec<StoredLimit>,
-}
-
-const STATE_VERSION: u32 = 1;
-
-/// The limits in force, persisted to `<state_dir>/limits.json` on every change.
-#[derive(Debug)]
-pub struct LimitStore {
-    path: PathBuf,
-    entries: BTreeMap<(String, GpuSelector), Limits>,
-}
-
-impl LimitStore {
-    pub const FILE: &'static str = "limits.json";
-
-    /// Makes sure `state_dir` exists and takes files: a limit set later must not fail to persist
-    /// because of a mistake that start-up could have shown.
-    pub fn check_dir(state_dir: &Path) -> Result<(), PolicyError> {
-        let err = |source| PolicyError::StateDir {
-            path: state_dir.to_owned(),
-            source,
-        };
-        std::fs::create_dir_all(state_dir).map_err(err)?;
-        let probe = state_dir.join(".gpud-write-test");
-        std::fs::write(&probe, b"").map_err(err)?;
-        std::fs::remove_file(&probe).map_err(err)
-    }
-
-    /// Loads the store. A missing file is an empty store. An unreadable or corrupt one (bad
-    /// JSON, another schema, an unsupported version) is, with [`CorruptState::StartEmpty`],
-    /// moved aside (`limits.json.corrupt-<unix time>`) with an error log, and the daemon starts
-    /// with no limits rather than wrong ones; with [`CorruptState::Refuse`] it is left in place
-    /// and the load fails.
-    pub fn load(state_dir: &Path, on_corrupt: CorruptState) -> Result<Self, PolicyError> {
-        let path = state_dir.join(Self::FILE);
-        let mut store = Self {
-            path: path.clone(),
-            entries: BTreeMap::new(),
-        };
-        let corrupt = |reason: String| -> Result<Self, PolicyError> {
-            match on_corrupt {
-                CorruptState::Refuse => Err(PolicyError::CorruptState {
-                    path: path.clone(),
-                    reason,
-                }),
-                CorruptState::StartEmpty => {
-                    set_aside(&path, &reason);
-                    Ok(Self {
-                        path: path.clone(),
-                        entries: BTreeMap::new(),
-                    })
-                }
-            }
-        };
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(store),
-            Err(e) => return corrupt(format!("cannot read it: {e}")),
-        };
-        match serde_json::from_str::<StateFile>(&text) {
-            Ok(f) if f.version == STATE_VERSION => {
-                for l in f.limits {
-                    if !l.limits.is_empty() {
-                        store.entries.insert((l.cgroup, l.gpu), l.limits);
-                    }
-                }
-                info!(path = %path.display(), limits = store.entries.len(), "limits restored");
-                Ok(store)
-            }
-            Ok(f) => corrupt(format!("unsupported version {}", f.version)),
-            Err(e) => corrupt(e.to_string()),
-        }
-    }
-
-    pub fn get(&self, cgroup: &str, gpu: &GpuSelector) -> Option<&Limits> {
-        self.entries.get(&(cgroup.to_owned(), gpu.clone()))
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (&(String, GpuSelector), &Limits)> {
-        self.entries.iter()
-    }
-
-    /// Replaces the whole set (after a change was validated and applied) and persists it; on a
-    /// write error the previous set stays in force.
-    pub fn replace(
-        &mut self,
-        entries: BTreeMap<(String, GpuSelector), Limits>,
-    ) -> Result<(), PolicyError> {
-        let entries: BTreeMap<_, _> = entries.into_iter().filter(|(_, l)| !l.is_empty()).collect();
-        write_state(&self.path, &entries)?;
-        self.entries = entries;
-        Ok(())
-    }
-
-    pub fn entries(&self) -> &BTreeMap<(String, GpuSelector), Limits> {
-        &self.entries
-    }
-}
-
-fn set_aside(path: &Path, reason: &str) {
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let aside = path.with_extension(format!("json.corrupt-{stamp}"));
-    match std::fs::rename(path, &aside) {
-        Ok(()) => tracing::error!(
-            path = %path.display(), kept = %aside.display(),
-            "stored limits are corrupt ({reason}); kept aside, starting with no limits"
-        ),
-        Err(e) => tracing::error!(
-            path = %path.display(),
-            "stored limits are corrupt ({reason}) and cannot be moved aside ({e}); starting with no limits"
-        ),
-    }
-}
-
-/// Writes atomically: a temporary file in the same directory, fsynced, then renamed.
-fn write_state(
-    path: &Path,
-    entries: &BTreeMap<(String, GpuSelector), Limits>,
-) -> Result<(), PolicyError> {
-    use std::io::Write as _;
-    let werr = |source| PolicyError::Write {
-        path: path.to_owned(),
-        source,
-    };
-    let file = StateFile {
-        version: STATE_VERSION,
-        limits: entries
-            .iter()
-            .map(|((cgroup, gpu), limits)| StoredLimit {
-                cgroup: cgroup.clone(),
-                gpu: gpu.clone(),
-                limits: limits.clone(),
-            })
-            .collect(),
-    };
-    let text = serde_json::to_string_pretty(&file).map_err(|e| werr(std::io::Error::other(e)))?;
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(werr)?;
-    }
-    let tmp = path.with_extension("json.tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(werr)?;
-    f.write_all(text.as_bytes()).map_err(werr)?;
-    f.write_all(b"\n").map_err(werr)?;
-    f.sync_all().map_err(werr)?;
-    std::fs::rename(&tmp, path).map_err(werr)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -588,26 +376,6 @@ mod tests {
         ] {
             assert!(bad.parse::<GpuSelector>().is_err(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn quantities() {
-        assert_eq!(parse_quantity("8Gi"), Ok(8 << 30));
-        assert_eq!(parse_quantity("512Mi"), Ok(512 << 20));
-        assert_eq!(parse_quantity("1000"), Ok(1000));
-        assert_eq!(parse_quantity("2G"), Ok(2_000_000_000));
-        for bad in [
-            "",
-            "Gi",
-            "8 GiB",
-            "-1",
-            "1.5Gi",
-            "99999999999999999999",
-            "16384Ti0",
-        ] {
-            assert!(parse_quantity(bad).is_err(), "{bad:?}");
-        }
-        assert!(parse_quantity("17179869184Ti").is_err(), "overflow");
     }
 
     #[test]
@@ -641,89 +409,15 @@ mod tests {
             Err(PolicyError::Empty)
         ));
     }
-
-    #[test]
-    fn store_round_trips_and_sets_corrupt_files_aside() -> Result<(), PolicyError> {
-        let dir = std::env::temp_dir().join(format!("gpud-store-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let mut s = LimitStore::load(&dir, CorruptState::StartEmpty)?;
-        assert!(s.entries().is_empty());
-        let mut e = BTreeMap::new();
-        e.insert(
-            ("/a".to_owned(), GpuSelector::All),
-            Limits {
-                memory_max: Some(42),
-                compute_max: Some(30),
-                priority: Some(Priority::BestEffort),
-                ..Limits::default()
-            },
-        );
-        s.replace(e.clone())?;
-        assert_eq!(
-            LimitStore::load(&dir, CorruptState::StartEmpty)?.entries(),
-            &e
-        );
-        std::fs::write(dir.join(LimitStore::FILE), "{ not json").map_err(|source| {
-            PolicyError::Write {
-                path: dir.clone(),
-                source,
-            }
-        })?;
-        assert!(matches!(
-            LimitStore::load(&dir, CorruptState::Refuse),
-            Err(PolicyError::CorruptState { .. })
-        ));
-        assert!(
-            dir.join(LimitStore::FILE).exists(),
-            "refuse leaves it in place"
-        );
-        assert!(
-            LimitStore::load(&dir, CorruptState::StartEmpty)?
-                .entries()
-                .is_empty()
-        );
-        assert!(!dir.join(LimitStore::FILE).exists(), "moved aside");
-        let aside = std::fs::read_dir(&dir)
-            .map(|d| {
-                d.flatten()
-                    .any(|f| f.file_name().to_string_lossy().contains("corrupt"))
-            })
-            .unwrap_or(false);
-        assert!(aside, "corrupt file kept aside");
-        let _ = std::fs::remove_dir_all(&dir);
-        Ok(())
-    }
 }
 
-/// Fuzz targets (`cargo xtask fuzz`): quantities, GPU selectors and named limit values as they
-/// arrive from D-Bus callers and annotations.
+/// Fuzz targets (`cargo xtask fuzz`): GPU selectors and named limit values as they arrive from
+/// D-Bus callers and annotations.
 #[cfg(test)]
 mod fuzz {
     use proptest::prelude::*;
 
     use super::*;
-
-    const SUFFIXES: [(&str, u64); 9] = [
-        ("", 1),
-        ("Ki", 1 << 10),
-        ("Mi", 1 << 20),
-        ("Gi", 1 << 30),
-        ("Ti", 1 << 40),
-        ("k", 1_000),
-        ("M", 1_000_000),
-        ("G", 1_000_000_000),
-        ("T", 1_000_000_000_000),
-    ];
-
-    /// `bytes` in the largest unit that divides it, as a person would write it.
-    fn format_quantity(bytes: u64) -> String {
-        SUFFIXES
-            .iter()
-            .rev()
-            .filter(|(_, m)| bytes != 0 && bytes.is_multiple_of(*m))
-            .max_by_key(|(_, m)| *m)
-            .map_or_else(|| bytes.to_string(), |(s, m)| format!("{}{s}", bytes / m))
-    }
 
     fn value_in() -> impl Strategy<Value = LimitValueIn> {
         prop_oneof![
@@ -736,38 +430,6 @@ mod fuzz {
     }
 
     proptest! {
-        /// Any text is a byte count or a message; nothing panics.
-        #[test]
-        fn any_quantity_text_never_panics(text in "(?s).{0,64}") {
-            if let Ok(n) = parse_quantity(&text) {
-                let t = text.trim();
-                prop_assert!(t.starts_with(|c: char| c.is_ascii_digit()), "{text:?} -> {n}");
-            }
-        }
-
-        /// Number and suffix give their exact product, or an error where it overflows (never a
-        /// wrapped value).
-        #[test]
-        fn quantities_multiply_exactly_or_overflow(n in any::<u64>(), s in 0usize..SUFFIXES.len(), pad in "[ \t]{0,2}") {
-            let (suffix, mult) = SUFFIXES[s];
-            let got = parse_quantity(&format!("{pad}{n}{suffix}{pad}"));
-            match n.checked_mul(mult) {
-                Some(want) => prop_assert_eq!(got, Ok(want)),
-                None => prop_assert!(got.is_err_and(|e| e.contains("too large"))),
-            }
-        }
-
-        /// A formatted quantity parses back to the same bytes.
-        #[test]
-        fn formatted_quantities_round_trip(bytes in prop_oneof![
-            any::<u64>(),
-            (any::<u32>(), 0u32..5).prop_map(|(n, p)| u64::from(n) << (10 * p)),
-            (any::<u32>(), 0u32..5).prop_map(|(n, p)| u64::from(n).saturating_mul(1000u64.pow(p))),
-        ]) {
-            let text = format_quantity(bytes);
-            prop_assert_eq!(parse_quantity(&text), Ok(bytes), "{}", text);
-        }
-
         /// Any text is a selector or `InvalidGpu`; an accepted one prints as text that parses
         /// back to it.
         #[test]

@@ -7,7 +7,7 @@
 //! run in the host's, like gpud.
 
 use super::RuntimeError;
-use crate::attribution::CgroupFs;
+use crate::cgroupfs::CgroupFs;
 
 /// The cgroup of process `pid`. Refuses the root cgroup: a limit there would apply to the whole
 /// machine, and a container is never meant to run in it.

@@ -7,7 +7,7 @@ use super::{
     RuntimeError,
     annotations::{LimitKind, LimitValue, Shares},
 };
-use crate::api::dbus::{Manager1Proxy, connect_builder};
+use gpud_api::{Manager1Proxy, connect_builder};
 
 /// The limits this gpud accepts in `SetLimits`; any other would be parsed and validated but not
 /// sent, and reported as not supported (kept for limits a newer annotation schema may add).

@@ -38,9 +38,10 @@ pub enum RuntimeError {
     /// The runtime handed over something unusable (e.g. an OCI state that does not parse).
     #[error("{0}")]
     Input(String),
-    #[error("{path}: {source}")]
+    #[error("cannot access {path}")]
     Io {
         path: std::path::PathBuf,
+        #[source]
         source: std::io::Error,
     },
 }

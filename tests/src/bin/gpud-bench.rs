@@ -23,7 +23,7 @@ use aya::{
     programs::{FEntry, TracePoint},
 };
 use gpud::{
-    attribution::CgroupFs,
+    cgroupfs::CgroupFs,
     config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
     probes::{self, AttachMode, DynamicMajors, ProbeSetup, Probes, devices},
 };

@@ -36,7 +36,8 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use gpud::{
-    attribution::{Attribution, CgroupFs},
+    attribution::Attribution,
+    cgroupfs::CgroupFs,
     config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
     enforcement::MemoryEnforcement,
     policy::LimitStore,

@@ -35,7 +35,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use gpud::api::dbus::{Manager1Proxy, connect_builder};
+use gpud_api::{Manager1Proxy, connect_builder};
 use gpud_tests::{Bus, Cgroup, Daemon, TempDir, write_config};
 use serde_json::{Value, json};
 

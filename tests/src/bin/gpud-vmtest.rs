@@ -9,10 +9,12 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, bail, ensure};
 use gpud::{
-    attribution::{Attribution, CgroupFs},
+    attribution::Attribution,
+    cgroupfs::CgroupFs,
     config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
     probes::{AttachMode, DynamicMajors, Matcher, ProbeSetup, Probes, Tier, devices},
 };
+use gpud_api::CgroupRecord;
 use gpud_common::nv;
 use gpud_tests::{
     class_counts,
@@ -90,7 +92,7 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
         ("vid_heap", 1),
         ("other", 1),
     ]);
-    let ra = attribution.get(&rel(&cg_a))?;
+    let ra = CgroupRecord::from(attribution.get(&rel(&cg_a))?);
     ensure!(
         ra.ioctls == want_a,
         "A counts {:?} != {want_a:?}",
@@ -116,7 +118,7 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
         "ok".into()
     })?;
     ensure!(report == "ok", "child B: {report}");
-    let rb = attribution.get(&rel(&cg_b))?;
+    let rb = CgroupRecord::from(attribution.get(&rel(&cg_b))?);
     ensure!(
         rb.ioctls == class_counts(&[("alloc", 2)]),
         "B counts {:?}",
@@ -125,7 +127,7 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     ensure!(rb.pids.is_empty(), "B exited but pids {:?}", rb.pids);
 
     held.release();
-    let ra = attribution.get(&rel(&cg_a))?;
+    let ra = CgroupRecord::from(attribution.get(&rel(&cg_a))?);
     ensure!(ra.pids.is_empty(), "A exited but pids {:?}", ra.pids);
     ensure!(
         ra.ioctls == want_a,

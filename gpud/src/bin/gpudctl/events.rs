@@ -1,7 +1,7 @@
 //! `gpudctl events`: follows the signals gpud emits under its object tree.
 
 use futures_util::StreamExt as _;
-use gpud::api::dbus::OBJECT_PATH;
+use gpud_api::OBJECT_PATH;
 use serde_json::{Value, json};
 use zbus::{MatchRule, MessageStream, message::Type};
 

@@ -9,9 +9,8 @@ mod top;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use gpud::api::{
-    dbus::{Manager1Proxy, connect_builder},
-    model::{CgroupRecord, ComputeRecord, LimitRecord, NvmlUsageRecord},
+use gpud_api::{
+    CgroupRecord, ComputeRecord, LimitRecord, Manager1Proxy, NvmlUsageRecord, connect_builder,
 };
 use gpud_common::IOCTL_CLASS_NAMES;
 
@@ -256,7 +255,7 @@ async fn run(args: Args) -> Result<(), Failure> {
     }
 }
 
-fn print_idle(idle: &[gpud::api::model::IdleRecord]) {
+fn print_idle(idle: &[gpud_api::IdleRecord]) {
     println!(
         "{:<50} {:>4} {:>12} {:>10} {:>5} {:<20}",
         "CGROUP", "GPU", "MEMORY", "IDLE", "UTIL", "LAST ACTIVE"

@@ -13,11 +13,7 @@ use crossterm::{
     execute, terminal,
 };
 use futures_util::StreamExt as _;
-use gpud::api::{
-    dbus::Manager1Proxy,
-    metrics::container_id,
-    model::{CgroupRecord, GpuRecord},
-};
+use gpud_api::{CgroupRecord, GpuRecord, Manager1Proxy, container_id};
 use serde::Serialize;
 
 use crate::{Failure, daemon_err, duration, human};

@@ -30,6 +30,8 @@ use api::{nri, nri_ttrpc};
 use tokio::sync::{Mutex, Notify};
 use tracing::{debug, info, warn};
 
+use crate::report::Chain;
+
 use super::{
     FailMode, FailPolicy, RuntimeError,
     annotations::{self, Shares},
@@ -54,7 +56,7 @@ pub enum NriError {
     InvalidIndex(String),
     #[error(transparent)]
     Mux(#[from] mux::MuxError),
-    #[error("ttrpc: {0}")]
+    #[error("a ttrpc call to the runtime failed")]
     Ttrpc(#[from] ttrpc::Error),
     #[error("registration refused or unanswered: {0}")]
     Register(String),
@@ -138,7 +140,7 @@ fn status(e: &RuntimeError) -> ttrpc::Error {
         super::FailureClass::Invalid => ttrpc::Code::INVALID_ARGUMENT,
         super::FailureClass::Unreachable => ttrpc::Code::UNAVAILABLE,
     };
-    ttrpc::Error::RpcStatus(ttrpc::get_status(code, format!("gpud: {e}")))
+    ttrpc::Error::RpcStatus(ttrpc::get_status(code, format!("gpud: {}", Chain(e))))
 }
 
 /// A short name of a container for logs: `namespace/pod/container (id)`.
@@ -291,7 +293,7 @@ impl Handler {
             }
             Err(e) => {
                 self.on_error(e).await;
-                warn!(container = %describe(pod, c), "cannot clear GPU shares: {e}");
+                warn!(container = %describe(pod, c), "cannot clear GPU shares: {}", Chain(e));
             }
         }
         result
@@ -308,13 +310,14 @@ impl Handler {
         let Err(e) = r else { return Ok(()) };
         match self.inner.cfg.policy.mode_for(&e) {
             FailMode::Closed => {
-                warn!(container = %describe(pod, c), "{what}: {e}; failing the container (closed)");
+                warn!(container = %describe(pod, c), "{what}: {}; failing the container (closed)", Chain(&e));
                 Err(status(&e))
             }
             FailMode::Open => {
                 warn!(
                     container = %describe(pod, c),
-                    "{what}: {e}; the container runs without GPU shares (open)"
+                    "{what}: {}; the container runs without GPU shares (open)",
+                    Chain(&e)
                 );
                 Ok(())
             }
@@ -360,13 +363,16 @@ impl Handler {
                 Ok(true) => set += 1,
                 Ok(false) => {}
                 Err(e) if e.class() == super::FailureClass::Unreachable => {
-                    warn!("synchronize: {e}; the remaining containers are not synchronized");
+                    warn!(
+                        "synchronize: {}; the remaining containers are not synchronized",
+                        Chain(&e)
+                    );
                     failed += 1;
                     break;
                 }
                 Err(e) => {
                     failed += 1;
-                    warn!(container = %describe(pod, c), "synchronize: {e}");
+                    warn!(container = %describe(pod, c), "synchronize: {}", Chain(&e));
                 }
             }
         }

@@ -1,4 +1,4 @@
-//! Records exchanged over D-Bus, shared by the daemon and `gpudctl` (one definition of the wire
+//! Records exchanged over D-Bus, shared by the daemon and its clients (one definition of the wire
 //! shapes; their D-Bus signatures are documented in docs/dbus-api.md).
 
 use std::collections::BTreeMap;
@@ -30,10 +30,12 @@ pub struct CgroupRecord {
 /// A limit as listed by `ListLimits`: signature `(ssa{sv})`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Type)]
 pub struct LimitRecord {
+    /// Path relative to the cgroup v2 root.
     pub cgroup: String,
     /// `all`, an index or a UUID, as set.
     pub gpu: String,
-    /// `memory_max` (t).
+    /// Every limit set, by name: `memory_max` (bytes), `compute_max`, `compute_min` (percent),
+    /// `compute_weight`, `priority` (0 latency-critical, 1 normal, 2 best-effort).
     pub limits: BTreeMap<String, u64>,
 }
 
@@ -55,17 +57,29 @@ pub struct ProcessRecord {
 /// CUDA versions, compute mode, MIG mode, critical Xid errors seen since the daemon started.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct GpuRecord {
+    /// NVML index (of the parent GPU for a MIG device).
     pub index: u32,
+    /// MIG device number under its GPU; `u32::MAX` for a whole GPU.
     pub mig: u32,
+    /// `GPU-…` or `MIG-…`.
     pub uuid: String,
+    /// Product name, e.g. `NVIDIA H100 80GB HBM3`.
     pub name: String,
+    /// PCI bus id, e.g. `00000000:00:06.0`.
     pub pci_bus_id: String,
+    /// Memory size (bytes).
     pub memory_total: u64,
+    /// Memory in use by all processes at the last sample (bytes).
     pub memory_used: u64,
+    /// Driver version, e.g. `580.159.04`.
     pub driver_version: String,
+    /// CUDA version the driver supports, e.g. `13.0`.
     pub cuda_version: String,
+    /// `default`, `exclusive_process`, `exclusive_thread`, `prohibited` or `n/a`.
     pub compute_mode: String,
+    /// `enabled`, `disabled` or `n/a`.
     pub mig_mode: String,
+    /// Critical Xid errors seen since the daemon started.
     pub xid_errors: u64,
 }
 
@@ -84,14 +98,18 @@ pub struct NvmlUsageRecord {
     pub ebpf_memory_bytes: u64,
     /// SM utilization in percent over the last sample window (sum over its processes, capped).
     pub sm_util: u32,
+    /// Encoder utilization in percent over the same window.
     pub enc_util: u32,
+    /// Decoder utilization in percent over the same window.
     pub dec_util: u32,
+    /// The cgroup's processes NVML reported on that GPU.
     pub pids: Vec<u32>,
 }
 
 /// What the compute controller does for a cgroup: signature `(sddddtt)`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Type)]
 pub struct ComputeRecord {
+    /// Path relative to the cgroup v2 root.
     pub cgroup: String,
     /// Share of each period it may run (percent).
     pub duty: f64,
@@ -101,6 +119,7 @@ pub struct ComputeRecord {
     pub measured: f64,
     /// Time frozen by the controller, and periods in which it was (like `cpu.stat`).
     pub throttled_usec: u64,
+    /// Periods in which it was frozen at all.
     pub nr_throttled: u64,
 }
 
@@ -120,8 +139,9 @@ pub struct NvmlEventRecord {
     /// The process the event is attributed to, 0 if none: NVML's event names a device, not a
     /// process, so this is the only process NVML reported on that GPU at the last sample.
     pub pid: u32,
-    /// cgroup v2 id and path of that process (0 and empty if none).
+    /// cgroup v2 id of that process (0 if none).
     pub cgroup_id: u64,
+    /// Path of that cgroup (empty if none).
     pub cgroup: String,
     /// Every process NVML reported on that GPU at the last sample.
     pub pids: Vec<u32>,

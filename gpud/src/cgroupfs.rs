@@ -1,6 +1,8 @@
-//! The cgroup v2 hierarchy: where it is mounted, and the mapping between cgroup ids (what the
-//! probes record, `bpf_get_current_cgroup_id()`, the inode number of the cgroup's directory) and
-//! paths relative to the root.
+//! The cgroup v2 hierarchy, the one home of cgroup-path knowledge in gpud: where it is mounted,
+//! the mapping between cgroup ids (what the probes record, `bpf_get_current_cgroup_id()`, the
+//! inode number of the cgroup's directory) and paths relative to the root, the validation of
+//! paths clients send, a process's cgroup (`/proc/<pid>/cgroup`) and the freezer. Attribution,
+//! NVML, enforcement and the runtime helpers all use it; it depends on nothing else in gpud.
 
 use std::{
     collections::HashMap,
@@ -12,18 +14,20 @@ use std::{
 pub enum CgroupError {
     #[error("no cgroup2 filesystem in /proc/self/mountinfo")]
     NoCgroup2,
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     Read {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
     #[error("invalid cgroup path {path:?}: {reason}")]
     InvalidPath { path: String, reason: &'static str },
     #[error("no cgroup {0}")]
     NotFound(String),
-    #[error("cannot write {path}: {source}")]
+    #[error("cannot write {path}")]
     Write {
-        path: String,
+        path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
 }
@@ -316,13 +320,35 @@ impl CgroupFs {
         None
     }
 
-    /// Cgroup v2 path of a process, from `/proc/<pid>/cgroup` (the `0::` line).
+    /// Cgroup v2 path of a process, from `/proc/<pid>/cgroup`; `None` if the process is gone.
     pub fn path_of_pid(pid: u32) -> Option<String> {
         let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-        text.lines()
-            .find_map(|l| l.strip_prefix("0::"))
-            .map(|p| p.trim_end_matches(" (deleted)").to_owned())
+        path_in_proc_cgroup(&text)
     }
+
+    /// Freezes or thaws the cgroup at `path` (relative to the root) through `cgroup.freeze`.
+    pub fn freeze(&self, path: &str, frozen: bool) -> Result<(), CgroupError> {
+        freeze_at(&self.root, path, frozen)
+    }
+}
+
+/// The cgroup v2 path in the text of a `/proc/<pid>/cgroup` file: its `0::` line (hybrid
+/// hierarchies list v1 controllers first), without the ` (deleted)` the kernel appends for a
+/// removed cgroup.
+pub fn path_in_proc_cgroup(text: &str) -> Option<String> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(|p| p.trim_end_matches(" (deleted)").to_owned())
+}
+
+/// Freezes or thaws the cgroup at `path` below the hierarchy mounted at `root` (for owners that
+/// hold only the root, like the compute controller).
+pub fn freeze_at(root: &Path, path: &str, frozen: bool) -> Result<(), CgroupError> {
+    let file = root
+        .join(path.trim_start_matches('/'))
+        .join("cgroup.freeze");
+    std::fs::write(&file, if frozen { "1" } else { "0" })
+        .map_err(|source| CgroupError::Write { path: file, source })
 }
 
 #[cfg(test)]
@@ -384,6 +410,22 @@ mod tests {
         assert_eq!(fresh.path_of(id), None, "still gone");
         assert_eq!(fs.path_of(id), None);
         Ok(())
+    }
+
+    #[test]
+    fn cgroup_v2_line_is_found_among_v1_lines() {
+        let hybrid = "12:cpu,cpuacct:/x\n1:name=systemd:/user.slice\n0::/kubepods/pod1/ctr\n";
+        assert_eq!(
+            path_in_proc_cgroup(hybrid).as_deref(),
+            Some("/kubepods/pod1/ctr")
+        );
+        assert_eq!(path_in_proc_cgroup("0::/\n").as_deref(), Some("/"));
+        assert_eq!(
+            path_in_proc_cgroup("0::/gone (deleted)\n").as_deref(),
+            Some("/gone")
+        );
+        assert_eq!(path_in_proc_cgroup("3:memory:/a\n"), None);
+        assert_eq!(path_in_proc_cgroup(""), None);
     }
 
     #[test]

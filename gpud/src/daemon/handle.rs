@@ -1,0 +1,220 @@
+//! The typed handle to the state task: what the API layer (D-Bus, metrics) may ask and change.
+//! Each call is one request on the state task's channel with a oneshot reply; callers never see
+//! the message types.
+
+use std::collections::BTreeMap;
+
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::{Message, views::NvmlUsage};
+use crate::{
+    attribution::{AttributionError, CgroupView, ProcessView},
+    config::Config,
+    enforcement::{EnforcementError, LimitEntry, compute::ComputeStat},
+    nvml::{AttributedXid, GpuStatus},
+    policy::{LimitUpdate, idle::IdleEntry},
+};
+
+/// Per cgroup path, what the compute controller does.
+pub type ComputeStats = BTreeMap<String, ComputeStat>;
+
+/// Why a request to the state task failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The state task is gone (the daemon is stopping).
+    #[error("the daemon is shutting down")]
+    Stopped,
+    #[error(transparent)]
+    Attribution(#[from] AttributionError),
+    #[error(transparent)]
+    Enforcement(#[from] EnforcementError),
+}
+
+/// Whether NVML answers, and why not.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NvmlStatus {
+    pub available: bool,
+    /// `available`, or the reason it is not (library missing, no GPU, the failing call).
+    pub status: String,
+}
+
+/// Everything one metrics scrape shows, taken at one moment of the state task.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub cgroups: Vec<CgroupView>,
+    pub nvml_usage: Vec<NvmlUsage>,
+    pub nvml_available: bool,
+    pub gpus: Vec<GpuStatus>,
+    pub kernel_stats: BTreeMap<String, u64>,
+    pub idle: Vec<IdleEntry>,
+    pub compute: ComputeStats,
+}
+
+/// Questions and changes for the state task, each with its reply channel.
+pub(super) enum Request {
+    ListCgroups(oneshot::Sender<Vec<CgroupView>>),
+    ListProcesses(oneshot::Sender<Vec<ProcessView>>),
+    GetCgroup {
+        path: String,
+        reply: oneshot::Sender<Result<CgroupView, AttributionError>>,
+    },
+    KernelStats(oneshot::Sender<BTreeMap<String, u64>>),
+    SetLimits {
+        cgroup: String,
+        gpu: String,
+        update: LimitUpdate,
+        reply: oneshot::Sender<Result<(), EnforcementError>>,
+    },
+    ClearLimits {
+        cgroup: String,
+        gpu: String,
+        names: Vec<String>,
+        reply: oneshot::Sender<Result<(), EnforcementError>>,
+    },
+    ListLimits(oneshot::Sender<Vec<LimitEntry>>),
+    ListGpus(oneshot::Sender<Vec<GpuStatus>>),
+    ListNvmlUsage(oneshot::Sender<Vec<NvmlUsage>>),
+    NvmlStatus(oneshot::Sender<NvmlStatus>),
+    ListNvmlEvents(oneshot::Sender<Vec<AttributedXid>>),
+    ListIdle(oneshot::Sender<Vec<IdleEntry>>),
+    Snapshot(oneshot::Sender<Snapshot>),
+    /// A reloaded configuration: each owner applies its live keys.
+    Reconfigure(Box<Config>, oneshot::Sender<()>),
+}
+
+/// The state task's handle: cheap to clone, one per API object.
+#[derive(Clone)]
+pub struct Handle {
+    tx: mpsc::Sender<Message>,
+    /// Published by the compute controller (its own task) after every period; `None` when
+    /// compute shares are off.
+    compute: Option<watch::Receiver<ComputeStats>>,
+}
+
+impl Handle {
+    pub(super) fn new(
+        tx: mpsc::Sender<Message>,
+        compute: Option<watch::Receiver<ComputeStats>>,
+    ) -> Self {
+        Self { tx, compute }
+    }
+
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Request,
+    ) -> Result<T, DaemonError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Message::Request(make(reply)))
+            .await
+            .map_err(|_| DaemonError::Stopped)?;
+        rx.await.map_err(|_| DaemonError::Stopped)
+    }
+
+    /// Every attributed cgroup, ordered by path.
+    pub async fn list_cgroups(&self) -> Result<Vec<CgroupView>, DaemonError> {
+        self.ask(Request::ListCgroups).await
+    }
+
+    /// Every live attributed process, ordered by pid.
+    pub async fn list_processes(&self) -> Result<Vec<ProcessView>, DaemonError> {
+        self.ask(Request::ListProcesses).await
+    }
+
+    /// One cgroup by path relative to the cgroup v2 root.
+    pub async fn get_cgroup(&self, path: &str) -> Result<CgroupView, DaemonError> {
+        let path = path.to_owned();
+        Ok(self
+            .ask(|reply| Request::GetCgroup { path, reply })
+            .await??)
+    }
+
+    /// Health counters of the kernel side.
+    pub async fn kernel_stats(&self) -> Result<BTreeMap<String, u64>, DaemonError> {
+        self.ask(Request::KernelStats).await
+    }
+
+    /// Sets limits on a cgroup for one GPU selector; persisted and in force when it returns.
+    pub async fn set_limits(
+        &self,
+        cgroup: &str,
+        gpu: &str,
+        update: LimitUpdate,
+    ) -> Result<(), DaemonError> {
+        let (cgroup, gpu) = (cgroup.to_owned(), gpu.to_owned());
+        Ok(self
+            .ask(|reply| Request::SetLimits {
+                cgroup,
+                gpu,
+                update,
+                reply,
+            })
+            .await??)
+    }
+
+    /// Clears the named limits (all when `names` is empty) of a cgroup on one GPU selector.
+    pub async fn clear_limits(
+        &self,
+        cgroup: &str,
+        gpu: &str,
+        names: Vec<String>,
+    ) -> Result<(), DaemonError> {
+        let (cgroup, gpu) = (cgroup.to_owned(), gpu.to_owned());
+        Ok(self
+            .ask(|reply| Request::ClearLimits {
+                cgroup,
+                gpu,
+                names,
+                reply,
+            })
+            .await??)
+    }
+
+    /// Every limit in force, ordered by cgroup and GPU.
+    pub async fn list_limits(&self) -> Result<Vec<LimitEntry>, DaemonError> {
+        self.ask(Request::ListLimits).await
+    }
+
+    /// GPUs and MIG devices as NVML last reported them.
+    pub async fn list_gpus(&self) -> Result<Vec<GpuStatus>, DaemonError> {
+        self.ask(Request::ListGpus).await
+    }
+
+    /// NVML's per-cgroup figures from the last sample beside the probes' memory figures.
+    pub async fn list_nvml_usage(&self) -> Result<Vec<NvmlUsage>, DaemonError> {
+        self.ask(Request::ListNvmlUsage).await
+    }
+
+    pub async fn nvml_status(&self) -> Result<NvmlStatus, DaemonError> {
+        self.ask(Request::NvmlStatus).await
+    }
+
+    /// The most recent Xid events, oldest first.
+    pub async fn list_nvml_events(&self) -> Result<Vec<AttributedXid>, DaemonError> {
+        self.ask(Request::ListNvmlEvents).await
+    }
+
+    /// cgroups reported idle while holding GPU memory, longest idle first.
+    pub async fn list_idle(&self) -> Result<Vec<IdleEntry>, DaemonError> {
+        self.ask(Request::ListIdle).await
+    }
+
+    /// What a metrics scrape shows, all from one moment of the state task.
+    pub async fn snapshot(&self) -> Result<Snapshot, DaemonError> {
+        let mut snap = self.ask(Request::Snapshot).await?;
+        snap.compute = self.compute_stats().unwrap_or_default();
+        Ok(snap)
+    }
+
+    /// What the compute controller does per cgroup; `None` when compute shares are off.
+    pub fn compute_stats(&self) -> Option<ComputeStats> {
+        self.compute.as_ref().map(|rx| rx.borrow().clone())
+    }
+
+    /// Hands a reloaded configuration to the state task, which applies its live keys and passes
+    /// on the controller's and the NVML sampler's; returns once they are in force.
+    pub async fn reconfigure(&self, config: Config) -> Result<(), DaemonError> {
+        self.ask(|reply| Request::Reconfigure(Box::new(config), reply))
+            .await
+    }
+}

@@ -1,0 +1,379 @@
+//! The daemon's core: one task owns all mutable state (attribution with the probes' maps, memory
+//! enforcement with the limit store, the NVML view, the idle report); the ring-buffer reader, the
+//! NVML sampler thread, the `/proc` scans and the timers reach it only as messages, and the API
+//! only through a [`Handle`]. [`spawn`] wires it all up and hands back a [`Running`] daemon.
+//!
+//! - `handle`: the typed requests the API may make;
+//! - `views`: joins of the state computed on demand (attribution × NVML, the controller's input);
+//! - `ring`: the event ring buffer's reader;
+//! - `start`: start-up (probes, stored limits, tasks) and orderly stop.
+
+mod handle;
+mod ring;
+mod start;
+mod views;
+
+use std::{collections::BTreeSet, time::Duration};
+
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tracing::{debug, info, warn};
+
+use handle::Request;
+pub use handle::{ComputeStats, DaemonError, Handle, NvmlStatus, Snapshot};
+pub use ring::parse_event;
+pub use start::{DaemonInfo, Outputs, Running, StartError, spawn};
+pub use views::NvmlUsage;
+
+use crate::{
+    attribution::{Attribution, scan},
+    config::Config,
+    enforcement::{LimitNotice, MemoryEnforcement, compute::ControlInput},
+    nvml::{AttributedXid, GpuStatus, NvmlView, SamplerSettings, Snapshot as NvmlSnapshot},
+    policy::idle::{IdleChange, IdleTracker},
+};
+
+/// Everything the state task reacts to.
+enum Message {
+    Request(Request),
+    Kernel(gpud_common::Event),
+    /// Result of a `/proc` scan run off the state task.
+    Scanned(BTreeSet<u32>),
+    /// What the NVML sampler saw.
+    Nvml(NvmlSnapshot),
+}
+
+/// Where the state task's news goes: the API's publishers subscribe to these.
+struct Senders {
+    /// Limit events, for the `MemoryLimitExceeded` signal.
+    notices: broadcast::Sender<LimitNotice>,
+    /// The GPU inventory, for the `dev.gpud.Gpu1` objects.
+    inventory: watch::Sender<Vec<GpuStatus>>,
+    /// Xid events, for the `Xid` signals.
+    xids: broadcast::Sender<AttributedXid>,
+    /// Idle transitions, for the `IdleChanged` signal.
+    idle_changes: broadcast::Sender<IdleChange>,
+}
+
+/// The live settings the state task passes on to the tasks that own them.
+struct LiveSettings {
+    /// The compute controller's period (`None`: compute shares are off).
+    compute_period: Option<watch::Sender<Duration>>,
+    /// The NVML sampler's intervals (`None`: NVML is off).
+    sampler: Option<watch::Sender<SamplerSettings>>,
+}
+
+/// Everything the state task owns.
+struct State {
+    attribution: Attribution,
+    memory: MemoryEnforcement,
+    nvml: NvmlView,
+    /// Inputs of the compute controller (`None`: compute shares disabled).
+    control: Option<watch::Sender<ControlInput>>,
+    idle: IdleTracker,
+    /// Whether idle transitions are signalled (`[idle] signal`).
+    idle_signal: bool,
+    outputs: Senders,
+    live: LiveSettings,
+}
+
+/// Timers of the state task (live: a reload changes them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Intervals {
+    /// Periodic `/proc` scan; `None` disables it.
+    rescan: Option<Duration>,
+    sweep: Duration,
+}
+
+impl Intervals {
+    fn of(config: &Config) -> Self {
+        let a = &config.attribution;
+        Self {
+            rescan: (a.rescan_interval_secs > 0)
+                .then(|| Duration::from_secs(a.rescan_interval_secs)),
+            sweep: Duration::from_secs(a.sweep_interval_secs),
+        }
+    }
+}
+
+/// A timer that first fires one `every` from now (the start-up scan and sweep already ran).
+fn timer(every: Duration) -> tokio::time::Interval {
+    let mut t = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    t
+}
+
+/// Runs the state task until `shutdown` turns true or every sender is gone; hands the state back
+/// for an orderly stop. `watchdog`: the period of the service manager's keep-alives, sent from
+/// here so that they stop when this task hangs.
+async fn run_state(
+    mut state: State,
+    mut intervals: Intervals,
+    watchdog: Option<Duration>,
+    tx: mpsc::Sender<Message>,
+    mut rx: mpsc::Receiver<Message>,
+    mut shutdown: watch::Receiver<bool>,
+) -> State {
+    // A disabled rescan or watchdog still needs a timer to select on; it never fires usefully.
+    const NEVER: Duration = Duration::from_secs(86_400);
+    let mut sweep = timer(intervals.sweep);
+    let mut rescan = timer(intervals.rescan.unwrap_or(NEVER));
+    // Keep-alives start at once: the service manager may have been waiting since the start.
+    let mut keepalive = tokio::time::interval(watchdog.unwrap_or(NEVER));
+    loop {
+        tokio::select! {
+            msg = rx.recv() => {
+                let Some(msg) = msg else { break };
+                if let Some(new) = handle(&mut state, msg) && new != intervals {
+                    intervals = new;
+                    sweep = timer(intervals.sweep);
+                    rescan = timer(intervals.rescan.unwrap_or(NEVER));
+                }
+                if rx.is_empty() {
+                    state.attribution.release_pending_orphans();
+                }
+            }
+            _ = sweep.tick() => sweep_all(&mut state),
+            _ = rescan.tick(), if intervals.rescan.is_some() => {
+                // Reading every process's fd table is blocking work: do it off this task.
+                let matcher = state.attribution.matcher().clone();
+                let tx = tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    let found = scan::holders(&matcher);
+                    let _ = tx.blocking_send(Message::Scanned(found));
+                });
+            }
+            _ = keepalive.tick(), if watchdog.is_some() => {
+                if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]) {
+                    warn!("cannot send the watchdog keep-alive: {e}");
+                }
+            }
+            _ = shutdown.changed() => break,
+        }
+    }
+    debug!("state task stopped");
+    state
+}
+
+/// The periodic reconciliation: lost events reported, exited processes and removed cgroups
+/// forgotten, their memory and limits released.
+fn sweep_all(state: &mut State) {
+    let lost = state.attribution.newly_lost_events();
+    if lost > 0 {
+        warn!(
+            lost,
+            "kernel events lost (ring buffer full); the sweeps reconcile what they would have said"
+        );
+    }
+    state.attribution.release_pending_orphans();
+    state.attribution.sweep();
+    state.attribution.sweep_memory();
+    state.memory.sweep(&mut state.attribution);
+    release_free_heap();
+}
+
+/// The switchboard: one arm per message. Returns new timer intervals after a reload.
+fn handle(state: &mut State, msg: Message) -> Option<Intervals> {
+    match msg {
+        Message::Request(request) => {
+            // Answers reflect every exit read so far.
+            state.attribution.release_pending_orphans();
+            return answer(state, request);
+        }
+        Message::Kernel(ev) => on_kernel_event(state, &ev),
+        Message::Nvml(NvmlSnapshot::Xid { uuid, xid }) => on_xid(state, uuid, xid),
+        Message::Nvml(snapshot) => on_nvml(state, snapshot),
+        Message::Scanned(pids) => {
+            let n = state.attribution.track_holders(pids);
+            if n > 0 {
+                info!(
+                    processes = n,
+                    "periodic scan found untracked device holders"
+                );
+            }
+        }
+    }
+    None
+}
+
+/// Sends a reply; a requester that gave up (timed out, disconnected) is no reason to stop.
+fn reply<T>(to: oneshot::Sender<T>, value: T) {
+    let _ = to.send(value);
+}
+
+/// Answers one request from the API.
+fn answer(state: &mut State, request: Request) -> Option<Intervals> {
+    let attribution = &mut state.attribution;
+    let memory = &mut state.memory;
+    match request {
+        Request::ListCgroups(to) => reply(to, attribution.list()),
+        Request::ListProcesses(to) => reply(to, attribution.processes()),
+        Request::GetCgroup { path, reply: to } => reply(to, attribution.get(&path)),
+        Request::KernelStats(to) => reply(to, attribution.kernel_stats()),
+        Request::SetLimits {
+            cgroup,
+            gpu,
+            update,
+            reply: to,
+        } => reply(to, memory.set(attribution, &cgroup, &gpu, update)),
+        Request::ClearLimits {
+            cgroup,
+            gpu,
+            names,
+            reply: to,
+        } => reply(to, memory.clear(attribution, &cgroup, &gpu, &names)),
+        Request::ListLimits(to) => reply(to, memory.list()),
+        Request::ListGpus(to) => reply(to, state.nvml.inventory()),
+        Request::NvmlStatus(to) => reply(to, nvml_status(&state.nvml)),
+        Request::ListNvmlUsage(to) => reply(to, views::nvml_usage(attribution, &state.nvml)),
+        Request::ListIdle(to) => reply(to, state.idle.list(std::time::Instant::now())),
+        Request::ListNvmlEvents(to) => reply(to, state.nvml.events.iter().cloned().collect()),
+        Request::Snapshot(to) => reply(to, snapshot(state)),
+        Request::Reconfigure(config, to) => {
+            let intervals = reconfigure(state, &config);
+            reply(to, ());
+            return Some(intervals);
+        }
+    }
+    None
+}
+
+fn nvml_status(nvml: &NvmlView) -> NvmlStatus {
+    NvmlStatus {
+        available: nvml.available,
+        status: nvml.status.clone(),
+    }
+}
+
+/// Everything a scrape shows, from this one moment (the controller's figures are added by the
+/// handle from its own channel).
+fn snapshot(state: &mut State) -> Snapshot {
+    Snapshot {
+        cgroups: state.attribution.list(),
+        nvml_usage: views::nvml_usage(&mut state.attribution, &state.nvml),
+        nvml_available: state.nvml.available,
+        gpus: state.nvml.inventory(),
+        kernel_stats: state.attribution.kernel_stats(),
+        idle: state.idle.list(std::time::Instant::now()),
+        compute: ComputeStats::default(),
+    }
+}
+
+/// Applies the live keys of a reloaded configuration that this task and the tasks it feeds own
+/// (`config::LIVE_KEYS`); returns the timers' new intervals.
+fn reconfigure(state: &mut State, config: &Config) -> Intervals {
+    state.idle.set_rule((&config.idle).into());
+    state.idle_signal = config.idle.signal;
+    if let Some(period) = &state.live.compute_period {
+        period.send_replace(Duration::from_millis(config.compute.period_ms));
+    }
+    if let Some(sampler) = &state.live.sampler {
+        // The library path is read only when NVML is loaded: a restart-only key.
+        let new = SamplerSettings::of(&config.nvml);
+        sampler.send_modify(|s| {
+            s.sample_interval = new.sample_interval;
+            s.retry_interval = new.retry_interval;
+        });
+    }
+    let intervals = Intervals::of(config);
+    info!(
+        sweep_secs = intervals.sweep.as_secs(),
+        rescan_secs = intervals.rescan.map_or(0, |d| d.as_secs()),
+        idle_threshold_percent = config.idle.threshold_percent,
+        idle_min_duration_secs = config.idle.min_duration_secs,
+        idle_signal = config.idle.signal,
+        compute_period_ms = config.compute.period_ms,
+        nvml_sample_interval_ms = config.nvml.sample_interval_ms,
+        "live settings applied"
+    );
+    intervals
+}
+
+fn on_kernel_event(state: &mut State, ev: &gpud_common::Event) {
+    state.attribution.on_kernel_event(ev);
+    if let Some(notice) = state.memory.on_event(&mut state.attribution, ev) {
+        // No subscriber (no bus yet) is fine: the event is logged and counted.
+        let _ = state.outputs.notices.send(notice);
+    }
+}
+
+fn on_xid(state: &mut State, uuid: String, xid: Option<u64>) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
+    let attribution = &mut state.attribution;
+    let id_of = |path: &str| attribution.id_of(path).map_or(0, |(_, id)| id);
+    let event = state.nvml.on_xid(uuid, xid, now, id_of);
+    warn!(
+        gpu = event.gpu,
+        uuid = %event.uuid,
+        xid = event.xid,
+        pid = event.pid.unwrap_or(0),
+        cgroup = %event.cgroup,
+        pids = ?event.pids,
+        "critical Xid error on the GPU"
+    );
+    // No subscriber (no bus yet) is fine: the event is logged and kept.
+    let _ = state.outputs.xids.send(event);
+    publish_inventory(state);
+}
+
+/// A new NVML sample (or NVML going away): the controller's input, the inventory, the idle rule,
+/// the GPU catalog for limit selectors, and the release of objects NVML no longer reports.
+fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
+    let fresh = matches!(
+        snapshot,
+        NvmlSnapshot::Available { .. } | NvmlSnapshot::Unavailable(_)
+    );
+    state.nvml.apply(snapshot);
+    if fresh && let Some(control) = &state.control {
+        let seq = control.borrow().seq + 1;
+        let _ = control.send(views::control_input(&state.nvml, &state.memory, seq));
+    }
+    // Unavailable: no inventory (the Gpu1 objects go away until NVML answers again).
+    publish_inventory(state);
+    if fresh {
+        views::update_idle(state);
+    }
+    if state.nvml.available {
+        state.memory.set_catalog(Some(
+            state
+                .nvml
+                .gpus
+                .iter()
+                .filter(|g| g.mig.is_none())
+                .map(|g| (g.index, g.uuid.clone()))
+                .collect(),
+        ));
+        // Reconciliation: objects of processes that are gone and that the driver no longer
+        // reports hold no memory any more.
+        let reported = state.nvml.reported_pids();
+        let n = state.attribution.release_objects_of_dead_pids(&reported);
+        if n > 0 {
+            info!(
+                objects = n,
+                "released objects of processes NVML no longer reports"
+            );
+        }
+    }
+}
+
+/// Hands the current inventory to the task that publishes the `Gpu1` objects, if it changed.
+fn publish_inventory(state: &mut State) {
+    let inventory = state.nvml.inventory();
+    state.outputs.inventory.send_if_modified(|cur| {
+        let changed = *cur != inventory;
+        *cur = inventory;
+        changed
+    });
+}
+
+/// Gives the heap's free pages back to the system. A burst of large replies (ListCgroups of
+/// thousands of cgroups to many clients at once) leaves glibc's per-thread arenas holding
+/// 100+ MiB that they would otherwise keep for the daemon's lifetime.
+fn release_free_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim has no preconditions; it only returns free memory to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

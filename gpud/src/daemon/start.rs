@@ -1,0 +1,274 @@
+//! Start-up and orderly stop: the stored limits checked, the probes attached (or adopted), the
+//! tables seeded from `/proc`, the limits restored, and the tasks around the state (ring-buffer
+//! reader, NVML sampler, compute controller, state task) started; then, at the end, stopped in
+//! the order that leaves nothing frozen and the probes pinned or detached as configured.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use tokio::{
+    sync::{broadcast, mpsc, watch},
+    task::JoinHandle,
+};
+use tracing::{info, warn};
+
+use super::{
+    Handle, Intervals, LiveSettings, Message, Senders, State, handle::ComputeStats,
+    ring::read_events,
+};
+use crate::{
+    attribution::{Attribution, AttributionError},
+    cgroupfs::{CgroupError, CgroupFs},
+    config::Config,
+    enforcement::{
+        LimitNotice, MemoryEnforcement,
+        compute::{self, Controller},
+    },
+    nvml::{AttributedXid, GpuStatus, NvmlView, Sampler, SamplerSettings},
+    policy::{LimitStore, PolicyError, idle::IdleChange, idle::IdleTracker},
+    probes::{self, DynamicMajors, Matcher, ProbeError, ProbeSetup, Probes, devices::DeviceError},
+};
+
+/// Facts fixed at start-up, reported on D-Bus and in the metrics.
+#[derive(Clone, Debug)]
+pub struct DaemonInfo {
+    pub version: String,
+    pub attach_mode: String,
+    /// GPU-memory enforcement tier in force: `deny`, `react` or `dmem`.
+    pub enforcement_tier: String,
+    /// What the react tier does: `kill`, `freeze` or `notify`.
+    pub react_action: String,
+    pub kernel_capabilities: BTreeMap<String, bool>,
+    pub cgroup_root: String,
+    pub probes_resumed: bool,
+}
+
+/// Why the daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The state directory or the stored limits need a person (exit status 78).
+    #[error(transparent)]
+    Limits(PolicyError),
+    #[error("cannot locate the cgroup v2 hierarchy")]
+    Cgroups(#[source] CgroupError),
+    #[error("cannot identify the NVIDIA device files")]
+    Devices(#[source] DeviceError),
+    #[error("cannot start the eBPF probes")]
+    Probes(#[source] ProbeError),
+    #[error("cannot read the probes' maps")]
+    Attribution(#[source] AttributionError),
+}
+
+impl StartError {
+    /// Whether a person must act before a restart can help (a corrupt or unusable state
+    /// directory), like a configuration error.
+    pub fn needs_a_person(&self) -> bool {
+        matches!(
+            self,
+            Self::Limits(PolicyError::CorruptState { .. } | PolicyError::StateDir { .. })
+        )
+    }
+}
+
+/// What the state task and the controller announce, for the API's publishers.
+pub struct Outputs {
+    pub limit_notices: broadcast::Receiver<LimitNotice>,
+    pub inventory: watch::Receiver<Vec<GpuStatus>>,
+    pub xids: broadcast::Receiver<AttributedXid>,
+    pub idle_changes: broadcast::Receiver<IdleChange>,
+    /// cgroups the compute controller started throttling.
+    pub throttled: broadcast::Receiver<String>,
+}
+
+/// A started daemon: its handle, its facts, and what [`Running::stop`] needs.
+pub struct Running {
+    pub handle: Handle,
+    pub info: DaemonInfo,
+    shutdown: watch::Sender<bool>,
+    state: JoinHandle<State>,
+    reader: JoinHandle<std::io::Result<()>>,
+    controller: Option<JoinHandle<()>>,
+    keep_pinned: bool,
+}
+
+impl Running {
+    /// Turns true when the daemon stops; for the tasks the API layer runs beside it.
+    pub fn shutdown_signal(&self) -> watch::Receiver<bool> {
+        self.shutdown.subscribe()
+    }
+
+    /// Stops in order: the state task (then what memory enforcement froze is thawed and the
+    /// probes are pinned or detached), the controller (it thaws what it froze).
+    pub async fn stop(self) {
+        let _ = self.shutdown.send(true);
+        self.reader.abort();
+        match self.state.await {
+            Ok(mut state) => {
+                state.memory.thaw_all(&mut state.attribution);
+                state.attribution.shutdown(self.keep_pinned);
+            }
+            Err(e) => warn!("state task: {e}"),
+        }
+        if let Some(c) = self.controller {
+            let _ = c.await;
+        }
+    }
+}
+
+/// Starts the daemon's core from `config` (inside a tokio runtime): everything but the API, which
+/// serves the returned handle and publishes the outputs.
+pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
+    // Before anything is attached: the limits must be loadable and storable.
+    LimitStore::check_dir(&config.daemon.state_dir).map_err(StartError::Limits)?;
+    let store = LimitStore::load(&config.daemon.state_dir, config.daemon.on_corrupt_state)
+        .map_err(StartError::Limits)?;
+    let cgroups = CgroupFs::discover().map_err(StartError::Cgroups)?;
+    let majors = DynamicMajors::read().map_err(StartError::Devices)?;
+    let extra = probes::devices::resolve_extra_paths(&config.devices.extra_paths)
+        .map_err(StartError::Devices)?;
+    for e in &extra {
+        info!(path = %e.path.display(), dev = e.key.dev, ino = e.key.ino, "extra device file");
+    }
+    let mut probes = Probes::start(ProbeSetup {
+        config: &config.probes,
+        majors,
+        extra: &extra,
+        cgroup2_root: cgroups.root(),
+        tier: config.enforcement.tier,
+        react_action: config.enforcement.react_action,
+    })
+    .map_err(StartError::Probes)?;
+    let events = probes.take_events().map_err(StartError::Probes)?;
+    let tier = probes.tier();
+    let info = DaemonInfo {
+        version: crate::VERSION.to_owned(),
+        attach_mode: probes.mode().as_str().to_owned(),
+        enforcement_tier: tier.as_str().to_owned(),
+        react_action: format!("{:?}", config.enforcement.react_action).to_lowercase(),
+        kernel_capabilities: probes.caps().as_map(),
+        cgroup_root: cgroups.root().display().to_string(),
+        probes_resumed: probes.resumed(),
+    };
+    let cgroup_root = cgroups.root().to_owned();
+    let matcher = Matcher { majors, extra };
+    let mut attribution =
+        Attribution::new(probes, cgroups, matcher).map_err(StartError::Attribution)?;
+    let found = attribution.scan();
+    attribution.sweep();
+    info!(found, "start-up scan of /proc done");
+    let mut memory = MemoryEnforcement::new(store, tier, config.enforcement.react_action);
+    memory.restore(&mut attribution);
+
+    let compute_on = config.compute.enabled && config.nvml.enabled;
+    if compute_on {
+        // A crash may have left cgroups frozen mid-period: thaw every cgroup with a compute
+        // policy before the controller starts.
+        for (path, _, _) in memory.compute_policies() {
+            if crate::cgroupfs::freeze_at(&cgroup_root, &path, false).is_ok() {
+                info!(cgroup = %path, "thawed at start-up");
+            }
+        }
+    }
+    let (notices, notices_rx) = broadcast::channel(256);
+    let (inventory, inventory_rx) = watch::channel(Vec::new());
+    let (xids, xids_rx) = broadcast::channel(64);
+    let (idle_changes, idle_rx) = broadcast::channel(64);
+    let (throttled, throttled_rx) = broadcast::channel(256);
+    let (control, control_rx) = watch::channel(Default::default());
+    let (compute_stats, compute_stats_rx) = watch::channel(ComputeStats::default());
+    let (compute_period, compute_period_rx) =
+        watch::channel(Duration::from_millis(config.compute.period_ms));
+    let (sampler, sampler_rx) = watch::channel(SamplerSettings::of(&config.nvml));
+    let (shutdown, shutdown_rx) = watch::channel(false);
+    let (tx, rx) = mpsc::channel::<Message>(1024);
+
+    let state = State {
+        attribution,
+        memory,
+        nvml: if config.nvml.enabled {
+            NvmlView::default()
+        } else {
+            NvmlView::disabled()
+        },
+        control: compute_on.then_some(control),
+        idle: IdleTracker::new((&config.idle).into()),
+        idle_signal: config.idle.signal,
+        outputs: Senders {
+            notices,
+            inventory,
+            xids,
+            idle_changes,
+        },
+        live: LiveSettings {
+            compute_period: compute_on.then_some(compute_period),
+            sampler: config.nvml.enabled.then_some(sampler),
+        },
+    };
+    let controller = compute_on.then(|| {
+        tokio::spawn(compute::run(
+            Controller::new(
+                cgroup_root.clone(),
+                Duration::from_millis(config.compute.period_ms),
+            ),
+            control_rx,
+            compute_period_rx,
+            compute_stats,
+            throttled,
+            shutdown_rx.clone(),
+        ))
+    });
+    if config.nvml.enabled {
+        spawn_nvml_sampler(sampler_rx, tx.clone(), shutdown_rx.clone());
+    }
+    let reader = tokio::spawn(read_events(events, tx.clone()));
+    let handle = Handle::new(tx.clone(), compute_on.then_some(compute_stats_rx));
+    let state = tokio::spawn(super::run_state(
+        state,
+        Intervals::of(config),
+        // Keep-alives at half the service manager's timeout, from the state task itself: a hung
+        // state task stops them and systemd restarts the daemon.
+        sd_notify::watchdog_enabled()
+            .map(|t| t / 2)
+            .filter(|t| !t.is_zero()),
+        tx,
+        rx,
+        shutdown_rx,
+    ));
+    let running = Running {
+        handle,
+        info,
+        shutdown,
+        state,
+        reader,
+        controller,
+        keep_pinned: config.probes.keep_pinned,
+    };
+    let outputs = Outputs {
+        limit_notices: notices_rx,
+        inventory: inventory_rx,
+        xids: xids_rx,
+        idle_changes: idle_rx,
+        throttled: throttled_rx,
+    };
+    Ok((running, outputs))
+}
+
+/// Samples NVML and waits for its Xid events on a thread of its own (its calls block) until
+/// shutdown.
+fn spawn_nvml_sampler(
+    settings: watch::Receiver<SamplerSettings>,
+    tx: mpsc::Sender<Message>,
+    shutdown: watch::Receiver<bool>,
+) {
+    // One thread, one NVML handle: it samples, and waits for Xid events in between.
+    let spawned = std::thread::Builder::new()
+        .name("nvml".into())
+        .spawn(move || {
+            Sampler::new(settings).run(
+                |s| tx.blocking_send(Message::Nvml(s)).is_ok(),
+                || *shutdown.borrow(),
+            );
+        });
+    if let Err(e) = spawned {
+        warn!("cannot start the NVML sampler: {e}");
+    }
+}
