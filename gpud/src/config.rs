@@ -547,6 +547,49 @@ mod tests {
         Config::from_toml(text, Path::new("test.toml"))
     }
 
+    /// Every live key exists, the shipped file marks exactly those `(live)`, and a reload's copy
+    /// of one key into the values in force changes that key alone.
+    #[test]
+    fn live_keys_exist_and_are_marked_in_the_shipped_file() -> Result<(), ConfigError> {
+        let (_, defaults) = Config::defaults_effective()?;
+        let mut marked = Vec::new();
+        let mut section = String::new();
+        let mut pending = false;
+        for line in DEFAULT_CONFIG.lines() {
+            if let Some(s) = line.strip_prefix('[') {
+                section = s.trim_end_matches(']').to_owned();
+            } else if line.trim() == "# (live)" {
+                pending = true;
+            } else if let Some((key, _)) = line.split_once(" = ")
+                && !line.starts_with('#')
+            {
+                if std::mem::take(&mut pending) {
+                    marked.push(format!("{section}.{key}"));
+                }
+            }
+        }
+        assert_eq!(marked, LIVE_KEYS, "`# (live)` marks in config/gpud.toml");
+        for key in LIVE_KEYS {
+            let (section, name) = key.split_once('.').expect("dotted");
+            assert!(
+                defaults
+                    .get(section)
+                    .and_then(toml::Value::as_table)
+                    .is_some_and(|t| t.contains_key(name)),
+                "{key} is not a configuration key"
+            );
+        }
+        let (_, changed) = Config::effective_from_toml(
+            "[daemon]\nlog = \"debug\"\n[probes]\nkeep_pinned = false\n",
+            Path::new("t.toml"),
+        )?;
+        let mut in_force = defaults.clone();
+        copy_key(&changed, &mut in_force, "daemon.log");
+        assert_eq!(changed_keys(&defaults, &in_force), ["daemon.log"]);
+        assert_eq!(changed_keys(&in_force, &changed), ["probes.keep_pinned"]);
+        Ok(())
+    }
+
     #[test]
     fn shipped_file_is_the_defaults() -> Result<(), ConfigError> {
         let c = Config::defaults()?;
