@@ -562,10 +562,9 @@ mod tests {
                 pending = true;
             } else if let Some((key, _)) = line.split_once(" = ")
                 && !line.starts_with('#')
+                && std::mem::take(&mut pending)
             {
-                if std::mem::take(&mut pending) {
-                    marked.push(format!("{section}.{key}"));
-                }
+                marked.push(format!("{section}.{key}"));
             }
         }
         assert_eq!(marked, LIVE_KEYS, "`# (live)` marks in config/gpud.toml");
