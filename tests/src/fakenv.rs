@@ -173,6 +173,15 @@ impl Snapshot {
             .map_or(0, |g| g.used)
     }
 
+    /// Bytes of video memory allocated by these processes: the driver's own ledger, what gpud's
+    /// figures for their cgroup must equal.
+    pub fn held_by(&self, pids: &[u32]) -> u64 {
+        self.memory()
+            .filter(|o| pids.contains(&o.pid))
+            .map(|o| o.bytes)
+            .sum()
+    }
+
     /// Bytes of video memory in use on all GPUs.
     pub fn used_total(&self) -> u64 {
         self.gpus.iter().map(|g| g.used).sum()
