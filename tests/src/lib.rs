@@ -297,6 +297,10 @@ impl Cgroup {
 
 impl Drop for Cgroup {
     fn drop(&mut self) {
+        if !self.dir.exists() {
+            // The test removed it itself.
+            return;
+        }
         let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");
         for _ in 0..100 {
             if std::fs::remove_dir(&self.dir).is_ok() {
@@ -766,6 +770,20 @@ pub fn install_fake_nvml(lib_dir: &Path) -> PathBuf {
     std::fs::copy(bin_dir().join("libnvidia_ml_fake.so"), &dst)
         .expect("copy the fake NVML library (is fake-nvml built?)");
     dst
+}
+
+/// A fake-NVML scenario of one 80 GiB GPU named `name` (UUID
+/// `GPU-00000000-1111-2222-3333-444444444444`, bus 00000000:00:06.0, driver 580.159.04, CUDA
+/// 13.0) with `processes` (`[{ "pid": …, "gpu": 0, "memory": … }, …]`; tests/fake-nvml says
+/// what else a scenario may hold).
+pub fn one_gpu(name: &str, processes: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "driver_version": "580.159.04",
+        "cuda_version": 13000,
+        "gpus": [{ "uuid": "GPU-00000000-1111-2222-3333-444444444444", "name": name,
+                   "pci_bus_id": "00000000:00:06.0", "memory_total": 80u64 << 30 }],
+        "processes": processes,
+    })
 }
 
 /// Writes the fake NVML's scenario beside it (write then rename: never read half-written).
