@@ -319,53 +319,6 @@ pub struct Daemon {
     pub log: PathBuf,
 }
 
-/// Writes a daemon config into `dir` that counts ioctls on `extra` files.
-pub fn write_config(dir: &Path, extra: &[&Path], attach: &str) -> PathBuf {
-    let paths: Vec<String> = extra
-        .iter()
-        .map(|p| format!("{:?}", p.display().to_string()))
-        .collect();
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=debug"
-
-[probes]
-attach = "{attach}"
-bpffs = "{bpffs}"
-
-[devices]
-extra_paths = [{paths}]
-
-[attribution]
-sweep_interval_secs = 1
-rescan_interval_secs = 0
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-        paths = paths.join(", "),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("write config");
-    p
-}
-
-/// The FUSE fake NVIDIA control device mounted under `dir` with `gpus` GPUs of 1 GiB and 2 MiB
-/// pages, or `None` (after saying why) where /dev/fuse is absent.
-pub fn fake_device(dir: &TempDir, gpus: u32) -> Option<fakenv::FakeNv> {
-    if !fakenv::available() {
-        eprintln!("SKIP: /dev/fuse is absent");
-        return None;
-    }
-    let opts = fakenv::Options {
-        gpus,
-        capacity: 1 << 30,
-        page_size: 2 << 20,
-        verbose: false,
-    };
-    Some(fakenv::mount(&dir.path().join("fake"), opts).expect("mount the fake device"))
-}
-
 impl Daemon {
     /// Starts gpud and waits until it answers on the bus.
     pub async fn start(config: &Path, bus: &str) -> Self {
