@@ -34,6 +34,46 @@
 //!
 //! Requests are served one at a time on one thread, so multi-threaded callers are serialized.
 //!
+//! # What this fake models, and how far to trust it
+//!
+//! The fake copies the driver's RM ABI from its source (docs/nvidia-ioctl-abi.md), not from a
+//! recording, so a test that passes here proves gpud right *about this model*. Each behaviour a
+//! test relies on must also be seen once on a real GPU; the scripts under `tests/gpu/` do that
+//! (docs/real-gpu.md has their results). Where the model has not been checked on hardware yet, it
+//! says so: trust those parts no further than the driver source they were read from.
+//!
+//! Checked on an H100 (driver 580, CUDA 13) by `tests/gpu/real-gpu.sh`, whose
+//! `nv-ioctl-sniffer.c` records every NVIDIA ioctl of a PyTorch workload:
+//! * video memory is `NV_ESC_RM_ALLOC` in the **NVOS64** form, class `NV01_MEMORY_LOCAL_USER`
+//!   under the `NV01_DEVICE_0` object, `NV_MEMORY_ALLOCATION_PARAMS` behind `pAllocParms` in the
+//!   caller's memory, the rounded size written back there;
+//! * sizes are rounded up to 2 MiB (three sizes seen: 4,325,376 → 6,291,456, 72,116,352 →
+//!   73,400,320, 432,537,600 → 434,110,464), the fake's default page;
+//! * `RM_FREE` of a memory handle frees it;
+//! * the last release of the control file frees its clients and everything under them, with no
+//!   `RM_FREE` (a CUDA process frees nothing at exit);
+//! * gpud's figures from these calls equal NVML's per-process memory to the byte, and a limit
+//!   crossed in the react tier kills the allocator before its ioctl returns (status 137).
+//!
+//! **Not checked on hardware yet** (CUDA 13 on that driver never issued them, or the case was
+//! not provoked):
+//! * the NVOS21 form, `NV_ESC_RM_VID_HEAP_CONTROL` (alloc and free) and `NV_ESC_IOCTL_XFER_CMD`
+//!   wrapping: from the driver source only;
+//! * `NV_ERR_NO_MEMORY` at a GPU's capacity, with `ioctl()` returning 0;
+//! * `RM_FREE` of a device, subdevice or client taking its subtree, and `NV_OK` for an unknown
+//!   handle;
+//! * clients bound to their open file (`NV_ERR_INVALID_CLIENT` through another one);
+//! * `EINVAL` for malformed sizes and bad XFER wrappers, `EFAULT` for unreadable payloads;
+//! * a forked child allocating on its parent's open file;
+//! * what CUDA sees when the `deny` tier refuses an allocation with `ENOMEM` (that machine refuses
+//!   BPF-LSM; the deny path is tested in the VM, against this fake).
+//!
+//! Where the fake knowingly differs from the driver: the control file cannot be mapped, so a
+//! client is released at the last `close()`, not after the last mapping goes (CUDA maps the
+//! control file: on hardware the release comes after the process's address space is gone); it
+//! serializes all callers on one thread; and it answers through FUSE in tens of microseconds,
+//! far slower than the driver, so no timing measured against it says anything about a real GPU.
+//!
 //! Use: [`mount`] (root and `/dev/fuse` needed) serves until the [`FakeNv`] is dropped; callers
 //! open [`FakeNv::ctl`]; tests read [`FakeNv::snapshot`], or [`read_state`] from another process.
 //! In-process use suits binaries that run alone, like the VM test: a process that serves the
@@ -171,6 +211,15 @@ impl Snapshot {
             .iter()
             .find(|g| g.index == gpu)
             .map_or(0, |g| g.used)
+    }
+
+    /// Bytes of video memory allocated by these processes: the driver's own ledger, what gpud's
+    /// figures for their cgroup must equal.
+    pub fn held_by(&self, pids: &[u32]) -> u64 {
+        self.memory()
+            .filter(|o| pids.contains(&o.pid))
+            .map(|o| o.bytes)
+            .sum()
     }
 
     /// Bytes of video memory in use on all GPUs.

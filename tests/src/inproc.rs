@@ -8,6 +8,15 @@ use std::{
     path::Path,
 };
 
+/// The benchmarks' `--mode`: how gpud's probes attach (`tracepoint` or `fentry`).
+pub fn attach_mode(s: &str) -> Result<gpud::probes::AttachMode, String> {
+    match s {
+        "tracepoint" => Ok(gpud::probes::AttachMode::Tracepoint),
+        "fentry" => Ok(gpud::probes::AttachMode::Fentry),
+        _ => Err("tracepoint or fentry".to_owned()),
+    }
+}
+
 /// Joins the cgroup v2 directory `dir` (the calling process only).
 pub fn join_cgroup(dir: &Path) -> std::io::Result<()> {
     std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())

@@ -3,19 +3,34 @@
 //! (`gpud-ioctl`, `gpud-rm`) issuing ioctls on stand-in device files or on the fake NVIDIA
 //! control device ([`fakenv`]).
 //!
+//! A test starts from a [`Rig`] (directory, bus, fakes, daemon) and a [`TestConfig`]; the
+//! pieces below are what the rig is made of, for tests that need one alone. tests/README.md says
+//! how to write a test.
+//!
 //! Tests need root, a kernel that loads BPF tracepoint programs, and `dbus-daemon`.
 
 use std::{
+    collections::BTreeMap,
     io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
     process::{Child, ChildStdin, Command, Stdio},
     time::{Duration, Instant},
 };
 
-use gpud_api::{Manager1Proxy, connect_builder};
+// gpud's D-Bus client side (the gpud-api crate), named here once: the tests import these from
+// the harness.
+pub use gpud_api::{
+    BUS_NAME, CgroupRecord, Gpu1Proxy, MANAGER_INTERFACE, MUTATING_METHODS, Manager1Proxy,
+    NvmlUsageRecord, OBJECT_PATH, connect_builder,
+};
 
+pub use config::TestConfig;
+pub use rig::Rig;
+
+mod config;
 pub mod fakenv;
 pub mod inproc;
+mod rig;
 pub mod rm;
 pub mod runtime;
 
@@ -253,10 +268,37 @@ impl Cgroup {
         std::fs::create_dir_all(&dir).expect("create cgroup");
         Self { dir, rel }
     }
+
+    /// A child cgroup `name`. Declared after its parent, it is removed before it (a cgroup with
+    /// children cannot be removed).
+    pub fn child(&self, name: &str) -> Self {
+        let dir = self.dir.join(name);
+        std::fs::create_dir_all(&dir).expect("create child cgroup");
+        Self {
+            dir,
+            rel: format!("{}/{name}", self.rel),
+        }
+    }
+
+    /// The cgroup's id as gpud reports it: its directory's inode number.
+    pub fn id(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::metadata(&self.dir).expect("stat cgroup").ino()
+    }
+
+    /// Whether `cgroup.events` says the cgroup is frozen.
+    pub fn frozen(&self) -> bool {
+        std::fs::read_to_string(self.dir.join("cgroup.events"))
+            .is_ok_and(|t| t.lines().any(|l| l == "frozen 1"))
+    }
 }
 
 impl Drop for Cgroup {
     fn drop(&mut self) {
+        if !self.dir.exists() {
+            // The test removed it itself.
+            return;
+        }
         let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");
         for _ in 0..100 {
             if std::fs::remove_dir(&self.dir).is_ok() {
@@ -273,53 +315,6 @@ pub struct Daemon {
     pub config: PathBuf,
     pub bus: String,
     pub log: PathBuf,
-}
-
-/// Writes a daemon config into `dir` that counts ioctls on `extra` files.
-pub fn write_config(dir: &Path, extra: &[&Path], attach: &str) -> PathBuf {
-    let paths: Vec<String> = extra
-        .iter()
-        .map(|p| format!("{:?}", p.display().to_string()))
-        .collect();
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=debug"
-
-[probes]
-attach = "{attach}"
-bpffs = "{bpffs}"
-
-[devices]
-extra_paths = [{paths}]
-
-[attribution]
-sweep_interval_secs = 1
-rescan_interval_secs = 0
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-        paths = paths.join(", "),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("write config");
-    p
-}
-
-/// The FUSE fake NVIDIA control device mounted under `dir` with `gpus` GPUs of 1 GiB and 2 MiB
-/// pages, or `None` (after saying why) where /dev/fuse is absent.
-pub fn fake_device(dir: &TempDir, gpus: u32) -> Option<fakenv::FakeNv> {
-    if !fakenv::available() {
-        eprintln!("SKIP: /dev/fuse is absent");
-        return None;
-    }
-    let opts = fakenv::Options {
-        gpus,
-        capacity: 1 << 30,
-        page_size: 2 << 20,
-        verbose: false,
-    };
-    Some(fakenv::mount(&dir.path().join("fake"), opts).expect("mount the fake device"))
 }
 
 impl Daemon {
@@ -439,6 +434,59 @@ impl Daemon {
         let proxy = Manager1Proxy::new(&conn).await.expect("proxy");
         (conn, proxy)
     }
+
+    /// `GetCgroup(path)`, which must succeed.
+    pub async fn get_cgroup(&self, path: &str) -> CgroupRecord {
+        let (_c, p) = self.proxy().await;
+        p.get_cgroup(path).await.expect("GetCgroup")
+    }
+
+    /// Waits until gpud's `memory_current` of `path` holds `want` (bytes by GPU name, `"all"`
+    /// for the sum) and returns the record; panics with what it holds instead.
+    pub async fn expect_memory(&self, path: &str, want: &[(&str, u64)]) -> CgroupRecord {
+        let bytes = |r: &CgroupRecord, gpu: &str| r.memory_current.get(gpu).copied().unwrap_or(0);
+        let got = eventually(Duration::from_secs(10), || async {
+            let (_c, p) = self.proxy().await;
+            let r = p.get_cgroup(path).await.ok()?;
+            want.iter().all(|(g, b)| bytes(&r, g) == *b).then_some(r)
+        })
+        .await;
+        if let Some(r) = got {
+            return r;
+        }
+        let (_c, p) = self.proxy().await;
+        let have = p.get_cgroup(path).await.map(|r| r.memory_current);
+        panic!(
+            "{path}: gpud says {have:?}, wanted {want:?}\n{}",
+            self.log_text()
+        )
+    }
+
+    /// `SetLimits(cgroup, gpu, {name: value})`, which must succeed.
+    pub async fn set_limit<'a>(
+        &self,
+        cgroup: &str,
+        gpu: &str,
+        name: &str,
+        value: impl Into<zbus::Variant<'a>>,
+    ) {
+        let (_c, p) = self.proxy().await;
+        p.set_limits(cgroup, gpu, BTreeMap::from([(name, value.into())]))
+            .await
+            .unwrap_or_else(|e| panic!("SetLimits {cgroup} {gpu} {name}: {e}"));
+    }
+
+    /// The limits gpud lists for `cgroup`: by GPU selector, by limit name.
+    pub async fn limits(&self, cgroup: &str) -> BTreeMap<String, BTreeMap<String, u64>> {
+        let (_c, p) = self.proxy().await;
+        p.list_limits()
+            .await
+            .expect("ListLimits")
+            .into_iter()
+            .filter(|l| l.cgroup == cgroup)
+            .map(|l| (l.gpu, l.limits))
+            .collect()
+    }
 }
 
 impl Drop for Daemon {
@@ -478,6 +526,19 @@ impl Issuer {
             pid,
             child_pid,
         }
+    }
+
+    /// `gpud-ioctl --hold --cgroup CG --file FILE ARGS`: a process in `cg` that opened `file`
+    /// and issued what `args` say (`--ioctl CMD:COUNT`, `--xfer`, `--unmatched`, `--fork-child`).
+    pub fn in_cgroup(cg: &Cgroup, file: &Path, args: &[&str]) -> Self {
+        let mut all = vec![
+            "--cgroup".to_owned(),
+            cg.dir.display().to_string(),
+            "--file".to_owned(),
+            file.display().to_string(),
+        ];
+        all.extend(args.iter().map(|a| (*a).to_owned()));
+        Self::run(&all)
     }
 
     /// Makes the (non-forking) issuer issue its ioctls once more, and waits until it has.
@@ -591,6 +652,13 @@ impl RmProcess {
         self.ok(line)["handle"].as_u64().expect("handle") as u32
     }
 
+    /// A new client and its device for GPU `gpu`: (client, device), where memory is allocated.
+    pub fn client_device(&mut self, gpu: u32) -> (u32, u32) {
+        let client = self.handle("client");
+        let device = self.handle(&format!("device {client} {gpu}"));
+        (client, device)
+    }
+
     /// The next answer, or `None` if the process ended (or said nothing within 10 s) first.
     pub fn try_recv(&mut self) -> Option<serde_json::Value> {
         let line = self.lines.recv_timeout(Duration::from_secs(10)).ok()?;
@@ -653,6 +721,20 @@ pub fn install_fake_nvml(lib_dir: &Path) -> PathBuf {
     std::fs::copy(bin_dir().join("libnvidia_ml_fake.so"), &dst)
         .expect("copy the fake NVML library (is fake-nvml built?)");
     dst
+}
+
+/// A fake-NVML scenario of one 80 GiB GPU named `name` (UUID
+/// `GPU-00000000-1111-2222-3333-444444444444`, bus 00000000:00:06.0, driver 580.159.04, CUDA
+/// 13.0) with `processes` (`[{ "pid": …, "gpu": 0, "memory": … }, …]`; tests/fake-nvml says
+/// what else a scenario may hold).
+pub fn one_gpu(name: &str, processes: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "driver_version": "580.159.04",
+        "cuda_version": 13000,
+        "gpus": [{ "uuid": "GPU-00000000-1111-2222-3333-444444444444", "name": name,
+                   "pci_bus_id": "00000000:00:06.0", "memory_total": 80u64 << 30 }],
+        "processes": processes,
+    })
 }
 
 /// Writes the fake NVML's scenario beside it (write then rename: never read half-written).

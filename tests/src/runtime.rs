@@ -394,6 +394,76 @@ impl TestRuntime {
     }
 }
 
+/// The container calls of a session, each for one container of one pod, as a runtime sends them.
+macro_rules! container_calls {
+    ($($(#[$doc:meta])* $name:ident: $method:ident($req:ident) -> $resp:ident;)*) => {
+        impl Session {
+            $(
+                $(#[$doc])*
+                pub async fn $name(
+                    &self,
+                    pod: &nri::PodSandbox,
+                    container: &nri::Container,
+                ) -> ttrpc::Result<nri::$resp> {
+                    let req = nri::$req {
+                        pod: Some(pod.clone()).into(),
+                        container: Some(container.clone()).into(),
+                        ..Default::default()
+                    };
+                    self.plugin.$method(ctx(), &req).await
+                }
+            )*
+        }
+    };
+}
+
+container_calls! {
+    /// `CreateContainer`.
+    create: create_container(CreateContainerRequest) -> CreateContainerResponse;
+    /// `StartContainer` (NRI >= 0.12; older runtimes send a `StateChange`).
+    start: start_container(StartContainerRequest) -> StartContainerResponse;
+    /// `StopContainer`.
+    stop: stop_container(StopContainerRequest) -> StopContainerResponse;
+    /// `RemoveContainer`.
+    remove: remove_container(RemoveContainerRequest) -> RemoveContainerResponse;
+}
+
+impl Session {
+    /// `Configure` with [`configure_request`].
+    pub async fn configure(&self) -> ttrpc::Result<nri::ConfigureResponse> {
+        self.plugin.configure(ctx(), &configure_request()).await
+    }
+
+    /// `StateChange` with `event` for `container` of `pod`, as older runtimes deliver starts
+    /// and removals.
+    pub async fn state_change(
+        &self,
+        event: nri::Event,
+        pod: &nri::PodSandbox,
+        container: &nri::Container,
+    ) -> ttrpc::Result<nri::Empty> {
+        let req = nri::StateChangeEvent {
+            event: event.into(),
+            pod: Some(pod.clone()).into(),
+            container: Some(container.clone()).into(),
+            ..Default::default()
+        };
+        self.plugin.state_change(ctx(), &req).await
+    }
+}
+
+/// The `Configure` request of a runtime (containerd's timeouts, NRI v0.12.0).
+pub fn configure_request() -> nri::ConfigureRequest {
+    nri::ConfigureRequest {
+        runtime_name: "gpud-test-runtime".into(),
+        runtime_version: "1.0".into(),
+        registration_timeout: 5000,
+        request_timeout: 2000,
+        NRI_version: "v0.12.0".into(),
+        ..Default::default()
+    }
+}
+
 /// A ttrpc context with NRI's default request timeout (2 s).
 pub fn ctx() -> ttrpc::context::Context {
     ttrpc::context::with_duration(Duration::from_secs(2))

@@ -2,13 +2,10 @@
 //! ioctls on stand-in device files (`devices.extra_paths`), the real gpud binary, read back over a
 //! real dbus-daemon.
 
-use std::{path::Path, time::Duration};
+use std::time::Duration;
 
-use gpud_api::CgroupRecord;
 use gpud_common::nv::{self, nv_iowr};
-use gpud_tests::{
-    Bus, Cgroup, Daemon, Issuer, TempDir, class_counts, eventually, gpudctl_bin, write_config,
-};
+use gpud_tests::{Cgroup, Issuer, Rig, class_counts, eventually, gpudctl_bin};
 
 const ALLOC: u32 = 0xc030_462b; // NVOS64
 const ALLOC21: u32 = 0xc020_462b; // NVOS21
@@ -17,24 +14,6 @@ const CONTROL: u32 = 0xc020_462a;
 const VID_HEAP: u32 = 0xc0b8_464a;
 const MAP: u32 = 0xc038_464e;
 const UNMAP_DMA: u32 = 0xc030_4658;
-
-fn stand_in(dir: &TempDir, name: &str) -> std::path::PathBuf {
-    let p = dir.path().join(name);
-    std::fs::write(&p, b"").expect("stand-in file");
-    p
-}
-
-fn args(cg: Option<&Cgroup>, file: &Path, rest: &[&str]) -> Vec<String> {
-    let mut v = Vec::new();
-    if let Some(cg) = cg {
-        v.push("--cgroup".into());
-        v.push(cg.dir.display().to_string());
-    }
-    v.push("--file".into());
-    v.push(file.display().to_string());
-    v.extend(rest.iter().map(|s| (*s).to_owned()));
-    v
-}
 
 fn ioctl_arg(cmd: u32, n: u64) -> String {
     format!("0x{cmd:x}:{n}")
@@ -50,19 +29,22 @@ fn gpudctl_list(bus: &str) -> Vec<serde_json::Value> {
     serde_json::from_slice(&out.stdout).expect("gpudctl JSON")
 }
 
-async fn get(d: &Daemon, path: &str) -> CgroupRecord {
-    let (_c, p) = d.proxy().await;
-    p.get_cgroup(path).await.expect("GetCgroup")
+/// A rig whose daemon counts ioctls on the stand-in `ctl`, which it returns.
+async fn started(tag: &str) -> (Rig, std::path::PathBuf) {
+    let mut rig = Rig::new(tag);
+    let ctl = rig.stand_in("ctl");
+    rig.start(rig.config().extra_paths([&ctl])).await;
+    (rig, ctl)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
-    let dir = TempDir::new("exact");
-    let ctl = stand_in(&dir, "nvidiactl-standin");
-    let other_file = stand_in(&dir, "not-listed");
-    let bus = Bus::start();
-    let config = write_config(dir.path(), &[&ctl], "auto");
-    let mut daemon = Daemon::start(&config, &bus.address).await;
+    let mut rig = Rig::new("exact");
+    let ctl = rig.stand_in("nvidiactl-standin");
+    let other_file = rig.stand_in("not-listed");
+    // Kept pinned: the restart below resumes the kernel's counts.
+    rig.start(rig.config().extra_paths([&ctl]).keep_pinned(true))
+        .await;
     let a = Cgroup::new("a");
     let b = Cgroup::new("b");
 
@@ -78,8 +60,8 @@ async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
     let xfer = format!("{}:48:2", nv::NV_ESC_RM_ALLOC);
     let unmatched_dev = "/dev/null:7".to_owned();
     let unmatched_file = format!("{}:3", other_file.display());
-    let in_a = Issuer::run(&args(
-        Some(&a),
+    let in_a = Issuer::in_cgroup(
+        &a,
         &ctl,
         &[
             "--ioctl",
@@ -105,9 +87,9 @@ async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
             "--unmatched",
             &unmatched_file,
         ],
-    ));
+    );
     let two_allocs = ioctl_arg(ALLOC, 2);
-    let in_b = Issuer::run(&args(Some(&b), &ctl, &["--ioctl", &two_allocs]));
+    let in_b = Issuer::in_cgroup(&b, &ctl, &["--ioctl", &two_allocs]);
 
     let want_a = class_counts(&[
         ("alloc", 8),
@@ -118,17 +100,17 @@ async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
         ("other", 2),
     ]);
     let want_b = class_counts(&[("alloc", 2)]);
-    let ra = get(&daemon, &a.rel).await;
-    assert_eq!(ra.ioctls, want_a, "{}", daemon.log_text());
+    let ra = rig.get_cgroup(&a.rel).await;
+    assert_eq!(ra.ioctls, want_a, "{}", rig.log_text());
     assert_eq!(ra.pids, vec![in_a.pid]);
     assert_eq!(ra.path, a.rel);
-    let rb = get(&daemon, &b.rel).await;
+    let rb = rig.get_cgroup(&b.rel).await;
     assert_eq!(rb.ioctls, want_b);
     assert_eq!(rb.pids, vec![in_b.pid]);
     assert_ne!(ra.id, rb.id);
 
     // The acceptance path: gpudctl list --json.
-    let list = gpudctl_list(&bus.address);
+    let list = gpudctl_list(&rig.bus.address);
     let entry = |rel: &str| {
         list.iter()
             .find(|e| e["path"] == rel)
@@ -145,7 +127,7 @@ async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
     );
 
     // Per-process counts.
-    let (_conn, p) = daemon.proxy().await;
+    let (_conn, p) = rig.proxy().await;
     let procs = p.list_processes().await.unwrap();
     let pa = procs
         .iter()
@@ -163,7 +145,7 @@ async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
     let in_a_pid = in_a.pid;
     in_a.finish();
     let gone = eventually(Duration::from_secs(5), || async {
-        let r = get(&daemon, &a.rel).await;
+        let r = rig.get_cgroup(&a.rel).await;
         r.pids.is_empty().then_some(r)
     })
     .await
@@ -176,41 +158,38 @@ async fn counts_are_exact_per_cgroup_and_class_and_survive_restart() {
     );
 
     // A restarted daemon adopts the pinned probes and maps: same counts, still counting.
-    assert_eq!(daemon.stop(), Some(0), "{}", daemon.log_text());
+    assert_eq!(rig.stop(), Some(0), "{}", rig.log_text());
     let more = ioctl_arg(FREE, 4);
-    let while_down = Issuer::run(&args(Some(&a), &ctl, &["--ioctl", &more]));
-    let daemon = Daemon::start(&config, &bus.address).await;
-    let (_c, p) = daemon.proxy().await;
-    assert!(p.probes_resumed().await.unwrap(), "{}", daemon.log_text());
-    let ra2 = get(&daemon, &a.rel).await;
+    let while_down = Issuer::in_cgroup(&a, &ctl, &["--ioctl", &more]);
+    rig.restart().await;
+    let (_c, p) = rig.proxy().await;
+    assert!(p.probes_resumed().await.unwrap(), "{}", rig.log_text());
+    let ra2 = rig.get_cgroup(&a.rel).await;
     let mut want = want_a.clone();
     *want.get_mut("free").unwrap() += 4;
     assert_eq!(ra2.ioctls, want, "counts lost or doubled across restart");
     assert_eq!(ra2.pids, vec![while_down.pid]);
-    assert_eq!(get(&daemon, &b.rel).await.ioctls, want_b);
+    assert_eq!(rig.get_cgroup(&b.rel).await.ioctls, want_b);
     while_down.finish();
     in_b.finish();
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unmatched_files_and_unrelated_cgroups_are_not_counted() {
-    let dir = TempDir::new("unmatched");
-    let ctl = stand_in(&dir, "ctl");
-    let plain = stand_in(&dir, "plain");
-    let bus = Bus::start();
-    let daemon = Daemon::start(&write_config(dir.path(), &[&ctl], "auto"), &bus.address).await;
+    let (rig, _ctl) = started("unmatched").await;
+    let plain = rig.stand_in("plain");
     let c = Cgroup::new("unmatched");
     let a100 = ioctl_arg(ALLOC, 100);
-    let p = Issuer::run(&args(
-        Some(&c),
+    let p = Issuer::in_cgroup(
+        &c,
         &plain,
         &["--ioctl", &a100, "--unmatched", "/dev/null:50"],
-    ));
-    let r = get(&daemon, &c.rel).await;
+    );
+    let r = rig.get_cgroup(&c.rel).await;
     assert_eq!(r.ioctls, class_counts(&[]));
     assert!(r.pids.is_empty());
     assert!(
-        !gpudctl_list(&bus.address)
+        !gpudctl_list(&rig.bus.address)
             .iter()
             .any(|e| e["path"] == c.rel.as_str()),
         "a cgroup that never touched a device must not be listed"
@@ -220,43 +199,42 @@ async fn unmatched_files_and_unrelated_cgroups_are_not_counted() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn processes_holding_a_device_before_start_and_forked_children_are_attributed() {
-    let dir = TempDir::new("scan");
-    let ctl = stand_in(&dir, "ctl");
-    let bus = Bus::start();
+    let mut rig = Rig::new("scan");
+    let ctl = rig.stand_in("ctl");
     let c = Cgroup::new("scan");
     // Opens the file (and issues 2 allocs) before any daemon runs: found by the start-up scan
     // of /proc/*/fd, and its later ioctls are counted (in tracepoint mode only because the scan
     // marked it for the probes).
     let two = ioctl_arg(ALLOC, 2);
-    let mut early = Issuer::run(&args(Some(&c), &ctl, &["--ioctl", &two]));
-    let daemon = Daemon::start(&write_config(dir.path(), &[&ctl], "auto"), &bus.address).await;
-    let r = get(&daemon, &c.rel).await;
-    assert_eq!(r.pids, vec![early.pid], "{}", daemon.log_text());
+    let mut early = Issuer::in_cgroup(&c, &ctl, &["--ioctl", &two]);
+    rig.start(rig.config().extra_paths([&ctl])).await;
+    let r = rig.get_cgroup(&c.rel).await;
+    assert_eq!(r.pids, vec![early.pid], "{}", rig.log_text());
     assert_eq!(
         r.ioctls,
         class_counts(&[]),
         "nothing was counted before the daemon ran"
     );
     early.again();
-    let r = get(&daemon, &c.rel).await;
+    let r = rig.get_cgroup(&c.rel).await;
     assert_eq!(
         r.ioctls,
         class_counts(&[("alloc", 2)]),
         "{}",
-        daemon.log_text()
+        rig.log_text()
     );
     early.finish();
 
     // A child inherits the descriptor without opening anything; its ioctls still count.
     let f = Cgroup::new("fork");
     let three = ioctl_arg(CONTROL, 3);
-    let parent = Issuer::run(&args(Some(&f), &ctl, &["--ioctl", &three, "--fork-child"]));
-    let r = get(&daemon, &f.rel).await;
+    let parent = Issuer::in_cgroup(&f, &ctl, &["--ioctl", &three, "--fork-child"]);
+    let r = rig.get_cgroup(&f.rel).await;
     assert_eq!(
         r.ioctls,
         class_counts(&[("control", 6)]),
         "{}",
-        daemon.log_text()
+        rig.log_text()
     );
     let mut pids = vec![parent.pid, parent.child_pid.unwrap()];
     pids.sort_unstable();
@@ -266,13 +244,10 @@ async fn processes_holding_a_device_before_start_and_forked_children_are_attribu
 
 #[tokio::test(flavor = "multi_thread")]
 async fn busctl_introspection_shows_the_documented_interface() {
-    let dir = TempDir::new("introspect");
-    let ctl = stand_in(&dir, "ctl");
-    let bus = Bus::start();
-    let daemon = Daemon::start(&write_config(dir.path(), &[&ctl], "auto"), &bus.address).await;
+    let (rig, _ctl) = started("introspect").await;
     let out = std::process::Command::new("busctl")
         .args([
-            &format!("--address={}", bus.address),
+            &format!("--address={}", rig.bus.address),
             "introspect",
             "dev.gpud.Daemon1",
             "/dev/gpud/Daemon1",
@@ -295,7 +270,7 @@ async fn busctl_introspection_shows_the_documented_interface() {
     ] {
         assert!(text.contains(member), "{member} missing from:\n{text}");
     }
-    let (_c, p) = daemon.proxy().await;
+    let (_c, p) = rig.proxy().await;
     let caps = p.kernel_capabilities().await.unwrap();
     for k in ["tracepoint", "fentry", "bpf_lsm", "dmem_cgroup"] {
         assert!(caps.contains_key(k), "{k} not reported");
@@ -307,21 +282,20 @@ async fn busctl_introspection_shows_the_documented_interface() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn invalid_config_is_refused_with_a_clear_error() {
-    let dir = TempDir::new("badcfg");
-    let bus = Bus::start();
-    let cfg = dir.path().join("bad.toml");
+    let rig = Rig::new("badcfg");
+    let cfg = rig.path().join("bad.toml");
     std::fs::write(&cfg, "[probes]\nattach = \"kprobe\"\n").unwrap();
     let out = std::process::Command::new(gpud_tests::gpud_bin())
         .arg("--config")
         .arg(&cfg)
-        .args(["--bus-address", &bus.address])
+        .args(["--bus-address", &rig.bus.address])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(78));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.toml") && err.contains("kprobe"), "{err}");
 
-    let missing = dir.path().join("missing.toml");
+    let missing = rig.path().join("missing.toml");
     std::fs::write(
         &cfg,
         format!(
@@ -333,7 +307,7 @@ async fn invalid_config_is_refused_with_a_clear_error() {
     let out = std::process::Command::new(gpud_tests::gpud_bin())
         .arg("--config")
         .arg(&cfg)
-        .args(["--bus-address", &bus.address])
+        .args(["--bus-address", &rig.bus.address])
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -343,14 +317,12 @@ async fn invalid_config_is_refused_with_a_clear_error() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn pinned_maps_of_another_layout_are_replaced_not_used() {
-    let dir = TempDir::new("layout");
-    let ctl = stand_in(&dir, "ctl");
-    let bus = Bus::start();
-    let config = write_config(dir.path(), &[&ctl], "auto");
+    let mut rig = Rig::new("layout");
+    let ctl = rig.stand_in("ctl");
     // A CGROUPS map pinned by some other build: 8-byte keys but 4-byte values.
-    let bpffs = dir.path().join("bpffs");
+    let bpffs = rig.path().join("bpffs");
     gpud::probes::ensure_mounted(&bpffs, "bpf", gpud::probes::BPF_FS_MAGIC).unwrap();
-    let base = gpud::probes::Probes::pin_base(&bpffs);
+    let base = rig.pins();
     std::fs::create_dir_all(&base).unwrap();
     let opts = libbpf_sys::bpf_map_create_opts {
         sz: size_of::<libbpf_sys::bpf_map_create_opts>() as _,
@@ -362,17 +334,17 @@ async fn pinned_maps_of_another_layout_are_replaced_not_used() {
     foreign.pin(base.join("CGROUPS")).unwrap();
     drop(foreign);
 
-    let daemon = Daemon::start(&config, &bus.address).await;
+    rig.start(rig.config().extra_paths([&ctl])).await;
     assert!(
-        daemon.log_text().contains("another layout"),
+        rig.log_text().contains("another layout"),
         "{}",
-        daemon.log_text()
+        rig.log_text()
     );
     let c = Cgroup::new("layout");
     let three = ioctl_arg(CONTROL, 3);
-    let p = Issuer::run(&args(Some(&c), &ctl, &["--ioctl", &three]));
+    let p = Issuer::in_cgroup(&c, &ctl, &["--ioctl", &three]);
     assert_eq!(
-        get(&daemon, &c.rel).await.ioctls,
+        rig.get_cgroup(&c.rel).await.ioctls,
         class_counts(&[("control", 3)])
     );
     p.finish();

@@ -9,76 +9,7 @@ use std::{
 };
 
 use gpud_tests::{TempDir, gpud_bin};
-
-/// (file name, text, line, reason text).
-const BAD: &[(&str, &str, Option<usize>, &str)] = &[
-    (
-        "unknown-key.toml",
-        "[probes]\nattach = \"auto\"\nbpfs = \"/sys/fs/bpf\"\n",
-        Some(3),
-        "unknown field `bpfs`",
-    ),
-    (
-        "unknown-section.toml",
-        "# gpud\n\n[daemon]\nlog = \"info\"\n\n[metricz]\n",
-        Some(6),
-        "unknown field `metricz`",
-    ),
-    (
-        "wrong-type.toml",
-        "[attribution]\nsweep_interval_secs = \"10\"\n",
-        Some(2),
-        "`attribution.sweep_interval_secs`: invalid type: string \"10\", expected u64",
-    ),
-    (
-        "negative.toml",
-        "[attribution]\n\nrescan_interval_secs = -1\n",
-        Some(3),
-        "`attribution.rescan_interval_secs`: invalid value",
-    ),
-    (
-        "sample-range.toml",
-        "[nvml]\nenabled = true\nsample_interval_ms = 60001\n",
-        Some(3),
-        "`nvml.sample_interval_ms` must be between 10 and 60000",
-    ),
-    (
-        "period-range.toml",
-        "[compute]\nperiod_ms = 10\n",
-        Some(2),
-        "`compute.period_ms` must be between 20 and 1000",
-    ),
-    (
-        "sweep-zero.toml",
-        "[attribution]\nsweep_interval_secs = 0\n",
-        Some(2),
-        "`attribution.sweep_interval_secs` must be at least 1",
-    ),
-    (
-        "relative-path.toml",
-        "[daemon]\nstate_dir = \"var/lib/gpud\"\n",
-        Some(2),
-        "`daemon.state_dir` must be an absolute path",
-    ),
-    (
-        "bad-filter.toml",
-        "[daemon]\nlog = \"gpud=chatty\"\n",
-        Some(2),
-        "`daemon.log` is not a valid filter",
-    ),
-    (
-        "bad-enum.toml",
-        "[enforcement]\ntier = \"react\"\nreact_action = \"stop\"\n",
-        Some(3),
-        "unknown variant `stop`, expected one of `kill`, `freeze`, `notify`",
-    ),
-    (
-        "not-toml.toml",
-        "[daemon\nlog = \"info\"\n",
-        Some(1),
-        "unclosed table, expected `]`",
-    ),
-];
+use rstest::rstest;
 
 fn check(config: &Path) -> Output {
     Command::new(gpud_bin())
@@ -115,57 +46,125 @@ fn start(config: &Path) -> (Option<i32>, String) {
     )
 }
 
-#[test]
-fn bad_configs_are_refused_with_file_line_and_reason() {
-    let dir = TempDir::new("config-errors");
-    for (name, text, line, reason) in BAD {
-        let path = dir.path().join(name);
-        std::fs::write(&path, text).expect("write config");
-        let at = match line {
-            Some(l) => format!("{}:{l}:", path.display()),
-            None => path.display().to_string(),
-        };
+/// (file name, text, line, reason text): each file by hand, since its error is the test.
+#[rstest]
+#[case::unknown_key(
+    "unknown-key.toml",
+    "[probes]\nattach = \"auto\"\nbpfs = \"/sys/fs/bpf\"\n",
+    Some(3),
+    "unknown field `bpfs`"
+)]
+#[case::unknown_section(
+    "unknown-section.toml",
+    "# gpud\n\n[daemon]\nlog = \"info\"\n\n[metricz]\n",
+    Some(6),
+    "unknown field `metricz`"
+)]
+#[case::wrong_type(
+    "wrong-type.toml",
+    "[attribution]\nsweep_interval_secs = \"10\"\n",
+    Some(2),
+    "`attribution.sweep_interval_secs`: invalid type: string \"10\", expected u64"
+)]
+#[case::negative(
+    "negative.toml",
+    "[attribution]\n\nrescan_interval_secs = -1\n",
+    Some(3),
+    "`attribution.rescan_interval_secs`: invalid value"
+)]
+#[case::sample_range(
+    "sample-range.toml",
+    "[nvml]\nenabled = true\nsample_interval_ms = 60001\n",
+    Some(3),
+    "`nvml.sample_interval_ms` must be between 10 and 60000"
+)]
+#[case::period_range(
+    "period-range.toml",
+    "[compute]\nperiod_ms = 10\n",
+    Some(2),
+    "`compute.period_ms` must be between 20 and 1000"
+)]
+#[case::sweep_zero(
+    "sweep-zero.toml",
+    "[attribution]\nsweep_interval_secs = 0\n",
+    Some(2),
+    "`attribution.sweep_interval_secs` must be at least 1"
+)]
+#[case::relative_path(
+    "relative-path.toml",
+    "[daemon]\nstate_dir = \"var/lib/gpud\"\n",
+    Some(2),
+    "`daemon.state_dir` must be an absolute path"
+)]
+#[case::bad_filter(
+    "bad-filter.toml",
+    "[daemon]\nlog = \"gpud=chatty\"\n",
+    Some(2),
+    "`daemon.log` is not a valid filter"
+)]
+#[case::bad_enum(
+    "bad-enum.toml",
+    "[enforcement]\ntier = \"react\"\nreact_action = \"stop\"\n",
+    Some(3),
+    "unknown variant `stop`, expected one of `kill`, `freeze`, `notify`"
+)]
+#[case::not_toml(
+    "not-toml.toml",
+    "[daemon\nlog = \"info\"\n",
+    Some(1),
+    "unclosed table, expected `]`"
+)]
+fn bad_configs_are_refused_with_file_line_and_reason(
+    #[case] name: &str,
+    #[case] text: &str,
+    #[case] line: Option<usize>,
+    #[case] reason: &str,
+) {
+    let dir = TempDir::new(&format!("config-errors-{name}"));
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).expect("write config");
+    let at = match line {
+        Some(l) => format!("{}:{l}:", path.display()),
+        None => path.display().to_string(),
+    };
 
-        let out = check(&path);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(78), "{name}: {stderr}");
-        assert!(
-            stderr.contains(&at) && stderr.contains(reason),
-            "{name}: wanted {at} and {reason:?} in {stderr:?}"
-        );
-        assert!(out.stdout.is_empty(), "{name}: nothing on stdout");
+    let out = check(&path);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{name}: {stderr}");
+    assert!(
+        stderr.contains(&at) && stderr.contains(reason),
+        "{name}: wanted {at} and {reason:?} in {stderr:?}"
+    );
+    assert!(out.stdout.is_empty(), "{name}: nothing on stdout");
 
-        let (code, stderr) = start(&path);
-        assert_eq!(code, Some(78), "{name}: the daemon must refuse: {stderr}");
-        assert!(
-            stderr.contains(&at) && stderr.contains(reason),
-            "{name}: wanted {at} and {reason:?} in {stderr:?}"
-        );
-    }
+    let (code, stderr) = start(&path);
+    assert_eq!(code, Some(78), "{name}: the daemon must refuse: {stderr}");
+    assert!(
+        stderr.contains(&at) && stderr.contains(reason),
+        "{name}: wanted {at} and {reason:?} in {stderr:?}"
+    );
 }
 
-#[test]
-fn unreadable_files_are_refused() {
-    let dir = TempDir::new("config-unreadable");
-    let missing = dir.path().join("missing.toml");
-    let a_dir = dir.path().join("a-directory.toml");
-    std::fs::create_dir(&a_dir).expect("dir");
-    for (path, reason) in [
-        (&missing, "No such file or directory"),
-        (&a_dir, "Is a directory"),
-    ] {
-        let out = check(path);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(78), "{stderr}");
-        assert!(
-            stderr.contains(&format!("cannot read config file {}", path.display()))
-                && stderr.contains(reason),
-            "{stderr}"
-        );
-        let (code, stderr) = start(path);
-        assert_eq!(code, Some(78), "{stderr}");
-        assert!(stderr.contains(reason), "{stderr}");
+#[rstest]
+#[case::missing("missing.toml", "No such file or directory")]
+#[case::a_directory("a-directory.toml", "Is a directory")]
+fn unreadable_files_are_refused(#[case] name: &str, #[case] reason: &str) {
+    let dir = TempDir::new(&format!("config-unreadable-{name}"));
+    let path = dir.path().join(name);
+    if name == "a-directory.toml" {
+        std::fs::create_dir(&path).expect("dir");
     }
+    let out = check(&path);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot read config file {}", path.display()))
+            && stderr.contains(reason),
+        "{stderr}"
+    );
+    let (code, stderr) = start(&path);
+    assert_eq!(code, Some(78), "{stderr}");
+    assert!(stderr.contains(reason), "{stderr}");
 }
 
 #[test]

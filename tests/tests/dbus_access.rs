@@ -8,52 +8,34 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Output},
     time::Duration,
 };
 
-use gpud_api::{BUS_NAME, MANAGER_INTERFACE, MUTATING_METHODS, OBJECT_PATH};
 use gpud_tests::{
-    Bus, Cgroup, Daemon, TempDir, TestGroup, eventually, gpudctl_bin, shipped_bus_policy,
-    write_config,
+    BUS_NAME, Bus, Cgroup, Daemon, MANAGER_INTERFACE, MUTATING_METHODS, OBJECT_PATH, Rig,
+    TestGroup, eventually, gpudctl_bin, one_gpu, shipped_bus_policy,
 };
 use serde_json::json;
 use zbus::{Structure, Variant};
 
 const NOBODY: u32 = 65534;
 
-/// A daemon config with `admin_group`, optionally with the fake NVML (one GPU) at `nvml_lib`.
-fn config(dir: &Path, admin_group: &str, nvml_lib: Option<&Path>) -> PathBuf {
-    let p = write_config(dir, &[], "auto");
-    let mut text = std::fs::read_to_string(&p).expect("config");
-    text.push_str(&format!("\n[dbus]\nadmin_group = \"{admin_group}\"\n"));
-    if let Some(lib) = nvml_lib {
-        text.push_str(&format!(
-            "\n[nvml]\nlibrary_path = \"{}\"\nsample_interval_ms = 200\nretry_interval_secs = 1\n",
-            lib.display()
-        ));
+/// A daemon on `bus` whose admin group is `admin_group`; with `nvml`, on the fake NVML with one
+/// GPU, once that GPU is listed (so that the per-GPU objects exist too).
+async fn started(tag: &str, bus: Bus, admin_group: &str, nvml: bool) -> Rig {
+    let mut rig = Rig::on_bus(tag, bus);
+    if nvml {
+        rig = rig.fake_nvml();
+        rig.nvml_scenario(&one_gpu("Fake H100", json!([])));
     }
-    std::fs::write(&p, text).expect("config");
-    p
-}
-
-const GPU0_UUID: &str = "GPU-00000000-1111-2222-3333-444444444444";
-
-/// Installs the fake NVML with one GPU under `dir/lib`; returns the library's path.
-fn one_gpu(dir: &Path) -> PathBuf {
-    let lib_dir = dir.join("lib");
-    gpud_tests::write_nvml_scenario(
-        &lib_dir,
-        &json!({
-            "driver_version": "580.159.04",
-            "cuda_version": 13000,
-            "gpus": [{ "uuid": GPU0_UUID, "name": "Fake H100", "pci_bus_id": "00000000:00:06.0",
-                       "memory_total": 80u64 << 30 }],
-            "processes": [],
-        }),
-    );
-    gpud_tests::install_fake_nvml(&lib_dir)
+    rig.start(rig.config().set("dbus.admin_group", admin_group))
+        .await;
+    if nvml {
+        wait_for_gpus(&rig).await;
+    }
+    rig
 }
 
 async fn wait_for_gpus(d: &Daemon) {
@@ -137,31 +119,31 @@ async fn snapshot(d: &Daemon, state: &Path) -> (String, Option<Vec<u8>>) {
 #[tokio::test(flavor = "multi_thread")]
 async fn system_bus_policy_lets_anyone_read_and_only_root_and_admins_change() {
     let group = TestGroup::create("s");
-    let dir = TempDir::new("authz-sys");
     let bus = Bus::start_system_like(&group.name);
-    let d = Daemon::start(&config(dir.path(), &group.name, None), &bus.address).await;
-    let state = dir.path().join("state");
+    let rig = started("authz-sys", bus, &group.name, false).await;
+    let bus = rig.bus.address.as_str();
+    let state = rig.path().join("state");
     let cg = Cgroup::new("authz-sys");
-    let before = snapshot(&d, &state).await;
+    let before = snapshot(&rig, &state).await;
 
     // A non-member: the bus refuses both mutations; nothing changes.
     for args in [
         vec!["set", &cg.rel, "--memory-max", "1Gi"],
         vec!["clear", &cg.rel],
     ] {
-        let (ok, text) = gpudctl(Who::Nobody, &bus.address, &args);
+        let (ok, text) = gpudctl(Who::Nobody, bus, &args);
         assert!(!ok, "{args:?} allowed to a non-member: {text}");
         assert!(
             text.contains("org.freedesktop.DBus.Error.AccessDenied"),
             "{args:?}: {text}"
         );
     }
-    assert_eq!(snapshot(&d, &state).await, before);
+    assert_eq!(snapshot(&rig, &state).await, before);
 
     // ... nor may it take the name.
     let (ok, text) = busctl(
         Who::Nobody,
-        &bus.address,
+        bus,
         &[
             "call",
             "org.freedesktop.DBus",
@@ -177,20 +159,16 @@ async fn system_bus_policy_lets_anyone_read_and_only_root_and_admins_change() {
 
     // It may read: methods, properties, introspection.
     for args in [vec!["list"], vec!["ps"], vec!["limits"], vec!["status"]] {
-        let (ok, text) = gpudctl(Who::Nobody, &bus.address, &args);
+        let (ok, text) = gpudctl(Who::Nobody, bus, &args);
         assert!(ok, "{args:?} refused to a non-member: {text}");
     }
-    let (ok, text) = gpudctl(Who::Nobody, &bus.address, &["get", &cg.rel]);
+    let (ok, text) = gpudctl(Who::Nobody, bus, &["get", &cg.rel]);
     assert!(ok || text.contains("dev.gpud.Error.NotFound"), "{text}");
-    let (ok, text) = busctl(
-        Who::Nobody,
-        &bus.address,
-        &["introspect", BUS_NAME, OBJECT_PATH],
-    );
+    let (ok, text) = busctl(Who::Nobody, bus, &["introspect", BUS_NAME, OBJECT_PATH]);
     assert!(ok && text.contains(".SetLimits"), "{text}");
     let (ok, text) = busctl(
         Who::Nobody,
-        &bus.address,
+        bus,
         &[
             "get-property",
             BUS_NAME,
@@ -203,7 +181,7 @@ async fn system_bus_policy_lets_anyone_read_and_only_root_and_admins_change() {
     // Properties.Set is not read access.
     let (ok, text) = busctl(
         Who::Nobody,
-        &bus.address,
+        bus,
         &[
             "set-property",
             BUS_NAME,
@@ -219,25 +197,21 @@ async fn system_bus_policy_lets_anyone_read_and_only_root_and_admins_change() {
     // A member of the admin group may change limits.
     let (ok, text) = gpudctl(
         Who::Member(group.gid),
-        &bus.address,
+        bus,
         &["set", &cg.rel, "--memory-max", "1Gi"],
     );
-    assert!(ok, "member refused: {text}\n{}", d.log_text());
-    let (_c, p) = d.proxy().await;
+    assert!(ok, "member refused: {text}\n{}", rig.log_text());
+    let (_c, p) = rig.proxy().await;
     let limits = p.list_limits().await.expect("ListLimits");
     assert_eq!(limits.len(), 1, "{limits:?}");
     assert_eq!(limits[0].limits.get("memory_max"), Some(&(1u64 << 30)));
-    let (ok, text) = gpudctl(Who::Member(group.gid), &bus.address, &["clear", &cg.rel]);
+    let (ok, text) = gpudctl(Who::Member(group.gid), bus, &["clear", &cg.rel]);
     assert!(ok, "member refused: {text}");
 
     // And root.
-    let (ok, text) = gpudctl(
-        Who::Root,
-        &bus.address,
-        &["set", &cg.rel, "--compute-max", "50"],
-    );
+    let (ok, text) = gpudctl(Who::Root, bus, &["set", &cg.rel, "--compute-max", "50"]);
     assert!(ok, "root refused: {text}");
-    let (ok, text) = gpudctl(Who::Root, &bus.address, &["clear", &cg.rel]);
+    let (ok, text) = gpudctl(Who::Root, bus, &["clear", &cg.rel]);
     assert!(ok, "root refused: {text}");
     assert!(p.list_limits().await.expect("ListLimits").is_empty());
 }
@@ -245,17 +219,14 @@ async fn system_bus_policy_lets_anyone_read_and_only_root_and_admins_change() {
 #[tokio::test(flavor = "multi_thread")]
 async fn gpud_refuses_mutations_from_non_members_even_when_the_bus_allows_them() {
     let group = TestGroup::create("p");
-    let dir = TempDir::new("authz-daemon");
-    let bus = Bus::start();
-    let d = Daemon::start(&config(dir.path(), &group.name, None), &bus.address).await;
-    let state = dir.path().join("state");
+    let rig = started("authz-daemon", Bus::start(), &group.name, false).await;
+    let bus = rig.bus.address.as_str();
+    let state = rig.path().join("state");
     let cg = Cgroup::new("authz-daemon");
-    let (_c, p) = d.proxy().await;
-    let limits = BTreeMap::from([("memory_max", zbus::Variant::from("1Gi"))]);
-    p.set_limits(&cg.rel, "all", limits)
-        .await
-        .expect("root's SetLimits");
-    let before = snapshot(&d, &state).await;
+    let (_c, p) = rig.proxy().await;
+    // Root (this process) may set limits.
+    rig.set_limit(&cg.rel, "all", "memory_max", "1Gi").await;
+    let before = snapshot(&rig, &state).await;
     assert!(before.1.is_some(), "limits.json not written");
 
     for (args, method) in [
@@ -264,7 +235,7 @@ async fn gpud_refuses_mutations_from_non_members_even_when_the_bus_allows_them()
         // Refused before its arguments are looked at.
         (vec!["set", "/..", "--memory-max", "2Gi"], "SetLimits"),
     ] {
-        let (ok, text) = gpudctl(Who::Nobody, &bus.address, &args);
+        let (ok, text) = gpudctl(Who::Nobody, bus, &args);
         assert!(!ok, "{args:?} allowed to a non-member: {text}");
         for needle in [
             "dev.gpud.Error.AccessDenied",
@@ -274,9 +245,13 @@ async fn gpud_refuses_mutations_from_non_members_even_when_the_bus_allows_them()
         ] {
             assert!(text.contains(needle), "{args:?}: {needle} not in {text}");
         }
-        assert_eq!(snapshot(&d, &state).await, before, "{args:?} changed state");
+        assert_eq!(
+            snapshot(&rig, &state).await,
+            before,
+            "{args:?} changed state"
+        );
     }
-    let log = d.log_text();
+    let log = rig.log_text();
     assert!(
         // (Colored: `uid=65534` has escape codes around the `=`.)
         log.contains("WARN") && log.contains("65534") && log.contains("refused"),
@@ -286,13 +261,13 @@ async fn gpud_refuses_mutations_from_non_members_even_when_the_bus_allows_them()
     // The member's calls pass the daemon's check.
     let (ok, text) = gpudctl(
         Who::Member(group.gid),
-        &bus.address,
+        bus,
         &["set", &cg.rel, "--memory-max", "2Gi"],
     );
-    assert!(ok, "member refused: {text}\n{}", d.log_text());
+    assert!(ok, "member refused: {text}\n{}", rig.log_text());
     let limits = p.list_limits().await.expect("ListLimits");
     assert_eq!(limits[0].limits.get("memory_max"), Some(&(2u64 << 30)));
-    let (ok, text) = gpudctl(Who::Member(group.gid), &bus.address, &["clear", &cg.rel]);
+    let (ok, text) = gpudctl(Who::Member(group.gid), bus, &["clear", &cg.rel]);
     assert!(ok, "member refused: {text}");
     assert!(p.list_limits().await.expect("ListLimits").is_empty());
 }
@@ -364,11 +339,9 @@ async fn introspect_tree(conn: &zbus::Connection, path: &str, out: &mut Vec<(Str
 #[tokio::test(flavor = "multi_thread")]
 async fn every_method_is_either_mutating_or_open_to_everyone_in_the_policy() {
     let group = TestGroup::create("c");
-    let dir = TempDir::new("authz-classes");
-    let lib = one_gpu(dir.path());
     let bus = Bus::start_system_like(&group.name);
-    let d = Daemon::start(&config(dir.path(), &group.name, Some(&lib)), &bus.address).await;
-    wait_for_gpus(&d).await; // so that the per-GPU objects exist too
+    let rig = started("authz-classes", bus, &group.name, true).await;
+    let bus = rig.bus.address.as_str();
 
     let policy_text = std::fs::read_to_string(shipped_bus_policy()).expect("policy");
     let policy = parse_xml(&policy_text);
@@ -376,7 +349,7 @@ async fn every_method_is_either_mutating_or_open_to_everyone_in_the_policy() {
     let admins = allowed_in(&policy, "group", "gpud-admin");
     let root = allowed_in(&policy, "user", "root");
 
-    let (conn, _p) = d.proxy().await;
+    let (conn, _p) = rig.proxy().await;
     let mut tree = Vec::new();
     introspect_tree(&conn, "/", &mut tree).await;
     let mut seen = BTreeSet::new();
@@ -428,11 +401,8 @@ async fn every_method_is_either_mutating_or_open_to_everyone_in_the_policy() {
                     );
                     if !takes_args {
                         // And the bus really lets an unprivileged user call it.
-                        let (ok, text) = busctl(
-                            Who::Nobody,
-                            &bus.address,
-                            &["call", BUS_NAME, path, name, member],
-                        );
+                        let (ok, text) =
+                            busctl(Who::Nobody, bus, &["call", BUS_NAME, path, name, member]);
                         assert!(ok, "{name}.{member} refused to a non-member: {text}");
                     }
                 }
@@ -518,14 +488,11 @@ struct Case {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_dbus_input_gets_a_typed_error_and_changes_nothing() {
-    let dir = TempDir::new("badinput");
-    let lib = one_gpu(dir.path());
-    let bus = Bus::start();
-    let d = Daemon::start(&config(dir.path(), "", Some(&lib)), &bus.address).await;
-    wait_for_gpus(&d).await;
-    let state = dir.path().join("state");
+    let rig = started("badinput", Bus::start(), "", true).await;
+    let bus = rig.bus.address.as_str();
+    let state = rig.path().join("state");
     let cg = Cgroup::new("badinput");
-    let (conn, p) = d.proxy().await;
+    let (conn, p) = rig.proxy().await;
     // Something in force that a bad call could disturb.
     let start = BTreeMap::from([
         ("memory_max", zbus::Variant::from("1Gi")),
@@ -625,7 +592,7 @@ async fn bad_dbus_input_gets_a_typed_error_and_changes_nothing() {
     ];
     assert!(cases.len() >= 30);
 
-    let before = snapshot(&d, &state).await;
+    let before = snapshot(&rig, &state).await;
     assert!(before.1.is_some(), "limits.json not written");
     for c in cases {
         let reply = if c.args.is_empty() {
@@ -667,7 +634,7 @@ async fn bad_dbus_input_gets_a_typed_error_and_changes_nothing() {
             None => panic!("{}: expected {}, got {reply:?}", c.what, c.want),
         }
         assert_eq!(
-            snapshot(&d, &state).await,
+            snapshot(&rig, &state).await,
             before,
             "{} changed state",
             c.what
@@ -676,7 +643,7 @@ async fn bad_dbus_input_gets_a_typed_error_and_changes_nothing() {
 
     // A string with a NUL byte is not valid D-Bus: it never reaches gpud as a call (the bus
     // drops the sender's connection), and gpud goes on answering.
-    let (nul_conn, _) = d.proxy().await;
+    let (nul_conn, _) = rig.proxy().await;
     let nul = nul_conn
         .call_method(
             Some(BUS_NAME),
@@ -687,13 +654,13 @@ async fn bad_dbus_input_gets_a_typed_error_and_changes_nothing() {
         )
         .await;
     assert!(nul.is_err(), "{nul:?}");
-    let (_c2, p2) = d.proxy().await;
+    let (_c2, p2) = rig.proxy().await;
     assert_eq!(p2.get_cgroup("/").await.expect("GetCgroup /").path, "/");
-    assert_eq!(snapshot(&d, &state).await, before);
+    assert_eq!(snapshot(&rig, &state).await, before);
 
     // gpudctl maps a daemon error to exit code 1 and an unreachable bus to 3.
     let st = Command::new(gpudctl_bin())
-        .args(["--bus-address", &bus.address, "get", "/../x"])
+        .args(["--bus-address", bus, "get", "/../x"])
         .status()
         .unwrap();
     assert_eq!(st.code(), Some(1));

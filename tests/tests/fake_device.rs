@@ -16,14 +16,15 @@ use gpud_common::{
     rm::{self, class, status},
 };
 use gpud_tests::{
-    Bus, Cgroup, Daemon, RmProcess, TempDir, bin_dir, class_counts, eventually,
+    Cgroup, Rig, RmProcess, TempDir, bin_dir, class_counts, eventually,
     fakenv::{self, FakeNv, Options, Snapshot},
     rm::{Alloc, Ctl, Form, bytes_of_mut},
-    write_config,
 };
+use rstest::rstest;
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
 const PAGE: u64 = 2 * MIB;
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -40,24 +41,29 @@ impl std::ops::Deref for Mounted {
     }
 }
 
-/// A fake mounted in a scratch directory, or `None` (with a message) without `/dev/fuse`.
-fn fake(tag: &str, opts: Options) -> Option<Mounted> {
+/// A fake of 2 GPUs of `capacity` with 2 MiB pages mounted in a scratch directory, or `None`
+/// (with a message) without `/dev/fuse`.
+fn fake(tag: &str, capacity: u64) -> Option<Mounted> {
     if !fakenv::available() {
         eprintln!("SKIPPED: /dev/fuse is absent, the fake NVIDIA device cannot be mounted");
         return None;
     }
     let dir = TempDir::new(tag);
-    let fake = fakenv::mount(&dir.path().join("mnt"), opts).expect("mount the fake");
-    Some(Mounted { fake, _dir: dir })
-}
-
-fn small(capacity: u64) -> Options {
-    Options {
+    let opts = Options {
         gpus: 2,
         capacity,
         page_size: PAGE,
         verbose: false,
-    }
+    };
+    let fake = fakenv::mount(&dir.path().join("mnt"), opts).expect("mount the fake");
+    Some(Mounted { fake, _dir: dir })
+}
+
+/// [`fake`] and a `gpud-rm` caller on it.
+fn caller(tag: &str, capacity: u64) -> Option<(Mounted, RmProcess)> {
+    let fake = fake(tag, capacity)?;
+    let p = RmProcess::spawn(None, &fake.ctl());
+    Some((fake, p))
 }
 
 fn u(v: &Value, k: &str) -> u64 {
@@ -84,10 +90,9 @@ fn released(s: &Snapshot, clients: &[u32]) -> bool {
 
 #[test]
 fn handles_are_generated_unique_and_sizes_rounded_in_every_form() {
-    let Some(fake) = fake("forms", small(1 << 30)) else {
+    let Some((fake, mut p)) = caller("forms", GIB) else {
         return;
     };
-    let mut p = RmProcess::spawn(None, &fake.ctl());
     let (client, device, sub) = setup(&mut p);
     assert_eq!(
         client & 0xfff0_0000,
@@ -151,9 +156,15 @@ fn handles_are_generated_unique_and_sizes_rounded_in_every_form() {
     assert_eq!(fake.snapshot().used(1), 6 * MIB);
 }
 
-#[test]
-fn memory_params_are_written_back_in_the_callers_memory() {
-    let Some(fake) = fake("params", small(1 << 30)) else {
+/// NV_MEMORY_ALLOCATION_PARAMS behind `pAllocParms`, by NVOS21 or NVOS64 (`long`), direct or
+/// XFER-wrapped.
+#[rstest]
+#[case::nvos21(false, false)]
+#[case::nvos64(true, false)]
+#[case::xfer_nvos21(false, true)]
+#[case::xfer_nvos64(true, true)]
+fn memory_params_are_written_back_in_the_callers_memory(#[case] long: bool, #[case] xfer: bool) {
+    let Some(fake) = fake(&format!("params-{long}-{xfer}"), GIB) else {
         return;
     };
     let f = File::options()
@@ -164,46 +175,48 @@ fn memory_params_are_written_back_in_the_callers_memory() {
     let ctl = Ctl::new(&f);
     let client = ctl.alloc_client().handle;
     let device = ctl.alloc_device(client, 1).handle;
-    for (long, xfer) in [(false, false), (true, false), (false, true), (true, true)] {
-        let mut params = rm::MemoryAllocationParams {
-            size: 5 * MIB + 1,
-            attr2: 0x55,
-            ..Default::default()
-        };
-        let mut a = Alloc::new(client, device, class::MEMORY_LOCAL_USER)
-            .params(bytes_of_mut(&mut params).as_mut_ptr());
-        a.long = long;
-        a.xfer = xfer;
-        // SAFETY: `params` is the class's struct and outlives the call.
-        let r = unsafe { ctl.alloc(&a) };
-        assert!(r.ok(), "{r:?}");
-        assert_eq!((params.size, params.limit), (6 * MIB, 6 * MIB - 1));
-        assert_eq!(params.attr2, 0x55, "other fields kept");
-    }
+    let mut params = rm::MemoryAllocationParams {
+        size: 5 * MIB + 1,
+        attr2: 0x55,
+        ..Default::default()
+    };
+    let mut a = Alloc::new(client, device, class::MEMORY_LOCAL_USER)
+        .params(bytes_of_mut(&mut params).as_mut_ptr());
+    a.long = long;
+    a.xfer = xfer;
+    // SAFETY: `params` is the class's struct and outlives the call.
+    let r = unsafe { ctl.alloc(&a) };
+    assert!(r.ok(), "{r:?}");
+    assert_eq!((params.size, params.limit), (6 * MIB, 6 * MIB - 1));
+    assert_eq!(params.attr2, 0x55, "other fields kept");
     let s = fake.snapshot();
-    assert_eq!((s.used(0), s.used(1)), (0, 24 * MIB));
+    assert_eq!((s.used(0), s.used(1)), (0, 6 * MIB));
     // This process made them.
     assert!(s.memory().all(|o| o.pid == std::process::id()));
 }
 
-#[test]
-fn capacity_exhaustion_is_status_0x51_with_ioctl_0() {
-    let Some(fake) = fake("capacity", small(8 * MIB)) else {
+/// Refused in every allocation form alike; what is left stays usable.
+#[rstest]
+#[case::nvos21(Form::Nvos21)]
+#[case::nvos64(Form::Nvos64)]
+#[case::vid_heap_control(Form::VidHeap)]
+#[case::xfer_nvos21(Form::Xfer21)]
+#[case::xfer_nvos64(Form::Xfer64)]
+#[case::xfer_vid_heap_control(Form::XferVidHeap)]
+fn capacity_exhaustion_is_status_0x51_with_ioctl_0(#[case] form: Form) {
+    let Some((fake, mut p)) = caller(&format!("capacity-{}", form.name()), 8 * MIB) else {
         return;
     };
-    let mut p = RmProcess::spawn(None, &fake.ctl());
     let (client, device, sub) = setup(&mut p);
     let first = p.handle(&format!("alloc {client} {device} 5M"));
     assert_eq!(fake.snapshot().used(0), 6 * MIB);
-    for form in Form::ALL {
-        let v = p.cmd(&format!("alloc {client} {sub} 3M {}", form.name()));
-        assert_eq!(v["ret"], 0, "{v}");
-        assert_eq!(status_of(&v), status::NV_ERR_NO_MEMORY, "{}", form.name());
-        assert_eq!(v["errno"], 0);
-    }
+    let v = p.cmd(&format!("alloc {client} {sub} 3M {}", form.name()));
+    assert_eq!(v["ret"], 0, "{v}");
+    assert_eq!(status_of(&v), status::NV_ERR_NO_MEMORY, "{}", form.name());
+    assert_eq!(v["errno"], 0);
     let s = fake.snapshot();
     assert_eq!((s.used(0), s.memory().count()), (6 * MIB, 1));
-    assert_eq!(s.stats.refused, Form::ALL.len() as u64);
+    assert_eq!(s.stats.refused, 1);
     // What is left still fits, exactly.
     p.ok(&format!("alloc {client} {sub} 2M xfervidheap"));
     let v = p.cmd(&format!("alloc {client} {sub} 1"));
@@ -221,10 +234,9 @@ fn capacity_exhaustion_is_status_0x51_with_ioctl_0() {
 
 #[test]
 fn malformed_requests_fail_with_einval() {
-    let Some(fake) = fake("einval", small(1 << 30)) else {
+    let Some((fake, mut p)) = caller("einval", GIB) else {
         return;
     };
-    let mut p = RmProcess::spawn(None, &fake.ctl());
     let errno = |p: &mut RmProcess, cmd: u32| {
         let v = p.cmd(&format!("ioctl {cmd:#x}"));
         (v["ret"].as_i64().unwrap(), v["errno"].as_i64().unwrap())
@@ -309,10 +321,9 @@ fn malformed_requests_fail_with_einval() {
 
 #[test]
 fn rm_errors_parents_and_classes_as_the_driver() {
-    let Some(fake) = fake("errors", small(1 << 30)) else {
+    let Some((fake, mut p)) = caller("errors", GIB) else {
         return;
     };
-    let mut p = RmProcess::spawn(None, &fake.ctl());
     let (client, device, sub) = setup(&mut p);
     let st = |p: &mut RmProcess, line: String| status_of(&p.cmd(&line));
     // Unknown parent, wrong parents.
@@ -387,10 +398,9 @@ fn rm_errors_parents_and_classes_as_the_driver() {
 
 #[test]
 fn free_takes_the_subtree_and_the_client_everything() {
-    let Some(fake) = fake("subtree", small(1 << 30)) else {
+    let Some((fake, mut p)) = caller("subtree", GIB) else {
         return;
     };
-    let mut p = RmProcess::spawn(None, &fake.ctl());
     let (client, device, sub) = setup(&mut p);
     let on_dev = p.handle(&format!("alloc {client} {device} 1"));
     let on_sub = p.handle(&format!("alloc {client} {sub} 1 vidheap"));
@@ -432,11 +442,10 @@ fn free_takes_the_subtree_and_the_client_everything() {
 
 #[test]
 fn last_close_frees_the_files_clients() {
-    let Some(fake) = fake("release", small(1 << 30)) else {
+    // `close`: both clients of the file go, with no RM_FREE.
+    let Some((fake, mut p)) = caller("release", GIB) else {
         return;
     };
-    // `close`: both clients of the file go, with no RM_FREE.
-    let mut p = RmProcess::spawn(None, &fake.ctl());
     let (a, device, _) = setup(&mut p);
     p.ok(&format!("alloc {a} {device} 10M"));
     let b = p.handle("client");
@@ -487,7 +496,7 @@ fn last_close_frees_the_files_clients() {
 
 #[test]
 fn a_client_is_bound_to_the_file_that_made_it() {
-    let Some(fake) = fake("strict", small(1 << 30)) else {
+    let Some(fake) = fake("strict", GIB) else {
         return;
     };
     let mut a = RmProcess::spawn(None, &fake.ctl());
@@ -519,7 +528,7 @@ fn a_client_is_bound_to_the_file_that_made_it() {
 
 #[test]
 fn concurrent_callers_and_threads() {
-    let Some(fake) = fake("threads", small(1 << 30)) else {
+    let Some(fake) = fake("threads", GIB) else {
         return;
     };
     let mut procs: Vec<RmProcess> = (0..3)
@@ -550,10 +559,9 @@ fn concurrent_callers_and_threads() {
 
 #[test]
 fn injected_faults() {
-    let Some(fake) = fake("inject", small(1 << 30)) else {
+    let Some((fake, mut p)) = caller("inject", GIB) else {
         return;
     };
-    let mut p = RmProcess::spawn(None, &fake.ctl());
     let (client, device, _) = setup(&mut p);
     // Through the file, as another process would.
     fakenv::write_inject(fake.dir(), "fail-next-alloc 0x51 2").unwrap();
@@ -593,7 +601,7 @@ fn injected_faults() {
 
 #[test]
 fn callers_in_a_cgroup_are_seen_with_their_pids() {
-    let Some(fake) = fake("cgroup", small(1 << 30)) else {
+    let Some(fake) = fake("cgroup", GIB) else {
         return;
     };
     let cg = Cgroup::new("fake-rm");
@@ -658,7 +666,7 @@ fn is_mounted(p: &Path) -> bool {
 
 #[test]
 fn unmount_with_files_open_detaches_and_keeps_serving_them() {
-    let Some(fake) = fake("lazy", small(1 << 30)) else {
+    let Some(fake) = fake("lazy", GIB) else {
         return;
     };
     let mnt = fake.dir().to_owned();
@@ -676,13 +684,11 @@ fn unmount_with_files_open_detaches_and_keeps_serving_them() {
 /// see the caller's real ioctls, XFER-wrapped ones decoded, in the caller's cgroup.
 #[tokio::test(flavor = "multi_thread")]
 async fn gpud_attributes_ioctls_on_the_fake_to_the_callers_cgroup() {
-    let Some(fake) = fake("gpud", small(1 << 30)) else {
+    let Some(mut rig) = Rig::new("gpud-fake").fake_device(2) else {
         return;
     };
-    let dir = TempDir::new("gpud-fake");
-    let bus = Bus::start();
-    let config = write_config(dir.path(), &[&fake.ctl()], "auto");
-    let daemon = Daemon::start(&config, &bus.address).await;
+    rig.start(rig.config()).await;
+    let fake = rig.fake();
     let cg = Cgroup::new("fake-gpud");
     let mut p = RmProcess::spawn(Some(&cg.dir), &fake.ctl());
     let (client, device, sub) = setup(&mut p);
@@ -691,7 +697,7 @@ async fn gpud_attributes_ioctls_on_the_fake_to_the_callers_cgroup() {
     p.ok(&format!("alloc {client} {device} 1 vidheap"));
     p.ok(&format!("free {client} {device}"));
     let want = class_counts(&[("alloc", 5), ("vid_heap", 1), ("free", 1)]);
-    let (_conn, proxy) = daemon.proxy().await;
+    let (_conn, proxy) = rig.proxy().await;
     let got = eventually(WAIT, || async {
         let r = proxy.get_cgroup(&cg.rel).await.ok()?;
         (r.ioctls == want).then_some(r)
@@ -702,7 +708,7 @@ async fn gpud_attributes_ioctls_on_the_fake_to_the_callers_cgroup() {
         got.is_some(),
         "gpud counted {:?}\n{}",
         r.ioctls,
-        daemon.log_text()
+        rig.log_text()
     );
     assert_eq!(r.pids, vec![p.pid]);
     assert_eq!(fake.snapshot().used_total(), 0);

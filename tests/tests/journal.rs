@@ -13,7 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gpud_tests::{Bus, Cgroup, Issuer, TempDir, gpud_bin, write_config};
+use gpud_tests::{Cgroup, Issuer, Rig, gpud_bin};
 
 /// Fields of one datagram of journald's native protocol: `NAME=value\n`, or `NAME\n`, a
 /// little-endian u64 length, the value's bytes and `\n` (what tracing-journald mostly sends).
@@ -53,18 +53,18 @@ fn cstr(p: &Path) -> CString {
 
 #[test]
 fn events_reach_the_journal_with_their_fields() {
-    let dir = TempDir::new("journal");
-    let journal_dir = dir.path().join("journal");
+    // The rig's directory, bus and config; the daemon is started by hand below, in its own mount
+    // namespace.
+    let rig = Rig::new("journal");
+    let journal_dir = rig.path().join("journal");
     std::fs::create_dir_all(&journal_dir).expect("journal dir");
     let sock = UnixDatagram::bind(journal_dir.join("socket")).expect("bind");
     sock.set_read_timeout(Some(Duration::from_millis(200)))
         .expect("timeout");
-    let ctl = dir.path().join("nvidiactl-standin");
-    std::fs::write(&ctl, b"").expect("stand-in");
-    let cfg = write_config(dir.path(), &[&ctl], "auto");
-    let bus = Bus::start();
+    let ctl = rig.stand_in("nvidiactl-standin");
+    let cfg = rig.config().extra_paths([&ctl]).write();
     // The daemon's stderr, named by JOURNAL_STREAM as systemd does for its stream socket.
-    let stderr_path = dir.path().join("stderr");
+    let stderr_path = rig.path().join("stderr");
     let stderr = std::fs::File::create(&stderr_path).expect("stderr file");
     let meta = stderr.metadata().expect("stat");
     let stream = format!("{}:{}", meta.dev(), meta.ino());
@@ -83,7 +83,7 @@ fn events_reach_the_journal_with_their_fields() {
     cmd.arg("--config")
         .arg(&cfg)
         .arg("--bus-address")
-        .arg(&bus.address)
+        .arg(&rig.bus.address)
         .env("JOURNAL_STREAM", &stream)
         .env_remove("RUST_LOG")
         .env_remove("NOTIFY_SOCKET")
@@ -179,14 +179,7 @@ fn events_reach_the_journal_with_their_fields() {
 
     // An attributed process: PID= and CGROUP= as fields.
     let cg = Cgroup::new("journal");
-    let issuer = Issuer::run(&[
-        "--cgroup".into(),
-        cg.dir.display().to_string(),
-        "--file".into(),
-        ctl.display().to_string(),
-        "--ioctl".into(),
-        "0xc030462b:1".into(),
-    ]);
+    let issuer = Issuer::in_cgroup(&cg, &ctl, &["--ioctl", "0xc030462b:1"]);
     let pid = issuer.pid.to_string();
     let attributed = receive_until(&mut seen, &|f| {
         f.get("MESSAGE").map(String::as_str) == Some("process attributed")

@@ -3,100 +3,40 @@
 //! programs account them in the kernel, and the figures are read back over a real dbus-daemon and
 //! compared with the fake driver's own ground truth.
 
-use std::{collections::BTreeMap, path::Path, time::Duration};
+use std::{collections::BTreeMap, time::Duration};
 
 use futures_util::StreamExt as _;
-use gpud_api::CgroupRecord;
-use gpud_tests::{Bus, Cgroup, Daemon, RmProcess, TempDir, eventually, fakenv::FakeNv};
+use gpud_tests::{Cgroup, Rig, RmProcess, eventually, rm::Form};
+use rstest::rstest;
 
 const MIB: u64 = 1 << 20;
 
-/// A daemon config counting on the fake device. `keep_pinned`: whether a restart resumes the
-/// kernel maps (the default) or starts from nothing.
-fn config(dir: &Path, ctl: &Path, react_action: &str, keep_pinned: bool) -> std::path::PathBuf {
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=debug"
-
-[probes]
-attach = "auto"
-bpffs = "{bpffs}"
-keep_pinned = {keep_pinned}
-
-[devices]
-extra_paths = [{ctl:?}]
-
-[attribution]
-sweep_interval_secs = 1
-rescan_interval_secs = 0
-
-[enforcement]
-tier = "auto"
-react_action = "{react_action}"
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-        ctl = ctl.display().to_string(),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("write config");
-    p
-}
-
-fn fake(dir: &TempDir) -> Option<FakeNv> {
-    gpud_tests::fake_device(dir, 2)
-}
-
-async fn get(d: &Daemon, path: &str) -> CgroupRecord {
-    let (_c, p) = d.proxy().await;
-    p.get_cgroup(path).await.expect("GetCgroup")
-}
-
-fn mem(r: &CgroupRecord, gpu: &str) -> u64 {
-    r.memory_current.get(gpu).copied().unwrap_or(0)
-}
-
-/// Waits until the cgroup's figures equal `want` (per GPU name) and returns the record.
-async fn expect_memory(d: &Daemon, path: &str, want: &[(&str, u64)]) -> CgroupRecord {
-    let want: BTreeMap<&str, u64> = want.iter().copied().collect();
-    let got = eventually(Duration::from_secs(5), || async {
-        let r = get(d, path).await;
-        want.iter().all(|(g, b)| mem(&r, g) == *b).then_some(r)
-    })
-    .await;
-    match got {
-        Some(r) => r,
-        None => {
-            let have = get(d, path).await.memory_current;
-            panic!("{path}: wanted {want:?}, have {have:?}\n{}", d.log_text())
-        }
-    }
+/// A daemon on the fake device (2 GPUs) acting on limit crossings with `react_action`.
+/// `keep_pinned`: whether a restart resumes the kernel maps or starts from nothing.
+async fn started(tag: &str, react_action: &str, keep_pinned: bool) -> Option<Rig> {
+    let mut rig = Rig::new(tag).fake_device(2)?;
+    let config = rig
+        .config()
+        .react_action(react_action)
+        .keep_pinned(keep_pinned);
+    rig.start(config).await;
+    Some(rig)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bytes_are_exact_per_cgroup_gpu_and_ancestor_across_the_object_lifecycle() {
-    let dir = TempDir::new("mem-exact");
-    let Some(fake) = fake(&dir) else { return };
-    let ctl = fake.ctl();
-    let bus = Bus::start();
-    let daemon = Daemon::start(&config(dir.path(), &ctl, "notify", false), &bus.address).await;
-
+    let Some(rig) = started("mem-exact", "notify", false).await else {
+        return;
+    };
+    let (fake, ctl) = (rig.fake(), rig.ctl());
     let parent = Cgroup::new("mem-parent");
-    let a_dir = parent.dir.join("a");
-    let b_dir = parent.dir.join("b");
-    std::fs::create_dir_all(&a_dir).expect("cgroup a");
-    std::fs::create_dir_all(&b_dir).expect("cgroup b");
-    let (p, a, b) = (
-        parent.rel.clone(),
-        format!("{}/a", parent.rel),
-        format!("{}/b", parent.rel),
-    );
+    let (cg_a, cg_b) = (parent.child("a"), parent.child("b"));
+    let (a_dir, b_dir) = (&cg_a.dir, &cg_b.dir);
+    let (p, a, b) = (&parent.rel, &cg_a.rel, &cg_b.rel);
 
     // A: two GPUs, memory under a device, a subdevice and through every call form.
-    let mut pa = RmProcess::spawn(Some(&a_dir), &ctl);
-    let c = pa.handle("client");
-    let d0 = pa.handle(&format!("device {c} 0"));
+    let mut pa = RmProcess::spawn(Some(a_dir), &ctl);
+    let (c, d0) = pa.client_device(0);
     let d1 = pa.handle(&format!("device {c} 1"));
     let s0 = pa.handle(&format!("subdevice {c} {d0}"));
     pa.ok(&format!("alloc {c} {d0} {} nvos64", 3 * MIB)); // rounded up to 4 MiB
@@ -107,26 +47,18 @@ async fn bytes_are_exact_per_cgroup_gpu_and_ancestor_across_the_object_lifecycle
     fake.inject("fail-next-alloc 0x51").expect("inject");
     let failed = pa.cmd(&format!("alloc {c} {d0} {} nvos21", 64 * MIB));
     assert_eq!(failed["status"], 0x51, "{failed}");
-    expect_memory(
-        &daemon,
-        &a,
-        &[("0", 10 * MIB), ("1", 4 * MIB), ("all", 14 * MIB)],
-    )
-    .await;
+    rig.expect_memory(a, &[("0", 10 * MIB), ("1", 4 * MIB), ("all", 14 * MIB)])
+        .await;
 
     // B: a second cgroup under the same parent.
-    let mut pb = RmProcess::spawn(Some(&b_dir), &ctl);
-    let cb = pb.handle("client");
-    let db = pb.handle(&format!("device {cb} 0"));
+    let mut pb = RmProcess::spawn(Some(b_dir), &ctl);
+    let (cb, db) = pb.client_device(0);
     pb.ok(&format!("alloc {cb} {db} {} nvos21", 8 * MIB));
-    expect_memory(&daemon, &b, &[("0", 8 * MIB), ("all", 8 * MIB)]).await;
+    rig.expect_memory(b, &[("0", 8 * MIB), ("all", 8 * MIB)])
+        .await;
     // The parent holds what its descendants hold.
-    expect_memory(
-        &daemon,
-        &p,
-        &[("0", 18 * MIB), ("1", 4 * MIB), ("all", 22 * MIB)],
-    )
-    .await;
+    rig.expect_memory(p, &[("0", 18 * MIB), ("1", 4 * MIB), ("all", 22 * MIB)])
+        .await;
     assert_eq!(
         fake.snapshot().used_total(),
         22 * MIB,
@@ -135,14 +67,11 @@ async fn bytes_are_exact_per_cgroup_gpu_and_ancestor_across_the_object_lifecycle
 
     // Free of one object, then of a device (its whole subtree).
     pa.ok(&format!("vidheap-free {c} {s0} {vh}"));
-    expect_memory(
-        &daemon,
-        &a,
-        &[("0", 4 * MIB), ("1", 4 * MIB), ("all", 8 * MIB)],
-    )
-    .await;
+    rig.expect_memory(a, &[("0", 4 * MIB), ("1", 4 * MIB), ("all", 8 * MIB)])
+        .await;
     pa.ok(&format!("free {c} {d1}"));
-    expect_memory(&daemon, &a, &[("0", 4 * MIB), ("1", 0), ("all", 4 * MIB)]).await;
+    rig.expect_memory(a, &[("0", 4 * MIB), ("1", 0), ("all", 4 * MIB)])
+        .await;
 
     // A forked child allocates on the shared file, in its own cgroup; it exits, its parent still
     // holds the file, so the memory stays (the client lives); the parent's exit releases all.
@@ -154,49 +83,80 @@ async fn bytes_are_exact_per_cgroup_gpu_and_ancestor_across_the_object_lifecycle
     assert_eq!(reaped["ok"], true, "{reaped}");
     let reaped_by_parent = pb.recv();
     assert_eq!(reaped_by_parent["ok"], true, "{reaped_by_parent}");
-    expect_memory(&daemon, &a, &[("all", 6 * MIB)]).await;
-    expect_memory(&daemon, &b, &[("all", 8 * MIB)]).await;
+    rig.expect_memory(a, &[("all", 6 * MIB)]).await;
+    rig.expect_memory(b, &[("all", 8 * MIB)]).await;
     let _ = pb.cmd("exit");
     pb.wait();
-    expect_memory(&daemon, &b, &[("all", 0)]).await;
-    expect_memory(&daemon, &a, &[("all", 4 * MIB)]).await;
+    rig.expect_memory(b, &[("all", 0)]).await;
+    rig.expect_memory(a, &[("all", 4 * MIB)]).await;
 
     // Client free releases everything of the client.
     pa.ok(&format!("free {c} {c}"));
-    expect_memory(&daemon, &a, &[("all", 0)]).await;
+    rig.expect_memory(a, &[("all", 0)]).await;
 
     // Closing the file (without frees) releases its clients, like the driver does.
     pa.ok("open");
-    let c2 = pa.handle("client");
-    let d2 = pa.handle(&format!("device {c2} 0"));
+    let (c2, d2) = pa.client_device(0);
     pa.ok(&format!("alloc {c2} {d2} {} nvos64", 16 * MIB));
-    expect_memory(&daemon, &a, &[("all", 16 * MIB)]).await;
+    rig.expect_memory(a, &[("all", 16 * MIB)]).await;
     pa.ok("close");
-    expect_memory(&daemon, &a, &[("all", 0)]).await;
-    expect_memory(&daemon, &p, &[("all", 0)]).await;
+    rig.expect_memory(a, &[("all", 0)]).await;
+    rig.expect_memory(p, &[("all", 0)]).await;
     fake.wait(Duration::from_secs(5), |s| s.used_total() == 0)
         .expect("the fake driver freed everything too");
 }
 
+/// Each path by which CUDA allocates video memory is charged to the byte (the size the driver
+/// wrote back, as its own ledger holds it) and uncharged by the free that path pairs with; an
+/// allocation the driver refuses charges nothing.
+#[rstest]
+#[case::nvos21(Form::Nvos21)]
+#[case::nvos64(Form::Nvos64)]
+#[case::vid_heap_control(Form::VidHeap)]
+#[case::xfer_nvos21(Form::Xfer21)]
+#[case::xfer_nvos64(Form::Xfer64)]
+#[case::xfer_vid_heap_control(Form::XferVidHeap)]
+#[tokio::test(flavor = "multi_thread")]
+async fn each_allocation_form_is_charged_to_the_byte_and_uncharged_by_its_free(#[case] form: Form) {
+    let name = form.name();
+    let Some(rig) = started(&format!("mem-{name}"), "notify", false).await else {
+        return;
+    };
+    let cg = Cgroup::new(&format!("mem-form-{name}"));
+    let mut p = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (c, d) = p.client_device(1);
+    rig.fake().inject("fail-next-alloc 0x51").expect("inject");
+    let refused = p.cmd(&format!("alloc {c} {d} {} {name}", 3 * MIB));
+    assert_eq!(refused["status"], 0x51, "{refused}");
+    let h = p.handle(&format!("alloc {c} {d} {} {name}", 3 * MIB));
+    let held = rig.fake().snapshot().held_by(&[p.pid]);
+    assert_eq!(held, 4 * MIB, "3 MiB in the fake's 2 MiB pages");
+    rig.expect_memory(&cg.rel, &[("1", held), ("all", held)])
+        .await;
+    let free = if name.contains("vidheap") {
+        format!("vidheap-free {c} {d} {h}")
+    } else {
+        format!("free {c} {h}")
+    };
+    p.ok(&free);
+    rig.expect_memory(&cg.rel, &[("1", 0), ("all", 0)]).await;
+    assert_eq!(rig.fake().snapshot().used_total(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persist() {
-    let dir = TempDir::new("mem-limit");
-    let Some(fake) = fake(&dir) else { return };
-    let ctl = fake.ctl();
-    let bus = Bus::start();
-    let cfg = config(dir.path(), &ctl, "kill", true);
-    let mut daemon = Daemon::start(&cfg, &bus.address).await;
-    let (conn, proxy) = daemon.proxy().await;
+    let Some(mut rig) = started("mem-limit", "kill", true).await else {
+        return;
+    };
+    let ctl = rig.ctl();
+    let (conn, proxy) = rig.proxy().await;
     let mut signals = proxy
         .receive_memory_limit_exceeded()
         .await
         .expect("subscribe to MemoryLimitExceeded");
 
     let parent = Cgroup::new("lim-parent");
-    let a_dir = parent.dir.join("a");
-    let b_dir = parent.dir.join("b");
-    std::fs::create_dir_all(&a_dir).expect("cgroup a");
-    std::fs::create_dir_all(&b_dir).expect("cgroup b");
+    let (cg_a, cg_b) = (parent.child("a"), parent.child("b"));
 
     // Bad input: typed errors, nothing changes.
     let v = |b: u64| zbus::Variant::from(b);
@@ -262,18 +222,13 @@ async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persis
 
     // A limit on the parent: the allocation that takes the parent over it is killed, in the
     // cgroup that made it; the other process is untouched.
-    let limits = BTreeMap::from([("memory_max", zbus::Variant::from("16Mi"))]);
-    proxy
-        .set_limits(&parent.rel, "all", limits)
-        .await
-        .expect("SetLimits");
-    let mut pa = RmProcess::spawn(Some(&a_dir), &ctl);
-    let c = pa.handle("client");
-    let d = pa.handle(&format!("device {c} 0"));
+    rig.set_limit(&parent.rel, "all", "memory_max", "16Mi")
+        .await;
+    let mut pa = RmProcess::spawn(Some(&cg_a.dir), &ctl);
+    let (c, d) = pa.client_device(0);
     pa.ok(&format!("alloc {c} {d} {} nvos64", 10 * MIB));
-    let mut pb = RmProcess::spawn(Some(&b_dir), &ctl);
-    let cb = pb.handle("client");
-    let db = pb.handle(&format!("device {cb} 0"));
+    let mut pb = RmProcess::spawn(Some(&cg_b.dir), &ctl);
+    let (cb, db) = pb.client_device(0);
     let answer = pb.try_cmd(&format!("alloc {cb} {db} {} nvos64", 8 * MIB));
     assert!(
         answer.is_none(),
@@ -295,30 +250,25 @@ async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persis
     assert_eq!(args.action, "killed");
     // A is alive and still allocates within the limit.
     pa.ok(&format!("alloc {c} {d} {} nvos64", 2 * MIB));
-    let r = expect_memory(&daemon, &parent.rel, &[("all", 12 * MIB)]).await;
+    let r = rig.expect_memory(&parent.rel, &[("all", 12 * MIB)]).await;
     assert_eq!(r.memory_max.get("all"), Some(&(16 * MIB)));
     assert_eq!(r.memory_events, 1);
 
     // The limit survives a restart (persisted and re-applied) and stays enforced.
     drop(signals);
     drop(conn);
-    daemon.stop();
-    let daemon = Daemon::start(&cfg, &bus.address).await;
-    let (_conn, proxy) = daemon.proxy().await;
+    rig.restart().await;
+    let (_conn, proxy) = rig.proxy().await;
     let listed = proxy.list_limits().await.expect("ListLimits");
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].cgroup, parent.rel);
     assert_eq!(listed[0].limits.get("memory_max"), Some(&(16 * MIB)));
     // A max below what is held already kills nobody; the next allocation that crosses it kills
     // its allocator, and nothing else.
-    let limits = BTreeMap::from([("memory_max", zbus::Variant::from(4 * MIB))]);
-    proxy
-        .set_limits(&parent.rel, "all", limits)
-        .await
-        .expect("SetLimits below usage");
-    let mut pc = RmProcess::spawn(Some(&b_dir), &ctl);
-    let cc = pc.handle("client");
-    let dc = pc.handle(&format!("device {cc} 0"));
+    rig.set_limit(&parent.rel, "all", "memory_max", 4 * MIB)
+        .await;
+    let mut pc = RmProcess::spawn(Some(&cg_b.dir), &ctl);
+    let (cc, dc) = pc.client_device(0);
     assert_eq!(
         pa.cmd("pid")["ok"],
         true,
@@ -341,15 +291,13 @@ async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persis
 
 #[tokio::test(flavor = "multi_thread")]
 async fn corrupted_rm_calls_never_charge_more_or_less_than_the_driver_allocated() {
-    let dir = TempDir::new("mem-fuzz");
-    let Some(fake) = fake(&dir) else { return };
-    let ctl = fake.ctl();
-    let bus = Bus::start();
-    let daemon = Daemon::start(&config(dir.path(), &ctl, "notify", false), &bus.address).await;
+    let Some(rig) = started("mem-fuzz", "notify", false).await else {
+        return;
+    };
+    let fake = rig.fake();
     let cg = Cgroup::new("mem-fuzz");
-    let mut p = RmProcess::spawn(Some(&cg.dir), &ctl);
-    let c = p.handle("client");
-    let d = p.handle(&format!("device {c} 0"));
+    let mut p = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (c, d) = p.client_device(0);
     // `cargo xtask fuzz` runs more rounds of more calls: GPUD_FUZZ_RM_ROUNDS rounds (seeds) of
     // GPUD_FUZZ_RM_CALLS calls each.
     let env = |name: &str, default: u64| {
@@ -371,54 +319,40 @@ async fn corrupted_rm_calls_never_charge_more_or_less_than_the_driver_allocated(
         // Whatever the driver (the fake) holds now is exactly what gpud charges: nothing for
         // malformed, refused or failed calls, the written-back size for the rest.
         let truth = fake.snapshot().used_total();
-        expect_memory(&daemon, &cg.rel, &[("all", truth)]).await;
+        rig.expect_memory(&cg.rel, &[("all", truth)]).await;
     }
     assert!(fake.snapshot().used_total() > 0, "some calls allocated");
     p.ok("close");
-    expect_memory(&daemon, &cg.rel, &[("all", 0)]).await;
+    rig.expect_memory(&cg.rel, &[("all", 0)]).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn freeze_action_freezes_the_cgroup_over_its_limit_until_the_limit_is_raised() {
-    let dir = TempDir::new("mem-freeze");
-    let Some(fake) = fake(&dir) else { return };
-    let ctl = fake.ctl();
-    let bus = Bus::start();
-    let daemon = Daemon::start(&config(dir.path(), &ctl, "freeze", false), &bus.address).await;
-    let (_conn, proxy) = daemon.proxy().await;
+    let Some(rig) = started("mem-freeze", "freeze", false).await else {
+        return;
+    };
+    let (_conn, proxy) = rig.proxy().await;
     assert_eq!(proxy.react_action().await.expect("ReactAction"), "freeze");
     let cg = Cgroup::new("mem-freeze");
-    let frozen = || {
-        std::fs::read_to_string(cg.dir.join("cgroup.events"))
-            .map(|t| t.lines().any(|l| l == "frozen 1"))
-            .unwrap_or(false)
-    };
-    let limits = BTreeMap::from([("memory_max", zbus::Variant::from(4 * MIB))]);
-    proxy
-        .set_limits(&cg.rel, "all", limits)
-        .await
-        .expect("SetLimits");
-    let mut p = RmProcess::spawn(Some(&cg.dir), &ctl);
-    let c = p.handle("client");
-    let d = p.handle(&format!("device {c} 0"));
+    rig.set_limit(&cg.rel, "all", "memory_max", 4 * MIB).await;
+    let mut p = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (c, d) = p.client_device(0);
     p.ok(&format!("alloc {c} {d} {} nvos64", 2 * MIB));
-    assert!(!frozen());
+    assert!(!cg.frozen());
     let line = format!("alloc {c} {d} {} nvos64", 4 * MIB);
     p.send(&line);
-    let became_frozen = eventually(Duration::from_secs(5), || async { frozen().then_some(()) })
-        .await
-        .is_some();
-    assert!(became_frozen, "cgroup not frozen:\n{}", daemon.log_text());
-    let r = get(&daemon, &cg.rel).await;
-    assert_eq!(mem(&r, "all"), 6 * MIB);
+    let became_frozen = eventually(Duration::from_secs(5), || async {
+        cg.frozen().then_some(())
+    })
+    .await
+    .is_some();
+    assert!(became_frozen, "cgroup not frozen:\n{}", rig.log_text());
+    let r = rig.get_cgroup(&cg.rel).await;
+    assert_eq!(r.memory_current.get("all").copied().unwrap_or(0), 6 * MIB);
     assert_eq!(r.memory_events, 1);
     // Raising the limit above the usage thaws it; the process goes on.
-    let limits = BTreeMap::from([("memory_max", zbus::Variant::from(8 * MIB))]);
-    proxy
-        .set_limits(&cg.rel, "all", limits)
-        .await
-        .expect("SetLimits");
-    assert!(!frozen(), "still frozen after the limit was raised");
+    rig.set_limit(&cg.rel, "all", "memory_max", 8 * MIB).await;
+    assert!(!cg.frozen(), "still frozen after the limit was raised");
     let a = p.recv();
     assert_eq!(a["ok"], true, "{a}");
     p.ok(&format!("alloc {c} {d} {} nvos64", MIB));

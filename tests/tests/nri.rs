@@ -21,10 +21,11 @@ use gpud::runtime::nri::{
     mux,
 };
 use gpud_tests::{
-    Bus, Cgroup, Daemon, TempDir, eventually,
-    runtime::{NriPlugin, Sleeper, TestRuntime, container, ctx, pod},
+    Cgroup, Daemon, Rig, TempDir, eventually,
+    runtime::{NriPlugin, Sleeper, TestRuntime, configure_request, container, ctx, pod},
 };
 use protobuf::Message as _;
+use rstest::rstest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const MIB: u64 = 1 << 20;
@@ -35,41 +36,21 @@ const WAIT: Duration = Duration::from_secs(10);
 /// `event - 1` each.
 const EVENTS: i32 = (1 << 3) | (1 << 5) | (1 << 9) | (1 << 10);
 
-fn config(dir: &Path) -> PathBuf {
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=debug"
-
-[probes]
-attach = "auto"
-bpffs = "{bpffs}"
-keep_pinned = false
-
-[devices]
-extra_paths = []
-
-[attribution]
-sweep_interval_secs = 3600
-rescan_interval_secs = 0
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("write config");
-    p
+/// A daemon that never sweeps, and the test runtime in the same directory.
+async fn started(tag: &str) -> (Rig, TestRuntime) {
+    let mut rig = Rig::new(tag);
+    rig.start(rig.config().set("attribution.sweep_interval_secs", 3600))
+        .await;
+    let rt = TestRuntime::bind(rig.path());
+    (rig, rt)
 }
 
 /// memory_max by GPU in force on `cgroup`.
 async fn limits_of(d: &Daemon, cgroup: &str) -> BTreeMap<String, u64> {
-    let (_c, p) = d.proxy().await;
-    p.list_limits()
+    d.limits(cgroup)
         .await
-        .expect("ListLimits")
         .into_iter()
-        .filter(|l| l.cgroup == cgroup)
-        .filter_map(|l| l.limits.get("memory_max").map(|m| (l.gpu, *m)))
+        .filter_map(|(gpu, l)| l.get("memory_max").map(|m| (gpu, *m)))
         .collect()
 }
 
@@ -104,17 +85,6 @@ fn start_plugin(dir: &Path, socket: &Path, bus: &str, extra: &[&str]) -> NriPlug
     let args = plugin_args(socket, bus, extra);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     NriPlugin::start(&args, &dir.join("plugin.log"))
-}
-
-fn configure_request() -> nri::ConfigureRequest {
-    nri::ConfigureRequest {
-        runtime_name: "gpud-test-runtime".into(),
-        runtime_version: "1.0".into(),
-        registration_timeout: 5000,
-        request_timeout: 2000,
-        NRI_version: "v0.12.0".into(),
-        ..Default::default()
-    }
 }
 
 /// systemd-style cgroups (`<slice>:<prefix>:<name>`) made for real under the v2 root, removed on
@@ -156,43 +126,28 @@ impl Drop for SystemdStyle {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn registration_configuration_and_synchronize_of_existing_containers() {
-    let dir = TempDir::new("nri-sync");
-    let bus = Bus::start();
-    let daemon = Daemon::start(&config(dir.path()), &bus.address).await;
-    let rt = TestRuntime::bind(dir.path());
+    let (rig, rt) = started("nri-sync").await;
     let mut plugin = start_plugin(
-        dir.path(),
+        rig.path(),
         &rt.socket,
-        &bus.address,
+        &rig.bus.address,
         &["--name", "gpud-test", "--idx", "10"],
     );
     let session = rt.accept(WAIT).await;
     assert_eq!(session.registration.plugin_name, "gpud-test");
     assert_eq!(session.registration.plugin_idx, "10");
-    let cfg = session
-        .plugin
-        .configure(ctx(), &configure_request())
-        .await
-        .expect("Configure");
+    let cfg = session.configure().await.expect("Configure");
     assert_eq!(cfg.events, EVENTS);
 
     // Containers that existed before the plugin: a running one with a pid; one known only by
     // its cgroupfs path; one by a systemd-style path; one with an invalid annotation; a
     // stopped one; one without annotations.
     let parent = Cgroup::new("nri");
-    let cg = |n: &str| {
-        let d = parent.dir.join(n);
-        std::fs::create_dir_all(&d).expect("cgroup");
-        (d, format!("{}/{n}", parent.rel))
-    };
-    let (a_dir, a) = cg("a");
-    let (_, b) = cg("b");
-    let (c_dir, c) = cg("c");
-    let (_, d) = cg("d");
-    let (_, e) = cg("e");
+    let [cg_a, cg_b, cg_c, cg_d, cg_e] = ["a", "b", "c", "d", "e"].map(|n| parent.child(n));
+    let [a, b, c, d, e] = [&cg_a, &cg_b, &cg_c, &cg_d, &cg_e].map(|cg| cg.rel.clone());
     let f = SystemdStyle::new("sync", "f0123");
-    let a_proc = Sleeper::start_in(&a_dir);
-    let c_proc = Sleeper::start_in(&c_dir);
+    let a_proc = Sleeper::start_in(&cg_a.dir);
+    let c_proc = Sleeper::start_in(&cg_c.dir);
     let p1 = pod(
         "p1",
         "train",
@@ -263,11 +218,11 @@ async fn registration_configuration_and_synchronize_of_existing_containers() {
         .expect("Synchronize 2/2 (malformed annotations do not fail it)");
     assert!(!rpl.more);
 
-    expect_limits(&daemon, &plugin, &a, &[("all", 2 * GIB)]).await;
-    expect_limits(&daemon, &plugin, &b, &[("all", GIB)]).await;
-    expect_limits(&daemon, &plugin, &f.rel, &[("0", 512 * MIB)]).await;
+    expect_limits(&rig, &plugin, &a, &[("all", 2 * GIB)]).await;
+    expect_limits(&rig, &plugin, &b, &[("all", GIB)]).await;
+    expect_limits(&rig, &plugin, &f.rel, &[("0", 512 * MIB)]).await;
     for (cgroup, why) in [(&c, "invalid"), (&d, "stopped"), (&e, "no annotations")] {
-        assert!(limits_of(&daemon, cgroup).await.is_empty(), "{why}");
+        assert!(limits_of(&rig, cgroup).await.is_empty(), "{why}");
     }
     let log = plugin.log_text();
     assert!(
@@ -283,7 +238,7 @@ async fn registration_configuration_and_synchronize_of_existing_containers() {
         .await
         .expect("Shutdown");
     assert_eq!(plugin.wait(WAIT).await, Some(0), "{}", plugin.log_text());
-    expect_limits(&daemon, &plugin, &a, &[("all", 2 * GIB)]).await;
+    expect_limits(&rig, &plugin, &a, &[("all", 2 * GIB)]).await;
 }
 
 fn status_of(e: &ttrpc::Error) -> (ttrpc::Code, String) {
@@ -298,11 +253,8 @@ fn status_of(e: &ttrpc::Error) -> (ttrpc::Code, String) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn container_events_validate_apply_and_clear() {
-    let dir = TempDir::new("nri-events");
-    let bus = Bus::start();
-    let daemon = Daemon::start(&config(dir.path()), &bus.address).await;
-    let rt = TestRuntime::bind(dir.path());
-    let plugin = start_plugin(dir.path(), &rt.socket, &bus.address, &[]);
+    let (rig, rt) = started("nri-events").await;
+    let plugin = start_plugin(rig.path(), &rt.socket, &rig.bus.address, &[]);
     let session = rt.accept(WAIT).await;
     assert_eq!(
         (
@@ -312,11 +264,7 @@ async fn container_events_validate_apply_and_clear() {
         ("gpud", "50"),
         "defaults"
     );
-    session
-        .plugin
-        .configure(ctx(), &configure_request())
-        .await
-        .expect("Configure");
+    session.configure().await.expect("Configure");
     session
         .plugin
         .synchronize(ctx(), &nri::SynchronizeRequest::default())
@@ -324,11 +272,6 @@ async fn container_events_validate_apply_and_clear() {
         .expect("Synchronize");
 
     let parent = Cgroup::new("nriev");
-    let cg = |n: &str| {
-        let d = parent.dir.join(n);
-        std::fs::create_dir_all(&d).expect("cgroup");
-        (d, format!("{}/{n}", parent.rel))
-    };
     let p = pod(
         "pod1",
         "web",
@@ -349,15 +292,7 @@ async fn container_events_validate_apply_and_clear() {
         &[("gpud.dev/memory-max.GPU-zz", "1Gi")],
     );
     let err = session
-        .plugin
-        .create_container(
-            ctx(),
-            &nri::CreateContainerRequest {
-                pod: Some(p.clone()).into(),
-                container: Some(bad).into(),
-                ..Default::default()
-            },
-        )
+        .create(&p, &bad)
         .await
         .expect_err("an invalid annotation fails CreateContainer");
     let (code, msg) = status_of(&err);
@@ -375,22 +310,15 @@ async fn container_events_validate_apply_and_clear() {
         &[],
     );
     let err = session
-        .plugin
-        .create_container(
-            ctx(),
-            &nri::CreateContainerRequest {
-                pod: Some(bad_pod).into(),
-                container: Some(plain).into(),
-                ..Default::default()
-            },
-        )
+        .create(&bad_pod, &plain)
         .await
         .expect_err("invalid pod annotation");
     assert!(status_of(&err).1.contains("gpud.dev/priority"), "{err:?}");
 
     // Create, then start (the dedicated RPC of NRI >= 0.12): the limits are set at start.
-    let (a_dir, a) = cg("a");
-    let a_proc = Sleeper::start_in(&a_dir);
+    let cg_a = parent.child("a");
+    let a = &cg_a.rel;
+    let a_proc = Sleeper::start_in(&cg_a.dir);
     let ca = container(
         "ca",
         &p,
@@ -400,112 +328,45 @@ async fn container_events_validate_apply_and_clear() {
         "",
         &[("gpud.dev/memory-max.1", "1Gi")],
     );
-    session
-        .plugin
-        .create_container(
-            ctx(),
-            &nri::CreateContainerRequest {
-                pod: Some(p.clone()).into(),
-                container: Some(ca.clone()).into(),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("CreateContainer");
-    assert!(
-        limits_of(&daemon, &a).await.is_empty(),
-        "nothing before start"
-    );
-    session
-        .plugin
-        .start_container(
-            ctx(),
-            &nri::StartContainerRequest {
-                pod: Some(p.clone()).into(),
-                container: Some(ca.clone()).into(),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("StartContainer");
-    expect_limits(&daemon, &plugin, &a, &[("1", GIB), ("all", 4 * GIB)]).await;
+    session.create(&p, &ca).await.expect("CreateContainer");
+    assert!(limits_of(&rig, a).await.is_empty(), "nothing before start");
+    session.start(&p, &ca).await.expect("StartContainer");
+    expect_limits(&rig, &plugin, a, &[("1", GIB), ("all", 4 * GIB)]).await;
     // The compute share went to gpud as well.
-    let (_c, proxy) = daemon.proxy().await;
-    let weight = proxy
-        .list_limits()
+    let weight = rig
+        .limits(a)
         .await
-        .expect("ListLimits")
-        .into_iter()
-        .find(|l| l.cgroup == a && l.gpu == "all")
-        .and_then(|l| l.limits.get("compute_weight").copied());
+        .get("all")
+        .and_then(|l| l.get("compute_weight").copied());
     assert_eq!(weight, Some(300), "{}", plugin.log_text());
     // Stop clears.
-    session
-        .plugin
-        .stop_container(
-            ctx(),
-            &nri::StopContainerRequest {
-                pod: Some(p.clone()).into(),
-                container: Some(ca.clone()).into(),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("StopContainer");
-    expect_limits(&daemon, &plugin, &a, &[]).await;
+    session.stop(&p, &ca).await.expect("StopContainer");
+    expect_limits(&rig, &plugin, a, &[]).await;
 
     // Older runtimes deliver start and remove as StateChange events.
-    let (_, b) = cg("b");
-    let cb = container("cb", &p, "b", ContainerState::CONTAINER_CREATED, 0, &b, &[]);
-    let event = |e: nri::Event, c: &nri::Container| nri::StateChangeEvent {
-        event: e.into(),
-        pod: Some(p.clone()).into(),
-        container: Some(c.clone()).into(),
-        ..Default::default()
-    };
+    let cg_b = parent.child("b");
+    let b = &cg_b.rel;
+    let cb = container("cb", &p, "b", ContainerState::CONTAINER_CREATED, 0, b, &[]);
     session
-        .plugin
-        .state_change(ctx(), &event(nri::Event::START_CONTAINER, &cb))
+        .state_change(nri::Event::START_CONTAINER, &p, &cb)
         .await
         .expect("StateChange start");
-    expect_limits(&daemon, &plugin, &b, &[("all", 4 * GIB)]).await;
+    expect_limits(&rig, &plugin, b, &[("all", 4 * GIB)]).await;
     session
-        .plugin
-        .state_change(ctx(), &event(nri::Event::REMOVE_CONTAINER, &cb))
+        .state_change(nri::Event::REMOVE_CONTAINER, &p, &cb)
         .await
         .expect("StateChange remove");
-    expect_limits(&daemon, &plugin, &b, &[]).await;
+    expect_limits(&rig, &plugin, b, &[]).await;
 
     // RemoveContainer clears a container that was never stopped; its cgroup is already gone.
-    let (c_dir, c) = cg("c");
-    let cc = container("cc", &p, "c", ContainerState::CONTAINER_CREATED, 0, &c, &[]);
-    session
-        .plugin
-        .start_container(
-            ctx(),
-            &nri::StartContainerRequest {
-                pod: Some(p.clone()).into(),
-                container: Some(cc.clone()).into(),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("StartContainer c");
-    expect_limits(&daemon, &plugin, &c, &[("all", 4 * GIB)]).await;
-    std::fs::remove_dir(&c_dir).expect("remove cgroup c");
-    session
-        .plugin
-        .remove_container(
-            ctx(),
-            &nri::RemoveContainerRequest {
-                pod: Some(p.clone()).into(),
-                container: Some(cc).into(),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("RemoveContainer");
-    expect_limits(&daemon, &plugin, &c, &[]).await;
+    let cg_c = parent.child("c");
+    let c = &cg_c.rel;
+    let cc = container("cc", &p, "c", ContainerState::CONTAINER_CREATED, 0, c, &[]);
+    session.start(&p, &cc).await.expect("StartContainer c");
+    expect_limits(&rig, &plugin, c, &[("all", 4 * GIB)]).await;
+    std::fs::remove_dir(&cg_c.dir).expect("remove cgroup c");
+    session.remove(&p, &cc).await.expect("RemoveContainer");
+    expect_limits(&rig, &plugin, c, &[]).await;
 
     // Start of a container whose cgroup cannot be found: closed by default.
     let lost = container(
@@ -517,28 +378,22 @@ async fn container_events_validate_apply_and_clear() {
         "/gpud-no-such-cgroup/x",
         &[],
     );
-    let err = session
-        .plugin
-        .start_container(
-            ctx(),
-            &nri::StartContainerRequest {
-                pod: Some(p.clone()).into(),
-                container: Some(lost).into(),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect_err("no such cgroup");
+    let err = session.start(&p, &lost).await.expect_err("no such cgroup");
     let (code, msg) = status_of(&err);
     assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
     assert!(msg.contains("NotFound"), "{msg}");
 }
 
+/// `mode`: the plugin's `--on-unreachable`, `None` for its default.
+#[rstest]
+#[case::open_by_default(None)]
+#[case::closed_on_request(Some("closed"))]
 #[tokio::test(flavor = "multi_thread")]
-async fn unreachable_gpud_is_open_by_default_and_closed_on_request() {
-    let dir = TempDir::new("nri-unreach");
+async fn unreachable_gpud_is_open_by_default_and_closed_on_request(#[case] mode: Option<&str>) {
+    let label = mode.unwrap_or("default");
+    let dir = TempDir::new(&format!("nri-unreach-{label}"));
     let nowhere = format!("unix:path={}", dir.path().join("no-bus").display());
-    let parent = Cgroup::new("nriun");
+    let parent = Cgroup::new(&format!("nriun-{label}"));
     let p = pod("p", "p", &[("gpud.dev/memory-max", "1Gi")]);
     let c = container(
         "c",
@@ -549,40 +404,27 @@ async fn unreachable_gpud_is_open_by_default_and_closed_on_request() {
         &parent.rel,
         &[],
     );
-    let start = nri::StartContainerRequest {
-        pod: Some(p.clone()).into(),
-        container: Some(c).into(),
-        ..Default::default()
+    let rt = TestRuntime::bind(dir.path());
+    let extra: Vec<&str> = match mode {
+        Some(m) => vec!["--on-unreachable", m],
+        None => vec![],
     };
-    for (mode, closed) in [(None, false), (Some("closed"), true)] {
-        let sub = dir.path().join(mode.unwrap_or("default"));
-        std::fs::create_dir_all(&sub).expect("dir");
-        let rt = TestRuntime::bind(&sub);
-        let extra: Vec<&str> = match mode {
-            Some(m) => vec!["--on-unreachable", m],
-            None => vec![],
-        };
-        let plugin = start_plugin(&sub, &rt.socket, &nowhere, &extra);
-        let session = rt.accept(WAIT).await;
-        session
-            .plugin
-            .configure(ctx(), &configure_request())
-            .await
-            .expect("Configure");
-        let r = session.plugin.start_container(ctx(), &start).await;
-        if closed {
-            let err = r.expect_err("closed: the container fails");
-            let (code, msg) = status_of(&err);
-            assert_eq!(code, ttrpc::Code::UNAVAILABLE, "{msg}");
-            assert!(msg.contains("gpud unreachable"), "{msg}");
-        } else {
-            r.expect("open: the container starts");
-            assert!(
-                plugin.log_text().contains("runs without GPU shares (open)"),
-                "{}",
-                plugin.log_text()
-            );
-        }
+    let plugin = start_plugin(dir.path(), &rt.socket, &nowhere, &extra);
+    let session = rt.accept(WAIT).await;
+    session.configure().await.expect("Configure");
+    let r = session.start(&p, &c).await;
+    if mode == Some("closed") {
+        let err = r.expect_err("closed: the container fails");
+        let (code, msg) = status_of(&err);
+        assert_eq!(code, ttrpc::Code::UNAVAILABLE, "{msg}");
+        assert!(msg.contains("gpud unreachable"), "{msg}");
+    } else {
+        r.expect("open: the container starts");
+        assert!(
+            plugin.log_text().contains("runs without GPU shares (open)"),
+            "{}",
+            plugin.log_text()
+        );
     }
 }
 

@@ -3,53 +3,17 @@
 //! cgroups are the GPU users, with the simulated GPU measuring their real CPU use.
 
 use std::{
-    path::{Path, PathBuf},
     process::{Child, Command},
     time::Duration,
 };
 
-use gpud_api::NvmlUsageRecord;
-use gpud_tests::{Bus, Cgroup, Daemon, TempDir, eventually, gpudctl_bin};
+use gpud_tests::{
+    Cgroup, Daemon, Gpu1Proxy, NvmlUsageRecord, Rig, eventually, gpudctl_bin, install_fake_nvml,
+    write_nvml_scenario,
+};
 use serde_json::json;
 
 const MIB: u64 = 1 << 20;
-
-/// The fake library, copied to `dir/lib/libnvidia-ml.so.1` (its scenario lives beside it).
-fn install_fake(lib_dir: &Path) -> PathBuf {
-    gpud_tests::install_fake_nvml(lib_dir)
-}
-
-fn scenario(lib_dir: &Path, v: &serde_json::Value) {
-    gpud_tests::write_nvml_scenario(lib_dir, v);
-}
-
-fn config(dir: &Path, lib: &Path) -> PathBuf {
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=debug"
-
-[probes]
-bpffs = "{bpffs}"
-keep_pinned = false
-
-[attribution]
-sweep_interval_secs = 1
-rescan_interval_secs = 0
-
-[nvml]
-library_path = "{lib}"
-sample_interval_ms = 200
-retry_interval_secs = 1
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-        lib = lib.display(),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("config");
-    p
-}
 
 fn two_gpus(processes: serde_json::Value) -> serde_json::Value {
     json!({
@@ -116,9 +80,7 @@ impl Drop for Kill {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
-    let dir = TempDir::new("nvml-usage");
-    let lib_dir = dir.path().join("lib");
-    let lib = install_fake(&lib_dir);
+    let mut rig = Rig::new("nvml-usage").fake_nvml();
     let (busy_cg, idle_cg, fixed_cg, mig_cg) = (
         Cgroup::new("nvml-busy"),
         Cgroup::new("nvml-idle"),
@@ -139,18 +101,17 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
         { "pid": on_mig.id(), "gpu": 1, "mig": 1, "memory": 3 * 1024 * MIB },
     ]);
     let _kill = Kill(vec![busy, idle, fixed, on_mig]);
-    scenario(&lib_dir, &two_gpus(procs));
-    let bus = Bus::start();
-    let d = Daemon::start(&config(dir.path(), &lib), &bus.address).await;
+    rig.nvml_scenario(&two_gpus(procs));
+    rig.start(rig.config()).await;
 
     let ready = eventually(Duration::from_secs(10), || async {
-        nvml_status(&d).await.0.then_some(())
+        nvml_status(&rig).await.0.then_some(())
     })
     .await;
-    assert!(ready.is_some(), "NVML never available:\n{}", d.log_text());
+    assert!(ready.is_some(), "NVML never available:\n{}", rig.log_text());
 
     // Inventory, MIG devices as devices of their own, on D-Bus and in gpudctl.
-    let (_c, p) = d.proxy().await;
+    let (_c, p) = rig.proxy().await;
     let gpus = p.list_gpus().await.expect("ListGpus");
     let ids: Vec<(u32, u32, &str)> = gpus
         .iter()
@@ -175,7 +136,7 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
     );
     assert_eq!((gpus[2].index, gpus[2].mig), (1, 0));
     assert_eq!(gpus[3].uuid, "MIG-aaaaaaaa-0000-0000-0000-000000000002");
-    let status = gpudctl(&bus.address, &["status"]);
+    let status = gpudctl(&rig.bus.address, &["status"]);
     for needle in [
         "NVML:             available",
         "Fake H100",
@@ -185,7 +146,12 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
         assert!(status.contains(needle), "{needle:?} not in:\n{status}");
     }
     let intro = Command::new("busctl")
-        .args(["--address", &bus.address, "introspect", "dev.gpud.Daemon1"])
+        .args([
+            "--address",
+            &rig.bus.address,
+            "introspect",
+            "dev.gpud.Daemon1",
+        ])
         .arg("/dev/gpud/Daemon1/gpu/1/mig/1")
         .output()
         .expect("busctl");
@@ -198,7 +164,7 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
 
     // Per cgroup: memory as declared; utilization from real CPU use.
     let seen = eventually(Duration::from_secs(10), || async {
-        let u = usage(&d).await;
+        let u = usage(&rig).await;
         let (b, i, f) = (
             find(&u, &busy_cg, 0)?,
             find(&u, &idle_cg, 0)?,
@@ -210,8 +176,8 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
     let Some(u) = seen else {
         panic!(
             "usage never matched: {:?}\n{}",
-            usage(&d).await,
-            d.log_text()
+            usage(&rig).await,
+            rig.log_text()
         );
     };
     assert_eq!(
@@ -233,23 +199,19 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
         find(&u, &mig_cg, 1).map(|r| (r.nvml_memory_bytes, r.sm_util)),
         Some((3 * 1024 * MIB, 0))
     );
-    assert_eq!(nvml_status(&d).await, (true, "available".to_owned()));
+    assert_eq!(nvml_status(&rig).await, (true, "available".to_owned()));
     assert_eq!(find(&u, &busy_cg, 0).map(|r| r.cgroup_id != 0), Some(true));
 
     // gpudctl list --json joins NVML's figures to each cgroup.
     let list: serde_json::Value =
-        serde_json::from_str(&gpudctl(&bus.address, &["list", "--json"])).expect("list JSON");
+        serde_json::from_str(&gpudctl(&rig.bus.address, &["list", "--json"])).expect("list JSON");
     let entry = list
         .as_array()
         .and_then(|a| a.iter().find(|e| e["path"] == idle_cg.rel.as_str()))
         .unwrap_or_else(|| panic!("{} not listed: {list}", idle_cg.rel));
     assert_eq!(entry["nvml"]["0"]["memory_bytes"], 512 * MIB, "{entry}");
     // Known only to NVML (its process never used an NVIDIA file): listed with its cgroup id.
-    assert_eq!(
-        entry["id"],
-        std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&idle_cg.dir).expect("cgroup")),
-        "{entry}"
-    );
+    assert_eq!(entry["id"], idle_cg.id(), "{entry}");
     let busy_entry = list
         .as_array()
         .and_then(|a| a.iter().find(|e| e["path"] == busy_cg.rel.as_str()))
@@ -262,7 +224,7 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
     // Closed loop: freezing the busy cgroup stops its CPU, so its GPU utilization drops.
     std::fs::write(busy_cg.dir.join("cgroup.freeze"), "1").expect("freeze");
     let dropped = eventually(Duration::from_secs(10), || async {
-        let u = usage(&d).await;
+        let u = usage(&rig).await;
         find(&u, &busy_cg, 0).filter(|r| r.sm_util <= 5).map(|_| ())
     })
     .await;
@@ -273,7 +235,8 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
     );
 
     // No sample is counted twice: every call asked for samples newer than it had seen.
-    let log = std::fs::read_to_string(lib_dir.join("fake-nvml-samples.log")).expect("sample log");
+    let log =
+        std::fs::read_to_string(rig.nvml_dir().join("fake-nvml-samples.log")).expect("sample log");
     let mut newest: std::collections::HashMap<u64, u64> = Default::default();
     let mut calls = 0;
     for line in log.lines() {
@@ -299,49 +262,50 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_recover() {
-    let dir = TempDir::new("nvml-recover");
-    let lib_dir = dir.path().join("lib");
-    let lib = lib_dir.join("libnvidia-ml.so.1");
-    let bus = Bus::start();
-    let d = Daemon::start(&config(dir.path(), &lib), &bus.address).await;
+    // NVML configured, its library not there yet.
+    let mut rig = Rig::new("nvml-recover");
+    let lib_dir = rig.path().join("lib");
+    rig.start(rig.config().nvml(&lib_dir.join("libnvidia-ml.so.1")))
+        .await;
+    let scenario = |v: &serde_json::Value| write_nvml_scenario(&lib_dir, v);
 
     // No library: the daemon serves D-Bus and says why.
-    let (avail, why) = nvml_status(&d).await;
+    let (avail, why) = nvml_status(&rig).await;
     assert!(!avail);
     let said = eventually(Duration::from_secs(5), || async {
-        let (_, why) = nvml_status(&d).await;
+        let (_, why) = nvml_status(&rig).await;
         why.contains("cannot load NVML").then_some(why)
     })
     .await;
     assert!(said.is_some(), "status: {why}");
-    let status = gpudctl(&bus.address, &["status"]);
+    let status = gpudctl(&rig.bus.address, &["status"]);
     assert!(status.contains("cannot load NVML"), "{status}");
 
     // The library appears: recovered within the retry interval.
-    scenario(&lib_dir, &two_gpus(json!([])));
-    install_fake(&lib_dir);
+    scenario(&two_gpus(json!([])));
+    install_fake_nvml(&lib_dir);
     let up = eventually(Duration::from_secs(10), || async {
-        nvml_status(&d).await.0.then_some(())
+        nvml_status(&rig).await.0.then_some(())
     })
     .await;
-    assert!(up.is_some(), "not recovered:\n{}", d.log_text());
-    let (_c, p) = d.proxy().await;
+    assert!(up.is_some(), "not recovered:\n{}", rig.log_text());
+    let (_c, p) = rig.proxy().await;
     assert_eq!(p.list_gpus().await.expect("ListGpus").len(), 4);
 
     // An NVML call fails (GPU lost): unavailable with the reason, and back once it answers.
     let mut s = two_gpus(json!([]));
     s["fail"] = json!({ "nvmlDeviceGetComputeRunningProcesses_v3": 15 });
-    scenario(&lib_dir, &s);
+    scenario(&s);
     let down = eventually(Duration::from_secs(10), || async {
-        let (a, why) = nvml_status(&d).await;
+        let (a, why) = nvml_status(&rig).await;
         (!a && why.contains("compute processes")).then_some(why)
     })
     .await;
-    assert!(down.is_some(), "failure not reported:\n{}", d.log_text());
+    assert!(down.is_some(), "failure not reported:\n{}", rig.log_text());
     assert!(p.list_gpus().await.is_ok(), "the daemon still answers");
-    scenario(&lib_dir, &two_gpus(json!([])));
+    scenario(&two_gpus(json!([])));
     let back = eventually(Duration::from_secs(10), || async {
-        nvml_status(&d).await.0.then_some(())
+        nvml_status(&rig).await.0.then_some(())
     })
     .await;
     assert!(back.is_some(), "not recovered after the failure");
@@ -349,7 +313,7 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
     // A critical Xid error on GPU 1 is counted there.
     let mut s = two_gpus(json!([]));
     s["xid"] = json!([{ "gpu": 1, "xid": 79 }]);
-    scenario(&lib_dir, &s);
+    scenario(&s);
     let xid = eventually(Duration::from_secs(10), || async {
         let gpus = p.list_gpus().await.ok()?;
         gpus.iter()
@@ -357,26 +321,26 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
             .map(|_| ())
     })
     .await;
-    assert!(xid.is_some(), "Xid not counted:\n{}", d.log_text());
-    assert!(d.log_text().contains("critical Xid error"));
+    assert!(xid.is_some(), "Xid not counted:\n{}", rig.log_text());
+    assert!(rig.log_text().contains("critical Xid error"));
 
     // A transient failure (the 3rd device count after this scenario fails, once): NVML is
     // reported unavailable with the failing call, then re-initialized and back by itself.
     let mut s = two_gpus(json!([]));
     s["fail"] = json!({ "nvmlDeviceGetCount_v2": { "code": 15, "after": 2, "times": 1 } });
-    scenario(&lib_dir, &s);
+    scenario(&s);
     let lost = eventually(Duration::from_secs(10), || async {
-        let (a, why) = nvml_status(&d).await;
+        let (a, why) = nvml_status(&rig).await;
         (!a && why.contains("device count") && why.contains("fell off the bus")).then_some(why)
     })
     .await;
     assert!(
         lost.is_some(),
         "transient failure not reported:\n{}",
-        d.log_text()
+        rig.log_text()
     );
     let back = eventually(Duration::from_secs(10), || async {
-        nvml_status(&d).await.0.then_some(())
+        nvml_status(&rig).await.0.then_some(())
     })
     .await;
     assert!(back.is_some(), "not recovered from a transient failure");
@@ -384,25 +348,22 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
 
 #[tokio::test(flavor = "multi_thread")]
 async fn driver_not_loaded_at_start_is_reported_until_initialization_succeeds() {
-    let dir = TempDir::new("nvml-init");
-    let lib_dir = dir.path().join("lib");
-    let lib = install_fake(&lib_dir);
+    let mut rig = Rig::new("nvml-init").fake_nvml();
     // The first three initializations fail as without a loaded driver; the fourth succeeds.
     let mut s = two_gpus(json!([]));
     s["fail"] = json!({ "nvmlInit_v2": { "code": 9, "times": 3 } });
-    scenario(&lib_dir, &s);
-    let bus = Bus::start();
-    let d = Daemon::start(&config(dir.path(), &lib), &bus.address).await;
+    rig.nvml_scenario(&s);
+    rig.start(rig.config()).await;
     let said = eventually(Duration::from_secs(5), || async {
-        let (a, why) = nvml_status(&d).await;
+        let (a, why) = nvml_status(&rig).await;
         (!a && why.contains("driver is not loaded")).then_some(())
     })
     .await;
-    assert!(said.is_some(), "status: {:?}", nvml_status(&d).await);
-    let (_c, p) = d.proxy().await;
+    assert!(said.is_some(), "status: {:?}", nvml_status(&rig).await);
+    let (_c, p) = rig.proxy().await;
     assert!(p.list_gpus().await.expect("ListGpus").is_empty());
     let intro = Command::new("busctl")
-        .args(["--address", &bus.address, "tree", "dev.gpud.Daemon1"])
+        .args(["--address", &rig.bus.address, "tree", "dev.gpud.Daemon1"])
         .output()
         .expect("busctl");
     assert!(
@@ -410,10 +371,10 @@ async fn driver_not_loaded_at_start_is_reported_until_initialization_succeeds() 
         "GPU objects while NVML is unavailable"
     );
     let up = eventually(Duration::from_secs(10), || async {
-        nvml_status(&d).await.0.then_some(())
+        nvml_status(&rig).await.0.then_some(())
     })
     .await;
-    assert!(up.is_some(), "never initialized:\n{}", d.log_text());
+    assert!(up.is_some(), "never initialized:\n{}", rig.log_text());
     assert_eq!(p.list_gpus().await.expect("ListGpus").len(), 4);
 }
 
@@ -421,9 +382,7 @@ async fn driver_not_loaded_at_start_is_reported_until_initialization_succeeds() 
 async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
     use futures_util::StreamExt as _;
 
-    let dir = TempDir::new("nvml-xid");
-    let lib_dir = dir.path().join("lib");
-    let lib = install_fake(&lib_dir);
+    let mut rig = Rig::new("nvml-xid").fake_nvml();
     let (solo_cg, a_cg, b_cg) = (
         Cgroup::new("nvml-xid-solo"),
         Cgroup::new("nvml-xid-a"),
@@ -439,20 +398,19 @@ async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
         { "pid": a_pid, "gpu": 1, "mig": 0, "memory": 64 * MIB },
         { "pid": b_pid, "gpu": 1, "mig": 1, "memory": 64 * MIB },
     ]);
-    scenario(&lib_dir, &two_gpus(procs.clone()));
-    let bus = Bus::start();
-    let d = Daemon::start(&config(dir.path(), &lib), &bus.address).await;
-    let (conn, p) = d.proxy().await;
+    rig.nvml_scenario(&two_gpus(procs.clone()));
+    rig.start(rig.config()).await;
+    let (conn, p) = rig.proxy().await;
     // The first sample has been taken once the processes are listed.
     let sampled = eventually(Duration::from_secs(10), || async {
-        let u = usage(&d).await;
+        let u = usage(&rig).await;
         (find(&u, &solo_cg, 0).is_some() && find(&u, &b_cg, 1).is_some()).then_some(())
     })
     .await;
-    assert!(sampled.is_some(), "never sampled:\n{}", d.log_text());
+    assert!(sampled.is_some(), "never sampled:\n{}", rig.log_text());
     assert!(p.list_nvml_events().await.expect("events").is_empty());
 
-    let gpu0 = gpud_api::Gpu1Proxy::builder(&conn)
+    let gpu0 = Gpu1Proxy::builder(&conn)
         .path("/dev/gpud/Daemon1/gpu/0")
         .build()
         .await
@@ -461,15 +419,13 @@ async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
 
     let mut s = two_gpus(procs.clone());
     s["events"] = json!([{ "id": 1, "gpu": 0, "xid": 79 }]);
-    scenario(&lib_dir, &s);
+    rig.nvml_scenario(&s);
     let sig = tokio::time::timeout(Duration::from_secs(10), signals.next())
         .await
         .expect("no Xid signal within 10 s")
         .expect("signal stream ended");
     let args = sig.args().expect("Xid args");
-    let solo_id = std::os::unix::fs::MetadataExt::ino(
-        &std::fs::metadata(&solo_cg.dir).expect("cgroup directory"),
-    );
+    let solo_id = solo_cg.id();
     assert_eq!(
         (args.xid, args.pid, args.cgroup_id, args.cgroup.as_str()),
         (79, solo_pid, solo_id, solo_cg.rel.as_str())
@@ -477,13 +433,13 @@ async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
 
     // On a GPU with two processes (one per MIG device) the event names neither.
     s["events"] = json!([{ "id": 1, "gpu": 0, "xid": 79 }, { "id": 2, "gpu": 1, "xid": 43 }]);
-    scenario(&lib_dir, &s);
+    rig.nvml_scenario(&s);
     let both = eventually(Duration::from_secs(10), || async {
         let ev = p.list_nvml_events().await.ok()?;
         (ev.len() == 2).then_some(ev)
     })
     .await
-    .unwrap_or_else(|| panic!("second event missing:\n{}", d.log_text()));
+    .unwrap_or_else(|| panic!("second event missing:\n{}", rig.log_text()));
     let first = &both[0];
     assert_eq!(
         (
@@ -512,7 +468,7 @@ async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
     // Each event is delivered once: still two after more samples.
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(p.list_nvml_events().await.expect("events").len(), 2);
-    let status = gpudctl(&bus.address, &["status"]);
+    let status = gpudctl(&rig.bus.address, &["status"]);
     assert!(
         status.contains("Xid 79") && status.contains(&format!("pid {solo_pid} in {}", solo_cg.rel)),
         "{status}"

@@ -9,70 +9,26 @@
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Write},
-    path::{Path, PathBuf},
+    path::Path,
     process::Stdio,
     time::Duration,
 };
 
 use gpud::cgroupfs::CgroupFs;
-use gpud_api::CgroupRecord;
 use gpud_tests::{
-    Bus, Cgroup, Daemon, TempDir, bin_dir, cgroup2_root, eventually,
-    fakenv::{self, Options},
+    Cgroup, Rig, TempDir, TestConfig, bin_dir, cgroup2_root, eventually,
     runtime::{Bundle, Runc},
 };
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-fn config(dir: &Path, extra: Option<&Path>) -> PathBuf {
-    let extra = extra
-        .map(|p| format!("{:?}", p.display().to_string()))
-        .unwrap_or_default();
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=debug"
-
-[probes]
-attach = "auto"
-bpffs = "{bpffs}"
-keep_pinned = false
-
-[devices]
-extra_paths = [{extra}]
-
-[attribution]
-sweep_interval_secs = 3600
-rescan_interval_secs = 1
-
-[enforcement]
-tier = "auto"
-react_action = "notify"
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("write config");
-    p
-}
-
-/// Limits gpud lists for `cgroup`, by GPU.
-async fn limits_of(d: &Daemon, cgroup: &str) -> BTreeMap<String, BTreeMap<String, u64>> {
-    let (_c, p) = d.proxy().await;
-    p.list_limits()
-        .await
-        .expect("ListLimits")
-        .into_iter()
-        .filter(|l| l.cgroup == cgroup)
-        .map(|l| (l.gpu, l.limits))
-        .collect()
-}
-
-async fn get(d: &Daemon, path: &str) -> CgroupRecord {
-    let (_c, p) = d.proxy().await;
-    p.get_cgroup(path).await.expect("GetCgroup")
+/// A daemon that never sweeps, rescans `/proc` every second, and only reports crossings.
+fn config(rig: &Rig) -> TestConfig {
+    rig.config()
+        .set("attribution.sweep_interval_secs", 3600)
+        .set("attribution.rescan_interval_secs", 1)
+        .react_action("notify")
 }
 
 fn read(path: &Path) -> String {
@@ -103,15 +59,15 @@ fn strs(v: &[String]) -> Vec<&str> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn runc_container_gets_the_annotated_limits_and_loses_them_on_delete() {
-    let dir = TempDir::new("oci-limits");
-    let bus = Bus::start();
-    let daemon = Daemon::start(&config(dir.path(), None), &bus.address).await;
-    let runc = Runc::new(dir.path());
+    let mut rig = Rig::new("oci-limits");
+    rig.start(config(&rig)).await;
+    let dir = rig.path();
+    let runc = Runc::new(dir);
     let parent = Cgroup::new("oci");
     let cg = format!("{}/ctr1", parent.rel);
-    let (records, log) = (dir.path().join("records"), dir.path().join("hook.log"));
+    let (records, log) = (dir.join("records"), dir.join("hook.log"));
 
-    let bundle = Bundle::busybox(&dir.path().join("b1"), &["sleep", "600"], &cg);
+    let bundle = Bundle::busybox(&dir.join("b1"), &["sleep", "600"], &cg);
     bundle.set_annotations(&[
         ("gpud.dev/memory-max", "8Gi"),
         ("gpud.dev/memory-max.0", "1073741824"),
@@ -119,7 +75,7 @@ async fn runc_container_gets_the_annotated_limits_and_loses_them_on_delete() {
         ("gpud.dev/priority", "best-effort"),
         ("io.example/unrelated", "whatever"),
     ]);
-    bundle.set_gpud_hooks(&strs(&hook_args(&bus.address, &records, &log)), &[]);
+    bundle.set_gpud_hooks(&strs(&hook_args(&rig.bus.address, &records, &log)), &[]);
     let (status, stderr) = runc.run_detached(&bundle, "c1", Stdio::null(), Stdio::null());
     assert!(
         status.success(),
@@ -146,8 +102,8 @@ async fn runc_container_gets_the_annotated_limits_and_loses_them_on_delete() {
             ]),
         ),
     ]);
-    assert_eq!(limits_of(&daemon, &cg).await, want, "{}", read(&log));
-    let rec = get(&daemon, &cg).await;
+    assert_eq!(rig.limits(&cg).await, want, "{}", read(&log));
+    let rec = rig.get_cgroup(&cg).await;
     assert_eq!(
         rec.memory_max,
         BTreeMap::from([("0".to_owned(), GIB), ("all".to_owned(), 8 * GIB)])
@@ -176,15 +132,15 @@ async fn runc_container_gets_the_annotated_limits_and_loses_them_on_delete() {
     assert!(runc.state("c1").is_none());
     assert!(!cgroup2_root().join(cg.trim_start_matches('/')).exists());
     assert!(
-        limits_of(&daemon, &cg).await.is_empty(),
+        rig.limits(&cg).await.is_empty(),
         "still limited after delete:\n{}\n{}",
         read(&log),
-        daemon.log_text()
+        rig.log_text()
     );
     assert!(read(&log).contains(&format!("GPU shares of {cg} cleared (GPU all, 0)")));
     assert!(!records.join("c1.json").exists(), "record removed");
     // Nothing left to clear: gpud now answers NotFound for that cgroup.
-    let (_c, p) = daemon.proxy().await;
+    let (_c, p) = rig.proxy().await;
     match p.clear_limits(&cg, "all", &[]).await {
         Err(zbus::Error::MethodError(name, _, _)) => {
             assert_eq!(name.as_str(), "dev.gpud.Error.NotFound")
@@ -195,18 +151,18 @@ async fn runc_container_gets_the_annotated_limits_and_loses_them_on_delete() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn invalid_annotations_fail_the_container_unless_open_and_an_unreachable_gpud_does_not() {
-    let dir = TempDir::new("oci-fail");
-    let bus = Bus::start();
-    let daemon = Daemon::start(&config(dir.path(), None), &bus.address).await;
-    let runc = Runc::new(dir.path());
+    let mut rig = Rig::new("oci-fail");
+    rig.start(config(&rig)).await;
+    let (dir, bus) = (rig.path(), &rig.bus);
+    let runc = Runc::new(dir);
     let parent = Cgroup::new("ocifail");
-    let records = dir.path().join("records");
+    let records = dir.join("records");
 
     // Closed (the default) for an invalid annotation: runc run fails with the hook's message,
     // which names the annotation, and no container is left.
     let cg = format!("{}/bad", parent.rel);
-    let log = dir.path().join("bad.log");
-    let bundle = Bundle::busybox(&dir.path().join("bad"), &["sleep", "600"], &cg);
+    let log = dir.join("bad.log");
+    let bundle = Bundle::busybox(&dir.join("bad"), &["sleep", "600"], &cg);
     bundle.set_annotations(&[("gpud.dev/memory-max", "8GB")]);
     bundle.set_gpud_hooks(&strs(&hook_args(&bus.address, &records, &log)), &[]);
     let (status, stderr) = runc.run_detached(&bundle, "bad", Stdio::null(), Stdio::null());
@@ -224,12 +180,12 @@ async fn invalid_annotations_fail_the_container_unless_open_and_an_unreachable_g
         read(&log)
     );
     assert!(runc.state("bad").is_none(), "no container left behind");
-    assert!(limits_of(&daemon, &cg).await.is_empty());
+    assert!(rig.limits(&cg).await.is_empty());
 
     // Open for invalid annotations, set in the hook's environment: the container runs, unlimited.
     let cg = format!("{}/open", parent.rel);
-    let log = dir.path().join("open.log");
-    let bundle = Bundle::busybox(&dir.path().join("open"), &["sleep", "600"], &cg);
+    let log = dir.join("open.log");
+    let bundle = Bundle::busybox(&dir.join("open"), &["sleep", "600"], &cg);
     bundle.set_annotations(&[("gpud.dev/compute-weight", "0")]);
     bundle.set_gpud_hooks(
         &strs(&hook_args(&bus.address, &records, &log)),
@@ -243,14 +199,14 @@ async fn invalid_annotations_fail_the_container_unless_open_and_an_unreachable_g
             && text.contains("the container runs without GPU shares (open)"),
         "{text}"
     );
-    assert!(limits_of(&daemon, &cg).await.is_empty());
+    assert!(rig.limits(&cg).await.is_empty());
     runc.kill_and_delete("open");
 
     // gpud unreachable (nothing listens at the address): open by default, the container runs.
-    let nowhere = format!("unix:path={}", dir.path().join("no-bus").display());
+    let nowhere = format!("unix:path={}", dir.join("no-bus").display());
     let cg = format!("{}/unreach", parent.rel);
-    let log = dir.path().join("unreach.log");
-    let bundle = Bundle::busybox(&dir.path().join("unreach"), &["sleep", "600"], &cg);
+    let log = dir.join("unreach.log");
+    let bundle = Bundle::busybox(&dir.join("unreach"), &["sleep", "600"], &cg);
     bundle.set_annotations(&[("gpud.dev/memory-max", "1Gi")]);
     bundle.set_gpud_hooks(&strs(&hook_args(&nowhere, &records, &log)), &[]);
     let (status, stderr) = runc.run_detached(&bundle, "unreach", Stdio::null(), Stdio::null());
@@ -263,7 +219,7 @@ async fn invalid_annotations_fail_the_container_unless_open_and_an_unreachable_g
     runc.kill_and_delete("unreach");
 
     // ... and closed when asked: the container fails.
-    let log = dir.path().join("unreach-closed.log");
+    let log = dir.join("unreach-closed.log");
     let mut args = hook_args(&nowhere, &records, &log);
     args.extend(["--on-unreachable".into(), "closed".into()]);
     bundle.set_gpud_hooks(&strs(&args), &[]);
@@ -299,29 +255,19 @@ impl InContainer {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_runc_container_using_the_gpu_is_attributed_and_held_to_its_annotated_limit() {
-    let dir = TempDir::new("oci-gpu");
-    if !fakenv::available() {
-        eprintln!("SKIP: /dev/fuse is absent");
+    let Some(mut rig) = Rig::new("oci-gpu").fake_device(1) else {
         return;
-    }
-    let opts = Options {
-        gpus: 1,
-        capacity: GIB,
-        page_size: 2 * MIB,
-        verbose: false,
     };
-    let fake = fakenv::mount(&dir.path().join("fake"), opts).expect("mount the fake device");
-    let ctl = fake.ctl();
-    let bus = Bus::start();
-    let daemon = Daemon::start(&config(dir.path(), Some(&ctl)), &bus.address).await;
-    let runc = Runc::new(dir.path());
+    rig.start(config(&rig)).await;
+    let (dir, ctl) = (rig.path(), rig.ctl());
+    let runc = Runc::new(dir);
     let parent = Cgroup::new("ocigpu");
     let cg = format!("{}/ctr", parent.rel);
-    let (records, log) = (dir.path().join("records"), dir.path().join("hook.log"));
+    let (records, log) = (dir.join("records"), dir.join("hook.log"));
 
     // The container runs the RM fixture on the fake control device, bound in as /dev/nvidiactl.
     let bundle = Bundle::busybox(
-        &dir.path().join("b"),
+        &dir.join("b"),
         &["/gpud-rm", "--file", "/dev/nvidiactl"],
         &cg,
     );
@@ -329,7 +275,7 @@ async fn a_runc_container_using_the_gpu_is_attributed_and_held_to_its_annotated_
     bundle.bind(&bin_dir().join("gpud-rm"), "/gpud-rm", true);
     bundle.bind(&ctl, "/dev/nvidiactl", false);
     bundle.set_annotations(&[("gpud.dev/memory-max", "8Mi")]);
-    bundle.set_gpud_hooks(&strs(&hook_args(&bus.address, &records, &log)), &[]);
+    bundle.set_gpud_hooks(&strs(&hook_args(&rig.bus.address, &records, &log)), &[]);
     let (to_reader, to) = std::io::pipe().expect("pipe");
     let (from, from_writer) = std::io::pipe().expect("pipe");
     let (status, stderr) = runc.run_detached(&bundle, "gpu", to_reader.into(), from_writer.into());
@@ -349,7 +295,7 @@ async fn a_runc_container_using_the_gpu_is_attributed_and_held_to_its_annotated_
         "pid 1 in its pid namespace"
     );
     assert_eq!(
-        limits_of(&daemon, &cg)
+        rig.limits(&cg)
             .await
             .get("all")
             .and_then(|l| l.get("memory_max")),
@@ -360,19 +306,14 @@ async fn a_runc_container_using_the_gpu_is_attributed_and_held_to_its_annotated_
     let client = c.ok("client");
     let device = c.ok(&format!("device {client} 0"));
     c.ok(&format!("alloc {client} {device} {}", 4 * MIB));
-    let r = eventually(Duration::from_secs(5), || async {
-        let r = get(&daemon, &cg).await;
-        (r.memory_current.get("all") == Some(&(4 * MIB))).then_some(r)
-    })
-    .await
-    .unwrap_or_else(|| panic!("not charged:\n{}", daemon.log_text()));
-    assert_eq!(r.pids, vec![pid], "{}", daemon.log_text());
+    let r = rig.expect_memory(&cg, &[("all", 4 * MIB)]).await;
+    assert_eq!(r.pids, vec![pid], "{}", rig.log_text());
     assert_eq!(r.memory_max.get("all"), Some(&(8 * MIB)));
     assert_eq!(r.memory_events, 0);
 
     // 8 MiB more crosses the container's 8 MiB: refused (deny tier) or reported (react tier,
     // action notify). Either way it is the container's limit that counts the crossing.
-    let (_conn, proxy) = daemon.proxy().await;
+    let (_conn, proxy) = rig.proxy().await;
     let tier = proxy.enforcement_tier().await.expect("EnforcementTier");
     let crossing = c.send(&format!("alloc {client} {device} {}", 8 * MIB));
     let want_current = if tier == "deny" {
@@ -383,14 +324,14 @@ async fn a_runc_container_using_the_gpu_is_attributed_and_held_to_its_annotated_
         12 * MIB
     };
     let r = eventually(Duration::from_secs(5), || async {
-        let r = get(&daemon, &cg).await;
+        let r = rig.get_cgroup(&cg).await;
         (r.memory_events == 1).then_some(r)
     })
     .await
-    .unwrap_or_else(|| panic!("crossing not counted ({tier}):\n{}", daemon.log_text()));
+    .unwrap_or_else(|| panic!("crossing not counted ({tier}):\n{}", rig.log_text()));
     assert_eq!(r.memory_current.get("all"), Some(&want_current), "{tier}");
     assert_eq!(
-        fake.snapshot().used_total(),
+        rig.fake().snapshot().used_total(),
         want_current,
         "the fake driver agrees"
     );
@@ -403,8 +344,8 @@ async fn a_runc_container_using_the_gpu_is_attributed_and_held_to_its_annotated_
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(limits_of(&daemon, &cg).await.is_empty(), "{}", read(&log));
-    assert_eq!(fake.snapshot().used_total(), 0);
+    assert!(rig.limits(&cg).await.is_empty(), "{}", read(&log));
+    assert_eq!(rig.fake().snapshot().used_total(), 0);
 }
 
 /// The hooks.d files shipped for CRI-O and Podman: their schema, the hook's arguments as the real

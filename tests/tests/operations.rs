@@ -7,17 +7,13 @@
 //! process's SM utilization there is its share of one CPU), real cgroups and processes.
 
 use std::{
-    collections::BTreeMap,
     io::{BufRead, BufReader},
-    path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::Duration,
 };
 
 use gpud_tests::{
-    Bus, Cgroup, Daemon, RmProcess, TempDir, eventually,
-    fakenv::{self, Options},
-    gpudctl_bin, install_fake_nvml, spawn_in_cgroup, write_nvml_scenario,
+    Cgroup, Rig, RmProcess, TestConfig, eventually, gpudctl_bin, one_gpu, spawn_in_cgroup,
 };
 use serde_json::{Value, json};
 
@@ -32,64 +28,24 @@ fn free_port() -> u16 {
         .expect("a free port")
 }
 
-fn config(dir: &Path, ctl: Option<&Path>, lib: &Path, port: u16, min_idle_secs: u64) -> PathBuf {
-    let extra = ctl.map_or_else(String::new, |c| format!("{:?}", c.display().to_string()));
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=debug"
-
-[probes]
-bpffs = "{bpffs}"
-keep_pinned = false
-
-[devices]
-extra_paths = [{extra}]
-
-[attribution]
-sweep_interval_secs = 1
-rescan_interval_secs = 0
-
-[enforcement]
-react_action = "notify"
-
-[nvml]
-library_path = "{lib}"
-sample_interval_ms = 100
-retry_interval_secs = 1
-
-[idle]
-threshold_percent = 5
-min_duration_secs = {min_idle_secs}
-
-[metrics]
-listen = "127.0.0.1:{port}"
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-        lib = lib.display(),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("write config");
-    p
+/// The rig's config with the metrics endpoint on `port`, NVML sampled every 100 ms, and a
+/// cgroup reported idle after `min_idle_secs` under 5 %.
+fn config(rig: &Rig, port: u16, min_idle_secs: i64) -> TestConfig {
+    rig.config()
+        .react_action("notify")
+        .set("nvml.sample_interval_ms", 100)
+        .set("idle.threshold_percent", 5)
+        .set("idle.min_duration_secs", min_idle_secs)
+        .set("metrics.listen", format!("127.0.0.1:{port}"))
 }
 
 /// NVML's view: these processes on one 80 GiB GPU, each with its memory.
-fn scenario(lib_dir: &Path, procs: &[(u32, u64)]) {
+fn scenario(rig: &Rig, procs: &[(u32, u64)]) {
     let processes: Vec<_> = procs
         .iter()
         .map(|(pid, mem)| json!({ "pid": pid, "gpu": 0, "memory": mem }))
         .collect();
-    write_nvml_scenario(
-        lib_dir,
-        &json!({
-            "driver_version": "580.159.04", "cuda_version": 13000,
-            "gpus": [ { "uuid": "GPU-00000000-1111-2222-3333-444444444444",
-                        "name": "Simulated GPU", "pci_bus_id": "00000000:00:06.0",
-                        "memory_total": 80u64 << 30 } ],
-            "processes": processes,
-        }),
-    );
+    rig.nvml_scenario(&one_gpu("Simulated GPU", processes.into()));
 }
 
 struct Scrape {
@@ -195,51 +151,24 @@ impl Drop for Follower {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_endpoint_reports_what_dbus_reports() {
-    if !fakenv::available() {
-        eprintln!("SKIP: /dev/fuse is absent");
+    let Some(mut rig) = Rig::new("ops-metrics").fake_device(1).map(Rig::fake_nvml) else {
         return;
-    }
-    let dir = TempDir::new("ops-metrics");
-    let fake = fakenv::mount(
-        &dir.path().join("fake"),
-        Options {
-            gpus: 1,
-            capacity: GIB,
-            page_size: 2 * MIB,
-            verbose: false,
-        },
-    )
-    .expect("mount the fake device");
-    let ctl = fake.ctl();
-    let lib_dir = dir.path().join("nvml");
-    let lib = install_fake_nvml(&lib_dir);
+    };
 
     // A container's cgroup as docker's systemd driver names it.
     let parent = Cgroup::new("ops-metrics");
-    let ctr_dir = parent.dir.join(format!("docker-{ID}.scope"));
-    std::fs::create_dir_all(&ctr_dir).expect("container cgroup");
-    let ctr = format!("{}/docker-{ID}.scope", parent.rel);
-    let mut rm = RmProcess::spawn(Some(&ctr_dir), &ctl);
-    scenario(&lib_dir, &[(rm.pid, 3 * GIB)]);
+    let ctr_cg = parent.child(&format!("docker-{ID}.scope"));
+    let ctr = ctr_cg.rel.clone();
+    let mut rm = RmProcess::spawn(Some(&ctr_cg.dir), &rig.ctl());
+    scenario(&rig, &[(rm.pid, 3 * GIB)]);
 
-    let bus = Bus::start();
     let port = free_port();
-    let daemon = Daemon::start(
-        &config(dir.path(), Some(&ctl), &lib, port, 300),
-        &bus.address,
-    )
-    .await;
-    let (_c, proxy) = daemon.proxy().await;
+    rig.start(config(&rig, port, 300)).await;
+    let (_c, proxy) = rig.proxy().await;
 
-    let c = rm.handle("client");
-    let d0 = rm.handle(&format!("device {c} 0"));
+    let (c, d0) = rm.client_device(0);
     rm.ok(&format!("alloc {c} {d0} {} nvos64", 6 * MIB));
-    let limits: BTreeMap<&str, zbus::Variant<'_>> =
-        [("memory_max", zbus::Variant::from("64Mi"))].into();
-    proxy
-        .set_limits(&ctr, "all", limits)
-        .await
-        .expect("SetLimits");
+    rig.set_limit(&ctr, "all", "memory_max", "64Mi").await;
 
     // NVML sampled it and the probes charged it.
     let rec = eventually(Duration::from_secs(10), || async {
@@ -249,7 +178,7 @@ async fn metrics_endpoint_reports_what_dbus_reports() {
             .then_some(r)
     })
     .await
-    .unwrap_or_else(|| panic!("never attributed:\n{}", daemon.log_text()));
+    .unwrap_or_else(|| panic!("never attributed:\n{}", rig.log_text()));
 
     let s = tokio::task::spawn_blocking(move || scrape(port))
         .await
@@ -319,13 +248,11 @@ async fn metrics_endpoint_reports_what_dbus_reports() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn idle_cgroups_holding_memory_are_reported_and_followed() {
-    let dir = TempDir::new("ops-idle");
-    let lib_dir = dir.path().join("nvml");
-    let lib = install_fake_nvml(&lib_dir);
+    let mut rig = Rig::new("ops-idle").fake_nvml();
     let idle_cg = Cgroup::new("ops-idle");
     let busy_cg = Cgroup::new("ops-busy");
     let nomem_cg = Cgroup::new("ops-nomem");
-    let flag = dir.path().join("wake");
+    let flag = rig.path().join("wake");
     // Sleeps until the flag appears, then burns a CPU (= the simulated GPU).
     let mut idle_p = spawn_in_cgroup(
         &idle_cg,
@@ -337,7 +264,7 @@ async fn idle_cgroups_holding_memory_are_reported_and_followed() {
     let mut busy_p = spawn_in_cgroup(&busy_cg, "while :; do :; done");
     let mut nomem_p = spawn_in_cgroup(&nomem_cg, "sleep 600");
     scenario(
-        &lib_dir,
+        &rig,
         &[
             (idle_p.id(), 2 * GIB),
             (busy_p.id(), GIB),
@@ -345,18 +272,18 @@ async fn idle_cgroups_holding_memory_are_reported_and_followed() {
         ],
     );
 
-    let bus = Bus::start();
     let port = free_port();
-    let daemon = Daemon::start(&config(dir.path(), None, &lib, port, 2), &bus.address).await;
-    let (_c, proxy) = daemon.proxy().await;
-    let follower = Follower::start(&bus.address, &["--json", "--type", "IdleChanged"]);
+    rig.start(config(&rig, port, 2)).await;
+    let (_c, proxy) = rig.proxy().await;
+    let bus = rig.bus.address.clone();
+    let follower = Follower::start(&bus, &["--json", "--type", "IdleChanged"]);
 
     let listed = eventually(Duration::from_secs(15), || async {
         let l = proxy.list_idle().await.ok()?;
         l.iter().any(|i| i.cgroup == idle_cg.rel).then_some(l)
     })
     .await
-    .unwrap_or_else(|| panic!("the idle cgroup was never reported:\n{}", daemon.log_text()));
+    .unwrap_or_else(|| panic!("the idle cgroup was never reported:\n{}", rig.log_text()));
     assert_eq!(listed.len(), 1, "only the idle cgroup: {listed:?}");
     let rec = &listed[0];
     assert_eq!(rec.gpu, 0);
@@ -374,7 +301,7 @@ async fn idle_cgroups_holding_memory_are_reported_and_followed() {
     assert_eq!(ev["memory_bytes"], 2 * GIB);
 
     // gpudctl idle, the metric and a top frame say the same.
-    let (code, out) = gpudctl(&bus.address, &["idle", "--json"]);
+    let (code, out) = gpudctl(&bus, &["idle", "--json"]);
     assert_eq!(code, 0, "{out}");
     let v: Value = serde_json::from_str(&out).expect("idle JSON");
     assert_eq!(v[0]["cgroup"], idle_cg.rel.as_str());
@@ -404,7 +331,7 @@ async fn idle_cgroups_holding_memory_are_reported_and_followed() {
     );
 
     let (code, out) = gpudctl(
-        &bus.address,
+        &bus,
         &[
             "top",
             "--json",
@@ -436,7 +363,7 @@ async fn idle_cgroups_holding_memory_are_reported_and_followed() {
     assert!(idle_row["idle_secs"].as_u64().unwrap_or(0) >= 2, "{out}");
     assert_eq!(idle_row["nvml_memory_bytes"], 2 * GIB);
     assert_eq!(frames[1]["gpus"][0]["name"], "Simulated GPU");
-    let (code, text) = gpudctl(&bus.address, &["top", "-n", "1"]);
+    let (code, text) = gpudctl(&bus, &["top", "-n", "1"]);
     assert_eq!(code, 0);
     assert!(
         text.contains("CGROUP") && text.contains(&idle_cg.rel),
@@ -458,7 +385,7 @@ async fn idle_cgroups_holding_memory_are_reported_and_followed() {
     }
     drop(follower);
     // gpudctl's exit code when the daemon is gone.
-    drop(daemon);
-    let (code, _) = gpudctl(&bus.address, &["idle"]);
+    rig.stop();
+    let (code, _) = gpudctl(&bus, &["idle"]);
     assert_eq!(code, 3, "unreachable daemon");
 }

@@ -8,8 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gpud_api::{BUS_NAME, Manager1Proxy, connect_builder};
-use gpud_tests::{Bus, Cgroup, Daemon, Issuer, TempDir, eventually};
+use gpud_tests::{BUS_NAME, Cgroup, Issuer, Manager1Proxy, Rig, connect_builder, eventually};
 use tokio::net::UnixDatagram;
 
 /// What the listener saw: each datagram, and for the first `READY=1` whether the bus name had
@@ -86,48 +85,16 @@ async fn wait_for(seen: &Arc<Mutex<Seen>>, skip: usize, line: &str) -> Option<us
     .await
 }
 
-fn config(dir: &Path, ctl: &Path, log: &str) -> PathBuf {
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "{log}"
-
-[probes]
-bpffs = "{bpffs}"
-keep_pinned = false
-
-[devices]
-extra_paths = [{ctl:?}]
-
-[attribution]
-sweep_interval_secs = 1
-rescan_interval_secs = 0
-
-[nvml]
-enabled = false
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-        ctl = ctl.display().to_string(),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("write config");
-    p
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn ready_after_the_name_is_owned_watchdog_and_reload() {
-    let dir = TempDir::new("service");
-    let ctl = dir.path().join("nvidiactl-standin");
-    std::fs::write(&ctl, b"").expect("stand-in");
-    let bus = Bus::start();
-    let (sock, seen) = listen(dir.path(), bus.address.clone());
-    let cfg = config(dir.path(), &ctl, "info");
+    let mut rig = Rig::new("service");
+    let ctl = rig.stand_in("nvidiactl-standin");
+    let (sock, seen) = listen(rig.path(), rig.bus.address.clone());
+    let config = rig.config().extra_paths([&ctl]).log("info").nvml_off();
     let sock = sock.display().to_string();
     let started = Instant::now();
-    let daemon = Daemon::start_with_env(
-        &cfg,
-        &bus.address,
+    rig.start_with_env(
+        config.clone(),
         &[
             ("NOTIFY_SOCKET", Some(&sock)),
             // 0.4 s: keep-alives every 0.2 s.
@@ -141,7 +108,7 @@ async fn ready_after_the_name_is_owned_watchdog_and_reload() {
     // Readiness: READY=1 with a STATUS=, once the name is owned and calls are answered.
     let ready = wait_for(&seen, 0, "READY=1")
         .await
-        .unwrap_or_else(|| panic!("no READY=1: {:?}\n{}", messages(&seen), daemon.log_text()));
+        .unwrap_or_else(|| panic!("no READY=1: {:?}\n{}", messages(&seen), rig.log_text()));
     let ready_msg = &messages(&seen)[ready];
     assert!(
         ready_msg.lines().any(|l| l.starts_with("STATUS=serving")),
@@ -181,18 +148,9 @@ async fn ready_after_the_name_is_owned_watchdog_and_reload() {
 
     // A process issuing ioctls: at "info" its attribution is not logged (a debug line).
     let cg = Cgroup::new("service");
-    let issue = |cg: &Cgroup| {
-        Issuer::run(&[
-            "--cgroup".into(),
-            cg.dir.display().to_string(),
-            "--file".into(),
-            ctl.display().to_string(),
-            "--ioctl".into(),
-            "0xc030462b:1".into(),
-        ])
-    };
+    let issue = |cg: &Cgroup| Issuer::in_cgroup(cg, &ctl, &["--ioctl", "0xc030462b:1"]);
     let before = issue(&cg);
-    let (_c, proxy) = daemon.proxy().await;
+    let (_c, proxy) = rig.proxy().await;
     eventually(Duration::from_secs(5), || async {
         let r = proxy.get_cgroup(&cg.rel).await.ok()?;
         (r.ioctls.values().sum::<u64>() >= 1).then_some(())
@@ -200,24 +158,21 @@ async fn ready_after_the_name_is_owned_watchdog_and_reload() {
     .await
     .expect("the first process is counted");
     assert!(
-        !daemon.log_text().contains("process attributed"),
+        !rig.log_text().contains("process attributed"),
         "debug lines at info:\n{}",
-        daemon.log_text()
+        rig.log_text()
     );
     before.finish();
 
     // A valid change: RELOADING=1 (with MONOTONIC_USEC=), then READY=1, and the new filter.
     let n = messages(&seen).len();
-    std::fs::write(
-        &cfg,
-        std::fs::read_to_string(&cfg)
-            .expect("config")
-            .replace("log = \"info\"", "log = \"gpud=debug\"")
-            .replace("sweep_interval_secs = 1", "sweep_interval_secs = 2")
-            .replace("keep_pinned = false", "keep_pinned = true"),
-    )
-    .expect("rewrite config");
-    daemon.signal(libc::SIGHUP);
+    let cfg = config
+        .log("gpud=debug")
+        .set("attribution.sweep_interval_secs", 2)
+        .keep_pinned(true)
+        .write();
+    assert_eq!(cfg, rig.config_path(), "rewritten in place");
+    rig.signal(libc::SIGHUP);
     let reloading = wait_for(&seen, n, "RELOADING=1")
         .await
         .expect("RELOADING=1");
@@ -234,13 +189,13 @@ async fn ready_after_the_name_is_owned_watchdog_and_reload() {
     assert!(ready_again > reloading);
     let after = issue(&cg);
     let log = eventually(Duration::from_secs(5), || async {
-        let log = daemon.log_text();
+        let log = rig.log_text();
         log.contains(&format!("pid={}", after.pid))
             .then_some(log)
             .filter(|l| l.contains("process attributed"))
     })
     .await
-    .unwrap_or_else(|| panic!("no debug line after the reload:\n{}", daemon.log_text()));
+    .unwrap_or_else(|| panic!("no debug line after the reload:\n{}", rig.log_text()));
     // The change that needs a restart is named, the live ones applied (the log filter by the
     // binary, the sweep interval by the state task).
     assert!(
@@ -256,13 +211,14 @@ async fn ready_after_the_name_is_owned_watchdog_and_reload() {
     after.finish();
 
     // An invalid change: the error names file and line, nothing changes, it keeps serving.
+    // (Written by hand: the line the error names is part of what is checked.)
     let n = messages(&seen).len();
     std::fs::write(
         &cfg,
         "[daemon]\nlog = \"info\"\n\n[nvml]\nsample_interval_ms = 1\n",
     )
     .expect("rewrite config");
-    daemon.signal(libc::SIGHUP);
+    rig.signal(libc::SIGHUP);
     let reloading = wait_for(&seen, n, "RELOADING=1")
         .await
         .expect("RELOADING=1");
@@ -271,11 +227,11 @@ async fn ready_after_the_name_is_owned_watchdog_and_reload() {
         .expect("READY=1 after a refused reload");
     let want = format!("{}:5:", cfg.display());
     let log = eventually(Duration::from_secs(5), || async {
-        let log = daemon.log_text();
+        let log = rig.log_text();
         log.contains(&want).then_some(log)
     })
     .await
-    .unwrap_or_else(|| panic!("no error naming {want}:\n{}", daemon.log_text()));
+    .unwrap_or_else(|| panic!("no error naming {want}:\n{}", rig.log_text()));
     assert!(
         log.contains("`nvml.sample_interval_ms` must be between 10 and 60000")
             && log.contains("not reloaded"),
@@ -285,8 +241,7 @@ async fn ready_after_the_name_is_owned_watchdog_and_reload() {
     // The debug filter stayed in force.
     let third = issue(&cg);
     eventually(Duration::from_secs(5), || async {
-        daemon
-            .log_text()
+        rig.log_text()
             .contains(&format!("pid={}", third.pid))
             .then_some(())
     })

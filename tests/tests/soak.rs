@@ -25,8 +25,8 @@ use gpud_common::{
     Ancestry, IoctlCounts, LimitValue, ObjEntry, ObjKey, Pending, ProcEntry, UsageKey, maps,
 };
 use gpud_tests::{
-    Bus, Cgroup, Daemon, RmProcess, TempDir,
-    fakenv::{self, FakeNv, Options, Snapshot},
+    Cgroup, Daemon, Manager1Proxy, Rig, RmProcess,
+    fakenv::{FakeNv, Snapshot},
 };
 use serde_json::{Value, json};
 
@@ -37,37 +37,6 @@ const MAX_PROCS: usize = 10;
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(8);
 /// How long the daemon may take to settle after a quiesce (sweep interval 1 s).
 const SETTLE: Duration = Duration::from_secs(20);
-
-fn config(dir: &Path, ctl: &Path) -> PathBuf {
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=info,gpud::attribution=debug"
-
-[probes]
-attach = "auto"
-bpffs = "{bpffs}"
-keep_pinned = false
-
-[devices]
-extra_paths = [{ctl:?}]
-
-[attribution]
-sweep_interval_secs = 1
-rescan_interval_secs = 0
-
-[enforcement]
-tier = "auto"
-react_action = "kill"
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-        ctl = ctl.display().to_string(),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("write config");
-    p
-}
 
 /// xorshift64*: seeded, reproducible choices without a dependency.
 struct Rng(u64);
@@ -211,9 +180,9 @@ fn truth(s: &Snapshot, owner: &HashMap<u32, String>) -> BTreeMap<String, BTreeMa
     t
 }
 
-struct Soak {
+struct Soak<'a> {
     rng: Rng,
-    fake: FakeNv,
+    fake: &'a FakeNv,
     ctl: PathBuf,
     /// The soak's cgroup, above all others; taken (removed) at the end.
     parent: Option<Cgroup>,
@@ -226,11 +195,11 @@ struct Soak {
     /// Every pid that allocated, to the cgroup it allocated in.
     owner: HashMap<u32, String>,
     n: Counts,
-    proxy: gpud_api::Manager1Proxy<'static>,
+    proxy: Manager1Proxy<'static>,
     _conn: zbus::Connection,
 }
 
-impl Soak {
+impl Soak<'_> {
     fn new_cgroup(&mut self) {
         let name = format!("c{}", self.next_cg);
         self.next_cg += 1;
@@ -247,8 +216,7 @@ impl Soak {
 
     fn spawn(&mut self, c: usize) {
         let mut rm = RmProcess::spawn(Some(&self.cgroups[c].dir), &self.ctl);
-        let client = rm.handle("client");
-        let d0 = rm.handle(&format!("device {client} 0"));
+        let (client, d0) = rm.client_device(0);
         let d1 = rm.handle(&format!("device {client} 1"));
         self.owner.insert(rm.pid, self.cgroups[c].rel.clone());
         self.cgroups[c].procs.push(Proc {
@@ -651,26 +619,16 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
         |v| v.parse().expect("GPUD_SOAK_SEED"),
     );
     eprintln!("soak: {secs} s, GPUD_SOAK_SEED={seed}");
-    let dir = TempDir::new("soak");
-    if !fakenv::available() {
-        eprintln!("SKIP: /dev/fuse is absent");
+    let Some(mut rig) = Rig::new("soak").fake_device(GPUS) else {
         return;
-    }
-    let fake = fakenv::mount(
-        &dir.path().join("fake"),
-        Options {
-            gpus: GPUS,
-            capacity: 1 << 30,
-            page_size: 2 * MIB,
-            verbose: false,
-        },
-    )
-    .expect("mount the fake device");
-    let ctl = fake.ctl();
-    let bus = Bus::start();
-    let mut daemon = Daemon::start(&config(dir.path(), &ctl), &bus.address).await;
-    let base = gpud::probes::Probes::pin_base(&dir.path().join("bpffs"));
-    let (conn, proxy) = daemon.proxy().await;
+    };
+    let config = rig
+        .config()
+        .log("gpud=info,gpud::attribution=debug")
+        .react_action("kill");
+    rig.start(config).await;
+    let base = rig.pins();
+    let (conn, proxy) = rig.proxy().await;
     let parent = Cgroup::new("soak");
     let root = gpud_tests::cgroup2_root();
     let ancestors: HashSet<u64> = parent
@@ -683,8 +641,8 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
     let mut soak = Soak {
         ancestors,
         rng: Rng(seed | 1),
-        fake,
-        ctl,
+        fake: rig.fake(),
+        ctl: rig.ctl(),
         parent_dir: parent.dir.clone(),
         parent_rel: parent.rel.clone(),
         parent: Some(parent),
@@ -708,11 +666,11 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
         soak.step().await;
         note(map_entries(&base));
         if Instant::now() >= next_checkpoint {
-            soak.checkpoint(&daemon, &base).await;
+            soak.checkpoint(&rig, &base).await;
             next_checkpoint = Instant::now() + CHECKPOINT_EVERY;
         }
     }
-    soak.checkpoint(&daemon, &base).await;
+    soak.checkpoint(&rig, &base).await;
 
     // Wind down: every process and cgroup goes; then nothing may remain anywhere.
     while !soak.cgroups.is_empty() {
@@ -744,7 +702,7 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
     });
     println!("SOAK SUMMARY: {summary}");
     if let Err(leaks) = settled {
-        panic!("leaked after the churn: {leaks}\n{}", daemon.log_text());
+        panic!("leaked after the churn: {leaks}\n{}", rig.log_text());
     }
-    assert!(daemon.running(), "gpud died:\n{}", daemon.log_text());
+    assert!(rig.running(), "gpud died:\n{}", rig.log_text());
 }

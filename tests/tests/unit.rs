@@ -7,17 +7,13 @@
 //! naming it.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeSet,
     path::{Path, PathBuf},
     process::Command,
     time::Duration,
 };
 
-use gpud_tests::{
-    Bus, Cgroup, Daemon, RmProcess, TempDir, eventually,
-    fakenv::{self, Options},
-    gpud_bin, spawn_in_cgroup,
-};
+use gpud_tests::{Cgroup, Rig, RmProcess, TempDir, eventually, gpud_bin, spawn_in_cgroup};
 
 const UNIT: &str = include_str!("../../systemd/gpud.service");
 const OPERATIONS_DOC: &str = include_str!("../../docs/operations.md");
@@ -145,43 +141,6 @@ fn status_field(pid: u32, field: &str) -> String {
         .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
 }
 
-fn config(dir: &Path, extra: &[&Path]) -> PathBuf {
-    let paths: Vec<String> = extra
-        .iter()
-        .map(|p| format!("{:?}", p.display().to_string()))
-        .collect();
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=debug"
-
-[probes]
-bpffs = "{bpffs}"
-keep_pinned = false
-
-[devices]
-extra_paths = [{paths}]
-
-[attribution]
-sweep_interval_secs = 1
-rescan_interval_secs = 0
-
-[enforcement]
-tier = "auto"
-react_action = "freeze"
-
-[nvml]
-enabled = false
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-        paths = paths.join(", "),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("write config");
-    p
-}
-
 /// Mounts a bpffs instance at `dir/bpffs` (the unit's gpud has no CAP_SYS_ADMIN to mount one:
 /// systemd mounts /sys/fs/bpf); TempDir's drop unmounts it.
 fn mount_bpffs(dir: &Path) {
@@ -197,28 +156,15 @@ fn mount_bpffs(dir: &Path) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_units_capabilities_are_enough_and_cap_bpf_is_needed() {
-    if !fakenv::available() {
-        eprintln!("SKIP: /dev/fuse is absent");
+    let Some(mut rig) = Rig::new("unit-caps").fake_device(1) else {
         return;
-    }
+    };
     let caps = unit_caps();
-    let dir = TempDir::new("unit-caps");
-    mount_bpffs(dir.path());
-    let fake = fakenv::mount(
-        &dir.path().join("fake"),
-        Options {
-            gpus: 1,
-            capacity: 1 << 30,
-            page_size: 2 * MIB,
-            verbose: false,
-        },
-    )
-    .expect("mount the fake device");
-    let ctl = fake.ctl();
+    mount_bpffs(rig.path());
+    let ctl = rig.ctl();
     // A stand-in file held, before the daemon starts, by a root process with every capability
     // (needs CAP_SYS_PTRACE to be read) and by one of another user (CAP_DAC_READ_SEARCH).
-    let standin = dir.path().join("standin");
-    std::fs::write(&standin, b"").expect("stand-in");
+    let standin = rig.stand_in("standin");
     let holders = Cgroup::new("unit-holders");
     let mut root_holder =
         spawn_in_cgroup(&holders, &format!("exec sleep 60 < {}", standin.display()));
@@ -229,25 +175,28 @@ async fn the_units_capabilities_are_enough_and_cap_bpf_is_needed() {
             standin.display()
         ),
     );
-    let cfg = config(dir.path(), &[&ctl, &standin]);
-    let bus = Bus::start();
+    let config = rig
+        .config()
+        .extra_paths([&standin])
+        .react_action("freeze")
+        .nvml_off();
     let env = [("NOTIFY_SOCKET", None), ("RUST_LOG", None)];
 
     // With exactly the unit's capabilities.
-    let mut daemon = Daemon::start_wrapped(&cfg, &bus.address, &env, &setpriv(&caps)).await;
-    let pid = daemon.pid().expect("pid");
+    rig.start_wrapped(config, &env, &setpriv(&caps)).await;
+    let pid = rig.pid().expect("pid");
     assert_eq!(
         decode(&status_field(pid, "CapEff:")),
         caps,
         "the daemon's effective set is the unit's"
     );
     assert_eq!(status_field(pid, "NoNewPrivs:"), "1");
-    let log = daemon.log_text();
+    let log = rig.log_text();
     assert!(
         !log.contains("no CAP_"),
         "no capability warning with the unit's set:\n{log}"
     );
-    let (_conn, proxy) = daemon.proxy().await;
+    let (_conn, proxy) = rig.proxy().await;
     assert!(
         !proxy.attach_mode().await.expect("AttachMode").is_empty(),
         "probes attached"
@@ -269,48 +218,34 @@ async fn the_units_capabilities_are_enough_and_cap_bpf_is_needed() {
     assert!(
         found.is_some(),
         "scan missed a holder of another user or with more capabilities:\n{}",
-        daemon.log_text()
+        rig.log_text()
     );
 
     // A real process on the fake device is attributed; crossing its limit freezes its cgroup,
     // raising the limit thaws it.
     let cg = Cgroup::new("unit-caps");
-    let frozen = || {
-        std::fs::read_to_string(cg.dir.join("cgroup.events"))
-            .map(|t| t.lines().any(|l| l == "frozen 1"))
-            .unwrap_or(false)
-    };
-    let limit = |bytes: u64| BTreeMap::from([("memory_max", zbus::Variant::from(bytes))]);
-    proxy
-        .set_limits(&cg.rel, "all", limit(4 * MIB))
-        .await
-        .expect("SetLimits");
+    rig.set_limit(&cg.rel, "all", "memory_max", 4 * MIB).await;
     let mut p = RmProcess::spawn(Some(&cg.dir), &ctl);
-    let c = p.handle("client");
-    let d = p.handle(&format!("device {c} 0"));
+    let (c, d) = p.client_device(0);
     p.ok(&format!("alloc {c} {d} {} nvos64", 2 * MIB));
     let attributed = eventually(Duration::from_secs(5), || async {
         let r = proxy.get_cgroup(&cg.rel).await.ok()?;
         (r.memory_current.get("all") == Some(&(2 * MIB)) && r.pids.contains(&p.pid)).then_some(())
     })
     .await;
-    assert!(
-        attributed.is_some(),
-        "not attributed:\n{}",
-        daemon.log_text()
-    );
+    assert!(attributed.is_some(), "not attributed:\n{}", rig.log_text());
     p.send(&format!("alloc {c} {d} {} nvos64", 4 * MIB));
-    let froze = eventually(Duration::from_secs(5), || async { frozen().then_some(()) }).await;
-    assert!(froze.is_some(), "not frozen:\n{}", daemon.log_text());
-    proxy
-        .set_limits(&cg.rel, "all", limit(16 * MIB))
-        .await
-        .expect("SetLimits");
-    assert!(!frozen(), "still frozen after the limit was raised");
+    let froze = eventually(Duration::from_secs(5), || async {
+        cg.frozen().then_some(())
+    })
+    .await;
+    assert!(froze.is_some(), "not frozen:\n{}", rig.log_text());
+    rig.set_limit(&cg.rel, "all", "memory_max", 16 * MIB).await;
+    assert!(!cg.frozen(), "still frozen after the limit was raised");
     let a = p.recv();
     assert_eq!(a["ok"], true, "{a}");
     drop(p);
-    assert_eq!(daemon.stop(), Some(0), "{}", daemon.log_text());
+    assert_eq!(rig.stop(), Some(0), "{}", rig.log_text());
 
     // Without CAP_BPF: refused at start, naming the capability.
     let mut fewer = caps.clone();
@@ -320,9 +255,9 @@ async fn the_units_capabilities_are_enough_and_cap_bpf_is_needed() {
         .args(&wrapper[1..])
         .arg(gpud_bin())
         .arg("--config")
-        .arg(&cfg)
+        .arg(rig.config_path())
         .arg("--bus-address")
-        .arg(&bus.address)
+        .arg(&rig.bus.address)
         .env_remove("NOTIFY_SOCKET")
         .output()
         .expect("run gpud without CAP_BPF");

@@ -3,6 +3,29 @@
 //! file, so gpud's real `nvml-wrapper` code path runs against it. gpud cannot tell it from the
 //! real library: it is loaded through `nvml.library_path` like any libnvidia-ml.
 //!
+//! # What this fake models, and how far to trust it
+//!
+//! The calls and their semantics come from NVML's documentation and headers; each behaviour a
+//! test relies on must also be seen once through the real library on a GPU, by a script under
+//! `tests/gpu/` (results in docs/real-gpu.md). Trust the rest no further than the documentation.
+//!
+//! Checked on an H100 (driver 580, CUDA 13, through gpud's own nvml-wrapper path):
+//! * the inventory gpud shows (name, UUID, PCI bus id, memory total, driver and CUDA versions,
+//!   compute mode, MIG mode disabled) and per-process used memory from
+//!   `nvmlDeviceGetComputeRunningProcesses_v3`, attributed to the right cgroup and equal to the
+//!   probes' bytes: `tests/gpu/real-gpu.sh`;
+//! * per-process utilization from `nvmlDeviceGetProcessUtilization` at a 100 ms sampling
+//!   interval: `tests/gpu/compute-gpu.sh`. There the samples are coarse (0 or 98–99, whoever
+//!   held the time-sliced GPU, about every 1/6 s); this fake's simulated GPU (below) gives exact
+//!   shares. So compute-share accuracy measured against this fake shows the control law, not
+//!   what a real GPU achieves (docs/real-gpu.md, "Compute shares").
+//!
+//! **Not checked on hardware yet**: MIG devices and their handles (the lent H100 was not in MIG
+//! mode), graphics and compute-and-graphics processes, Xid events through
+//! `nvmlEventSetWait_v2`, every failure code (`fail`, `init_error`: GPU lost, driver not loaded,
+//! transient errors), `NOT_SUPPORTED` per-process utilization, and the exact sample semantics
+//! (only samples newer than `lastSeenTimeStamp`, `NOT_FOUND` when none).
+//!
 //! # Scenario
 //!
 //! A JSON file: `$FAKE_NVML_SCENARIO` if that is set, else `fake-nvml.json` in the directory of

@@ -17,11 +17,12 @@ use std::{
     time::Instant,
 };
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use aya::{
     EbpfLoader,
     programs::{FEntry, TracePoint},
 };
+use clap::Parser;
 use gpud::{
     cgroupfs::CgroupFs,
     config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
@@ -32,38 +33,22 @@ use serde_json::{Value, json};
 
 const RM_ALLOC: u32 = 0xc030_462b;
 
+/// The added cost per syscall of gpud's probes; prints one `BENCH JSON: {…}` line.
+#[derive(Parser)]
+#[command(name = "gpud-bench")]
 struct Opts {
+    /// How gpud's probes attach: tracepoint or fentry.
+    #[arg(long, default_value = "tracepoint", value_parser = inproc::attach_mode)]
     mode: AttachMode,
+    /// Calls per round.
+    #[arg(long, default_value_t = 200_000)]
     calls: u64,
+    /// Rounds per workload and phase (the fastest counts).
+    #[arg(long, default_value_t = 7)]
     rounds: usize,
+    /// Alternations of the three phases (the median counts).
+    #[arg(long, default_value_t = 5)]
     cycles: usize,
-}
-
-fn parse() -> anyhow::Result<Opts> {
-    let mut o = Opts {
-        mode: AttachMode::Tracepoint,
-        calls: 200_000,
-        rounds: 7,
-        cycles: 5,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let v = args.next().with_context(|| format!("{a} needs a value"))?;
-        match a.as_str() {
-            "--mode" => {
-                o.mode = match v.as_str() {
-                    "tracepoint" => AttachMode::Tracepoint,
-                    "fentry" => AttachMode::Fentry,
-                    _ => bail!("--mode tracepoint|fentry"),
-                }
-            }
-            "--calls" => o.calls = v.parse()?,
-            "--rounds" => o.rounds = v.parse()?,
-            "--cycles" => o.cycles = v.parse()?,
-            _ => bail!("unknown argument {a}"),
-        }
-    }
-    Ok(o)
 }
 
 /// Fastest ns per call of `f(n)` over `rounds`, measured in a fresh child process.
@@ -200,7 +185,7 @@ fn median_of(samples: &[Value]) -> Value {
 }
 
 fn main() -> anyhow::Result<()> {
-    let o = parse()?;
+    let o = Opts::parse();
     let work = std::env::temp_dir().join(format!("gpud-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let standin = work.join("nvidiactl");

@@ -25,6 +25,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
+use clap::Parser;
 use gpud_common::rm::{class, status};
 use gpud_tests::{
     fakenv::{self, Options},
@@ -32,71 +33,52 @@ use gpud_tests::{
     rm::{Ctl, Form, MemRequest},
 };
 
+/// A fake NVIDIA control device on FUSE (see the module docs).
+#[derive(Parser)]
+#[command(name = "gpud-fake-nvidia")]
 struct Cli {
-    dir: PathBuf,
-    opts: Options,
-    stdin: bool,
+    /// Where to mount the fake (created if missing).
+    #[arg(required_unless_present = "self_test_child")]
+    dir: Option<PathBuf>,
+    /// Number of GPUs.
+    #[arg(long, default_value = "1", value_parser = size)]
+    gpus: u64,
+    /// Video memory of each GPU (K/M/G suffixes or 0x hex).
+    #[arg(long, default_value = "80G", value_parser = size)]
+    capacity: u64,
+    /// Allocation granularity.
+    #[arg(long, default_value = "2M", value_parser = size)]
+    page_size: u64,
+    /// Logs every ioctl to stderr.
+    #[arg(long)]
+    verbose: bool,
+    /// Serves until a signal only, not until standard input ends.
+    #[arg(long)]
+    no_stdin: bool,
+    /// Mounts, drives the fake from this process and from children, checks, unmounts.
+    #[arg(long)]
     self_test: bool,
+    /// The self-test's child: allocates on CTL and exits without freeing.
+    #[arg(long, value_name = "CTL", hide = true)]
+    self_test_child: Option<PathBuf>,
 }
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: gpud-fake-nvidia MOUNTDIR [--gpus N] [--capacity BYTES] [--page-size BYTES] \
-         [--verbose] [--no-stdin] [--self-test]"
-    );
-    std::process::exit(2)
-}
-
-fn parse() -> Cli {
-    let mut args = std::env::args().skip(1);
-    let mut dir = None;
-    let mut opts = Options::default();
-    let mut stdin = true;
-    let mut self_test = false;
-    while let Some(a) = args.next() {
-        let mut size = |what: &str| {
-            args.next()
-                .and_then(|v| fakenv::parse_size(&v))
-                .unwrap_or_else(|| {
-                    eprintln!("gpud-fake-nvidia: {what} needs a number");
-                    usage()
-                })
-        };
-        match a.as_str() {
-            "--gpus" => opts.gpus = size("--gpus") as u32,
-            "--capacity" => opts.capacity = size("--capacity"),
-            "--page-size" => opts.page_size = size("--page-size").max(1),
-            "--verbose" => opts.verbose = true,
-            "--no-stdin" => stdin = false,
-            "--self-test" => self_test = true,
-            "--self-test-child" => {
-                let ctl = args.next().unwrap_or_else(|| usage());
-                std::process::exit(match self_test_child(Path::new(&ctl)) {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        eprintln!("self-test child: {e:#}");
-                        1
-                    }
-                });
-            }
-            "-h" | "--help" => usage(),
-            d if dir.is_none() && !d.starts_with('-') => dir = Some(PathBuf::from(d)),
-            other => {
-                eprintln!("gpud-fake-nvidia: unknown argument {other}");
-                usage()
-            }
-        }
-    }
-    Cli {
-        dir: dir.unwrap_or_else(|| usage()),
-        opts,
-        stdin,
-        self_test,
-    }
+fn size(v: &str) -> Result<u64, String> {
+    fakenv::parse_size(v).ok_or_else(|| format!("{v:?} is not a number"))
 }
 
 fn main() -> anyhow::Result<()> {
-    let cli = parse();
+    let cli = Cli::parse();
+    if let Some(ctl) = &cli.self_test_child {
+        return self_test_child(ctl).context("self-test child");
+    }
+    let dir = cli.dir.expect("required unless --self-test-child");
+    let opts = Options {
+        gpus: cli.gpus as u32,
+        capacity: cli.capacity,
+        page_size: cli.page_size.max(1),
+        verbose: cli.verbose,
+    };
     // Block the stop signals before any thread starts, so that only `sigwait` below takes them.
     // SAFETY: plain signal-mask calls on a local set.
     let set = unsafe {
@@ -107,10 +89,10 @@ fn main() -> anyhow::Result<()> {
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     };
-    let fake = fakenv::mount(&cli.dir, cli.opts.clone())
-        .with_context(|| format!("mounting the fake at {}", cli.dir.display()))?;
+    let fake = fakenv::mount(&dir, opts.clone())
+        .with_context(|| format!("mounting the fake at {}", dir.display()))?;
     if cli.self_test {
-        let r = self_test(&fake, &cli.opts);
+        let r = self_test(&fake, &opts);
         fake.unmount().context("unmounting")?;
         r?;
         println!("SELF-TEST PASS");
@@ -118,7 +100,7 @@ fn main() -> anyhow::Result<()> {
     }
     println!("READY");
     std::io::stdout().flush()?;
-    if cli.stdin {
+    if !cli.no_stdin {
         // End of input stops the fake like a signal does.
         std::thread::spawn(|| {
             let mut sink = String::new();

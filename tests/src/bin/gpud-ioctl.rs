@@ -12,72 +12,64 @@
 
 use std::{fs::File, io::Write, os::fd::AsRawFd};
 
+use clap::Parser;
 use gpud_tests::inproc;
 
-#[derive(Default)]
+/// Issues NVIDIA-encoded ioctls on a file, from a cgroup (see the module docs).
+#[derive(Parser)]
+#[command(name = "gpud-ioctl")]
 struct Plan {
+    /// The cgroup v2 directory to join first.
+    #[arg(long, value_name = "DIR")]
     cgroup: Option<String>,
-    file: Option<String>,
+    /// The file to open and issue the ioctls on.
+    #[arg(long, value_name = "PATH")]
+    file: String,
+    /// An ioctl command and how many times to issue it (numbers decimal or 0x hex).
+    #[arg(long = "ioctl", value_name = "CMD:COUNT", value_parser = ioctl_arg)]
     ioctls: Vec<(u32, u64)>,
+    /// An NV_ESC_IOCTL_XFER_CMD wrapping escape NR of SIZE bytes, COUNT times.
+    #[arg(long = "xfer", value_name = "NR:SIZE:COUNT", value_parser = xfer_arg)]
     xfers: Vec<(u32, u32, u64)>,
+    /// An RM_ALLOC-encoded ioctl on another file, COUNT times.
+    #[arg(long = "unmatched", value_name = "PATH:COUNT", value_parser = unmatched_arg)]
     unmatched: Vec<(String, u64)>,
+    /// A child (which opens nothing) issues the same ioctls on the inherited descriptor.
+    #[arg(long)]
     fork_child: bool,
+    /// Waits for standard input to close, issuing everything again for each line read.
+    #[arg(long)]
     hold: bool,
 }
 
-fn parse_u32(s: &str) -> u32 {
-    let parsed = match s.strip_prefix("0x") {
+fn num(s: &str) -> Result<u32, String> {
+    match s.strip_prefix("0x") {
         Some(h) => u32::from_str_radix(h, 16),
         None => s.parse(),
-    };
-    parsed.unwrap_or_else(|_| die(&format!("bad number {s:?}")))
+    }
+    .map_err(|_| format!("bad number {s:?}"))
+}
+
+fn ioctl_arg(v: &str) -> Result<(u32, u64), String> {
+    let (c, n) = v.split_once(':').ok_or("CMD:COUNT")?;
+    Ok((num(c)?, num(n)?.into()))
+}
+
+fn xfer_arg(v: &str) -> Result<(u32, u32, u64), String> {
+    match v.split(':').collect::<Vec<_>>()[..] {
+        [nr, size, n] => Ok((num(nr)?, num(size)?, num(n)?.into())),
+        _ => Err("NR:SIZE:COUNT".to_owned()),
+    }
+}
+
+fn unmatched_arg(v: &str) -> Result<(String, u64), String> {
+    let (p, n) = v.rsplit_once(':').ok_or("PATH:COUNT")?;
+    Ok((p.to_owned(), num(n)?.into()))
 }
 
 fn die(msg: &str) -> ! {
     eprintln!("gpud-ioctl: {msg}");
     std::process::exit(2)
-}
-
-fn parse() -> Plan {
-    let mut plan = Plan::default();
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = || {
-            args.next()
-                .unwrap_or_else(|| die(&format!("{a} needs a value")))
-        };
-        match a.as_str() {
-            "--cgroup" => plan.cgroup = Some(val()),
-            "--file" => plan.file = Some(val()),
-            "--ioctl" => {
-                let v = val();
-                let (c, n) = v
-                    .split_once(':')
-                    .unwrap_or_else(|| die("--ioctl CMD:COUNT"));
-                plan.ioctls.push((parse_u32(c), parse_u32(n).into()));
-            }
-            "--xfer" => {
-                let v = val();
-                let p: Vec<&str> = v.split(':').collect();
-                if p.len() != 3 {
-                    die("--xfer NR:SIZE:COUNT");
-                }
-                plan.xfers
-                    .push((parse_u32(p[0]), parse_u32(p[1]), parse_u32(p[2]).into()));
-            }
-            "--unmatched" => {
-                let v = val();
-                let (p, n) = v
-                    .rsplit_once(':')
-                    .unwrap_or_else(|| die("--unmatched PATH:COUNT"));
-                plan.unmatched.push((p.to_owned(), parse_u32(n).into()));
-            }
-            "--fork-child" => plan.fork_child = true,
-            "--hold" => plan.hold = true,
-            other => die(&format!("unknown argument {other}")),
-        }
-    }
-    plan
 }
 
 fn issue(file: &File, plan: &Plan) {
@@ -107,16 +99,13 @@ fn hold(plan: &Plan, file: &File) {
 }
 
 fn main() {
-    let plan = parse();
+    let plan = Plan::parse();
     if let Some(cg) = &plan.cgroup {
         std::fs::write(format!("{cg}/cgroup.procs"), std::process::id().to_string())
             .unwrap_or_else(|e| die(&format!("joining cgroup {cg}: {e}")));
     }
-    let path = plan
-        .file
-        .clone()
-        .unwrap_or_else(|| die("--file is required"));
-    let file = File::open(&path).unwrap_or_else(|e| die(&format!("open {path}: {e}")));
+    let path = &plan.file;
+    let file = File::open(path).unwrap_or_else(|e| die(&format!("open {path}: {e}")));
     issue(&file, &plan);
     let mut out = std::io::stdout();
     let _ = writeln!(out, "DONE {}", std::process::id());

@@ -34,7 +34,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, bail, ensure};
+use anyhow::{Context as _, ensure};
+use clap::Parser;
 use gpud::{
     attribution::Attribution,
     cgroupfs::CgroupFs,
@@ -51,38 +52,27 @@ use serde_json::json;
 
 const MIB: u64 = 1 << 20;
 
+/// What GPU-memory accounting and enforcement cost and how fast they act; prints one
+/// `BENCH JSON: {…}` line.
+#[derive(Parser)]
+#[command(name = "gpud-membench")]
 struct Opts {
+    /// How gpud's probes attach: tracepoint or fentry.
+    #[arg(long, default_value = "tracepoint", value_parser = inproc::attach_mode)]
     mode: AttachMode,
+    /// Allocation/free pairs per round.
+    #[arg(long, default_value_t = 500)]
     pairs: u64,
+    /// Rounds of pairs (the fastest counts).
+    #[arg(long, default_value_t = 5)]
     rounds: usize,
+    /// Samples of the kill and freeze latencies.
+    #[arg(long, default_value_t = 15)]
     samples: usize,
-}
-
-fn parse() -> anyhow::Result<Opts> {
-    let mut o = Opts {
-        mode: AttachMode::Tracepoint,
-        pairs: 500,
-        rounds: 5,
-        samples: 15,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let v = args.next().with_context(|| format!("{a} needs a value"))?;
-        match a.as_str() {
-            "--mode" => {
-                o.mode = match v.as_str() {
-                    "tracepoint" => AttachMode::Tracepoint,
-                    "fentry" => AttachMode::Fentry,
-                    _ => bail!("--mode tracepoint|fentry"),
-                }
-            }
-            "--pairs" => o.pairs = v.parse()?,
-            "--rounds" => o.rounds = v.parse()?,
-            "--samples" => o.samples = v.parse()?,
-            other => bail!("unknown option {other}"),
-        }
-    }
-    Ok(o)
+    /// Serves the fake NVIDIA device at DIR until standard input closes (the measuring run
+    /// starts this binary so).
+    #[arg(long, value_name = "DIR", hide = true)]
+    serve_fake: Option<PathBuf>,
 }
 
 /// CLOCK_MONOTONIC in ns: comparable between processes, unlike `Instant`.
@@ -322,12 +312,10 @@ fn serve_fake(dir: &Path) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some("--serve-fake") {
-        let dir = args.get(2).context("--serve-fake DIR")?;
-        return serve_fake(Path::new(dir));
+    let o = Opts::parse();
+    if let Some(dir) = &o.serve_fake {
+        return serve_fake(dir);
     }
-    let o = parse()?;
     let work = std::env::temp_dir().join(format!("gpud-membench-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let fake = Fake::start(&work.join("fake"))?;

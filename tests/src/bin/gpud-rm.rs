@@ -41,6 +41,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use clap::Parser;
 use gpud_common::nv;
 use gpud_tests::{
     fakenv::{parse_num, parse_size},
@@ -376,21 +377,20 @@ fn fork() -> Value {
     }
 }
 
+/// Issues RM calls on a control device as standard input tells it (see the module docs).
+#[derive(Parser)]
+#[command(name = "gpud-rm")]
+struct Args {
+    /// The cgroup v2 directory to join first.
+    #[arg(long, value_name = "DIR")]
+    cgroup: Option<PathBuf>,
+    /// The control device to open (read-write).
+    #[arg(long, value_name = "PATH")]
+    file: Option<PathBuf>,
+}
+
 fn main() {
-    let mut args = std::env::args().skip(1);
-    let mut cgroup = None;
-    let mut path = None;
-    while let Some(a) = args.next() {
-        let mut val = || {
-            args.next()
-                .unwrap_or_else(|| die(&format!("{a} needs a value")))
-        };
-        match a.as_str() {
-            "--cgroup" => cgroup = Some(PathBuf::from(val())),
-            "--file" => path = Some(PathBuf::from(val())),
-            other => die(&format!("unknown argument {other}")),
-        }
-    }
+    let Args { cgroup, file: path } = Args::parse();
     if let Some(cg) = &cgroup {
         join_cgroup(cg).unwrap_or_else(|e| die(&format!("joining cgroup {}: {e}", cg.display())));
     }

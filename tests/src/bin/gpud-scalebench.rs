@@ -23,8 +23,8 @@
 //!   kernel counts the loss (`events_lost`), and the daemon reports it once resumed.
 //!
 //! `gpud-scalebench [--cgroups N] [--clients N] [--trials N] [--seconds S] [--rate R]
-//! [--pace-ms MS] [--ring-kib KIB]` (`--ring-kib`: the daemon's `probes.events_ring_kib`)
-//! (`gpud-scalebench forker FILE N` is its own event generator.)
+//! [--pace-ms MS] [--ring-kib KIB]` (`--ring-kib`: the daemon's `probes.events_ring_kib`;
+//! `--help` lists the defaults). (`gpud-scalebench forker FILE N` is its own event generator.)
 
 use std::{
     collections::BTreeMap,
@@ -35,53 +35,47 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use gpud_api::{Manager1Proxy, connect_builder};
-use gpud_tests::{Bus, Cgroup, Daemon, TempDir, write_config};
+use clap::{Parser, Subcommand};
+use gpud_tests::{Cgroup, Manager1Proxy, Rig, connect_builder};
 use serde_json::{Value, json};
 
 /// RM_ALLOC as CUDA encodes it: a matched, classified ioctl.
 const RM_ALLOC: &str = "0xc030462b";
 
+/// gpud at scale, end to end; prints one `BENCH JSON: {…}` line (see the module docs).
+#[derive(Parser)]
+#[command(name = "gpud-scalebench")]
 struct Opts {
+    /// Attributed cgroups, each with a live process.
+    #[arg(long, default_value_t = 1000)]
     cgroups: usize,
+    /// Concurrent D-Bus clients.
+    #[arg(long, default_value_t = 100)]
     clients: usize,
+    /// Attribution-latency trials.
+    #[arg(long, default_value_t = 200)]
     trials: usize,
+    /// Length of each measured phase.
+    #[arg(long, default_value_t = 10)]
     seconds: u64,
+    /// Matched ioctls per second under load.
+    #[arg(long, default_value_t = 10_000)]
     rate: u64,
+    /// Each paced client's period (0 counts as 1).
+    #[arg(long, default_value_t = 1000)]
     pace_ms: u64,
+    /// The daemon's `probes.events_ring_kib`.
+    #[arg(long, default_value_t = u64::from(gpud_common::EVENTS_BYTES / 1024))]
     ring_kib: u64,
+    #[command(subcommand)]
+    command: Option<Sub>,
 }
 
-fn opts() -> anyhow::Result<Opts> {
-    let mut o = Opts {
-        cgroups: 1000,
-        clients: 100,
-        trials: 200,
-        seconds: 10,
-        rate: 10_000,
-        pace_ms: 1000,
-        ring_kib: u64::from(gpud_common::EVENTS_BYTES / 1024),
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut v = || -> anyhow::Result<u64> {
-            args.next()
-                .with_context(|| format!("{a} needs a value"))?
-                .parse()
-                .with_context(|| format!("bad value for {a}"))
-        };
-        match a.as_str() {
-            "--cgroups" => o.cgroups = v()? as usize,
-            "--clients" => o.clients = v()? as usize,
-            "--trials" => o.trials = v()? as usize,
-            "--seconds" => o.seconds = v()?,
-            "--rate" => o.rate = v()?,
-            "--pace-ms" => o.pace_ms = v()?.max(1),
-            "--ring-kib" => o.ring_kib = v()?,
-            other => bail!("unknown argument {other}"),
-        }
-    }
-    Ok(o)
+#[derive(Subcommand)]
+enum Sub {
+    /// Its own event generator (see [`forker`]).
+    #[command(hide = true)]
+    Forker { file: String, n: u64 },
 }
 
 /// p50, p99, max of microsecond samples.
@@ -340,13 +334,11 @@ async fn dbus_clients(
 }
 
 fn main() -> anyhow::Result<()> {
-    let mut argv = std::env::args().skip(1);
-    if argv.next().as_deref() == Some("forker") {
-        let file = argv.next().context("forker FILE N")?;
-        let n = argv.next().context("forker FILE N")?.parse()?;
-        return forker(&file, n);
+    let mut o = Opts::parse();
+    if let Some(Sub::Forker { file, n }) = &o.command {
+        return forker(file, *n);
     }
-    let o = opts()?;
+    o.pace_ms = o.pace_ms.max(1);
     if std::env::var_os("GPUD_BIN").is_none() {
         // SAFETY: no other thread runs yet (the runtime starts below).
         unsafe { std::env::set_var("GPUD_BIN", exe_dir().join("gpud")) };
@@ -355,26 +347,22 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn bench(o: Opts) -> anyhow::Result<()> {
-    let dir = TempDir::new("scalebench");
-    let standin = dir.path().join("standin");
-    std::fs::write(&standin, "")?;
-    let bus = Bus::start();
-    let cfg = write_config(dir.path(), &[&standin], "auto");
-    // NVML off: this measures attribution and the API; sweep at the default pace.
-    let text = std::fs::read_to_string(&cfg)?
-        .replace("sweep_interval_secs = 1", "sweep_interval_secs = 10")
-        // As deployed: no per-event debug lines.
-        .replace("log = \"gpud=debug\"", "log = \"info\"")
-        .replace(
-            "[probes]\n",
-            &format!("[probes]\nevents_ring_kib = {}\n", o.ring_kib),
-        )
-        + "\n[nvml]\nenabled = false\n";
-    std::fs::write(&cfg, text)?;
-    let daemon = Daemon::start(&cfg, &bus.address).await;
-    let pid = daemon.pid().context("daemon pid")?;
-    let bpffs = dir.path().join("bpffs");
-    let conn = connect_builder(&bus.address).build().await?;
+    let mut rig = Rig::new("scalebench");
+    let standin = rig.stand_in("standin");
+    let config = rig
+        .config()
+        .extra_paths([&standin])
+        // NVML off: this measures attribution and the API; sweep at the default pace.
+        .nvml_off()
+        .set("attribution.sweep_interval_secs", 10)
+        // As deployed: no per-event debug lines, pins kept.
+        .log("info")
+        .keep_pinned(true)
+        .set("probes.events_ring_kib", i64::try_from(o.ring_kib)?);
+    rig.start(config).await;
+    let pid = rig.pid().context("daemon pid")?;
+    let bpffs = rig.path().join("bpffs");
+    let conn = connect_builder(&rig.bus.address).build().await?;
     let proxy = Manager1Proxy::new(&conn).await?;
     let mut report = serde_json::Map::new();
     report.insert(
@@ -451,14 +439,14 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         "scalebench: D-Bus, {} clients back to back for {} s",
         o.clients, o.seconds
     );
-    let saturated = dbus_clients(&bus.address, &paths, o.clients, o.seconds, None).await?;
+    let saturated = dbus_clients(&rig.bus.address, &paths, o.clients, o.seconds, None).await?;
     report.insert("dbus_us".into(), saturated);
     let pace = Duration::from_millis(o.pace_ms);
     eprintln!(
         "scalebench: D-Bus, {} clients each calling every {} ms for {} s",
         o.clients, o.pace_ms, o.seconds
     );
-    let paced = dbus_clients(&bus.address, &paths, o.clients, o.seconds, Some(pace)).await?;
+    let paced = dbus_clients(&rig.bus.address, &paths, o.clients, o.seconds, Some(pace)).await?;
     report.insert("dbus_paced_us".into(), paced);
 
     eprintln!(
@@ -508,9 +496,9 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let lost1 = stats(&proxy).await?["events_lost"];
     // The same burst with the daemon stopped: nothing drains the ring.
-    daemon.signal(libc::SIGSTOP);
+    rig.signal(libc::SIGSTOP);
     let stopped = tokio::task::block_in_place(|| run_forker(&ev_cg.dir, &standin, forks));
-    daemon.signal(libc::SIGCONT);
+    rig.signal(libc::SIGCONT);
     let stopped_secs = stopped?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let lost2 = stats(&proxy).await?["events_lost"];
@@ -518,7 +506,7 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
     let t = Instant::now();
     let mut reported = false;
     while !reported && t.elapsed() < Duration::from_secs(12) {
-        reported = daemon.log_text().contains("kernel events lost");
+        reported = rig.log_text().contains("kernel events lost");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     report.insert(
@@ -536,6 +524,6 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
 
     println!("BENCH JSON: {}", Value::Object(report));
     drop(conn);
-    drop(daemon);
+    drop(rig);
     Ok(())
 }

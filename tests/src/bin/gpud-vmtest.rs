@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context as _, bail, ensure};
+use clap::Parser;
 use gpud::{
     attribution::Attribution,
     cgroupfs::CgroupFs,
@@ -279,12 +280,16 @@ fn memory_deny() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The kernel-side checks, run inside the VM (see the module docs).
+#[derive(Parser)]
+#[command(name = "gpud-vmtest")]
+enum Cli {
+    /// Runs every check; prints `VMTEST RESULT: PASS` when all hold.
+    Test,
+}
+
 fn main() -> std::process::ExitCode {
-    let cmd = std::env::args().nth(1).unwrap_or_default();
-    if cmd != "test" {
-        eprintln!("usage: gpud-vmtest test");
-        return std::process::ExitCode::from(2);
-    }
+    let Cli::Test = Cli::parse();
     let mut failed = Vec::new();
     let lsm = std::fs::read_to_string("/sys/kernel/security/lsm").unwrap_or_default();
     println!("kernel LSMs: {}", lsm.trim());

@@ -1,6 +1,9 @@
 //! The fake's resource manager: clients bound to open files, object trees, per-GPU capacity,
 //! and the escapes that act on them. The FUSE side ([`super`]) hands it each ioctl with the
 //! caller's open file and thread; nested structs are read and written in the caller's memory.
+//!
+//! What of this model has been checked on a real GPU (`tests/gpu/real-gpu.sh`) and what has not
+//! yet: see "What this fake models" in [`super`].
 
 use std::{collections::BTreeMap, io, time::Duration};
 

@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gpud_tests::{Bus, Cgroup, Daemon, TempDir, eventually};
+use gpud_tests::{Bus, Cgroup, Daemon, TempDir, TestConfig, eventually};
 use serde_json::json;
 
 pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -34,30 +34,12 @@ pub fn scenario(lib_dir: &Path, pids: &[u32]) {
 }
 
 pub fn config(dir: &Path, lib: &Path) -> PathBuf {
-    let text = format!(
-        r#"[daemon]
-state_dir = "{state}"
-log = "gpud=info"
-
-[probes]
-bpffs = "{bpffs}"
-keep_pinned = false
-
-[nvml]
-library_path = "{lib}"
-sample_interval_ms = 100
-retry_interval_secs = 1
-
-[compute]
-period_ms = 100
-"#,
-        state = dir.join("state").display(),
-        bpffs = dir.join("bpffs").display(),
-        lib = lib.display(),
-    );
-    let p = dir.join("gpud.toml");
-    std::fs::write(&p, text).expect("config");
-    p
+    TestConfig::new(dir)
+        .log("gpud=info")
+        .nvml(lib)
+        .set("nvml.sample_interval_ms", 100)
+        .set("compute.period_ms", 100)
+        .write()
 }
 
 /// A process burning one CPU in `cg`.
