@@ -16,6 +16,9 @@ pub enum ApiError {
     Failed(String),
     /// The caller may not call this method (it changes state: root and the admin group only).
     AccessDenied(String),
+    /// The daemon cannot check the request now (e.g. NVML has not answered, so a GPU selector
+    /// cannot be resolved); nothing changed, and the same call may succeed later.
+    Unavailable(String),
 }
 
 /// The full D-Bus names of the errors, for clients that match on `zbus::Error::MethodError`.
@@ -28,6 +31,8 @@ pub mod names {
     pub const FAILED: &str = "dev.gpud.Error.Failed";
     /// [`super::ApiError::AccessDenied`].
     pub const ACCESS_DENIED: &str = "dev.gpud.Error.AccessDenied";
+    /// [`super::ApiError::Unavailable`].
+    pub const UNAVAILABLE: &str = "dev.gpud.Error.Unavailable";
 }
 
 #[cfg(test)]
@@ -46,6 +51,7 @@ mod tests {
             ),
             (ApiError::Failed(String::new()), names::FAILED),
             (ApiError::AccessDenied(String::new()), names::ACCESS_DENIED),
+            (ApiError::Unavailable(String::new()), names::UNAVAILABLE),
         ] {
             assert_eq!(e.name().as_str(), name);
         }

@@ -197,11 +197,18 @@ async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persis
             vec![("memory_max", v(MIB))],
             "InvalidArgument",
         ),
+        // NVML is not there to check a per-GPU selector: refused as not checkable now.
         (
             parent.rel.as_str(),
             "GPU-abc",
             vec![("memory_max", v(MIB))],
-            "InvalidArgument",
+            "Unavailable",
+        ),
+        (
+            parent.rel.as_str(),
+            "0",
+            vec![("memory_max", v(MIB))],
+            "Unavailable",
         ),
         (
             parent.rel.as_str(),

@@ -18,6 +18,7 @@ use gpud_api::{
 };
 
 use super::{
+    args::{LimitArgs, MAX_ARG_LEN},
     authz::Authorizer,
     error::ApiError,
     records::{all, compute_record},
@@ -25,11 +26,8 @@ use super::{
 use crate::{
     daemon::{DaemonInfo, Handle},
     enforcement::LimitNotice,
-    policy::{LimitUpdate, LimitValueIn, idle::IdleChange},
+    policy::{LimitUpdate, idle::IdleChange},
 };
-
-/// Longest string argument accepted; longer ones are refused before any work.
-const MAX_ARG_LEN: usize = 4096;
 
 fn check_len(what: &str, s: &str) -> Result<(), ApiError> {
     if s.len() > MAX_ARG_LEN {
@@ -39,22 +37,6 @@ fn check_len(what: &str, s: &str) -> Result<(), ApiError> {
         )));
     }
     Ok(())
-}
-
-fn limit_value(v: &zbus::Variant<'_>) -> LimitValueIn {
-    use zbus::Variant as V;
-    match v {
-        V::U64(n) => LimitValueIn::Unsigned(*n),
-        V::U32(n) => LimitValueIn::Unsigned(u64::from(*n)),
-        V::U16(n) => LimitValueIn::Unsigned(u64::from(*n)),
-        V::U8(n) => LimitValueIn::Unsigned(u64::from(*n)),
-        V::I64(n) => LimitValueIn::Signed(*n),
-        V::I32(n) => LimitValueIn::Signed(i64::from(*n)),
-        V::I16(n) => LimitValueIn::Signed(i64::from(*n)),
-        V::Str(s) => LimitValueIn::Text(s.as_str().chars().take(MAX_ARG_LEN).collect()),
-        V::Variant(inner) => limit_value(inner),
-        other => LimitValueIn::Other(other.value_signature().to_string()),
-    }
 }
 
 pub struct Manager {
@@ -129,18 +111,14 @@ impl Manager {
         #[zbus(header)] header: zbus::message::Header<'_>,
         cgroup: &str,
         gpu: &str,
-        limits: BTreeMap<String, zbus::Variant<'_>>,
+        limits: LimitArgs,
     ) -> Result<(), ApiError> {
         self.authz.check(conn, &header).await?;
         check_len("cgroup", cgroup)?;
         check_len("gpu", gpu)?;
         crate::cgroupfs::CgroupFs::normalize(cgroup)
             .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
-        let named: BTreeMap<String, LimitValueIn> = limits
-            .iter()
-            .map(|(k, v)| (k.chars().take(MAX_ARG_LEN).collect(), limit_value(v)))
-            .collect();
-        let update = LimitUpdate::from_named(&named)
+        let update = LimitUpdate::from_named(limits.0.iter().map(|(k, v)| (k, v)))
             .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
         Ok(self.daemon.set_limits(cgroup, gpu, update).await?)
     }

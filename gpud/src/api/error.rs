@@ -27,9 +27,11 @@ impl From<EnforcementError> for ApiError {
         match e {
             EnforcementError::Attribution(a) => a.into(),
             EnforcementError::Policy(PolicyError::Write { .. }) => Self::Failed(text),
-            EnforcementError::Policy(_) | EnforcementError::UnknownGpu(..) => {
-                Self::InvalidArgument(text)
-            }
+            EnforcementError::InventoryUnavailable { .. } => Self::Unavailable(text),
+            EnforcementError::Policy(_)
+            | EnforcementError::UnknownGpu(..)
+            | EnforcementError::NoInventory { .. }
+            | EnforcementError::SameGpu { .. } => Self::InvalidArgument(text),
         }
     }
 }

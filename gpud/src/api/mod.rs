@@ -2,6 +2,7 @@
 //! authorization, and the Prometheus endpoint. The wire shapes are gpud-api's; this module turns
 //! the core's answers into them.
 
+pub mod args;
 pub mod authz;
 pub mod dbus;
 pub mod error;

@@ -27,7 +27,7 @@ pub use views::NvmlUsage;
 use crate::{
     attribution::{Attribution, scan},
     config::Config,
-    enforcement::{LimitNotice, MemoryEnforcement, compute::ControlInput},
+    enforcement::{GpuCatalog, LimitNotice, MemoryEnforcement, compute::ControlInput},
     nvml::{AttributedXid, GpuStatus, NvmlView, SamplerSettings, Snapshot as NvmlSnapshot},
     policy::idle::{IdleChange, IdleTracker},
 };
@@ -334,16 +334,23 @@ fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
     if fresh {
         views::update_idle(state);
     }
+    if fresh {
+        let catalog = if state.nvml.available {
+            GpuCatalog::Known(
+                state
+                    .nvml
+                    .gpus
+                    .iter()
+                    .filter(|g| g.mig.is_none())
+                    .map(|g| (g.index, g.uuid.clone()))
+                    .collect(),
+            )
+        } else {
+            GpuCatalog::Unavailable(state.nvml.status.clone())
+        };
+        state.memory.set_catalog(&mut state.attribution, catalog);
+    }
     if state.nvml.available {
-        state.memory.set_catalog(Some(
-            state
-                .nvml
-                .gpus
-                .iter()
-                .filter(|g| g.mig.is_none())
-                .map(|g| (g.index, g.uuid.clone()))
-                .collect(),
-        ));
         // Reconciliation: objects of processes that are gone and that the driver no longer
         // reports hold no memory any more.
         let reported = state.nvml.reported_pids();

@@ -20,7 +20,7 @@ use crate::{
     cgroupfs::{CgroupError, CgroupFs},
     config::Config,
     enforcement::{
-        LimitNotice, MemoryEnforcement,
+        GpuCatalog, LimitNotice, MemoryEnforcement,
         compute::{self, Controller},
     },
     nvml::{AttributedXid, GpuStatus, NvmlView, Sampler, SamplerSettings},
@@ -155,7 +155,12 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     let found = attribution.scan();
     attribution.sweep();
     info!(found, "start-up scan of /proc done");
-    let mut memory = MemoryEnforcement::new(store, tier, config.enforcement.react_action);
+    let catalog = if config.nvml.enabled {
+        GpuCatalog::Unavailable("NVML has not answered yet".into())
+    } else {
+        GpuCatalog::Disabled
+    };
+    let mut memory = MemoryEnforcement::new(store, tier, config.enforcement.react_action, catalog);
     memory.restore(&mut attribution);
 
     let compute_on = config.compute.enabled && config.nvml.enabled;

@@ -27,6 +27,25 @@ pub enum EnforcementError {
     Policy(#[from] PolicyError),
     #[error("unknown GPU {0}: {1}")]
     UnknownGpu(String, String),
+    /// NVML has not answered (yet, or any more): the selector cannot be checked now.
+    #[error("GPU {selector} cannot be checked now: NVML is unavailable ({reason}); try again")]
+    InventoryUnavailable { selector: String, reason: String },
+    /// NVML is off by configuration: per-GPU selectors cannot be checked at all.
+    #[error(
+        "GPU {selector} cannot be checked: NVML is disabled ([nvml] enabled = false); per-GPU \
+         limits need it, use `all`"
+    )]
+    NoInventory { selector: String },
+    /// One card under two selectors (an index and a UUID) on one cgroup: which limit holds?
+    #[error(
+        "GPU {selector} is GPU {index}, which this cgroup already has limits for as `{other}`: \
+         change them through `{other}`, or clear those first"
+    )]
+    SameGpu {
+        selector: String,
+        index: u32,
+        other: String,
+    },
 }
 
 /// A limit event, for the D-Bus `MemoryLimitExceeded` signal.
@@ -54,9 +73,16 @@ pub struct LimitEntry {
     pub limits: Limits,
 }
 
-/// GPUs the daemon knows (index, UUID), to validate selectors; `None` while no inventory is
-/// available (then indexes are accepted and UUIDs cannot be resolved).
-pub type GpuCatalog = Option<Vec<(u32, String)>>;
+/// What the daemon knows of the machine's GPUs, to check the GPU selectors of new limits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GpuCatalog {
+    /// NVML is off by configuration (`[nvml] enabled = false`).
+    Disabled,
+    /// NVML has not answered (yet, or any more): why.
+    Unavailable(String),
+    /// Index and UUID of every whole GPU NVML reports.
+    Known(Vec<(u32, String)>),
+}
 
 pub struct MemoryEnforcement {
     store: LimitStore,
@@ -65,45 +91,139 @@ pub struct MemoryEnforcement {
     /// cgroups this module froze (react `freeze`), thawed when their limit is raised or cleared.
     frozen: BTreeSet<String>,
     catalog: GpuCatalog,
+    /// The kernel key (GPU index or `GPU_ALL`) each stored entry's memory limit is in force
+    /// under. A UUID entry restored before NVML answered is stored but in force nowhere until
+    /// the inventory resolves it; clearing an entry uses the key it was applied under, whatever
+    /// NVML says by then.
+    applied: BTreeMap<(String, GpuSelector), u32>,
 }
 
 impl MemoryEnforcement {
-    pub fn new(store: LimitStore, tier: Tier, action: ReactAction) -> Self {
+    /// `catalog`: what is known of the GPUs at start (`Disabled` without NVML, else
+    /// `Unavailable` until its first answer).
+    pub fn new(store: LimitStore, tier: Tier, action: ReactAction, catalog: GpuCatalog) -> Self {
         Self {
             store,
             tier,
             action,
             frozen: BTreeSet::new(),
-            catalog: None,
+            catalog,
+            applied: BTreeMap::new(),
         }
     }
 
-    pub fn set_catalog(&mut self, catalog: GpuCatalog) {
+    /// A new inventory (or NVML going away). A known one puts the stored limits that waited for
+    /// it (UUID selectors restored before NVML answered) in force.
+    pub fn set_catalog(&mut self, attr: &mut Attribution, catalog: GpuCatalog) {
+        let known = matches!(catalog, GpuCatalog::Known(_)) && catalog != self.catalog;
         self.catalog = catalog;
+        if known {
+            self.apply_pending(attr);
+        }
     }
 
-    fn gpu_key(&self, gpu: &GpuSelector) -> Result<u32, EnforcementError> {
+    /// The kernel key of a selector for a new limit: checked against the inventory. Without one
+    /// a per-GPU selector cannot be checked, so it is refused (`all` needs none).
+    fn checked_key(&self, gpu: &GpuSelector) -> Result<u32, EnforcementError> {
+        let selector = || gpu.to_string();
         match (gpu, &self.catalog) {
             (GpuSelector::All, _) => Ok(GPU_ALL),
-            (GpuSelector::Index(i), None) => Ok(*i),
-            (GpuSelector::Index(i), Some(c)) => c
+            (_, GpuCatalog::Disabled) => Err(EnforcementError::NoInventory {
+                selector: selector(),
+            }),
+            (_, GpuCatalog::Unavailable(reason)) => Err(EnforcementError::InventoryUnavailable {
+                selector: selector(),
+                reason: reason.clone(),
+            }),
+            (GpuSelector::Index(i), GpuCatalog::Known(c)) => c
                 .iter()
                 .find(|(idx, _)| idx == i)
                 .map(|(idx, _)| *idx)
                 .ok_or_else(|| {
-                    EnforcementError::UnknownGpu(i.to_string(), "no GPU with this index".into())
+                    EnforcementError::UnknownGpu(selector(), "no GPU with this index".into())
                 }),
-            (GpuSelector::Uuid(u), Some(c)) => c
+            (GpuSelector::Uuid(u), GpuCatalog::Known(c)) => c
                 .iter()
                 .find(|(_, uuid)| uuid.eq_ignore_ascii_case(u))
                 .map(|(idx, _)| *idx)
                 .ok_or_else(|| {
-                    EnforcementError::UnknownGpu(u.clone(), "no GPU with this UUID".into())
+                    EnforcementError::UnknownGpu(selector(), "no GPU with this UUID".into())
                 }),
-            (GpuSelector::Uuid(u), None) => Err(EnforcementError::UnknownGpu(
-                u.clone(),
-                "UUIDs are resolved through NVML, which is unavailable".into(),
-            )),
+        }
+    }
+
+    /// The kernel key of a stored entry (validated when it was set): where it was applied, else
+    /// what the selector names (a UUID only through a known inventory).
+    fn stored_key(&self, cgroup: &str, gpu: &GpuSelector) -> Option<u32> {
+        if let Some(k) = self.applied.get(&(cgroup.to_owned(), gpu.clone())) {
+            return Some(*k);
+        }
+        match (gpu, &self.catalog) {
+            (GpuSelector::All, _) => Some(GPU_ALL),
+            (GpuSelector::Index(i), _) => Some(*i),
+            (GpuSelector::Uuid(u), GpuCatalog::Known(c)) => c
+                .iter()
+                .find(|(_, uuid)| uuid.eq_ignore_ascii_case(u))
+                .map(|(idx, _)| *idx),
+            (GpuSelector::Uuid(_), _) => None,
+        }
+    }
+
+    /// Refuses a second selector for a card this cgroup already has limits for (an index and a
+    /// UUID naming one GPU): the two would overwrite each other's kernel entry.
+    fn check_one_selector_per_gpu(
+        &self,
+        cgroup: &str,
+        gpu: &GpuSelector,
+        key: u32,
+    ) -> Result<(), EnforcementError> {
+        if key == GPU_ALL {
+            return Ok(());
+        }
+        let other = self
+            .store
+            .iter()
+            .filter(|((c, g), _)| c == cgroup && g != gpu)
+            .find(|((c, g), _)| self.stored_key(c, g) == Some(key));
+        match other {
+            Some(((_, g), _)) => Err(EnforcementError::SameGpu {
+                selector: gpu.to_string(),
+                index: key,
+                other: g.to_string(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Puts stored limits that are in force nowhere yet (UUID selectors restored before NVML
+    /// answered) in force, now that the inventory resolves them.
+    fn apply_pending(&mut self, attr: &mut Attribution) {
+        let pending: Vec<(String, GpuSelector, u64)> = self
+            .store
+            .iter()
+            .filter(|(k, _)| !self.applied.contains_key(k))
+            .filter_map(|((c, g), l)| Some((c.clone(), g.clone(), l.memory_max?)))
+            .collect();
+        for (cgroup, gpu, max) in pending {
+            let Some(key) = self.stored_key(&cgroup, &gpu) else {
+                warn!(
+                    cgroup = %cgroup, gpu = %gpu,
+                    "stored limit names a GPU NVML does not report; kept, in force nowhere"
+                );
+                continue;
+            };
+            let applied = attr
+                .id_of(&cgroup)
+                .and_then(|(_, id)| attr.set_kernel_limit(id, key, max));
+            match applied {
+                Ok(()) => {
+                    info!(cgroup = %cgroup, gpu = %gpu, index = key, memory_max = max, "stored limit in force");
+                    self.applied.insert((cgroup, gpu), key);
+                }
+                Err(e) => {
+                    error!(cgroup = %cgroup, gpu = %gpu, "cannot apply stored limit: {}", Chain(&e))
+                }
+            }
         }
     }
 
@@ -120,19 +240,20 @@ impl MemoryEnforcement {
                     continue;
                 }
             };
-            let key = match self.gpu_key(&gpu) {
-                Ok(k) => k,
-                Err(e) => {
-                    warn!(cgroup = %cgroup, "dropping stored limit: {}", Chain(&e));
-                    continue;
+            // A UUID waits for NVML to resolve it (`apply_pending`): kept, not dropped.
+            match (self.stored_key(&cgroup, &gpu), limits.memory_max) {
+                (Some(key), Some(max)) => {
+                    if let Err(e) = attr.set_kernel_limit(id, key, max) {
+                        error!(cgroup = %cgroup, "cannot apply stored limit: {}", Chain(&e));
+                        continue;
+                    }
+                    wanted.insert((id, key));
+                    self.applied.insert((cgroup.clone(), gpu.clone()), key);
                 }
-            };
-            if let Some(max) = limits.memory_max {
-                if let Err(e) = attr.set_kernel_limit(id, key, max) {
-                    error!(cgroup = %cgroup, "cannot apply stored limit: {}", Chain(&e));
-                    continue;
+                (None, Some(_)) => {
+                    info!(cgroup = %cgroup, gpu = %gpu, "stored limit waits for NVML to resolve its GPU");
                 }
-                wanted.insert((id, key));
+                (_, None) => {}
             }
             keep.insert((cgroup, gpu), limits);
         }
@@ -161,8 +282,9 @@ impl MemoryEnforcement {
         update: LimitUpdate,
     ) -> Result<(), EnforcementError> {
         let gpu: GpuSelector = gpu.parse()?;
-        let key = self.gpu_key(&gpu)?;
+        let key = self.checked_key(&gpu)?;
         let (path, id) = attr.id_of(cgroup)?;
+        self.check_one_selector_per_gpu(&path, &gpu, key)?;
         let mut entries = self.store.entries().clone();
         let mut limits = entries
             .get(&(path.clone(), gpu.clone()))
@@ -195,6 +317,7 @@ impl MemoryEnforcement {
         self.store.replace(entries)?;
         if let Some(max) = limits.memory_max {
             attr.set_kernel_limit(id, key, max)?;
+            self.applied.insert((path.clone(), gpu.clone()), key);
             info!(cgroup = %path, gpu = %gpu, memory_max = max, "limit set");
             self.maybe_thaw(attr, &path, id);
         }
@@ -210,7 +333,6 @@ impl MemoryEnforcement {
         names: &[String],
     ) -> Result<(), EnforcementError> {
         let gpu: GpuSelector = gpu.parse()?;
-        let key = self.gpu_key(&gpu)?;
         let mut probe = Limits::default();
         if let Some(bad) = names.iter().find(|n| !probe.clear(n)) {
             return Err(PolicyError::UnknownLimit(bad.chars().take(80).collect()).into());
@@ -235,9 +357,14 @@ impl MemoryEnforcement {
         let memory_left = entries
             .get(&(path.clone(), gpu.clone()))
             .and_then(|l| l.memory_max);
+        // Where it is in force, whatever NVML says now (none: a UUID never applied).
+        let key = self.stored_key(&path, &gpu);
         self.store.replace(entries)?;
         if memory_left.is_none() {
-            attr.clear_kernel_limit(id, key)?;
+            self.applied.remove(&(path.clone(), gpu.clone()));
+            if let Some(key) = key {
+                attr.clear_kernel_limit(id, key)?;
+            }
         }
         info!(cgroup = %path, gpu = %gpu, "limit cleared");
         self.maybe_thaw(attr, &path, id);
@@ -256,6 +383,7 @@ impl MemoryEnforcement {
         let mut entries = self.store.entries().clone();
         entries.remove(&key);
         self.store.replace(entries)?;
+        self.applied.remove(&key);
         if !self.store.entries().keys().any(|(cg, _)| cg == path) {
             self.frozen.remove(path);
         }
@@ -291,6 +419,7 @@ impl MemoryEnforcement {
         for k in &gone {
             info!(cgroup = %k.0, gpu = %k.1, "cgroup removed; dropping its limit");
             entries.remove(k);
+            self.applied.remove(k);
             self.frozen.remove(&k.0);
         }
         if let Err(e) = self.store.replace(entries) {
@@ -385,15 +514,6 @@ impl MemoryEnforcement {
             .collect()
     }
 
-    /// Resolves a selector to GPU indexes known to NVML (`All`: every GPU).
-    pub fn gpu_indexes(&self, gpu: &GpuSelector) -> Vec<u32> {
-        match (gpu, &self.catalog) {
-            (GpuSelector::All, Some(c)) => c.iter().map(|(i, _)| *i).collect(),
-            (GpuSelector::All, None) => Vec::new(),
-            (g, _) => self.gpu_key(g).map(|k| vec![k]).unwrap_or_default(),
-        }
-    }
-
     /// cgroups the `freeze` action froze (the compute controller leaves them alone).
     pub fn frozen(&self) -> &BTreeSet<String> {
         &self.frozen
@@ -409,7 +529,7 @@ impl MemoryEnforcement {
             }
             match g {
                 GpuSelector::All => all = Some(l.clone()),
-                g if self.gpu_key(g).ok() == Some(gpu) => return Some(l.clone()),
+                g if self.stored_key(c, g) == Some(gpu) => return Some(l.clone()),
                 _ => {}
             }
         }

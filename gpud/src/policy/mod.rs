@@ -30,6 +30,8 @@ pub enum PolicyError {
     InvalidValue { name: String, reason: String },
     #[error("no limits given")]
     Empty,
+    #[error("limit {0:?} is given more than once (ambiguous: which value is meant?)")]
+    Repeated(String),
     #[error("cannot write {path}")]
     Write {
         path: PathBuf,
@@ -65,13 +67,15 @@ pub enum GpuSelector {
 
 impl FromStr for GpuSelector {
     type Err = PolicyError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let t = s.trim();
+    /// Exact forms only: `all` (any case), an index in decimal digits (no sign or space), or
+    /// `GPU-`/`MIG-` and hex digits. Anything else, `" 0"` included, is refused rather than read
+    /// as something the caller may not have meant.
+    fn from_str(t: &str) -> Result<Self, Self::Err> {
         if t.eq_ignore_ascii_case("all") {
             return Ok(Self::All);
         }
         if !t.is_empty() && t.len() <= 3 && t.bytes().all(|b| b.is_ascii_digit()) {
-            let i: u32 = t.parse().map_err(|_| PolicyError::InvalidGpu(s.into()))?;
+            let i: u32 = t.parse().map_err(|_| PolicyError::InvalidGpu(t.into()))?;
             if i <= gpud_common::nv::NV_GPU_MINOR_MAX {
                 return Ok(Self::Index(i));
             }
@@ -84,7 +88,7 @@ impl FromStr for GpuSelector {
         if is_uuid && t.len() > 4 {
             return Ok(Self::Uuid(t.to_owned()));
         }
-        Err(PolicyError::InvalidGpu(s.chars().take(80).collect()))
+        Err(PolicyError::InvalidGpu(t.chars().take(80).collect()))
     }
 }
 
@@ -225,11 +229,18 @@ pub struct LimitUpdate {
 }
 
 impl LimitUpdate {
-    /// Validates named values as they arrive from D-Bus (`a{sv}`), already converted to
-    /// integers where the type allowed; anything else is a typed error and changes nothing.
-    pub fn from_named(values: &BTreeMap<String, LimitValueIn>) -> Result<Self, PolicyError> {
-        if values.is_empty() {
-            return Err(PolicyError::Empty);
+    /// Validates named values as they arrive from D-Bus (`a{sv}`, in the order sent, repeats
+    /// kept), already converted to integers where the type allowed; anything else, a repeated
+    /// name included, is a typed error and changes nothing.
+    pub fn from_named<'a>(
+        values: impl IntoIterator<Item = (&'a String, &'a LimitValueIn)>,
+    ) -> Result<Self, PolicyError> {
+        // Repeats first: a repeated name is ambiguous whatever its values (the first may be the
+        // invalid one).
+        let values: Vec<(&String, &LimitValueIn)> = values.into_iter().collect();
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some((name, _)) = values.iter().find(|(n, _)| !seen.insert(n.as_str())) {
+            return Err(PolicyError::Repeated(truncate(name)));
         }
         let mut u = Self::default();
         for (name, v) in values {
@@ -257,6 +268,9 @@ impl LimitUpdate {
                 }
                 other => return Err(PolicyError::UnknownLimit(other.chars().take(80).collect())),
             }
+        }
+        if seen.is_empty() {
+            return Err(PolicyError::Empty);
         }
         if let (Some(min), Some(max)) = (u.compute_min, u.compute_max)
             && min > max
@@ -373,6 +387,11 @@ mod tests {
             "gpu0",
             "GPU-xyz",
             "1.5",
+            " 0",
+            "0 ",
+            "+1",
+            " all",
+            "GPU-0f0b13fe ",
         ] {
             assert!(bad.parse::<GpuSelector>().is_err(), "{bad:?}");
         }
@@ -407,6 +426,15 @@ mod tests {
         assert!(matches!(
             LimitUpdate::from_named(&BTreeMap::new()),
             Err(PolicyError::Empty)
+        ));
+        // A repeated name is refused whatever its values: the first may be the invalid one.
+        let twice = [
+            ("compute_max".to_owned(), LimitValueIn::Unsigned(101)),
+            ("compute_max".to_owned(), LimitValueIn::Unsigned(100)),
+        ];
+        assert!(matches!(
+            LimitUpdate::from_named(twice.iter().map(|(k, v)| (k, v))),
+            Err(PolicyError::Repeated(n)) if n == "compute_max"
         ));
     }
 }

@@ -7,7 +7,7 @@ use super::{
     RuntimeError,
     annotations::{LimitKind, LimitValue, Shares},
 };
-use gpud_api::{Manager1Proxy, connect_builder};
+use gpud_api::{Manager1Proxy, connect_builder, error::names};
 
 /// The limits this gpud accepts in `SetLimits`; any other would be parsed and validated but not
 /// sent, and reported as not supported (kept for limits a newer annotation schema may add).
@@ -58,11 +58,12 @@ pub struct Client {
     timeout: Duration,
 }
 
+/// gpud's refusals of the request itself; any other error (`Unavailable`, `Failed`, the bus's
+/// own) says gpud could not answer now.
 fn classify(call: &str, e: zbus::Error) -> RuntimeError {
     match e {
         zbus::Error::MethodError(name, message, _)
-            if name.as_str() == "dev.gpud.Error.InvalidArgument"
-                || name.as_str() == "dev.gpud.Error.NotFound" =>
+            if name.as_str() == names::INVALID_ARGUMENT || name.as_str() == names::NOT_FOUND =>
         {
             RuntimeError::Refused {
                 call: call.to_owned(),
@@ -160,7 +161,7 @@ impl Client {
                 .await
             {
                 Ok(()) => {}
-                Err(RuntimeError::Refused { name, .. }) if name == "dev.gpud.Error.NotFound" => {}
+                Err(RuntimeError::Refused { name, .. }) if name == names::NOT_FOUND => {}
                 Err(e) => return Err(e),
             }
         }

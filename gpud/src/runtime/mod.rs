@@ -32,7 +32,8 @@ pub enum RuntimeError {
         name: String,
         message: String,
     },
-    /// No answer from gpud: no bus, no daemon on it, a timeout, or `dev.gpud.Error.Failed`.
+    /// No answer from gpud: no bus, no daemon on it, a timeout, `dev.gpud.Error.Failed` or
+    /// `Unavailable` (it cannot check the request now).
     #[error("gpud unreachable ({call}): {reason}")]
     Unreachable { call: String, reason: String },
     /// The runtime handed over something unusable (e.g. an OCI state that does not parse).

@@ -394,6 +394,7 @@ fn main() -> anyhow::Result<()> {
         LimitStore::load(&work.join("state"), Default::default())?,
         gpud::probes::Tier::React,
         ReactAction::Freeze,
+        gpud::enforcement::GpuCatalog::Disabled,
     );
     let (_, id) = attr.id_of(&rel)?;
     let mut freeze_ns = Vec::new();
