@@ -737,6 +737,24 @@ pub fn one_gpu(name: &str, processes: serde_json::Value) -> serde_json::Value {
     })
 }
 
+/// A fake NVML scenario of `n` idle GPUs: index `i` has UUID `GPU-00000000-0000-0000-0000-<i>`
+/// (12 hex digits).
+pub fn gpus(n: u32) -> serde_json::Value {
+    let gpus: Vec<serde_json::Value> = (0..n)
+        .map(|i| {
+            serde_json::json!({
+                "uuid": format!("GPU-00000000-0000-0000-0000-{i:012x}"),
+                "name": "Fake H100", "pci_bus_id": format!("00000000:{:02x}:00.0", 6 + i),
+                "memory_total": 80u64 << 30,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "driver_version": "580.159.04", "cuda_version": 13000,
+        "gpus": gpus, "processes": [],
+    })
+}
+
 /// Writes the fake NVML's scenario beside it (write then rename: never read half-written).
 pub fn write_nvml_scenario(lib_dir: &Path, v: &serde_json::Value) {
     std::fs::create_dir_all(lib_dir).expect("lib dir");

@@ -87,6 +87,25 @@ impl Rig {
         self
     }
 
+    /// The fake NVML reporting `n` idle GPUs (indexes 0..n, UUIDs from [`crate::gpus`]): gpud
+    /// checks per-GPU limit selectors against NVML's inventory, so tests that set them need it.
+    /// After [`Rig::start`], [`Rig::wait_for_gpus`] waits for gpud to have read it.
+    pub fn fake_gpus(self, n: u32) -> Self {
+        let rig = self.fake_nvml();
+        rig.nvml_scenario(&crate::gpus(n));
+        rig
+    }
+
+    /// Waits until gpud lists as many GPUs as the fake NVML reports (its first sample).
+    pub async fn wait_for_gpus(&self, n: u32) {
+        let (_c, p) = self.proxy().await;
+        let up = crate::eventually(std::time::Duration::from_secs(15), || async {
+            (p.list_gpus().await.ok()?.len() == n as usize).then_some(())
+        })
+        .await;
+        assert!(up.is_some(), "NVML never came up:\n{}", self.log_text());
+    }
+
     /// The scratch directory.
     pub fn path(&self) -> &Path {
         self.dir.path()

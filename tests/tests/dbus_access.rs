@@ -670,3 +670,143 @@ async fn bad_dbus_input_gets_a_typed_error_and_changes_nothing() {
         .unwrap();
     assert_eq!(st.code(), Some(3));
 }
+
+/// A limits dictionary that keeps repeated keys on the wire, as busctl or any client may send it
+/// (zbus's own map types cannot).
+struct Repeated(Vec<(&'static str, Variant<'static>)>);
+
+impl serde::Serialize for Repeated {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
+    }
+}
+
+impl zbus::Type for Repeated {
+    const SIGNATURE: &'static zbus::Signature =
+        &zbus::Signature::static_dict(&zbus::Signature::Str, &zbus::Signature::Variant);
+}
+
+/// Ambiguous input is refused with a typed error and changes nothing: a limit named twice (the
+/// first value would otherwise be dropped unseen, valid or not), a GPU selector that is not
+/// exact, and one card named both by index and by UUID on one cgroup. Without NVML a per-GPU
+/// selector cannot be checked: refused, naming why; `all` still works.
+#[tokio::test(flavor = "multi_thread")]
+async fn ambiguous_limits_and_unchecked_gpus_are_refused_and_change_nothing() {
+    const INVALID: &str = "dev.gpud.Error.InvalidArgument";
+    let rig = started("ambiguous", Bus::start(), "", true).await;
+    let state = rig.path().join("state");
+    let cg = Cgroup::new("ambiguous");
+    let (conn, p) = rig.proxy().await;
+    let uuid = one_gpu("x", json!([]))["gpus"][0]["uuid"]
+        .as_str()
+        .expect("uuid")
+        .to_owned();
+    p.set_limits(
+        &cg.rel,
+        "0",
+        BTreeMap::from([("memory_max", Variant::from("1Gi"))]),
+    )
+    .await
+    .expect("SetLimits on GPU 0");
+    let before = snapshot(&rig, &state).await;
+    #[rustfmt::skip]
+    let cases: Vec<(&str, &str, Repeated, &str)> = vec![
+        ("compute_max twice, the first invalid", "all",
+         Repeated(vec![("compute_max", Variant::from(101u32)), ("compute_max", Variant::from(100u64))]), "more than once"),
+        ("memory_max twice, the first an array", "all",
+         Repeated(vec![("memory_max", Variant::from(vec![1u8, 2])), ("memory_max", Variant::from(4096i64))]), "more than once"),
+        ("memory_max twice, the first empty", "all",
+         Repeated(vec![("memory_max", Variant::from("")), ("memory_max", Variant::from("512Mi"))]), "more than once"),
+        ("a valid limit twice with the same value", "all",
+         Repeated(vec![("compute_max", Variant::from(30u32)), ("compute_max", Variant::from(30u32))]), "more than once"),
+        ("a nested dictionary as a value", "all",
+         Repeated(vec![("memory_max", Variant::from(HashMap::from([("memory_max".to_owned(), Variant::from(1u64))])))]), "got type a{sv}"),
+        ("selector with a leading space", " 0", Repeated(vec![("memory_max", Variant::from("2Gi"))]), "invalid GPU"),
+        ("selector with a trailing space", "0 ", Repeated(vec![("memory_max", Variant::from("2Gi"))]), "invalid GPU"),
+        ("selector with a sign", "+0", Repeated(vec![("memory_max", Variant::from("2Gi"))]), "invalid GPU"),
+        ("UUID with a trailing space", "GPU-0 ", Repeated(vec![("memory_max", Variant::from("2Gi"))]), "invalid GPU"),
+        ("GPU 0 again by its UUID", &uuid, Repeated(vec![("memory_max", Variant::from("2Gi"))]), "already has limits for as `0`"),
+    ];
+    for (what, gpu, limits, says) in cases {
+        let reply = conn
+            .call_method(
+                Some(BUS_NAME),
+                OBJECT_PATH,
+                Some(MANAGER_INTERFACE),
+                "SetLimits",
+                &(cg.rel.as_str(), gpu, limits),
+            )
+            .await;
+        let (name, msg) = reply
+            .as_ref()
+            .err()
+            .and_then(error_name)
+            .unwrap_or_else(|| panic!("{what}: accepted: {reply:?}"));
+        assert_eq!(name, INVALID, "{what}: {msg}");
+        assert!(msg.contains(says), "{what}: {msg:?} lacks {says:?}");
+        assert_eq!(snapshot(&rig, &state).await, before, "{what} changed state");
+    }
+
+    // NVML off by configuration: a per-GPU selector cannot be checked at all.
+    let mut off = Rig::new("ambiguous-nonvml");
+    off.start(off.config().nvml_off()).await;
+    let (_c, p) = off.proxy().await;
+    let e = p
+        .set_limits(
+            &cg.rel,
+            "0",
+            BTreeMap::from([("memory_max", Variant::from("1Gi"))]),
+        )
+        .await
+        .expect_err("GPU 0 without NVML");
+    let (name, msg) = error_name(&e).expect("a D-Bus error");
+    assert_eq!(name, INVALID, "{msg}");
+    assert!(msg.contains("NVML is disabled"), "{msg}");
+    assert!(p.list_limits().await.expect("ListLimits").is_empty());
+    p.set_limits(
+        &cg.rel,
+        "all",
+        BTreeMap::from([("memory_max", Variant::from("1Gi"))]),
+    )
+    .await
+    .expect("`all` needs no inventory");
+}
+
+/// A limit set by UUID is kept across a restart although NVML has not answered when the stored
+/// limits are restored (it was dropped then), and is in force once NVML resolves the UUID.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_limit_set_by_uuid_survives_a_restart_and_is_in_force_once_nvml_answers() {
+    let mut rig = started("uuid-restart", Bus::start(), "", true).await;
+    let cg = Cgroup::new("uuid-restart");
+    let uuid = one_gpu("x", json!([]))["gpus"][0]["uuid"]
+        .as_str()
+        .expect("uuid")
+        .to_owned();
+    let (_c, p) = rig.proxy().await;
+    p.set_limits(
+        &cg.rel,
+        &uuid,
+        BTreeMap::from([("memory_max", Variant::from("1Gi"))]),
+    )
+    .await
+    .expect("SetLimits by UUID");
+    rig.restart().await;
+    let (_c, p) = rig.proxy().await;
+    let stored = p.list_limits().await.expect("ListLimits");
+    assert!(
+        stored.iter().any(|l| l.cgroup == cg.rel && l.gpu == uuid),
+        "{stored:?}\n{}",
+        rig.log_text()
+    );
+    let in_force = eventually(Duration::from_secs(15), || async {
+        let r = p.get_cgroup(&cg.rel).await.ok()?;
+        (r.memory_max.get("0") == Some(&(1 << 30))).then_some(())
+    })
+    .await;
+    assert!(in_force.is_some(), "not in force:\n{}", rig.log_text());
+}

@@ -38,9 +38,11 @@ const EVENTS: i32 = (1 << 3) | (1 << 5) | (1 << 9) | (1 << 10);
 
 /// A daemon that never sweeps, and the test runtime in the same directory.
 async fn started(tag: &str) -> (Rig, TestRuntime) {
-    let mut rig = Rig::new(tag);
+    // Annotations name GPUs 0 and 1: gpud checks them against NVML.
+    let mut rig = Rig::new(tag).fake_gpus(2);
     rig.start(rig.config().set("attribution.sweep_interval_secs", 3600))
         .await;
+    rig.wait_for_gpus(2).await;
     let rt = TestRuntime::bind(rig.path());
     (rig, rt)
 }

@@ -619,7 +619,8 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
         |v| v.parse().expect("GPUD_SOAK_SEED"),
     );
     eprintln!("soak: {secs} s, GPUD_SOAK_SEED={seed}");
-    let Some(mut rig) = Rig::new("soak").fake_device(GPUS) else {
+    // Limits name GPUs 0 and 1: gpud checks them against NVML's inventory.
+    let Some(mut rig) = Rig::new("soak").fake_gpus(GPUS).fake_device(GPUS) else {
         return;
     };
     let config = rig
@@ -627,6 +628,7 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
         .log("gpud=info,gpud::attribution=debug")
         .react_action("kill");
     rig.start(config).await;
+    rig.wait_for_gpus(GPUS).await;
     let base = rig.pins();
     let (conn, proxy) = rig.proxy().await;
     let parent = Cgroup::new("soak");
