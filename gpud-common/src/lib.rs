@@ -376,6 +376,67 @@ pub mod maps {
     pub const LIMITS: &str = "LIMITS";
     pub const ANCESTRY: &str = "ANCESTRY";
     pub const PENDING: &str = "PENDING";
+
+    /// Every pinned map: the daemon checks each one's layout before adopting its pin.
+    pub const ALL: [&str; 12] = [
+        CONFIG,
+        EXTRA_FILES,
+        PROCS,
+        CGROUPS,
+        EVENTS,
+        STATS,
+        TRACKED,
+        OBJECTS,
+        USAGE,
+        LIMITS,
+        ANCESTRY,
+        PENDING,
+    ];
+}
+
+/// Program names, as written in the eBPF object (the entry points' `fn` names in `gpud-ebpf`).
+/// The daemon loads, attaches and runs programs by these names.
+pub mod programs {
+    /// fentry on `security_file_ioctl`: counts ioctls on NVIDIA files and notes RM calls
+    /// (fentry mode, `react` tier).
+    pub const FENTRY_IOCTL: &str = "gpud_fentry_ioctl";
+    /// [`FENTRY_IOCTL`] on `security_file_ioctl_compat` (32-bit callers, kernels 6.8+).
+    pub const FENTRY_IOCTL_COMPAT: &str = "gpud_fentry_ioctl_compat";
+    /// BPF-LSM `file_ioctl`: [`FENTRY_IOCTL`] that also refuses allocations over a limit
+    /// (`deny` tier).
+    pub const LSM_IOCTL: &str = "gpud_lsm_ioctl";
+    /// [`LSM_IOCTL`] on `file_ioctl_compat`.
+    pub const LSM_IOCTL_COMPAT: &str = "gpud_lsm_ioctl_compat";
+    /// fexit on the architecture's `sys_ioctl` entry: the return side of RM calls.
+    pub const FEXIT_IOCTL: &str = "gpud_fexit_ioctl";
+    /// [`FEXIT_IOCTL`] on the 32-bit compat entry.
+    pub const FEXIT_IOCTL_COMPAT: &str = "gpud_fexit_ioctl_compat";
+    /// fentry on `security_file_free`: the last reference to a control file is dropped.
+    pub const FENTRY_FILE_FREE: &str = "gpud_fentry_file_free";
+    /// fentry on `security_file_open`: marks processes that open an NVIDIA file.
+    pub const FENTRY_OPEN: &str = "gpud_fentry_open";
+    /// Loaded (never attached) to learn whether the kernel accepts BPF-LSM programs.
+    pub const LSM_PROBE: &str = "gpud_lsm_probe";
+    /// `syscalls:sys_enter_ioctl` (tracepoint mode).
+    pub const TP_IOCTL: &str = "gpud_tp_ioctl";
+    /// `syscalls:sys_exit_ioctl`: the return side in tracepoint mode.
+    pub const TP_IOCTL_EXIT: &str = "gpud_tp_ioctl_exit";
+    /// `syscalls:sys_enter_close`: closing the only reference to a control file.
+    pub const TP_CLOSE: &str = "gpud_tp_close";
+    /// `syscalls:sys_exit_open*`: marks processes that open an NVIDIA file.
+    pub const TP_OPEN: &str = "gpud_tp_open";
+    /// Raw tracepoint `sched_process_fork`: children of tracked processes are tracked.
+    pub const TP_FORK: &str = "gpud_tp_fork";
+    /// `sched:sched_process_exit` (both modes): a tracked process is gone.
+    pub const TP_EXIT: &str = "gpud_tp_exit";
+    /// Run by the daemon (`BPF_PROG_TEST_RUN`) to mark a process it found holding an NVIDIA file.
+    pub const SEED: &str = "gpud_seed";
+    /// Run by the daemon to release an object below a freed subtree, client or file.
+    pub const RELEASE: &str = "gpud_release";
+    /// Benchmark reference (`xtask bench`): an empty tracepoint program.
+    pub const NOOP_TP: &str = "gpud_noop_tp";
+    /// Benchmark reference: an empty fentry program on `security_file_ioctl`.
+    pub const NOOP_FENTRY: &str = "gpud_noop_fentry";
 }
 
 /// Capacities of the maps.

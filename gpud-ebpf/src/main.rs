@@ -12,8 +12,8 @@
 //! Both modes share the identification of the file and the accounting: per-cgroup and
 //! per-process counters by ioctl class, in pinned maps that outlive the daemon.
 //!
-//! This file holds only the programs (the entry points the daemon loads by name); what they share
-//! lives in one module per concern:
+//! This file holds only the programs, whose names the daemon loads them by
+//! (`gpud_common::programs`); what they share lives in one module per concern:
 //! [`maps`] (every map), [`kernel`] (reading kernel structs, identifying NVIDIA files),
 //! [`counting`] (ioctl counters and the tracked-process filter) and [`memory`] (GPU-memory
 //! accounting and limits).

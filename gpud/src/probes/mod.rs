@@ -26,7 +26,7 @@ use aya::{
 use gpud_common::{
     ABI_VERSION, Ancestry, CFG_EXIT_RELEASE, CFG_HAS_EXTRA_FILES, CFG_READY, DeviceKind, FileKey,
     IoctlCounts, LimitValue, ObjEntry, ObjKey, Pending, ProbeConfig, ProcEntry, REACT_FREEZE,
-    REACT_KILL, REACT_NOTIFY, UsageKey, maps,
+    REACT_KILL, REACT_NOTIFY, UsageKey, maps, programs,
 };
 use tracing::{debug, info, warn};
 
@@ -164,22 +164,22 @@ const fn att(program: &'static str, target: Target, optional: bool) -> Attachmen
 
 const FENTRY_ATTACHMENTS: &[Attachment] = &[
     att(
-        "gpud_fentry_ioctl",
+        programs::FENTRY_IOCTL,
         Target::Fentry("security_file_ioctl"),
         false,
     ),
     att(
-        "gpud_fentry_ioctl_compat",
+        programs::FENTRY_IOCTL_COMPAT,
         Target::Fentry("security_file_ioctl_compat"),
         true,
     ),
     att(
-        "gpud_fentry_open",
+        programs::FENTRY_OPEN,
         Target::Fentry("security_file_open"),
         false,
     ),
     att(
-        "gpud_tp_exit",
+        programs::TP_EXIT,
         Target::Tracepoint("sched", "sched_process_exit"),
         false,
     ),
@@ -187,10 +187,14 @@ const FENTRY_ATTACHMENTS: &[Attachment] = &[
 
 /// Added to the fentry set in both tiers: the return side and the file-release hook.
 const FENTRY_RETURN_ATTACHMENTS: &[Attachment] = &[
-    att("gpud_fexit_ioctl", Target::Fexit(SYS_IOCTL.0), false),
-    att("gpud_fexit_ioctl_compat", Target::Fexit(SYS_IOCTL.1), true),
+    att(programs::FEXIT_IOCTL, Target::Fexit(SYS_IOCTL.0), false),
     att(
-        "gpud_fentry_file_free",
+        programs::FEXIT_IOCTL_COMPAT,
+        Target::Fexit(SYS_IOCTL.1),
+        true,
+    ),
+    att(
+        programs::FENTRY_FILE_FREE,
         Target::Fentry("security_file_free"),
         false,
     ),
@@ -198,9 +202,9 @@ const FENTRY_RETURN_ATTACHMENTS: &[Attachment] = &[
 
 /// The `deny` tier's replacements for the two fentry ioctl programs.
 const LSM_ATTACHMENTS: &[Attachment] = &[
-    att("gpud_lsm_ioctl", Target::Lsm("file_ioctl"), false),
+    att(programs::LSM_IOCTL, Target::Lsm("file_ioctl"), false),
     att(
-        "gpud_lsm_ioctl_compat",
+        programs::LSM_IOCTL_COMPAT,
         Target::Lsm("file_ioctl_compat"),
         true,
     ),
@@ -208,42 +212,42 @@ const LSM_ATTACHMENTS: &[Attachment] = &[
 
 const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
     att(
-        "gpud_tp_ioctl",
+        programs::TP_IOCTL,
         Target::Tracepoint("syscalls", "sys_enter_ioctl"),
         false,
     ),
     att(
-        "gpud_tp_ioctl_exit",
+        programs::TP_IOCTL_EXIT,
         Target::Tracepoint("syscalls", "sys_exit_ioctl"),
         false,
     ),
     att(
-        "gpud_tp_close",
+        programs::TP_CLOSE,
         Target::Tracepoint("syscalls", "sys_enter_close"),
         false,
     ),
     att(
-        "gpud_tp_open",
+        programs::TP_OPEN,
         Target::Tracepoint("syscalls", "sys_exit_openat"),
         false,
     ),
     att(
-        "gpud_tp_open",
+        programs::TP_OPEN,
         Target::Tracepoint("syscalls", "sys_exit_open"),
         true,
     ),
     att(
-        "gpud_tp_open",
+        programs::TP_OPEN,
         Target::Tracepoint("syscalls", "sys_exit_openat2"),
         true,
     ),
     att(
-        "gpud_tp_fork",
+        programs::TP_FORK,
         Target::RawTracepoint("sched_process_fork"),
         false,
     ),
     att(
-        "gpud_tp_exit",
+        programs::TP_EXIT,
         Target::Tracepoint("sched", "sched_process_exit"),
         false,
     ),
@@ -262,10 +266,8 @@ impl Attachment {
     }
 }
 
-/// The program the daemon runs to mark processes it found by scanning.
-const SEED_PROGRAM: &str = "gpud_seed";
-/// The program the daemon runs to release an object below a freed subtree, client or file.
-const RELEASE_PROGRAM: &str = "gpud_release";
+/// Programs the daemon runs itself (`BPF_PROG_TEST_RUN`), loaded in every mode and never attached.
+const RUN_PROGRAMS: [&str; 2] = [programs::SEED, programs::RELEASE];
 
 /// The kernel's `pid_max`, which sizes the tracked-process filter (the kernel's hard limit if it
 /// cannot be read).
@@ -389,16 +391,16 @@ impl Probes {
             .is_some_and(|r| !r.is_empty()),
             ..KernelCaps::default()
         };
-        caps.fentry = try_load(&mut ebpf, "gpud_fentry_ioctl", |p: &mut FEntry| {
+        caps.fentry = try_load(&mut ebpf, programs::FENTRY_IOCTL, |p: &mut FEntry| {
             p.load("security_file_ioctl", &aya_btf)
         });
-        caps.tracepoint = try_load(&mut ebpf, "gpud_tp_ioctl", |p: &mut TracePoint| p.load());
+        caps.tracepoint = try_load(&mut ebpf, programs::TP_IOCTL, |p: &mut TracePoint| p.load());
         caps.bpf_lsm = caps::bpf_in_lsm_list()
-            && try_load(&mut ebpf, "gpud_lsm_probe", |p: &mut Lsm| {
+            && try_load(&mut ebpf, programs::LSM_PROBE, |p: &mut Lsm| {
                 p.load("file_ioctl", &aya_btf)
             });
         info!(?caps, "kernel capabilities");
-        for name in [SEED_PROGRAM, RELEASE_PROGRAM] {
+        for name in RUN_PROGRAMS {
             let p: &mut RawTracePoint = ebpf
                 .program_mut(name)
                 .ok_or(ProbeError::Program {
@@ -457,11 +459,9 @@ impl Probes {
             (AttachMode::Tracepoint, _) => TRACEPOINT_ATTACHMENTS.iter().collect(),
             (AttachMode::Fentry, Tier::Deny) => LSM_ATTACHMENTS
                 .iter()
-                .chain(
-                    FENTRY_ATTACHMENTS
-                        .iter()
-                        .filter(|a| !a.program.starts_with("gpud_fentry_ioctl")),
-                )
+                .chain(FENTRY_ATTACHMENTS.iter().filter(|a| {
+                    ![programs::FENTRY_IOCTL, programs::FENTRY_IOCTL_COMPAT].contains(&a.program)
+                }))
                 .chain(FENTRY_RETURN_ATTACHMENTS)
                 .collect(),
             (AttachMode::Fentry, _) => FENTRY_ATTACHMENTS
@@ -601,7 +601,7 @@ impl Probes {
     /// `gpud_seed` program in the kernel (the filter is only changed with atomic adds there).
     pub fn seed(&self, pid: u32) -> Result<(), ProbeError> {
         use aya::programs::{RawTracePointRunOptions, TestRun as _};
-        let name = SEED_PROGRAM;
+        let name = programs::SEED;
         let perr = move |source| ProbeError::Program { name, source };
         let prog: &RawTracePoint = self
             .ebpf
@@ -620,7 +620,7 @@ impl Probes {
     /// changed atomically there). Returns whether it was released.
     pub fn release(&self, key: ObjKey, serial: u64) -> Result<bool, ProbeError> {
         use aya::programs::{RawTracePointRunOptions, TestRun as _};
-        let name = RELEASE_PROGRAM;
+        let name = programs::RELEASE;
         let perr = move |source| ProbeError::Program { name, source };
         let prog: &RawTracePoint = self
             .ebpf
@@ -964,4 +964,58 @@ fn remove_other_abi_versions(bpffs: &Path) -> Result<(), ProbeError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use aya_obj::maps::PinningType;
+
+    use super::*;
+
+    /// Every name the daemon uses is in the object it embeds, with the layout it expects, and
+    /// every program in the object has a user: a rename or a dead program on either side fails
+    /// here instead of at load time.
+    #[test]
+    fn names_and_layouts_match_the_embedded_object() -> Result<(), aya_obj::ParseError> {
+        let obj = aya_obj::Object::parse(OBJECT)?;
+
+        let pinned: BTreeSet<&str> = obj
+            .maps
+            .iter()
+            .filter(|(_, m)| m.pinning() == PinningType::ByName)
+            .map(|(name, _)| name.as_str())
+            .collect();
+        assert_eq!(pinned, BTreeSet::from(maps::ALL), "pinned maps");
+        let checked: BTreeSet<&str> = expected_layouts().iter().map(|l| l.0).collect();
+        assert_eq!(
+            checked,
+            BTreeSet::from(maps::ALL),
+            "maps with a layout check"
+        );
+        for (name, key, value) in expected_layouts() {
+            let map = &obj.maps[name];
+            assert_eq!(
+                (map.key_size() as usize, map.value_size() as usize),
+                (key, value),
+                "key and value sizes of `{name}`"
+            );
+        }
+
+        let mut used: BTreeSet<&str> = FENTRY_ATTACHMENTS
+            .iter()
+            .chain(FENTRY_RETURN_ATTACHMENTS)
+            .chain(LSM_ATTACHMENTS)
+            .chain(TRACEPOINT_ATTACHMENTS)
+            .map(|a| a.program)
+            .collect();
+        used.extend(RUN_PROGRAMS);
+        used.insert(programs::LSM_PROBE);
+        // The benchmark's references (tests/src/bin/gpud-bench.rs).
+        used.extend([programs::NOOP_TP, programs::NOOP_FENTRY]);
+        let in_object: BTreeSet<&str> = obj.programs.keys().map(String::as_str).collect();
+        assert_eq!(in_object, used, "programs in the object and their users");
+        Ok(())
+    }
 }
