@@ -15,6 +15,7 @@ pub mod nvml;
 pub mod policy;
 pub mod privileges;
 pub mod probes;
+pub mod report;
 pub mod runtime;
 
 /// Version reported on D-Bus and by `--version`.

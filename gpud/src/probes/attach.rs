@@ -5,6 +5,7 @@
 //! daemon that finds every required link of its own object, mode and tier adopts them with no gap.
 
 use std::{
+    fmt,
     hash::{DefaultHasher, Hash, Hasher},
     path::PathBuf,
 };
@@ -17,6 +18,7 @@ use gpud_common::programs;
 use tracing::{debug, info};
 
 use super::{OBJECT, ProbeError, Probes, btf, io_err};
+use crate::report::Chain;
 
 /// The attach mechanism in force.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +74,18 @@ enum Target {
     Lsm(&'static str),
     Tracepoint(&'static str, &'static str),
     RawTracepoint(&'static str),
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Fentry(func) => write!(f, "fentry {func}"),
+            Self::Fexit(func) => write!(f, "fexit {func}"),
+            Self::Lsm(hook) => write!(f, "LSM hook {hook}"),
+            Self::Tracepoint(cat, name) => write!(f, "tracepoint {cat}/{name}"),
+            Self::RawTracepoint(name) => write!(f, "raw tracepoint {name}"),
+        }
+    }
 }
 
 /// One attachment: program, target, and whether its absence is tolerated (e.g. `openat2` on
@@ -246,14 +260,14 @@ impl Probes {
         // no ioctl is counted twice.
         let links_root = self.base_dir.join("links");
         for entry in std::fs::read_dir(&links_root)
-            .map_err(io_err(format!("reading {}", links_root.display())))?
+            .map_err(io_err("read", &links_root))?
             .flatten()
         {
-            info!(path = %entry.path().display(), "detaching stale probes");
-            std::fs::remove_dir_all(entry.path())
-                .map_err(io_err(format!("removing {}", entry.path().display())))?;
+            let path = entry.path();
+            info!(path = %path.display(), "detaching stale probes");
+            std::fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
         }
-        std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        std::fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
         for a in self.attachments() {
             let func = match a.target {
                 Target::Fentry(f) | Target::Fexit(f) => Some(f.to_owned()),
@@ -269,9 +283,9 @@ impl Probes {
             match self.attach_one(a, btf) {
                 Ok(link) => {
                     let path = dir.join(a.pin_name());
-                    link.pin(&path).map_err(|e| ProbeError::Pin {
+                    link.pin(&path).map_err(|source| ProbeError::Pin {
                         path: path.clone(),
-                        reason: error_chain(&e),
+                        source,
                     })?;
                     debug!(program = a.program, pin = %path.display(), "attached");
                 }
@@ -279,7 +293,8 @@ impl Probes {
                     debug!(
                         program = a.program,
                         target = a.pin_name(),
-                        "optional attach skipped: {e}"
+                        "optional attach skipped: {}",
+                        Chain(&e)
                     )
                 }
                 Err(e) => return Err(e),
@@ -291,17 +306,22 @@ impl Probes {
 
     fn attach_one(&mut self, a: &Attachment, btf: &aya::Btf) -> Result<FdLink, ProbeError> {
         let name = a.program;
-        let perr = move |source| ProbeError::Program { name, source };
-        let prog = self.ebpf.program_mut(name).ok_or(ProbeError::Program {
+        let lerr = |source| ProbeError::LoadProgram { name, source };
+        let perr = |source| ProbeError::Attach {
             name,
-            source: aya::programs::ProgramError::NotLoaded,
-        })?;
+            target: a.target.to_string(),
+            source,
+        };
+        let prog = self
+            .ebpf
+            .program_mut(name)
+            .ok_or(ProbeError::NoProgram(name))?;
         match a.target {
             Target::Fentry(func) => {
                 let p: &mut FEntry = prog.try_into().map_err(perr)?;
                 // An fentry program is bound to its target at load time.
                 if p.fd().is_err() {
-                    p.load(func, btf).map_err(perr)?;
+                    p.load(func, btf).map_err(lerr)?;
                 }
                 let id = p.attach().map_err(perr)?;
                 Ok(p.take_link(id).map_err(perr)?.into())
@@ -309,7 +329,7 @@ impl Probes {
             Target::Fexit(func) => {
                 let p: &mut FExit = prog.try_into().map_err(perr)?;
                 if p.fd().is_err() {
-                    p.load(func, btf).map_err(perr)?;
+                    p.load(func, btf).map_err(lerr)?;
                 }
                 let id = p.attach().map_err(perr)?;
                 Ok(p.take_link(id).map_err(perr)?.into())
@@ -317,7 +337,7 @@ impl Probes {
             Target::Lsm(hook) => {
                 let p: &mut Lsm = prog.try_into().map_err(perr)?;
                 if p.fd().is_err() {
-                    p.load(hook, btf).map_err(perr)?;
+                    p.load(hook, btf).map_err(lerr)?;
                 }
                 let id = p.attach().map_err(perr)?;
                 Ok(p.take_link(id).map_err(perr)?.into())
@@ -325,35 +345,24 @@ impl Probes {
             Target::Tracepoint(cat, tp) => {
                 let p: &mut TracePoint = prog.try_into().map_err(perr)?;
                 if p.fd().is_err() {
-                    p.load().map_err(perr)?;
+                    p.load().map_err(lerr)?;
                 }
                 let id = p.attach(cat, tp).map_err(perr)?;
                 let link = p.take_link(id).map_err(perr)?;
-                FdLink::try_from(link).map_err(|e| ProbeError::Pin {
-                    path: PathBuf::from(format!("{cat}/{tp}")),
-                    reason: format!("kernel returned a perf-event attachment, not a link: {e}"),
+                FdLink::try_from(link).map_err(|source| ProbeError::NotALink {
+                    name,
+                    target: a.target.to_string(),
+                    source,
                 })
             }
             Target::RawTracepoint(tp) => {
                 let p: &mut RawTracePoint = prog.try_into().map_err(perr)?;
                 if p.fd().is_err() {
-                    p.load().map_err(perr)?;
+                    p.load().map_err(lerr)?;
                 }
                 let id = p.attach(tp).map_err(perr)?;
                 Ok(p.take_link(id).map_err(perr)?.into())
             }
         }
     }
-}
-
-/// `e` and its sources, joined: aya's errors keep the OS error one level down.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
 }

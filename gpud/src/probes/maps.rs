@@ -13,7 +13,7 @@ use gpud_common::{
 use tracing::debug;
 
 use super::{AttachMode, DynamicMajors, ExtraFile, ProbeError};
-use crate::config::ReactAction;
+use crate::{config::ReactAction, report::Chain};
 
 /// The maps the state owner reads and updates.
 pub struct KernelMaps {
@@ -40,7 +40,7 @@ pub fn map_entries<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> Ve
     match batch_entries(fd) {
         Ok(v) => v,
         Err(e) => {
-            debug!("batched map read refused ({e}); walking keys");
+            debug!("batched map read refused ({}); walking keys", Chain(&e));
             map.iter().filter_map(Result::ok).collect()
         }
     }
@@ -113,7 +113,7 @@ pub(super) fn write_config(
     mode: AttachMode,
     react: ReactAction,
 ) -> Result<(), ProbeError> {
-    let map_err = |name| move |source| ProbeError::Map { name, source };
+    let map_err = |name| move |source| ProbeError::WriteMap { name, source };
     let mut files: HashMap<_, FileKey, u32> =
         HashMap::try_from(map_mut(ebpf, maps::EXTRA_FILES)?).map_err(map_err(maps::EXTRA_FILES))?;
     // The pinned map may hold a previous daemon's list: make it exactly the configured one.
@@ -157,25 +157,18 @@ pub(super) fn write_config(
     config.set(0, value, 0).map_err(map_err(maps::CONFIG))
 }
 
-/// The error for a map the object lacks (a build of the eBPF crate out of step with gpud).
-pub(super) fn missing_map(name: &'static str) -> ProbeError {
-    ProbeError::Map {
-        name,
-        source: aya::maps::MapError::InvalidName { name: name.into() },
-    }
-}
-
+/// Takes map `name` out of the loaded object, as the map type `T`.
 pub(super) fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, ProbeError>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
 {
-    let map = ebpf.take_map(name).ok_or_else(|| missing_map(name))?;
-    T::try_from(map).map_err(|source| ProbeError::Map { name, source })
+    let map = ebpf.take_map(name).ok_or(ProbeError::NoMap(name))?;
+    T::try_from(map).map_err(|source| ProbeError::TakeMap { name, source })
 }
 
-pub(super) fn map_mut<'a>(
+fn map_mut<'a>(
     ebpf: &'a mut Ebpf,
     name: &'static str,
 ) -> Result<&'a mut aya::maps::Map, ProbeError> {
-    ebpf.map_mut(name).ok_or_else(|| missing_map(name))
+    ebpf.map_mut(name).ok_or(ProbeError::NoMap(name))
 }

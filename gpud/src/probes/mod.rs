@@ -35,7 +35,10 @@ pub use devices::{DynamicMajors, ExtraFile, Matcher};
 pub use maps::{KernelMaps, map_entries};
 pub use pin::{BPF_FS_MAGIC, ensure_mounted};
 
-use crate::config::{AttachPreference, ProbesConfig, ReactAction, TierPreference};
+use crate::{
+    config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
+    report::Chain,
+};
 
 /// The eBPF object built by `build.rs` from the `gpud-ebpf` crate.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/gpud-probes"));
@@ -46,29 +49,83 @@ pub fn ebpf_object() -> &'static [u8] {
     OBJECT
 }
 
+/// Why the probes could not start, or a program the daemon runs could not run. Display says
+/// what failed; the cause is the error's source (print the chain with `report::Chain`).
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
-    #[error("{what}: {source}")]
+    #[error("cannot {action} {path}")]
     Io {
-        what: String,
+        /// What was done to `path`: "create", "read", "remove".
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot mount {fstype} at {path}")]
+    Mount {
+        fstype: String,
+        path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
     #[error(transparent)]
     Btf(#[from] btf::BtfError),
-    #[error("loading the eBPF object: {0}")]
+    #[error("cannot read the kernel BTF for the loader")]
+    LoaderBtf(#[source] aya::BtfError),
+    #[error("cannot load the eBPF object")]
     Load(#[from] aya::EbpfError),
-    #[error("eBPF program `{name}`: {source}")]
-    Program {
+    /// The embedded object lacks a program the daemon names (a build out of step).
+    #[error("the eBPF object has no program `{0}`")]
+    NoProgram(&'static str),
+    #[error("cannot load eBPF program `{name}`")]
+    LoadProgram {
         name: &'static str,
+        #[source]
         source: aya::programs::ProgramError,
     },
-    #[error("eBPF map `{name}`: {source}")]
-    Map {
+    #[error("cannot attach eBPF program `{name}` to {target}")]
+    Attach {
         name: &'static str,
+        target: String,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("cannot run eBPF program `{name}`")]
+    Run {
+        name: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    /// The embedded object lacks a map the daemon names (a build out of step).
+    #[error("the eBPF object has no map `{0}`")]
+    NoMap(&'static str),
+    #[error("cannot take eBPF map `{name}`")]
+    TakeMap {
+        name: &'static str,
+        #[source]
         source: aya::maps::MapError,
     },
-    #[error("pinning `{path}`: {reason}")]
-    Pin { path: PathBuf, reason: String },
+    #[error("cannot write eBPF map `{name}`")]
+    WriteMap {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("cannot pin {path}")]
+    Pin {
+        path: PathBuf,
+        #[source]
+        source: aya::pin::PinError,
+    },
+    /// Only links can be pinned; an attachment the kernel made a perf event would not survive
+    /// the daemon.
+    #[error("cannot pin the attachment of `{name}` to {target} (a perf event, not a BPF link)")]
+    NotALink {
+        name: &'static str,
+        target: String,
+        #[source]
+        source: aya::programs::links::LinkError,
+    },
     #[error("probes.attach = \"fentry\" but this kernel refuses BPF trampolines")]
     FentryUnavailable,
     #[error("this kernel accepts neither fentry nor syscall tracepoint programs")]
@@ -83,9 +140,14 @@ pub enum ProbeError {
     DmemUnavailable,
 }
 
-fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ProbeError {
-    let what = what.into();
-    move |source| ProbeError::Io { what, source }
+/// `ProbeError::Io` for `action` ("create", "read", "remove") on `path`.
+fn io_err(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ProbeError {
+    let path = path.to_owned();
+    move |source| ProbeError::Io {
+        action,
+        path,
+        source,
+    }
 }
 
 /// The kernel's `pid_max`, which sizes the tracked-process filter (the kernel's hard limit if it
@@ -129,23 +191,20 @@ impl Probes {
         ensure_mounted(&cfg.bpffs, "bpf", BPF_FS_MAGIC)?;
         if let Err(e) = ensure_mounted(Path::new(pin::TRACEFS), "tracefs", pin::TRACEFS_MAGIC) {
             // Only tracepoint attachment needs it; fentry works without.
-            warn!("{e}");
+            warn!("{}", Chain(&e));
         }
         let base_dir = Self::pin_base(&cfg.bpffs);
         pin::remove_other_abi_versions(&cfg.bpffs)?;
         pin::remove_if_foreign_layout(&base_dir)?;
-        std::fs::create_dir_all(base_dir.join("links"))
-            .map_err(io_err(format!("creating {}", base_dir.display())))?;
+        let links = base_dir.join("links");
+        std::fs::create_dir_all(&links).map_err(io_err("create", &links))?;
 
         let ring_bytes = cfg.events_ring_kib.saturating_mul(1024);
         pin::warn_if_pinned_ring_differs(&base_dir, ring_bytes);
         let kbtf = btf::KernelBtf::load()?;
         let offsets = kbtf.kernel_offsets()?;
         debug!(?offsets, "kernel offsets from BTF");
-        let aya_btf = aya::Btf::from_sys_fs().map_err(|e| ProbeError::Io {
-            what: "reading kernel BTF".into(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
+        let aya_btf = aya::Btf::from_sys_fs().map_err(ProbeError::LoaderBtf)?;
 
         // fentry programs read struct fields directly; the verifier checks those loads
         // against BTF using these offsets, frozen into the object's .rodata.
@@ -182,16 +241,13 @@ impl Probes {
             });
         info!(?caps, "kernel capabilities");
         for name in attach::RUN_PROGRAMS {
+            let perr = move |source| ProbeError::LoadProgram { name, source };
             let p: &mut RawTracePoint = ebpf
                 .program_mut(name)
-                .ok_or(ProbeError::Program {
-                    name,
-                    source: aya::programs::ProgramError::NotLoaded,
-                })?
+                .ok_or(ProbeError::NoProgram(name))?
                 .try_into()
-                .map_err(|source| ProbeError::Program { name, source })?;
-            p.load()
-                .map_err(|source| ProbeError::Program { name, source })?;
+                .map_err(perr)?;
+            p.load().map_err(perr)?;
         }
 
         let mode = match (cfg.attach, caps.fentry, caps.tracepoint) {
@@ -240,11 +296,11 @@ impl Probes {
     pub fn seed(&self, pid: u32) -> Result<(), ProbeError> {
         use aya::programs::{RawTracePointRunOptions, TestRun as _};
         let name = programs::SEED;
-        let perr = move |source| ProbeError::Program { name, source };
+        let perr = move |source| ProbeError::Run { name, source };
         let prog: &RawTracePoint = self
             .ebpf
             .program(name)
-            .ok_or(perr(aya::programs::ProgramError::NotLoaded))?
+            .ok_or(ProbeError::NoProgram(name))?
             .try_into()
             .map_err(perr)?;
         let mut opts = RawTracePointRunOptions::new();
@@ -259,11 +315,11 @@ impl Probes {
     pub fn release(&self, key: ObjKey, serial: u64) -> Result<bool, ProbeError> {
         use aya::programs::{RawTracePointRunOptions, TestRun as _};
         let name = programs::RELEASE;
-        let perr = move |source| ProbeError::Program { name, source };
+        let perr = move |source| ProbeError::Run { name, source };
         let prog: &RawTracePoint = self
             .ebpf
             .program(name)
-            .ok_or(perr(aya::programs::ProgramError::NotLoaded))?
+            .ok_or(ProbeError::NoProgram(name))?
             .try_into()
             .map_err(perr)?;
         let mut opts = RawTracePointRunOptions::new();
@@ -322,7 +378,7 @@ impl Probes {
         }
         match std::fs::remove_dir_all(&self.base_dir) {
             Ok(()) => info!(dir = %self.base_dir.display(), "probes detached, pins removed"),
-            Err(e) => warn!(dir = %self.base_dir.display(), "removing pins: {e}"),
+            Err(e) => warn!(dir = %self.base_dir.display(), "removing pins: {}", Chain(&e)),
         }
     }
 }
@@ -346,7 +402,7 @@ where
     match load(p) {
         Ok(()) => true,
         Err(e) => {
-            debug!(program = name, "probe load refused: {e}");
+            debug!(program = name, "probe load refused: {}", Chain(&e));
             false
         }
     }
@@ -410,5 +466,23 @@ mod tests {
         let in_object: BTreeSet<&str> = obj.programs.keys().map(String::as_str).collect();
         assert_eq!(in_object, used, "programs in the object and their users");
         Ok(())
+    }
+
+    /// aya's style: Display says what failed, the cause is only the source, so a chain printed
+    /// at the edge names each cause once.
+    #[test]
+    fn a_chain_shows_each_cause_once() {
+        let e = ProbeError::Io {
+            action: "create",
+            path: PathBuf::from("/x/gpud"),
+            source: std::io::Error::from_raw_os_error(libc::ENOTDIR),
+        };
+        assert_eq!(e.to_string(), "cannot create /x/gpud");
+        let chain = Chain(&e).to_string();
+        assert!(
+            chain.starts_with("cannot create /x/gpud: Not a directory"),
+            "{chain}"
+        );
+        assert_eq!(chain.matches("Not a directory").count(), 1, "{chain}");
     }
 }

@@ -25,22 +25,23 @@ pub fn pin_base(bpffs: &Path) -> PathBuf {
 
 /// Mounts `fstype` at `path` unless a filesystem with `magic` is already there.
 pub fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), ProbeError> {
-    let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| ProbeError::Io {
-        what: format!("{} contains a NUL byte", path.display()),
-        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
-    })?;
+    let mount_err = |source| ProbeError::Mount {
+        fstype: fstype.to_owned(),
+        path: path.to_owned(),
+        source,
+    };
+    let invalid = |e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+    let c_path =
+        CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| mount_err(invalid(e)))?;
     // A directory inside an existing mount of the right type is fine (e.g. a subdirectory of
     // /sys/fs/bpf): create it first so statfs sees what contains it.
-    std::fs::create_dir_all(path).map_err(io_err(format!("creating {}", path.display())))?;
+    std::fs::create_dir_all(path).map_err(io_err("create", path))?;
     // SAFETY: statfs writes into a zeroed struct we own; c_path is NUL-terminated.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } == 0 && st.f_type == magic {
         return Ok(());
     }
-    let c_type = CString::new(fstype).map_err(|_| ProbeError::Io {
-        what: "fstype".into(),
-        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
-    })?;
+    let c_type = CString::new(fstype).map_err(|e| mount_err(invalid(e)))?;
     // SAFETY: all pointers are valid NUL-terminated strings; data is null.
     let rc = unsafe {
         libc::mount(
@@ -52,14 +53,12 @@ pub fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), Probe
         )
     };
     if rc != 0 {
-        return Err(ProbeError::Io {
-            what: format!("mounting {fstype} at {}", path.display()),
-            source: std::io::Error::last_os_error(),
-        });
+        return Err(mount_err(std::io::Error::last_os_error()));
     }
     info!(path = %path.display(), fstype, "mounted");
     Ok(())
 }
+
 /// Key and value sizes of every pinned map, as this build defines them.
 pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 12] {
     use std::mem::size_of;
@@ -111,8 +110,7 @@ pub(super) fn remove_if_foreign_layout(base_dir: &Path) -> Result<(), ProbeError
                 dir = %base_dir.display(),
                 "pinned map has another layout than this build; removing the pins and starting from empty maps"
             );
-            return std::fs::remove_dir_all(base_dir)
-                .map_err(io_err(format!("removing {}", base_dir.display())));
+            return std::fs::remove_dir_all(base_dir).map_err(io_err("remove", base_dir));
         }
     }
     Ok(())
@@ -127,9 +125,9 @@ pub(super) fn remove_other_abi_versions(bpffs: &Path) -> Result<(), ProbeError> 
     let current = format!("v{ABI_VERSION}");
     for entry in entries.flatten() {
         if entry.file_name() != current.as_str() {
-            warn!(path = %entry.path().display(), "removing pins of another ABI version");
-            std::fs::remove_dir_all(entry.path())
-                .map_err(io_err(format!("removing {}", entry.path().display())))?;
+            let path = entry.path();
+            warn!(path = %path.display(), "removing pins of another ABI version");
+            std::fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
         }
     }
     Ok(())
