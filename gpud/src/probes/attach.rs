@@ -307,7 +307,7 @@ impl Probes {
     fn attach_one(&mut self, a: &Attachment, btf: &aya::Btf) -> Result<FdLink, ProbeError> {
         let name = a.program;
         let lerr = |source| ProbeError::LoadProgram { name, source };
-        let perr = |source| ProbeError::Attach {
+        let aerr = |source| ProbeError::Attach {
             name,
             target: a.target.to_string(),
             source,
@@ -318,37 +318,37 @@ impl Probes {
             .ok_or(ProbeError::NoProgram(name))?;
         match a.target {
             Target::Fentry(func) => {
-                let p: &mut FEntry = prog.try_into().map_err(perr)?;
+                let p: &mut FEntry = prog.try_into().map_err(aerr)?;
                 // An fentry program is bound to its target at load time.
                 if p.fd().is_err() {
                     p.load(func, btf).map_err(lerr)?;
                 }
-                let id = p.attach().map_err(perr)?;
-                Ok(p.take_link(id).map_err(perr)?.into())
+                let id = p.attach().map_err(aerr)?;
+                Ok(p.take_link(id).map_err(aerr)?.into())
             }
             Target::Fexit(func) => {
-                let p: &mut FExit = prog.try_into().map_err(perr)?;
+                let p: &mut FExit = prog.try_into().map_err(aerr)?;
                 if p.fd().is_err() {
                     p.load(func, btf).map_err(lerr)?;
                 }
-                let id = p.attach().map_err(perr)?;
-                Ok(p.take_link(id).map_err(perr)?.into())
+                let id = p.attach().map_err(aerr)?;
+                Ok(p.take_link(id).map_err(aerr)?.into())
             }
             Target::Lsm(hook) => {
-                let p: &mut Lsm = prog.try_into().map_err(perr)?;
+                let p: &mut Lsm = prog.try_into().map_err(aerr)?;
                 if p.fd().is_err() {
                     p.load(hook, btf).map_err(lerr)?;
                 }
-                let id = p.attach().map_err(perr)?;
-                Ok(p.take_link(id).map_err(perr)?.into())
+                let id = p.attach().map_err(aerr)?;
+                Ok(p.take_link(id).map_err(aerr)?.into())
             }
             Target::Tracepoint(cat, tp) => {
-                let p: &mut TracePoint = prog.try_into().map_err(perr)?;
+                let p: &mut TracePoint = prog.try_into().map_err(aerr)?;
                 if p.fd().is_err() {
                     p.load().map_err(lerr)?;
                 }
-                let id = p.attach(cat, tp).map_err(perr)?;
-                let link = p.take_link(id).map_err(perr)?;
+                let id = p.attach(cat, tp).map_err(aerr)?;
+                let link = p.take_link(id).map_err(aerr)?;
                 FdLink::try_from(link).map_err(|source| ProbeError::NotALink {
                     name,
                     target: a.target.to_string(),
@@ -356,12 +356,12 @@ impl Probes {
                 })
             }
             Target::RawTracepoint(tp) => {
-                let p: &mut RawTracePoint = prog.try_into().map_err(perr)?;
+                let p: &mut RawTracePoint = prog.try_into().map_err(aerr)?;
                 if p.fd().is_err() {
                     p.load().map_err(lerr)?;
                 }
-                let id = p.attach(tp).map_err(perr)?;
-                Ok(p.take_link(id).map_err(perr)?.into())
+                let id = p.attach(tp).map_err(aerr)?;
+                Ok(p.take_link(id).map_err(aerr)?.into())
             }
         }
     }

@@ -2,9 +2,9 @@
 //! attaching in the chosen mode, and pinning maps and links so a restarted daemon resumes.
 //!
 //! This module owns [`Probes`] (start-up, the programs the daemon runs itself, shutdown) and
-//! [`ProbeError`]. The rest is one file per concern, like aya's `maps/`: [`attach`] (modes, tiers,
-//! attachment tables, attaching or adopting), [`pin`] (bpffs and the pin directory's hygiene),
-//! [`maps`] (taking and reading the maps, writing the configuration), [`btf`] (kernel struct
+//! [`ProbeError`]. The rest is one file per concern, like aya's `maps/`: `attach` (modes, tiers,
+//! attachment tables, attaching or adopting), `pin` (bpffs and the pin directory's hygiene),
+//! `maps` (taking and reading the maps, writing the configuration), [`btf`] (kernel struct
 //! offsets), [`caps`] (what the kernel offers) and [`devices`] (which files are NVIDIA devices).
 //!
 //! Pins live under `<bpffs>/gpud/v<ABI_VERSION>/`: maps by name, links under
