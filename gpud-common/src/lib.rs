@@ -5,6 +5,7 @@
 //! from BTF, and the NVIDIA ioctl numbers with the classifier that turns a command into a class.
 //! Layouts are `#[repr(C)]` with explicit padding so both sides agree byte for byte.
 #![no_std]
+#![warn(missing_docs)]
 
 pub mod nv;
 pub mod rm;
@@ -75,6 +76,7 @@ impl DeviceKind {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IoctlCounts {
+    /// Ioctls per class, indexed by `IoctlClass as usize`.
     pub by_class: [u64; IOCTL_CLASSES],
 }
 
@@ -109,7 +111,9 @@ pub struct ProcEntry {
     pub cgroup_id: u64,
     /// `PROC_*` bits.
     pub flags: u32,
+    /// Explicit padding (always 0), so the layout has no implicit holes.
     pub _pad: u32,
+    /// The process's ioctls on NVIDIA files, by class.
     pub counts: IoctlCounts,
 }
 
@@ -132,7 +136,9 @@ pub const fn tracked_words(pid_max: u32) -> u32 {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct FileKey {
+    /// `inode->i_sb->s_dev` in the kernel's encoding (see [`kernel_mkdev`]).
     pub dev: u64,
+    /// `inode->i_ino`.
     pub ino: u64,
 }
 
@@ -152,17 +158,29 @@ pub const fn kernel_mkdev(major: u32, minor: u32) -> u64 {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KernelOffsets {
+    /// `task_struct.files` (the task's `files_struct *`).
     pub task_files: u32,
+    /// `task_struct.tgid` (the userspace pid).
     pub task_tgid: u32,
+    /// `task_struct.signal` (the `signal_struct *` the process's threads share).
     pub task_signal: u32,
+    /// `signal_struct.live`: live threads of the process, 0 once the last one exits.
     pub signal_live: u32,
+    /// `files_struct.fdt` (the current `fdtable *`).
     pub files_fdt: u32,
+    /// `fdtable.max_fds`: the size of the descriptor array.
     pub fdt_max_fds: u32,
+    /// `fdtable.fd` (the `struct file **` array indexed by descriptor).
     pub fdt_fd: u32,
+    /// `file.f_inode`.
     pub file_inode: u32,
+    /// `inode.i_rdev`: the device number of a device file, kernel encoding.
     pub inode_rdev: u32,
+    /// `inode.i_ino`.
     pub inode_ino: u32,
+    /// `inode.i_sb` (the `super_block *`).
     pub inode_sb: u32,
+    /// `super_block.s_dev`: the file system's device number, kernel encoding.
     pub sb_dev: u32,
     /// `file.f_count` (before 6.13) or `file.f_ref` (a `file_ref_t`, 6.13 on).
     pub file_refs: u32,
@@ -184,6 +202,7 @@ pub const CFG_EXIT_RELEASE: u32 = 1 << 2;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ProbeConfig {
+    /// Field offsets for reading kernel structs with `bpf_probe_read_kernel`.
     pub offsets: KernelOffsets,
     /// Dynamic major of `nvidia-uvm` from `/proc/devices`; 0 when the module is not loaded.
     pub uvm_major: u32,
@@ -196,6 +215,7 @@ pub struct ProbeConfig {
     /// What the kernel side does itself when an allocation takes a cgroup over a GPU-memory
     /// limit: `REACT_*`.
     pub react_action: u32,
+    /// Explicit padding (always 0).
     pub _pad: u32,
 }
 
@@ -254,18 +274,28 @@ pub const EVENT_LIMIT_CROSSED: u32 = 5;
 /// (`value`: usage at the time).
 pub const EVENT_ALLOC_DENIED: u32 = 6;
 
-/// Record sent through the `EVENTS` ring buffer.
+/// Record sent through the `EVENTS` ring buffer. What each field holds depends on `kind` (see
+/// the `EVENT_*` constants); fields a kind does not name are 0.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Event {
+    /// `EVENT_*`.
     pub kind: u32,
+    /// The process concerned (the calling process, or the child of a fork).
     pub tgid: u32,
+    /// cgroup v2 id: the caller's, or the cgroup whose limit was crossed or enforced.
     pub cgroup_id: u64,
+    /// RM client handle, or the parent's tgid for a forked process.
     pub client: u32,
+    /// RM object handle within `client`.
     pub object: u32,
+    /// Kind-specific: a serial clock reading, a usage in bytes, or a `struct file` address.
     pub value: u64,
+    /// Kind-specific: an allocation's bytes, or a serial clock reading.
     pub bytes: u64,
+    /// RM device instance, `GPU_UNKNOWN` or `GPU_ALL`.
     pub gpu: u32,
+    /// Explicit padding (always 0).
     pub _pad: u32,
 }
 
@@ -274,17 +304,22 @@ pub const GPU_UNKNOWN: u32 = 0xffff_fffe;
 /// GPU index of the all-GPUs total kept beside each per-GPU usage, and of all-GPU limits.
 pub const GPU_ALL: u32 = 0xffff_ffff;
 
-/// `ObjEntry::kind`.
+/// `ObjEntry::kind`: an RM client (`NV01_ROOT_CLIENT`), keyed by its own handle.
 pub const OBJ_CLIENT: u32 = 1;
+/// `ObjEntry::kind`: a device (`NV01_DEVICE_0`), which names the GPU of what is allocated below.
 pub const OBJ_DEVICE: u32 = 2;
+/// `ObjEntry::kind`: a subdevice (`NV20_SUBDEVICE_0`), one GPU of a device.
 pub const OBJ_SUBDEVICE: u32 = 3;
+/// `ObjEntry::kind`: video memory (`NV01_MEMORY_LOCAL_USER`), the only kind that is charged.
 pub const OBJ_MEMORY: u32 = 4;
 
 /// Key of the `OBJECTS` map: RM handles are unique only within their client.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ObjKey {
+    /// The client handle (`hRoot` of the RM call).
     pub client: u32,
+    /// The object's handle within that client (the client's own handle for a client).
     pub object: u32,
 }
 
@@ -316,9 +351,11 @@ pub struct ObjEntry {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct UsageKey {
+    /// cgroup v2 id (the cgroup directory's inode number).
     pub cgroup_id: u64,
     /// RM device instance, `GPU_UNKNOWN`, or `GPU_ALL`.
     pub gpu: u32,
+    /// Explicit padding (always 0): keys are compared byte for byte.
     pub _pad: u32,
 }
 
@@ -343,8 +380,11 @@ pub const MAX_CGROUP_DEPTH: usize = 16;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Ancestry {
+    /// How many entries of `ids` are valid.
     pub depth: u32,
+    /// Explicit padding (always 0).
     pub _pad: u32,
+    /// cgroup ids, root first; the last valid one is the cgroup itself.
     pub ids: [u64; MAX_CGROUP_DEPTH],
 }
 
@@ -357,37 +397,118 @@ pub struct Pending {
     pub file: u64,
     /// User address of the parameter struct (the inner one for an XFER).
     pub params: u64,
-    /// Escape number and parameter size (after unwrapping an XFER).
+    /// Escape number (`_IOC_NR`, or the XFER's inner `cmd`).
     pub nr: u32,
+    /// Parameter size (`_IOC_SIZE`, or the XFER's inner `size`): tells NVOS21 from NVOS64.
     pub size: u32,
 }
 
 /// Map names, as written in the eBPF object and pinned in bpffs.
 pub mod maps {
+    /// Array of one [`ProbeConfig`](crate::ProbeConfig), written by the daemon at start.
     pub const CONFIG: &str = "CONFIG";
+    /// Hash [`FileKey`](crate::FileKey) → `DeviceKind as u32`: files that stand in for NVIDIA
+    /// devices (`devices.extra_paths`).
     pub const EXTRA_FILES: &str = "EXTRA_FILES";
+    /// Hash tgid → [`ProcEntry`](crate::ProcEntry): processes holding or using NVIDIA files.
     pub const PROCS: &str = "PROCS";
+    /// Hash cgroup id → [`IoctlCounts`](crate::IoctlCounts).
     pub const CGROUPS: &str = "CGROUPS";
+    /// Ring buffer of [`Event`](crate::Event) records.
     pub const EVENTS: &str = "EVENTS";
+    /// Per-CPU array of `u64` health counters, indexed by [`stat`](crate::stat).
     pub const STATS: &str = "STATS";
+    /// Array of `u64` words, [`TRACKED_PER_WORD`](crate::TRACKED_PER_WORD) processes each.
     pub const TRACKED: &str = "TRACKED";
+    /// Hash [`ObjKey`](crate::ObjKey) → [`ObjEntry`](crate::ObjEntry): RM objects followed.
     pub const OBJECTS: &str = "OBJECTS";
+    /// Hash [`UsageKey`](crate::UsageKey) → bytes of video memory charged.
     pub const USAGE: &str = "USAGE";
+    /// Hash [`UsageKey`](crate::UsageKey) → [`LimitValue`](crate::LimitValue).
     pub const LIMITS: &str = "LIMITS";
+    /// Hash cgroup id → [`Ancestry`](crate::Ancestry).
     pub const ANCESTRY: &str = "ANCESTRY";
+    /// LRU hash `pid_tgid` → [`Pending`](crate::Pending): RM calls between entry and return.
     pub const PENDING: &str = "PENDING";
+
+    /// Every pinned map: the daemon checks each one's layout before adopting its pin.
+    pub const ALL: [&str; 12] = [
+        CONFIG,
+        EXTRA_FILES,
+        PROCS,
+        CGROUPS,
+        EVENTS,
+        STATS,
+        TRACKED,
+        OBJECTS,
+        USAGE,
+        LIMITS,
+        ANCESTRY,
+        PENDING,
+    ];
 }
 
-/// Capacities of the maps.
+/// Program names, as written in the eBPF object (the entry points' `fn` names in `gpud-ebpf`).
+/// The daemon loads, attaches and runs programs by these names.
+pub mod programs {
+    /// fentry on `security_file_ioctl`: counts ioctls on NVIDIA files and notes RM calls
+    /// (fentry mode, `react` tier).
+    pub const FENTRY_IOCTL: &str = "gpud_fentry_ioctl";
+    /// [`FENTRY_IOCTL`] on `security_file_ioctl_compat` (32-bit callers, kernels 6.8+).
+    pub const FENTRY_IOCTL_COMPAT: &str = "gpud_fentry_ioctl_compat";
+    /// BPF-LSM `file_ioctl`: [`FENTRY_IOCTL`] that also refuses allocations over a limit
+    /// (`deny` tier).
+    pub const LSM_IOCTL: &str = "gpud_lsm_ioctl";
+    /// [`LSM_IOCTL`] on `file_ioctl_compat`.
+    pub const LSM_IOCTL_COMPAT: &str = "gpud_lsm_ioctl_compat";
+    /// fexit on the architecture's `sys_ioctl` entry: the return side of RM calls.
+    pub const FEXIT_IOCTL: &str = "gpud_fexit_ioctl";
+    /// [`FEXIT_IOCTL`] on the 32-bit compat entry.
+    pub const FEXIT_IOCTL_COMPAT: &str = "gpud_fexit_ioctl_compat";
+    /// fentry on `security_file_free`: the last reference to a control file is dropped.
+    pub const FENTRY_FILE_FREE: &str = "gpud_fentry_file_free";
+    /// fentry on `security_file_open`: marks processes that open an NVIDIA file.
+    pub const FENTRY_OPEN: &str = "gpud_fentry_open";
+    /// Loaded (never attached) to learn whether the kernel accepts BPF-LSM programs.
+    pub const LSM_PROBE: &str = "gpud_lsm_probe";
+    /// `syscalls:sys_enter_ioctl` (tracepoint mode).
+    pub const TP_IOCTL: &str = "gpud_tp_ioctl";
+    /// `syscalls:sys_exit_ioctl`: the return side in tracepoint mode.
+    pub const TP_IOCTL_EXIT: &str = "gpud_tp_ioctl_exit";
+    /// `syscalls:sys_enter_close`: closing the only reference to a control file.
+    pub const TP_CLOSE: &str = "gpud_tp_close";
+    /// `syscalls:sys_exit_open*`: marks processes that open an NVIDIA file.
+    pub const TP_OPEN: &str = "gpud_tp_open";
+    /// Raw tracepoint `sched_process_fork`: children of tracked processes are tracked.
+    pub const TP_FORK: &str = "gpud_tp_fork";
+    /// `sched:sched_process_exit` (both modes): a tracked process is gone.
+    pub const TP_EXIT: &str = "gpud_tp_exit";
+    /// Run by the daemon (`BPF_PROG_TEST_RUN`) to mark a process it found holding an NVIDIA file.
+    pub const SEED: &str = "gpud_seed";
+    /// Run by the daemon to release an object below a freed subtree, client or file.
+    pub const RELEASE: &str = "gpud_release";
+    /// Benchmark reference (`xtask bench`): an empty tracepoint program.
+    pub const NOOP_TP: &str = "gpud_noop_tp";
+    /// Benchmark reference: an empty fentry program on `security_file_ioctl`.
+    pub const NOOP_FENTRY: &str = "gpud_noop_fentry";
+}
+
+/// Capacity of `PROCS`: tracked processes on the host.
 pub const MAX_PROCS: u32 = 65_536;
+/// Capacity of `CGROUPS` and `ANCESTRY`: cgroups that used an NVIDIA file or were charged.
 pub const MAX_CGROUPS: u32 = 16_384;
+/// Capacity of `EXTRA_FILES`.
 pub const MAX_EXTRA_FILES: u32 = 256;
 /// The event ring's size in the object; the daemon sets it at load (`probes.events_ring_kib`,
 /// whose default this is).
 pub const EVENTS_BYTES: u32 = 1024 * 1024;
+/// Capacity of `OBJECTS`: RM clients, devices, subdevices and video-memory objects followed.
 pub const MAX_OBJECTS: u32 = 262_144;
+/// Capacity of `USAGE`: (cgroup, GPU) pairs, each charged cgroup's ancestors included.
 pub const MAX_USAGE: u32 = 65_536;
+/// Capacity of `LIMITS`.
 pub const MAX_LIMITS: u32 = 16_384;
+/// Capacity of `PENDING`: RM calls in flight at once (an LRU, so stale entries age out).
 pub const MAX_PENDING: u32 = 16_384;
 
 #[cfg(feature = "user")]

@@ -16,47 +16,81 @@ pub const NV_MODESET_MINOR: u32 = 254;
 /// Largest minor of `/dev/nvidiaN`.
 pub const NV_GPU_MINOR_MAX: u32 = 247;
 
-/// Names of the dynamic majors in `/proc/devices`.
+/// Name of the `nvidia-uvm` major (`/dev/nvidia-uvm`, `/dev/nvidia-uvm-tools`) in
+/// `/proc/devices` (`alloc_chrdev_region` in `uvm.c`).
 pub const UVM_DEVICE_NAME: &str = "nvidia-uvm";
+/// Name of the `/dev/nvidia-caps/*` major in `/proc/devices` (`nv-caps.c`).
 pub const CAPS_DEVICE_NAME: &str = "nvidia-caps";
+/// Name of the `/dev/nvidia-caps-imex-channels/*` major in `/proc/devices` (`nv-caps-imex.c`).
 pub const CAPS_IMEX_DEVICE_NAME: &str = "nvidia-caps-imex-channels";
 
+// RM escapes (`nv_escape.h`); the handlers are in `RmIoctl()` (`escape.c`).
+
+/// `NV_ESC_RM_ALLOC_MEMORY` (legacy; in practice system memory and OS descriptors, not video
+/// memory), on `/dev/nvidiaN` only.
 pub const NV_ESC_RM_ALLOC_MEMORY: u32 = 0x27;
+/// `NV_ESC_RM_ALLOC_OBJECT` (legacy).
 pub const NV_ESC_RM_ALLOC_OBJECT: u32 = 0x28;
+/// `NV_ESC_RM_FREE`: frees an object and its subtree; freeing `hRoot` frees the client.
 pub const NV_ESC_RM_FREE: u32 = 0x29;
+/// `NV_ESC_RM_CONTROL`: an RM control call selected by `cmd`.
 pub const NV_ESC_RM_CONTROL: u32 = 0x2a;
+/// `NV_ESC_RM_ALLOC`: allocates an object of a class (NVOS21 or, by size, NVOS64).
 pub const NV_ESC_RM_ALLOC: u32 = 0x2b;
+/// `NV_ESC_RM_VID_HEAP_CONTROL`: the older heap interface; its alloc functions become an
+/// internal RM_ALLOC of a memory class.
 pub const NV_ESC_RM_VID_HEAP_CONTROL: u32 = 0x4a;
+/// `NV_ESC_RM_MAP_MEMORY`: sets up a CPU mapping (made by a later `mmap`).
 pub const NV_ESC_RM_MAP_MEMORY: u32 = 0x4e;
+/// `NV_ESC_RM_UNMAP_MEMORY`.
 pub const NV_ESC_RM_UNMAP_MEMORY: u32 = 0x4f;
+/// `NV_ESC_RM_MAP_MEMORY_DMA`: maps memory into a GPU virtual address space.
 pub const NV_ESC_RM_MAP_MEMORY_DMA: u32 = 0x57;
+/// `NV_ESC_RM_UNMAP_MEMORY_DMA`.
 pub const NV_ESC_RM_UNMAP_MEMORY_DMA: u32 = 0x58;
+/// `NV_ESC_RM_DUP_OBJECT`: a new handle referencing another client's object.
 pub const NV_ESC_RM_DUP_OBJECT: u32 = 0x34;
+/// `NV_ESC_RM_SHARE`: sets an object's share policy.
 pub const NV_ESC_RM_SHARE: u32 = 0x35;
-/// `NV_ESC_ALLOC_OS_EVENT` and `NV_ESC_FREE_OS_EVENT` (OS escapes, `NV_IOCTL_BASE` + 6 and 7).
+/// `NV_ESC_ALLOC_OS_EVENT` (OS escape, `NV_IOCTL_BASE` + 6).
 pub const NV_ESC_ALLOC_OS_EVENT: u32 = 206;
+/// `NV_ESC_FREE_OS_EVENT` (OS escape, `NV_IOCTL_BASE` + 7).
 pub const NV_ESC_FREE_OS_EVENT: u32 = 207;
 /// `NV_ESC_IOCTL_XFER_CMD`: wraps another escape with a separate size and pointer.
 pub const NV_ESC_IOCTL_XFER_CMD: u32 = 211;
 
-/// Sizes of the parameter structs (x86-64 and arm64; identical for 32-bit callers).
+// Sizes of the parameter structs (x86-64 and arm64; identical for 32-bit callers, since every
+// 64-bit member is 8-aligned). The driver refuses an escape whose `_IOC_SIZE` differs.
+
+/// `nv_ioctl_nvos02_parameters_with_fd` (`NV_ESC_RM_ALLOC_MEMORY`): NVOS02 (48) and an fd.
 pub const NVOS02_WITH_FD_SIZE: u32 = 56;
+/// `NVOS05_PARAMETERS` (`NV_ESC_RM_ALLOC_OBJECT`).
 pub const NVOS05_SIZE: u32 = 20;
+/// `NVOS00_PARAMETERS` (`NV_ESC_RM_FREE`).
 pub const NVOS00_SIZE: u32 = 16;
+/// `NVOS54_PARAMETERS` (`NV_ESC_RM_CONTROL`).
 pub const NVOS54_SIZE: u32 = 32;
+/// `NVOS21_PARAMETERS` (`NV_ESC_RM_ALLOC`, short form).
 pub const NVOS21_SIZE: u32 = 32;
 /// NVOS64 before driver 535.
 pub const NVOS64_SIZE_OLD: u32 = 40;
 /// NVOS64 from driver 535 on.
 pub const NVOS64_SIZE: u32 = 48;
+/// `NVOS32_PARAMETERS` (`NV_ESC_RM_VID_HEAP_CONTROL`), unchanged from 515 to 595.
 pub const NVOS32_SIZE: u32 = 184;
+/// `nv_ioctl_nvos33_parameters_with_fd` (`NV_ESC_RM_MAP_MEMORY`): NVOS33 (48) and an fd.
 pub const NVOS33_WITH_FD_SIZE: u32 = 56;
+/// `NVOS34_PARAMETERS` (`NV_ESC_RM_UNMAP_MEMORY`).
 pub const NVOS34_SIZE: u32 = 32;
 /// NVOS46 from driver 580 on; 56 before.
 pub const NVOS46_SIZE: u32 = 64;
+/// NVOS46 before driver 580 (no `kindOverride`).
 pub const NVOS46_SIZE_OLD: u32 = 56;
+/// `NVOS47_PARAMETERS` (`NV_ESC_RM_UNMAP_MEMORY_DMA`).
 pub const NVOS47_SIZE: u32 = 48;
+/// `NVOS55_PARAMETERS` (`NV_ESC_RM_DUP_OBJECT`).
 pub const NVOS55_SIZE: u32 = 28;
+/// `NVOS57_PARAMETERS` (`NV_ESC_RM_SHARE`).
 pub const NVOS57_SIZE: u32 = 24;
 /// `nv_ioctl_alloc_os_event_t` and `nv_ioctl_free_os_event_t`.
 pub const NV_OS_EVENT_SIZE: u32 = 16;

@@ -14,21 +14,32 @@ use core::mem::{offset_of, size_of};
 /// only within their client, so `(client, object)` is an object's identity.
 pub type Handle = u32;
 
-/// `NV_STATUS` values the accounting distinguishes.
+/// `NV_STATUS` values the accounting distinguishes (`nvstatuscodes.h`). RM writes them into the
+/// parameter struct's `status`; the ioctl itself returns 0 for any well-formed request.
 pub mod status {
+    /// Success: the only status that is charged or uncharged.
     pub const NV_OK: u32 = 0;
+    /// A malformed parameter.
     pub const NV_ERR_INVALID_ARGUMENT: u32 = 0x1f;
+    /// `hClass` names no class RM allocates here.
     pub const NV_ERR_INVALID_CLASS: u32 = 0x22;
+    /// `hRoot` names no live client.
     pub const NV_ERR_INVALID_CLIENT: u32 = 0x23;
+    /// A handle names no object of the client.
     pub const NV_ERR_INVALID_OBJECT_HANDLE: u32 = 0x33;
+    /// `hObjectParent` cannot parent the class.
     pub const NV_ERR_INVALID_OBJECT_PARENT: u32 = 0x36;
+    /// Out of memory: an allocation that fails this way still returns 0 from `ioctl()`.
     pub const NV_ERR_NO_MEMORY: u32 = 0x51;
     /// A handle that is already in use (a live client, or an object within its client).
     pub const NV_ERR_INSERT_DUPLICATE_NAME: u32 = 0x19;
+    /// RM ran out of an internal resource (e.g. handles).
     pub const NV_ERR_INSUFFICIENT_RESOURCES: u32 = 0x1a;
+    /// A `VID_HEAP_CONTROL` function RM does not implement.
     pub const NV_ERR_INVALID_FUNCTION: u32 = 0x2a;
     /// A parameter pointer RM could not copy in.
     pub const NV_ERR_INVALID_POINTER: u32 = 0x3d;
+    /// The request is valid but not supported here.
     pub const NV_ERR_NOT_SUPPORTED: u32 = 0x56;
 }
 
@@ -40,11 +51,11 @@ pub mod class {
     pub const ROOT_NON_PRIV: u32 = 0x1;
     /// `NV01_ROOT_CLIENT`: a client; `hObjectNew` is the new client handle.
     pub const ROOT_CLIENT: u32 = 0x41;
-    /// `NV01_DEVICE_0`: a GPU (or SLI group) under a client; params [`Nv0080AllocParams`].
+    /// `NV01_DEVICE_0`: a GPU (or SLI group) under a client; params [`Nv0080AllocParams`](super::Nv0080AllocParams).
     pub const DEVICE: u32 = 0x80;
     /// `NV20_SUBDEVICE_0`: one GPU of a device.
     pub const SUBDEVICE: u32 = 0x2080;
-    /// `NV01_MEMORY_LOCAL_USER`: physical video memory; params [`MemoryAllocationParams`].
+    /// `NV01_MEMORY_LOCAL_USER`: physical video memory; params [`MemoryAllocationParams`](super::MemoryAllocationParams).
     pub const MEMORY_LOCAL_USER: u32 = 0x40;
     /// `NV01_MEMORY_SYSTEM`: pinned host memory (not video memory).
     pub const MEMORY_SYSTEM: u32 = 0x3e;
@@ -63,9 +74,13 @@ pub mod class {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Nvos00 {
+    /// The client.
     pub h_root: Handle,
+    /// Ignored by modern RM.
     pub h_object_parent: Handle,
+    /// The object to free with its subtree; `h_root` itself frees the client.
     pub h_object_old: Handle,
+    /// OUT: `NV_STATUS`.
     pub status: u32,
 }
 
@@ -74,12 +89,19 @@ pub struct Nvos00 {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Nvos21 {
+    /// The client; 0 when allocating a client.
     pub h_root: Handle,
+    /// The parent object (a device or subdevice for memory classes).
     pub h_object_parent: Handle,
+    /// IN/OUT: the new object's handle (0 asks RM for one).
     pub h_object_new: Handle,
+    /// The class allocated (see [`class`]).
     pub h_class: u32,
+    /// User pointer to the class's allocation parameters.
     pub p_alloc_parms: u64,
+    /// From driver 535; ignored by the driver.
     pub params_size: u32,
+    /// OUT: `NV_STATUS`.
     pub status: u32,
 }
 
@@ -88,29 +110,48 @@ pub struct Nvos21 {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Nvos64 {
+    /// As in [`Nvos21`].
     pub h_root: Handle,
+    /// As in [`Nvos21`].
     pub h_object_parent: Handle,
+    /// IN/OUT, as in [`Nvos21`].
     pub h_object_new: Handle,
+    /// As in [`Nvos21`].
     pub h_class: u32,
+    /// As in [`Nvos21`].
     pub p_alloc_parms: u64,
+    /// User pointer to an `RS_ACCESS_MASK`, or NULL.
     pub p_rights_requested: u64,
+    /// Ignored by the driver.
     pub params_size: u32,
+    /// `NVOS64_FLAGS_*`.
     pub flags: u32,
+    /// OUT: `NV_STATUS`.
     pub status: u32,
+    /// Padding to 8-byte alignment.
     pub _pad: u32,
 }
 
 /// `NVOS64_FLAGS_FINN_SERIALIZED`: `pAllocParms` points at a serialized blob, not the struct.
 pub const NVOS64_FLAGS_FINN_SERIALIZED: u32 = 0x1;
 
-/// Offsets shared by [`Nvos21`] and [`Nvos64`] (the driver asserts they are equal).
+// Offsets shared by [`Nvos21`] and [`Nvos64`] (the driver asserts they are equal).
+
+/// `hRoot` in either RM_ALLOC form.
 pub const ALLOC_H_ROOT: usize = offset_of!(Nvos21, h_root);
+/// `hObjectParent` in either RM_ALLOC form.
 pub const ALLOC_H_PARENT: usize = offset_of!(Nvos21, h_object_parent);
+/// `hObjectNew` in either RM_ALLOC form.
 pub const ALLOC_H_NEW: usize = offset_of!(Nvos21, h_object_new);
+/// `hClass` in either RM_ALLOC form.
 pub const ALLOC_H_CLASS: usize = offset_of!(Nvos21, h_class);
+/// `pAllocParms` in either RM_ALLOC form.
 pub const ALLOC_P_PARAMS: usize = offset_of!(Nvos21, p_alloc_parms);
+/// `status` of NVOS21 (28 from driver 535; 24 before).
 pub const NVOS21_STATUS: usize = offset_of!(Nvos21, status);
+/// `status` of NVOS64 (40 from driver 535).
 pub const NVOS64_STATUS: usize = offset_of!(Nvos64, status);
+/// `flags` of NVOS64.
 pub const NVOS64_FLAGS: usize = offset_of!(Nvos64, flags);
 
 /// `NV_MEMORY_ALLOCATION_PARAMS`, the params of classes 0x40, 0x3e and 0x50a0 (128 bytes from
@@ -119,35 +160,63 @@ pub const NVOS64_FLAGS: usize = offset_of!(Nvos64, flags);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryAllocationParams {
+    /// `owner`.
     pub owner: u32,
+    /// `NVOS32_TYPE_*` (image, depth, … notifier).
     pub type_: u32,
+    /// `NVOS32_ALLOC_FLAGS_*` (e.g. [`NVOS32_ALLOC_FLAGS_VIRTUAL`]).
     pub flags: u32,
+    /// `width`.
     pub width: u32,
+    /// `height`.
     pub height: u32,
+    /// `pitch`.
     pub pitch: i32,
+    /// `NVOS32_ATTR_*`: location in bits 26:25 (see [`attr_location`]), physicality, page size.
     pub attr: u32,
+    /// `NVOS32_ATTR2_*`.
     pub attr2: u32,
+    /// `format`.
     pub format: u32,
+    /// `comprCovg`.
     pub compr_covg: u32,
+    /// `zcullCovg`.
     pub zcull_covg: u32,
+    /// Padding to 8-byte alignment.
     pub _pad0: u32,
+    /// `rangeLo`.
     pub range_lo: u64,
+    /// `rangeHi`.
     pub range_hi: u64,
+    /// IN/OUT: requested bytes; RM writes back the size it allocated.
     pub size: u64,
+    /// `alignment`.
     pub alignment: u64,
+    /// `offset`.
     pub offset: u64,
+    /// OUT: size − 1.
     pub limit: u64,
+    /// `address`.
     pub address: u64,
+    /// `ctagOffset`.
     pub ctag_offset: u32,
+    /// `hVASpace`.
     pub h_va_space: Handle,
+    /// `internalflags`.
     pub internal_flags: u32,
+    /// `tag`.
     pub tag: u32,
+    /// NUMA node (from driver 545, hence 128 bytes).
     pub numa_node: i32,
+    /// Padding to 8-byte alignment.
     pub _pad1: u32,
 }
 
+/// `size` of [`MemoryAllocationParams`]: the bytes requested at entry and allocated at return.
 pub const MEM_PARAMS_SIZE: usize = offset_of!(MemoryAllocationParams, size);
+/// `flags` of [`MemoryAllocationParams`].
 pub const MEM_PARAMS_FLAGS: usize = offset_of!(MemoryAllocationParams, flags);
+/// `attr` of [`MemoryAllocationParams`].
 pub const MEM_PARAMS_ATTR: usize = offset_of!(MemoryAllocationParams, attr);
 
 /// `NVOS32_ALLOC_FLAGS_VIRTUAL`: a VA reservation, not memory.
@@ -158,7 +227,9 @@ pub const NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED: u32 = 0x0000_4000;
 pub const fn attr_location(attr: u32) -> u32 {
     (attr >> NVOS32_ATTR_LOCATION_SHIFT) & 0x3
 }
+/// Lowest bit of `NVOS32_ATTR_LOCATION` in `attr`.
 pub const NVOS32_ATTR_LOCATION_SHIFT: u32 = 25;
+/// `NVOS32_ATTR_LOCATION_VIDMEM`: video memory, the location that is charged.
 pub const NVOS32_ATTR_LOCATION_VIDMEM: u32 = 0;
 /// `NVOS32_ATTR_LOCATION_PCI`: system memory.
 pub const NVOS32_ATTR_LOCATION_PCI: u32 = 1;
@@ -168,25 +239,38 @@ pub const NVOS32_ATTR_LOCATION_PCI: u32 = 1;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Nv0080AllocParams {
+    /// The RM device instance (what gpud calls the GPU of what is allocated below it).
     pub device_id: u32,
+    /// `hClientShare`.
     pub h_client_share: Handle,
+    /// `hTargetClient`.
     pub h_target_client: Handle,
+    /// `hTargetDevice`.
     pub h_target_device: Handle,
+    /// `NV_DEVICE_ALLOCATION_FLAGS_*`.
     pub flags: u32,
+    /// Padding to 8-byte alignment.
     pub _pad0: u32,
+    /// `vaSpaceSize`.
     pub va_space_size: u64,
+    /// `vaStartInternal`.
     pub va_start_internal: u64,
+    /// `vaLimitInternal`.
     pub va_limit_internal: u64,
+    /// `vaMode`: `NV_DEVICE_ALLOCATION_VAMODE_*`.
     pub va_mode: u32,
+    /// Padding to 8-byte alignment.
     pub _pad1: u32,
 }
 
+/// `deviceId` of [`Nv0080AllocParams`].
 pub const DEVICE_PARAMS_ID: usize = offset_of!(Nv0080AllocParams, device_id);
 
 /// `NV2080_ALLOC_PARAMETERS` (class `NV20_SUBDEVICE_0`): which GPU of the device.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Nv2080AllocParams {
+    /// Index of the GPU within its device.
     pub sub_device_id: u32,
 }
 
@@ -195,6 +279,7 @@ pub struct Nv2080AllocParams {
 pub const RS_CLIENT_HANDLE_BASE: Handle = 0xc1d0_0000;
 /// Generated object handles start here, per client (`RS_UNIQUE_HANDLE_BASE`, range 0x80000).
 pub const RS_UNIQUE_HANDLE_BASE: Handle = 0xcaf0_0000;
+/// How many object handles RM generates per client from [`RS_UNIQUE_HANDLE_BASE`].
 pub const RS_UNIQUE_HANDLE_RANGE: u32 = 0x8_0000;
 
 /// `NVOS32_PARAMETERS` (`NV_ESC_RM_VID_HEAP_CONTROL`, 184 bytes): a header, then a union selected
@@ -202,15 +287,25 @@ pub const RS_UNIQUE_HANDLE_RANGE: u32 = 0x8_0000;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Nvos32 {
+    /// The client.
     pub h_root: Handle,
+    /// The device.
     pub h_object_parent: Handle,
+    /// `NVOS32_FUNCTION_*`: which operation, and which `data` union member.
     pub function: u32,
+    /// `hVASpace`.
     pub h_va_space: Handle,
+    /// `ivcHeapNumber`.
     pub ivc_heap_number: i16,
+    /// Padding.
     pub _pad0: u16,
+    /// OUT: `NV_STATUS`.
     pub status: u32,
+    /// OUT: heap size (`NVOS32_FUNCTION_INFO`).
     pub total: u64,
+    /// OUT: free heap bytes (`NVOS32_FUNCTION_INFO`).
     pub free: u64,
+    /// The union selected by `function`; the fields read are given as `VIDHEAP_*` offsets.
     pub data: [u8; 144],
 }
 
@@ -231,16 +326,24 @@ impl Default for Nvos32 {
     }
 }
 
+/// `NVOS32_FUNCTION_ALLOC_SIZE`: allocates `data.AllocSize.size` bytes.
 pub const NVOS32_FUNCTION_ALLOC_SIZE: u32 = 2;
+/// `NVOS32_FUNCTION_FREE`: frees `data.Free.hMemory`.
 pub const NVOS32_FUNCTION_FREE: u32 = 3;
 /// `NVOS32_FUNCTION_INFO`: fills `total` and `free` of the heap.
 pub const NVOS32_FUNCTION_INFO: u32 = 5;
+/// `NVOS32_FUNCTION_ALLOC_TILED_PITCH_HEIGHT`: allocates `data.AllocTiledPitchHeight.size` bytes.
 pub const NVOS32_FUNCTION_ALLOC_TILED_PITCH_HEIGHT: u32 = 6;
+/// `NVOS32_FUNCTION_ALLOC_SIZE_RANGE`: allocates `data.AllocSizeRange.size` bytes.
 pub const NVOS32_FUNCTION_ALLOC_SIZE_RANGE: u32 = 14;
 
+/// `hRoot` of [`Nvos32`].
 pub const VIDHEAP_H_ROOT: usize = offset_of!(Nvos32, h_root);
+/// `hObjectParent` of [`Nvos32`].
 pub const VIDHEAP_H_PARENT: usize = offset_of!(Nvos32, h_object_parent);
+/// `function` of [`Nvos32`].
 pub const VIDHEAP_FUNCTION: usize = offset_of!(Nvos32, function);
+/// `status` of [`Nvos32`].
 pub const VIDHEAP_STATUS: usize = offset_of!(Nvos32, status);
 /// `data.*.hMemory` (IN/OUT) for ALLOC_SIZE, ALLOC_TILED_PITCH_HEIGHT, ALLOC_SIZE_RANGE and FREE.
 pub const VIDHEAP_H_MEMORY: usize = 44;
@@ -271,12 +374,17 @@ pub const fn vidheap_alloc_fields(function: u32) -> Option<(usize, usize)> {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NvIoctlXfer {
+    /// The inner escape number.
     pub cmd: u32,
+    /// The inner parameter size, at most [`NV_MAX_IOCTL_SIZE`](crate::nv::NV_MAX_IOCTL_SIZE).
     pub size: u32,
+    /// User pointer to the inner parameters.
     pub ptr: u64,
 }
 
+/// `total` of [`Nvos32`].
 pub const VIDHEAP_TOTAL: usize = offset_of!(Nvos32, total);
+/// `free` of [`Nvos32`].
 pub const VIDHEAP_FREE: usize = offset_of!(Nvos32, free);
 
 /// Offset of the `NV_STATUS` field in the parameter struct of escape `nr` when its size is

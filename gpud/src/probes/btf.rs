@@ -3,7 +3,7 @@
 //! aya cannot relocate field accesses (no CO-RE for Rust programs), so the daemon looks the
 //! offsets up in `/sys/kernel/btf/vmlinux` and hands them to the programs in the `CONFIG` map.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use gpud_common::KernelOffsets;
 use libbpf_rs::btf::{
@@ -11,10 +11,16 @@ use libbpf_rs::btf::{
     types::{Composite, MemberAttr},
 };
 
+/// Why the kernel struct offsets could not be found. Display says what failed; a cause is the
+/// error's source.
 #[derive(Debug, thiserror::Error)]
 pub enum BtfError {
-    #[error("cannot read kernel BTF from {path}: {reason}")]
-    Read { path: String, reason: String },
+    #[error("cannot read kernel BTF from {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: libbpf_rs::Error,
+    },
     #[error("kernel BTF has no struct `{0}`")]
     NoStruct(&'static str),
     #[error("kernel BTF: struct `{strukt}` has no field `{field}`")]
@@ -42,9 +48,9 @@ impl KernelBtf {
     }
 
     pub fn from_path(path: &Path) -> Result<Self, BtfError> {
-        let btf = Btf::from_path(path).map_err(|e| BtfError::Read {
-            path: path.display().to_string(),
-            reason: e.to_string(),
+        let btf = Btf::from_path(path).map_err(|source| BtfError::Read {
+            path: path.to_owned(),
+            source,
         })?;
         Ok(Self { btf })
     }

@@ -11,16 +11,20 @@ use std::{
 
 use gpud_common::{DeviceKind, FileKey, kernel_mkdev, nv};
 
+/// Why the NVIDIA device numbers or files could not be found. Display says what failed; the
+/// cause is the error's source.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     Read {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
-    #[error("devices.extra_paths: cannot stat {path}: {source}")]
+    #[error("devices.extra_paths: cannot stat {path}")]
     ExtraPath {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
 }

@@ -28,6 +28,7 @@ use gpud::{
     config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
     probes::{self, AttachMode, DynamicMajors, ProbeSetup, Probes, devices},
 };
+use gpud_common::programs;
 use gpud_tests::inproc;
 use serde_json::{Value, json};
 
@@ -121,16 +122,16 @@ fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
     match o.mode {
         AttachMode::Tracepoint => {
             let p: &mut TracePoint = ebpf
-                .program_mut("gpud_noop_tp")
-                .context("gpud_noop_tp")?
+                .program_mut(programs::NOOP_TP)
+                .context(programs::NOOP_TP)?
                 .try_into()?;
             p.load()?;
             p.attach("syscalls", "sys_enter_ioctl")?;
         }
         AttachMode::Fentry => {
             let p: &mut FEntry = ebpf
-                .program_mut("gpud_noop_fentry")
-                .context("gpud_noop_fentry")?
+                .program_mut(programs::NOOP_FENTRY)
+                .context(programs::NOOP_FENTRY)?
                 .try_into()?;
             p.load("security_file_ioctl", &btf)?;
             p.attach()?;

@@ -1,0 +1,190 @@
+//! Reading kernel structs: the file behind a descriptor, and whether a `struct file` is an NVIDIA
+//! device.
+//!
+//! Two readers share one walk ([`KernelReader`]): [`ProbeRead`] uses `bpf_probe_read_kernel` with
+//! the offsets the daemon put in `CONFIG` (any program type), [`BtfRead`] uses direct loads with
+//! the offsets frozen into `.rodata` (fentry, fexit and LSM programs, whose loads the verifier
+//! checks against the kernel's BTF).
+
+use aya_ebpf::{
+    Global,
+    helpers::{bpf_get_current_pid_tgid, bpf_get_current_task, bpf_probe_read_kernel},
+};
+use gpud_common::{
+    CFG_HAS_EXTRA_FILES, DeviceKind, FileKey, KERNEL_MINOR_BITS, KernelOffsets, ProbeConfig, nv,
+};
+
+use crate::maps::{EXTRA_FILES, config};
+
+/// The calling process's tgid (the userspace pid).
+#[inline(always)]
+pub(crate) fn current_tgid() -> u32 {
+    (bpf_get_current_pid_tgid() >> 32) as u32
+}
+
+#[inline(always)]
+pub(crate) unsafe fn read_at<T>(base: *const u8, offset: u32) -> Option<T> {
+    unsafe { bpf_probe_read_kernel(base.add(offset as usize).cast::<T>()).ok() }
+}
+
+/// `current->files->fdt->fd[fd]`, the file behind a descriptor of the calling process.
+#[inline(always)]
+pub(crate) unsafe fn file_of_fd(cfg: &ProbeConfig, fd: u64) -> Option<*const u8> {
+    let o = &cfg.offsets;
+    let task = unsafe { bpf_get_current_task() } as *const u8;
+    let files: *const u8 = unsafe { read_at(task, o.task_files)? };
+    if files.is_null() {
+        return None;
+    }
+    let fdt: *const u8 = unsafe { read_at(files, o.files_fdt)? };
+    if fdt.is_null() {
+        return None;
+    }
+    let max_fds: u32 = unsafe { read_at(fdt, o.fdt_max_fds)? };
+    if fd >= max_fds as u64 {
+        return None;
+    }
+    let fd_array: *const u8 = unsafe { read_at(fdt, o.fdt_fd)? };
+    let file: *const u8 =
+        unsafe { bpf_probe_read_kernel(fd_array.add(fd as usize * 8).cast::<*const u8>()).ok()? };
+    if file.is_null() { None } else { Some(file) }
+}
+
+/// How a program reads fields of kernel structs, with the offsets that go with it.
+pub(crate) trait KernelReader {
+    fn file_inode(&self) -> u32;
+    fn inode_rdev(&self) -> u32;
+    fn inode_ino(&self) -> u32;
+    fn inode_sb(&self) -> u32;
+    fn sb_dev(&self) -> u32;
+    fn file_refs(&self) -> u32;
+    /// Reads a `T` at `base + off`.
+    unsafe fn load<T: Copy>(&self, base: *const u8, off: u32) -> Option<T>;
+}
+
+/// `bpf_probe_read_kernel` with offsets from `CONFIG`: works from any program type.
+pub(crate) struct ProbeRead<'a>(pub(crate) &'a KernelOffsets);
+
+impl KernelReader for ProbeRead<'_> {
+    fn file_inode(&self) -> u32 {
+        self.0.file_inode
+    }
+    fn inode_rdev(&self) -> u32 {
+        self.0.inode_rdev
+    }
+    fn inode_ino(&self) -> u32 {
+        self.0.inode_ino
+    }
+    fn inode_sb(&self) -> u32 {
+        self.0.inode_sb
+    }
+    fn sb_dev(&self) -> u32 {
+        self.0.sb_dev
+    }
+    fn file_refs(&self) -> u32 {
+        self.0.file_refs
+    }
+    unsafe fn load<T: Copy>(&self, base: *const u8, off: u32) -> Option<T> {
+        unsafe { read_at(base, off) }
+    }
+}
+
+// Offsets for direct loads in fentry programs, written by the loader into frozen .rodata: the
+// verifier then knows them as constants and checks each access against the kernel's BTF, so no
+// helper call is needed (fentry hands over typed pointers). The daemon sets them by these names.
+#[unsafe(no_mangle)]
+static BTF_FILE_INODE: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static BTF_INODE_RDEV: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static BTF_INODE_INO: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static BTF_INODE_SB: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static BTF_SB_DEV: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static BTF_FILE_REFS: Global<u32> = Global::new(0);
+
+/// Direct, BTF-checked loads (fentry/fexit/LSM programs only).
+pub(crate) struct BtfRead;
+
+impl KernelReader for BtfRead {
+    fn file_inode(&self) -> u32 {
+        BTF_FILE_INODE.load()
+    }
+    fn inode_rdev(&self) -> u32 {
+        BTF_INODE_RDEV.load()
+    }
+    fn inode_ino(&self) -> u32 {
+        BTF_INODE_INO.load()
+    }
+    fn inode_sb(&self) -> u32 {
+        BTF_INODE_SB.load()
+    }
+    fn sb_dev(&self) -> u32 {
+        BTF_SB_DEV.load()
+    }
+    fn file_refs(&self) -> u32 {
+        BTF_FILE_REFS.load()
+    }
+    unsafe fn load<T: Copy>(&self, base: *const u8, off: u32) -> Option<T> {
+        // A fault on a bad pointer is caught by the BPF exception table and reads as zero.
+        Some(unsafe { core::ptr::read_volatile(base.add(off as usize).cast::<T>()) })
+    }
+}
+
+/// Identifies an NVIDIA file by its device number (or, for configured stand-ins, by its
+/// superblock device and inode); never by path. `CONFIG` is only consulted for files outside
+/// major 195, so the common case costs two loads.
+#[inline(always)]
+pub(crate) unsafe fn device_kind(r: &impl KernelReader, file: *const u8) -> Option<DeviceKind> {
+    let inode: *const u8 = unsafe { r.load(file, r.file_inode())? };
+    if inode.is_null() {
+        return None;
+    }
+    let rdev: u32 = unsafe { r.load(inode, r.inode_rdev())? };
+    let major = rdev >> KERNEL_MINOR_BITS;
+    let minor = rdev & ((1 << KERNEL_MINOR_BITS) - 1);
+    if major == nv::NV_MAJOR {
+        return if minor == nv::NV_CTL_MINOR {
+            Some(DeviceKind::Control)
+        } else if minor <= nv::NV_GPU_MINOR_MAX {
+            Some(DeviceKind::Gpu)
+        } else {
+            None
+        };
+    }
+    let cfg = config()?;
+    if major != 0 {
+        if major == cfg.uvm_major {
+            return Some(DeviceKind::Uvm);
+        }
+        if major == cfg.caps_major || major == cfg.caps_imex_major {
+            return Some(DeviceKind::Caps);
+        }
+    }
+    if cfg.flags & CFG_HAS_EXTRA_FILES == 0 {
+        return None;
+    }
+    let ino: u64 = unsafe { r.load(inode, r.inode_ino())? };
+    let sb: *const u8 = unsafe { r.load(inode, r.inode_sb())? };
+    if sb.is_null() {
+        return None;
+    }
+    let s_dev: u32 = unsafe { r.load(sb, r.sb_dev())? };
+    let key = FileKey {
+        dev: s_dev as u64,
+        ino,
+    };
+    let kind = unsafe { EXTRA_FILES.get(key)? };
+    DeviceKind::from_u32(*kind)
+}
+
+/// Whether the caller holds the only reference to `file`.
+#[inline(always)]
+pub(crate) unsafe fn sole_reference(r: &impl KernelReader, file: *const u8, one: u32) -> bool {
+    match unsafe { r.load::<i64>(file, r.file_refs()) } {
+        Some(v) => v == one as i64,
+        None => false,
+    }
+}

@@ -1,0 +1,544 @@
+//! GPU-memory accounting and the limits' kernel-side tiers.
+//!
+//! Entry side (ioctl hook): an RM_ALLOC, RM_FREE or VID_HEAP_CONTROL on a control file is noted
+//! in `PENDING`; the `deny` tier also refuses here an allocation that would take a cgroup over a
+//! limit. Return side: the driver has written back `status`, handles and the allocated size, so
+//! successful calls are charged or uncharged. Subtree, client and file releases are announced to
+//! the daemon, which walks `OBJECTS` and releases each object through `gpud_release`.
+
+use core::intrinsics::{AtomicOrdering, atomic_xadd};
+
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{
+        bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_get_current_pid_tgid,
+        bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
+        bpf_send_signal,
+    },
+};
+use gpud_common::{
+    Ancestry, DeviceKind, EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE,
+    EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CLIENT, OBJ_DEVICE,
+    OBJ_MEMORY, OBJ_SUBDEVICE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv,
+    rm, stat,
+};
+
+use crate::{
+    kernel::{ProbeRead, current_tgid, device_kind, read_at, sole_reference},
+    maps::{ANCESTRY, LIMITS, OBJECTS, PENDING, SCRATCH, USAGE, bump_stat, config, send},
+};
+
+const ENOMEM: i32 = 12;
+const SIGKILL: u32 = 9;
+
+#[inline(always)]
+unsafe fn user<T>(addr: u64) -> Option<T> {
+    unsafe { bpf_probe_read_user(addr as *const T).ok() }
+}
+
+/// The RM call an ioctl makes: escape number, parameter size and user address, unwrapping an
+/// XFER. `None` for commands the accounting does not follow.
+#[inline(always)]
+fn rm_call(cmd: u32, arg: u64) -> Option<(u32, u32, u64)> {
+    let (mut nr, mut size, mut params) = (nv::ioc_nr(cmd), nv::ioc_size(cmd), arg);
+    if nr == nv::NV_ESC_IOCTL_XFER_CMD {
+        if size != nv::NV_IOCTL_XFER_SIZE {
+            return None;
+        }
+        let x: rm::NvIoctlXfer = unsafe { user(arg)? };
+        if x.size > nv::NV_MAX_IOCTL_SIZE || x.cmd > 0xff {
+            return None;
+        }
+        (nr, size, params) = (x.cmd, x.size, x.ptr);
+    }
+    match (nr, size) {
+        (nv::NV_ESC_RM_ALLOC, nv::NVOS21_SIZE | nv::NVOS64_SIZE)
+        | (nv::NV_ESC_RM_FREE, nv::NVOS00_SIZE)
+        | (nv::NV_ESC_RM_VID_HEAP_CONTROL, nv::NVOS32_SIZE) => Some((nr, size, params)),
+        _ => None,
+    }
+}
+
+#[inline(always)]
+fn gpu_of(client: u32, parent: u32) -> u32 {
+    match unsafe {
+        OBJECTS.get(ObjKey {
+            client,
+            object: parent,
+        })
+    } {
+        Some(e) if e.kind == OBJ_DEVICE || e.kind == OBJ_SUBDEVICE => e.gpu,
+        _ => GPU_UNKNOWN,
+    }
+}
+
+/// A video-memory allocation request: client, parent, new handle, bytes. For RM_ALLOC the
+/// bytes are read from the alloc params (requested at entry, allocated at return).
+#[inline(always)]
+fn vidmem_request(nr: u32, size: u32, params: u64) -> Option<(u32, u32, u32, u64)> {
+    if nr == nv::NV_ESC_RM_ALLOC {
+        let head: rm::Nvos21 = unsafe { user(params)? };
+        if head.h_class != rm::class::MEMORY_LOCAL_USER {
+            return None;
+        }
+        if size == nv::NVOS64_SIZE {
+            let flags: u32 = unsafe { user(params + rm::NVOS64_FLAGS as u64)? };
+            if flags & rm::NVOS64_FLAGS_FINN_SERIALIZED != 0 {
+                bump_stat(stat::UNREADABLE);
+                return None;
+            }
+        }
+        let Some(bytes) = (unsafe { user::<u64>(head.p_alloc_parms + rm::MEM_PARAMS_SIZE as u64) })
+        else {
+            bump_stat(stat::UNREADABLE);
+            return None;
+        };
+        return Some((head.h_root, head.h_object_parent, head.h_object_new, bytes));
+    }
+    if nr == nv::NV_ESC_RM_VID_HEAP_CONTROL {
+        let function: u32 = unsafe { user(params + rm::VIDHEAP_FUNCTION as u64)? };
+        let (attr_off, size_off) = rm::vidheap_alloc_fields(function)?;
+        let flags: u32 = unsafe { user(params + rm::VIDHEAP_FLAGS as u64)? };
+        let attr: u32 = unsafe { user(params + attr_off as u64)? };
+        if flags & rm::NVOS32_ALLOC_FLAGS_VIRTUAL != 0
+            || rm::attr_location(attr) != rm::NVOS32_ATTR_LOCATION_VIDMEM
+        {
+            return None;
+        }
+        let ids: [u32; 2] = unsafe { user(params)? };
+        let h_memory: u32 = unsafe { user(params + rm::VIDHEAP_H_MEMORY as u64)? };
+        let bytes: u64 = unsafe { user(params + size_off as u64)? };
+        return Some((ids[0], ids[1], h_memory, bytes));
+    }
+    None
+}
+
+/// The calling task's cgroup and its ancestors, recorded once per cgroup.
+#[inline(always)]
+fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
+    let leaf = unsafe { bpf_get_current_cgroup_id() };
+    if let Some(a) = unsafe { ANCESTRY.get(leaf) } {
+        return Some((leaf, a));
+    }
+    let scratch = SCRATCH.get_ptr_mut(0)?;
+    let a = unsafe { &mut *scratch };
+    a.depth = 0;
+    for level in 0..MAX_CGROUP_DEPTH {
+        let id = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) };
+        if id == 0 {
+            break;
+        }
+        a.ids[level] = id;
+        a.depth = level as u32 + 1;
+        if id == leaf {
+            break;
+        }
+    }
+    if a.depth == 0 {
+        // Deeper than MAX_CGROUP_DEPTH or no cgroup v2: charge the cgroup itself only.
+        a.ids[0] = leaf;
+        a.depth = 1;
+    }
+    let _ = ANCESTRY.insert(leaf, a, 0);
+    unsafe { ANCESTRY.get(leaf) }.map(|a| (leaf, a))
+}
+
+#[inline(always)]
+fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
+    let key = UsageKey {
+        cgroup_id,
+        gpu,
+        _pad: 0,
+    };
+    let slot = match USAGE.get_ptr_mut(key) {
+        Some(p) => p,
+        None => {
+            let _ = USAGE.insert(key, 0, BPF_NOEXIST as u64);
+            match USAGE.get_ptr_mut(key) {
+                Some(p) => p,
+                None => return,
+            }
+        }
+    };
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(slot, delta) };
+}
+
+/// Adds `delta` (two's complement for an uncharge) to every level of `anc`, per GPU and in total.
+#[inline(always)]
+fn charge(anc: &Ancestry, gpu: u32, delta: u64) {
+    for i in 0..MAX_CGROUP_DEPTH {
+        if i as u32 >= anc.depth {
+            break;
+        }
+        let id = anc.ids[i];
+        add_usage(id, gpu, delta);
+        add_usage(id, GPU_ALL, delta);
+    }
+}
+
+#[inline(always)]
+fn usage(cgroup_id: u64, gpu: u32) -> u64 {
+    let key = UsageKey {
+        cgroup_id,
+        gpu,
+        _pad: 0,
+    };
+    match USAGE.get_ptr(key) {
+        Some(p) => unsafe { core::ptr::read_volatile(p) },
+        None => 0,
+    }
+}
+
+/// The first limit (from the root down) that usage plus `extra` exceeds: the cgroup, the GPU
+/// key of the limit, and the usage it holds now. Bumps that limit's event counter.
+#[inline(always)]
+fn over_limit(anc: &Ancestry, gpu: u32, extra: u64) -> Option<(u64, u32, u64)> {
+    for i in 0..MAX_CGROUP_DEPTH {
+        if i as u32 >= anc.depth {
+            break;
+        }
+        let id = anc.ids[i];
+        for g in [gpu, GPU_ALL] {
+            let key = UsageKey {
+                cgroup_id: id,
+                gpu: g,
+                _pad: 0,
+            };
+            if let Some(l) = LIMITS.get_ptr_mut(key) {
+                let now = usage(id, g);
+                if now.saturating_add(extra) > unsafe { (*l).max } {
+                    unsafe {
+                        let ev = core::ptr::addr_of_mut!((*l).events);
+                        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(ev, 1);
+                    }
+                    return Some((id, g, now));
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Object serials are the monotonic clock: unique per key (one object per key at a time) and
+/// ordered against the events that release objects created before them.
+#[inline(always)]
+fn serial_now() -> u64 {
+    unsafe { bpf_ktime_get_ns() }
+}
+
+#[inline(always)]
+fn track_object(key: ObjKey, kind: u32, parent: u32, gpu: u32, bytes: u64, file: u64) -> bool {
+    let entry = ObjEntry {
+        kind,
+        parent,
+        gpu,
+        tgid: current_tgid(),
+        cgroup_id: unsafe { bpf_get_current_cgroup_id() },
+        bytes,
+        file,
+        serial: serial_now(),
+    };
+    if OBJECTS.insert(key, entry, 0).is_err() {
+        bump_stat(stat::OBJECTS_FULL);
+        return false;
+    }
+    true
+}
+
+/// Removes `key` if it still holds the object `expect` (any, when 0) and uncharges its bytes;
+/// the removal decides, so two racing releases uncharge once.
+#[inline(always)]
+pub(crate) fn release(key: &ObjKey, expect: u64) -> bool {
+    let Some(e) = (unsafe { OBJECTS.get(key) }).copied() else {
+        return false;
+    };
+    if expect != 0 && e.serial != expect {
+        return false;
+    }
+    if OBJECTS.remove(key).is_err() {
+        return false;
+    }
+    if e.kind == OBJ_MEMORY && e.bytes != 0 {
+        match unsafe { ANCESTRY.get(e.cgroup_id) } {
+            Some(anc) => charge(anc, e.gpu, e.bytes.wrapping_neg()),
+            None => {
+                add_usage(e.cgroup_id, e.gpu, e.bytes.wrapping_neg());
+                add_usage(e.cgroup_id, GPU_ALL, e.bytes.wrapping_neg());
+            }
+        }
+        bump_stat(stat::UNCHARGES);
+    }
+    true
+}
+
+/// Entry side of an ioctl on a control file. Returns the verdict (`-ENOMEM` to refuse).
+#[inline(always)]
+pub(crate) fn rm_entry(file: u64, cmd: u32, arg: u64, deny: bool) -> i32 {
+    let Some((nr, size, params)) = rm_call(cmd, arg) else {
+        return 0;
+    };
+    if deny && let Some((client, parent, _, bytes)) = vidmem_request(nr, size, params) {
+        let gpu = gpu_of(client, parent);
+        if let Some((_, anc)) = current_ancestry()
+            && let Some((cg, g, now)) = over_limit(anc, gpu, bytes)
+        {
+            bump_stat(stat::DENIED);
+            send(&Event {
+                kind: EVENT_ALLOC_DENIED,
+                tgid: current_tgid(),
+                cgroup_id: cg,
+                client,
+                object: 0,
+                value: now,
+                bytes,
+                gpu: g,
+                _pad: 0,
+            });
+            return -ENOMEM;
+        }
+    }
+    let pending = Pending {
+        file,
+        params,
+        nr,
+        size,
+    };
+    let _ = PENDING.insert(bpf_get_current_pid_tgid(), pending, 0);
+    0
+}
+
+/// Return side: accounts a successful RM call noted at entry.
+#[inline(always)]
+pub(crate) fn rm_exit(ret: i64) {
+    let id = bpf_get_current_pid_tgid();
+    let Some(p) = (unsafe { PENDING.get(id) }).copied() else {
+        return;
+    };
+    let _ = PENDING.remove(id);
+    if ret != 0 {
+        return;
+    }
+    match p.nr {
+        nv::NV_ESC_RM_ALLOC => alloc_done(&p),
+        nv::NV_ESC_RM_FREE => free_done(&p),
+        _ => vidheap_done(&p),
+    }
+}
+
+#[inline(always)]
+fn alloc_done(p: &Pending) {
+    let status_off = if p.size == nv::NVOS64_SIZE {
+        rm::NVOS64_STATUS
+    } else {
+        rm::NVOS21_STATUS
+    };
+    let Some(status) = (unsafe { user::<u32>(p.params + status_off as u64) }) else {
+        return;
+    };
+    if status != rm::status::NV_OK {
+        return;
+    }
+    let Some(head) = (unsafe { user::<rm::Nvos21>(p.params) }) else {
+        return;
+    };
+    let key = ObjKey {
+        client: head.h_root,
+        object: head.h_object_new,
+    };
+    match head.h_class {
+        c if rm::class::is_root(c) => {
+            // The new client's handle is its own key.
+            let key = ObjKey {
+                client: head.h_object_new,
+                object: head.h_object_new,
+            };
+            track_object(key, OBJ_CLIENT, head.h_object_new, GPU_UNKNOWN, 0, p.file);
+        }
+        rm::class::DEVICE => {
+            let gpu = unsafe { user::<u32>(head.p_alloc_parms + rm::DEVICE_PARAMS_ID as u64) }
+                .unwrap_or(GPU_UNKNOWN);
+            track_object(key, OBJ_DEVICE, head.h_object_parent, gpu, 0, 0);
+        }
+        rm::class::SUBDEVICE => {
+            let gpu = gpu_of(head.h_root, head.h_object_parent);
+            track_object(key, OBJ_SUBDEVICE, head.h_object_parent, gpu, 0, 0);
+        }
+        rm::class::MEMORY_LOCAL_USER => {
+            if let Some((client, parent, handle, bytes)) = vidmem_request(p.nr, p.size, p.params) {
+                memory_done(client, parent, handle, bytes);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[inline(always)]
+fn vidheap_done(p: &Pending) {
+    let Some(status) = (unsafe { user::<u32>(p.params + rm::VIDHEAP_STATUS as u64) }) else {
+        return;
+    };
+    if status != rm::status::NV_OK {
+        return;
+    }
+    let Some(function) = (unsafe { user::<u32>(p.params + rm::VIDHEAP_FUNCTION as u64) }) else {
+        return;
+    };
+    if function == rm::NVOS32_FUNCTION_FREE {
+        let (Some(ids), Some(h_memory)) = (unsafe {
+            (
+                user::<[u32; 2]>(p.params),
+                user::<u32>(p.params + rm::VIDHEAP_H_MEMORY as u64),
+            )
+        }) else {
+            return;
+        };
+        release(
+            &ObjKey {
+                client: ids[0],
+                object: h_memory,
+            },
+            0,
+        );
+        return;
+    }
+    if let Some((client, parent, handle, bytes)) = vidmem_request(p.nr, p.size, p.params) {
+        memory_done(client, parent, handle, bytes);
+    }
+}
+
+/// Charges a successful video-memory allocation and applies the `react` tier.
+#[inline(always)]
+fn memory_done(client: u32, parent: u32, handle: u32, bytes: u64) {
+    let Some((_, anc)) = current_ancestry() else {
+        return;
+    };
+    let gpu = gpu_of(client, parent);
+    if gpu == GPU_UNKNOWN {
+        bump_stat(stat::UNKNOWN_GPU);
+    }
+    let key = ObjKey {
+        client,
+        object: handle,
+    };
+    // A stale entry under this key (a free missed while nothing was attached) goes first.
+    release(&key, 0);
+    charge(anc, gpu, bytes);
+    if !track_object(key, OBJ_MEMORY, parent, gpu, bytes, 0) {
+        charge(anc, gpu, bytes.wrapping_neg());
+        return;
+    }
+    bump_stat(stat::CHARGES);
+    if let Some((cg, g, now)) = over_limit(anc, gpu, 0) {
+        bump_stat(stat::CROSSED);
+        if let Some(cfg) = config()
+            && cfg.react_action == REACT_KILL
+        {
+            let _ = unsafe { bpf_send_signal(SIGKILL) };
+        }
+        send(&Event {
+            kind: EVENT_LIMIT_CROSSED,
+            tgid: current_tgid(),
+            cgroup_id: cg,
+            client,
+            object: handle,
+            value: now,
+            bytes,
+            gpu: g,
+            _pad: 0,
+        });
+    }
+}
+
+#[inline(always)]
+fn free_done(p: &Pending) {
+    let Some(args) = (unsafe { user::<rm::Nvos00>(p.params) }) else {
+        return;
+    };
+    if args.status != rm::status::NV_OK {
+        return;
+    }
+    let key = ObjKey {
+        client: args.h_root,
+        object: args.h_object_old,
+    };
+    let kind = match unsafe { OBJECTS.get(key) } {
+        Some(e) => e.kind,
+        // A client is keyed by its own handle; other unknown handles own nothing we charged.
+        None if args.h_object_old == args.h_root => OBJ_CLIENT,
+        None => return,
+    };
+    if kind == OBJ_MEMORY {
+        release(&key, 0);
+        return;
+    }
+    send(&Event {
+        kind: EVENT_FREE_TREE,
+        tgid: current_tgid(),
+        cgroup_id: unsafe { bpf_get_current_cgroup_id() },
+        client: args.h_root,
+        object: args.h_object_old,
+        value: serial_now(),
+        ..Event::default()
+    });
+}
+
+/// Announces the release of a control file's last reference (its clients go with it).
+#[inline(always)]
+pub(crate) fn file_released(file: u64) {
+    send(&Event {
+        kind: EVENT_FILE_RELEASE,
+        tgid: current_tgid(),
+        cgroup_id: unsafe { bpf_get_current_cgroup_id() },
+        value: file,
+        bytes: serial_now(),
+        ..Event::default()
+    });
+}
+
+/// Most descriptors a dying process's table is searched for control files (tracepoint mode);
+/// the search stops at the table's size (the verifier accepts 512 iterations on 6.1 and 6.18).
+const EXIT_FD_SCAN: u64 = 512;
+
+/// At the exit of a tracked process (tracepoint mode): its control files whose only reference is
+/// its own descriptor are released with it (the table is closed right after this tracepoint).
+#[inline(always)]
+pub(crate) fn release_files_at_exit(cfg: &ProbeConfig) {
+    let r = ProbeRead(&cfg.offsets);
+    let o = &cfg.offsets;
+    let task = unsafe { bpf_get_current_task() } as *const u8;
+    let Some(files) = (unsafe { read_at::<*const u8>(task, o.task_files) }) else {
+        return;
+    };
+    if files.is_null() {
+        return;
+    }
+    let Some(fdt) = (unsafe { read_at::<*const u8>(files, o.files_fdt) }) else {
+        return;
+    };
+    let (Some(max_fds), Some(fd_array)) = (unsafe {
+        (
+            read_at::<u32>(fdt, o.fdt_max_fds),
+            read_at::<*const u8>(fdt, o.fdt_fd),
+        )
+    }) else {
+        return;
+    };
+    for fd in 0..EXIT_FD_SCAN {
+        if fd >= max_fds as u64 {
+            break;
+        }
+        let Ok(file) =
+            (unsafe { bpf_probe_read_kernel(fd_array.add(fd as usize * 8).cast::<*const u8>()) })
+        else {
+            continue;
+        };
+        if file.is_null() {
+            continue;
+        }
+        if let Some(DeviceKind::Control) = unsafe { device_kind(&r, file) }
+            && unsafe { sole_reference(&r, file, cfg.offsets.file_one_ref) }
+        {
+            file_released(file as u64);
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! Where the programs attach: the attach modes and enforcement tiers, the attachment table of
+//! each, and attaching them (or adopting the links a previous daemon pinned).
+//!
+//! Links are pinned under `links/<object-hash>-<mode>-<tier>/`, one file per attachment, so a
+//! daemon that finds every required link of its own object, mode and tier adopts them with no gap.
+
+use std::{
+    fmt,
+    hash::{DefaultHasher, Hash, Hasher},
+    path::PathBuf,
+};
+
+use aya::programs::{
+    FEntry, FExit, Lsm, RawTracePoint, TracePoint,
+    links::{FdLink, PinnedLink},
+};
+use gpud_common::programs;
+use tracing::{debug, info};
+
+use super::{OBJECT, ProbeError, Probes, btf, io_err};
+use crate::report::Chain;
+
+/// The attach mechanism in force.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttachMode {
+    Fentry,
+    Tracepoint,
+}
+
+impl AttachMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Fentry => "fentry",
+            Self::Tracepoint => "tracepoint",
+        }
+    }
+}
+
+/// How GPU-memory limits are enforced, chosen at start-up from the configuration and what the
+/// kernel offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// BPF-LSM `file_ioctl` refuses the crossing allocation with `ENOMEM`.
+    Deny,
+    /// The crossing allocation is acted on when its ioctl returns.
+    React,
+    /// The kernel's `dmem` controller enforces `dmem.max`; the probes still account.
+    Dmem,
+}
+
+impl Tier {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Deny => "deny",
+            Self::React => "react",
+            Self::Dmem => "dmem",
+        }
+    }
+}
+
+/// The return side of `ioctl(2)` for fexit, per architecture: native and 32-bit compat entry.
+#[cfg(target_arch = "x86_64")]
+const SYS_IOCTL: (&str, &str) = ("__x64_sys_ioctl", "__ia32_compat_sys_ioctl");
+#[cfg(target_arch = "aarch64")]
+const SYS_IOCTL: (&str, &str) = ("__arm64_sys_ioctl", "__arm64_compat_sys_ioctl");
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+const SYS_IOCTL: (&str, &str) = ("sys_ioctl", "compat_sys_ioctl");
+
+/// Where one program attaches.
+#[derive(Clone, Copy)]
+enum Target {
+    Fentry(&'static str),
+    Fexit(&'static str),
+    Lsm(&'static str),
+    Tracepoint(&'static str, &'static str),
+    RawTracepoint(&'static str),
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Fentry(func) => write!(f, "fentry {func}"),
+            Self::Fexit(func) => write!(f, "fexit {func}"),
+            Self::Lsm(hook) => write!(f, "LSM hook {hook}"),
+            Self::Tracepoint(cat, name) => write!(f, "tracepoint {cat}/{name}"),
+            Self::RawTracepoint(name) => write!(f, "raw tracepoint {name}"),
+        }
+    }
+}
+
+/// One attachment: program, target, and whether its absence is tolerated (e.g. `openat2` on
+/// old kernels).
+pub(super) struct Attachment {
+    pub(super) program: &'static str,
+    target: Target,
+    optional: bool,
+}
+
+const fn att(program: &'static str, target: Target, optional: bool) -> Attachment {
+    Attachment {
+        program,
+        target,
+        optional,
+    }
+}
+
+pub(super) const FENTRY_ATTACHMENTS: &[Attachment] = &[
+    att(
+        programs::FENTRY_IOCTL,
+        Target::Fentry("security_file_ioctl"),
+        false,
+    ),
+    att(
+        programs::FENTRY_IOCTL_COMPAT,
+        Target::Fentry("security_file_ioctl_compat"),
+        true,
+    ),
+    att(
+        programs::FENTRY_OPEN,
+        Target::Fentry("security_file_open"),
+        false,
+    ),
+    att(
+        programs::TP_EXIT,
+        Target::Tracepoint("sched", "sched_process_exit"),
+        false,
+    ),
+];
+
+/// Added to the fentry set in both tiers: the return side and the file-release hook.
+pub(super) const FENTRY_RETURN_ATTACHMENTS: &[Attachment] = &[
+    att(programs::FEXIT_IOCTL, Target::Fexit(SYS_IOCTL.0), false),
+    att(
+        programs::FEXIT_IOCTL_COMPAT,
+        Target::Fexit(SYS_IOCTL.1),
+        true,
+    ),
+    att(
+        programs::FENTRY_FILE_FREE,
+        Target::Fentry("security_file_free"),
+        false,
+    ),
+];
+
+/// The `deny` tier's replacements for the two fentry ioctl programs.
+pub(super) const LSM_ATTACHMENTS: &[Attachment] = &[
+    att(programs::LSM_IOCTL, Target::Lsm("file_ioctl"), false),
+    att(
+        programs::LSM_IOCTL_COMPAT,
+        Target::Lsm("file_ioctl_compat"),
+        true,
+    ),
+];
+
+pub(super) const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
+    att(
+        programs::TP_IOCTL,
+        Target::Tracepoint("syscalls", "sys_enter_ioctl"),
+        false,
+    ),
+    att(
+        programs::TP_IOCTL_EXIT,
+        Target::Tracepoint("syscalls", "sys_exit_ioctl"),
+        false,
+    ),
+    att(
+        programs::TP_CLOSE,
+        Target::Tracepoint("syscalls", "sys_enter_close"),
+        false,
+    ),
+    att(
+        programs::TP_OPEN,
+        Target::Tracepoint("syscalls", "sys_exit_openat"),
+        false,
+    ),
+    att(
+        programs::TP_OPEN,
+        Target::Tracepoint("syscalls", "sys_exit_open"),
+        true,
+    ),
+    att(
+        programs::TP_OPEN,
+        Target::Tracepoint("syscalls", "sys_exit_openat2"),
+        true,
+    ),
+    att(
+        programs::TP_FORK,
+        Target::RawTracepoint("sched_process_fork"),
+        false,
+    ),
+    att(
+        programs::TP_EXIT,
+        Target::Tracepoint("sched", "sched_process_exit"),
+        false,
+    ),
+];
+
+impl Attachment {
+    /// Name of the link's pin. bpffs reserves dots in names, hence the dashes.
+    fn pin_name(&self) -> String {
+        match self.target {
+            Target::Fentry(f) => format!("fentry-{f}"),
+            Target::Fexit(f) => format!("fexit-{f}"),
+            Target::Lsm(h) => format!("lsm-{h}"),
+            Target::Tracepoint(c, n) => format!("tp-{c}-{n}"),
+            Target::RawTracepoint(n) => format!("raw_tp-{n}"),
+        }
+    }
+}
+
+/// Programs the daemon runs itself (`BPF_PROG_TEST_RUN`), loaded in every mode and never attached.
+pub(super) const RUN_PROGRAMS: [&str; 2] = [programs::SEED, programs::RELEASE];
+
+impl Probes {
+    fn attachments(&self) -> Vec<&'static Attachment> {
+        match (self.mode, self.tier) {
+            (AttachMode::Tracepoint, _) => TRACEPOINT_ATTACHMENTS.iter().collect(),
+            (AttachMode::Fentry, Tier::Deny) => LSM_ATTACHMENTS
+                .iter()
+                .chain(FENTRY_ATTACHMENTS.iter().filter(|a| {
+                    ![programs::FENTRY_IOCTL, programs::FENTRY_IOCTL_COMPAT].contains(&a.program)
+                }))
+                .chain(FENTRY_RETURN_ATTACHMENTS)
+                .collect(),
+            (AttachMode::Fentry, _) => FENTRY_ATTACHMENTS
+                .iter()
+                .chain(FENTRY_RETURN_ATTACHMENTS)
+                .collect(),
+        }
+    }
+
+    fn links_dir(&self) -> PathBuf {
+        let mut h = DefaultHasher::new();
+        OBJECT.hash(&mut h);
+        self.base_dir.join("links").join(format!(
+            "{:016x}-{}-{}",
+            h.finish(),
+            self.mode.as_str(),
+            self.tier.as_str()
+        ))
+    }
+
+    pub(super) fn attach_or_adopt(
+        &mut self,
+        kbtf: &btf::KernelBtf,
+        btf: &aya::Btf,
+    ) -> Result<(), ProbeError> {
+        let dir = self.links_dir();
+        let required_present = self
+            .attachments()
+            .iter()
+            .filter(|a| !a.optional)
+            .all(|a| PinnedLink::from_pin(dir.join(a.pin_name())).is_ok());
+        if required_present {
+            info!(dir = %dir.display(), mode = self.mode.as_str(), "adopting attached probes");
+            self.resumed = true;
+            return Ok(());
+        }
+        // Anything else under links/ is another object or mode: detach it before attaching, so
+        // no ioctl is counted twice.
+        let links_root = self.base_dir.join("links");
+        for entry in std::fs::read_dir(&links_root)
+            .map_err(io_err("read", &links_root))?
+            .flatten()
+        {
+            let path = entry.path();
+            info!(path = %path.display(), "detaching stale probes");
+            std::fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
+        }
+        std::fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
+        for a in self.attachments() {
+            let func = match a.target {
+                Target::Fentry(f) | Target::Fexit(f) => Some(f.to_owned()),
+                Target::Lsm(h) => Some(format!("bpf_lsm_{h}")),
+                _ => None,
+            };
+            if let Some(f) = func
+                && a.optional
+                && !kbtf.has_function(&f)
+            {
+                continue;
+            }
+            match self.attach_one(a, btf) {
+                Ok(link) => {
+                    let path = dir.join(a.pin_name());
+                    link.pin(&path).map_err(|source| ProbeError::Pin {
+                        path: path.clone(),
+                        source,
+                    })?;
+                    debug!(program = a.program, pin = %path.display(), "attached");
+                }
+                Err(e) if a.optional => {
+                    debug!(
+                        program = a.program,
+                        target = a.pin_name(),
+                        "optional attach skipped: {}",
+                        Chain(&e)
+                    )
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        info!(mode = self.mode.as_str(), dir = %dir.display(), "probes attached");
+        Ok(())
+    }
+
+    fn attach_one(&mut self, a: &Attachment, btf: &aya::Btf) -> Result<FdLink, ProbeError> {
+        let name = a.program;
+        let lerr = |source| ProbeError::LoadProgram { name, source };
+        let aerr = |source| ProbeError::Attach {
+            name,
+            target: a.target.to_string(),
+            source,
+        };
+        let prog = self
+            .ebpf
+            .program_mut(name)
+            .ok_or(ProbeError::NoProgram(name))?;
+        match a.target {
+            Target::Fentry(func) => {
+                let p: &mut FEntry = prog.try_into().map_err(aerr)?;
+                // An fentry program is bound to its target at load time.
+                if p.fd().is_err() {
+                    p.load(func, btf).map_err(lerr)?;
+                }
+                let id = p.attach().map_err(aerr)?;
+                Ok(p.take_link(id).map_err(aerr)?.into())
+            }
+            Target::Fexit(func) => {
+                let p: &mut FExit = prog.try_into().map_err(aerr)?;
+                if p.fd().is_err() {
+                    p.load(func, btf).map_err(lerr)?;
+                }
+                let id = p.attach().map_err(aerr)?;
+                Ok(p.take_link(id).map_err(aerr)?.into())
+            }
+            Target::Lsm(hook) => {
+                let p: &mut Lsm = prog.try_into().map_err(aerr)?;
+                if p.fd().is_err() {
+                    p.load(hook, btf).map_err(lerr)?;
+                }
+                let id = p.attach().map_err(aerr)?;
+                Ok(p.take_link(id).map_err(aerr)?.into())
+            }
+            Target::Tracepoint(cat, tp) => {
+                let p: &mut TracePoint = prog.try_into().map_err(aerr)?;
+                if p.fd().is_err() {
+                    p.load().map_err(lerr)?;
+                }
+                let id = p.attach(cat, tp).map_err(aerr)?;
+                let link = p.take_link(id).map_err(aerr)?;
+                FdLink::try_from(link).map_err(|source| ProbeError::NotALink {
+                    name,
+                    target: a.target.to_string(),
+                    source,
+                })
+            }
+            Target::RawTracepoint(tp) => {
+                let p: &mut RawTracePoint = prog.try_into().map_err(aerr)?;
+                if p.fd().is_err() {
+                    p.load().map_err(lerr)?;
+                }
+                let id = p.attach(tp).map_err(aerr)?;
+                Ok(p.take_link(id).map_err(aerr)?.into())
+            }
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! The maps from userspace: taking them from the loaded object, reading whole hash maps in
+//! batches, and writing the configuration the programs wait for.
+
+use aya::{
+    Ebpf,
+    maps::{Array, HashMap, MapData, PerCpuArray},
+};
+use gpud_common::{
+    Ancestry, CFG_EXIT_RELEASE, CFG_HAS_EXTRA_FILES, CFG_READY, DeviceKind, FileKey, IoctlCounts,
+    LimitValue, ObjEntry, ObjKey, ProbeConfig, ProcEntry, REACT_FREEZE, REACT_KILL, REACT_NOTIFY,
+    UsageKey, maps,
+};
+use tracing::debug;
+
+use super::{AttachMode, DynamicMajors, ExtraFile, ProbeError};
+use crate::{config::ReactAction, report::Chain};
+
+/// The maps the state owner reads and updates.
+pub struct KernelMaps {
+    pub procs: HashMap<MapData, u32, ProcEntry>,
+    pub cgroups: HashMap<MapData, u64, IoctlCounts>,
+    pub stats: PerCpuArray<MapData, u64>,
+    pub objects: HashMap<MapData, ObjKey, ObjEntry>,
+    pub usage: HashMap<MapData, UsageKey, u64>,
+    pub limits: HashMap<MapData, UsageKey, LimitValue>,
+    pub ancestry: HashMap<MapData, u64, Ancestry>,
+}
+
+/// Entries per `BPF_MAP_LOOKUP_BATCH` call: far more than a hash bucket ever holds (a bucket
+/// larger than the batch is refused with `ENOSPC`).
+const LOOKUP_BATCH: usize = 1024;
+
+/// Every entry of a hash map. Read in batches (one `bpf()` call per 1,024 entries instead of two
+/// per entry: the walks behind `ListCgroups`, the sweeps and the releases stay cheap with
+/// thousands of processes and objects); by key walk where the kernel refuses batches. Entries
+/// changing meanwhile may be seen or not, as with any walk of a live map.
+pub fn map_entries<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> Vec<(K, V)> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let fd = aya::maps::IterableMap::map(map).fd().as_fd().as_raw_fd();
+    match batch_entries(fd) {
+        Ok(v) => v,
+        Err(e) => {
+            debug!("batched map read refused ({}); walking keys", Chain(&e));
+            map.iter().filter_map(Result::ok).collect()
+        }
+    }
+}
+
+fn batch_entries<K: aya::Pod, V: aya::Pod>(fd: i32) -> std::io::Result<Vec<(K, V)>> {
+    let (ks, vs) = (size_of::<K>(), size_of::<V>());
+    let mut keys = vec![0u8; LOOKUP_BATCH * ks];
+    let mut values = vec![0u8; LOOKUP_BATCH * vs];
+    // Hash maps use a bucket index as the batch cursor; key-sized buffers hold it.
+    let mut cursor_in = vec![0u8; ks.max(8)];
+    let mut cursor_out = vec![0u8; ks.max(8)];
+    let opts = libbpf_sys::bpf_map_batch_opts {
+        sz: size_of::<libbpf_sys::bpf_map_batch_opts>() as _,
+        elem_flags: 0,
+        flags: 0,
+    };
+    let mut out = Vec::new();
+    let mut first = true;
+    loop {
+        let mut count = LOOKUP_BATCH as u32;
+        // SAFETY: the buffers hold `count` keys and values of the map's sizes (checked by aya
+        // when the map was taken) and cursors of at least the key size; libbpf writes no more.
+        let rc = unsafe {
+            libbpf_sys::bpf_map_lookup_batch(
+                fd,
+                if first {
+                    std::ptr::null_mut()
+                } else {
+                    cursor_in.as_mut_ptr().cast()
+                },
+                cursor_out.as_mut_ptr().cast(),
+                keys.as_mut_ptr().cast(),
+                values.as_mut_ptr().cast(),
+                &mut count,
+                &opts,
+            )
+        };
+        let done = match rc {
+            0 => false,
+            e if -e == libc::ENOENT => true,
+            e if -e == libc::EINTR => continue,
+            e => return Err(std::io::Error::from_raw_os_error(-e)),
+        };
+        let n = (count as usize).min(LOOKUP_BATCH);
+        for i in 0..n {
+            // SAFETY: in bounds (i < n ≤ LOOKUP_BATCH) and both types are plain old data;
+            // read_unaligned makes no assumption about the byte buffers' alignment.
+            let (k, v) = unsafe {
+                (
+                    std::ptr::read_unaligned(keys.as_ptr().add(i * ks).cast::<K>()),
+                    std::ptr::read_unaligned(values.as_ptr().add(i * vs).cast::<V>()),
+                )
+            };
+            out.push((k, v));
+        }
+        if done {
+            return Ok(out);
+        }
+        std::mem::swap(&mut cursor_in, &mut cursor_out);
+        first = false;
+    }
+}
+
+pub(super) fn write_config(
+    ebpf: &mut Ebpf,
+    offsets: gpud_common::KernelOffsets,
+    majors: DynamicMajors,
+    extra: &[ExtraFile],
+    mode: AttachMode,
+    react: ReactAction,
+) -> Result<(), ProbeError> {
+    let map_err = |name| move |source| ProbeError::WriteMap { name, source };
+    let mut files: HashMap<_, FileKey, u32> =
+        HashMap::try_from(map_mut(ebpf, maps::EXTRA_FILES)?).map_err(map_err(maps::EXTRA_FILES))?;
+    // The pinned map may hold a previous daemon's list: make it exactly the configured one.
+    let stale: Vec<FileKey> = files
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| !extra.iter().any(|e| e.key == *k))
+        .collect();
+    for k in stale {
+        files.remove(&k).map_err(map_err(maps::EXTRA_FILES))?;
+    }
+    for e in extra {
+        files
+            .insert(e.key, DeviceKind::Control as u32, 0)
+            .map_err(map_err(maps::EXTRA_FILES))?;
+    }
+    let mut config: Array<_, ProbeConfig> =
+        Array::try_from(map_mut(ebpf, maps::CONFIG)?).map_err(map_err(maps::CONFIG))?;
+    let value = ProbeConfig {
+        offsets,
+        uvm_major: majors.uvm,
+        caps_major: majors.caps,
+        caps_imex_major: majors.caps_imex,
+        flags: CFG_READY
+            | if extra.is_empty() {
+                0
+            } else {
+                CFG_HAS_EXTRA_FILES
+            }
+            | match mode {
+                AttachMode::Tracepoint => CFG_EXIT_RELEASE,
+                AttachMode::Fentry => 0,
+            },
+        react_action: match react {
+            ReactAction::Kill => REACT_KILL,
+            ReactAction::Freeze => REACT_FREEZE,
+            ReactAction::Notify => REACT_NOTIFY,
+        },
+        _pad: 0,
+    };
+    config.set(0, value, 0).map_err(map_err(maps::CONFIG))
+}
+
+/// Takes map `name` out of the loaded object, as the map type `T`.
+pub(super) fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, ProbeError>
+where
+    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(ProbeError::NoMap(name))?;
+    T::try_from(map).map_err(|source| ProbeError::TakeMap { name, source })
+}
+
+fn map_mut<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut aya::maps::Map, ProbeError> {
+    ebpf.map_mut(name).ok_or(ProbeError::NoMap(name))
+}

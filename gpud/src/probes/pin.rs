@@ -1,0 +1,134 @@
+//! The pin directory: mounting bpffs, where gpud pins under it, and the hygiene that runs before
+//! pins are adopted (other ABI versions, maps of a foreign layout, a resized event ring).
+
+use std::{
+    ffi::CString,
+    path::{Path, PathBuf},
+};
+
+use gpud_common::{
+    ABI_VERSION, Ancestry, FileKey, IoctlCounts, LimitValue, ObjEntry, ObjKey, Pending,
+    ProbeConfig, ProcEntry, UsageKey, maps,
+};
+use tracing::{info, warn};
+
+use super::{ProbeError, io_err};
+
+pub const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+pub(super) const TRACEFS_MAGIC: i64 = 0x7472_6163;
+pub(super) const TRACEFS: &str = "/sys/kernel/tracing";
+
+/// The pin directory for this ABI under `bpffs`.
+pub fn pin_base(bpffs: &Path) -> PathBuf {
+    bpffs.join("gpud").join(format!("v{ABI_VERSION}"))
+}
+
+/// Mounts `fstype` at `path` unless a filesystem with `magic` is already there.
+pub fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), ProbeError> {
+    let mount_err = |source| ProbeError::Mount {
+        fstype: fstype.to_owned(),
+        path: path.to_owned(),
+        source,
+    };
+    let invalid = |e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+    let c_path =
+        CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| mount_err(invalid(e)))?;
+    // A directory inside an existing mount of the right type is fine (e.g. a subdirectory of
+    // /sys/fs/bpf): create it first so statfs sees what contains it.
+    std::fs::create_dir_all(path).map_err(io_err("create", path))?;
+    // SAFETY: statfs writes into a zeroed struct we own; c_path is NUL-terminated.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } == 0 && st.f_type == magic {
+        return Ok(());
+    }
+    let c_type = CString::new(fstype).map_err(|e| mount_err(invalid(e)))?;
+    // SAFETY: all pointers are valid NUL-terminated strings; data is null.
+    let rc = unsafe {
+        libc::mount(
+            c_type.as_ptr(),
+            c_path.as_ptr(),
+            c_type.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(mount_err(std::io::Error::last_os_error()));
+    }
+    info!(path = %path.display(), fstype, "mounted");
+    Ok(())
+}
+
+/// Key and value sizes of every pinned map, as this build defines them.
+pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 12] {
+    use std::mem::size_of;
+    [
+        (maps::OBJECTS, size_of::<ObjKey>(), size_of::<ObjEntry>()),
+        (maps::USAGE, size_of::<UsageKey>(), size_of::<u64>()),
+        (maps::LIMITS, size_of::<UsageKey>(), size_of::<LimitValue>()),
+        (maps::ANCESTRY, size_of::<u64>(), size_of::<Ancestry>()),
+        (maps::PENDING, size_of::<u64>(), size_of::<Pending>()),
+        (maps::CONFIG, size_of::<u32>(), size_of::<ProbeConfig>()),
+        (maps::EXTRA_FILES, size_of::<FileKey>(), size_of::<u32>()),
+        (maps::PROCS, size_of::<u32>(), size_of::<ProcEntry>()),
+        (maps::CGROUPS, size_of::<u64>(), size_of::<IoctlCounts>()),
+        (maps::STATS, size_of::<u32>(), size_of::<u64>()),
+        (maps::TRACKED, size_of::<u32>(), size_of::<u64>()),
+        (maps::EVENTS, 0, 0),
+    ]
+}
+
+/// A pinned ring buffer is adopted as it is (the programs attached to it keep sending): a new
+/// size applies once the pins are gone. Say so rather than silently run with the old size.
+pub(super) fn warn_if_pinned_ring_differs(base_dir: &Path, want: u32) {
+    if let Ok(info) = aya::maps::MapInfo::from_pin(base_dir.join(maps::EVENTS))
+        && info.max_entries() != want
+    {
+        warn!(
+            pinned_kib = info.max_entries() / 1024,
+            configured_kib = want / 1024,
+            "the pinned event ring keeps its size until the pins are removed (probes.events_ring_kib)"
+        );
+    }
+}
+
+/// Pinned maps whose key or value size differs from this build's (an ABI change without a
+/// version bump) would be read with the wrong layout: detach and remove them all, and start from
+/// empty maps, rather than count into garbage.
+pub(super) fn remove_if_foreign_layout(base_dir: &Path) -> Result<(), ProbeError> {
+    for (name, key, value) in expected_layouts() {
+        let path = base_dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let matches = aya::maps::MapInfo::from_pin(&path).is_ok_and(|info| {
+            info.key_size() as usize == key && info.value_size() as usize == value
+        });
+        if !matches {
+            warn!(
+                map = name,
+                dir = %base_dir.display(),
+                "pinned map has another layout than this build; removing the pins and starting from empty maps"
+            );
+            return std::fs::remove_dir_all(base_dir).map_err(io_err("remove", base_dir));
+        }
+    }
+    Ok(())
+}
+
+/// Removes pins of other ABI versions: their programs would count with a foreign layout.
+pub(super) fn remove_other_abi_versions(bpffs: &Path) -> Result<(), ProbeError> {
+    let root = bpffs.join("gpud");
+    let Ok(entries) = std::fs::read_dir(&root) else {
+        return Ok(());
+    };
+    let current = format!("v{ABI_VERSION}");
+    for entry in entries.flatten() {
+        if entry.file_name() != current.as_str() {
+            let path = entry.path();
+            warn!(path = %path.display(), "removing pins of another ABI version");
+            std::fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
+        }
+    }
+    Ok(())
+}
