@@ -328,10 +328,16 @@ async fn pinned_maps_of_another_layout_are_replaced_not_used() {
         sz: size_of::<libbpf_sys::bpf_map_create_opts>() as _,
         ..Default::default()
     };
-    let mut foreign =
-        libbpf_rs::MapHandle::create(libbpf_rs::MapType::Hash, Some("CGROUPS"), 8, 4, 16, &opts)
-            .unwrap();
-    foreign.pin(base.join("CGROUPS")).unwrap();
+    let mut foreign = libbpf_rs::MapHandle::create(
+        libbpf_rs::MapType::Hash,
+        Some(gpud_common::maps::CGROUPS),
+        8,
+        4,
+        16,
+        &opts,
+    )
+    .unwrap();
+    foreign.pin(base.join(gpud_common::maps::CGROUPS)).unwrap();
     drop(foreign);
 
     rig.start(rig.config().extra_paths([&ctl])).await;

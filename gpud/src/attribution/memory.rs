@@ -275,7 +275,8 @@ impl Attribution {
                 warn!(
                     client = key.client,
                     object = key.object,
-                    "release failed: {err}"
+                    "release failed: {}",
+                    crate::report::Chain(&err)
                 );
                 0
             }
