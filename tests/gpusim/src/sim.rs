@@ -273,7 +273,6 @@ impl Sim {
                 if let Some(at) = next {
                     self.schedule_wake(i, at);
                 }
-                self.maybe_exit(i);
             }
         }
     }
@@ -301,13 +300,18 @@ impl Sim {
         }
     }
 
-    fn maybe_exit(&mut self, i: usize) {
-        let t = &self.tenants[i];
-        let g = t.spec.gpu as usize;
-        if t.host == Host::Stopped && !t.exited && self.gpus[g].engine.pending(t.tsg) == 0 {
-            let tsg = t.tsg;
-            self.tenants[i].exited = true;
-            self.infos[i].running = false;
+    /// The process exits: RM frees its channel group, dropping the work still queued.
+    fn exit(&mut self, i: usize) {
+        let t = &mut self.tenants[i];
+        if t.exited {
+            return;
+        }
+        let started = t.host != Host::NotStarted;
+        t.stop();
+        t.exited = true;
+        let (g, tsg) = (t.spec.gpu as usize, t.tsg);
+        self.infos[i].running = false;
+        if started {
             self.gpus[g].engine.remove_tsg(tsg);
         }
     }
@@ -316,6 +320,9 @@ impl Sim {
         match ev {
             Ev::Start(i) => {
                 let t = &mut self.tenants[i];
+                if t.exited {
+                    return;
+                }
                 let g = t.spec.gpu as usize;
                 // The process creates its context: a fresh TSG at the default timeslice.
                 let tsg = self.gpus[g].engine.add_tsg(t.spec.pid);
@@ -330,10 +337,7 @@ impl Sim {
                     self.act(i);
                 }
             }
-            Ev::Stop(i) => {
-                self.tenants[i].stop();
-                self.maybe_exit(i);
-            }
+            Ev::Stop(i) => self.exit(i),
             Ev::Wake(i, g) => {
                 if self.tenants[i].wake_gen == g {
                     self.act(i);

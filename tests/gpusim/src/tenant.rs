@@ -100,7 +100,8 @@ pub struct TenantSpec {
     pub workload: Workload,
     pub limits: Limits,
     pub start: Nanos,
-    /// When it stops issuing work; its context goes once its queue has drained.
+    /// When the process exits: its channel group is freed and the work still queued dropped
+    /// (a neighbour that goes away, not one that winds down).
     pub stop: Option<Nanos>,
     pub host: HostParams,
     /// Kernel durations vary uniformly by ± this fraction (real kernels do; it also keeps fixed

@@ -371,3 +371,33 @@ fn with_exact_samples_and_short_queues_the_old_controller_meets_a_cap() {
     let a = o.share("a", 5 * SEC, 40 * SEC);
     assert!((a - 30.0).abs() < 1.5, "{a}");
 }
+
+#[test]
+fn a_tenant_that_exits_leaves_with_its_queue() {
+    struct Watch(Vec<usize>);
+    impl Controller for Watch {
+        fn on_sample(&mut self, ctx: &mut Ctx<'_>) {
+            let n = ctx
+                .nvml()
+                .running_compute_processes(0)
+                .expect("GPU 0")
+                .len();
+            self.0.push(n);
+        }
+    }
+    let specs = vec![
+        TenantSpec::new("a", 101, saturating(2 * MS, 1024), Limits::default()),
+        TenantSpec::new("b", 102, saturating(2 * MS, 1024), Limits::default()).stopping(SEC),
+    ];
+    let mut sim = Sim::new(SimParams::default(), specs);
+    let mut w = Watch(Vec::new());
+    sim.run(&mut w, SEC);
+    let (a_at_exit, b_at_exit) = (sim.busy(0), sim.busy(1));
+    sim.run(&mut w, 3 * SEC);
+    // Its channel group is freed with the ~2 s of work it had queued: the GPU is a's at once.
+    assert_eq!(sim.busy(1), b_at_exit);
+    let a = sim.busy(0) - a_at_exit;
+    assert!(a > 2 * SEC - 5 * MS, "{}", a / MS);
+    assert_eq!(w.0.first(), Some(&2));
+    assert_eq!(w.0.last(), Some(&1));
+}
