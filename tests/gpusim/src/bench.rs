@@ -168,6 +168,8 @@ pub struct CaseResult {
     pub mode: Firmware,
     pub tenants: Vec<TenantResult>,
     pub lc_p99_ratio: Option<f64>,
+    /// LC's p50, p99 and solo p99 latencies (ms).
+    pub lc_ms: Option<(f64, f64, f64)>,
     pub be_idle_pct: Option<f64>,
     pub pass: Option<bool>,
 }
@@ -494,6 +496,10 @@ fn merge(mut runs: Vec<CaseResult>) -> CaseResult {
             .zip(other.lc_p99_ratio)
             .map(|(a, b)| a.max(b));
         r.be_idle_pct = r.be_idle_pct.zip(other.be_idle_pct).map(|(a, b)| a.min(b));
+        r.lc_ms = r
+            .lc_ms
+            .zip(other.lc_ms)
+            .map(|(a, b)| (a.0.max(b.0), a.1.max(b.1), a.2.max(b.2)));
         r.pass = r.pass.zip(other.pass).map(|(a, b)| a && b);
     }
     for t in &mut r.tenants {
@@ -520,7 +526,7 @@ fn judge(case: &Case, out: &Outcome, solo: &Mutex<BTreeMap<String, Nanos>>) -> C
                 .flatten()
                 .is_some_and(|ms| ms * MS <= c.settle_limit)
     });
-    let (mut lc_p99_ratio, mut be_idle_pct) = (None, None);
+    let (mut lc_p99_ratio, mut lc_ms, mut be_idle_pct) = (None, None, None);
     if let Some((lc, be, from, to)) = &case.lc_be {
         // LC alone, same arrivals (its own random stream), no controller needed.
         let key = format!(
@@ -540,8 +546,12 @@ fn judge(case: &Case, out: &Outcome, solo: &Mutex<BTreeMap<String, Nanos>>) -> C
             solo.lock().expect("solo cache").insert(key, p99);
             p99
         });
-        let p99 = out.latency(lc, *from, *to).map_or(Nanos::MAX, |l| l.p99);
+        let (p50, p99) = out
+            .latency(lc, *from, *to)
+            .map_or((Nanos::MAX, Nanos::MAX), |l| (l.p50, l.p99));
         let ratio = p99 as f64 / solo_p99.max(1) as f64;
+        let ms = |t: Nanos| t as f64 / MS as f64;
+        lc_ms = Some((ms(p50), ms(p99), ms(solo_p99)));
         let idle = out.idle_share(be, lc, *from, *to);
         let lc_share = out.share(lc, *from, *to);
         tenants.push(TenantResult {
@@ -567,6 +577,7 @@ fn judge(case: &Case, out: &Outcome, solo: &Mutex<BTreeMap<String, Nanos>>) -> C
         mode: case.mode,
         tenants,
         lc_p99_ratio,
+        lc_ms,
         be_idle_pct,
         pass: (!case.report_only).then_some(pass),
     }
@@ -612,6 +623,12 @@ struct JsonLine<'a> {
     tenants: Vec<JsonTenant<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     lc_p99_ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lc_p50_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lc_p99_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lc_solo_p99_ms: Option<f64>,
     /// Percent of the time LC left idle that BE ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     be_idle_pct: Option<f64>,
@@ -646,6 +663,9 @@ pub fn to_json(r: &CaseResult) -> String {
             })
             .collect(),
         lc_p99_ratio: r.lc_p99_ratio.map(round3),
+        lc_p50_ms: r.lc_ms.map(|l| round3(l.0)),
+        lc_p99_ms: r.lc_ms.map(|l| round3(l.1)),
+        lc_solo_p99_ms: r.lc_ms.map(|l| round3(l.2)),
         be_idle_pct: r.be_idle_pct.map(round2),
         // The bound is the next controller's to define (issue 17, item 4).
         beyond_bound: false,
@@ -667,8 +687,8 @@ pub fn table(results: &[CaseResult]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<32} {:<8} {:<6} {:<22} tenant target → achieved % of GPU (settling time)",
-        "scenario", "mode", "result", "LC p99 / BE idle share"
+        "{:<32} {:<8} {:<6} {:<30} tenant target → achieved % of GPU (settling time)",
+        "scenario", "mode", "result", "LC p99 / solo, BE idle share"
     );
     for r in results {
         let shares = r
@@ -686,8 +706,8 @@ pub fn table(results: &[CaseResult]) -> String {
             .collect::<Vec<_>>()
             .join(", ");
         let mut other = Vec::new();
-        if let Some(x) = r.lc_p99_ratio {
-            other.push(format!("p99 ×{x:.2}"));
+        if let (Some(x), Some((_, p99, solo))) = (r.lc_p99_ratio, r.lc_ms) {
+            other.push(format!("p99 {p99:.1}/{solo:.1}ms ×{x:.2}"));
         }
         if let Some(x) = r.be_idle_pct {
             other.push(format!("BE idle {x:.0}%"));
@@ -699,7 +719,7 @@ pub fn table(results: &[CaseResult]) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<32} {:<8} {verdict:<6} {:<22} {shares}",
+            "{:<32} {:<8} {verdict:<6} {:<30} {shares}",
             r.scenario,
             r.mode.as_str(),
             other.join(", ")

@@ -401,3 +401,34 @@ fn a_tenant_that_exits_leaves_with_its_queue() {
     assert_eq!(w.0.first(), Some(&2));
     assert_eq!(w.0.last(), Some(&1));
 }
+
+#[test]
+fn each_gpu_has_its_own_engine_and_samples() {
+    let p = SimParams {
+        gpus: 2,
+        ..SimParams::default()
+    };
+    let mut b = TenantSpec::new("b", 102, saturating(2 * MS, 64), Limits::default());
+    b.gpu = 1;
+    let specs = vec![
+        TenantSpec::new("a", 101, saturating(2 * MS, 64), Limits::default()),
+        b,
+    ];
+    struct PerGpu(Vec<Vec<u32>>);
+    impl Controller for PerGpu {
+        fn on_sample(&mut self, ctx: &mut Ctx<'_>) {
+            let nvml = ctx.nvml();
+            for g in 0..2 {
+                let pids = nvml.running_compute_processes(g).expect("GPU");
+                self.0[g as usize] = pids.iter().map(|p| p.pid).collect();
+            }
+        }
+    }
+    let mut sim = Sim::new(p, specs);
+    let mut c = PerGpu(vec![Vec::new(); 2]);
+    sim.run(&mut c, 2 * SEC);
+    assert_eq!(c.0, vec![vec![101], vec![102]]);
+    for i in 0..2 {
+        assert!(sim.busy(i) > 1_990 * MS, "{}", sim.busy(i) / MS);
+    }
+}
