@@ -666,6 +666,52 @@ mod tests {
     }
 
     #[test]
+    fn random_submissions_and_controls_keep_the_books_straight() {
+        for (seed, preemption) in [
+            (1, Preemption::Instruction),
+            (2, Preemption::KernelBoundary),
+        ] {
+            let mut rng = crate::rng::Rng::new(seed);
+            let mut e = engine(|p| p.preemption = preemption);
+            let tsgs: Vec<TsgId> = (0..4).map(|i| e.add_tsg(i)).collect();
+            let mut submitted = 0;
+            let mut t = 0;
+            for _ in 0..20_000 {
+                t += (rng.unit() * 200.0 * US as f64) as Nanos;
+                e.advance_to(t);
+                let tsg = tsgs[(rng.next_u64() % 4) as usize];
+                let control = match rng.next_u64() % 10 {
+                    0 => Some(Control::Schedule(rng.unit() < 0.7)),
+                    1 => Some(Control::Preempt),
+                    2 => Some(Control::DisableChannels(rng.unit() < 0.3)),
+                    3 => Some(Control::SetTimeslice(rng.next_u64() % 5_000)),
+                    _ => None,
+                };
+                match control {
+                    Some(c) => assert_eq!(e.control(tsg, c), RmStatus::Ok),
+                    None => {
+                        let d = 1 + rng.next_u64() % (3 * MS);
+                        e.submit(tsg, d, 0);
+                        submitted += d;
+                    }
+                }
+            }
+            for &tsg in &tsgs {
+                e.control(tsg, Control::Schedule(true));
+                e.control(tsg, Control::DisableChannels(false));
+            }
+            let end = t + submitted + 10 * crate::SEC;
+            e.advance_to(end);
+            let busy: Nanos = tsgs.iter().map(|&x| e.busy(x)).sum();
+            assert_eq!(busy, e.device_busy());
+            // Everything submitted ran, exactly once.
+            assert_eq!(busy, submitted, "{preemption:?}");
+            assert!(tsgs.iter().all(|&x| e.pending(x) == 0));
+            assert_eq!(e.next_event_time(), None);
+        }
+    }
+
+    #[test]
     fn a_preempted_tsg_waits_its_turn() {
         let mut e = engine(|_| {});
         let (a, b) = (e.add_tsg(1), e.add_tsg(2));
