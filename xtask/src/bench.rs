@@ -2,6 +2,9 @@
 //! mode, and tracepoint mode on the same kernel for the ratio between the two). Each run of
 //! `gpud-bench` prints one `BENCH JSON: {…}` line; they are collected into
 //! target/bench/results.json and printed.
+//!
+//! `cargo xtask bench compute`: compute shares on the simulated GPU (`gpusim-bench`), printed as
+//! it prints them.
 
 use std::{process::Command, time::Duration};
 
@@ -23,6 +26,30 @@ fn parse(out: &str) -> anyhow::Result<Value> {
         .find_map(|l| l.trim().strip_prefix(MARK))
         .with_context(|| format!("bench: gpud-bench printed no `{MARK}` line"))?;
     serde_json::from_str(line).context("bench: gpud-bench's JSON does not parse")
+}
+
+/// `cargo xtask bench compute [--quick] [--json] [--controller NAME]`: builds and runs
+/// `gpusim-bench` (dev profile: gpusim itself is optimized there, see the workspace manifest).
+/// Its output goes straight to stdout; misses against the targets are reported, not failures.
+pub fn compute(quick: bool, json: bool, controller: &str) -> anyhow::Result<()> {
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--quiet",
+        "-p",
+        "gpusim",
+        "--bin",
+        "gpusim-bench",
+        "--",
+    ]);
+    if quick {
+        cmd.arg("--quick");
+    }
+    if json {
+        cmd.arg("--json");
+    }
+    cmd.args(["--controller", controller]);
+    run_cmd("bench compute: gpusim-bench", &mut cmd)
 }
 
 pub fn run(vm: bool) -> anyhow::Result<()> {

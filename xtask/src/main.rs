@@ -43,11 +43,13 @@ enum Task {
         no_lint: bool,
     },
     /// Measure the probes' overhead (host: tracepoints; VM: fentry and tracepoints), write
-    /// target/bench/results.json.
+    /// target/bench/results.json; `bench compute`: compute shares on the simulated GPU.
     Bench {
         /// Skip the VM runs.
         #[arg(long)]
         no_vm: bool,
+        #[command(subcommand)]
+        what: Option<BenchWhat>,
     },
     /// Run the fuzz targets with many cases (PROPTEST_CASES) and more corrupted RM calls
     /// through the real probes. The RM run needs root.
@@ -94,6 +96,25 @@ enum Task {
     },
 }
 
+/// A benchmark other than the default overhead run.
+#[derive(Subcommand)]
+enum BenchWhat {
+    /// Compute shares on the simulated GPU (tests/gpusim, virtual time): the policy matrix
+    /// across kernel durations, queue depths and firmware modes, LC vs BE, and the H100
+    /// reproduction; pass/miss per case (the exit status does not depend on them).
+    Compute {
+        /// A representative subset (a few minutes at most on 2 cores).
+        #[arg(long)]
+        quick: bool,
+        /// One JSON object per line and case instead of the table.
+        #[arg(long)]
+        json: bool,
+        /// The controller under test (`old`: gpud's current one; `none`: no control).
+        #[arg(long, default_value = "old")]
+        controller: String,
+    },
+}
+
 /// Where `install` and `uninstall` work.
 #[derive(clap::Args)]
 struct LayoutArgs {
@@ -131,7 +152,16 @@ fn main() -> ExitCode {
         Task::Setup => setup::run(),
         Task::Run { args } => run::run(&args),
         Task::Test { no_vm, no_lint } => test::run(!no_vm, !no_lint),
-        Task::Bench { no_vm } => bench::run(!no_vm),
+        Task::Bench {
+            what:
+                Some(BenchWhat::Compute {
+                    quick,
+                    json,
+                    controller,
+                }),
+            ..
+        } => bench::compute(quick, json, &controller),
+        Task::Bench { no_vm, what: None } => bench::run(!no_vm),
         Task::Fuzz { cases, rm_rounds } => fuzz::run(cases, rm_rounds),
         Task::Soak { minutes } => soak::run(std::time::Duration::from_secs(minutes * 60)),
         Task::Install { layout, bin_dir } => install::install(&layout.layout(), bin_dir.as_deref()),

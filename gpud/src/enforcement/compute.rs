@@ -7,6 +7,10 @@
 //! policies into a target per cgroup, and a duty cycle per cgroup into freeze/thaw times within a
 //! period. This module owns the duty cycles, what it froze, and the throttling statistics; it runs
 //! as a task of its own and gets its inputs from the state task over a watch channel.
+//!
+//! The decisions ([`Controller::update`], [`Controller::plan`]) take the time as an argument and
+//! do no I/O, so the simulated GPU (tests/gpusim) can drive the same controller in virtual time;
+//! [`Controller::period`] and [`run`] do the real clock and `cgroup.freeze` writes.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -152,6 +156,19 @@ struct Slot {
     stat: ComputeStat,
 }
 
+/// What one period does, decided from the duties alone: thaw `thaw` at the start, freeze each of
+/// `freeze` at its time, then [`Controller::release_gone`]; the period ends at `end`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeriodPlan {
+    /// Frozen cgroups that may run in this period.
+    pub thaw: Vec<String>,
+    /// cgroups to freeze at the end of their share, earliest first.
+    pub freeze: Vec<(Instant, String)>,
+    /// cgroups that started being throttled in this period.
+    pub started: Vec<String>,
+    pub end: Instant,
+}
+
 /// The controller: duty cycles per cgroup, actuated every `period`.
 pub struct Controller {
     root: PathBuf,
@@ -187,8 +204,8 @@ impl Controller {
         }
     }
 
-    /// Updates duty cycles from a new sample.
-    pub fn update(&mut self, input: &ControlInput) {
+    /// Updates duty cycles from a new sample taken at about `now`.
+    pub fn update(&mut self, input: &ControlInput, now: Instant) {
         self.memory_frozen = input.memory_frozen.clone();
         let mut seen: BTreeSet<(String, u32)> = BTreeSet::new();
         let mut measured: BTreeMap<String, (f64, f64)> = BTreeMap::new();
@@ -197,7 +214,6 @@ impl Controller {
                 .iter()
                 .map(|c| {
                     let key = (c.path.clone(), gpu);
-                    let now = Instant::now();
                     let prev = self.util.get(&key).copied();
                     // No sample for a while: it did not use the GPU.
                     let sample = match (c.util, prev) {
@@ -278,24 +294,24 @@ impl Controller {
             .fold(1.0, f64::min)
     }
 
-    /// One period: thaw whoever may run, freeze each at the end of its share. Returns the
-    /// cgroups that started being throttled.
-    pub async fn period(&mut self) -> Vec<String> {
-        let start = Instant::now();
-        let paths: Vec<String> = self.duties.keys().map(|(p, _)| p.clone()).collect();
-        let mut plan: Vec<(f64, String)> = Vec::new();
+    /// Plans the period starting at `start`: who is thawed, who is frozen when, and who started
+    /// being throttled; updates the duty and throttling statistics. What was actually written is
+    /// reported back with [`Controller::set_frozen`].
+    pub fn plan(&mut self, start: Instant) -> PeriodPlan {
+        let paths: BTreeSet<String> = self.duties.keys().map(|(p, _)| p.clone()).collect();
+        let mut thaw = Vec::new();
+        let mut throttled_now: Vec<(f64, String)> = Vec::new();
         let mut started = Vec::new();
-        for path in paths.into_iter().collect::<BTreeSet<_>>() {
+        for path in paths {
             if self.memory_frozen.contains(&path) {
                 continue;
             }
             let duty = self.duty_of(&path);
             let throttled = duty < 0.999;
-            let was_frozen = self.slots.get(&path).is_some_and(|s| s.frozen);
-            if duty > 0.0 && was_frozen && self.write_freeze(&path, false) {
-                self.slots.entry(path.clone()).or_default().frozen = false;
-            }
             let slot = self.slots.entry(path.clone()).or_default();
+            if duty > 0.0 && slot.frozen {
+                thaw.push(path.clone());
+            }
             slot.stat.duty = duty * 100.0;
             if throttled {
                 slot.stat.nr_throttled += 1;
@@ -306,18 +322,30 @@ impl Controller {
             }
             slot.throttled = throttled;
             if throttled {
-                plan.push((duty, path));
+                throttled_now.push((duty, path));
             }
         }
-        plan.sort_by(|a, b| a.0.total_cmp(&b.0));
-        for (duty, path) in plan {
-            let at = start + self.period.mul_f64(duty);
-            tokio::time::sleep_until(at.into()).await;
-            if self.write_freeze(&path, true) {
-                self.slots.entry(path).or_default().frozen = true;
-            }
+        throttled_now.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let freeze = throttled_now
+            .into_iter()
+            .map(|(duty, path)| (start + self.period.mul_f64(duty), path))
+            .collect();
+        PeriodPlan {
+            thaw,
+            freeze,
+            started,
+            end: start + self.period,
         }
-        // Slots of cgroups no longer controlled: thawed, forgotten.
+    }
+
+    /// Records that `cgroup.freeze` of `path` was written (`frozen`: with 1).
+    pub fn set_frozen(&mut self, path: &str, frozen: bool) {
+        self.slots.entry(path.to_owned()).or_default().frozen = frozen;
+    }
+
+    /// Forgets the cgroups no longer controlled; returns those of them to thaw (frozen here, not
+    /// by the memory enforcement).
+    pub fn release_gone(&mut self) -> Vec<String> {
         let controlled: BTreeSet<String> = self.duties.keys().map(|(p, _)| p.clone()).collect();
         let gone: Vec<String> = self
             .slots
@@ -325,14 +353,37 @@ impl Controller {
             .filter(|p| !controlled.contains(*p))
             .cloned()
             .collect();
+        let mut thaw = Vec::new();
         for p in gone {
             if self.slots.get(&p).is_some_and(|s| s.frozen) && !self.memory_frozen.contains(&p) {
-                self.write_freeze(&p, false);
+                thaw.push(p.clone());
             }
             self.slots.remove(&p);
         }
-        tokio::time::sleep_until((start + self.period).into()).await;
-        started
+        thaw
+    }
+
+    /// One period: thaw whoever may run, freeze each at the end of its share. Returns the
+    /// cgroups that started being throttled.
+    pub async fn period(&mut self) -> Vec<String> {
+        let plan = self.plan(Instant::now());
+        for path in &plan.thaw {
+            if self.write_freeze(path, false) {
+                self.set_frozen(path, false);
+            }
+        }
+        for (at, path) in &plan.freeze {
+            tokio::time::sleep_until((*at).into()).await;
+            if self.write_freeze(path, true) {
+                self.set_frozen(path, true);
+            }
+        }
+        // Slots of cgroups no longer controlled: thawed, forgotten.
+        for p in self.release_gone() {
+            self.write_freeze(&p, false);
+        }
+        tokio::time::sleep_until(plan.end.into()).await;
+        plan.started
     }
 
     pub fn stats(&self) -> BTreeMap<String, ComputeStat> {
@@ -380,7 +431,7 @@ pub async fn run(
             let current = input.borrow_and_update().clone();
             if current.seq != seq {
                 seq = current.seq;
-                controller.update(&current);
+                controller.update(&current, Instant::now());
             }
         }
         tokio::select! {
