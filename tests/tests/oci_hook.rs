@@ -59,8 +59,10 @@ fn strs(v: &[String]) -> Vec<&str> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn runc_container_gets_the_annotated_limits_and_loses_them_on_delete() {
-    let mut rig = Rig::new("oci-limits");
+    // The annotations name GPU 0: gpud checks it against NVML.
+    let mut rig = Rig::new("oci-limits").fake_gpus(1);
     rig.start(config(&rig)).await;
+    rig.wait_for_gpus(1).await;
     let dir = rig.path();
     let runc = Runc::new(dir);
     let parent = Cgroup::new("oci");

@@ -21,6 +21,7 @@
 pub mod bench;
 pub mod control;
 pub mod engine;
+pub mod law;
 pub mod nvml;
 pub mod old;
 pub mod rng;

@@ -12,6 +12,8 @@
 //! do no I/O, so the simulated GPU (tests/gpusim) can drive the same controller in virtual time;
 //! [`Controller::period`] and [`run`] do the real clock and `cgroup.freeze` writes.
 
+pub mod law;
+
 use std::{
     collections::{BTreeMap, BTreeSet},
     path::PathBuf,
