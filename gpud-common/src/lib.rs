@@ -312,6 +312,9 @@ pub const OBJ_DEVICE: u32 = 2;
 pub const OBJ_SUBDEVICE: u32 = 3;
 /// `ObjEntry::kind`: video memory (`NV01_MEMORY_LOCAL_USER`), the only kind that is charged.
 pub const OBJ_MEMORY: u32 = 4;
+/// `ObjEntry::kind`: a channel group (`KEPLER_CHANNEL_GROUP_A`): what the compute controller
+/// takes on and off the runlist for its process.
+pub const OBJ_CHANNEL_GROUP: u32 = 5;
 
 /// Key of the `OBJECTS` map: RM handles are unique only within their client.
 #[repr(C)]

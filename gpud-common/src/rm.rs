@@ -61,6 +61,9 @@ pub mod class {
     pub const MEMORY_SYSTEM: u32 = 0x3e;
     /// `NV50_MEMORY_VIRTUAL`: a GPU virtual-address reservation (no physical memory).
     pub const MEMORY_VIRTUAL: u32 = 0x50a0;
+    /// `KEPLER_CHANNEL_GROUP_A`: a channel group (TSG), the unit the GPU's scheduler time-slices;
+    /// parent a device (gpu-scheduler-controls.md §2).
+    pub const CHANNEL_GROUP: u32 = 0xa06c;
 
     /// Whether `hClass` allocates a client.
     #[inline(always)]
@@ -277,6 +280,81 @@ pub struct Nv2080AllocParams {
 /// Generated client handles are `RS_CLIENT_HANDLE_BASE | index` (index in bits 19:0), unique
 /// among live clients.
 pub const RS_CLIENT_HANDLE_BASE: Handle = 0xc1d0_0000;
+/// `NVOS54_PARAMETERS` (`NV_ESC_RM_CONTROL`, 32 bytes, nvos.h L2233-2242): a control `cmd` on
+/// an object, with its parameters at a user pointer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Nvos54 {
+    /// The client.
+    pub h_client: Handle,
+    /// The object the control addresses.
+    pub h_object: Handle,
+    /// `(class << 16) | (category << 8) | message`.
+    pub cmd: u32,
+    /// `NVOS54_FLAGS_*` (0: raw parameter struct).
+    pub flags: u32,
+    /// User pointer to the control's parameters.
+    pub params: u64,
+    /// Size of the parameters (the driver checks it against the control's struct).
+    pub params_size: u32,
+    /// OUT: `NV_STATUS`.
+    pub status: u32,
+}
+
+/// Controls of a channel group (`KEPLER_CHANNEL_GROUP_A`, ctrla06c.h) that decide how the GPU
+/// divides its time: their numbers and parameter structs.
+pub mod tsg {
+    /// `NVA06C_CTRL_CMD_GPFIFO_SCHEDULE`: the group on (or off) the runlist;
+    /// [`ScheduleParams`].
+    pub const GPFIFO_SCHEDULE: u32 = 0xa06c_0101;
+    /// `NVA06C_CTRL_CMD_SET_TIMESLICE`: [`TimesliceParams`]; takes effect at once.
+    pub const SET_TIMESLICE: u32 = 0xa06c_0103;
+    /// `NVA06C_CTRL_CMD_GET_TIMESLICE`: the value last set (not what the hardware uses).
+    pub const GET_TIMESLICE: u32 = 0xa06c_0104;
+    /// `NVA06C_CTRL_CMD_PREEMPT`: takes the group off the engine now; [`PreemptParams`].
+    pub const PREEMPT: u32 = 0xa06c_0105;
+
+    /// `NVA06C_CTRL_GPFIFO_SCHEDULE_PARAMS` (3 `NvBool`s).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct ScheduleParams {
+        /// On the runlist (1) or off it (0).
+        pub enable: u8,
+        /// Skip submitting the runlist update.
+        pub skip_submit: u8,
+        /// Skip enabling the channels.
+        pub skip_enable: u8,
+    }
+
+    /// `NVA06C_CTRL_TIMESLICE_PARAMS`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct TimesliceParams {
+        /// Microseconds; rounded down to what the hardware holds.
+        pub timeslice_us: u64,
+    }
+
+    /// `NVA06C_CTRL_PREEMPT_PARAMS`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct PreemptParams {
+        /// Wait until the preemption completes.
+        pub wait: u8,
+        /// Use `timeout_us` instead of RM's timeout.
+        pub manual_timeout: u8,
+        /// Padding to the `NvU32`.
+        pub _pad: [u8; 2],
+        /// At most 1 s.
+        pub timeout_us: u32,
+    }
+
+    const _: () = assert!(size_of::<ScheduleParams>() == 3);
+    const _: () = assert!(size_of::<TimesliceParams>() == 8);
+    const _: () = assert!(size_of::<PreemptParams>() == 8);
+}
+
+const _: () = assert!(size_of::<Nvos54>() == crate::nv::NVOS54_SIZE as usize);
+
 /// Generated object handles start here, per client (`RS_UNIQUE_HANDLE_BASE`, range 0x80000).
 pub const RS_UNIQUE_HANDLE_BASE: Handle = 0xcaf0_0000;
 /// How many object handles RM generates per client from [`RS_UNIQUE_HANDLE_BASE`].

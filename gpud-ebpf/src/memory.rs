@@ -18,9 +18,9 @@ use aya_ebpf::{
 };
 use gpud_common::{
     Ancestry, DeviceKind, EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE,
-    EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CLIENT, OBJ_DEVICE,
-    OBJ_MEMORY, OBJ_SUBDEVICE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv,
-    rm, stat,
+    EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL_GROUP,
+    OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY, OBJ_SUBDEVICE, ObjEntry, ObjKey, Pending, ProbeConfig,
+    REACT_KILL, UsageKey, nv, rm, stat,
 };
 
 use crate::{
@@ -362,6 +362,10 @@ fn alloc_done(p: &Pending) {
         rm::class::SUBDEVICE => {
             let gpu = gpu_of(head.h_root, head.h_object_parent);
             track_object(key, OBJ_SUBDEVICE, head.h_object_parent, gpu, 0, 0);
+        }
+        rm::class::CHANNEL_GROUP => {
+            let gpu = gpu_of(head.h_root, head.h_object_parent);
+            track_object(key, OBJ_CHANNEL_GROUP, head.h_object_parent, gpu, 0, p.file);
         }
         rm::class::MEMORY_LOCAL_USER => {
             if let Some((client, parent, handle, bytes)) = vidmem_request(p.nr, p.size, p.params) {
