@@ -210,6 +210,9 @@ pub struct NvmlConfig {
 pub struct ComputeConfig {
     pub enabled: bool,
     pub period_ms: u64,
+    /// Set shares with the channel-group controls where the firmware honors them; `false`: by
+    /// `cgroup.freeze` only.
+    pub hardware: bool,
 }
 
 /// The idle/hoarding report (`[idle]`).

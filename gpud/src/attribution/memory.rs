@@ -4,10 +4,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use gpud_common::{GPU_ALL, GPU_UNKNOWN, LimitValue, OBJ_CLIENT, ObjEntry, ObjKey, UsageKey};
+use gpud_common::{
+    GPU_ALL, GPU_UNKNOWN, LimitValue, OBJ_CHANNEL_GROUP, OBJ_CLIENT, ObjEntry, ObjKey, UsageKey,
+};
 use tracing::{debug, info, warn};
 
-use super::{Attribution, AttributionError};
+use super::{Attribution, AttributionError, ChannelGroup};
 use crate::probes::map_entries;
 
 /// Name of a GPU key in records: the index, `unknown`, or `all`.
@@ -130,6 +132,24 @@ impl Attribution {
 
     fn objects(&self) -> Vec<(ObjKey, ObjEntry)> {
         map_entries(&self.maps.objects)
+    }
+
+    /// The live channel groups of the processes in `pids` (one walk of `OBJECTS`; they are
+    /// released with their client like any object below it).
+    pub fn channel_groups(&self, pids: &std::collections::BTreeSet<u32>) -> Vec<ChannelGroup> {
+        let mut groups: Vec<ChannelGroup> = self
+            .objects()
+            .into_iter()
+            .filter(|(_, e)| e.kind == OBJ_CHANNEL_GROUP && pids.contains(&e.tgid))
+            .map(|(k, e)| ChannelGroup {
+                pid: e.tgid,
+                gpu: e.gpu,
+                client: k.client,
+                handle: k.object,
+            })
+            .collect();
+        groups.sort_unstable();
+        groups
     }
 
     /// Releases `object` of `client` and everything below it that is older than `before`

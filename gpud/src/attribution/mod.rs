@@ -70,6 +70,18 @@ pub struct ProcessView {
     pub ioctls: IoctlCounts,
 }
 
+/// A channel group (TSG) a process allocated: what the compute controls address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ChannelGroup {
+    /// The allocating process.
+    pub pid: u32,
+    /// RM device instance (the GPU index), or `GPU_UNKNOWN`.
+    pub gpu: u32,
+    /// Its client and its handle there.
+    pub client: u32,
+    pub handle: u32,
+}
+
 /// The attribution state, with the probes it reads (owned here so that one task owns both).
 pub struct Attribution {
     probes: Probes,

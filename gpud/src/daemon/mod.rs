@@ -27,7 +27,10 @@ pub use views::NvmlUsage;
 use crate::{
     attribution::{Attribution, scan},
     config::Config,
-    enforcement::{GpuCatalog, LimitNotice, MemoryEnforcement, compute::ControlInput},
+    enforcement::{
+        GpuCatalog, LimitNotice, MemoryEnforcement,
+        compute::{self, law::LawParams},
+    },
     nvml::{AttributedXid, GpuStatus, NvmlView, SamplerSettings, Snapshot as NvmlSnapshot},
     policy::idle::{IdleChange, IdleTracker},
 };
@@ -56,8 +59,8 @@ struct Senders {
 
 /// The live settings the state task passes on to the tasks that own them.
 struct LiveSettings {
-    /// The compute controller's period (`None`: compute shares are off).
-    compute_period: Option<watch::Sender<Duration>>,
+    /// The compute law's settings (`None`: compute shares are off).
+    compute: Option<watch::Sender<LawParams>>,
     /// The NVML sampler's intervals (`None`: NVML is off).
     sampler: Option<watch::Sender<SamplerSettings>>,
 }
@@ -67,8 +70,8 @@ struct State {
     attribution: Attribution,
     memory: MemoryEnforcement,
     nvml: NvmlView,
-    /// Inputs of the compute controller (`None`: compute shares disabled).
-    control: Option<watch::Sender<ControlInput>>,
+    /// Inputs of the compute task (`None`: compute shares disabled).
+    compute: Option<views::ComputeFeed>,
     idle: IdleTracker,
     /// Whether idle transitions are signalled (`[idle] signal`).
     idle_signal: bool,
@@ -263,8 +266,8 @@ fn snapshot(state: &mut State) -> Snapshot {
 fn reconfigure(state: &mut State, config: &Config) -> Intervals {
     state.idle.set_rule((&config.idle).into());
     state.idle_signal = config.idle.signal;
-    if let Some(period) = &state.live.compute_period {
-        period.send_replace(Duration::from_millis(config.compute.period_ms));
+    if let Some(params) = &state.live.compute {
+        params.send_replace(compute::params(config));
     }
     if let Some(sampler) = &state.live.sampler {
         // The library path is read only when NVML is loaded: a restart-only key.
@@ -325,9 +328,8 @@ fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
         NvmlSnapshot::Available { .. } | NvmlSnapshot::Unavailable(_)
     );
     state.nvml.apply(snapshot);
-    if fresh && let Some(control) = &state.control {
-        let seq = control.borrow().seq + 1;
-        let _ = control.send(views::control_input(&state.nvml, &state.memory, seq));
+    if fresh && let Some(feed) = &mut state.compute {
+        views::feed_compute(feed, &mut state.attribution, &state.nvml, &state.memory);
     }
     // Unavailable: no inventory (the Gpu1 objects go away until NVML answers again).
     publish_inventory(state);

@@ -3,7 +3,7 @@
 //! reader, NVML sampler, compute controller, state task) started; then, at the end, stopped in
 //! the order that leaves nothing frozen and the probes pinned or detached as configured.
 
-use std::{collections::BTreeMap, time::Duration};
+use std::collections::BTreeMap;
 
 use tokio::{
     sync::{broadcast, mpsc, watch},
@@ -19,10 +19,7 @@ use crate::{
     attribution::{Attribution, AttributionError},
     cgroupfs::{CgroupError, CgroupFs},
     config::Config,
-    enforcement::{
-        GpuCatalog, LimitNotice, MemoryEnforcement,
-        compute::{self, Controller},
-    },
+    enforcement::{GpuCatalog, LimitNotice, MemoryEnforcement, compute},
     nvml::{AttributedXid, GpuStatus, NvmlView, Sampler, SamplerSettings},
     policy::{LimitStore, PolicyError, idle::IdleChange, idle::IdleTracker},
     probes::{self, DynamicMajors, Matcher, ProbeError, ProbeSetup, Probes, devices::DeviceError},
@@ -150,6 +147,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     };
     let cgroup_root = cgroups.root().to_owned();
     let matcher = Matcher { majors, extra };
+    let matcher_for_compute = matcher.clone();
     let mut attribution =
         Attribution::new(probes, cgroups, matcher).map_err(StartError::Attribution)?;
     let found = attribution.scan();
@@ -178,10 +176,10 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     let (xids, xids_rx) = broadcast::channel(64);
     let (idle_changes, idle_rx) = broadcast::channel(64);
     let (throttled, throttled_rx) = broadcast::channel(256);
-    let (control, control_rx) = watch::channel(Default::default());
+    // A few seconds of NVML samples: the compute task plans between them, so it is not behind.
+    let (control, control_rx) = mpsc::channel(64);
     let (compute_stats, compute_stats_rx) = watch::channel(ComputeStats::default());
-    let (compute_period, compute_period_rx) =
-        watch::channel(Duration::from_millis(config.compute.period_ms));
+    let (compute_params, compute_params_rx) = watch::channel(compute::params(config));
     let (sampler, sampler_rx) = watch::channel(SamplerSettings::of(&config.nvml));
     let (shutdown, shutdown_rx) = watch::channel(false);
     let (tx, rx) = mpsc::channel::<Message>(1024);
@@ -194,7 +192,12 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         } else {
             NvmlView::disabled()
         },
-        control: compute_on.then_some(control),
+        compute: compute_on.then(|| super::views::ComputeFeed {
+            tx: control,
+            hardware: config.compute.hardware,
+            groups: BTreeMap::new(),
+            walked: None,
+        }),
         idle: IdleTracker::new((&config.idle).into()),
         idle_signal: config.idle.signal,
         outputs: Senders {
@@ -204,21 +207,25 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
             idle_changes,
         },
         live: LiveSettings {
-            compute_period: compute_on.then_some(compute_period),
+            compute: compute_on.then_some(compute_params),
             sampler: config.nvml.enabled.then_some(sampler),
         },
     };
     let controller = compute_on.then(|| {
         tokio::spawn(compute::run(
-            Controller::new(
-                cgroup_root.clone(),
-                Duration::from_millis(config.compute.period_ms),
-            ),
-            control_rx,
-            compute_period_rx,
-            compute_stats,
-            throttled,
-            shutdown_rx.clone(),
+            compute::Settings {
+                cgroup_root: cgroup_root.clone(),
+                matcher: matcher_for_compute,
+                params: compute::params(config),
+                hardware: config.compute.hardware,
+            },
+            compute::Links {
+                input: control_rx,
+                params: compute_params_rx,
+                stats: compute_stats,
+                throttled,
+                shutdown: shutdown_rx.clone(),
+            },
         ))
     });
     if config.nvml.enabled {

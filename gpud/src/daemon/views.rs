@@ -2,18 +2,25 @@
 //! rule's observations, and the compute controller's input. Pure functions of the state, so the
 //! switchboard in `mod.rs` stays one line per message.
 
-use std::collections::BTreeMap;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::{Duration, Instant},
+};
 
-use tracing::info;
+use tokio::sync::mpsc;
+use tracing::{debug, info};
 
 use super::State;
 use crate::{
-    attribution::Attribution,
+    attribution::{Attribution, ChannelGroup},
     enforcement::{
         MemoryEnforcement,
-        compute::{CgroupInput, ControlInput},
+        compute::{
+            ControlInput,
+            law::{ProcSample, Reading, Tenant},
+        },
     },
-    nvml::{CgroupUsage, NvmlView},
+    nvml::{CgroupUsage, NvmlView, ProcessSample},
     policy::idle::Observation,
 };
 
@@ -130,10 +137,32 @@ pub(super) fn update_idle(state: &mut State) {
     }
 }
 
-/// The controller's input from the last NVML sample: per GPU, each controlled unit (the deepest
-/// cgroup with a compute policy above a process's cgroup, else the process's own cgroup) with its
-/// summed utilization and its policy.
-pub(super) fn control_input(nvml: &NvmlView, memory: &MemoryEnforcement, seq: u64) -> ControlInput {
+/// What the state task keeps to feed the compute task.
+pub(super) struct ComputeFeed {
+    pub tx: mpsc::Sender<ControlInput>,
+    /// Whether hardware controls are on (`compute.hardware`): only then are channel groups
+    /// looked up.
+    pub hardware: bool,
+    /// Channel groups by tenant process, from the last walk of the objects map (an empty list:
+    /// walked, none found).
+    pub groups: BTreeMap<u32, Vec<ChannelGroup>>,
+    pub walked: Option<Instant>,
+}
+
+/// How often the objects map is walked for new tenants' channel groups, at most.
+const WALK_NEW: Duration = Duration::from_secs(1);
+/// ... and for channel groups created after a tenant was first seen.
+const WALK_ALL: Duration = Duration::from_secs(10);
+
+/// Sends the compute task what the last NVML sample shows: per GPU, every process with its
+/// controlled unit (the deepest cgroup with a compute policy above the process's cgroup, else
+/// its own cgroup) and that unit's policy there, NVML's new windows, and the channel groups.
+pub(super) fn feed_compute(
+    feed: &mut ComputeFeed,
+    attribution: &mut Attribution,
+    nvml: &NvmlView,
+    memory: &MemoryEnforcement,
+) {
     let policies = memory.compute_policies();
     let unit_of = |path: &str| -> String {
         policies
@@ -144,56 +173,88 @@ pub(super) fn control_input(nvml: &NvmlView, memory: &MemoryEnforcement, seq: u6
             .unwrap_or(path)
             .to_owned()
     };
-    // Per GPU and unit: summed utilization, and whether any of it was sampled this time.
-    let mut per_gpu: BTreeMap<u32, BTreeMap<String, (f64, bool)>> = BTreeMap::new();
-    for ((cgroup, gpu), u) in nvml.by_cgroup() {
-        if cgroup.is_empty() {
-            continue;
-        }
-        let e = per_gpu
-            .entry(gpu)
-            .or_default()
-            .entry(unit_of(&cgroup))
-            .or_default();
-        e.0 += f64::from(u.sm_util);
-        e.1 |= u.sampled;
-    }
-    let gpus_of = |path: &str| {
-        per_gpu
-            .values()
-            .filter(|units| units.contains_key(path))
-            .count() as u32
-    };
-    let gpus = per_gpu
+    let procs: Vec<(&ProcessSample, String)> = nvml
+        .processes
         .iter()
-        .map(|(&gpu, units)| {
-            // NVML produced a new sample on this GPU: whoever is not in it did not run then
-            // (a frozen process never appears). No new sample at all: nothing is known.
-            let gpu_sampled = units.values().any(|(_, s)| *s);
-            let list = units
-                .iter()
-                .map(|(path, (util, sampled))| CgroupInput {
-                    path: path.clone(),
-                    util: if *sampled {
-                        Some(util.min(100.0))
-                    } else if gpu_sampled {
-                        Some(0.0)
-                    } else {
-                        None
-                    },
-                    limits: memory
-                        .compute_policy_for(path, gpu, gpus_of(path))
-                        .unwrap_or_default(),
-                })
-                .collect();
-            (gpu, list)
-        })
-        // A GPU where no cgroup has a compute policy is left to the driver's own time-slicing.
-        .filter(|(_, list): &(u32, Vec<CgroupInput>)| list.iter().any(|c| c.limits.has_compute()))
+        .filter(|p| !p.cgroup.is_empty())
+        .map(|p| (p, unit_of(&p.cgroup)))
         .collect();
-    ControlInput {
-        seq,
-        gpus,
-        memory_frozen: memory.frozen().clone(),
+    let mut gpus_of: BTreeMap<&str, BTreeSet<u32>> = BTreeMap::new();
+    for (p, unit) in &procs {
+        gpus_of.entry(unit.as_str()).or_default().insert(p.gpu);
+    }
+    let pids: BTreeSet<u32> = procs.iter().map(|(p, _)| p.pid).collect();
+    if feed.hardware {
+        refresh_groups(feed, attribution, &pids);
+    }
+    let tenants = procs
+        .iter()
+        .map(|(p, unit)| Tenant {
+            pid: p.pid,
+            gpu: p.gpu,
+            limits: memory
+                .compute_policy_for(unit, p.gpu, gpus_of[unit.as_str()].len() as u32)
+                .unwrap_or_default(),
+            unit: unit.clone(),
+            hw: feed.groups.get(&p.pid).is_some_and(|g| !g.is_empty()),
+        })
+        .collect();
+    let mut readings: BTreeMap<u32, Reading> = nvml
+        .gpus
+        .iter()
+        .filter(|g| g.mig.is_none())
+        .map(|g| {
+            let r = Reading {
+                gpu: g.index,
+                clock_us: nvml.clock_us,
+                ..Reading::default()
+            };
+            (g.index, r)
+        })
+        .collect();
+    for p in &nvml.processes {
+        let r = readings.entry(p.gpu).or_insert_with(|| Reading {
+            gpu: p.gpu,
+            clock_us: nvml.clock_us,
+            ..Reading::default()
+        });
+        r.running.push(p.pid);
+        r.samples
+            .extend(p.windows.iter().map(|&(timestamp_us, sm_util)| ProcSample {
+                pid: p.pid,
+                timestamp_us,
+                sm_util,
+            }));
+    }
+    let input = ControlInput {
+        at: nvml.updated.unwrap_or_else(Instant::now),
+        tenants,
+        readings: readings.into_values().collect(),
+        held: memory.frozen().clone(),
+        groups: feed.groups.clone(),
+    };
+    if feed.tx.try_send(input).is_err() {
+        // Full: the compute task is behind by many samples; closed: it stopped.
+        debug!("compute input dropped");
+    }
+}
+
+/// Keeps the channel groups of the processes in `pids`: walks the objects map when one of them
+/// has not been looked up yet (at most every [`WALK_NEW`]) and every [`WALK_ALL`].
+fn refresh_groups(feed: &mut ComputeFeed, attribution: &Attribution, pids: &BTreeSet<u32>) {
+    feed.groups.retain(|pid, _| pids.contains(pid));
+    let since = feed.walked.map(|t| t.elapsed());
+    let new = pids.iter().any(|p| !feed.groups.contains_key(p));
+    let due = match since {
+        None => true,
+        Some(s) => (new && s >= WALK_NEW) || s >= WALK_ALL,
+    };
+    if !due {
+        return;
+    }
+    feed.walked = Some(Instant::now());
+    feed.groups = pids.iter().map(|p| (*p, Vec::new())).collect();
+    for g in attribution.channel_groups(pids) {
+        feed.groups.entry(g.pid).or_default().push(g);
     }
 }

@@ -71,6 +71,9 @@ pub struct ProcessSample {
     pub sm_util: Option<u32>,
     pub enc_util: Option<u32>,
     pub dec_util: Option<u32>,
+    /// The new samples themselves, (timestamp µs, SM utilization), oldest first: NVML's windows,
+    /// which the compute controller reads one by one (an average would hide who held the GPU).
+    pub windows: Vec<(u64, u32)>,
 }
 
 /// What the sampler saw.
@@ -80,6 +83,9 @@ pub enum Snapshot {
     Available {
         gpus: Vec<GpuInfo>,
         processes: Vec<ProcessSample>,
+        /// The wall clock (µs since the epoch) just after the read: NVML stamps its samples on
+        /// this clock.
+        clock_us: u64,
     },
     /// A critical Xid error on the GPU with this UUID (NVML's event names the GPU, not a
     /// process). `None`: NVML did not say which Xid.

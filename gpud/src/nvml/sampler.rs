@@ -138,7 +138,14 @@ impl Sampler {
                 Ok(s) => s,
                 Err(e) => return Ended::Failed(e),
             };
-            if !send(Snapshot::Available { gpus, processes }) {
+            let clock_us = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64);
+            if !send(Snapshot::Available {
+                gpus,
+                processes,
+                clock_us,
+            }) {
                 return Ended::Stop;
             }
             let deadline = Instant::now() + self.settings.borrow().sample_interval;
@@ -377,6 +384,13 @@ fn sample(n: &Nvml, last_seen: &mut HashMap<u32, u64>) -> Result<Sample, NvmlErr
             }
         };
         let newest = last_seen.entry(i).or_insert(0);
+        let mut windows: BTreeMap<u32, Vec<(u64, u32)>> = BTreeMap::new();
+        for s in samples.iter().filter(|s| s.timestamp > *newest) {
+            windows
+                .entry(s.pid)
+                .or_default()
+                .push((s.timestamp, s.sm_util));
+        }
         for (pid, (sm, enc, dec)) in average_new_samples(&samples, newest) {
             let e = procs.entry(pid).or_insert_with(|| ProcessSample {
                 pid,
@@ -387,6 +401,8 @@ fn sample(n: &Nvml, last_seen: &mut HashMap<u32, u64>) -> Result<Sample, NvmlErr
             e.sm_util = Some(sm);
             e.enc_util = Some(enc);
             e.dec_util = Some(dec);
+            e.windows = windows.remove(&pid).unwrap_or_default();
+            e.windows.sort_unstable();
         }
         processes.extend(procs.into_values());
     }

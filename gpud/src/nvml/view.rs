@@ -50,6 +50,8 @@ pub struct NvmlView {
     pub gpus: Vec<GpuInfo>,
     pub processes: Vec<ProcessSample>,
     pub updated: Option<Instant>,
+    /// The wall clock (µs) of the last read, as the sampler took it.
+    pub clock_us: u64,
     /// The most recent Xid events, oldest first (at most [`EVENTS_KEPT`]).
     pub events: VecDeque<AttributedXid>,
     /// Critical Xid errors seen per GPU UUID since the daemon started.
@@ -76,7 +78,11 @@ impl NvmlView {
                 self.gpus.clear();
                 self.processes.clear();
             }
-            Snapshot::Available { gpus, processes } => {
+            Snapshot::Available {
+                gpus,
+                processes,
+                clock_us,
+            } => {
                 if !self.available {
                     info!(gpus = gpus.len(), "NVML available");
                 }
@@ -84,6 +90,7 @@ impl NvmlView {
                 self.status = "available".into();
                 self.gpus = gpus;
                 self.processes = processes;
+                self.clock_us = clock_us;
             }
             Snapshot::Xid { uuid, xid } => {
                 let now = std::time::SystemTime::now()
@@ -229,6 +236,7 @@ mod tests {
                 p(3, 1, "/a", 7, None),
                 p(4, 0, "/b", 1, Some(3)),
             ],
+            clock_us: 0,
         });
         let by = v.by_cgroup();
         let a0 = &by[&("/a".to_owned(), 0)];
@@ -269,6 +277,7 @@ mod tests {
                 gpu(1, Some(0), "MIG-1"),
             ],
             processes: vec![p(10, 0, "/a"), p(20, 1, "/b"), p(21, 1, "/c")],
+            clock_us: 0,
         });
         let a = v.on_xid(
             "GPU-0".into(),

@@ -145,19 +145,24 @@ pub struct Matcher {
 
 impl Matcher {
     pub fn matches(&self, meta: &std::fs::Metadata) -> bool {
+        self.kind(meta).is_some()
+    }
+
+    /// What kind of NVIDIA file an open file is (files of `devices.extra_paths` stand in for the
+    /// control device); `None` for any other file.
+    pub fn kind(&self, meta: &std::fs::Metadata) -> Option<DeviceKind> {
         use std::os::unix::fs::FileTypeExt;
         if meta.file_type().is_char_device() {
             let rdev = meta.rdev();
-            if self
-                .majors
-                .kind_of(libc::major(rdev), libc::minor(rdev))
-                .is_some()
-            {
-                return true;
+            if let Some(kind) = self.majors.kind_of(libc::major(rdev), libc::minor(rdev)) {
+                return Some(kind);
             }
         }
         let key = file_key(meta);
-        self.extra.iter().any(|e| e.key == key)
+        self.extra
+            .iter()
+            .any(|e| e.key == key)
+            .then_some(DeviceKind::Control)
     }
 }
 

@@ -100,6 +100,7 @@ impl Controller for LawController {
     }
 
     fn on_sample(&mut self, ctx: &mut Ctx<'_>) {
+        let now = ctx.now();
         let nvml = ctx.nvml();
         let mut readings = Vec::new();
         for gpu in 0..nvml.device_count() {
@@ -127,6 +128,8 @@ impl Controller for LawController {
                 gpu,
                 running,
                 samples,
+                // The simulated NVML stamps samples with virtual time.
+                clock_us: now / 1_000,
             });
         }
         let tenants: Vec<Tenant> = ctx

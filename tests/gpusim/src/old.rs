@@ -1,4 +1,4 @@
-//! The daemon's current compute controller (`gpud::enforcement::compute`) on the simulated GPU:
+//! The daemon's old compute controller (`controller`, a frozen copy) on the simulated GPU:
 //! its inputs built from the simulated NVML exactly as the daemon builds them, its periods and
 //! freeze times driven in virtual time, its `cgroup.freeze` writes sent to the simulated freezer.
 //!
@@ -13,7 +13,7 @@
 //!   deepest cgroup with a compute policy above it, else itself), utilization summed per unit;
 //!   a unit sampled reads its sum (≤ 100), one not sampled reads 0 if the GPU had any new
 //!   sample, else `None`; GPUs where no unit has a compute policy are left out;
-//! - `gpud/src/enforcement/compute.rs`, `run`: `update` with the newest input (if its `seq`
+//! - `gpud/src/enforcement/compute.rs` (as it was), `run`: `update` with the newest input (if its `seq`
 //!   changed) at the start of each period, then the period's plan; periods back to back, each
 //!   sleep on tokio's timer (1 ms ticks, deadlines rounded up), so a 100 ms period lasts about
 //!   101 ms and drifts against NVML's windows as on a real host.
@@ -23,10 +23,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gpud::{
-    enforcement::compute::{CgroupInput, ControlInput, Controller as Compute},
-    policy::Limits,
-};
+use gpud::policy::Limits;
+
+mod controller;
+
+use controller::{CgroupInput, ControlInput, Controller as Compute};
 
 use crate::{
     Nanos,
@@ -61,7 +62,7 @@ pub struct OldController {
 impl OldController {
     pub fn new(period: Nanos) -> Self {
         Self {
-            compute: Compute::new("/sys/fs/cgroup".into(), Duration::from_nanos(period)),
+            compute: Compute::new(Duration::from_nanos(period)),
             base: Instant::now(),
             last_seen: BTreeMap::new(),
             input: ControlInput::default(),

@@ -14,8 +14,10 @@ use crate::{
     tenant::{Host, Tenant, TenantSpec},
 };
 
-/// The cgroup freezer's latencies (measured on this project's machine, build-and-test
-/// environment notes: `frozen 1` about 0.2–0.3 ms after the write, thaw about 13 ms).
+/// The cgroup freezer's latencies, measured on this project's machine with a spinning process:
+/// `frozen 1` about 0.2–0.3 ms after the write of 1 (up to 4 ms for the first freeze), and the
+/// process running again 0.05–0.3 ms after the write of 0 (the build-and-test environment notes'
+/// 13 ms thaw was not reproduced).
 #[derive(Clone, Debug, PartialEq)]
 pub struct FreezerParams {
     pub freeze_latency: Nanos,
@@ -26,7 +28,7 @@ impl Default for FreezerParams {
     fn default() -> Self {
         Self {
             freeze_latency: 300_000,
-            thaw_latency: 13_000_000,
+            thaw_latency: 300_000,
         }
     }
 }

@@ -1,17 +1,19 @@
-//! Compute shares: GPU time caps, weights, guarantees and priority classes, enforced by pausing
-//! and resuming the submitting processes (`cgroup.freeze`) in duty cycles.
+//! Compute shares: GPU time caps, weights, guarantees and priority classes.
 //!
-//! GPU work is submitted through user-mapped doorbells, so the only lever on stock drivers is the
-//! submitter itself: a frozen process submits nothing, and the GPU time it uses falls once its
-//! queued kernels drain. Each GPU's controller turns measured utilization (NVML samples) and the
-//! policies into a target per cgroup, and a duty cycle per cgroup into freeze/thaw times within a
-//! period. This module owns the duty cycles, what it froze, and the throttling statistics; it runs
-//! as a task of its own and gets its inputs from the state task over a watch channel.
+//! GPU work is submitted through user-mapped doorbells, not system calls, and queued work runs
+//! whatever its submitter does next; the GPU itself time-slices channel groups round robin. So
+//! the shares are made where the GPU makes them: the law ([`law`]) plans, per GPU and period,
+//! exclusive windows on the runlist for each unit and timeslices for the priority classes,
+//! issued as RM controls on the tenants' channel groups ([`channel`]), where a probe finds that
+//! the firmware honors them; where it does not, or the controls cannot be issued, it falls back
+//! to exclusive slots of `cgroup.freeze`. docs/design.md ("Compute shares") says why, and what
+//! each mode holds to.
 //!
-//! The decisions ([`Controller::update`], [`Controller::plan`]) take the time as an argument and
-//! do no I/O, so the simulated GPU (tests/gpusim) can drive the same controller in virtual time;
-//! [`Controller::period`] and [`run`] do the real clock and `cgroup.freeze` writes.
+//! The state task sends a [`ControlInput`] at every NVML sample; the compute task ([`run`])
+//! owns the law and plans; its actuator thread carries the commands out at their times.
 
+mod actuator;
+pub mod channel;
 pub mod law;
 
 use std::{
@@ -21,45 +23,23 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::{broadcast, watch};
+use tokio::sync::{broadcast, mpsc, watch};
 use tracing::{debug, info, warn};
 
-use crate::policy::{DEFAULT_WEIGHT, Limits, Priority};
+use self::{
+    actuator::{Actuator, Order},
+    law::{Firmware, Law, LawParams, Nanos, Reading, Tenant},
+};
+use crate::{
+    attribution::ChannelGroup,
+    config::Config,
+    policy::{DEFAULT_WEIGHT, Limits, Priority},
+    probes::Matcher,
+    report::Chain,
+};
 
 /// Utilization (percent) under which a cgroup counts as idle on a GPU.
 const ACTIVE_UTIL: f64 = 3.0;
-/// Integral gain of the duty-cycle correction (duty change per point of error / 100).
-const GAIN: f64 = 0.6;
-/// Weight of a new utilization sample in the running average. Real GPUs time-slice processes and
-/// NVML's per-process samples read 0 or ~100 depending on who held the GPU in the sample, so
-/// single samples are noise; the simulated GPU's samples are exact and lose little to this.
-const SMOOTHING: f64 = 0.25;
-/// Smallest duty of a cgroup that is allowed any GPU time: it keeps running a little in every
-/// period, so NVML keeps sampling it (NVML reports only processes that used the GPU).
-const MIN_DUTY: f64 = 0.02;
-/// A cgroup without any utilization sample for this long is taken as idle.
-const SAMPLE_TIMEOUT: Duration = Duration::from_millis(500);
-
-/// One cgroup on one GPU, as the state task sees it at a sample.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct CgroupInput {
-    /// Path relative to the cgroup v2 root.
-    pub path: String,
-    /// SM utilization in the last sample (percent of one GPU); `None` when NVML returned no new
-    /// sample for it (which does not mean idle).
-    pub util: Option<f64>,
-    /// The policy in force for this GPU (defaults where unset).
-    pub limits: Limits,
-}
-
-/// What the controller works from; `seq` changes with every sample.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ControlInput {
-    pub seq: u64,
-    pub gpus: BTreeMap<u32, Vec<CgroupInput>>,
-    /// cgroups the memory enforcement froze: never thawed here.
-    pub memory_frozen: BTreeSet<String>,
-}
 
 /// Per cgroup, what the controller does and has done (like `cpu.stat`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -151,305 +131,159 @@ pub fn targets(cgroups: &[(f64, &Limits)]) -> Vec<f64> {
     target
 }
 
-#[derive(Default)]
-struct Slot {
-    frozen: bool,
-    throttled: bool,
-    stat: ComputeStat,
-}
-
-/// What one period does, decided from the duties alone: thaw `thaw` at the start, freeze each of
-/// `freeze` at its time, then [`Controller::release_gone`]; the period ends at `end`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PeriodPlan {
-    /// Frozen cgroups that may run in this period.
-    pub thaw: Vec<String>,
-    /// cgroups to freeze at the end of their share, earliest first.
-    pub freeze: Vec<(Instant, String)>,
-    /// cgroups that started being throttled in this period.
-    pub started: Vec<String>,
-    pub end: Instant,
-}
-
-/// The controller: duty cycles per cgroup, actuated every `period`.
-pub struct Controller {
-    root: PathBuf,
-    period: Duration,
-    /// Per (path, GPU): duty cycle in [0, 1].
-    duties: BTreeMap<(String, u32), f64>,
-    /// Per (path, GPU): running average of the measured utilization and when it last had a
-    /// sample.
-    util: BTreeMap<(String, u32), (f64, Instant)>,
-    slots: BTreeMap<String, Slot>,
-    memory_frozen: BTreeSet<String>,
-}
-
-impl Controller {
-    pub fn new(root: PathBuf, period: Duration) -> Self {
-        Self {
-            root,
-            period,
-            duties: BTreeMap::new(),
-            util: BTreeMap::new(),
-            slots: BTreeMap::new(),
-            memory_frozen: BTreeSet::new(),
-        }
-    }
-
-    fn write_freeze(&self, path: &str, frozen: bool) -> bool {
-        match crate::cgroupfs::freeze_at(&self.root, path, frozen) {
-            Ok(()) => true,
-            Err(e) => {
-                debug!(cgroup = path, "{}", crate::report::Chain(&e));
-                false
-            }
-        }
-    }
-
-    /// Updates duty cycles from a new sample taken at about `now`.
-    pub fn update(&mut self, input: &ControlInput, now: Instant) {
-        self.memory_frozen = input.memory_frozen.clone();
-        let mut seen: BTreeSet<(String, u32)> = BTreeSet::new();
-        let mut measured: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-        for (&gpu, cgroups) in &input.gpus {
-            let utils: Vec<f64> = cgroups
-                .iter()
-                .map(|c| {
-                    let key = (c.path.clone(), gpu);
-                    let prev = self.util.get(&key).copied();
-                    // No sample for a while: it did not use the GPU.
-                    let sample = match (c.util, prev) {
-                        (None, Some((_, at))) if now - at > SAMPLE_TIMEOUT => Some(0.0),
-                        (s, _) => s,
-                    };
-                    let (u, at) = match (prev, sample) {
-                        (Some((p, _)), Some(u)) => (p + SMOOTHING * (u - p), now),
-                        (None, Some(u)) => (u, now),
-                        (Some((p, at)), None) => (p, at),
-                        (None, None) => (0.0, now),
-                    };
-                    self.util.insert(key, (u, at));
-                    u
-                })
-                .collect();
-            // Demand: what each would use unthrottled, from its utilization at its duty.
-            let demands: Vec<f64> = cgroups
-                .iter()
-                .zip(&utils)
-                .map(|(c, util)| {
-                    let duty = self
-                        .duties
-                        .get(&(c.path.clone(), gpu))
-                        .copied()
-                        .unwrap_or(1.0);
-                    if duty >= 0.05 {
-                        (util / duty).min(100.0)
-                    } else {
-                        // Frozen: assume it still wants the whole GPU.
-                        100.0
-                    }
-                })
-                .collect();
-            let pairs: Vec<(f64, &Limits)> = demands
-                .iter()
-                .copied()
-                .zip(cgroups.iter().map(|c| &c.limits))
-                .collect();
-            let t = targets(&pairs);
-            for (i, c) in cgroups.iter().enumerate() {
-                let key = (c.path.clone(), gpu);
-                let duty = self.duties.get(&key).copied().unwrap_or(1.0);
-                let new = if t[i] >= demands[i] - 0.5 {
-                    // Not limited: run freely (ramping up fast).
-                    (duty + 0.5).min(1.0)
-                } else if t[i] <= 0.0 {
-                    0.0
-                } else {
-                    let model = t[i] / demands[i].max(1.0);
-                    let corrected = duty + GAIN * (t[i] - utils[i]) / 100.0;
-                    // From unthrottled, jump to the model; then correct on the error.
-                    if duty >= 1.0 { model } else { corrected }.clamp(MIN_DUTY, 1.0)
-                };
-                self.duties.insert(key.clone(), new);
-                seen.insert(key);
-                let m = measured.entry(c.path.clone()).or_default();
-                m.0 += t[i];
-                m.1 += utils[i];
-            }
-        }
-        // cgroups no longer reported run freely.
-        self.duties.retain(|k, _| seen.contains(k));
-        self.util.retain(|k, _| seen.contains(k));
-        for (path, (target, util)) in measured {
-            let slot = self.slots.entry(path).or_default();
-            slot.stat.target = target;
-            slot.stat.measured = util;
-        }
-    }
-
-    /// The duty of a cgroup: the smallest over its GPUs (one freezer for all of them).
-    fn duty_of(&self, path: &str) -> f64 {
-        self.duties
-            .iter()
-            .filter(|((p, _), _)| p == path)
-            .map(|(_, d)| *d)
-            .fold(1.0, f64::min)
-    }
-
-    /// Plans the period starting at `start`: who is thawed, who is frozen when, and who started
-    /// being throttled; updates the duty and throttling statistics. What was actually written is
-    /// reported back with [`Controller::set_frozen`].
-    pub fn plan(&mut self, start: Instant) -> PeriodPlan {
-        let paths: BTreeSet<String> = self.duties.keys().map(|(p, _)| p.clone()).collect();
-        let mut thaw = Vec::new();
-        let mut throttled_now: Vec<(f64, String)> = Vec::new();
-        let mut started = Vec::new();
-        for path in paths {
-            if self.memory_frozen.contains(&path) {
-                continue;
-            }
-            let duty = self.duty_of(&path);
-            let throttled = duty < 0.999;
-            let slot = self.slots.entry(path.clone()).or_default();
-            if duty > 0.0 && slot.frozen {
-                thaw.push(path.clone());
-            }
-            slot.stat.duty = duty * 100.0;
-            if throttled {
-                slot.stat.nr_throttled += 1;
-                slot.stat.throttled_usec += ((1.0 - duty) * self.period.as_micros() as f64) as u64;
-                if !slot.throttled {
-                    started.push(path.clone());
-                }
-            }
-            slot.throttled = throttled;
-            if throttled {
-                throttled_now.push((duty, path));
-            }
-        }
-        throttled_now.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let freeze = throttled_now
-            .into_iter()
-            .map(|(duty, path)| (start + self.period.mul_f64(duty), path))
-            .collect();
-        PeriodPlan {
-            thaw,
-            freeze,
-            started,
-            end: start + self.period,
-        }
-    }
-
-    /// Records that `cgroup.freeze` of `path` was written (`frozen`: with 1).
-    pub fn set_frozen(&mut self, path: &str, frozen: bool) {
-        self.slots.entry(path.to_owned()).or_default().frozen = frozen;
-    }
-
-    /// Forgets the cgroups no longer controlled; returns those of them to thaw (frozen here, not
-    /// by the memory enforcement).
-    pub fn release_gone(&mut self) -> Vec<String> {
-        let controlled: BTreeSet<String> = self.duties.keys().map(|(p, _)| p.clone()).collect();
-        let gone: Vec<String> = self
-            .slots
-            .keys()
-            .filter(|p| !controlled.contains(*p))
-            .cloned()
-            .collect();
-        let mut thaw = Vec::new();
-        for p in gone {
-            if self.slots.get(&p).is_some_and(|s| s.frozen) && !self.memory_frozen.contains(&p) {
-                thaw.push(p.clone());
-            }
-            self.slots.remove(&p);
-        }
-        thaw
-    }
-
-    /// One period: thaw whoever may run, freeze each at the end of its share. Returns the
-    /// cgroups that started being throttled.
-    pub async fn period(&mut self) -> Vec<String> {
-        let plan = self.plan(Instant::now());
-        for path in &plan.thaw {
-            if self.write_freeze(path, false) {
-                self.set_frozen(path, false);
-            }
-        }
-        for (at, path) in &plan.freeze {
-            tokio::time::sleep_until((*at).into()).await;
-            if self.write_freeze(path, true) {
-                self.set_frozen(path, true);
-            }
-        }
-        // Slots of cgroups no longer controlled: thawed, forgotten.
-        for p in self.release_gone() {
-            self.write_freeze(&p, false);
-        }
-        tokio::time::sleep_until(plan.end.into()).await;
-        plan.started
-    }
-
-    pub fn stats(&self) -> BTreeMap<String, ComputeStat> {
-        self.slots
-            .iter()
-            .map(|(p, s)| (p.clone(), s.stat.clone()))
-            .collect()
-    }
-
-    /// Thaws everything this controller froze (shutdown).
-    pub fn thaw_all(&mut self) {
-        let frozen: Vec<String> = self
-            .slots
-            .iter()
-            .filter(|(p, s)| s.frozen && !self.memory_frozen.contains(*p))
-            .map(|(p, _)| p.clone())
-            .collect();
-        for p in frozen {
-            if self.write_freeze(&p, false) {
-                info!(cgroup = %p, "thawed at shutdown");
-            }
-        }
+/// The law's settings from the configuration: `compute.period_ms`, and the NVML sampling
+/// interval, which bounds how soon a tenant can be seen idle.
+pub fn params(config: &Config) -> LawParams {
+    let sample = config.nvml.sample_interval_ms * 1_000_000;
+    let defaults = LawParams::default();
+    LawParams {
+        period: config.compute.period_ms * 1_000_000,
+        idle_after: defaults.idle_after.max(2 * sample + 200_000_000),
+        ..defaults
     }
 }
 
-/// Runs the controller until shutdown: re-plans on every new input, actuates every period (whose
-/// length `period` may change on a reload),
-/// publishes statistics and the cgroups that start being throttled; thaws what it froze on exit.
-pub async fn run(
-    mut controller: Controller,
-    mut input: watch::Receiver<ControlInput>,
-    period: watch::Receiver<Duration>,
-    stats: watch::Sender<BTreeMap<String, ComputeStat>>,
-    throttled: broadcast::Sender<String>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let mut seq = 0;
+/// What the state task knows at an NVML sample, for the law.
+#[derive(Clone, Debug)]
+pub struct ControlInput {
+    /// When NVML was read.
+    pub at: Instant,
+    /// Processes of every GPU with a context there, by controlled unit.
+    pub tenants: Vec<Tenant>,
+    /// One per GPU, every GPU (one without processes too: its units are gone).
+    pub readings: Vec<Reading>,
+    /// cgroups the memory enforcement froze: never thawed here.
+    pub held: BTreeSet<String>,
+    /// The tenants' channel groups by process (empty where hardware controls are off).
+    pub groups: BTreeMap<u32, Vec<ChannelGroup>>,
+}
+
+/// What the compute task needs from the daemon.
+pub struct Settings {
+    /// The cgroup v2 mount.
+    pub cgroup_root: PathBuf,
+    /// Recognizes the tenants' NVIDIA files.
+    pub matcher: Matcher,
+    pub params: LawParams,
+    /// Use the channel-group controls where the firmware honors them (`compute.hardware`).
+    pub hardware: bool,
+}
+
+/// The compute task's channels.
+pub struct Links {
+    pub input: mpsc::Receiver<ControlInput>,
+    /// New settings on a reload.
+    pub params: watch::Receiver<LawParams>,
+    pub stats: watch::Sender<BTreeMap<String, ComputeStat>>,
+    /// cgroups that start being throttled.
+    pub throttled: broadcast::Sender<String>,
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// Runs the compute task until shutdown: the law observes every input and plans when a plan
+/// runs out or the tenants change; the actuator carries the plans out. At the end everything is
+/// thawed and put back on the runlist.
+pub async fn run(settings: Settings, mut links: Links) {
+    let (failed_tx, mut failures) = mpsc::unbounded_channel();
+    let actuator = match Actuator::spawn(settings.cgroup_root, settings.matcher, failed_tx) {
+        Ok(a) => a,
+        Err(e) => {
+            warn!("compute shares off: cannot start the actuator thread: {e}");
+            return;
+        }
+    };
+    let origin = Instant::now();
+    let nanos = |t: Instant| t.saturating_duration_since(origin).as_nanos() as Nanos;
+    let instant = |n: Nanos| origin + Duration::from_nanos(n);
+    let mut law = Law::new(settings.params);
+    // Processes whose controls failed: their units are run by the freezer.
+    let mut no_hw: BTreeSet<u32> = BTreeSet::new();
+    let mut throttled: BTreeSet<String> = BTreeSet::new();
+    let mut verdicts: BTreeMap<u32, Firmware> = BTreeMap::new();
+    let mut next = Instant::now() + Duration::from_millis(100);
     loop {
-        if *shutdown.borrow() {
-            break;
-        }
-        // A reload may change the period; it applies from the next one.
-        controller.period = *period.borrow();
-        {
-            let current = input.borrow_and_update().clone();
-            if current.seq != seq {
-                seq = current.seq;
-                controller.update(&current, Instant::now());
-            }
-        }
         tokio::select! {
-            started = controller.period() => {
-                for path in started {
-                    debug!(cgroup = %path, "compute throttling started");
-                    let _ = throttled.send(path);
+            biased;
+            _ = links.shutdown.changed() => break,
+            input = links.input.recv() => {
+                let Some(input) = input else { break };
+                let mut tenants = input.tenants;
+                for t in &mut tenants {
+                    t.hw &= settings.hardware
+                        && !no_hw.contains(&t.pid)
+                        && input.groups.get(&t.pid).is_some_and(|g| !g.is_empty());
                 }
-                let _ = stats.send(controller.stats());
+                no_hw.retain(|pid| input.groups.contains_key(pid));
+                law.set_held(input.held);
+                law.observe(nanos(input.at), &tenants, &input.readings);
+                actuator.send(Order::Groups(input.groups));
             }
-            _ = shutdown.changed() => break,
+            Some(f) = failures.recv() => {
+                warn!(
+                    pid = f.pid,
+                    "cannot control the process's channel groups, its shares fall back to \
+                     cgroup.freeze: {}",
+                    Chain(&f.error)
+                );
+                no_hw.insert(f.pid);
+            }
+            _ = links.params.changed() => {
+                law.set_params(links.params.borrow_and_update().clone());
+            }
+            _ = tokio::time::sleep_until(next.into()) => {}
         }
+        let plan = law.plan(nanos(Instant::now()));
+        if !plan.commands.is_empty() || !plan.replanned.is_empty() {
+            actuator.send(Order::Plan {
+                commands: plan
+                    .commands
+                    .into_iter()
+                    .map(|(t, gpu, c)| (instant(t), gpu, c))
+                    .collect(),
+                replanned: plan.replanned,
+            });
+        }
+        next = instant(plan.end);
+        report_verdicts(&law, &mut verdicts);
+        let stats = law.stats();
+        for (unit, s) in &stats {
+            let now_throttled = s.duty < 99.9;
+            if now_throttled && throttled.insert(unit.clone()) {
+                debug!(cgroup = %unit, "compute throttling started");
+                let _ = links.throttled.send(unit.clone());
+            } else if !now_throttled {
+                throttled.remove(unit);
+            }
+        }
+        throttled.retain(|u| stats.contains_key(u));
+        links.stats.send_if_modified(|old| {
+            let changed = *old != stats;
+            *old = stats;
+            changed
+        });
     }
-    controller.thaw_all();
-    if controller.slots.values().any(|s| s.frozen) {
-        warn!("some cgroups could not be thawed");
+    actuator.finish(law.release_all());
+}
+
+/// Logs what the probe found out about each GPU's firmware, once per change.
+fn report_verdicts(law: &Law, seen: &mut BTreeMap<u32, Firmware>) {
+    for gpu in law.gpus() {
+        let Some(f) = law.firmware(gpu) else { continue };
+        if seen.insert(gpu, f) == Some(f) {
+            continue;
+        }
+        match f {
+            Firmware::Honors => info!(
+                gpu,
+                "the firmware honors channel-group controls: compute shares set in hardware"
+            ),
+            Firmware::Ignores => warn!(
+                gpu,
+                "the firmware ignores channel-group controls: compute shares by cgroup.freeze \
+                 (shares hold where queued work is shorter than a period)"
+            ),
+            Firmware::Probing { .. } | Firmware::Unknown => {}
+        }
     }
 }
 

@@ -27,8 +27,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+mod freezer;
+mod hardware;
+
+use freezer::plan_freezer;
+use hardware::plan_hardware;
+
 use super::{ComputeStat, targets};
-use crate::policy::{Limits, Priority};
+use crate::policy::Limits;
 
 /// Nanoseconds of a monotonic clock (the daemon's `Instant`s, or virtual time).
 pub type Nanos = u64;
@@ -40,9 +46,11 @@ const MS: Nanos = 1_000_000;
 pub struct LawParams {
     /// Length of one control period (`compute.period_ms`).
     pub period: Nanos,
-    /// How long a thaw takes to let a frozen cgroup run again; it is thawed that early.
+    /// How long a thaw takes to let a frozen cgroup run again; it is thawed that early (a
+    /// spinning process runs again 0.05–0.3 ms after the write here).
     pub thaw_latency: Nanos,
-    /// A tenant NVML has not listed for this long (while it could run) is idle.
+    /// A tenant NVML has not listed for this long (while it could run) is idle: longer than the
+    /// daemon's NVML sampling interval and a window, as the windows arrive that late.
     pub idle_after: Nanos,
     /// How long the firmware probe keeps one tenant off the runlist.
     pub probe: Nanos,
@@ -60,7 +68,7 @@ impl Default for LawParams {
     fn default() -> Self {
         Self {
             period: 100 * MS,
-            thaw_latency: 15 * MS,
+            thaw_latency: MS,
             idle_after: 600 * MS,
             probe: 1_000 * MS,
             base_timeslice_us: 2048,
@@ -102,6 +110,9 @@ pub struct Reading {
     pub running: Vec<u32>,
     /// Samples newer than the previous read's.
     pub samples: Vec<ProcSample>,
+    /// NVML's clock (µs, the samples' timestamps) when it was read: places each window on the
+    /// law's clock.
+    pub clock_us: u64,
 }
 
 /// Something to do at a time of the period.
@@ -194,6 +205,10 @@ struct Gpu {
     next: Nanos,
     /// The active units and their policies the current plan was made for.
     planned: Vec<(String, Limits)>,
+    /// Whether a policy is in force among its active units (only those GPUs are reported).
+    controlled: bool,
+    /// What units gone since the last plan leave to undo (thaw, back on the runlist).
+    leaving: Vec<Command>,
 }
 
 impl Default for Gpu {
@@ -206,6 +221,8 @@ impl Default for Gpu {
             phase: 0x9e37_79b9,
             next: 0,
             planned: Vec::new(),
+            controlled: false,
+            leaving: Vec::new(),
         }
     }
 }
@@ -232,8 +249,14 @@ impl Law {
         &self.params
     }
 
-    pub fn set_period(&mut self, period: Nanos) {
-        self.params.period = period;
+    /// New settings (a reload); they apply from the next plan of each GPU.
+    pub fn set_params(&mut self, params: LawParams) {
+        self.params = params;
+    }
+
+    /// The GPUs the law has seen.
+    pub fn gpus(&self) -> Vec<u32> {
+        self.gpus.keys().copied().collect()
     }
 
     /// What the law knows of `gpu`'s firmware.
@@ -249,7 +272,17 @@ impl Law {
     /// Takes one NVML read per GPU and the tenants the daemon knows at `now`.
     pub fn observe(&mut self, now: Nanos, tenants: &[Tenant], readings: &[Reading]) {
         let alpha_per_window = 1.0 / 6.0 / (self.params.tau as f64 / 1e9);
-        for r in readings {
+        // A GPU no longer read (NVML lost it, or went away) has no processes any more.
+        let missing: Vec<Reading> = self
+            .gpus
+            .keys()
+            .filter(|gpu| !readings.iter().any(|r| r.gpu == **gpu))
+            .map(|&gpu| Reading {
+                gpu,
+                ..Reading::default()
+            })
+            .collect();
+        for r in readings.iter().chain(&missing) {
             let g = self.gpus.entry(r.gpu).or_default();
             // Membership: units of running processes.
             let mut seen: BTreeMap<String, (BTreeSet<u32>, Limits, bool)> = BTreeMap::new();
@@ -263,7 +296,25 @@ impl Law {
                 e.0.insert(t.pid);
                 e.2 &= t.hw;
             }
-            g.units.retain(|u, _| seen.contains_key(u));
+            // Units whose processes are gone (or moved): released, not forgotten frozen (their
+            // cgroups may hold other processes).
+            let gone: Vec<String> = g
+                .units
+                .keys()
+                .filter(|u| !seen.contains_key(*u))
+                .cloned()
+                .collect();
+            for name in gone {
+                if let Some(mut u) = g.units.remove(&name) {
+                    if let Firmware::Probing { pid, .. } = g.firmware
+                        && u.pids.contains(&pid)
+                    {
+                        // The probe's tenant left before it could tell anything.
+                        g.firmware = Firmware::Unknown;
+                    }
+                    release(&name, &mut u, &self.held, &mut g.leaving);
+                }
+            }
             for (name, (pids, limits, hw)) in seen {
                 let u = g.units.entry(name).or_insert_with(|| Unit {
                     since: now,
@@ -283,6 +334,8 @@ impl Law {
                     .or_default() += s.sm_util;
             }
             for (ts, by_pid) in windows {
+                // When the window was sampled, on the law's clock.
+                let at = now.saturating_sub(r.clock_us.saturating_sub(ts).saturating_mul(1_000));
                 // Windows with no samples since the previous one: nobody ran, all read 0.
                 if g.last_window > 0 {
                     let gap = ts - g.last_window;
@@ -304,14 +357,15 @@ impl Law {
                 for u in g.units.values_mut() {
                     let util: u32 = u.pids.iter().filter_map(|p| by_pid.get(p)).sum();
                     if u.pids.iter().any(|p| by_pid.contains_key(p)) {
-                        u.listed = Some(now);
+                        u.listed = Some(u.listed.map_or(at, |l| l.max(at)));
                     }
                     u.share
                         .add(f64::from(util.min(100)) / 100.0, alpha_per_window);
                     u.stat.measured = u.share.value * 100.0;
                 }
-                if let Firmware::Probing { pid, since, .. } = g.firmware
-                    && now >= since + self.params.probe / 2
+                if let Firmware::Probing { pid, since, until } = g.firmware
+                    && at >= since + self.params.probe / 2
+                    && at < until
                     && by_pid.contains_key(&pid)
                 {
                     // It ran while off the runlist: the firmware ignores the controls.
@@ -338,7 +392,9 @@ impl Law {
         };
         for (&gpu, g) in self.gpus.iter_mut() {
             let active = active_units(&p, g, now, &self.held);
-            let changed = active != g.planned;
+            let changed = active != g.planned || !g.leaving.is_empty();
+            plan.commands
+                .extend(g.leaving.drain(..).map(|c| (now, gpu, c)));
             if changed && g.next > now {
                 // What was planned for other tenants is void: start over from a known state.
                 plan.replanned.push(gpu);
@@ -369,7 +425,7 @@ impl Law {
     /// What the law does per unit (summed over GPUs), as `ListCompute` shows it.
     pub fn stats(&self) -> BTreeMap<String, ComputeStat> {
         let mut out: BTreeMap<String, ComputeStat> = BTreeMap::new();
-        for g in self.gpus.values() {
+        for g in self.gpus.values().filter(|g| g.controlled) {
             for (name, u) in &g.units {
                 let s = out.entry(name.clone()).or_default();
                 s.duty = u.stat.duty;
@@ -455,6 +511,7 @@ fn plan_gpu(
     let t = targets(&pairs);
     let total: f64 = t.iter().sum();
     let needs_control = any_policy && (active.len() > 1 || total < 99.5);
+    g.controlled = any_policy;
     // Units not controlled this period run freely.
     let mut released = Vec::new();
     for (name, u) in g.units.iter_mut() {
@@ -517,259 +574,4 @@ fn plan_gpu(
     } else {
         plan_freezer(p, g, &active, now, offset, held, out)
     }
-}
-
-/// Shares in hardware. Latency-critical and best-effort units stay on the runlist with a long
-/// and a short timeslice: the GPU's round robin hands the engine to a latency-critical request
-/// within one best-effort timeslice, and gives best-effort whatever it leaves. Every other unit
-/// gets an exclusive window of the period in proportion to its target (on the runlist alone; the
-/// others off and preempted), so its share does not depend on how it feeds its queue: a tenant
-/// that keeps one kernel queued yields the engine after each kernel and would get no more than
-/// its neighbours' turns under round robin, whatever its timeslice. Windows shorter than the
-/// period leave the rest idle (caps).
-fn plan_hardware(
-    p: &LawParams,
-    g: &mut Gpu,
-    active: &[String],
-    now: Nanos,
-    offset: u64,
-    out: &mut Vec<(Nanos, Command)>,
-) {
-    let classed = |u: &Unit| {
-        matches!(
-            u.limits.priority,
-            Some(Priority::LatencyCritical | Priority::BestEffort)
-        )
-    };
-    let (prio, slotted): (Vec<String>, Vec<String>) =
-        active.iter().cloned().partition(|n| classed(&g.units[n]));
-    let on = |u: &mut Unit, out: &mut Vec<(Nanos, Command)>, t: Nanos| {
-        if u.off {
-            for &pid in &u.pids {
-                out.push((t, Command::Schedule { pid, enabled: true }));
-            }
-            u.off = false;
-        }
-    };
-    for n in active {
-        let u = g.units.get_mut(n).expect("active");
-        if u.frozen {
-            out.push((
-                now,
-                Command::Freeze {
-                    unit: n.clone(),
-                    frozen: false,
-                },
-            ));
-            u.frozen = false;
-        }
-        let us = match u.limits.priority {
-            Some(Priority::LatencyCritical) => p.max_timeslice_us,
-            Some(Priority::BestEffort) => p.min_timeslice_us,
-            _ => p.base_timeslice_us,
-        };
-        if u.timeslice != Some(us) {
-            for &pid in &u.pids {
-                out.push((now, Command::Timeslice { pid, us }));
-            }
-            u.timeslice = Some(us);
-        }
-    }
-    for n in &prio {
-        let u = g.units.get_mut(n).expect("active");
-        on(u, out, now);
-        u.stat.duty = 100.0;
-    }
-    // Targets among the windowed units alone (the classes have theirs from the round robin).
-    let windowed: Vec<(f64, Limits)> = slotted
-        .iter()
-        .map(|n| (100.0, g.units[n].limits.clone()))
-        .collect();
-    let pairs: Vec<(f64, &Limits)> = windowed.iter().map(|(d, l)| (*d, l)).collect();
-    let t = targets(&pairs);
-    if slotted.len() == 1 && t[0] >= 99.5 {
-        let u = g.units.get_mut(&slotted[0]).expect("active");
-        on(u, out, now);
-        u.stat.duty = 100.0;
-        return;
-    }
-    // The windows repeat in cycles of about HW_CYCLE within the period: preemption makes short
-    // windows exact, and the shares hold over any second, not only over the period.
-    let cycles = (p.period / HW_CYCLE).max(1);
-    let cycle = p.period / cycles;
-    // Segments back to back over the period, in an order that rotates from period to period
-    // (so the switch costs and the timer's error do not fall on the same unit every time), the
-    // idle part (caps) taking its turn like a unit.
-    let mut shares: Vec<f64> = t.iter().map(|x| x / 100.0).collect();
-    shares.push((1.0 - t.iter().sum::<f64>() / 100.0).max(0.0));
-    let order: Vec<usize> = (0..shares.len())
-        .map(|k| (k + offset as usize) % shares.len())
-        .collect();
-    let scale = shares.iter().sum::<f64>().max(1e-9);
-    let mut ideal = 0.0f64;
-    let mut at = now;
-    let mut segments: Vec<Vec<(Nanos, Nanos)>> = vec![Vec::new(); slotted.len()];
-    for _ in 0..cycles {
-        for &i in &order {
-            ideal += cycle as f64 * shares[i] / scale;
-            let end = now + ideal.round() as u64;
-            if end > at && i < slotted.len() {
-                segments[i].push((at, end));
-            }
-            at = end.max(at);
-        }
-    }
-    for (i, n) in slotted.iter().enumerate() {
-        let u = g.units.get_mut(n).expect("active");
-        u.stat.target = t[i];
-        u.stat.duty = t[i];
-        let first_on = segments[i].first().map(|(s, _)| *s);
-        for &pid in &u.pids {
-            if first_on != Some(now) && !u.off {
-                out.push((
-                    now,
-                    Command::Schedule {
-                        pid,
-                        enabled: false,
-                    },
-                ));
-            }
-            for &(start, end) in &segments[i] {
-                out.push((start, Command::Schedule { pid, enabled: true }));
-                out.push((
-                    end,
-                    Command::Schedule {
-                        pid,
-                        enabled: false,
-                    },
-                ));
-            }
-        }
-        u.off = true;
-        u.stopped = Some(now);
-        u.stat.nr_throttled += 1;
-        let ran: Nanos = segments[i].iter().map(|(s, e)| e - s).sum();
-        u.stat.throttled_usec += p.period.saturating_sub(ran) / 1_000;
-    }
-}
-
-/// Length of the hardware windows' cycle.
-const HW_CYCLE: Nanos = 50 * MS;
-
-/// Longest freezer cycle.
-const MAX_CYCLE: Nanos = 1_600 * MS;
-
-/// The smallest freezer slot lasts this many thaw latencies (a thaw's delay varies).
-const MIN_SLOT_THAWS: u64 = 5;
-
-/// The fallback: each active unit alone (the others frozen) for its slot of a cycle, slots in
-/// proportion to the targets, the cycle long enough that the smallest slot lasts a period (a
-/// frozen unit's queued work drains into the next slot: shorter than the period, the slot
-/// absorbs it); latency-critical units are never frozen, and best-effort ones are frozen while
-/// a latency-critical one is active. Returns the cycle's length.
-fn plan_freezer(
-    p: &LawParams,
-    g: &mut Gpu,
-    active: &[String],
-    now: Nanos,
-    offset: u64,
-    held: &BTreeSet<String>,
-    out: &mut Vec<(Nanos, Command)>,
-) -> Nanos {
-    let lc_active = active
-        .iter()
-        .any(|n| g.units[n].limits.priority == Some(Priority::LatencyCritical));
-    let freeze = |out: &mut Vec<(Nanos, Command)>, t: Nanos, n: &str, frozen: bool| {
-        if !held.contains(n) {
-            out.push((
-                t,
-                Command::Freeze {
-                    unit: n.to_owned(),
-                    frozen,
-                },
-            ));
-        }
-    };
-    let slotted: Vec<String> = active
-        .iter()
-        .filter(|n| g.units[*n].limits.priority != Some(Priority::LatencyCritical))
-        .filter(|n| !(lc_active && g.units[*n].limits.priority == Some(Priority::BestEffort)))
-        .cloned()
-        .collect();
-    for n in active {
-        let u = g.units.get_mut(n).expect("active");
-        if u.off {
-            for &pid in &u.pids {
-                out.push((now, Command::Schedule { pid, enabled: true }));
-            }
-            u.off = false;
-        }
-        if !slotted.contains(n) {
-            // Latency-critical: runs freely; best-effort beside it: frozen for the period.
-            let frozen = u.limits.priority == Some(Priority::BestEffort);
-            if u.frozen != frozen {
-                freeze(out, now, n, frozen);
-                u.frozen = frozen;
-            }
-            if frozen {
-                u.stopped = Some(now);
-                u.stat.duty = 0.0;
-                u.stat.nr_throttled += 1;
-                u.stat.throttled_usec += p.period / 1_000;
-            } else {
-                u.stat.duty = 100.0;
-            }
-        }
-    }
-    if slotted.is_empty() {
-        return p.period;
-    }
-    if slotted.len() == 1 && g.units[&slotted[0]].target >= 99.5 {
-        let n = &slotted[0];
-        let u = g.units.get_mut(n).expect("slotted");
-        if u.frozen {
-            freeze(out, now, n, false);
-            u.frozen = false;
-        }
-        u.stat.duty = 100.0;
-        return p.period;
-    }
-    // Slots back to back in a rotating order, from a varying offset where they leave part of the
-    // period idle; each unit thawed a thaw latency before its slot and frozen at its end.
-    let want: Vec<f64> = slotted.iter().map(|n| g.units[n].target / 100.0).collect();
-    let scale = want.iter().sum::<f64>().max(1.0);
-    // The smallest slot lasts several thaw latencies (a thaw's delay is only roughly known).
-    let smallest = want
-        .iter()
-        .map(|w| w / scale)
-        .filter(|w| *w > 0.0)
-        .fold(1.0, f64::min);
-    // A cycle length that varies by a few percent keeps it from aliasing with NVML's windows;
-    // the slots start within the first tenth of the free part, so that each stretch of a few
-    // cycles holds the same number of them.
-    let base = ((MIN_SLOT_THAWS * p.thaw_latency) as f64 / smallest).max(p.period as f64);
-    let jitter = 0.95 + 0.1 * ((g.phase >> 40) % 1024) as f64 / 1024.0;
-    let cycle = ((base * jitter) as Nanos).min(MAX_CYCLE);
-    let used = (want.iter().sum::<f64>() / scale * cycle as f64) as Nanos;
-    let rotate = (offset as usize) % slotted.len();
-    let mut t = now + offset % ((cycle - used.min(cycle)) / 10).max(1);
-    for k in 0..slotted.len() {
-        let i = (k + rotate) % slotted.len();
-        let n = &slotted[i];
-        let u = g.units.get_mut(n).expect("slotted");
-        let len = (cycle as f64 * want[i] / scale) as Nanos;
-        u.stat.duty = len as f64 * 100.0 / cycle as f64;
-        if len == 0 {
-            continue;
-        }
-        let thaw_at = t.saturating_sub(p.thaw_latency).max(now);
-        freeze(out, thaw_at, n, false);
-        freeze(out, t + len, n, true);
-        u.frozen = true;
-        u.stopped = Some(now + cycle);
-        u.stat.nr_throttled += 1;
-        u.stat.throttled_usec += (cycle - len.min(cycle)) / 1_000;
-        t += len;
-    }
-    cycle
 }

@@ -1,0 +1,239 @@
+//! RM controls on a tenant's channel groups, issued through the tenant's own open file.
+//!
+//! The driver binds an RM client to the control file that created it and refuses a control
+//! through any other file (`NV_ERR_INVALID_CLIENT`: strict client validation, on by default). A
+//! second descriptor of the same open file passes, so the daemon takes one from the tenant with
+//! `pidfd_getfd(2)` (CAP_SYS_PTRACE over it; Yama's `ptrace_scope = 3` forbids it), issues the
+//! control with its own privilege, and closes the descriptor at once: held, it would keep the
+//! tenant's file open, and with it the tenant's clients and their GPU memory past its exit
+//! (shared/reference/gpu-scheduler-controls.md §1.1). Which of the tenant's NVIDIA files owns a
+//! client is not visible from outside: the files are tried, control files first, and the one
+//! that answers is remembered.
+//!
+//! This module owns those descriptors' lifetimes and the pidfds it keeps per process.
+
+use std::{
+    collections::HashMap,
+    io,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
+};
+
+use gpud_common::{
+    DeviceKind, GPU_UNKNOWN, nv,
+    rm::{Nvos54, status, tsg},
+};
+
+use crate::{attribution::ChannelGroup, probes::Matcher};
+
+/// A control that could not be issued, or that the driver refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("process {pid} is gone")]
+    Gone { pid: u32 },
+    #[error("cannot open a pidfd of process {pid}")]
+    Pidfd {
+        pid: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot take descriptor {fd} from process {pid} (pidfd_getfd needs CAP_SYS_PTRACE)")]
+    TakeFd {
+        pid: u32,
+        fd: RawFd,
+        #[source]
+        source: io::Error,
+    },
+    #[error("process {pid} has no NVIDIA file that owns RM client {client:#x}")]
+    NoFile { pid: u32, client: u32 },
+    #[error("the RM control ioctl {cmd:#x} failed")]
+    Ioctl {
+        cmd: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "the driver refused control {cmd:#x} on channel group {handle:#x} (status {status:#x})"
+    )]
+    Refused { cmd: u32, handle: u32, status: u32 },
+}
+
+impl ControlError {
+    /// Whether the channel group itself is gone (freed with its context): not a failure of the
+    /// controls.
+    pub fn group_gone(&self) -> bool {
+        matches!(
+            self,
+            Self::Refused { status: s, .. } if *s == status::NV_ERR_INVALID_OBJECT_HANDLE
+        )
+    }
+}
+
+/// The controls, with what they keep between calls.
+pub struct Controls {
+    matcher: Matcher,
+    pidfds: HashMap<u32, OwnedFd>,
+    /// Per (process, client): the descriptor number of the file that owns the client.
+    owners: HashMap<(u32, u32), RawFd>,
+}
+
+impl Controls {
+    pub fn new(matcher: Matcher) -> Self {
+        Self {
+            matcher,
+            pidfds: HashMap::new(),
+            owners: HashMap::new(),
+        }
+    }
+
+    /// Puts the group on the runlist, or takes it off and preempts it (off the runlist alone, a
+    /// group on the engine keeps it until its timeslice ends).
+    pub fn schedule(&mut self, g: &ChannelGroup, enabled: bool) -> Result<(), ControlError> {
+        let mut params = tsg::ScheduleParams {
+            enable: u8::from(enabled),
+            ..Default::default()
+        };
+        self.control(g, tsg::GPFIFO_SCHEDULE, &mut params)?;
+        if !enabled {
+            // Not waiting: the actuator keeps its times; the preemption completes within the
+            // GPU's preemption latency.
+            let mut preempt = tsg::PreemptParams::default();
+            self.control(g, tsg::PREEMPT, &mut preempt)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the group's timeslice (µs; the driver rounds it down to what the hardware holds).
+    pub fn timeslice(&mut self, g: &ChannelGroup, us: u64) -> Result<(), ControlError> {
+        let mut params = tsg::TimesliceParams { timeslice_us: us };
+        self.control(g, tsg::SET_TIMESLICE, &mut params)
+    }
+
+    /// Forgets the processes `keep` rejects (their pidfds are closed).
+    pub fn retain(&mut self, keep: impl Fn(u32) -> bool) {
+        self.pidfds.retain(|pid, _| keep(*pid));
+        self.owners.retain(|(pid, _), _| keep(*pid));
+    }
+
+    fn control<P>(
+        &mut self,
+        g: &ChannelGroup,
+        cmd: u32,
+        params: &mut P,
+    ) -> Result<(), ControlError> {
+        let pid = g.pid;
+        let pidfd = self.pidfd(pid)?;
+        let known = self.owners.get(&(pid, g.client)).copied();
+        let candidates = known
+            .into_iter()
+            .chain(nvidia_fds(&self.matcher, pid).filter(|fd| Some(*fd) != known));
+        for fd in candidates {
+            let file = match take_fd(pidfd, fd) {
+                Ok(f) => f,
+                // Closed meanwhile: try the others.
+                Err(e) if e.raw_os_error() == Some(libc::EBADF) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                    return Err(ControlError::Gone { pid });
+                }
+                Err(source) => return Err(ControlError::TakeFd { pid, fd, source }),
+            };
+            let mut req = Nvos54 {
+                h_client: g.client,
+                h_object: g.handle,
+                cmd,
+                flags: 0,
+                params: std::ptr::from_mut(params) as u64,
+                params_size: size_of::<P>() as u32,
+                status: 0,
+            };
+            let request = nv::nv_iowr(nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE);
+            // SAFETY: `req` is a live NVOS54 of the size the request encodes, and its `params`
+            // points to a live `P` of `params_size` bytes; both outlive the call.
+            let ret = unsafe { libc::ioctl(file.as_raw_fd(), request as _, &mut req) };
+            let err = io::Error::last_os_error();
+            // Closed at once, before anything else: see the module documentation.
+            drop(file);
+            if ret < 0 {
+                if err.raw_os_error() == Some(libc::EINVAL) {
+                    // Not an RM file after all (a device file without a control file).
+                    continue;
+                }
+                return Err(ControlError::Ioctl { cmd, source: err });
+            }
+            match req.status {
+                0 => {
+                    self.owners.insert((pid, g.client), fd);
+                    return Ok(());
+                }
+                status::NV_ERR_INVALID_CLIENT => continue,
+                status => {
+                    return Err(ControlError::Refused {
+                        cmd,
+                        handle: g.handle,
+                        status,
+                    });
+                }
+            }
+        }
+        self.owners.remove(&(pid, g.client));
+        Err(ControlError::NoFile {
+            pid,
+            client: g.client,
+        })
+    }
+
+    fn pidfd(&mut self, pid: u32) -> Result<RawFd, ControlError> {
+        if let Some(fd) = self.pidfds.get(&pid) {
+            return Ok(fd.as_raw_fd());
+        }
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if fd < 0 {
+            let source = io::Error::last_os_error();
+            if source.raw_os_error() == Some(libc::ESRCH) {
+                return Err(ControlError::Gone { pid });
+            }
+            return Err(ControlError::Pidfd { pid, source });
+        }
+        // SAFETY: a new descriptor that nothing else owns.
+        let owned = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        let raw = owned.as_raw_fd();
+        self.pidfds.insert(pid, owned);
+        Ok(raw)
+    }
+}
+
+/// Whether a group belongs on `gpu` (a group whose GPU the probes could not tell goes with all).
+pub fn on_gpu(g: &ChannelGroup, gpu: u32) -> bool {
+    g.gpu == gpu || g.gpu == GPU_UNKNOWN
+}
+
+/// A descriptor of the file behind `fd` of the process behind `pidfd`.
+fn take_fd(pidfd: RawFd, fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_getfd takes two descriptors numbers and flags, returns a new descriptor or -1.
+    let new = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0) };
+    if new < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(new as RawFd) })
+}
+
+/// The process's open NVIDIA files that can own RM clients, control files first.
+fn nvidia_fds(matcher: &Matcher, pid: u32) -> impl Iterator<Item = RawFd> + use<> {
+    let mut found: Vec<(u8, RawFd)> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let fd: RawFd = e.file_name().to_str()?.parse().ok()?;
+            let meta = std::fs::metadata(e.path()).ok()?;
+            match matcher.kind(&meta)? {
+                DeviceKind::Control => Some((0, fd)),
+                DeviceKind::Gpu => Some((1, fd)),
+                _ => None,
+            }
+        })
+        .collect();
+    found.sort_unstable();
+    found.into_iter().map(|(_, fd)| fd)
+}

@@ -1,0 +1,145 @@
+//! The law where the firmware honors the channel-group controls: exclusive runlist windows for
+//! normal units, timeslices for the priority classes.
+
+use super::{Command, Gpu, LawParams, MS, Nanos, Unit};
+use crate::{
+    enforcement::compute::targets,
+    policy::{Limits, Priority},
+};
+
+/// Shares in hardware. Latency-critical and best-effort units stay on the runlist with a long
+/// and a short timeslice: the GPU's round robin hands the engine to a latency-critical request
+/// within one best-effort timeslice, and gives best-effort whatever it leaves. Every other unit
+/// gets an exclusive window of the period in proportion to its target (on the runlist alone; the
+/// others off and preempted), so its share does not depend on how it feeds its queue: a tenant
+/// that keeps one kernel queued yields the engine after each kernel and would get no more than
+/// its neighbours' turns under round robin, whatever its timeslice. Windows shorter than the
+/// period leave the rest idle (caps).
+pub(super) fn plan_hardware(
+    p: &LawParams,
+    g: &mut Gpu,
+    active: &[String],
+    now: Nanos,
+    offset: u64,
+    out: &mut Vec<(Nanos, Command)>,
+) {
+    let classed = |u: &Unit| {
+        matches!(
+            u.limits.priority,
+            Some(Priority::LatencyCritical | Priority::BestEffort)
+        )
+    };
+    let (prio, slotted): (Vec<String>, Vec<String>) =
+        active.iter().cloned().partition(|n| classed(&g.units[n]));
+    let on = |u: &mut Unit, out: &mut Vec<(Nanos, Command)>, t: Nanos| {
+        if u.off {
+            for &pid in &u.pids {
+                out.push((t, Command::Schedule { pid, enabled: true }));
+            }
+            u.off = false;
+        }
+    };
+    for n in active {
+        let u = g.units.get_mut(n).expect("active");
+        if u.frozen {
+            out.push((
+                now,
+                Command::Freeze {
+                    unit: n.clone(),
+                    frozen: false,
+                },
+            ));
+            u.frozen = false;
+        }
+        let us = match u.limits.priority {
+            Some(Priority::LatencyCritical) => p.max_timeslice_us,
+            Some(Priority::BestEffort) => p.min_timeslice_us,
+            _ => p.base_timeslice_us,
+        };
+        if u.timeslice != Some(us) {
+            for &pid in &u.pids {
+                out.push((now, Command::Timeslice { pid, us }));
+            }
+            u.timeslice = Some(us);
+        }
+    }
+    for n in &prio {
+        let u = g.units.get_mut(n).expect("active");
+        on(u, out, now);
+        u.stat.duty = 100.0;
+    }
+    // Targets among the windowed units alone (the classes have theirs from the round robin).
+    let windowed: Vec<(f64, Limits)> = slotted
+        .iter()
+        .map(|n| (100.0, g.units[n].limits.clone()))
+        .collect();
+    let pairs: Vec<(f64, &Limits)> = windowed.iter().map(|(d, l)| (*d, l)).collect();
+    let t = targets(&pairs);
+    if slotted.len() == 1 && t[0] >= 99.5 {
+        let u = g.units.get_mut(&slotted[0]).expect("active");
+        on(u, out, now);
+        u.stat.duty = 100.0;
+        return;
+    }
+    // The windows repeat in cycles of about HW_CYCLE within the period: preemption makes short
+    // windows exact, and the shares hold over any second, not only over the period.
+    let cycles = (p.period / HW_CYCLE).max(1);
+    let cycle = p.period / cycles;
+    // Segments back to back over the period, in an order that rotates from period to period
+    // (so the switch costs and the timer's error do not fall on the same unit every time), the
+    // idle part (caps) taking its turn like a unit.
+    let mut shares: Vec<f64> = t.iter().map(|x| x / 100.0).collect();
+    shares.push((1.0 - t.iter().sum::<f64>() / 100.0).max(0.0));
+    let order: Vec<usize> = (0..shares.len())
+        .map(|k| (k + offset as usize) % shares.len())
+        .collect();
+    let scale = shares.iter().sum::<f64>().max(1e-9);
+    let mut ideal = 0.0f64;
+    let mut at = now;
+    let mut segments: Vec<Vec<(Nanos, Nanos)>> = vec![Vec::new(); slotted.len()];
+    for _ in 0..cycles {
+        for &i in &order {
+            ideal += cycle as f64 * shares[i] / scale;
+            let end = now + ideal.round() as u64;
+            if end > at && i < slotted.len() {
+                segments[i].push((at, end));
+            }
+            at = end.max(at);
+        }
+    }
+    for (i, n) in slotted.iter().enumerate() {
+        let u = g.units.get_mut(n).expect("active");
+        u.stat.target = t[i];
+        u.stat.duty = t[i];
+        let first_on = segments[i].first().map(|(s, _)| *s);
+        for &pid in &u.pids {
+            if first_on != Some(now) && !u.off {
+                out.push((
+                    now,
+                    Command::Schedule {
+                        pid,
+                        enabled: false,
+                    },
+                ));
+            }
+            for &(start, end) in &segments[i] {
+                out.push((start, Command::Schedule { pid, enabled: true }));
+                out.push((
+                    end,
+                    Command::Schedule {
+                        pid,
+                        enabled: false,
+                    },
+                ));
+            }
+        }
+        u.off = true;
+        u.stopped = Some(now);
+        u.stat.nr_throttled += 1;
+        let ran: Nanos = segments[i].iter().map(|(s, e)| e - s).sum();
+        u.stat.throttled_usec += p.period.saturating_sub(ran) / 1_000;
+    }
+}
+
+/// Length of the hardware windows' cycle.
+const HW_CYCLE: Nanos = 50 * MS;
