@@ -39,6 +39,8 @@ pub mod status {
     pub const NV_ERR_INVALID_FUNCTION: u32 = 0x2a;
     /// A parameter pointer RM could not copy in.
     pub const NV_ERR_INVALID_POINTER: u32 = 0x3d;
+    /// A control's parameters of the wrong size for it.
+    pub const NV_ERR_INVALID_PARAM_STRUCT: u32 = 0x3a;
     /// The request is valid but not supported here.
     pub const NV_ERR_NOT_SUPPORTED: u32 = 0x56;
 }

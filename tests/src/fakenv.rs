@@ -63,6 +63,12 @@
 //! * `RM_FREE` of a device, subdevice or client taking its subtree, and `NV_OK` for an unknown
 //!   handle;
 //! * clients bound to their open file (`NV_ERR_INVALID_CLIENT` through another one);
+//! * the channel-group controls (`NV_ESC_RM_CONTROL` on a `KEPLER_CHANNEL_GROUP_A`, allocated
+//!   under a device): `GPFIFO_SCHEDULE`, `SET_TIMESLICE`, `GET_TIMESLICE`, `PREEMPT` with their
+//!   parameter structs in the caller's memory (`NV_ERR_INVALID_PARAM_STRUCT` for a wrong size,
+//!   `NV_ERR_INVALID_OBJECT_HANDLE` for no such group), through the owning client's file only,
+//!   from the driver source (gpu-scheduler-controls.md); what they do to GPU work is not
+//!   modelled (no GPU work runs here), except as `runlist stop` stands in for it;
 //! * `EINVAL` for malformed sizes and bad XFER wrappers, `EFAULT` for unreadable payloads;
 //! * a forked child allocating on its parent's open file;
 //! * what CUDA sees when the `deny` tier refuses an allocation with `ENOMEM` (that machine refuses
@@ -173,6 +179,22 @@ pub struct ObjectState {
     pub pid: u32,
 }
 
+/// A channel group in a [`Snapshot`], with what its controls set.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChannelGroupState {
+    pub client: Handle,
+    pub handle: Handle,
+    /// Process that created it.
+    pub pid: u32,
+    pub gpu: Option<u32>,
+    /// On the runlist.
+    pub enabled: bool,
+    pub timeslice_us: u64,
+    /// `GPFIFO_SCHEDULE` and `PREEMPT` controls that reached it.
+    pub schedules: u64,
+    pub preempts: u64,
+}
+
 /// Running counters.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stats {
@@ -189,6 +211,9 @@ pub struct Stats {
 /// The fake's state, as the `state` file shows it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Snapshot {
+    /// Channel groups (`KEPLER_CHANNEL_GROUP_A`) and their scheduling state.
+    #[serde(default)]
+    pub channel_groups: Vec<ChannelGroupState>,
     pub page_size: u64,
     pub gpus: Vec<GpuState>,
     pub files: Vec<FileState>,
@@ -668,6 +693,12 @@ impl FakeNv {
     ///   ERRNO, nothing done;
     /// * `delay-ioctl-ms MS` — every later ioctl waits MS before it is handled (0: off);
     /// * `capacity GPU BYTES` — sets a GPU's capacity (already allocated memory stays);
+    /// * `fail-control CMD STATUS [COUNT]` — the next COUNT channel-group controls CMD (e.g.
+    ///   `0xa06c0101`) answer RM status STATUS, nothing changed;
+    /// * `runlist stop` / `runlist record` — whether taking a channel group off the runlist stops
+    ///   its process (SIGSTOP until all its groups are back on) or is only recorded (the
+    ///   default): tenants that burn CPU as their GPU work see the control take effect, or see
+    ///   firmware that ignores it;
     /// * `clear` — drops pending injections and the delay.
     ///
     /// Numbers are decimal or `0x` hex; blank lines and `#` comments are ignored.

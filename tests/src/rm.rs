@@ -29,6 +29,10 @@ unsafe impl Plain for rm::MemoryAllocationParams {}
 unsafe impl Plain for rm::Nv0080AllocParams {}
 unsafe impl Plain for rm::Nv2080AllocParams {}
 unsafe impl Plain for rm::NvIoctlXfer {}
+unsafe impl Plain for rm::Nvos54 {}
+unsafe impl Plain for rm::tsg::ScheduleParams {}
+unsafe impl Plain for rm::tsg::TimesliceParams {}
+unsafe impl Plain for rm::tsg::PreemptParams {}
 
 /// The bytes of `v`.
 pub fn bytes_of<T: Plain>(v: &T) -> &[u8] {
@@ -318,6 +322,42 @@ impl<'f> Ctl<'f> {
         let ptr = bytes_of_mut(&mut p).as_mut_ptr();
         // SAFETY: `p` is the class's params and outlives the call.
         unsafe { self.alloc(&Alloc::new(client, device, class::SUBDEVICE).params(ptr)) }
+    }
+
+    /// `KEPLER_CHANNEL_GROUP_A` under `device` (NVOS64, default parameters), as CUDA makes one per
+    /// context and engine.
+    pub fn alloc_channel_group(&self, client: Handle, device: Handle) -> Reply {
+        let mut a = Alloc::new(client, device, class::CHANNEL_GROUP);
+        a.long = true;
+        // SAFETY: no params (RM's defaults).
+        unsafe { self.alloc(&a) }
+    }
+
+    /// `NV_ESC_RM_CONTROL` `cmd` on `object` of `client`, with `params` as its parameters.
+    pub fn control<P: Plain>(
+        &self,
+        client: Handle,
+        object: Handle,
+        cmd: u32,
+        params: &mut P,
+    ) -> Reply {
+        let mut p = rm::Nvos54 {
+            h_client: client,
+            h_object: object,
+            cmd,
+            flags: 0,
+            params: bytes_of_mut(params).as_mut_ptr() as u64,
+            params_size: size_of::<P>() as u32,
+            status: 0,
+        };
+        let (ret, errno) = self.escape(nv::NV_ESC_RM_CONTROL, &mut p, false);
+        Reply {
+            ret,
+            errno,
+            status: p.status,
+            handle: object,
+            size: 0,
+        }
     }
 
     /// Video memory of `size` bytes under `parent` (a device or subdevice), issued as `form`.

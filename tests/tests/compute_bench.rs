@@ -1,145 +1,135 @@
-//! Benchmark of compute shares on the simulated GPU, run by `cargo xtask bench` (a test target
-//! that `cargo test` leaves out: `test = false` in tests/Cargo.toml): achieved vs target shares
-//! over 1 s and 10 s windows, convergence after a limit change, and a plot of the 1:3 case.
+//! The daemon's own cost of compute shares: gpud controlling 10 tenants on 2 GPUs, its CPU time
+//! over a fixed window, with no compute policy (the baseline: sampling NVML and following the
+//! tenants), with the shares set in hardware (channel-group windows), and with the freezer.
+//! Run by `cargo xtask bench`, not by `cargo test` (it prints `BENCH JSON: {…}`).
+//!
+//! The tenants are `gpud-rm` processes with a channel group each that burn CPU as their GPU
+//! work (the fake NVML reports their CPU share; the fake device stops a tenant while its group
+//! is off the runlist): exclusive windows keep one tenant per GPU running, so two CPUs carry
+//! them. What is measured is gpud's `utime + stime` (/proc/<pid>/stat) over the window, as a
+//! percentage of one CPU, and its actuator's commands per second.
 
-use std::{
-    path::{Path, PathBuf},
-    process::Child,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
-use gpud_tests::{Bus, Cgroup, TempDir, bin_dir};
+use gpud_tests::{Cgroup, Rig, RmProcess, eventually};
 use serde_json::json;
 
-mod simulated_gpu;
-use simulated_gpu::{Procs, SERIAL, burner, runtime_ns, set, shares, start};
+const TENANTS: usize = 10;
+const GPUS: u32 = 2;
+const WINDOW: Duration = Duration::from_secs(20);
 
-/// Shares per `step` of each pid over `total`, in percent.
-fn series(pids: &[u32], step: Duration, total: Duration) -> Vec<Vec<f64>> {
-    let mut out = vec![Vec::new(); pids.len()];
-    let mut prev: Vec<u64> = pids.iter().map(|p| runtime_ns(*p)).collect();
-    let mut t = Instant::now();
-    let end = t + total;
-    while Instant::now() < end {
-        std::thread::sleep(step);
-        let now = Instant::now();
-        let wall = (now - t).as_nanos() as f64;
-        for (i, p) in pids.iter().enumerate() {
-            let rt = runtime_ns(*p);
-            out[i].push((rt - prev[i]) as f64 / wall * 100.0);
-            prev[i] = rt;
-        }
-        t = now;
-    }
-    out
-}
-
-/// Seconds until the 1 s moving average of `s` (100 ms steps) stays within `tol` of `target`.
-fn convergence(s: &[f64], target: f64, tol: f64) -> Option<f64> {
-    let avg: Vec<f64> = s
-        .windows(10)
-        .map(|w| w.iter().sum::<f64>() / 10.0)
-        .collect();
-    (0..avg.len())
-        .find(|&i| avg[i..].iter().all(|a| (a - target).abs() <= tol))
-        .map(|i| (i + 10) as f64 / 10.0)
-}
-
-fn windows_1s(s: &[f64]) -> Vec<f64> {
-    s.chunks(10)
-        .filter(|c| c.len() == 10)
-        .map(|c| c.iter().sum::<f64>() / 10.0)
-        .collect()
-}
-
-fn svg(series: &[(&str, &str, &[f64], f64)], path: &Path) {
-    let (w, h) = (800.0, 300.0);
-    let n = series.iter().map(|s| s.2.len()).max().unwrap_or(1).max(2) as f64;
-    let x = |i: usize| 40.0 + i as f64 / (n - 1.0) * (w - 60.0);
-    let y = |v: f64| h - 30.0 - v.clamp(0.0, 100.0) / 100.0 * (h - 50.0);
-    let mut out = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"40\" y=\"14\">share of the simulated GPU per 100 ms (solid) and target (dashed), weights 1:3 set at t = 0</text>\n"
-    );
-    for v in [0.0, 25.0, 50.0, 75.0, 100.0] {
-        out += &format!(
-            "<line x1=\"40\" x2=\"{}\" y1=\"{y0}\" y2=\"{y0}\" stroke=\"#ddd\"/><text x=\"5\" y=\"{}\">{v}%</text>\n",
-            w - 20.0,
-            y(v) + 4.0,
-            y0 = y(v)
-        );
-    }
-    for (name, color, s, target) in series {
-        let pts: Vec<String> = s
-            .iter()
-            .enumerate()
-            .map(|(i, v)| format!("{:.1},{:.1}", x(i), y(*v)))
-            .collect();
-        out += &format!(
-            "<polyline fill=\"none\" stroke=\"{color}\" points=\"{}\"/>\n<line x1=\"40\" x2=\"{}\" y1=\"{t}\" y2=\"{t}\" stroke=\"{color}\" stroke-dasharray=\"4 4\"/>\n<text x=\"{}\" y=\"{}\" fill=\"{color}\">{name}</text>\n",
-            pts.join(" "),
-            w - 20.0,
-            w - 120.0,
-            y(*target) - 4.0,
-            t = y(*target)
-        );
-    }
-    out += &format!(
-        "<text x=\"{}\" y=\"{}\">time: {:.0} s</text>\n</svg>\n",
-        w - 100.0,
-        h - 8.0,
-        n / 10.0
-    );
-    let _ = std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")));
-    std::fs::write(path, out).expect("write SVG");
-}
-
-/// The benchmark itself.
-#[tokio::test(flavor = "multi_thread")]
-async fn bench_compute_shares() {
-    let _serial = SERIAL.lock().await;
-    let dir = TempDir::new("compute-bench");
-    let lib_dir = dir.path().join("lib");
-    let (a, b) = (Cgroup::new("bench-a"), Cgroup::new("bench-b"));
-    let procs = Procs(vec![burner(&a), burner(&b)]);
-    let pids: Vec<u32> = procs.0.iter().map(Child::id).collect();
-    let quiet = shares(&pids, Duration::from_millis(1500));
-    let bus = Bus::start();
-    let d = start(&dir, &lib_dir, &bus, &pids).await;
-    let step = Duration::from_millis(100);
-    // Weights 1:3, from the unthrottled state.
-    set(&d, &a, &[("compute_weight", zbus::Variant::from(1u32))]).await;
-    set(&d, &b, &[("compute_weight", zbus::Variant::from(3u32))]).await;
-    let w = series(&pids, step, Duration::from_secs(12));
-    // Then caps 30 / 70 replace the weights.
-    set(&d, &a, &[("compute_max", zbus::Variant::from(30u32))]).await;
-    set(&d, &b, &[("compute_max", zbus::Variant::from(70u32))]).await;
-    let c = series(&pids, step, Duration::from_secs(12));
-    let summary = |s: &[f64], target: f64| {
-        let last10: Vec<f64> = s[s.len().saturating_sub(100)..].to_vec();
-        let w1 = windows_1s(&last10);
-        json!({
-            "target": target,
-            "share_10s": last10.iter().sum::<f64>() / last10.len().max(1) as f64,
-            "share_1s_min": w1.iter().copied().fold(f64::MAX, f64::min),
-            "share_1s_max": w1.iter().copied().fold(f64::MIN, f64::max),
-            "convergence_s_within_3_points": convergence(s, target, 3.0),
+fn cpu_ticks(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let f: Vec<u64> = s
+                .rsplit(')')
+                .next()?
+                .split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            // utime and stime: fields 14 and 15, the 12th and 13th numbers after `)` (the
+            // state letter is not a number).
+            Some(f.get(10)? + f.get(11)?)
         })
+        .unwrap_or(0)
+}
+
+/// gpud's CPU use (percent of one CPU) over [`WINDOW`], and the controls the fake received.
+fn measure(rig: &Rig) -> (f64, u64) {
+    let pid = rig.pid().expect("gpud runs");
+    // SAFETY: sysconf with a valid name.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let schedules = |rig: &Rig| -> u64 {
+        rig.fake()
+            .snapshot()
+            .channel_groups
+            .iter()
+            .map(|g| g.schedules)
+            .sum()
     };
+    let (t0, c0, s0) = (Instant::now(), cpu_ticks(pid), schedules(rig));
+    std::thread::sleep(WINDOW);
+    let (c1, s1) = (cpu_ticks(pid), schedules(rig));
+    let secs = t0.elapsed().as_secs_f64();
+    ((c1 - c0) as f64 / hz / secs * 100.0, s1 - s0)
+}
+
+async fn run(case: &str, hardware: bool, policies: bool) -> serde_json::Value {
+    let Some(rig) = Rig::new(&format!("compute-bench-{case}")).fake_device(GPUS) else {
+        return json!({ "skipped": "no /dev/fuse" });
+    };
+    let mut rig = rig.fake_gpus(GPUS);
+    rig.fake().inject("runlist stop").expect("runlist mode");
+    let config = rig
+        .config()
+        .log("gpud=info")
+        .set("nvml.sample_interval_ms", 100)
+        .set("compute.period_ms", 100)
+        .set("compute.hardware", hardware);
+    rig.start(config).await;
+    rig.wait_for_gpus(GPUS).await;
+    let mut tenants = Vec::new();
+    for i in 0..TENANTS {
+        let cg = Cgroup::new(&format!("bench-{case}-{i}"));
+        let mut p = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+        let gpu = i as u32 % GPUS;
+        let (client, device) = p.client_device(gpu);
+        p.handle(&format!("channel-group {client} {device}"));
+        p.ok("burn");
+        tenants.push((p, cg, gpu));
+    }
+    let mut s = gpud_tests::gpus(GPUS);
+    s["processes"] = tenants
+        .iter()
+        .map(|(p, _, gpu)| json!({ "pid": p.pid, "gpu": gpu, "memory": 1u64 << 30 }))
+        .collect();
+    rig.nvml_scenario(&s);
+    let (_c, proxy) = rig.proxy().await;
+    let listed = eventually(Duration::from_secs(15), || async {
+        let n: usize = proxy
+            .list_nvml_usage()
+            .await
+            .ok()?
+            .iter()
+            .map(|u| u.pids.len())
+            .sum();
+        (n >= TENANTS).then_some(())
+    })
+    .await;
+    assert!(listed.is_some(), "NVML never listed the tenants");
+    if policies {
+        for (i, (_, cg, _)) in tenants.iter().enumerate() {
+            let m = std::collections::BTreeMap::from([(
+                "compute_weight",
+                zbus::Variant::from(1 + i as u32 / 2),
+            )]);
+            proxy
+                .set_limits(&cg.rel, "all", m)
+                .await
+                .expect("SetLimits");
+        }
+        // The probe (a second), then a few plans.
+        std::thread::sleep(Duration::from_secs(3));
+    }
+    let (cpu, schedules) = measure(&rig);
+    json!({
+        "gpud_cpu_pct_of_one_cpu": (cpu * 100.0).round() / 100.0,
+        "schedule_controls_per_s": (schedules as f64 / WINDOW.as_secs_f64()).round(),
+        "verdict": if rig.log_text().contains("firmware honors") { "honors" }
+            else if rig.log_text().contains("firmware ignores") { "ignores" } else { "none" },
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_compute_daemon_cost() {
+    let baseline = run("none", true, false).await;
+    let hardware = run("hw", true, true).await;
+    let freezer = run("freezer", false, true).await;
     let result = json!({
-        "free_cpu_share_before": quiet,
-        "period_ms": 100, "sample_ms": 100,
-        "weights_1_3": { "a": summary(&w[0], 25.0), "b": summary(&w[1], 75.0) },
-        "caps_30_70": { "a": summary(&c[0], 30.0), "b": summary(&c[1], 70.0) },
+        "tenants": TENANTS, "gpus": GPUS, "window_s": WINDOW.as_secs(),
+        "nvml_sample_ms": 100, "period_ms": 100,
+        "no_policy": baseline, "hardware": hardware, "freezer": freezer,
     });
-    let out = std::env::var_os("GPUD_BENCH_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| bin_dir().join("../bench"));
-    svg(
-        &[
-            ("weight 1", "#1f77b4", &w[0], 25.0),
-            ("weight 3", "#d62728", &w[1], 75.0),
-        ],
-        &out.join("compute-weights-1-3.svg"),
-    );
     println!("BENCH JSON: {result}");
 }

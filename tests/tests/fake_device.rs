@@ -713,3 +713,120 @@ async fn gpud_attributes_ioctls_on_the_fake_to_the_callers_cgroup() {
     assert_eq!(r.pids, vec![p.pid]);
     assert_eq!(fake.snapshot().used_total(), 0);
 }
+
+/// A descriptor of `pid`'s open control file, taken with `pidfd_getfd` (as gpud takes it).
+fn steal_ctl(pid: u32, ctl: &Path) -> File {
+    use std::os::fd::FromRawFd as _;
+    let fd: i32 = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fds")
+        .flatten()
+        .find(|e| std::fs::read_link(e.path()).is_ok_and(|l| l == ctl))
+        .and_then(|e| e.file_name().to_str()?.parse().ok())
+        .expect("the process holds the control file");
+    // SAFETY: plain syscalls on integers; each result is checked.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    assert!(
+        pidfd >= 0,
+        "pidfd_open: {}",
+        std::io::Error::last_os_error()
+    );
+    let new = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0) };
+    assert!(new >= 0, "pidfd_getfd: {}", std::io::Error::last_os_error());
+    unsafe { libc::close(pidfd as i32) };
+    // SAFETY: a new descriptor nothing else owns.
+    unsafe { File::from_raw_fd(new as i32) }
+}
+
+fn proc_state(pid: u32) -> char {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit(')')
+                .next()?
+                .split_whitespace()
+                .next()?
+                .chars()
+                .next()
+        })
+        .unwrap_or('?')
+}
+
+#[test]
+fn channel_group_controls_reach_a_group_only_through_its_clients_file() {
+    let Some(fake) = fake("tsg", GIB) else {
+        return;
+    };
+    let mut a = RmProcess::spawn(None, &fake.ctl());
+    let (client, device, sub) = setup(&mut a);
+    let group = a.handle(&format!("channel-group {client} {device}"));
+    // Only under a device.
+    let v = a.cmd(&format!("channel-group {client} {sub}"));
+    assert_eq!(status_of(&v), status::NV_ERR_INVALID_OBJECT_PARENT, "{v}");
+    let s = fake.snapshot();
+    let g = &s.channel_groups[0];
+    assert_eq!(
+        (g.client, g.handle, g.pid, g.gpu, g.enabled, g.timeslice_us),
+        (client, group, a.pid, Some(0), true, 1024)
+    );
+    // The owner's file: accepted.
+    let v = a.cmd(&format!("timeslice {client} {group} 3000"));
+    assert_eq!(status_of(&v), status::NV_OK, "{v}");
+    assert_eq!(fake.snapshot().channel_groups[0].timeslice_us, 3000);
+    // No such group, or not a group: refused.
+    for h in [0xdead, device] {
+        let v = a.cmd(&format!("schedule {client} {h} 0"));
+        assert_eq!(status_of(&v), status::NV_ERR_INVALID_OBJECT_HANDLE, "{v}");
+    }
+    // Another process's file: refused, nothing changed.
+    let mut b = RmProcess::spawn(None, &fake.ctl());
+    let v = b.cmd(&format!("schedule {client} {group} 0"));
+    assert_eq!(status_of(&v), status::NV_ERR_INVALID_CLIENT, "{v}");
+    assert!(fake.snapshot().channel_groups[0].enabled);
+    // A second descriptor of the owner's own file (pidfd_getfd) passes, from any process; with
+    // `runlist stop`, off the runlist stops the owner until it is back on.
+    fake.inject("runlist stop").expect("inject");
+    let stolen = steal_ctl(a.pid, &fake.ctl());
+    let ctl = Ctl::new(&stolen);
+    let mut off = rm::tsg::ScheduleParams::default();
+    let r = ctl.control(client, group, rm::tsg::GPFIFO_SCHEDULE, &mut off);
+    assert_eq!((r.ret, r.status), (0, status::NV_OK));
+    let stopped = eventually_sync(|| proc_state(a.pid) == 'T');
+    assert!(stopped, "owner not stopped: {}", proc_state(a.pid));
+    // Parameters of another control's size.
+    let mut bad = rm::tsg::TimesliceParams::default();
+    let r = ctl.control(client, group, rm::tsg::GPFIFO_SCHEDULE, &mut bad);
+    assert_eq!(r.status, status::NV_ERR_INVALID_PARAM_STRUCT);
+    let mut on = rm::tsg::ScheduleParams {
+        enable: 1,
+        ..Default::default()
+    };
+    let r = ctl.control(client, group, rm::tsg::GPFIFO_SCHEDULE, &mut on);
+    assert_eq!((r.ret, r.status), (0, status::NV_OK));
+    assert!(eventually_sync(|| proc_state(a.pid) != 'T'));
+    let s = fake.snapshot();
+    assert_eq!(
+        (s.channel_groups[0].enabled, s.channel_groups[0].schedules),
+        (true, 2)
+    );
+    // An injected refusal.
+    fake.inject(&format!("fail-control {:#x} 0x56", rm::tsg::SET_TIMESLICE))
+        .expect("inject");
+    let v = a.cmd(&format!("timeslice {client} {group} 500"));
+    assert_eq!(status_of(&v), status::NV_ERR_NOT_SUPPORTED, "{v}");
+    let v = a.cmd(&format!("timeslice {client} {group} 500"));
+    assert_eq!(status_of(&v), status::NV_OK, "{v}");
+    // The group goes with its client.
+    a.ok(&format!("free {client} {client}"));
+    assert!(fake.snapshot().channel_groups.is_empty());
+}
+
+fn eventually_sync(f: impl Fn() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + WAIT;
+    while std::time::Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}

@@ -88,7 +88,6 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
     )?;
     results.push(json!({"where": "host", "mode": "tracepoint", "memory": parse(&mem)?}));
 
-    println!("bench: compute shares on the simulated GPU (closed loop, ~30 s)");
     run_cmd(
         "bench: cargo build --release (gpud, fake NVML)",
         cargo().args([
@@ -109,26 +108,23 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
     )?;
     results.push(json!({"where": "host", "scale": parse(&scale)?}));
 
-    let bench_dir = root().join("target/bench");
+    println!("bench: gpud's cost controlling 10 tenants on 2 GPUs (~80 s)");
     let compute = output(
-        "bench: compute shares",
-        cargo()
-            .args([
-                "test",
-                "--release",
-                "-p",
-                "gpud-tests",
-                "--test",
-                "compute_bench",
-                "--",
-                "--exact",
-                "bench_compute_shares",
-                "--nocapture",
-            ])
-            .env("GPUD_BENCH_DIR", &bench_dir),
+        "bench: compute daemon cost",
+        cargo().args([
+            "test",
+            "--release",
+            "-p",
+            "gpud-tests",
+            "--test",
+            "compute_bench",
+            "--",
+            "--exact",
+            "bench_compute_daemon_cost",
+            "--nocapture",
+        ]),
     )?;
-    results.push(json!({"where": "host", "compute": parse(&compute)?,
-        "plot": bench_dir.join("compute-weights-1-3.svg").display().to_string()}));
+    results.push(json!({"where": "host", "compute_daemon": parse(&compute)?}));
 
     if vm {
         for mode in ["fentry", "tracepoint"] {

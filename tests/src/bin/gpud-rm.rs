@@ -15,6 +15,10 @@
 //! | `client [HANDLE]` | allocates a client (RM picks the handle unless HANDLE) |
 //! | `device CLIENT ID` | `NV01_DEVICE_0` for GPU ID under CLIENT |
 //! | `subdevice CLIENT DEVICE` | `NV20_SUBDEVICE_0` under DEVICE |
+//! | `channel-group CLIENT DEVICE` | `KEPLER_CHANNEL_GROUP_A` under DEVICE |
+//! | `schedule CLIENT GROUP 0\|1` | `NVA06C_CTRL_CMD_GPFIFO_SCHEDULE` (off or on the runlist) |
+//! | `timeslice CLIENT GROUP US` | `NVA06C_CTRL_CMD_SET_TIMESLICE` |
+//! | `burn` | answers, then spins on the CPU until killed (a tenant whose CPU time stands for its GPU work) |
 //! | `alloc CLIENT PARENT SIZE [FORM] [handle=H] [flags=F] [attr=A] [class=C]` | video memory; FORM is `nvos21`, `nvos64` (default), `vidheap`, `xfer21`, `xfer64` or `xfervidheap` |
 //! | `parallel N CLIENT PARENT SIZE [FORM]` | N threads allocate at once: `{"ok":…,"results":[…]}` |
 //! | `free CLIENT HANDLE` | `NV_ESC_RM_FREE` (HANDLE == CLIENT frees the client) |
@@ -166,6 +170,13 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                 Err(e) => err(format!("joining {dir}: {e}")),
             });
         }
+        ("burn", []) => {
+            println!("{}", json!({ "ok": true }));
+            let _ = std::io::stdout().flush();
+            loop {
+                std::hint::spin_loop();
+            }
+        }
         ("sleep", [ms]) => {
             return Some(match num(ms) {
                 Ok(ms) => {
@@ -193,6 +204,25 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
             ("client", 1) => reply_json(&ctl.alloc_client_with(n(0)?)),
             ("device", 2) => reply_json(&ctl.alloc_device(n(0)?, n(1)?)),
             ("subdevice", 2) => reply_json(&ctl.alloc_subdevice(n(0)?, n(1)?)),
+            ("channel-group", 2) => reply_json(&ctl.alloc_channel_group(n(0)?, n(1)?)),
+            ("schedule", 3) => {
+                let mut p = gpud_common::rm::tsg::ScheduleParams {
+                    enable: n(2)? as u8,
+                    ..Default::default()
+                };
+                reply_json(&ctl.control(
+                    n(0)?,
+                    n(1)?,
+                    gpud_common::rm::tsg::GPFIFO_SCHEDULE,
+                    &mut p,
+                ))
+            }
+            ("timeslice", 3) => {
+                let mut p = gpud_common::rm::tsg::TimesliceParams {
+                    timeslice_us: u64::from(n(2)?),
+                };
+                reply_json(&ctl.control(n(0)?, n(1)?, gpud_common::rm::tsg::SET_TIMESLICE, &mut p))
+            }
             ("alloc", _) => reply_json(&ctl.alloc_memory(&mem_request(args)?)),
             ("parallel", 4 | 5) => {
                 let threads = n(0)? as usize;

@@ -5,7 +5,11 @@
 //! What of this model has been checked on a real GPU (`tests/gpu/real-gpu.sh`) and what has not
 //! yet: see "What this fake models" in [`super`].
 
-use std::{collections::BTreeMap, io, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io,
+    time::Duration,
+};
 
 use gpud_common::{
     nv,
@@ -13,7 +17,8 @@ use gpud_common::{
 };
 
 use super::{
-    ClientState, FileState, GpuState, ObjectState, Options, Snapshot, Stats, parse_num, parse_size,
+    ChannelGroupState, ClientState, FileState, GpuState, ObjectState, Options, Snapshot, Stats,
+    parse_num, parse_size,
 };
 use crate::rm::{Plain, bytes_of, bytes_of_mut, from_bytes, get_u32, get_u64, put_u32, put_u64};
 
@@ -25,6 +30,32 @@ struct Object {
     gpu: Option<u32>,
     bytes: u64,
     pid: u32,
+    /// Channel groups: their scheduling state.
+    sched: Option<Sched>,
+}
+
+/// A channel group's scheduling state, as its controls set it.
+#[derive(Clone, Copy, Debug)]
+struct Sched {
+    enabled: bool,
+    timeslice_us: u64,
+    schedules: u64,
+    preempts: u64,
+}
+
+/// RM's default channel-group timeslice on Volta and later (gpu-scheduler-controls.md §2).
+const DEFAULT_TIMESLICE_US: u64 = 1024;
+
+/// What taking a channel group off the runlist does to its process in this fake, which runs no
+/// GPU work: `Record` only records it (as firmware that ignores the control would leave the
+/// work running); `Stop` stops the owning process (SIGSTOP) while any of its groups is off, and
+/// continues it when all are back: tests whose tenants burn CPU as their "GPU work" then see the
+/// control take effect, as a context off the runlist makes no progress.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) enum Runlist {
+    #[default]
+    Record,
+    Stop,
 }
 
 #[derive(Debug)]
@@ -65,6 +96,8 @@ pub(super) struct Inject {
     errno: Option<(i32, u64)>,
     /// Every ioctl waits this long before it is handled.
     pub(super) delay: Duration,
+    /// The next `count` RM controls with command `cmd` answer `status`: (cmd, status).
+    fail_control: Option<((u32, u32), u64)>,
 }
 
 /// Uses one of a counted injection's remaining shots.
@@ -116,6 +149,8 @@ enum Kind {
     Vidmem(VidReq),
     /// Memory classes without video memory (virtual, system): under a device or subdevice.
     Memory,
+    /// `KEPLER_CHANNEL_GROUP_A`: under a device.
+    ChannelGroup,
     Plain,
 }
 
@@ -133,6 +168,9 @@ pub(super) struct Rm {
     pub(super) files: BTreeMap<u64, u32>,
     next_client: u32,
     pub(super) inject: Inject,
+    runlist: Runlist,
+    /// Processes this fake stopped (`Runlist::Stop`).
+    stopped: BTreeSet<u32>,
     stats: Stats,
     verbose: bool,
 }
@@ -152,6 +190,8 @@ impl Rm {
             files: BTreeMap::new(),
             next_client: 1,
             inject: Inject::default(),
+            runlist: Runlist::default(),
+            stopped: BTreeSet::new(),
             stats: Stats::default(),
             verbose: o.verbose,
         }
@@ -206,7 +246,27 @@ impl Rm {
                 })
             })
             .collect();
+        let channel_groups = self
+            .clients
+            .iter()
+            .flat_map(|(&client, c)| {
+                c.objects.iter().filter_map(move |(&handle, o)| {
+                    let s = o.sched?;
+                    Some(ChannelGroupState {
+                        client,
+                        handle,
+                        pid: o.pid,
+                        gpu: o.gpu,
+                        enabled: s.enabled,
+                        timeslice_us: s.timeslice_us,
+                        schedules: s.schedules,
+                        preempts: s.preempts,
+                    })
+                })
+            })
+            .collect();
         Snapshot {
+            channel_groups,
             page_size: self.page_size,
             gpus,
             files,
@@ -273,6 +333,13 @@ impl Rm {
                 Ok(())
             }
             nv::NV_ESC_RM_VID_HEAP_CONTROL => self.vid_heap(c, buf),
+            nv::NV_ESC_RM_CONTROL if size == nv::NVOS54_SIZE => {
+                let mut p: rm::Nvos54 = from_bytes(buf);
+                p.status = self.control(c, &p);
+                self.count(p.status);
+                buf.copy_from_slice(bytes_of(&p));
+                Ok(())
+            }
             // Device files only: the driver refuses it on the control device.
             nv::NV_ESC_RM_ALLOC_MEMORY => Err(libc::EINVAL),
             _ => match rm::escape_status_offset(nr, size) {
@@ -377,6 +444,9 @@ impl Rm {
                 self.create(c, root, parent, new, class, Kind::Device(p.device_id))
                     .map(|(h, _)| h)
             }
+            class::CHANNEL_GROUP => self
+                .create(c, root, parent, new, class, Kind::ChannelGroup)
+                .map(|(h, _)| h),
             class::SUBDEVICE => {
                 let p: rm::Nv2080AllocParams = read_params(c.tid, params)?;
                 self.create(
@@ -498,6 +568,12 @@ impl Rm {
                 }
                 (parent_gpu, None)
             }
+            Kind::ChannelGroup => {
+                if parent_class != Some(class::DEVICE) {
+                    return Err(status::NV_ERR_INVALID_OBJECT_PARENT);
+                }
+                (parent_gpu, None)
+            }
             Kind::Plain => (parent_gpu, None),
         };
         let bytes = match (vid, gpu) {
@@ -526,6 +602,12 @@ impl Rm {
                 gpu,
                 bytes,
                 pid: tgid(c.tid),
+                sched: matches!(kind, Kind::ChannelGroup).then_some(Sched {
+                    enabled: true,
+                    timeslice_us: DEFAULT_TIMESLICE_US,
+                    schedules: 0,
+                    preempts: 0,
+                }),
             },
         );
         self.stats.created += 1;
@@ -600,6 +682,7 @@ impl Rm {
             .filter_map(|h| client.objects.remove(h))
             .collect();
         self.uncharge(gone);
+        self.apply_runlist();
         status::NV_OK
     }
 
@@ -607,6 +690,105 @@ impl Rm {
         if let Some(c) = self.clients.remove(&root) {
             self.uncharge(c.objects.into_values());
         }
+        self.apply_runlist();
+    }
+
+    /// `NV_ESC_RM_CONTROL`: the client must be bound to the caller's file (strict validation,
+    /// as the driver's default); the channel-group controls act on a live channel group of that
+    /// client; any other control answers `NV_OK` doing nothing.
+    fn control(&mut self, c: Caller, p: &rm::Nvos54) -> u32 {
+        let st = self.check_client(c.fh, p.h_client);
+        if st != status::NV_OK {
+            return st;
+        }
+        if p.cmd >> 16 != class::CHANNEL_GROUP {
+            return status::NV_OK;
+        }
+        let Some(sched) = self.clients[&p.h_client]
+            .objects
+            .get(&p.h_object)
+            .and_then(|o| o.sched)
+        else {
+            return status::NV_ERR_INVALID_OBJECT_HANDLE;
+        };
+        if let Some(((cmd, st), _)) = self.inject.fail_control
+            && cmd == p.cmd
+        {
+            take(&mut self.inject.fail_control);
+            return st;
+        }
+        let mut sched = sched;
+        let st = match p.cmd {
+            rm::tsg::GPFIFO_SCHEDULE => match params::<rm::tsg::ScheduleParams>(c, p) {
+                Ok(s) => {
+                    sched.enabled = s.enable != 0;
+                    sched.schedules += 1;
+                    status::NV_OK
+                }
+                Err(st) => st,
+            },
+            rm::tsg::SET_TIMESLICE => match params::<rm::tsg::TimesliceParams>(c, p) {
+                Ok(t) => {
+                    sched.timeslice_us = t.timeslice_us;
+                    status::NV_OK
+                }
+                Err(st) => st,
+            },
+            rm::tsg::GET_TIMESLICE => match params::<rm::tsg::TimesliceParams>(c, p) {
+                Ok(_) => {
+                    let t = rm::tsg::TimesliceParams {
+                        timeslice_us: sched.timeslice_us,
+                    };
+                    if remote_write(c.tid, p.params, bytes_of(&t)).is_ok() {
+                        status::NV_OK
+                    } else {
+                        status::NV_ERR_INVALID_POINTER
+                    }
+                }
+                Err(st) => st,
+            },
+            rm::tsg::PREEMPT => match params::<rm::tsg::PreemptParams>(c, p) {
+                Ok(_) => {
+                    sched.preempts += 1;
+                    status::NV_OK
+                }
+                Err(st) => st,
+            },
+            _ => status::NV_OK,
+        };
+        if let Some(o) = self
+            .clients
+            .get_mut(&p.h_client)
+            .and_then(|cl| cl.objects.get_mut(&p.h_object))
+        {
+            o.sched = Some(sched);
+        }
+        self.apply_runlist();
+        st
+    }
+
+    /// `Runlist::Stop`: each process with a channel group off the runlist is stopped, the others
+    /// (that this fake stopped) continued.
+    fn apply_runlist(&mut self) {
+        let off: BTreeSet<u32> = if self.runlist == Runlist::Stop {
+            self.clients
+                .values()
+                .flat_map(|c| c.objects.values())
+                .filter(|o| o.sched.is_some_and(|s| !s.enabled))
+                .map(|o| o.pid)
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        for pid in off.difference(&self.stopped) {
+            // SAFETY: kill(2) with a pid and a signal number.
+            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGSTOP) };
+        }
+        for pid in self.stopped.difference(&off) {
+            // SAFETY: as above.
+            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGCONT) };
+        }
+        self.stopped = off;
     }
 
     /// The last reference to open file `fh` is gone: its clients go, with no RM_FREE.
@@ -707,6 +889,12 @@ impl Rm {
         if !self.inject.delay.is_zero() {
             s += &format!("delay-ioctl-ms {}\n", self.inject.delay.as_millis());
         }
+        if let Some(((cmd, st), n)) = self.inject.fail_control {
+            s += &format!("fail-control {cmd:#x} {st:#x} {n}\n");
+        }
+        if self.runlist == Runlist::Stop {
+            s += "runlist stop\n";
+        }
         s
     }
 
@@ -728,6 +916,21 @@ impl Rm {
                     return Err("errno must be positive".into());
                 }
                 self.inject.errno = Some((e, count(rest.first())?));
+                Ok(())
+            }
+            ["fail-control", cmd, st, rest @ ..] if rest.len() <= 1 => {
+                let cmd = num(cmd)? as u32;
+                self.inject.fail_control = Some(((cmd, num(st)? as u32), count(rest.first())?));
+                Ok(())
+            }
+            ["runlist", "stop"] => {
+                self.runlist = Runlist::Stop;
+                self.apply_runlist();
+                Ok(())
+            }
+            ["runlist", "record"] => {
+                self.runlist = Runlist::Record;
+                self.apply_runlist();
                 Ok(())
             }
             ["delay-ioctl-ms", ms] => {
@@ -838,4 +1041,13 @@ fn read_params<T: Plain>(pid: u32, addr: u64) -> Result<T, u32> {
         return Ok(T::default());
     }
     read_remote(pid, addr).ok_or(status::NV_ERR_INVALID_POINTER)
+}
+
+/// A control's parameters from the caller's memory: `NV_ERR_INVALID_PARAM_STRUCT` for a size
+/// other than the control's struct, `NV_ERR_INVALID_POINTER` where they cannot be read.
+fn params<T: Plain>(c: Caller, p: &rm::Nvos54) -> Result<T, u32> {
+    if p.params_size as usize != size_of::<T>() {
+        return Err(status::NV_ERR_INVALID_PARAM_STRUCT);
+    }
+    read_remote(c.tid, p.params).ok_or(status::NV_ERR_INVALID_POINTER)
 }

@@ -47,7 +47,7 @@ pub(super) fn plan_freezer(
         .collect();
     for n in active {
         let u = g.units.get_mut(n).expect("active");
-        if u.off {
+        if u.off || u.unsure {
             for &pid in &u.pids {
                 out.push((now, Command::Schedule { pid, enabled: true }));
             }
@@ -56,7 +56,7 @@ pub(super) fn plan_freezer(
         if !slotted.contains(n) {
             // Latency-critical: runs freely; best-effort beside it: frozen for the period.
             let frozen = u.limits.priority == Some(Priority::BestEffort);
-            if u.frozen != frozen {
+            if u.frozen != frozen || u.unsure {
                 freeze(out, now, n, frozen);
                 u.frozen = frozen;
             }
@@ -76,7 +76,7 @@ pub(super) fn plan_freezer(
     if slotted.len() == 1 && g.units[&slotted[0]].target >= 99.5 {
         let n = &slotted[0];
         let u = g.units.get_mut(n).expect("slotted");
-        if u.frozen {
+        if u.frozen || u.unsure {
             freeze(out, now, n, false);
             u.frozen = false;
         }
@@ -121,8 +121,6 @@ pub(super) fn plan_freezer(
         }
     }
     pieces.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-    let turn = (offset as usize) % pieces.len().max(1);
-    pieces.rotate_left(turn);
     // Neighbouring pieces of one unit are one slot.
     let mut slots: Vec<(usize, Nanos)> = Vec::new();
     for (_, i, len) in pieces {
@@ -140,7 +138,7 @@ pub(super) fn plan_freezer(
         let n = &slotted[i];
         let u = g.units.get_mut(n).expect("slotted");
         let thaw_at = t.saturating_sub(p.thaw_latency).max(now);
-        if first[i] && !u.frozen && thaw_at > now {
+        if first[i] && (!u.frozen || u.unsure) && thaw_at > now {
             // Running from before (first cycle, or released): it waits for its slot.
             freeze(out, now, n, true);
         }

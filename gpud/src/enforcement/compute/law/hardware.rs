@@ -32,7 +32,7 @@ pub(super) fn plan_hardware(
     let (prio, slotted): (Vec<String>, Vec<String>) =
         active.iter().cloned().partition(|n| classed(&g.units[n]));
     let on = |u: &mut Unit, out: &mut Vec<(Nanos, Command)>, t: Nanos| {
-        if u.off {
+        if u.off || u.unsure {
             for &pid in &u.pids {
                 out.push((t, Command::Schedule { pid, enabled: true }));
             }
@@ -41,7 +41,7 @@ pub(super) fn plan_hardware(
     };
     for n in active {
         let u = g.units.get_mut(n).expect("active");
-        if u.frozen {
+        if u.frozen || u.unsure {
             out.push((
                 now,
                 Command::Freeze {
@@ -113,7 +113,7 @@ pub(super) fn plan_hardware(
         u.stat.duty = t[i];
         let first_on = segments[i].first().map(|(s, _)| *s);
         for &pid in &u.pids {
-            if first_on != Some(now) && !u.off {
+            if first_on != Some(now) && (!u.off || u.unsure) {
                 out.push((
                     now,
                     Command::Schedule {

@@ -186,6 +186,9 @@ struct Unit {
     timeslice: Option<u64>,
     off: bool,
     frozen: bool,
+    /// What was planned for it was voided before it all ran: whether it is frozen or off the
+    /// runlist is not known, so the next plan issues its first commands whatever they were.
+    unsure: bool,
     stat: ComputeStat,
 }
 
@@ -399,8 +402,7 @@ impl Law {
                 // What was planned for other tenants is void: start over from a known state.
                 plan.replanned.push(gpu);
                 for u in g.units.values_mut() {
-                    u.frozen = true;
-                    u.off = true;
+                    u.unsure = true;
                 }
             }
             if changed {
@@ -412,13 +414,18 @@ impl Law {
             if changed || g.next <= now {
                 let mut out = Vec::new();
                 g.next = now + plan_gpu(&p, g, now, &active, &self.held, &mut out);
+                for u in g.units.values_mut() {
+                    u.unsure = false;
+                }
                 g.planned = active;
                 plan.commands
                     .extend(out.into_iter().map(|(t, c)| (t, gpu, c)));
             }
             plan.end = plan.end.min(g.next);
         }
-        plan.commands.sort();
+        // By time alone, keeping the order of one instant's commands (a release, then the probe
+        // taking one group off again).
+        plan.commands.sort_by_key(|(t, gpu, _)| (*t, *gpu));
         plan
     }
 
@@ -452,14 +459,14 @@ impl Law {
 
 /// Thaws a unit and puts its groups back on the runlist.
 fn release(name: &str, u: &mut Unit, held: &BTreeSet<String>, out: &mut Vec<Command>) {
-    if u.frozen && !held.contains(name) {
+    if (u.frozen || u.unsure) && !held.contains(name) {
         out.push(Command::Freeze {
             unit: name.to_owned(),
             frozen: false,
         });
         u.frozen = false;
     }
-    if u.off {
+    if u.off || u.unsure {
         for &pid in &u.pids {
             out.push(Command::Schedule { pid, enabled: true });
         }
