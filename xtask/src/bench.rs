@@ -28,10 +28,16 @@ fn parse(out: &str) -> anyhow::Result<Value> {
     serde_json::from_str(line).context("bench: gpud-bench's JSON does not parse")
 }
 
-/// `cargo xtask bench compute [--quick] [--json] [--controller NAME]`: builds and runs
-/// `gpusim-bench` (dev profile: gpusim itself is optimized there, see the workspace manifest).
-/// Its output goes straight to stdout; misses against the targets are reported, not failures.
-pub fn compute(quick: bool, json: bool, controller: &str) -> anyhow::Result<()> {
+/// `cargo xtask bench compute [--quick] [--json] [--controller NAME] [--filter TEXT]`: builds
+/// and runs `gpusim-bench` (dev profile: gpusim itself is optimized there, see the workspace
+/// manifest). Its output goes straight to stdout; misses against the targets are reported, not
+/// failures.
+pub fn compute(
+    quick: bool,
+    json: bool,
+    controller: &str,
+    filter: Option<&str>,
+) -> anyhow::Result<()> {
     let mut cmd = cargo();
     cmd.args([
         "run",
@@ -49,6 +55,9 @@ pub fn compute(quick: bool, json: bool, controller: &str) -> anyhow::Result<()> 
         cmd.arg("--json");
     }
     cmd.args(["--controller", controller]);
+    if let Some(text) = filter {
+        cmd.args(["--filter", text]);
+    }
     run_cmd("bench compute: gpusim-bench", &mut cmd)
 }
 

@@ -109,9 +109,13 @@ enum BenchWhat {
         /// One JSON object per line and case instead of the table.
         #[arg(long)]
         json: bool,
-        /// The controller under test (`old`: gpud's current one; `none`: no control).
-        #[arg(long, default_value = "old")]
+        /// The controller under test (`law`: gpud's; `old`: the controller it replaced;
+        /// `none`: no control).
+        #[arg(long, default_value = "law")]
         controller: String,
+        /// Only the cases whose scenario contains this text.
+        #[arg(long)]
+        filter: Option<String>,
     },
 }
 
@@ -158,9 +162,10 @@ fn main() -> ExitCode {
                     quick,
                     json,
                     controller,
+                    filter,
                 }),
             ..
-        } => bench::compute(quick, json, &controller),
+        } => bench::compute(quick, json, &controller, filter.as_deref()),
         Task::Bench { no_vm, what: None } => bench::run(!no_vm),
         Task::Fuzz { cases, rm_rounds } => fuzz::run(cases, rm_rounds),
         Task::Soak { minutes } => soak::run(std::time::Duration::from_secs(minutes * 60)),

@@ -48,7 +48,8 @@ const FALLBACK_WINDOW: Nanos = 5 * SEC;
 /// The controllers the benchmark knows, by name.
 pub const CONTROLLERS: &[&str] = &["law", "old", "none"];
 
-/// A fresh controller by name (`old`: gpud's current one, period 100 ms; `none`: no control).
+/// A fresh controller by name (`law`: gpud's; `old`: the controller it replaced, period 100 ms;
+/// `none`: no control).
 pub fn controller(name: &str) -> Option<Box<dyn Controller>> {
     match name {
         "law" => Some(Box::new(LawController::new(LawParams::default()))),
@@ -168,7 +169,11 @@ pub struct Case {
 #[derive(Clone, Debug, PartialEq)]
 pub struct TenantResult {
     pub name: String,
+    /// The policy's target.
     pub target: f64,
+    /// What it is judged against: the target scaled by what the tenant uses alone (contended
+    /// shares), else the target.
+    pub judged: f64,
     pub achieved: f64,
     pub rule: Rule,
     /// Time to settle (ms), `None` if it never did; absent where not judged.
@@ -568,7 +573,8 @@ fn judge(case: &Case, out: &Outcome, solo: &Mutex<BTreeMap<String, f64>>) -> Cas
             };
             TenantResult {
                 name: c.label.clone(),
-                target,
+                target: c.target,
+                judged: target,
                 achieved: out.share(&c.tenant, c.from, c.to),
                 rule: c.rule,
                 settle_ms: Some(settle(out, c, target, case.mode).map(|t| t / MS)),
@@ -580,7 +586,7 @@ fn judge(case: &Case, out: &Outcome, solo: &Mutex<BTreeMap<String, f64>>) -> Cas
         Firmware::Ignores => c.settle_limit.max(FALLBACK_WINDOW),
     };
     let mut pass = case.shares.iter().zip(&tenants).all(|(c, r)| {
-        r.rule.holds(r.target, r.achieved)
+        r.rule.holds(r.judged, r.achieved)
             && r.settle_ms.flatten().is_some_and(|ms| ms * MS <= limit(c))
     });
     let (mut lc_p99_ratio, mut lc_ms, mut be_idle_pct) = (None, None, None);
@@ -614,6 +620,7 @@ fn judge(case: &Case, out: &Outcome, solo: &Mutex<BTreeMap<String, f64>>) -> Cas
         tenants.push(TenantResult {
             name: lc.clone(),
             target: 30.0,
+            judged: 30.0,
             achieved: lc_share,
             rule: Rule::Within,
             settle_ms: None,
@@ -621,6 +628,7 @@ fn judge(case: &Case, out: &Outcome, solo: &Mutex<BTreeMap<String, f64>>) -> Cas
         tenants.push(TenantResult {
             name: be.clone(),
             target: BE_IDLE_PCT / 100.0 * (100.0 - lc_share),
+            judged: BE_IDLE_PCT / 100.0 * (100.0 - lc_share),
             achieved: out.share(be, *from, *to),
             rule: Rule::AtLeast,
             settle_ms: None,
@@ -703,6 +711,8 @@ struct JsonLine<'a> {
 struct JsonTenant<'a> {
     name: &'a str,
     target_pct: f64,
+    /// The target it was judged against: scaled by the share the tenant uses alone.
+    judged_target_pct: f64,
     achieved_pct: f64,
     /// Time to settle within bounds (ms), `null` if it never did; absent where not judged.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -720,6 +730,7 @@ pub fn to_json(r: &CaseResult) -> String {
             .map(|t| JsonTenant {
                 name: &t.name,
                 target_pct: round2(t.target),
+                judged_target_pct: round2(t.judged),
                 achieved_pct: round2(t.achieved),
                 settle_ms: t.settle_ms,
             })
@@ -762,7 +773,15 @@ pub fn table(results: &[CaseResult]) -> String {
                     Some(None) => " (unsettled)".into(),
                     Some(Some(ms)) => format!(" ({:.1}s)", ms as f64 / 1e3),
                 };
-                format!("{} {op}{:.0}→{:.1}{settle}", t.name, t.target, t.achieved)
+                let judged = if (t.judged - t.target).abs() >= 0.05 {
+                    format!("({:.1})", t.judged)
+                } else {
+                    String::new()
+                };
+                format!(
+                    "{} {op}{:.0}{judged}→{:.1}{settle}",
+                    t.name, t.target, t.achieved
+                )
             })
             .collect::<Vec<_>>()
             .join(", ");

@@ -28,7 +28,7 @@ use tracing::{debug, info, warn};
 
 use self::{
     actuator::{Actuator, Order},
-    law::{Firmware, Law, LawParams, Nanos, Reading, Tenant},
+    law::{Command, Firmware, Law, LawParams, Nanos, Reading, Tenant},
 };
 use crate::{
     attribution::ChannelGroup,
@@ -201,6 +201,9 @@ pub async fn run(settings: Settings, mut links: Links) {
     let mut throttled: BTreeSet<String> = BTreeSet::new();
     let mut verdicts: BTreeMap<u32, Firmware> = BTreeMap::new();
     let mut next = Instant::now() + Duration::from_millis(100);
+    // A crash may have left channel groups off the runlist: at the first sample every known
+    // group is put back on (failures there are only logged).
+    let mut recovered = !settings.hardware;
     loop {
         tokio::select! {
             biased;
@@ -217,6 +220,19 @@ pub async fn run(settings: Settings, mut links: Links) {
                 law.set_held(input.held);
                 law.observe(nanos(input.at), &tenants, &input.readings);
                 actuator.send(Order::Groups(input.groups));
+                if !recovered {
+                    recovered = true;
+                    let now = Instant::now();
+                    let commands = tenants
+                        .iter()
+                        .filter(|t| t.hw)
+                        .map(|t| (now, t.gpu, Command::Schedule { pid: t.pid, enabled: true }))
+                        .collect();
+                    actuator.send(Order::Plan {
+                        commands,
+                        replanned: Vec::new(),
+                    });
+                }
             }
             Some(f) = failures.recv() => {
                 warn!(

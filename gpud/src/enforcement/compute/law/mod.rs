@@ -582,3 +582,156 @@ fn plan_gpu(
         plan_freezer(p, g, &active, now, offset, held, out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Priority;
+
+    fn tenant(pid: u32, unit: &str, limits: Limits, hw: bool) -> Tenant {
+        Tenant {
+            pid,
+            gpu: 0,
+            unit: unit.into(),
+            limits,
+            hw,
+        }
+    }
+
+    /// NVML read at `now` (ns), listing `running`, with one window naming `ran`.
+    fn reading(now: Nanos, running: &[u32], ran: &[u32]) -> Reading {
+        let ts = now / 1_000;
+        Reading {
+            gpu: 0,
+            running: running.to_vec(),
+            samples: ran
+                .iter()
+                .map(|&pid| ProcSample {
+                    pid,
+                    timestamp_us: ts,
+                    sm_util: 99,
+                })
+                .collect(),
+            clock_us: ts,
+        }
+    }
+
+    fn cap(max: u32) -> Limits {
+        Limits {
+            compute_max: Some(max),
+            ..Limits::default()
+        }
+    }
+
+    fn prio(p: Priority) -> Limits {
+        Limits {
+            priority: Some(p),
+            ..Limits::default()
+        }
+    }
+
+    fn at(plan: &Plan, t: Nanos) -> Vec<Command> {
+        plan.commands
+            .iter()
+            .filter(|(when, _, _)| *when == t)
+            .map(|(_, _, c)| c.clone())
+            .collect()
+    }
+
+    #[test]
+    fn the_probe_tells_honoring_firmware_from_ignoring_and_keeps_its_commands_in_order() {
+        for ran_while_off in [false, true] {
+            let mut law = Law::new(LawParams::default());
+            let ts = [tenant(7, "/a", cap(30), true)];
+            law.observe(MS, &ts, &[reading(MS, &[7], &[7])]);
+            let plan = law.plan(MS);
+            // Whatever is released first, the probe's "off" comes last at that instant.
+            assert_eq!(
+                at(&plan, MS).last(),
+                Some(&Command::Schedule {
+                    pid: 7,
+                    enabled: false
+                }),
+                "{plan:?}"
+            );
+            let mut t = MS;
+            while t < 1_200 * MS {
+                t += 100 * MS;
+                let ran: &[u32] = if ran_while_off { &[7] } else { &[] };
+                law.observe(t, &ts, &[reading(t, &[7], ran)]);
+                law.plan(t);
+            }
+            let want = if ran_while_off {
+                Firmware::Ignores
+            } else {
+                Firmware::Honors
+            };
+            assert_eq!(law.firmware(0), Some(want));
+        }
+    }
+
+    #[test]
+    fn a_unit_whose_process_leaves_is_thawed_and_put_back_on_the_runlist() {
+        let mut law = Law::new(LawParams::default());
+        let ts = [
+            tenant(1, "/a", cap(30), false),
+            tenant(2, "/b", cap(70), false),
+        ];
+        law.observe(MS, &ts, &[reading(MS, &[1, 2], &[1, 2])]);
+        law.plan(MS);
+        // /b's process is gone.
+        law.observe(50 * MS, &ts[..1], &[reading(50 * MS, &[1], &[1])]);
+        let plan = law.plan(50 * MS);
+        assert!(plan.replanned.contains(&0), "{plan:?}");
+        assert!(
+            at(&plan, 50 * MS).contains(&Command::Freeze {
+                unit: "/b".into(),
+                frozen: false
+            }),
+            "{plan:?}"
+        );
+        assert!(!law.stats().contains_key("/b"));
+    }
+
+    #[test]
+    fn after_a_voided_plan_best_effort_is_frozen_again_beside_latency_critical() {
+        let mut law = Law::new(LawParams::default());
+        let be = tenant(1, "/be", prio(Priority::BestEffort), false);
+        let lc = tenant(2, "/lc", prio(Priority::LatencyCritical), false);
+        law.observe(MS, &[be.clone()], &[reading(MS, &[1], &[1])]);
+        law.plan(MS);
+        // Latency-critical starts mid-plan: the plan is voided, and best-effort must be frozen
+        // whatever the law believed of it.
+        law.observe(20 * MS, &[be, lc], &[reading(20 * MS, &[1, 2], &[1, 2])]);
+        let plan = law.plan(20 * MS);
+        assert!(
+            at(&plan, 20 * MS).contains(&Command::Freeze {
+                unit: "/be".into(),
+                frozen: true
+            }),
+            "{plan:?}"
+        );
+        assert!(!at(&plan, 20 * MS).contains(&Command::Freeze {
+            unit: "/lc".into(),
+            frozen: true
+        }));
+    }
+
+    #[test]
+    fn the_memory_enforcements_frozen_units_are_never_thawed() {
+        let mut law = Law::new(LawParams::default());
+        let ts = [
+            tenant(1, "/a", cap(30), false),
+            tenant(2, "/b", cap(70), false),
+        ];
+        law.set_held(BTreeSet::from(["/b".to_owned()]));
+        law.observe(MS, &ts, &[reading(MS, &[1, 2], &[1, 2])]);
+        let mut cmds = law.plan(MS).commands;
+        cmds.extend(law.release_all().into_iter().map(|c| (0, 0, c)));
+        assert!(
+            cmds.iter()
+                .all(|(_, _, c)| !matches!(c, Command::Freeze { unit, .. } if unit == "/b")),
+            "{cmds:?}"
+        );
+    }
+}
