@@ -698,7 +698,7 @@ mod tests {
         let mut law = Law::new(LawParams::default());
         let be = tenant(1, "/be", prio(Priority::BestEffort), false);
         let lc = tenant(2, "/lc", prio(Priority::LatencyCritical), false);
-        law.observe(MS, &[be.clone()], &[reading(MS, &[1], &[1])]);
+        law.observe(MS, std::slice::from_ref(&be), &[reading(MS, &[1], &[1])]);
         law.plan(MS);
         // Latency-critical starts mid-plan: the plan is voided, and best-effort must be frozen
         // whatever the law believed of it.
