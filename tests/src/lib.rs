@@ -16,6 +16,7 @@ use gpud_api::{Manager1Proxy, connect_builder};
 
 pub mod fakenv;
 pub mod inproc;
+pub mod kubelet;
 pub mod rm;
 pub mod runtime;
 
