@@ -15,6 +15,7 @@
 
 pub mod api;
 pub mod device_plugin;
+pub mod dra;
 pub mod grpc;
 pub mod inventory;
 pub mod placement;

@@ -408,3 +408,248 @@ async fn requests_that_cannot_fit_fail_clearly_and_multi_gpu_requests_follow_nvl
         .expect_err("unknown ID");
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
 }
+
+/// A stand-in API server on loopback: serves one ResourceClaim, records posted ResourceSlices.
+async fn fake_api_server(
+    claim: serde_json::Value,
+) -> (
+    String,
+    tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
+) {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let claim_path = format!(
+        "/apis/resource.k8s.io/v1/namespaces/{}/resourceclaims/{}",
+        claim["metadata"]["namespace"].as_str().unwrap_or(""),
+        claim["metadata"]["name"].as_str().unwrap_or("")
+    );
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            let (r, mut w) = conn.into_split();
+            let mut r = BufReader::new(r);
+            let mut line = String::new();
+            if r.read_line(&mut line).await.is_err() {
+                continue;
+            }
+            let mut parts = line.split_whitespace();
+            let (method, path) = (
+                parts.next().unwrap_or("").to_owned(),
+                parts.next().unwrap_or("").to_owned(),
+            );
+            let mut len = 0usize;
+            loop {
+                let mut h = String::new();
+                if r.read_line(&mut h).await.unwrap_or(0) == 0 || h.trim().is_empty() {
+                    break;
+                }
+                if let Some((k, v)) = h.split_once(':')
+                    && k.eq_ignore_ascii_case("content-length")
+                {
+                    len = v.trim().parse().unwrap_or(0);
+                }
+            }
+            let mut body = vec![0u8; len];
+            let _ = r.read_exact(&mut body).await;
+            let (status, out) = match (method.as_str(), path.as_str()) {
+                ("GET", p) if p == claim_path => ("200 OK", claim.to_string()),
+                ("POST", "/apis/resource.k8s.io/v1/resourceslices") => {
+                    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                    let _ = tx.send(v.clone());
+                    ("201 Created", v.to_string())
+                }
+                _ => ("404 Not Found", r#"{"message":"not found"}"#.to_owned()),
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{out}",
+                out.len()
+            );
+            let _ = w.write_all(resp.as_bytes()).await;
+        }
+    });
+    (format!("http://{addr}"), rx)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_limits() {
+    use gpud_k8s::api::{
+        dra::{self as pb, dra_plugin_client::DraPluginClient},
+        pluginregistration::{self as reg, registration_client::RegistrationClient},
+    };
+    let node = Node::start("k8s-dra", &scenario(1, 16, |_| json!({}))).await;
+    let gpu = uuid(0);
+    let claim = json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": { "namespace": "default", "name": "train-gpu", "uid": "uid-1" },
+        "status": { "allocation": { "devices": { "results": [
+            { "request": "gpu", "driver": "gpu.gpud.dev", "pool": "node1", "device": "gpu-0",
+              "consumedCapacity": { "memory": "8Gi", "compute": "30" } } ] } } },
+    });
+    let (api, mut slices) = fake_api_server(claim).await;
+    let d = node.dir.path();
+    let log = d.join("dra.log");
+    let child = std::process::Command::new(gpud_tests::bin_dir().join("gpud-k8s"))
+        .args([
+            "--log",
+            "debug",
+            "--bus-address",
+            &node.bus.address,
+            "dra",
+            "--node-name",
+            "node1",
+        ])
+        .arg("--registry-dir")
+        .arg(d.join("registry"))
+        .arg("--plugin-dir")
+        .arg(d.join("plugins"))
+        .arg("--cdi-dir")
+        .arg(d.join("cdi"))
+        .arg("--oci-hook")
+        .arg(gpud_tests::bin_dir().join("gpud-oci-hook"))
+        .args(["--api-server", &api])
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("start gpud-k8s dra");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(child);
+    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    // The ResourceSlice: one device with memory and compute as consumable capacity.
+    let slice = tokio::time::timeout(WAIT, slices.recv())
+        .await
+        .ok()
+        .flatten();
+    let slice = slice.unwrap_or_else(|| panic!("no ResourceSlice:\n{}", logs()));
+    let dev = &slice["spec"]["devices"][0];
+    assert_eq!(
+        (
+            slice["spec"]["driver"].as_str(),
+            slice["spec"]["nodeName"].as_str()
+        ),
+        (Some("gpu.gpud.dev"), Some("node1"))
+    );
+    assert_eq!(
+        dev["capacity"]["memory"]["value"],
+        (16u64 << 30).to_string()
+    );
+    assert_eq!(dev["capacity"]["compute"]["value"], "100");
+    assert_eq!(dev["attributes"]["uuid"]["string"], gpu.as_str());
+
+    // The kubelet's plugin watcher: GetInfo on the registration socket, then the status.
+    let reg_sock = d.join("registry/gpu.gpud.dev-reg.sock");
+    eventually(WAIT, || async { reg_sock.exists().then_some(()) })
+        .await
+        .expect("registration socket");
+    let mut rc = RegistrationClient::new(gpud_k8s::grpc::unix_channel(&reg_sock));
+    let info = rc
+        .get_info(reg::InfoRequest {})
+        .await
+        .expect("GetInfo")
+        .into_inner();
+    assert_eq!(
+        (info.r#type.as_str(), info.name.as_str()),
+        ("DRAPlugin", "gpu.gpud.dev")
+    );
+    assert_eq!(info.supported_versions, ["v1.DRAPlugin"]);
+    rc.notify_registration_status(reg::RegistrationStatus {
+        plugin_registered: true,
+        error: String::new(),
+    })
+    .await
+    .expect("NotifyRegistrationStatus");
+
+    // NodePrepareResources: a CDI device whose spec adds the GPU and gpud's hook.
+    let mut dra = DraPluginClient::new(gpud_k8s::grpc::unix_channel(Path::new(&info.endpoint)));
+    let c = pb::Claim {
+        namespace: "default".into(),
+        uid: "uid-1".into(),
+        name: "train-gpu".into(),
+    };
+    let resp = dra
+        .node_prepare_resources(pb::NodePrepareResourcesRequest {
+            claims: vec![c.clone()],
+        })
+        .await
+        .expect("NodePrepareResources")
+        .into_inner();
+    let r = &resp.claims["uid-1"];
+    assert_eq!(r.error, "", "{}", logs());
+    assert_eq!(r.devices[0].cdi_device_ids, ["gpud.dev/claim=uid-1-gpu-0"]);
+    let spec_path = d.join("cdi/gpud.dev-claim_uid-1.json");
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&spec_path).expect("CDI spec")).expect("CDI JSON");
+    let edits = &spec["devices"][0]["containerEdits"];
+    assert_eq!(edits["env"][0], format!("NVIDIA_VISIBLE_DEVICES={gpu}"));
+
+    // The runtime runs the spec's hooks: createRuntime sets the limits in gpud, poststop clears.
+    let cg = Cgroup::new("k8s-dra");
+    let sleeper = Sleeper::start_in(&cg.dir);
+    let state = json!({ "ociVersion": "1.0.2", "id": "ctr-dra", "status": "creating",
+        "pid": sleeper.pid, "bundle": d.display().to_string(), "annotations": {} });
+    let run_hook = |hook: &serde_json::Value| {
+        let args: Vec<String> = hook["args"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .skip(1)
+            .filter_map(|a| a.as_str().map(str::to_owned))
+            .collect();
+        let mut child = std::process::Command::new(hook["path"].as_str().unwrap_or(""))
+            .args(&args)
+            .env("GPUD_HOOK_RECORD_DIR", d.join("hook-records"))
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("hook");
+        if let Some(mut i) = child.stdin.take() {
+            use std::io::Write as _;
+            let _ = i.write_all(state.to_string().as_bytes());
+        }
+        child.wait().expect("hook exit")
+    };
+    let hooks = edits["hooks"].as_array().cloned().unwrap_or_default();
+    assert_eq!(hooks.len(), 2, "{edits}");
+    assert!(run_hook(&hooks[0]).success());
+    let want: BTreeMap<String, BTreeMap<String, u64>> = [(
+        gpu.clone(),
+        [
+            ("memory_max".to_owned(), 8 * GIB),
+            ("compute_max".to_owned(), 30),
+        ]
+        .into(),
+    )]
+    .into();
+    assert_eq!(node.limits(&cg.rel).await, want);
+    assert!(run_hook(&hooks[1]).success());
+    assert!(node.limits(&cg.rel).await.is_empty(), "poststop cleared");
+
+    // An unknown claim is answered with an error for that claim; unprepare removes the spec.
+    let other = pb::Claim {
+        namespace: "default".into(),
+        uid: "uid-2".into(),
+        name: "nope".into(),
+    };
+    let resp = dra
+        .node_prepare_resources(pb::NodePrepareResourcesRequest {
+            claims: vec![other],
+        })
+        .await
+        .expect("NodePrepareResources")
+        .into_inner();
+    assert!(resp.claims["uid-2"].error.contains("404"), "{resp:?}");
+    let resp = dra
+        .node_unprepare_resources(pb::NodeUnprepareResourcesRequest { claims: vec![c] })
+        .await
+        .expect("NodeUnprepareResources")
+        .into_inner();
+    assert_eq!(resp.claims["uid-1"].error, "");
+    assert!(!spec_path.exists());
+}

@@ -38,6 +38,45 @@ struct Args {
 enum Command {
     /// Serve the kubelet device plugin (API v1beta1).
     DevicePlugin(DevicePluginArgs),
+    /// Serve the DRA kubelet plugin (API v1.DRAPlugin, Kubernetes 1.34+).
+    Dra(DraArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct DraArgs {
+    /// This node's name (the ResourceSlice's node and pool).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: String,
+    /// The DRA driver name.
+    #[arg(long, default_value = gpud_k8s::dra::DRIVER)]
+    driver: String,
+    /// The kubelet's plugin-registration directory.
+    #[arg(long, default_value = "/var/lib/kubelet/plugins_registry")]
+    registry_dir: PathBuf,
+    /// This plugin's socket directory (default: /var/lib/kubelet/plugins/<driver>).
+    #[arg(long)]
+    plugin_dir: Option<PathBuf>,
+    /// Where CDI specs of prepared claims go.
+    #[arg(long, default_value = "/var/run/cdi")]
+    cdi_dir: PathBuf,
+    /// gpud's OCI hook as the runtime finds it on the host.
+    #[arg(long, default_value = "/usr/local/bin/gpud-oci-hook")]
+    oci_hook: PathBuf,
+    /// Granularity of the memory capacity: bytes or a quantity.
+    #[arg(long, default_value = "1Gi")]
+    memory_unit: String,
+    /// API server URL (default: the cluster this pod runs in).
+    #[arg(long, env = "GPUD_K8S_API_SERVER")]
+    api_server: Option<String>,
+    /// Bearer token file for --api-server.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// CA bundle (PEM) for --api-server.
+    #[arg(long)]
+    ca_file: Option<PathBuf>,
+    /// Bound of each call to gpud, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -103,6 +142,38 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 timeout: Duration::from_millis(a.timeout_ms.max(1)),
             };
             device_plugin::run(config, shutdown).await?;
+        }
+        Command::Dra(a) => {
+            use gpud_k8s::dra;
+            let memory_unit = gpud::policy::parse_quantity(&a.memory_unit)
+                .map_err(|e| anyhow::anyhow!("--memory-unit {:?}: {e}", a.memory_unit))?;
+            let api = match &a.api_server {
+                None => dra::ApiServer::in_cluster()?,
+                Some(url) => {
+                    let read = |p: &PathBuf| {
+                        std::fs::read(p).with_context(|| format!("reading {}", p.display()))
+                    };
+                    let token = match &a.token_file {
+                        Some(p) => Some(String::from_utf8_lossy(&read(p)?).trim().to_owned()),
+                        None => None,
+                    };
+                    let ca = a.ca_file.as_ref().map(read).transpose()?;
+                    dra::ApiServer::new(url, token, ca.as_deref())?
+                }
+            };
+            let config = dra::Config {
+                plugin_dir: a
+                    .plugin_dir
+                    .unwrap_or_else(|| PathBuf::from("/var/lib/kubelet/plugins").join(&a.driver)),
+                driver: a.driver,
+                node_name: a.node_name,
+                registry_dir: a.registry_dir,
+                cdi_dir: a.cdi_dir,
+                bus: args.bus_address,
+                oci_hook: a.oci_hook,
+                timeout: Duration::from_millis(a.timeout_ms.max(1)),
+            };
+            dra::run(config, api, memory_unit, shutdown).await?;
         }
     }
     Ok(())
