@@ -96,7 +96,7 @@ impl Inventory {
                 numa_node: None,
             });
         }
-        slots.sort_by(|a, b| (a.index, a.mig).cmp(&(b.index, b.mig)));
+        slots.sort_by_key(|s| (s.index, s.mig));
         Self { slots, memory_unit }
     }
 

@@ -166,7 +166,7 @@ impl PluginEndpoint {
     ) -> Vec<dp::Device> {
         let mut rx = self.devices.clone();
         let r = tokio::time::timeout(timeout, async {
-            rx.wait_for(|d| d.as_deref().is_some_and(|d| f(d)))
+            rx.wait_for(|d| d.as_deref().is_some_and(&f))
                 .await
                 .map(|d| d.clone().unwrap_or_default())
         })
@@ -212,7 +212,7 @@ impl PluginEndpoint {
                 healthy.len()
             )));
         }
-        let opts = self.registration.options.clone().unwrap_or_default();
+        let opts = self.registration.options.unwrap_or_default();
         let mut ids: Vec<String> = Vec::new();
         if opts.get_preferred_allocation_available {
             let resp = self

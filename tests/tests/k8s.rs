@@ -123,7 +123,7 @@ impl Node {
                 (r.version.as_str(), r.endpoint.as_str()),
                 ("v1beta1", socket)
             );
-            let o = r.options.clone().unwrap_or_default();
+            let o = r.options.unwrap_or_default();
             assert!(
                 o.get_preferred_allocation_available && o.pre_start_required,
                 "{o:?}"
@@ -308,8 +308,8 @@ async fn a_pod_asking_8_units_and_30_percent_gets_them_on_one_gpu_enforced_by_gp
     assert_eq!(
         per_gpu(&b.units[MEMORY]),
         per_gpu(&b.units[COMPUTE])
-            .into_iter()
-            .map(|(g, _)| (g, 4))
+            .into_keys()
+            .map(|g| (g, 4))
             .collect()
     );
     drop(nri_plugin);
