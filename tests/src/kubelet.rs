@@ -141,8 +141,9 @@ impl PluginEndpoint {
         let (count_tx, updates) = watch::channel(0u32);
         tokio::spawn(async move {
             while let Ok(Some(resp)) = stream.message().await {
-                let _ = tx.send(Some(resp.devices));
+                // Counted first: whoever sees the new list sees it counted.
                 count_tx.send_modify(|n| *n += 1);
+                let _ = tx.send(Some(resp.devices));
             }
         });
         Self {

@@ -63,6 +63,9 @@ pub enum DraError {
     Claim { claim: String, reason: String },
     #[error("gpud: {0}")]
     Gpud(String),
+    /// A blocking API-server call could not run to its end.
+    #[error("API server call aborted: {0}")]
+    Task(String),
 }
 
 /// The plugin's settings.
@@ -269,7 +272,7 @@ impl State {
         let (ns, name) = (claim.namespace.clone(), claim.name.clone());
         let obj = tokio::task::spawn_blocking(move || api.claim(&ns, &name))
             .await
-            .map_err(|e| DraError::Gpud(e.to_string()))??;
+            .map_err(|e| DraError::Task(e.to_string()))??;
         let inv = self.inventory().await?;
         let prepared = prepare_claim(
             &obj,
@@ -398,7 +401,7 @@ pub async fn run(
     let api = state.api.clone();
     tokio::task::spawn_blocking(move || api.apply_slice(&slice))
         .await
-        .map_err(|e| DraError::Gpud(e.to_string()))??;
+        .map_err(|e| DraError::Task(e.to_string()))??;
     tracing::info!("ResourceSlice published: {} devices", inv.slots.len());
 
     std::fs::create_dir_all(&config.plugin_dir).map_err(io(&config.plugin_dir))?;
