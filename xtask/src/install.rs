@@ -467,6 +467,7 @@ mod tests {
             ("opt/gpud-test/bin/gpudctl", 0o755),
             ("opt/gpud-test/bin/gpud-oci-hook", 0o755),
             ("opt/gpud-test/bin/gpud-nri", 0o755),
+            ("opt/gpud-test/bin/gpud-k8s", 0o755),
             ("etc/systemd/system/gpud.service", 0o644),
             ("usr/share/dbus-1/system.d/dev.gpud.Daemon1.conf", 0o644),
             ("etc/gpud/gpud.toml", 0o644),
