@@ -30,6 +30,7 @@ pub use rig::Rig;
 mod config;
 pub mod fakenv;
 pub mod inproc;
+pub mod kubelet;
 mod rig;
 pub mod rm;
 pub mod runtime;

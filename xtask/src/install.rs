@@ -4,7 +4,7 @@
 //!
 //! | what | where |
 //! | --- | --- |
-//! | `gpud`, `gpudctl`, `gpud-oci-hook`, `gpud-nri` | `PREFIX/bin/` (0755) |
+//! | `gpud`, `gpudctl`, `gpud-oci-hook`, `gpud-nri`, `gpud-k8s` | `PREFIX/bin/` (0755) |
 //! | the unit, `ExecStart` pointing at `PREFIX/bin/gpud` | `/etc/systemd/system/gpud.service` |
 //! | the D-Bus system policy | `/usr/share/dbus-1/system.d/dev.gpud.Daemon1.conf` |
 //! | the default configuration, only if none is there (else beside it as `gpud.toml.dist`) | `/etc/gpud/gpud.toml` |
@@ -29,7 +29,7 @@ use sha2::{Digest as _, Sha256};
 
 use crate::util::{cargo, root, run as run_cmd};
 
-const BINARIES: &[&str] = &["gpud", "gpudctl", "gpud-oci-hook", "gpud-nri"];
+const BINARIES: &[&str] = &["gpud", "gpudctl", "gpud-oci-hook", "gpud-nri", "gpud-k8s"];
 const UNIT_PATH: &str = "etc/systemd/system/gpud.service";
 const DBUS_POLICY_PATH: &str = "usr/share/dbus-1/system.d/dev.gpud.Daemon1.conf";
 const CONFIG_PATH: &str = "etc/gpud/gpud.toml";
@@ -152,7 +152,8 @@ fn hook_text(layout: &Layout, text: &str) -> anyhow::Result<String> {
 /// Builds the release binaries and returns their directory.
 fn build_release() -> anyhow::Result<PathBuf> {
     let mut cmd = cargo();
-    cmd.args(["build", "--release", "-p", "gpud"]);
+    // gpud-k8s is its own crate (the Kubernetes plugins); the rest are gpud's.
+    cmd.args(["build", "--release", "-p", "gpud", "-p", "gpud-k8s"]);
     for b in BINARIES {
         cmd.args(["--bin", b]);
     }
@@ -443,7 +444,7 @@ mod tests {
         for b in BINARIES {
             assert!(
                 dir.join(b).is_file(),
-                "{} missing: cargo build -p gpud --bins first",
+                "{} missing: cargo build -p gpud -p gpud-k8s --bins first",
                 dir.join(b).display()
             );
         }
@@ -466,6 +467,7 @@ mod tests {
             ("opt/gpud-test/bin/gpudctl", 0o755),
             ("opt/gpud-test/bin/gpud-oci-hook", 0o755),
             ("opt/gpud-test/bin/gpud-nri", 0o755),
+            ("opt/gpud-test/bin/gpud-k8s", 0o755),
             ("etc/systemd/system/gpud.service", 0o644),
             ("usr/share/dbus-1/system.d/dev.gpud.Daemon1.conf", 0o644),
             ("etc/gpud/gpud.toml", 0o644),

@@ -72,8 +72,8 @@ fn build() -> anyhow::Result<()> {
     build_test_binaries("cargo build (gpud, gpud-tests binaries, fake NVML library)")
 }
 
-/// Builds what the integration tests start from target/debug (gpud, gpudctl, the fixtures) and
-/// the fake NVML library they load into the daemon; also used by `fuzz` and `soak`.
+/// Builds what the integration tests start from target/debug (gpud, gpudctl, gpud-k8s, the
+/// fixtures) and the fake NVML library they load into the daemon; also used by `fuzz` and `soak`.
 pub fn build_test_binaries(what: &str) -> anyhow::Result<()> {
     run_cmd(
         what,
@@ -81,6 +81,8 @@ pub fn build_test_binaries(what: &str) -> anyhow::Result<()> {
             "build",
             "--package",
             "gpud",
+            "--package",
+            "gpud-k8s",
             "--package",
             "gpud-tests",
             "--package",

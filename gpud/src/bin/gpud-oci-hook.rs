@@ -59,9 +59,19 @@ struct Args {
     /// gpud unreachable: fail the container (closed) or run it without shares (open).
     #[arg(long, env = "GPUD_ON_UNREACHABLE", value_enum, default_value = "open")]
     on_unreachable: FailMode,
+    /// An annotation of the container's own, `KEY=VALUE` (repeatable), over those the runtime
+    /// hands over: how a CDI spec's hook passes a DRA claim's shares (gpud-k8s dra).
+    #[arg(long = "annotation", value_name = "KEY=VALUE", value_parser = key_value)]
+    annotations: Vec<(String, String)>,
     /// Also append log lines to this file (runtimes often discard a hook's output).
     #[arg(long, env = "GPUD_HOOK_LOG", value_name = "FILE")]
     log_file: Option<PathBuf>,
+}
+
+fn key_value(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("{s:?}: expected KEY=VALUE"))
 }
 
 /// Log lines to stderr and, if asked, a file.
@@ -115,6 +125,7 @@ async fn main() -> ExitCode {
         bus: args.bus_address.clone().unwrap_or_else(|| "system".into()),
         timeout: Duration::from_millis(args.timeout_ms.max(1)),
         record_dir: args.record_dir.clone(),
+        annotations: args.annotations.iter().cloned().collect(),
     };
     let mut log = Log {
         prefix: format!("gpud-oci-hook {}", stage_name(args.stage)),

@@ -18,6 +18,9 @@
 //! otherwise), and the container's own annotations (`gpud.dev/…`, as a runtime or a device plugin
 //! sets them). Every `gpud.dev` annotation is validated, also those scoped to other containers,
 //! so a typo fails the whole pod the same way; other annotations are ignored.
+//!
+//! [`render`] is the inverse for producers of annotations (gpud-k8s's device plugin): the
+//! container-level keys and values that [`resolve`] reads back as the same [`Shares`].
 
 use std::{collections::BTreeMap, collections::HashMap};
 
@@ -314,6 +317,37 @@ pub fn resolve(
     Ok(shares)
 }
 
+/// The container-level annotations (`gpud.dev/<limit>[.<gpu>]`) that [`resolve`] reads back as
+/// `shares`: memory in the largest binary unit that divides it exactly (`8Gi`), numbers as
+/// integers, priorities by name.
+pub fn render(shares: &Shares) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for (gpu, limits) in &shares.gpus {
+        let suffix = match gpu {
+            GpuSelector::All => String::new(),
+            other => format!(".{other}"),
+        };
+        for (kind, value) in limits {
+            let text = match (kind, value) {
+                (LimitKind::MemoryMax, LimitValue::Number(n)) => render_bytes(*n),
+                (_, LimitValue::Number(n)) => n.to_string(),
+                (_, LimitValue::Priority(p)) => p.as_str().to_owned(),
+            };
+            out.insert(format!("{PREFIX}{}{suffix}", kind.annotation()), text);
+        }
+    }
+    out
+}
+
+/// Bytes with the largest binary suffix that divides them exactly, else plain bytes.
+fn render_bytes(n: u64) -> String {
+    const UNITS: [(u32, &str); 4] = [(40, "Ti"), (30, "Gi"), (20, "Mi"), (10, "Ki")];
+    UNITS
+        .iter()
+        .find(|(shift, _)| n != 0 && n.trailing_zeros() >= *shift)
+        .map_or_else(|| n.to_string(), |(shift, u)| format!("{}{u}", n >> shift))
+}
+
 fn check_min_max(
     merged: &BTreeMap<(GpuSelector, LimitKind), (String, LimitValue)>,
 ) -> Result<(), AnnotationError> {
@@ -576,6 +610,41 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn rendered_shares_resolve_to_themselves() {
+        let mut shares = Shares::default();
+        let uuid = GpuSelector::Uuid(UUID.into());
+        let one = |k, v| (k, v);
+        shares.gpus.insert(
+            uuid.clone(),
+            [
+                one(LimitKind::MemoryMax, LimitValue::Number(8 << 30)),
+                one(LimitKind::ComputeMax, LimitValue::Number(30)),
+                one(
+                    LimitKind::Priority,
+                    LimitValue::Priority(Priority::BestEffort),
+                ),
+            ]
+            .into(),
+        );
+        shares.gpus.insert(
+            GpuSelector::All,
+            [one(LimitKind::MemoryMax, LimitValue::Number(1_500_000_000))].into(),
+        );
+        let text = render(&shares);
+        assert_eq!(
+            text.get(&format!("gpud.dev/memory-max.{UUID}"))
+                .map(String::as_str),
+            Some("8Gi")
+        );
+        assert_eq!(
+            text.get("gpud.dev/memory-max").map(String::as_str),
+            Some("1500000000")
+        );
+        let own: HashMap<String, String> = text.into_iter().collect();
+        assert_eq!(resolve(&HashMap::new(), &own, None), Ok(shares));
+    }
+
     proptest! {
         /// Arbitrary keys and values never panic; whatever is accepted is within range.
         #[test]
@@ -613,6 +682,9 @@ mod tests {
                             }
                         }
                     }
+                    // What was accepted renders to annotations that mean the same.
+                    let own: HashMap<String, String> = render(&shares).into_iter().collect();
+                    prop_assert_eq!(resolve(&HashMap::new(), &own, None), Ok(shares));
                 }
             }
         }

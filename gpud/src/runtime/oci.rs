@@ -55,6 +55,9 @@ pub struct HookConfig {
     /// Bound of the connection and of each D-Bus call.
     pub timeout: Duration,
     pub record_dir: PathBuf,
+    /// Annotations given to the hook itself (`--annotation KEY=VALUE`), as the CDI spec of a DRA
+    /// claim passes the claim's shares: they count as the container's own, over the runtime's.
+    pub annotations: HashMap<String, String>,
 }
 
 /// What a hook run did.
@@ -170,7 +173,7 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
         .map(String::as_str);
     // The runtime hands one set of annotations, whichever pod annotations it copied there: they
     // are the pod level; container-scoped keys pick this container by name.
-    let shares = annotations::resolve(&ann, &HashMap::new(), name)?;
+    let shares = annotations::resolve(&ann, &cfg.annotations, name)?;
     if shares.is_empty() {
         return Ok(Outcome::NoShares);
     }

@@ -53,6 +53,11 @@
 //!   `nvmlDeviceGetProcessUtilization` answer `NOT_SUPPORTED` (as it does on MIG devices and on
 //!   GPUs in MIG mode, where real NVML does not sample per process); `xid_events: false` makes the
 //!   GPU support no event type.
+//! - Topology, for callers that place work on several GPUs: `numa_node` (default 0),
+//!   `pci_switch` (GPUs naming the same switch have the common ancestor `SINGLE`, else `NODE` on
+//!   one NUMA node, `SYSTEM` across nodes: `nvmlDeviceGetTopologyCommonAncestor`) and `nvlinks`
+//!   (the peer GPU index of each active link, e.g. `[1, 1]` for two links to GPU 1:
+//!   `nvmlDeviceGetNvLinkState`, `nvmlDeviceGetNvLinkRemotePciInfo_v2`; absent: no NVLink).
 //! - `processes`: `kind` is `compute` (the default), `graphics` or `both` (listed by both
 //!   `nvmlDeviceGet{Compute,Graphics}RunningProcesses_v3`, as a process with both contexts is);
 //!   `mig` puts it on that MIG device (its `gpuInstanceId` is the MIG index). A GPU's and a MIG
@@ -128,6 +133,11 @@ const TIMEOUT: nvmlReturn_t = 10;
 /// `gpuInstanceId` / `computeInstanceId` of a process not on a MIG device.
 const NO_INSTANCE: u32 = u32::MAX;
 const XID: u64 = nvmlEventTypeXidCriticalError as u64;
+/// `nvmlGpuTopologyLevel_t` values.
+const TOPOLOGY_INTERNAL: u32 = 0;
+const TOPOLOGY_SINGLE: u32 = 10;
+const TOPOLOGY_NODE: u32 = 40;
+const TOPOLOGY_SYSTEM: u32 = 50;
 
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -156,6 +166,17 @@ struct Gpu {
     process_utilization: bool,
     #[serde(default = "yes")]
     xid_events: bool,
+    /// NUMA node of the GPU's PCIe root (`nvmlDeviceGetNumaNodeId`; the common ancestor of two
+    /// GPUs on one node is `NODE`, on two nodes `SYSTEM`).
+    #[serde(default)]
+    numa_node: u32,
+    /// GPUs naming the same PCIe switch have the common ancestor `SINGLE`.
+    #[serde(default)]
+    pci_switch: Option<String>,
+    /// NVLinks: the peer GPU (index) of each active link, one entry per link. Absent: the GPU
+    /// has no NVLink (`NOT_SUPPORTED`); links past the list are inactive.
+    #[serde(default)]
+    nvlinks: Option<Vec<u32>>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -557,6 +578,19 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     })
 }
 
+/// Fills NVML's PCI record of a GPU from its bus id.
+fn fill_pci(p: &mut nvmlPciInfo_t, bus_id: &str) {
+    // SAFETY: plain data.
+    *p = unsafe { std::mem::zeroed() };
+    for (i, b) in bus_id.bytes().take(31).enumerate() {
+        p.busId[i] = b as c_char;
+    }
+    for (i, b) in bus_id.bytes().skip(4).take(15).enumerate() {
+        p.busIdLegacy[i] = b as c_char;
+    }
+    p.pciDeviceId = 0x2330_10de;
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
     device: nvmlDevice_t,
@@ -570,17 +604,124 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
             return INVALID_ARGUMENT;
         }
         // SAFETY: non-null out pointer to the caller's struct.
-        let p = unsafe { &mut *pci };
-        // SAFETY: plain data.
-        *p = unsafe { std::mem::zeroed() };
-        for (i, b) in g.pci_bus_id.bytes().take(31).enumerate() {
-            p.busId[i] = b as c_char;
-        }
-        for (i, b) in g.pci_bus_id.bytes().skip(4).take(15).enumerate() {
-            p.busIdLegacy[i] = b as c_char;
-        }
-        p.pciDeviceId = 0x2330_10de;
+        fill_pci(unsafe { &mut *pci }, &g.pci_bus_id);
         SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetNumaNodeId(
+    device: nvmlDevice_t,
+    node: *mut c_uint,
+) -> nvmlReturn_t {
+    with("nvmlDeviceGetNumaNodeId", |st| match gpu_of(st, device) {
+        Some((g, None)) if !node.is_null() => {
+            // SAFETY: non-null out pointer.
+            unsafe { *node = g.numa_node };
+            SUCCESS
+        }
+        _ => INVALID_ARGUMENT,
+    })
+}
+
+/// The closest common ancestor of two GPUs: the same GPU, a shared PCIe switch, the same NUMA
+/// node, or only the system.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetTopologyCommonAncestor(
+    device1: nvmlDevice_t,
+    device2: nvmlDevice_t,
+    level: *mut c_uint,
+) -> nvmlReturn_t {
+    with("nvmlDeviceGetTopologyCommonAncestor", |st| {
+        let (Some((a, None)), Some((b, None))) = (gpu_of(st, device1), gpu_of(st, device2)) else {
+            return INVALID_ARGUMENT;
+        };
+        if level.is_null() {
+            return INVALID_ARGUMENT;
+        }
+        let l = if a.uuid == b.uuid {
+            TOPOLOGY_INTERNAL
+        } else if a.pci_switch.is_some() && a.pci_switch == b.pci_switch {
+            TOPOLOGY_SINGLE
+        } else if a.numa_node == b.numa_node {
+            TOPOLOGY_NODE
+        } else {
+            TOPOLOGY_SYSTEM
+        };
+        // SAFETY: non-null out pointer.
+        unsafe { *level = l };
+        SUCCESS
+    })
+}
+
+/// The peer GPU of one NVLink of a GPU: `Err` with NVML's code when the GPU has no NVLink or
+/// the link number is out of range, `Ok(None)` for an inactive link.
+fn nvlink_peer(
+    st: &State,
+    device: nvmlDevice_t,
+    link: c_uint,
+) -> Result<Option<&Gpu>, nvmlReturn_t> {
+    let Some((g, None)) = gpu_of(st, device) else {
+        return Err(INVALID_ARGUMENT);
+    };
+    if link >= nvml_wrapper_sys::bindings::NVML_NVLINK_MAX_LINKS {
+        return Err(INVALID_ARGUMENT);
+    }
+    let Some(links) = &g.nvlinks else {
+        return Err(NOT_SUPPORTED);
+    };
+    match links.get(link as usize) {
+        None => Ok(None),
+        Some(peer) => st
+            .scenario
+            .gpus
+            .get(*peer as usize)
+            .map(Some)
+            .ok_or(INVALID_ARGUMENT),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(
+    device: nvmlDevice_t,
+    link: c_uint,
+    active: *mut c_uint,
+) -> nvmlReturn_t {
+    with("nvmlDeviceGetNvLinkState", |st| {
+        if active.is_null() {
+            return INVALID_ARGUMENT;
+        }
+        match nvlink_peer(st, device, link) {
+            Ok(peer) => {
+                // SAFETY: non-null out pointer; nvmlEnableState_t is 0 or 1.
+                unsafe { *active = c_uint::from(peer.is_some()) };
+                SUCCESS
+            }
+            Err(code) => code,
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(
+    device: nvmlDevice_t,
+    link: c_uint,
+    pci: *mut nvmlPciInfo_t,
+) -> nvmlReturn_t {
+    with("nvmlDeviceGetNvLinkRemotePciInfo_v2", |st| {
+        if pci.is_null() {
+            return INVALID_ARGUMENT;
+        }
+        match nvlink_peer(st, device, link) {
+            Ok(Some(peer)) => {
+                // SAFETY: non-null out pointer to the caller's struct.
+                fill_pci(unsafe { &mut *pci }, &peer.pci_bus_id);
+                SUCCESS
+            }
+            // Real NVML answers an inactive link's remote end as not supported.
+            Ok(None) => NOT_SUPPORTED,
+            Err(code) => code,
+        }
     })
 }
 

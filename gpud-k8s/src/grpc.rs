@@ -1,0 +1,43 @@
+//! gRPC over unix sockets, as the kubelet speaks it: a tonic server on a listening socket that
+//! stops when told, and a client channel to a socket path.
+
+use std::{future::Future, path::Path};
+
+use hyper_util::rt::TokioIo;
+use tokio::net::{UnixListener, UnixStream};
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+/// A channel to the gRPC server on the unix socket `path` (connected on first use; each
+/// reconnection dials the path again, so a recreated socket is found).
+pub fn unix_channel(path: &Path) -> Channel {
+    let path = path.to_owned();
+    // The URI is required by the HTTP/2 layer and otherwise unused: the connector dials `path`.
+    Endpoint::from_static("http://localhost").connect_with_connector_lazy(tower::service_fn(
+        move |_: Uri| {
+            let path = path.clone();
+            async move { UnixStream::connect(path).await.map(TokioIo::new) }
+        },
+    ))
+}
+
+/// Binds `path` (removing a stale socket file first) for a gRPC server.
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    UnixListener::bind(path)
+}
+
+/// Serves `router` on `listener` until `stop` completes.
+pub async fn serve(
+    router: tonic::transport::server::Router,
+    listener: UnixListener,
+    stop: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    router
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop)
+        .await
+}

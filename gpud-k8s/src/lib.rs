@@ -1,0 +1,23 @@
+//! gpud-k8s: the Kubernetes side of gpud, as a client of gpud's D-Bus API (gpud-api) and of its
+//! runtime path (the `gpud.dev/…` annotations the NRI plugin and the OCI hook apply). Nothing in
+//! gpud's daemon depends on this crate.
+//!
+//! - [`device_plugin`]: the kubelet device plugin (API v1beta1) for `gpud.dev/gpu-memory` and
+//!   `gpud.dev/gpu-compute`: inventory and health from gpud ([`inventory`]), placement on one GPU
+//!   or on closely linked GPUs ([`placement`], [`topology`]), and Allocate answers that carry the
+//!   container's limits as annotations ([`units`] names the units).
+//! - [`dra`]: the DRA kubelet plugin (API v1, Kubernetes 1.34+): plugin registration, the
+//!   node's ResourceSlice with memory and compute as consumable capacity, and
+//!   NodePrepareResources turning a claim's allocation into the same limits through CDI.
+//! - [`api`]: the kubelet's gRPC APIs, generated from `proto/`; [`grpc`]: gRPC on unix sockets.
+//!
+//! docs/kubernetes.md is the operator's guide.
+
+pub mod api;
+pub mod device_plugin;
+pub mod dra;
+pub mod grpc;
+pub mod inventory;
+pub mod placement;
+pub mod topology;
+pub mod units;

@@ -1,0 +1,655 @@
+//! gpud-k8s's device plugin against a test kubelet speaking the real device-plugin API v1beta1
+//! (gRPC on unix sockets): registration, ListAndWatch, GetPreferredAllocation, Allocate and
+//! PreStartContainer, with the real `gpud-k8s` binary, the real gpud on a private bus and the fake
+//! NVML (tests/fake-nvml) as the node's GPUs. The Allocate answer's annotations go through the
+//! real `gpud-nri` over the NRI test runtime to gpud, which enforces them on a real cgroup.
+
+use std::{collections::BTreeMap, path::Path, time::Duration};
+
+use gpud::runtime::nri::api::nri::{self, ContainerState};
+use gpud_tests::{
+    Bus, Cgroup, Daemon, TempDir, eventually,
+    kubelet::{DevicePluginProcess, PluginEndpoint, TestKubelet, admit},
+    runtime::{NriPlugin, Sleeper, TestRuntime, container, ctx, pod},
+};
+use serde_json::json;
+
+const GIB: u64 = 1 << 30;
+const WAIT: Duration = Duration::from_secs(20);
+const MEMORY: &str = "gpud.dev/gpu-memory";
+const COMPUTE: &str = "gpud.dev/gpu-compute";
+
+fn uuid(i: u32) -> String {
+    format!("GPU-0000000{i}-1111-2222-3333-444444444444")
+}
+
+/// `n` GPUs of `gib` GiB; `extra(i)` adds keys to GPU `i` (topology).
+fn scenario(n: u32, gib: u64, extra: impl Fn(u32) -> serde_json::Value) -> serde_json::Value {
+    let gpus: Vec<serde_json::Value> = (0..n)
+        .map(|i| {
+            let mut g = json!({
+                "uuid": uuid(i), "name": "Fake H100",
+                "pci_bus_id": format!("00000000:0{}:00.0", i + 1),
+                "memory_total": gib * GIB,
+            });
+            if let (Some(g), serde_json::Value::Object(e)) = (g.as_object_mut(), extra(i)) {
+                g.extend(e);
+            }
+            g
+        })
+        .collect();
+    json!({ "driver_version": "580.159.04", "cuda_version": 13000, "gpus": gpus })
+}
+
+/// gpud, the fake NVML, a test kubelet and the device plugin on one "node".
+struct Node {
+    dir: TempDir,
+    lib: std::path::PathBuf,
+    bus: Bus,
+    daemon: Daemon,
+    kubelet: TestKubelet,
+    plugin: DevicePluginProcess,
+    starts: u32,
+}
+
+impl Node {
+    async fn start(tag: &str, scenario: &serde_json::Value) -> Self {
+        let dir = TempDir::new(tag);
+        let lib_dir = dir.path().join("lib");
+        let lib = gpud_tests::install_fake_nvml(&lib_dir);
+        gpud_tests::write_nvml_scenario(&lib_dir, scenario);
+        let config = dir.path().join("gpud.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[daemon]\nstate_dir = \"{}\"\nlog = \"gpud=debug\"\n[probes]\nbpffs = \"{}\"\nkeep_pinned = false\n\
+                 [attribution]\nsweep_interval_secs = 3600\nrescan_interval_secs = 0\n\
+                 [nvml]\nlibrary_path = \"{}\"\nsample_interval_ms = 100\nretry_interval_secs = 1\n",
+                dir.path().join("state").display(),
+                dir.path().join("bpffs").display(),
+                lib.display()
+            ),
+        )
+        .expect("config");
+        let bus = Bus::start();
+        let daemon = Daemon::start(&config, &bus.address).await;
+        let kubelet = TestKubelet::start(&dir.path().join("device-plugins"));
+        let plugin = Self::plugin(&dir, &bus, &lib, 0);
+        Self {
+            dir,
+            lib,
+            bus,
+            daemon,
+            kubelet,
+            plugin,
+            starts: 1,
+        }
+    }
+
+    fn plugin(dir: &TempDir, bus: &Bus, lib: &Path, n: u32) -> DevicePluginProcess {
+        let lib = lib.display().to_string();
+        DevicePluginProcess::start(
+            &bus.address,
+            &dir.path().join("device-plugins"),
+            &["--nvml-library", &lib],
+            &dir.path().join(format!("gpud-k8s-{n}.log")),
+        )
+    }
+
+    fn restart_plugin(&mut self) -> Option<i32> {
+        let code = self.plugin.stop();
+        self.plugin = Self::plugin(&self.dir, &self.bus, &self.lib, self.starts);
+        self.starts += 1;
+        code
+    }
+
+    /// Both registrations (memory, compute), checked against the API's rules, and the kubelet's
+    /// connections to them.
+    async fn endpoints(&mut self) -> Vec<PluginEndpoint> {
+        let mut regs = BTreeMap::new();
+        for _ in 0..2 {
+            let r = self.kubelet.registration(WAIT).await;
+            regs.insert(r.resource_name.clone(), r);
+        }
+        let mut out = Vec::new();
+        for (name, socket) in [
+            (MEMORY, "gpud-gpu-memory.sock"),
+            (COMPUTE, "gpud-gpu-compute.sock"),
+        ] {
+            let r = regs
+                .remove(name)
+                .unwrap_or_else(|| panic!("{name} not registered: {}", self.plugin.log_text()));
+            assert_eq!(
+                (r.version.as_str(), r.endpoint.as_str()),
+                ("v1beta1", socket)
+            );
+            let o = r.options.unwrap_or_default();
+            assert!(
+                o.get_preferred_allocation_available && o.pre_start_required,
+                "{o:?}"
+            );
+            out.push(PluginEndpoint::connect(&self.kubelet.dir, r).await);
+        }
+        out
+    }
+
+    async fn limits(&self, cgroup: &str) -> BTreeMap<String, BTreeMap<String, u64>> {
+        let (_c, p) = self.daemon.proxy().await;
+        p.list_limits()
+            .await
+            .expect("ListLimits")
+            .into_iter()
+            .filter(|l| l.cgroup == cgroup)
+            .map(|l| (l.gpu, l.limits))
+            .collect()
+    }
+}
+
+fn healthy(d: &[gpud_k8s::api::deviceplugin::Device]) -> usize {
+    d.iter().filter(|x| x.health == "Healthy").count()
+}
+
+/// The GPUs (UUIDs) of some device IDs with their unit counts.
+fn per_gpu(ids: &[String]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for id in ids {
+        let (u, _) = id.rsplit_once("::").unwrap_or((id, ""));
+        *m.entry(u.to_owned()).or_insert(0) += 1;
+    }
+    m
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_asking_8_units_and_30_percent_gets_them_on_one_gpu_enforced_by_gpud() {
+    let mut node = Node::start("k8s-e2e", &scenario(2, 16, |_| json!({}))).await;
+    let mut eps = node.endpoints().await;
+    eps[0].devices_where(WAIT, |d| healthy(d) == 32).await;
+    eps[1].devices_where(WAIT, |d| healthy(d) == 200).await;
+
+    // The container asks for gpud.dev/gpu-memory: 8 and gpud.dev/gpu-compute: 30.
+    let a = admit(&mut eps, &[(0, 8), (1, 30)])
+        .await
+        .expect("admission");
+    let gpu = per_gpu(&a.units[MEMORY]);
+    assert_eq!(gpu.len(), 1, "one GPU: {a:?}");
+    let (gpu, _) = gpu.into_iter().next().unwrap_or_default();
+    assert_eq!(
+        per_gpu(&a.units[COMPUTE]),
+        [(gpu.clone(), 30)].into(),
+        "same GPU: {a:?}"
+    );
+    assert_eq!(a.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&gpu));
+    let want: std::collections::HashMap<String, String> = [
+        (format!("gpud.dev/memory-max.{gpu}"), "8Gi".to_owned()),
+        (format!("gpud.dev/compute-max.{gpu}"), "30".to_owned()),
+    ]
+    .into();
+    assert_eq!(a.annotations, want);
+
+    // The runtime creates and starts the container with those annotations: the NRI plugin sets
+    // them in gpud.
+    let rt = TestRuntime::bind(node.dir.path());
+    let nri_plugin = NriPlugin::start(
+        &[
+            "--socket",
+            &rt.socket.display().to_string(),
+            "--bus-address",
+            &node.bus.address,
+        ],
+        &node.dir.path().join("nri.log"),
+    );
+    let session = rt.accept(WAIT).await;
+    session
+        .plugin
+        .configure(ctx(), &nri::ConfigureRequest::default())
+        .await
+        .expect("Configure");
+    session
+        .plugin
+        .synchronize(ctx(), &nri::SynchronizeRequest::default())
+        .await
+        .expect("Synchronize");
+    let cg = Cgroup::new("k8s-ctr");
+    let proc_ = Sleeper::start_in(&cg.dir);
+    let p = pod("pod1", "train", &[]);
+    let annotations: Vec<(&str, &str)> = a
+        .annotations
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let c = container(
+        "c1",
+        &p,
+        "train",
+        ContainerState::CONTAINER_CREATED,
+        proc_.pid,
+        "",
+        &annotations,
+    );
+    for call in ["create", "start"] {
+        let r = match call {
+            "create" => session
+                .plugin
+                .create_container(
+                    ctx(),
+                    &nri::CreateContainerRequest {
+                        pod: Some(p.clone()).into(),
+                        container: Some(c.clone()).into(),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map(|_| ()),
+            _ => session
+                .plugin
+                .start_container(
+                    ctx(),
+                    &nri::StartContainerRequest {
+                        pod: Some(p.clone()).into(),
+                        container: Some(c.clone()).into(),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map(|_| ()),
+        };
+        r.unwrap_or_else(|e| panic!("{call}: {e:?}\n{}", nri_plugin.log_text()));
+    }
+    let want: BTreeMap<String, BTreeMap<String, u64>> = [(
+        gpu.clone(),
+        [
+            ("memory_max".to_owned(), 8 * GIB),
+            ("compute_max".to_owned(), 30),
+        ]
+        .into(),
+    )]
+    .into();
+    let got = eventually(WAIT, || async {
+        let l = node.limits(&cg.rel).await;
+        (l == want).then_some(l)
+    })
+    .await;
+    assert!(
+        got.is_some(),
+        "limits {:?}\n{}",
+        node.limits(&cg.rel).await,
+        nri_plugin.log_text()
+    );
+    let (_conn, proxy) = node.daemon.proxy().await;
+    let rec = proxy.get_cgroup(&cg.rel).await.expect("GetCgroup");
+    assert_eq!(
+        rec.memory_max.values().copied().collect::<Vec<_>>(),
+        [8 * GIB],
+        "{rec:?}"
+    );
+
+    // The plugin restarts while the pod runs: it exits cleanly, the limits stay, it registers
+    // again, and its next choice counts the running pod (gpud's limits) as taken.
+    assert_eq!(node.restart_plugin(), Some(0));
+    assert_eq!(
+        node.limits(&cg.rel).await,
+        want,
+        "limits survive the plugin"
+    );
+    let mut eps2 = node.endpoints().await;
+    eps2[0].devices_where(WAIT, |d| healthy(d) == 32).await;
+    eps2[1].devices_where(WAIT, |d| healthy(d) == 200).await;
+    // The kubelet's checkpoint keeps what was allocated.
+    for (new, old) in eps2.iter_mut().zip(&eps) {
+        new.allocated = old.allocated.clone();
+    }
+    // A container asking 80 % compute: the other GPU (only 70 % left on the first).
+    let b = admit(&mut eps2, &[(1, 80), (0, 4)])
+        .await
+        .expect("second admission");
+    let other = per_gpu(&b.units[COMPUTE]);
+    assert_eq!(other.len(), 1, "{b:?}");
+    assert!(!other.contains_key(&gpu), "{b:?}");
+    assert_eq!(
+        per_gpu(&b.units[MEMORY]),
+        per_gpu(&b.units[COMPUTE])
+            .into_keys()
+            .map(|g| (g, 4))
+            .collect()
+    );
+    drop(nri_plugin);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kubelet_restart_reregisters_and_xids_make_a_gpu_unhealthy() {
+    let mut node = Node::start("k8s-restart", &scenario(2, 4, |_| json!({}))).await;
+    let mut eps = node.endpoints().await;
+    eps[0].devices_where(WAIT, |d| healthy(d) == 8).await;
+
+    // The kubelet restarts: its socket directory is emptied and kubelet.sock served anew.
+    node.kubelet.restart();
+    let mut eps = node.endpoints().await;
+    eps[0].devices_where(WAIT, |d| healthy(d) == 8).await;
+    let before = eps[1].updates();
+
+    // An application's Xid (43) on GPU 0 leaves it healthy; Xid 79 (fell off the bus) on GPU 1
+    // makes its units unhealthy in the stream.
+    let mut sc = scenario(2, 4, |_| json!({}));
+    sc["events"] = json!([{ "gpu": 0, "xid": 43 }, { "gpu": 1, "xid": 79 }]);
+    gpud_tests::write_nvml_scenario(&node.dir.path().join("lib"), &sc);
+    let gpu1 = uuid(1);
+    let d = eps[1].devices_where(WAIT, |d| healthy(d) == 100).await;
+    assert!(
+        d.iter()
+            .all(|x| (x.health == "Healthy") != x.id.starts_with(&gpu1)),
+        "GPU 1 unhealthy, GPU 0 healthy"
+    );
+    assert!(eps[1].updates() > before, "sent as an update of the stream");
+    // Allocation avoids it.
+    let a = admit(&mut eps, &[(0, 2), (1, 50)])
+        .await
+        .expect("admission");
+    assert_eq!(per_gpu(&a.units[COMPUTE]), [(uuid(0), 50)].into());
+
+    // SIGTERM: a clean exit that removes its sockets.
+    assert_eq!(node.plugin.stop(), Some(0), "{}", node.plugin.log_text());
+    for s in ["gpud-gpu-memory.sock", "gpud-gpu-compute.sock"] {
+        assert!(!node.kubelet.dir.join(s).exists(), "{s} left behind");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_that_cannot_fit_fail_clearly_and_multi_gpu_requests_follow_nvlink() {
+    // GPUs 0 and 1 behind one PCIe switch, 2 and 3 joined by two NVLinks, nodes 0 and 1.
+    let sc = scenario(4, 8, |i| match i {
+        0 | 1 => json!({ "pci_switch": "sw0", "numa_node": 0 }),
+        2 => json!({ "numa_node": 1, "nvlinks": [3, 3] }),
+        _ => json!({ "numa_node": 1, "nvlinks": [2, 2] }),
+    });
+    let mut node = Node::start("k8s-fit", &sc).await;
+    let mut eps = node.endpoints().await;
+    eps[1].devices_where(WAIT, |d| healthy(d) == 400).await;
+
+    // Two whole GPUs of compute: the NVLink pair.
+    let a = admit(&mut eps, &[(1, 200)]).await.expect("200 %");
+    assert_eq!(
+        per_gpu(&a.units[COMPUTE]),
+        [(uuid(2), 100), (uuid(3), 100)].into(),
+        "{}",
+        node.plugin.log_text()
+    );
+    // The next two: the PCIe switch pair.
+    let b = admit(&mut eps, &[(1, 200)]).await.expect("200 % more");
+    assert_eq!(
+        per_gpu(&b.units[COMPUTE]),
+        [(uuid(0), 100), (uuid(1), 100)].into()
+    );
+    eps[1].release(&b.units[COMPUTE]);
+
+    // 70 % on each of GPUs 0 and 1: 60 % free on the node, but 40 % fits no single GPU.
+    admit(&mut eps, &[(1, 70)]).await.expect("70");
+    admit(&mut eps, &[(1, 70)]).await.expect("70");
+    let err = admit(&mut eps, &[(1, 40)])
+        .await
+        .expect_err("40 fits no GPU");
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+    assert!(
+        err.message().contains("no GPU has that many free")
+            && err.message().contains("gpud.dev/gpu-compute"),
+        "{err:?}"
+    );
+    // More than the node has: the kubelet refuses before asking.
+    let err = admit(&mut eps, &[(0, 33)]).await.expect_err("33 of 32");
+    assert!(err.message().contains("unavailable"), "{err:?}");
+    // Unknown device IDs are refused by the plugin.
+    let err = eps[0]
+        .client
+        .allocate(gpud_k8s::api::deviceplugin::AllocateRequest {
+            container_requests: vec![gpud_k8s::api::deviceplugin::ContainerAllocateRequest {
+                devices_ids: vec!["nvidia0".into()],
+            }],
+        })
+        .await
+        .expect_err("unknown ID");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+}
+
+/// A stand-in API server on loopback: serves one ResourceClaim, records posted ResourceSlices.
+async fn fake_api_server(
+    claim: serde_json::Value,
+) -> (
+    String,
+    tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
+) {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let claim_path = format!(
+        "/apis/resource.k8s.io/v1/namespaces/{}/resourceclaims/{}",
+        claim["metadata"]["namespace"].as_str().unwrap_or(""),
+        claim["metadata"]["name"].as_str().unwrap_or("")
+    );
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            let (r, mut w) = conn.into_split();
+            let mut r = BufReader::new(r);
+            let mut line = String::new();
+            if r.read_line(&mut line).await.is_err() {
+                continue;
+            }
+            let mut parts = line.split_whitespace();
+            let (method, path) = (
+                parts.next().unwrap_or("").to_owned(),
+                parts.next().unwrap_or("").to_owned(),
+            );
+            let mut len = 0usize;
+            loop {
+                let mut h = String::new();
+                if r.read_line(&mut h).await.unwrap_or(0) == 0 || h.trim().is_empty() {
+                    break;
+                }
+                if let Some((k, v)) = h.split_once(':')
+                    && k.eq_ignore_ascii_case("content-length")
+                {
+                    len = v.trim().parse().unwrap_or(0);
+                }
+            }
+            let mut body = vec![0u8; len];
+            let _ = r.read_exact(&mut body).await;
+            let (status, out) = match (method.as_str(), path.as_str()) {
+                ("GET", p) if p == claim_path => ("200 OK", claim.to_string()),
+                ("POST", "/apis/resource.k8s.io/v1/resourceslices") => {
+                    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                    let _ = tx.send(v.clone());
+                    ("201 Created", v.to_string())
+                }
+                _ => ("404 Not Found", r#"{"message":"not found"}"#.to_owned()),
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{out}",
+                out.len()
+            );
+            let _ = w.write_all(resp.as_bytes()).await;
+        }
+    });
+    (format!("http://{addr}"), rx)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_limits() {
+    use gpud_k8s::api::{
+        dra::{self as pb, dra_plugin_client::DraPluginClient},
+        pluginregistration::{self as reg, registration_client::RegistrationClient},
+    };
+    let node = Node::start("k8s-dra", &scenario(1, 16, |_| json!({}))).await;
+    let gpu = uuid(0);
+    let claim = json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": { "namespace": "default", "name": "train-gpu", "uid": "uid-1" },
+        "status": { "allocation": { "devices": { "results": [
+            { "request": "gpu", "driver": "gpu.gpud.dev", "pool": "node1", "device": "gpu-0",
+              "consumedCapacity": { "memory": "8Gi", "compute": "30" } } ] } } },
+    });
+    let (api, mut slices) = fake_api_server(claim).await;
+    let d = node.dir.path();
+    let log = d.join("dra.log");
+    let child = std::process::Command::new(gpud_tests::bin_dir().join("gpud-k8s"))
+        .args([
+            "--log",
+            "debug",
+            "--bus-address",
+            &node.bus.address,
+            "dra",
+            "--node-name",
+            "node1",
+        ])
+        .arg("--registry-dir")
+        .arg(d.join("registry"))
+        .arg("--plugin-dir")
+        .arg(d.join("plugins"))
+        .arg("--cdi-dir")
+        .arg(d.join("cdi"))
+        .arg("--oci-hook")
+        .arg(gpud_tests::bin_dir().join("gpud-oci-hook"))
+        .args(["--api-server", &api])
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("start gpud-k8s dra");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(child);
+    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    // The ResourceSlice: one device with memory and compute as consumable capacity.
+    let slice = tokio::time::timeout(WAIT, slices.recv())
+        .await
+        .ok()
+        .flatten();
+    let slice = slice.unwrap_or_else(|| panic!("no ResourceSlice:\n{}", logs()));
+    let dev = &slice["spec"]["devices"][0];
+    assert_eq!(
+        (
+            slice["spec"]["driver"].as_str(),
+            slice["spec"]["nodeName"].as_str()
+        ),
+        (Some("gpu.gpud.dev"), Some("node1"))
+    );
+    assert_eq!(
+        dev["capacity"]["memory"]["value"],
+        (16u64 << 30).to_string()
+    );
+    assert_eq!(dev["capacity"]["compute"]["value"], "100");
+    assert_eq!(dev["attributes"]["uuid"]["string"], gpu.as_str());
+
+    // The kubelet's plugin watcher: GetInfo on the registration socket, then the status.
+    let reg_sock = d.join("registry/gpu.gpud.dev-reg.sock");
+    eventually(WAIT, || async { reg_sock.exists().then_some(()) })
+        .await
+        .expect("registration socket");
+    let mut rc = RegistrationClient::new(gpud_k8s::grpc::unix_channel(&reg_sock));
+    let info = rc
+        .get_info(reg::InfoRequest {})
+        .await
+        .expect("GetInfo")
+        .into_inner();
+    assert_eq!(
+        (info.r#type.as_str(), info.name.as_str()),
+        ("DRAPlugin", "gpu.gpud.dev")
+    );
+    assert_eq!(info.supported_versions, ["v1.DRAPlugin"]);
+    rc.notify_registration_status(reg::RegistrationStatus {
+        plugin_registered: true,
+        error: String::new(),
+    })
+    .await
+    .expect("NotifyRegistrationStatus");
+
+    // NodePrepareResources: a CDI device whose spec adds the GPU and gpud's hook.
+    let mut dra = DraPluginClient::new(gpud_k8s::grpc::unix_channel(Path::new(&info.endpoint)));
+    let c = pb::Claim {
+        namespace: "default".into(),
+        uid: "uid-1".into(),
+        name: "train-gpu".into(),
+    };
+    let resp = dra
+        .node_prepare_resources(pb::NodePrepareResourcesRequest {
+            claims: vec![c.clone()],
+        })
+        .await
+        .expect("NodePrepareResources")
+        .into_inner();
+    let r = &resp.claims["uid-1"];
+    assert_eq!(r.error, "", "{}", logs());
+    assert_eq!(r.devices[0].cdi_device_ids, ["gpud.dev/claim=uid-1-gpu-0"]);
+    let spec_path = d.join("cdi/gpud.dev-claim_uid-1.json");
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&spec_path).expect("CDI spec")).expect("CDI JSON");
+    let edits = &spec["devices"][0]["containerEdits"];
+    assert_eq!(edits["env"][0], format!("NVIDIA_VISIBLE_DEVICES={gpu}"));
+
+    // The runtime runs the spec's hooks: createRuntime sets the limits in gpud, poststop clears.
+    let cg = Cgroup::new("k8s-dra");
+    let sleeper = Sleeper::start_in(&cg.dir);
+    let state = json!({ "ociVersion": "1.0.2", "id": "ctr-dra", "status": "creating",
+        "pid": sleeper.pid, "bundle": d.display().to_string(), "annotations": {} });
+    let run_hook = |hook: &serde_json::Value| {
+        let args: Vec<String> = hook["args"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .skip(1)
+            .filter_map(|a| a.as_str().map(str::to_owned))
+            .collect();
+        let mut child = std::process::Command::new(hook["path"].as_str().unwrap_or(""))
+            .args(&args)
+            .env("GPUD_HOOK_RECORD_DIR", d.join("hook-records"))
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("hook");
+        if let Some(mut i) = child.stdin.take() {
+            use std::io::Write as _;
+            let _ = i.write_all(state.to_string().as_bytes());
+        }
+        child.wait().expect("hook exit")
+    };
+    let hooks = edits["hooks"].as_array().cloned().unwrap_or_default();
+    assert_eq!(hooks.len(), 2, "{edits}");
+    assert!(run_hook(&hooks[0]).success());
+    let want: BTreeMap<String, BTreeMap<String, u64>> = [(
+        gpu.clone(),
+        [
+            ("memory_max".to_owned(), 8 * GIB),
+            ("compute_max".to_owned(), 30),
+        ]
+        .into(),
+    )]
+    .into();
+    assert_eq!(node.limits(&cg.rel).await, want);
+    assert!(run_hook(&hooks[1]).success());
+    assert!(node.limits(&cg.rel).await.is_empty(), "poststop cleared");
+
+    // An unknown claim is answered with an error for that claim; unprepare removes the spec.
+    let other = pb::Claim {
+        namespace: "default".into(),
+        uid: "uid-2".into(),
+        name: "nope".into(),
+    };
+    let resp = dra
+        .node_prepare_resources(pb::NodePrepareResourcesRequest {
+            claims: vec![other],
+        })
+        .await
+        .expect("NodePrepareResources")
+        .into_inner();
+    assert!(resp.claims["uid-2"].error.contains("404"), "{resp:?}");
+    let resp = dra
+        .node_unprepare_resources(pb::NodeUnprepareResourcesRequest { claims: vec![c] })
+        .await
+        .expect("NodeUnprepareResources")
+        .into_inner();
+    assert_eq!(resp.claims["uid-1"].error, "");
+    assert!(!spec_path.exists());
+}
