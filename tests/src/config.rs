@@ -96,6 +96,14 @@ impl TestConfig {
         self.set("probes.keep_pinned", keep)
     }
 
+    /// Compute shares on a short loop: NVML sampled and the law planning every 100 ms;
+    /// `compute.hardware` as given (the channel-group controls, or the freezer only).
+    pub fn compute(self, hardware: bool) -> Self {
+        self.set("nvml.sample_interval_ms", 100)
+            .set("compute.period_ms", 100)
+            .set("compute.hardware", hardware)
+    }
+
     /// `enforcement.react_action`: `kill`, `freeze` or `notify`.
     pub fn react_action(self, action: &str) -> Self {
         self.set("enforcement.react_action", action)

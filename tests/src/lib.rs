@@ -235,6 +235,21 @@ pub fn cgroup2_root() -> PathBuf {
     gpud::cgroupfs::cgroup2_mount_from(&mi).expect("a cgroup2 mount")
 }
 
+/// A process's state letter from `/proc/<pid>/stat` (`T`: stopped, `R`: running); `?` when gone.
+pub fn process_state(pid: u32) -> char {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit(')')
+                .next()?
+                .split_whitespace()
+                .next()?
+                .chars()
+                .next()
+        })
+        .unwrap_or('?')
+}
+
 /// A process running `script` under sh inside `cg`, returned once it is in the cgroup.
 pub fn spawn_in_cgroup(cg: &Cgroup, script: &str) -> Child {
     let child = Command::new("sh")
@@ -395,6 +410,19 @@ impl Daemon {
                 self.log_text()
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Polls `f` until it returns `Some` (for at most `timeout`); panics naming `what`, with the
+    /// daemon's log, if it never does.
+    pub async fn expect_eventually<T, F, Fut>(&self, what: &str, timeout: Duration, f: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        match eventually(timeout, f).await {
+            Some(v) => v,
+            None => panic!("{what}: not within {timeout:?}:\n{}", self.log_text()),
         }
     }
 
@@ -754,6 +782,17 @@ pub fn gpus(n: u32) -> serde_json::Value {
         "driver_version": "580.159.04", "cuda_version": 13000,
         "gpus": gpus, "processes": [],
     })
+}
+
+/// [`gpus`] with these processes, (pid, GPU index), each holding 1 GiB; with no `sm_util` given,
+/// each reports its CPU share as its SM utilization (the fake NVML's simulated GPU users).
+pub fn gpus_with(n: u32, processes: &[(u32, u32)]) -> serde_json::Value {
+    let mut s = gpus(n);
+    s["processes"] = processes
+        .iter()
+        .map(|(pid, gpu)| serde_json::json!({ "pid": pid, "gpu": gpu, "memory": 1u64 << 30 }))
+        .collect();
+    s
 }
 
 /// Writes the fake NVML's scenario beside it (write then rename: never read half-written).

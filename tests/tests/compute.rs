@@ -18,8 +18,7 @@
 use std::time::{Duration, Instant};
 
 use gpud_common::rm::tsg;
-use gpud_tests::{Cgroup, Rig, RmProcess, eventually, fakenv::Snapshot};
-use serde_json::json;
+use gpud_tests::{Cgroup, Rig, RmProcess, fakenv::Snapshot};
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -47,12 +46,16 @@ fn tenant(rig: &Rig, name: &str) -> Tenant {
 
 /// The fake NVML's GPU 0 with these processes, each reporting its CPU share as its SM use.
 fn scenario(rig: &Rig, tenants: &[&Tenant]) {
-    let mut s = gpud_tests::gpus(1);
-    s["processes"] = tenants
-        .iter()
-        .map(|t| json!({ "pid": t.pid(), "gpu": 0, "memory": 1u64 << 30 }))
-        .collect();
-    rig.nvml_scenario(&s);
+    let procs: Vec<(u32, u32)> = tenants.iter().map(|t| (t.pid(), 0)).collect();
+    rig.nvml_scenario(&gpud_tests::gpus_with(1, &procs));
+}
+
+/// Waits until the daemon has logged `text` (a verdict, a fallback).
+async fn logged(rig: &Rig, text: &str) {
+    rig.expect_eventually(text, Duration::from_secs(10), || async {
+        rig.log_text().contains(text).then_some(())
+    })
+    .await;
 }
 
 /// A rig with the fake device (`runlist` mode) and NVML, gpud started (compute on, 100 ms
@@ -62,15 +65,22 @@ async fn rig(tag: &str, runlist: &str, hardware: bool) -> Option<Rig> {
     rig.fake()
         .inject(&format!("runlist {runlist}"))
         .expect("runlist mode");
-    let config = rig
-        .config()
-        .log("gpud=debug")
-        .set("nvml.sample_interval_ms", 100)
-        .set("compute.period_ms", 100)
-        .set("compute.hardware", hardware);
-    rig.start(config).await;
+    rig.start(rig.config().log("gpud=debug").compute(hardware))
+        .await;
     rig.wait_for_gpus(1).await;
     Some(rig)
+}
+
+/// [`rig`] and [`tenants`] (`None`: SKIPPED).
+async fn world(
+    tag: &str,
+    runlist: &str,
+    hardware: bool,
+    names: &[&str],
+) -> Option<(Rig, Vec<Tenant>)> {
+    let rig = rig(tag, runlist, hardware).await?;
+    let ts = tenants(&rig, names).await?;
+    Some((rig, ts))
 }
 
 /// Tenants started after gpud (whose probes must see their channel groups made), listed by NVML;
@@ -87,18 +97,17 @@ async fn tenants(rig: &Rig, names: &[&str]) -> Option<Vec<Tenant>> {
     scenario(rig, &ts.iter().collect::<Vec<_>>());
     let (_c, p) = rig.proxy().await;
     let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
-    let seen = eventually(Duration::from_secs(10), || async {
-        let usage = p.list_nvml_usage().await.ok()?;
-        pids.iter()
-            .all(|pid| usage.iter().any(|u| u.pids.contains(pid)))
-            .then_some(())
-    })
+    rig.expect_eventually(
+        "NVML lists the tenants",
+        Duration::from_secs(10),
+        || async {
+            let usage = p.list_nvml_usage().await.ok()?;
+            pids.iter()
+                .all(|pid| usage.iter().any(|u| u.pids.contains(pid)))
+                .then_some(())
+        },
+    )
     .await;
-    assert!(
-        seen.is_some(),
-        "NVML never listed the tenants:\n{}",
-        rig.log_text()
-    );
     Some(ts)
 }
 
@@ -177,23 +186,16 @@ fn held_files(rig: &Rig) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn log_has(rig: &Rig, text: &str) -> bool {
-    rig.log_text().contains(text)
-}
-
-/// Process state letter from /proc (T: stopped).
-fn state_of(pid: u32) -> char {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit(')')
-                .next()?
-                .split_whitespace()
-                .next()?
-                .chars()
-                .next()
-        })
-        .unwrap_or('?')
+/// Measures the tenants' shares over `secs` seconds and asserts each is within 5 points of its
+/// target.
+fn expect_shares(rig: &Rig, what: &str, ts: &[Tenant], targets: &[f64], secs: u64) {
+    let got = shares(&ts.iter().collect::<Vec<_>>(), Duration::from_secs(secs));
+    println!("{what}: {got:.1?} % (targets {targets:?})");
+    assert!(
+        got.iter().zip(targets).all(|(g, t)| within(*g, *t, 5.0)),
+        "{what}: {got:.1?} % instead of {targets:?}:\n{}",
+        rig.log_text()
+    );
 }
 
 fn within(x: f64, target: f64, tol: f64) -> bool {
@@ -203,10 +205,7 @@ fn within(x: f64, target: f64, tol: f64) -> bool {
 #[tokio::test(flavor = "multi_thread")]
 async fn hardware_windows_set_weights_through_each_tenants_own_file_and_are_undone_at_stop() {
     let _serial = SERIAL.lock().await;
-    let Some(mut rig) = rig("compute-hw", "stop", true).await else {
-        return;
-    };
-    let Some(ts) = tenants(&rig, &["hw-w1", "hw-w3"]).await else {
+    let Some((mut rig, ts)) = world("compute-hw", "stop", true, &["hw-w1", "hw-w3"]).await else {
         return;
     };
     set(
@@ -223,11 +222,7 @@ async fn hardware_windows_set_weights_through_each_tenants_own_file_and_are_undo
     .await;
     // The probe (one tenant off the runlist for a second, NVML no longer lists it) finds that
     // the controls take effect.
-    let honored = eventually(Duration::from_secs(10), || async {
-        log_has(&rig, "firmware honors channel-group controls").then_some(())
-    })
-    .await;
-    assert!(honored.is_some(), "no verdict:\n{}", rig.log_text());
+    logged(&rig, "firmware honors channel-group controls").await;
     // Both groups are switched on and off, through the tenants' own clients: a control through
     // any other file would have been refused (the fake checks the client's file).
     let s = groups_until(&rig, "windows on both groups", |s| {
@@ -236,15 +231,12 @@ async fn hardware_windows_set_weights_through_each_tenants_own_file_and_are_undo
     });
     let refused_before = s.stats.refused;
     std::thread::sleep(Duration::from_secs(1));
-    let got = shares(&[&ts[0], &ts[1]], Duration::from_secs(6));
-    println!(
-        "weights 1:3 in hardware windows: {:.1} % / {:.1} %",
-        got[0], got[1]
-    );
-    assert!(
-        within(got[0], 25.0, 5.0) && within(got[1], 75.0, 5.0),
-        "shares {got:?} instead of 25 / 75:\n{}",
-        rig.log_text()
+    expect_shares(
+        &rig,
+        "weights 1:3 in hardware windows",
+        &ts,
+        &[25.0, 75.0],
+        6,
     );
     // No control is refused in steady state (each tenant's file is found once and kept).
     let s = rig.fake().snapshot();
@@ -282,7 +274,12 @@ async fn hardware_windows_set_weights_through_each_tenants_own_file_and_are_undo
             "{:?} left off the runlist",
             group_of(&s, t)
         );
-        assert_ne!(state_of(t.pid()), 'T', "tenant {} left stopped", t.pid());
+        assert_ne!(
+            gpud_tests::process_state(t.pid()),
+            'T',
+            "tenant {} left stopped",
+            t.pid()
+        );
         assert!(!t.cg.frozen(), "{} left frozen", t.cg.rel);
     }
 }
@@ -290,10 +287,7 @@ async fn hardware_windows_set_weights_through_each_tenants_own_file_and_are_undo
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tenant_that_exits_under_control_takes_its_file_with_it() {
     let _serial = SERIAL.lock().await;
-    let Some(rig) = rig("compute-exit", "stop", true).await else {
-        return;
-    };
-    let Some(mut ts) = tenants(&rig, &["ex-a", "ex-b"]).await else {
+    let Some((rig, mut ts)) = world("compute-exit", "stop", true, &["ex-a", "ex-b"]).await else {
         return;
     };
     set(&rig, &ts[0], &[("compute_max", zbus::Variant::from(40u32))]).await;
@@ -316,32 +310,30 @@ async fn a_tenant_that_exits_under_control_takes_its_file_with_it() {
     );
     // The other one is controlled on: alone with its cap.
     std::thread::sleep(Duration::from_secs(2));
-    let s = shares(&[&ts[0]], Duration::from_secs(3))[0];
-    assert!(
-        within(s, 40.0, 5.0),
-        "{s:.1} % instead of 40:\n{}",
-        rig.log_text()
+    expect_shares(
+        &rig,
+        "a cap of 40 alone after its neighbour exited",
+        &ts,
+        &[40.0],
+        3,
     );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cap_alone_holds_in_hardware_and_clearing_it_sets_the_tenant_free() {
     let _serial = SERIAL.lock().await;
-    let Some(rig) = rig("compute-cap", "stop", true).await else {
-        return;
-    };
-    let Some(ts) = tenants(&rig, &["hw-cap"]).await else {
+    let Some((rig, ts)) = world("compute-cap", "stop", true, &["hw-cap"]).await else {
         return;
     };
     set(&rig, &ts[0], &[("compute_max", zbus::Variant::from(30u32))]).await;
     groups_until(&rig, "windows", |s| group_of(s, &ts[0]).schedules >= 10);
     std::thread::sleep(Duration::from_secs(1));
-    let s = shares(&[&ts[0]], Duration::from_secs(5))[0];
-    println!("compute_max=30 alone, hardware windows: {s:.1} %");
-    assert!(
-        within(s, 30.0, 5.0),
-        "{s:.1} % instead of 30:\n{}",
-        rig.log_text()
+    expect_shares(
+        &rig,
+        "compute_max=30 alone, hardware windows",
+        &ts,
+        &[30.0],
+        5,
     );
     let (_c, p) = rig.proxy().await;
     p.clear_limits(&ts[0].cg.rel, "0", &["compute_max"])
@@ -360,43 +352,25 @@ async fn a_cap_alone_holds_in_hardware_and_clearing_it_sets_the_tenant_free() {
 async fn where_the_firmware_ignores_the_controls_shares_fall_back_to_the_freezer() {
     let _serial = SERIAL.lock().await;
     // `record`: off the runlist, a tenant runs on; NVML lists it during the probe.
-    let Some(rig) = rig("compute-ignored", "record", true).await else {
-        return;
-    };
-    let Some(ts) = tenants(&rig, &["fb-c30", "fb-c70"]).await else {
+    let Some((rig, ts)) = world("compute-ignored", "record", true, &["fb-c30", "fb-c70"]).await
+    else {
         return;
     };
     set(&rig, &ts[0], &[("compute_max", zbus::Variant::from(30u32))]).await;
     set(&rig, &ts[1], &[("compute_max", zbus::Variant::from(70u32))]).await;
-    let ignored = eventually(Duration::from_secs(10), || async {
-        log_has(&rig, "firmware ignores channel-group controls").then_some(())
-    })
-    .await;
-    assert!(ignored.is_some(), "no verdict:\n{}", rig.log_text());
+    logged(&rig, "firmware ignores channel-group controls").await;
     // Whatever the probe took off is back on, and the freezer makes the shares.
     groups_until(&rig, "groups back on", |s| {
         ts.iter().all(|t| group_of(s, t).enabled)
     });
     std::thread::sleep(Duration::from_secs(2));
-    let got = shares(&[&ts[0], &ts[1]], Duration::from_secs(8));
-    println!(
-        "caps 30/70 by the freezer: {:.1} % / {:.1} %",
-        got[0], got[1]
-    );
-    assert!(
-        within(got[0], 30.0, 5.0) && within(got[1], 70.0, 5.0),
-        "shares {got:?} instead of 30 / 70:\n{}",
-        rig.log_text()
-    );
+    expect_shares(&rig, "caps 30/70 by the freezer", &ts, &[30.0, 70.0], 8);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn with_hardware_off_no_control_is_issued_and_best_effort_yields_to_latency_critical() {
     let _serial = SERIAL.lock().await;
-    let Some(rig) = rig("compute-freezer", "stop", false).await else {
-        return;
-    };
-    let Some(mut ts) = tenants(&rig, &["fz-be"]).await else {
+    let Some((rig, mut ts)) = world("compute-freezer", "stop", false, &["fz-be"]).await else {
         return;
     };
     let be = ts.remove(0);
@@ -433,11 +407,11 @@ async fn with_hardware_off_no_control_is_issued_and_best_effort_yields_to_latenc
         group,
     };
     scenario(&rig, &[&be, &lc]);
-    let frozen = eventually(Duration::from_secs(5), || async {
-        be.cg.frozen().then(|| woke.elapsed())
-    })
-    .await
-    .unwrap_or_else(|| panic!("best-effort never frozen:\n{}", rig.log_text()));
+    let frozen = rig
+        .expect_eventually("best-effort frozen", Duration::from_secs(5), || async {
+            be.cg.frozen().then(|| woke.elapsed())
+        })
+        .await;
     println!(
         "best-effort frozen {} ms after latency-critical started",
         frozen.as_millis()
@@ -464,10 +438,7 @@ async fn with_hardware_off_no_control_is_issued_and_best_effort_yields_to_latenc
 #[tokio::test(flavor = "multi_thread")]
 async fn priority_classes_get_their_timeslices_and_refused_controls_fall_back_to_the_freezer() {
     let _serial = SERIAL.lock().await;
-    let Some(rig) = rig("compute-classes", "stop", true).await else {
-        return;
-    };
-    let Some(ts) = tenants(&rig, &["cl-lc", "cl-be"]).await else {
+    let Some((rig, ts)) = world("compute-classes", "stop", true, &["cl-lc", "cl-be"]).await else {
         return;
     };
     set(
@@ -499,18 +470,9 @@ async fn priority_classes_get_their_timeslices_and_refused_controls_fall_back_to
     let third = tenant(&rig, "cl-normal");
     scenario(&rig, &[&ts[0], &ts[1], &third]);
     set(&rig, &third, &[("compute_max", zbus::Variant::from(50u32))]).await;
-    let fell_back = eventually(Duration::from_secs(10), || async {
-        log_has(&rig, "its shares fall back to cgroup.freeze").then_some(())
-    })
-    .await;
-    assert!(fell_back.is_some(), "no fallback:\n{}", rig.log_text());
-    let froze = eventually(Duration::from_secs(5), || async {
+    logged(&rig, "its shares fall back to cgroup.freeze").await;
+    rig.expect_eventually("the freezer ran", Duration::from_secs(5), || async {
         third.cg.frozen().then_some(())
     })
     .await;
-    assert!(
-        froze.is_some(),
-        "the freezer never ran:\n{}",
-        rig.log_text()
-    );
 }

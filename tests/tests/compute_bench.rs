@@ -61,13 +61,8 @@ async fn run(case: &str, hardware: bool, policies: bool) -> serde_json::Value {
     };
     let mut rig = rig.fake_gpus(GPUS);
     rig.fake().inject("runlist stop").expect("runlist mode");
-    let config = rig
-        .config()
-        .log("gpud=info")
-        .set("nvml.sample_interval_ms", 100)
-        .set("compute.period_ms", 100)
-        .set("compute.hardware", hardware);
-    rig.start(config).await;
+    rig.start(rig.config().log("gpud=info").compute(hardware))
+        .await;
     rig.wait_for_gpus(GPUS).await;
     let mut tenants = Vec::new();
     for i in 0..TENANTS {
@@ -79,12 +74,8 @@ async fn run(case: &str, hardware: bool, policies: bool) -> serde_json::Value {
         p.ok("burn");
         tenants.push((p, cg, gpu));
     }
-    let mut s = gpud_tests::gpus(GPUS);
-    s["processes"] = tenants
-        .iter()
-        .map(|(p, _, gpu)| json!({ "pid": p.pid, "gpu": gpu, "memory": 1u64 << 30 }))
-        .collect();
-    rig.nvml_scenario(&s);
+    let procs: Vec<(u32, u32)> = tenants.iter().map(|(p, _, gpu)| (p.pid, *gpu)).collect();
+    rig.nvml_scenario(&gpud_tests::gpus_with(GPUS, &procs));
     let (_c, proxy) = rig.proxy().await;
     let listed = eventually(Duration::from_secs(15), || async {
         let n: usize = proxy

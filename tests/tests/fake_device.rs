@@ -737,20 +737,6 @@ fn steal_ctl(pid: u32, ctl: &Path) -> File {
     unsafe { File::from_raw_fd(new as i32) }
 }
 
-fn proc_state(pid: u32) -> char {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit(')')
-                .next()?
-                .split_whitespace()
-                .next()?
-                .chars()
-                .next()
-        })
-        .unwrap_or('?')
-}
-
 #[test]
 fn channel_group_controls_reach_a_group_only_through_its_clients_file() {
     let Some(fake) = fake("tsg", GIB) else {
@@ -790,8 +776,12 @@ fn channel_group_controls_reach_a_group_only_through_its_clients_file() {
     let mut off = rm::tsg::ScheduleParams::default();
     let r = ctl.control(client, group, rm::tsg::GPFIFO_SCHEDULE, &mut off);
     assert_eq!((r.ret, r.status), (0, status::NV_OK));
-    let stopped = eventually_sync(|| proc_state(a.pid) == 'T');
-    assert!(stopped, "owner not stopped: {}", proc_state(a.pid));
+    let stopped = eventually_sync(|| gpud_tests::process_state(a.pid) == 'T');
+    assert!(
+        stopped,
+        "owner not stopped: {}",
+        gpud_tests::process_state(a.pid)
+    );
     // Parameters of another control's size.
     let mut bad = rm::tsg::TimesliceParams::default();
     let r = ctl.control(client, group, rm::tsg::GPFIFO_SCHEDULE, &mut bad);
@@ -802,7 +792,7 @@ fn channel_group_controls_reach_a_group_only_through_its_clients_file() {
     };
     let r = ctl.control(client, group, rm::tsg::GPFIFO_SCHEDULE, &mut on);
     assert_eq!((r.ret, r.status), (0, status::NV_OK));
-    assert!(eventually_sync(|| proc_state(a.pid) != 'T'));
+    assert!(eventually_sync(|| gpud_tests::process_state(a.pid) != 'T'));
     let s = fake.snapshot();
     assert_eq!(
         (s.channel_groups[0].enabled, s.channel_groups[0].schedules),

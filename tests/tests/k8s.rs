@@ -134,14 +134,7 @@ impl Node {
     }
 
     async fn limits(&self, cgroup: &str) -> BTreeMap<String, BTreeMap<String, u64>> {
-        let (_c, p) = self.daemon.proxy().await;
-        p.list_limits()
-            .await
-            .expect("ListLimits")
-            .into_iter()
-            .filter(|l| l.cgroup == cgroup)
-            .map(|l| (l.gpu, l.limits))
-            .collect()
+        self.daemon.limits(cgroup).await
     }
 }
 

@@ -171,19 +171,7 @@ impl NvmlModel {
         &self,
         last_seen: Option<u64>,
     ) -> Result<Vec<ProcessUtilizationSample>, NvmlError> {
-        let since = last_seen.unwrap_or(0);
-        let out: Vec<ProcessUtilizationSample> = self
-            .samples
-            .iter()
-            .flatten()
-            .filter(|s| s.timestamp > since)
-            .copied()
-            .collect();
-        if out.is_empty() {
-            Err(NvmlError::NotFound)
-        } else {
-            Ok(out)
-        }
+        newer_than(self.samples.iter().flatten(), last_seen, |s| s.timestamp)
     }
 
     /// `nvmlDeviceGetSamples(NVML_GPU_UTILIZATION_SAMPLES)`: device-level samples newer than
@@ -192,22 +180,27 @@ impl NvmlModel {
         &self,
         last_seen: Option<u64>,
     ) -> Result<Vec<UtilizationSample>, NvmlError> {
-        let since = last_seen.unwrap_or(0);
-        let out: Vec<UtilizationSample> = self
-            .device
-            .iter()
-            .filter(|s| s.timestamp > since)
-            .copied()
-            .collect();
-        if out.is_empty() {
-            Err(NvmlError::NotFound)
-        } else {
-            Ok(out)
-        }
+        newer_than(self.device.iter(), last_seen, |s| s.timestamp)
     }
 
     /// `nvmlDeviceGetUtilizationRates().gpu`: the last closed window's device utilization.
     pub fn utilization_rate(&self) -> u32 {
         self.device.back().map_or(0, |s| s.value)
+    }
+}
+
+/// The samples stamped after `last_seen` (µs; `None` or 0: all), as NVML answers a sample query:
+/// `NotFound` when there is none.
+fn newer_than<'a, T: Copy + 'a>(
+    samples: impl Iterator<Item = &'a T>,
+    last_seen: Option<u64>,
+    timestamp: impl Fn(&T) -> u64,
+) -> Result<Vec<T>, NvmlError> {
+    let since = last_seen.unwrap_or(0);
+    let out: Vec<T> = samples.filter(|s| timestamp(s) > since).copied().collect();
+    if out.is_empty() {
+        Err(NvmlError::NotFound)
+    } else {
+        Ok(out)
     }
 }

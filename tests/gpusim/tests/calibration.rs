@@ -12,6 +12,12 @@ use gpusim::{
     old::OldController,
 };
 
+/// One tenant `a` with workload `w`, no policy, the default (H100) parameters.
+fn alone(w: Workload) -> Sim {
+    let specs = vec![TenantSpec::new("a", 101, w, Limits::default())];
+    Sim::new(SimParams::default(), specs)
+}
+
 fn saturating(kernel: Nanos, depth: usize) -> Workload {
     Workload::Saturating { kernel, depth }
 }
@@ -152,13 +158,7 @@ impl Controller for FreezeAt {
 #[test]
 fn a_frozen_tenants_queued_work_keeps_running() {
     // Alone: 1,024 × 2 ms queued drains for ~2 s after the freeze.
-    let specs = vec![TenantSpec::new(
-        "a",
-        101,
-        saturating(2 * MS, 1024),
-        Limits::default(),
-    )];
-    let mut sim = Sim::new(SimParams::default(), specs);
+    let mut sim = alone(saturating(2 * MS, 1024));
     let mut ctrl = FreezeAt(5 * SEC, TenantId(0));
     sim.run(&mut ctrl, 5 * SEC + MS);
     let at_freeze = sim.busy(0);
@@ -226,13 +226,7 @@ fn the_freezer_stops_new_work_after_its_latencies() {
             ctx.freeze(TenantId(0), ctx.now() == SEC);
         }
     }
-    let specs = vec![TenantSpec::new(
-        "a",
-        101,
-        saturating(100 * US, 1),
-        Limits::default(),
-    )];
-    let mut sim = Sim::new(SimParams::default(), specs);
+    let mut sim = alone(saturating(100 * US, 1));
     sim.run(&mut Cycle, SEC);
     let b0 = sim.busy(0);
     sim.run(&mut Cycle, 2 * SEC);

@@ -31,13 +31,8 @@ fn the_law_meets_every_target_where_the_firmware_honors_the_controls_and_within_
     println!("{}", bench::table(&results));
     let hw = misses(&results, Firmware::Honors, false);
     assert!(hw.is_empty(), "hardware mode misses:\n{}", hw.join("\n"));
-    // The fallback within its bound (queued work shorter than a period): the quick matrix's
-    // in-bound shapes. A cap alone behind a deep queue is the documented exception: what the
-    // tenant queued before its slot ends runs into the idle part (docs/design.md).
-    let fb: Vec<String> = misses(&results, Firmware::Ignores, false)
-        .into_iter()
-        .filter(|m| !m.starts_with("capped-alone/"))
-        .collect();
+    // The fallback within its bound: queued work shorter than a period.
+    let fb = misses(&results, Firmware::Ignores, false);
     assert!(
         fb.is_empty(),
         "fallback misses within its bound:\n{}",

@@ -231,11 +231,11 @@ impl Rm {
                 pid: c.pid,
             })
             .collect();
-        let objects = self
-            .clients
-            .iter()
-            .flat_map(|(&client, c)| {
-                c.objects.iter().map(move |(&handle, o)| ObjectState {
+        let mut objects = Vec::new();
+        let mut channel_groups = Vec::new();
+        for (&client, c) in &self.clients {
+            for (&handle, o) in &c.objects {
+                objects.push(ObjectState {
                     client,
                     handle,
                     parent: o.parent,
@@ -243,16 +243,9 @@ impl Rm {
                     gpu: o.gpu,
                     bytes: o.bytes,
                     pid: o.pid,
-                })
-            })
-            .collect();
-        let channel_groups = self
-            .clients
-            .iter()
-            .flat_map(|(&client, c)| {
-                c.objects.iter().filter_map(move |(&handle, o)| {
-                    let s = o.sched?;
-                    Some(ChannelGroupState {
+                });
+                if let Some(s) = o.sched {
+                    channel_groups.push(ChannelGroupState {
                         client,
                         handle,
                         pid: o.pid,
@@ -261,10 +254,10 @@ impl Rm {
                         timeslice_us: s.timeslice_us,
                         schedules: s.schedules,
                         preempts: s.preempts,
-                    })
-                })
-            })
-            .collect();
+                    });
+                }
+            }
+        }
         Snapshot {
             channel_groups,
             page_size: self.page_size,
@@ -983,44 +976,40 @@ pub(super) fn tgid(tid: u32) -> u32 {
 
 /// Reads `buf.len()` bytes at `addr` in process (or thread) `pid`; all or an error.
 fn remote_read(pid: u32, addr: u64, buf: &mut [u8]) -> io::Result<()> {
-    if buf.is_empty() {
-        return Ok(());
-    }
-    let local = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    let remote = libc::iovec {
-        iov_base: addr as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    // SAFETY: one local iovec over `buf`; the remote side is checked by the kernel.
-    let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
-    match n {
-        n if n < 0 => Err(io::Error::last_os_error()),
-        n if n as usize != buf.len() => Err(io::Error::from_raw_os_error(libc::EFAULT)),
-        _ => Ok(()),
-    }
+    remote_io(pid, addr, buf.as_mut_ptr(), buf.len(), false)
 }
 
 /// Writes `buf` at `addr` in process (or thread) `pid`; all or an error.
 fn remote_write(pid: u32, addr: u64, buf: &[u8]) -> io::Result<()> {
-    if buf.is_empty() {
+    // Only read from: process_vm_writev takes the local side as a mutable iovec all the same.
+    remote_io(pid, addr, buf.as_ptr().cast_mut(), buf.len(), true)
+}
+
+/// `len` bytes between `local` and `addr` in process (or thread) `pid`: all or an error.
+fn remote_io(pid: u32, addr: u64, local: *mut u8, len: usize, write: bool) -> io::Result<()> {
+    if len == 0 {
         return Ok(());
     }
     let local = libc::iovec {
-        iov_base: buf.as_ptr() as *mut libc::c_void,
-        iov_len: buf.len(),
+        iov_base: local.cast(),
+        iov_len: len,
     };
     let remote = libc::iovec {
         iov_base: addr as *mut libc::c_void,
-        iov_len: buf.len(),
+        iov_len: len,
     };
-    // SAFETY: one local iovec over `buf` (only read); the remote side is checked by the kernel.
-    let n = unsafe { libc::process_vm_writev(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    // SAFETY: one local iovec over the caller's buffer of `len` bytes (written only when
+    // reading); the remote side is checked by the kernel.
+    let n = unsafe {
+        if write {
+            libc::process_vm_writev(pid as libc::pid_t, &local, 1, &remote, 1, 0)
+        } else {
+            libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0)
+        }
+    };
     match n {
         n if n < 0 => Err(io::Error::last_os_error()),
-        n if n as usize != buf.len() => Err(io::Error::from_raw_os_error(libc::EFAULT)),
+        n if n as usize != len => Err(io::Error::from_raw_os_error(libc::EFAULT)),
         _ => Ok(()),
     }
 }

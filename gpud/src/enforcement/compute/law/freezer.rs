@@ -85,7 +85,24 @@ pub(super) fn plan_freezer(
     }
     // Slots back to back in a rotating order, from a varying offset where they leave part of the
     // period idle; each unit thawed a thaw latency before its slot and frozen at its end.
-    let want: Vec<f64> = slotted.iter().map(|n| g.units[n].target / 100.0).collect();
+    if slotted.len() == 1 {
+        let u = g.units.get_mut(&slotted[0]).expect("slotted");
+        trim_lone(u, now);
+    } else {
+        for n in &slotted {
+            g.units.get_mut(n).expect("slotted").slot = None;
+        }
+    }
+    let want: Vec<f64> = slotted
+        .iter()
+        .map(|n| {
+            let u = &g.units[n];
+            match (slotted.len(), u.slot) {
+                (1, Some(slot)) => slot,
+                _ => u.target / 100.0,
+            }
+        })
+        .collect();
     let scale = want.iter().sum::<f64>().max(1.0);
     // The smallest slot lasts several thaw latencies (a thaw's delay is only roughly known).
     let smallest = want
@@ -156,4 +173,40 @@ pub(super) fn plan_freezer(
         u.stat.throttled_usec += (cycle - lens[i].min(cycle)) / 1_000;
     }
     cycle
+}
+
+/// How often a lone capped unit's slot is corrected, from the windows NVML sampled since.
+const TRIM_EVERY: Nanos = 2_000 * MS;
+/// Windows it takes at the least (NVML's are 1/6 s).
+const TRIM_WINDOWS: usize = 8;
+
+/// A capped unit alone in the fallback: whatever it queued before its slot ended runs into the
+/// idle part, so it gets more than its cap. Alone, NVML's samples read its real utilization (no
+/// one else holds the engine), so the slot is corrected by what it measured over the last
+/// stretch at the present slot: slot += target - measured (bounded), every [`TRIM_EVERY`].
+fn trim_lone(u: &mut super::Unit, now: Nanos) {
+    let target = u.target / 100.0;
+    let Some(slot) = u.slot else {
+        u.slot = Some(target);
+        u.trim_at = now;
+        u.recent.clear();
+        return;
+    };
+    if now < u.trim_at + TRIM_EVERY {
+        return;
+    }
+    // Windows sampled at the present slot (the first after a change still holds the old one).
+    let since = u.trim_at + MS * 200;
+    let got: Vec<f64> = u
+        .recent
+        .iter()
+        .filter(|(at, _)| *at >= since)
+        .map(|(_, x)| *x)
+        .collect();
+    if got.len() >= TRIM_WINDOWS {
+        let measured = got.iter().sum::<f64>() / got.len() as f64;
+        u.slot = Some((slot + target - measured).clamp(0.2 * target, target));
+    }
+    u.recent.clear();
+    u.trim_at = now;
 }

@@ -23,7 +23,9 @@
 //!   active unit an exclusive slot of a cycle by freezing the others; what a frozen tenant had
 //!   queued drains into the next slot, which cancels out between tenants with like queues, so
 //!   the fallback holds where queued work is shorter than the smallest slot (slots last at
-//!   least a period and five thaw latencies).
+//!   least a period and five thaw latencies); a capped unit alone, whose drain runs into the
+//!   idle part, reads its own utilization truly (nobody else holds the engine) and has its slot
+//!   shortened by the overrun it measured.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -182,6 +184,13 @@ struct Unit {
     /// Measured share (fraction of the GPU), from NVML's windows.
     share: Average,
     target: f64,
+    /// NVML's windows since `trim_at` (when, utilization fraction): a lone capped unit's own
+    /// reading of the freezer's overrun.
+    recent: Vec<(Nanos, f64)>,
+    /// The share of the cycle a lone capped unit is given in the fallback (its target less the
+    /// overrun measured), and since when.
+    slot: Option<f64>,
+    trim_at: Nanos,
     /// Timeslice set on its groups (µs), and whether they are on the runlist / it is frozen.
     timeslice: Option<u64>,
     off: bool,
@@ -353,6 +362,7 @@ impl Law {
                     for _ in 0..skipped {
                         for u in g.units.values_mut() {
                             u.share.add(0.0, alpha_per_window);
+                            push_recent(u, at, 0.0);
                         }
                     }
                 }
@@ -364,6 +374,7 @@ impl Law {
                     }
                     u.share
                         .add(f64::from(util.min(100)) / 100.0, alpha_per_window);
+                    push_recent(u, at, f64::from(util.min(100)) / 100.0);
                     u.stat.measured = u.share.value * 100.0;
                 }
                 if let Firmware::Probing { pid, since, until } = g.firmware
@@ -457,6 +468,14 @@ impl Law {
     }
 }
 
+/// Keeps a window's reading for the lone-unit correction (the last 256).
+fn push_recent(u: &mut Unit, at: Nanos, x: f64) {
+    if u.recent.len() >= 256 {
+        u.recent.remove(0);
+    }
+    u.recent.push((at, x));
+}
+
 /// Thaws a unit and puts its groups back on the runlist.
 fn release(name: &str, u: &mut Unit, held: &BTreeSet<String>, out: &mut Vec<Command>) {
     if (u.frozen || u.unsure) && !held.contains(name) {
@@ -534,6 +553,10 @@ fn plan_gpu(
     }
     for (i, n) in active.iter().enumerate() {
         let u = g.units.get_mut(n).expect("active units exist");
+        if u.target != t[i] {
+            // Another target: the lone unit's correction starts over.
+            u.slot = None;
+        }
         u.target = t[i];
         u.stat.target = t[i];
     }
@@ -563,9 +586,13 @@ fn plan_gpu(
                     enabled: false,
                 },
             ));
-            for u in g.units.values_mut().filter(|u| u.pids.contains(&pid)) {
-                u.off = true;
-                u.stopped = Some(now);
+            for u in g.units.values_mut() {
+                // What the fallback measured so far was not under its own slots.
+                u.slot = None;
+                if u.pids.contains(&pid) {
+                    u.off = true;
+                    u.stopped = Some(now);
+                }
             }
             return p.period;
         }
