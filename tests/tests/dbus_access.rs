@@ -211,6 +211,10 @@ async fn system_bus_policy_lets_anyone_read_and_only_root_and_admins_change() {
     // And root.
     let (ok, text) = gpudctl(Who::Root, bus, &["set", &cg.rel, "--compute-max", "50"]);
     assert!(ok, "root refused: {text}");
+    // Anyone may read them back, every kind, the whole cgroup path.
+    let (ok, text) = gpudctl(Who::Nobody, bus, &["limits"]);
+    assert!(ok && text.contains("compute_max=50%"), "{text}");
+    assert!(text.lines().any(|l| l.starts_with(&cg.rel)), "{text}");
     let (ok, text) = gpudctl(Who::Root, bus, &["clear", &cg.rel]);
     assert!(ok, "root refused: {text}");
     assert!(p.list_limits().await.expect("ListLimits").is_empty());

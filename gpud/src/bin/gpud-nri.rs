@@ -108,12 +108,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(filter)
-        .init();
+    gpud::logging::init_companion(&args.log, true);
     match run(args).await {
         Ok(code) => code,
         Err(e) => {

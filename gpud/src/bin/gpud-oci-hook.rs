@@ -112,11 +112,7 @@ fn stage_name(s: Stage) -> &'static str {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter("warn")
-        .without_time()
-        .init();
+    gpud::logging::init_companion("warn", false);
     let policy = FailPolicy {
         on_invalid: args.on_invalid,
         on_unreachable: args.on_unreachable,

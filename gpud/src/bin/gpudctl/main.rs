@@ -219,16 +219,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             if args.json {
                 println!("{}", to_json(&limits));
             } else {
-                println!("{:<40} {:<12} {:>16}", "CGROUP", "GPU", "MEMORY_MAX");
-                for l in &limits {
-                    let m = l.limits.get("memory_max").map(|b| human(*b));
-                    println!(
-                        "{:<40} {:<12} {:>16}",
-                        l.cgroup,
-                        l.gpu,
-                        m.unwrap_or_else(|| "-".into())
-                    );
-                }
+                print_limits(&limits);
             }
             Ok(())
         }
@@ -519,5 +510,37 @@ pub(crate) fn human(b: u64) -> String {
         format!("{b} B")
     } else {
         format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// `gpudctl limits` as text: every limit kind set, the cgroup column as wide as its longest path
+/// (Kubernetes paths run past 100 characters).
+fn print_limits(limits: &[gpud_api::LimitRecord]) {
+    let width = limits
+        .iter()
+        .map(|l| l.cgroup.len())
+        .max()
+        .unwrap_or(0)
+        .max("CGROUP".len());
+    println!("{:<width$}  {:<12} LIMITS", "CGROUP", "GPU");
+    for l in limits {
+        let shown: Vec<String> = l
+            .limits
+            .iter()
+            .map(|(name, v)| match name.as_str() {
+                "memory_max" => format!("{name}={}", human(*v)),
+                "priority" => format!(
+                    "{name}={}",
+                    match v {
+                        0 => "latency-critical",
+                        2 => "best-effort",
+                        _ => "normal",
+                    }
+                ),
+                "compute_max" | "compute_min" => format!("{name}={v}%"),
+                _ => format!("{name}={v}"),
+            })
+            .collect();
+        println!("{:<width$}  {:<12} {}", l.cgroup, l.gpu, shown.join(" "));
     }
 }
