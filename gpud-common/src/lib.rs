@@ -490,6 +490,9 @@ pub mod programs {
     pub const SEED: &str = "gpud_seed";
     /// Run by the daemon to release an object below a freed subtree, client or file.
     pub const RELEASE: &str = "gpud_release";
+    /// Run by the daemon to ask whether a control file is still referenced (by a descriptor in
+    /// any process, a mapping, a message in flight): its clients live exactly that long.
+    pub const FILE_HELD: &str = "gpud_file_held";
     /// Benchmark reference (`xtask bench`): an empty tracepoint program.
     pub const NOOP_TP: &str = "gpud_noop_tp";
     /// Benchmark reference: an empty fentry program on `security_file_ioctl`.

@@ -111,6 +111,13 @@ pub const fn ioc_size(cmd: u32) -> u32 {
     (cmd >> 16) & 0x3fff
 }
 
+/// Whether `cmd` is of `_IOC_TYPE` 'F', the type of every RM and OS escape (whatever the
+/// direction bits: the driver ignores them).
+#[inline(always)]
+pub const fn is_escape_type(cmd: u32) -> bool {
+    (cmd >> 8) & 0xff == 0x46
+}
+
 /// Builds `_IOWR('F', nr, size)`, the encoding CUDA and other clients use.
 #[inline(always)]
 pub const fn nv_iowr(nr: u32, size: u32) -> u32 {

@@ -180,6 +180,18 @@ pub(crate) unsafe fn device_kind(r: &impl KernelReader, file: *const u8) -> Opti
     DeviceKind::from_u32(*kind)
 }
 
+/// Whether `file` is still referenced at all. Both encodings of the count read "no reference"
+/// below `one`: `f_count` drops to 0, `f_ref` (file_ref_t) goes negative (released, dead). A
+/// freed file keeps these bytes: the file cache is `SLAB_TYPESAFE_BY_RCU`, whose free pointer
+/// lies outside the count.
+#[inline(always)]
+pub(crate) unsafe fn referenced(r: &impl KernelReader, file: *const u8, one: u32) -> bool {
+    match unsafe { r.load::<i64>(file, r.file_refs()) } {
+        Some(v) => v >= one as i64,
+        None => false,
+    }
+}
+
 /// Whether the caller holds the only reference to `file`.
 #[inline(always)]
 pub(crate) unsafe fn sole_reference(r: &impl KernelReader, file: *const u8, one: u32) -> bool {

@@ -5,9 +5,10 @@
 //!   pay, and only a few loads decide whether the file is an NVIDIA device; `security_file_open`
 //!   marks processes that open one.
 //! - **tracepoint**: `syscalls:sys_enter_ioctl` runs for every ioctl on the host. A process is
-//!   looked up in `PROCS` first and leaves at once unless it is known to hold an NVIDIA file (it
+//!   looked up in `TRACKED` first and leaves at once unless it is known to hold an NVIDIA file (it
 //!   opened one, `sys_exit_open*`; it was forked by such a process, `sched_process_fork`; or the
-//!   daemon found one in its fd table). Only then is the fd table walked to the file.
+//!   daemon found one in its fd table) or the command is an NVIDIA escape (type 'F': the file
+//!   may have been received). Only then is the fd table walked to the file.
 //!
 //! Both modes share the identification of the file and the accounting: per-cgroup and
 //! per-process counters by ioctl class, in pinned maps that outlive the daemon.
@@ -36,12 +37,15 @@ use aya_ebpf::{
 };
 use gpud_common::{
     CFG_EXIT_RELEASE, DeviceKind, EVENT_PROC_EXIT, EVENT_PROC_NEW, Event, ObjKey, PROC_INHERITED,
-    ProcEntry, stat,
+    ProcEntry, nv, stat,
 };
 
 use crate::{
     counting::{account, clear_tracked, is_tracked, mark_opened, mark_tracked},
-    kernel::{BtfRead, ProbeRead, current_tgid, device_kind, file_of_fd, read_at, sole_reference},
+    kernel::{
+        BtfRead, ProbeRead, current_tgid, device_kind, file_of_fd, read_at, referenced,
+        sole_reference,
+    },
     maps::{PROCS, bump_stat, config, emit, send},
     memory::{file_released, release, release_files_at_exit, rm_entry, rm_exit},
 };
@@ -51,23 +55,76 @@ use crate::{
 const TP_SYSCALL_ARG0: usize = 16;
 const TP_SYSCALL_RET: usize = 16;
 
+/// A u64 of a syscall tracepoint's record, loaded straight from the context (the verifier allows
+/// aligned loads inside the record) rather than through a helper call: the ioctl programs run for
+/// every ioctl on the host.
+#[inline(always)]
+fn tp_u64(ctx: &TracePointContext, offset: usize) -> u64 {
+    use aya_ebpf::EbpfContext as _;
+    unsafe { core::ptr::read_volatile(ctx.as_ptr().cast::<u8>().add(offset).cast::<u64>()) }
+}
+
 // ---- run by the daemon -------------------------------------------------------------------------
 
-/// Never attached: the daemon runs it with `BPF_PROG_TEST_RUN` (arguments: client, object,
-/// serial) to release an object below a freed subtree, client or file. Returns 0 if released.
-#[raw_tracepoint]
-pub fn gpud_release(ctx: RawTracePointContext) -> i32 {
-    let client: u64 = ctx.arg(0);
-    let object: u64 = ctx.arg(1);
-    let serial: u64 = ctx.arg(2);
-    let key = ObjKey {
-        client: client as u32,
-        object: object as u32,
+/// A raw-tracepoint program the daemon runs itself (`BPF_PROG_TEST_RUN`) and reads the return
+/// value of. aya-ebpf's `#[raw_tracepoint]` returns 0 whatever the function returns, so these
+/// are wrapped here instead, keeping the value.
+macro_rules! run_program {
+    ($(#[$doc:meta])* fn $name:ident($ctx:ident) -> i32 $body:block) => {
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        #[unsafe(link_section = "raw_tp")]
+        pub fn $name(raw: *mut core::ffi::c_void) -> i32 {
+            let $ctx = RawTracePointContext::new(raw);
+            $body
+        }
     };
-    if serial == 0 || !release(&key, serial) {
-        return 1;
+}
+
+run_program! {
+    /// Never attached: the daemon runs it with `BPF_PROG_TEST_RUN` (arguments: client, object,
+    /// serial) to release an object below a freed subtree, client or file. Returns 0 if released.
+    fn gpud_release(ctx) -> i32 {
+        let client: u64 = ctx.arg(0);
+        let object: u64 = ctx.arg(1);
+        let serial: u64 = ctx.arg(2);
+        let key = ObjKey {
+            client: client as u32,
+            object: object as u32,
+        };
+        if serial == 0 || !release(&key, serial) {
+            return 1;
+        }
+        0
     }
-    0
+}
+
+run_program! {
+    /// Never attached: the daemon runs it with `BPF_PROG_TEST_RUN` (argument 0: the address of a
+    /// control file its objects name) to learn whether the driver still holds that file's clients.
+    /// Returns 0 while the file is a control file with a reference left, 1 once it was released.
+    /// A new control file at the same address is reported when opened (see [`gpud_tp_open`]), so
+    /// the daemon never takes it for the old one for long.
+    fn gpud_file_held(ctx) -> i32 {
+        let file: u64 = ctx.arg(0);
+        let Some(cfg) = config() else { return 1 };
+        let r = ProbeRead(&cfg.offsets);
+        let file = file as *const u8;
+        if file.is_null() {
+            return 1;
+        }
+        let held = matches!(unsafe { device_kind(&r, file) }, Some(DeviceKind::Control))
+            && unsafe { referenced(&r, file, cfg.offsets.file_one_ref) };
+        if held { 0 } else { 1 }
+    }
+}
+
+/// An NVIDIA control file was just opened at `file`: whatever the daemon recorded under that
+/// address belonged to an earlier file, released since (its release may have gone unseen: a last
+/// reference dropped by `munmap`, or by a process gpud does not track).
+#[inline(always)]
+fn control_file_opened(file: *const u8) {
+    file_released(file as u64);
 }
 
 // ---- fentry mode -------------------------------------------------------------------------------
@@ -151,8 +208,12 @@ pub fn gpud_fentry_file_free(ctx: FEntryContext) -> i32 {
 #[fentry(function = "security_file_open")]
 pub fn gpud_fentry_open(ctx: FEntryContext) -> i32 {
     let file: *const u8 = ctx.arg(0);
-    if unsafe { device_kind(&BtfRead, file) }.is_some() {
-        mark_opened();
+    let Some(kind) = (unsafe { device_kind(&BtfRead, file) }) else {
+        return 0;
+    };
+    mark_opened();
+    if let DeviceKind::Control = kind {
+        control_file_opened(file);
     }
     0
 }
@@ -182,17 +243,20 @@ pub fn gpud_noop_fentry(_ctx: FEntryContext) -> i32 {
 #[tracepoint]
 pub fn gpud_tp_ioctl(ctx: TracePointContext) -> u32 {
     // The one lookup every process on the host pays: an array read the verifier inlines.
-    if !is_tracked(current_tgid()) {
+    // An untracked process goes on only with an RM or OS escape (`_IOC_TYPE` 'F'): it may
+    // have received an NVIDIA file (SCM_RIGHTS, pidfd_getfd), and its first call on it makes it
+    // tracked, so what it allocates is charged to its cgroup at once. Other drivers rarely use
+    // 'F'; UVM's commands carry no type, so a process that only ever received a UVM file is
+    // found by the periodic scan.
+    let cmd = tp_u64(&ctx, TP_SYSCALL_ARG0 + 8);
+    if !is_tracked(current_tgid()) && !nv::is_escape_type(cmd as u32) {
         return 0;
     }
     let Some(cfg) = config() else { return 0 };
-    let (Ok(fd), Ok(cmd), Ok(arg)) = (
-        unsafe { ctx.read_at::<u64>(TP_SYSCALL_ARG0) },
-        unsafe { ctx.read_at::<u64>(TP_SYSCALL_ARG0 + 8) },
-        unsafe { ctx.read_at::<u64>(TP_SYSCALL_ARG0 + 16) },
-    ) else {
-        return 0;
-    };
+    let (fd, arg) = (
+        tp_u64(&ctx, TP_SYSCALL_ARG0),
+        tp_u64(&ctx, TP_SYSCALL_ARG0 + 16),
+    );
     let Some(file) = (unsafe { file_of_fd(cfg, fd) }) else {
         return 0;
     };
@@ -211,9 +275,7 @@ pub fn gpud_tp_ioctl_exit(ctx: TracePointContext) -> u32 {
     if !is_tracked(current_tgid()) {
         return 0;
     }
-    if let Ok(ret) = unsafe { ctx.read_at::<i64>(TP_SYSCALL_RET) } {
-        rm_exit(ret);
-    }
+    rm_exit(tp_u64(&ctx, TP_SYSCALL_RET) as i64);
     0
 }
 
@@ -253,8 +315,12 @@ pub fn gpud_tp_open(ctx: TracePointContext) -> u32 {
     let Some(file) = (unsafe { file_of_fd(cfg, ret as u64) }) else {
         return 0;
     };
-    if unsafe { device_kind(&ProbeRead(&cfg.offsets), file) }.is_some() {
-        mark_opened();
+    let Some(kind) = (unsafe { device_kind(&ProbeRead(&cfg.offsets), file) }) else {
+        return 0;
+    };
+    mark_opened();
+    if let DeviceKind::Control = kind {
+        control_file_opened(file);
     }
     0
 }
@@ -331,16 +397,17 @@ pub fn gpud_tp_exit(_ctx: TracePointContext) -> u32 {
     0
 }
 
-/// Never attached: the daemon runs it with `BPF_PROG_TEST_RUN` (argument 0: a tgid) to mark a
-/// process it found holding an NVIDIA file, so `TRACKED` is only ever changed atomically.
-#[raw_tracepoint]
-pub fn gpud_seed(ctx: RawTracePointContext) -> i32 {
-    let tgid: u64 = ctx.arg(0);
-    if tgid == 0 || tgid > u32::MAX as u64 {
-        return 1;
+run_program! {
+    /// Never attached: the daemon runs it with `BPF_PROG_TEST_RUN` (argument 0: a tgid) to mark a
+    /// process it found holding an NVIDIA file, so `TRACKED` is only ever changed atomically.
+    fn gpud_seed(ctx) -> i32 {
+        let tgid: u64 = ctx.arg(0);
+        if tgid == 0 || tgid > u32::MAX as u64 {
+            return 1;
+        }
+        mark_tracked(tgid as u32);
+        0
     }
-    mark_tracked(tgid as u32);
-    0
 }
 
 #[cfg(not(test))]

@@ -609,20 +609,33 @@ pub struct RmProcess {
     child: Child,
     stdin: Option<ChildStdin>,
     lines: std::sync::mpsc::Receiver<String>,
-    /// The process (the one spawned; `fork` children report their own pids).
+    /// The process running the script: the one spawned, or the last [`RmProcess::handoff`]
+    /// child (`fork` children report their own pids).
     pub pid: u32,
+    /// Whether `pid` is a handed-off descendant rather than `child`.
+    handed_off: bool,
 }
 
 impl RmProcess {
     /// Spawns `gpud-rm [--cgroup DIR] --file FILE` (see its module docs for the commands).
     pub fn spawn(cgroup: Option<&Path>, file: &Path) -> Self {
+        Self::spawn_with(cgroup, Some(file))
+    }
+
+    /// Spawns `gpud-rm [--cgroup DIR]` with no file open (one to be received, or opened later).
+    pub fn spawn_without_file(cgroup: Option<&Path>) -> Self {
+        Self::spawn_with(cgroup, None)
+    }
+
+    fn spawn_with(cgroup: Option<&Path>, file: Option<&Path>) -> Self {
         let mut cmd = Command::new(bin_dir().join("gpud-rm"));
         if let Some(cg) = cgroup {
             cmd.arg("--cgroup").arg(cg);
         }
+        if let Some(file) = file {
+            cmd.arg("--file").arg(file);
+        }
         let mut child = cmd
-            .arg("--file")
-            .arg(file)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -642,6 +655,7 @@ impl RmProcess {
             stdin,
             lines,
             pid: 0,
+            handed_off: false,
         };
         p.pid = p.cmd("pid")["pid"].as_u64().expect("gpud-rm pid") as u32;
         p
@@ -703,22 +717,64 @@ impl RmProcess {
         self.try_recv()
     }
 
+    /// `handoff`: the script's process forks, the child takes over and the parent exits (one
+    /// half of a daemon's double fork). Returns the new pid; the spawned process is reaped once
+    /// it has left.
+    pub fn handoff(&mut self) -> u32 {
+        // Orphans are re-parented to this process rather than to init, so a handed-off process
+        // can be waited for like a child (and leaves no zombie that gpud would see as alive).
+        // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) only sets a flag of this process.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+        let before = self.pid;
+        let v = self.ok("handoff");
+        let pid = v["pid"].as_u64().expect("handoff pid") as u32;
+        if self.handed_off {
+            reap(before);
+        } else {
+            let _ = self.child.wait();
+        }
+        self.pid = pid;
+        self.handed_off = true;
+        pid
+    }
+
     /// Closes standard input and reaps the process; its exit status (signals included).
     pub fn wait(&mut self) -> std::process::ExitStatus {
         self.stdin.take();
+        if self.handed_off {
+            // Reaped: nothing left for `Drop` to kill.
+            self.handed_off = false;
+            return reap(self.pid);
+        }
         self.child.wait().expect("reap gpud-rm")
     }
 
     /// Closes standard input and reaps the process; returns its exit code.
     pub fn finish(mut self) -> Option<i32> {
-        self.stdin.take();
-        self.child.wait().ok().and_then(|s| s.code())
+        self.wait().code()
     }
+}
+
+/// Waits for `pid`, a child or (with this process a subreaper) an adopted descendant.
+fn reap(pid: u32) -> std::process::ExitStatus {
+    use std::os::unix::process::ExitStatusExt as _;
+    let mut status = 0;
+    // SAFETY: waits for one process of ours; `status` is written by the kernel.
+    unsafe { libc::waitpid(pid as i32, &mut status, 0) };
+    std::process::ExitStatus::from_raw(status)
 }
 
 impl Drop for RmProcess {
     fn drop(&mut self) {
         self.stdin.take();
+        if self.handed_off {
+            // An adopted descendant: it leaves on end of input; make sure, and reap it.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(self.pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            reap(self.pid);
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

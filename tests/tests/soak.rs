@@ -2,7 +2,9 @@
 //! stream of cgroups and processes coming and going: processes open the device, allocate and free
 //! video memory of random sizes through every call form, fork children that allocate (in their
 //! own or another cgroup) and exit, exit or are killed with memory still allocated, close and
-//! reopen the device; limits are set (react action `kill`, so crossings kill) and cleared;
+//! reopen the device; pass it to a process in another cgroup over a unix socket (SCM_RIGHTS)
+//! and exit, leaving the receiver to allocate and free under their client; daemonize (a double
+//! fork whose grandchild carries on with the file); limits are set (react action `kill`, so crossings kill) and cleared;
 //! cgroups are removed, some while memory charged to them is still held by a process elsewhere.
 //!
 //! At every checkpoint the per-cgroup and per-GPU figures must equal the fake driver's ground
@@ -95,6 +97,8 @@ struct Counts {
     limits_set: u64,
     limits_cleared: u64,
     checkpoints: u64,
+    passes: u64,
+    double_forks: u64,
 }
 
 /// The entries of a pinned map.
@@ -127,7 +131,7 @@ fn stray_objects(base: &Path, s: &Snapshot) -> String {
         let root = kernel
             .iter()
             .find(|(r, _)| r.client == k.client && r.object == k.client)
-            .map(|(_, r)| format!("tgid {} serial {}", r.tgid, r.serial));
+            .map(|(_, r)| format!("tgid {} serial {} file {:#x}", r.tgid, r.serial, r.file));
         out += &format!(
             "\n  ({:#x}, {:#x}) {e:?}; client in driver: {}, client in kernel: {root:?}",
             k.client,
@@ -188,6 +192,8 @@ struct Soak<'a> {
     parent: Option<Cgroup>,
     parent_dir: PathBuf,
     parent_rel: String,
+    /// Where the unix sockets of fd passing are made.
+    sockets: PathBuf,
     cgroups: Vec<Cg>,
     next_cg: u32,
     /// ids of the cgroups above the soak's (they outlive it).
@@ -331,7 +337,8 @@ impl Soak<'_> {
                 };
                 let p = &mut self.cgroups[c].procs[i];
                 p.rm.ok("close");
-                p.rm.ok("open");
+                // By path: a process that received its file has none of its own.
+                p.rm.ok(&format!("open {}", self.ctl.display()));
                 p.client = p.rm.handle("client");
                 for g in 0..GPUS {
                     p.devices[g as usize] = p.rm.handle(&format!("device {} {g}", p.client));
@@ -368,7 +375,7 @@ impl Soak<'_> {
                     return;
                 };
                 let mut p = self.cgroups[c].procs.swap_remove(i);
-                // SAFETY: kill(2) of our own, unreaped child.
+                // SAFETY: kill(2) of our own unreaped child (or adopted descendant).
                 unsafe { libc::kill(p.rm.pid as i32, libc::SIGKILL) };
                 p.rm.wait();
                 self.n.kills += 1;
@@ -405,6 +412,8 @@ impl Soak<'_> {
                 let c = self.rng.below(self.cgroups.len());
                 self.remove_cgroup(c).await;
             }
+            87..=90 => self.pass(),
+            91..=93 => self.daemonize(),
             _ => {}
         }
     }
@@ -458,6 +467,45 @@ impl Soak<'_> {
         }
     }
 
+    /// A process sends its file to a new process in a random cgroup (SCM_RIGHTS) and exits; the
+    /// receiver carries on with the sender's client and objects (it may free them: the sender's
+    /// cgroup is uncharged) and allocates in its own cgroup.
+    fn pass(&mut self) {
+        let Some((c, i)) = self.pick_proc() else {
+            return;
+        };
+        let target = self.rng.below(self.cgroups.len());
+        let socket = self.sockets.join("pass.sock");
+        let mut receiver = RmProcess::spawn_without_file(Some(&self.cgroups[target].dir));
+        receiver.ok(&format!("listen {}", socket.display()));
+        receiver.send("recv-fd");
+        let mut p = self.cgroups[c].procs.swap_remove(i);
+        p.rm.ok(&format!("send-fd {}", socket.display()));
+        let got = receiver.recv();
+        assert_eq!(got["ok"], true, "recv-fd: {got}");
+        let _ = p.rm.try_cmd("exit");
+        p.rm.wait();
+        self.owner
+            .insert(receiver.pid, self.cgroups[target].rel.clone());
+        p.rm = receiver;
+        self.cgroups[target].procs.push(p);
+        self.n.passes += 1;
+    }
+
+    /// A process daemonizes: it forks, the child forks and exits, the parent exited first; the
+    /// grandchild carries on with the file.
+    fn daemonize(&mut self) {
+        let Some((c, i)) = self.pick_proc() else {
+            return;
+        };
+        let rel = self.cgroups[c].rel.clone();
+        let p = &mut self.cgroups[c].procs[i];
+        p.rm.handoff();
+        let pid = p.rm.handoff();
+        self.owner.insert(pid, rel);
+        self.n.double_forks += 1;
+    }
+
     async fn remove_cgroup(&mut self, c: usize) {
         let mut cg = self.cgroups.swap_remove(c);
         if cg.limited {
@@ -467,7 +515,7 @@ impl Soak<'_> {
         }
         for mut p in cg.procs.drain(..) {
             if self.rng.chance(50) {
-                // SAFETY: kill(2) of our own, unreaped child.
+                // SAFETY: kill(2) of our own unreaped child (or adopted descendant).
                 unsafe { libc::kill(p.rm.pid as i32, libc::SIGKILL) };
                 self.n.kills += 1;
             } else {
@@ -647,6 +695,7 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
         ctl: rig.ctl(),
         parent_dir: parent.dir.clone(),
         parent_rel: parent.rel.clone(),
+        sockets: rig.path().to_owned(),
         parent: Some(parent),
         cgroups: Vec::new(),
         next_cg: 0,
@@ -696,6 +745,8 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
         "refused_allocations": soak.n.refused,
         "frees": soak.n.frees,
         "reopens": soak.n.reopens,
+        "fd_passes": soak.n.passes,
+        "double_forks": soak.n.double_forks,
         "limits_set": soak.n.limits_set,
         "limits_cleared": soak.n.limits_cleared,
         "checkpoints": soak.n.checkpoints,

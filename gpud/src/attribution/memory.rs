@@ -193,6 +193,11 @@ impl Attribution {
     /// `before` (the file's last reference went; the driver freed its clients without RM_FREE).
     pub fn release_file(&mut self, file: u64, before: u64) -> usize {
         let objects = self.objects();
+        self.release_file_of(&objects, file, before)
+    }
+
+    /// [`Self::release_file`] on objects already read.
+    fn release_file_of(&mut self, objects: &[(ObjKey, ObjEntry)], file: u64, before: u64) -> usize {
         let clients: Vec<u32> = objects
             .iter()
             .filter(|(k, e)| {
@@ -202,7 +207,7 @@ impl Attribution {
             .collect();
         let mut released = 0;
         for c in clients {
-            released += self.release_tree_of(&objects, c, c, before);
+            released += self.release_tree_of(objects, c, c, before);
         }
         if released > 0 {
             info!(
@@ -213,77 +218,62 @@ impl Attribution {
         released
     }
 
-    /// Tracepoint mode has no file-release hook, and a control file mapped by CUDA is still
-    /// referenced by the dying process's mappings when its exit is seen. So a client is released
-    /// when the process that created it is gone and no live tracked process descends from it
-    /// (a forked child may hold the same open file).
-    pub fn release_orphaned_clients(&mut self) -> usize {
-        self.release_clients_unless_held(&std::collections::HashSet::new())
-    }
-
-    /// Releases clients whose creator is neither alive (nor an ancestor of a live tracked
-    /// process) nor in `also_held`.
-    fn release_clients_unless_held(&mut self, also_held: &std::collections::HashSet<u32>) -> usize {
-        // Only clients created before the process table is read below may be judged by it: a
-        // process that opens the device and creates a client while this runs is missing from
-        // `live` but alive, and releasing its client would orphan everything it allocates next.
-        // Object serials are the kernel's monotonic clock (`bpf_ktime_get_ns`). A client created
-        // earlier was created by a process that had opened the device, so was in the table.
-        let Some(before) = monotonic_ns() else {
+    /// The release rule, checked against the kernel: the driver frees a client when the last
+    /// reference to the control file it was made through goes (a descriptor in any process, a
+    /// mapping, a message in flight), so its objects are charged exactly that long, whoever
+    /// holds the file meanwhile and whether or not its creator lives. Asks the kernel about each
+    /// file that clients name (`gpud_file_held`: one short program run per file) and releases
+    /// the clients of files that are gone. Catches every release the probes cannot see: a
+    /// last reference dropped by a process gpud does not track, by `munmap`, by a socket
+    /// discarding a message in flight, or while events were lost. Returns the objects released.
+    pub fn release_closed_files(&mut self) -> usize {
+        self.exits_unchecked = 0;
+        let started = std::time::Instant::now();
+        let Some(checked_from) = monotonic_ns() else {
             warn!("monotonic clock unreadable: releasing no clients");
             return 0;
         };
-        let live: std::collections::HashSet<u32> = map_entries(&self.maps.procs)
-            .into_iter()
-            .map(|(pid, _)| pid)
-            .filter(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
-            .collect();
-        let holders: std::collections::HashSet<u32> = live
-            .iter()
-            .flat_map(|p| {
-                let mut chain = vec![*p];
-                let mut cur = *p;
-                for _ in 0..16 {
-                    match self.parents.get(&cur) {
-                        Some(&parent) if parent != cur => {
-                            chain.push(parent);
-                            cur = parent;
-                        }
-                        _ => break,
-                    }
-                }
-                chain
-            })
-            .collect();
         let objects = self.objects();
-        let orphans: Vec<(u32, u32)> = objects
+        // Only clients made before the check began: a newer one may be on a file opened at
+        // the address of a released one, which this check would take for the old file.
+        let files: std::collections::BTreeSet<u64> = objects
             .iter()
             .filter(|(k, e)| {
                 e.kind == OBJ_CLIENT
                     && k.client == k.object
-                    && e.serial < before
-                    && !holders.contains(&e.tgid)
-                    && !also_held.contains(&e.tgid)
+                    && e.file != 0
+                    && e.serial < checked_from
             })
-            .map(|(k, e)| (k.client, e.tgid))
+            .map(|(_, e)| e.file)
             .collect();
+        let checked = files.len();
         let mut released = 0;
-        for (c, creator) in orphans {
-            // All of it, however new: what was allocated under it after `before` was allocated by
-            // its creator before dying (or by a descendant, which would have kept it), and left
-            // here without its client nothing would ever release it.
-            let n = self.release_tree_of(&objects, c, c, u64::MAX);
-            debug!(
-                client = c,
-                creator,
-                released = n,
-                "client of an exited process released"
-            );
-            released += n;
+        for file in files {
+            match self.probes.file_held(file) {
+                Ok(true) => {}
+                Ok(false) => {
+                    // Nothing is allocated on a released file: everything under its clients
+                    // until now is gone with it.
+                    let Some(now) = monotonic_ns() else { break };
+                    debug!(file, "control file no longer referenced");
+                    released += self.release_file_of(&objects, file, now);
+                }
+                Err(e) => {
+                    warn!(
+                        "cannot ask the kernel about a control file: {}",
+                        crate::report::Chain(&e)
+                    );
+                    break;
+                }
+            }
         }
-        if released > 0 {
-            info!(released, "clients of exited processes released");
-        }
+        debug!(
+            files = checked,
+            objects = objects.len(),
+            released,
+            micros = started.elapsed().as_micros() as u64,
+            "control files checked"
+        );
         released
     }
 
@@ -301,17 +291,6 @@ impl Attribution {
                 0
             }
         }
-    }
-
-    /// NVML reconciliation: releases the clients (and all below them) whose creating process is
-    /// gone, is not reported by the driver any more (`reported`: pids NVML lists), and has no live
-    /// descendant that may hold its file — whichever way their release was missed (events lost
-    /// while no daemon ran, a kernel without a file-release hook). Returns the objects released.
-    pub fn release_objects_of_dead_pids(
-        &mut self,
-        reported: &std::collections::HashSet<u32>,
-    ) -> usize {
-        self.release_clients_unless_held(reported)
     }
 
     /// Forgets ancestry records and zero usage entries of removed cgroups that no object is

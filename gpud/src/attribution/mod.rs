@@ -20,8 +20,8 @@ use crate::{
 };
 pub use memory::MemoryView;
 
-/// Most process exits answered by one release of orphaned clients while events keep coming.
-const ORPHAN_BATCH: u32 = 256;
+/// Most process exits answered by one check of control files while events keep coming.
+const EXIT_BATCH: u32 = 256;
 
 /// aya's `BPF_NOEXIST`: insert only if absent, so a kernel-side entry is never overwritten.
 const BPF_NOEXIST: u64 = 1;
@@ -88,15 +88,13 @@ pub struct Attribution {
     maps: KernelMaps,
     cgroups: CgroupFs,
     matcher: Matcher,
-    /// Parent of each process the probes saw forked by a tracked process (tracepoint mode uses
-    /// it to tell whether a dead process's control files may live on in a child).
-    parents: HashMap<u32, u32>,
     /// The kernel's `events_lost` counter when last looked at.
     events_lost_seen: u64,
-    /// A tracked process exited (tracepoint mode) and the release of clients left without a
-    /// holder has not run since: it walks the process and object tables, so a burst of exits
-    /// is answered with one walk (see [`Self::release_pending_orphans`]). Counts the exits.
-    orphans_pending: u32,
+    /// A tracked process exited (tracepoint mode, which has no file-release hook) and the
+    /// files its clients were made through have not been checked since: the check walks the
+    /// object table, so a burst of exits is answered with one walk (see
+    /// [`Self::check_pending_files`]). Counts the exits.
+    exits_unchecked: u32,
 }
 
 impl Attribution {
@@ -111,9 +109,8 @@ impl Attribution {
             maps,
             cgroups,
             matcher,
-            parents: HashMap::new(),
             events_lost_seen: 0,
-            orphans_pending: 0,
+            exits_unchecked: 0,
         })
     }
 
@@ -322,9 +319,6 @@ impl Attribution {
                 let _ = self.maps.procs.remove(pid);
             }
         }
-        let live: std::collections::HashSet<u32> = procs.iter().map(|(p, _)| *p).collect();
-        // A parent link is needed only while its child lives.
-        self.parents.retain(|child, _| live.contains(child));
         let live_cgroups: std::collections::HashSet<u64> =
             procs.iter().map(|(_, p)| p.cgroup_id).collect();
         let ids: Vec<(u64, IoctlCounts)> = map_entries(&self.maps.cgroups)
@@ -380,9 +374,6 @@ impl Attribution {
         match ev.kind {
             EVENT_PROC_NEW => {
                 let path = self.cgroups.path_of(ev.cgroup_id);
-                if ev.client != 0 {
-                    self.parents.insert(ev.tgid, ev.client);
-                }
                 // The path as text (a journal field), the id where the path is unknown.
                 match path {
                     Some(p) => debug!(
@@ -402,10 +393,10 @@ impl Attribution {
             EVENT_PROC_EXIT => {
                 debug!(pid = ev.tgid, "attributed process exited");
                 if self.probes.mode() == crate::probes::AttachMode::Tracepoint {
-                    self.orphans_pending += 1;
+                    self.exits_unchecked += 1;
                     // Under a sustained stream of events the queue may never run empty.
-                    if self.orphans_pending >= ORPHAN_BATCH {
-                        self.release_pending_orphans();
+                    if self.exits_unchecked >= EXIT_BATCH {
+                        self.check_pending_files();
                     }
                 }
             }
@@ -420,13 +411,16 @@ impl Attribution {
         }
     }
 
-    /// Runs the release of clients whose creator exited, if an exit asked for it since the
-    /// last run. The state task calls it when no further event is queued and before answering
-    /// a query, so queries see it done and a storm of exits costs one walk, not one per exit.
-    pub fn release_pending_orphans(&mut self) {
-        if std::mem::take(&mut self.orphans_pending) > 0 {
-            self.release_orphaned_clients();
+    /// Checks which control files are gone ([`Self::release_closed_files`]) if a process
+    /// exited since the last check. The state task calls it when no further event is queued and
+    /// before answering a query, so queries see it done and a storm of exits costs one walk, not
+    /// one per exit. Returns whether a check ran.
+    pub fn check_pending_files(&mut self) -> bool {
+        if self.exits_unchecked > 0 {
+            self.release_closed_files();
+            return true;
         }
+        false
     }
 
     /// Freezes (or thaws) a cgroup through `cgroup.freeze`.

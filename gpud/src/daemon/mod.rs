@@ -98,6 +98,9 @@ impl Intervals {
     }
 }
 
+/// How long after checking control files on exits they are checked once more.
+const RECHECK_AFTER_EXIT: Duration = Duration::from_millis(250);
+
 /// A timer that first fires one `every` from now (the start-up scan and sweep already ran).
 fn timer(every: Duration) -> tokio::time::Interval {
     let mut t = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
@@ -122,6 +125,11 @@ async fn run_state(
     let mut rescan = timer(intervals.rescan.unwrap_or(NEVER));
     // Keep-alives start at once: the service manager may have been waiting since the start.
     let mut keepalive = tokio::time::interval(watchdog.unwrap_or(NEVER));
+    // A second look at the control files shortly after exits were checked: a file an exiting
+    // process held is closed a moment after its exit is reported.
+    let recheck = tokio::time::sleep(NEVER);
+    tokio::pin!(recheck);
+    let mut recheck_armed = false;
     loop {
         tokio::select! {
             msg = rx.recv() => {
@@ -131,9 +139,14 @@ async fn run_state(
                     sweep = timer(intervals.sweep);
                     rescan = timer(intervals.rescan.unwrap_or(NEVER));
                 }
-                if rx.is_empty() {
-                    state.attribution.release_pending_orphans();
+                if rx.is_empty() && state.attribution.check_pending_files() {
+                    recheck.as_mut().reset(tokio::time::Instant::now() + RECHECK_AFTER_EXIT);
+                    recheck_armed = true;
                 }
+            }
+            () = &mut recheck, if recheck_armed => {
+                recheck_armed = false;
+                state.attribution.release_closed_files();
             }
             _ = sweep.tick() => sweep_all(&mut state),
             _ = rescan.tick(), if intervals.rescan.is_some() => {
@@ -167,7 +180,7 @@ fn sweep_all(state: &mut State) {
             "kernel events lost (ring buffer full); the sweeps reconcile what they would have said"
         );
     }
-    state.attribution.release_pending_orphans();
+    state.attribution.release_closed_files();
     state.attribution.sweep();
     state.attribution.sweep_memory();
     state.memory.sweep(&mut state.attribution);
@@ -179,7 +192,7 @@ fn handle(state: &mut State, msg: Message) -> Option<Intervals> {
     match msg {
         Message::Request(request) => {
             // Answers reflect every exit read so far.
-            state.attribution.release_pending_orphans();
+            state.attribution.check_pending_files();
             return answer(state, request);
         }
         Message::Kernel(ev) => on_kernel_event(state, &ev),
@@ -351,18 +364,6 @@ fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
             GpuCatalog::Unavailable(state.nvml.status.clone())
         };
         state.memory.set_catalog(&mut state.attribution, catalog);
-    }
-    if state.nvml.available {
-        // Reconciliation: objects of processes that are gone and that the driver no longer
-        // reports hold no memory any more.
-        let reported = state.nvml.reported_pids();
-        let n = state.attribution.release_objects_of_dead_pids(&reported);
-        if n > 0 {
-            info!(
-                objects = n,
-                "released objects of processes NVML no longer reports"
-            );
-        }
     }
 }
 

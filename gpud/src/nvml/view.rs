@@ -2,7 +2,7 @@
 //! samples), per-cgroup aggregates, the Xid counts and the recent events.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, VecDeque},
+    collections::{BTreeMap, VecDeque},
     time::Instant,
 };
 
@@ -177,28 +177,6 @@ impl NvmlView {
         }
         out
     }
-
-    /// Pids the driver reports on any GPU.
-    pub fn reported_pids(&self) -> std::collections::HashSet<u32> {
-        self.processes.iter().map(|p| p.pid).collect()
-    }
-
-    /// Per GPU index, the pids the driver still reports there at the last sample: a process that
-    /// holds accounting on a GPU but is not in its set has released its memory there. Empty while
-    /// NVML is unavailable (then nothing can be concluded).
-    pub fn reported_pids_by_gpu(&self) -> BTreeMap<u32, BTreeSet<u32>> {
-        let mut by: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
-        if !self.available {
-            return by;
-        }
-        for g in self.gpus.iter().filter(|g| g.mig.is_none()) {
-            by.entry(g.index).or_default();
-        }
-        for p in &self.processes {
-            by.entry(p.gpu).or_default().insert(p.pid);
-        }
-        by
-    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -246,13 +224,9 @@ mod tests {
         );
         assert_eq!(by[&("/a".to_owned(), 1)].sm_util, 0);
         assert_eq!(by[&("/b".to_owned(), 0)].memory_bytes, 1);
-        assert_eq!(
-            v.reported_pids_by_gpu(),
-            BTreeMap::from([(0, BTreeSet::from([1, 2, 4])), (1, BTreeSet::from([3]))])
-        );
         v.apply(Snapshot::Unavailable("gone".into()));
         assert!(!v.available && v.by_cgroup().is_empty() && v.status == "gone");
-        assert!(v.gpus.is_empty() && v.reported_pids_by_gpu().is_empty());
+        assert!(v.gpus.is_empty());
     }
 
     #[test]

@@ -291,11 +291,10 @@ impl Probes {
         Ok(probes)
     }
 
-    /// Marks `pid` as holding an NVIDIA file in the tracepoint-mode filter, by running the
-    /// `gpud_seed` program in the kernel (the filter is only changed with atomic adds there).
-    pub fn seed(&self, pid: u32) -> Result<(), ProbeError> {
+    /// Runs one of the daemon's own programs ([`attach::RUN_PROGRAMS`]) once in the kernel
+    /// with `args` (`BPF_PROG_TEST_RUN`); returns its return value.
+    fn run_program(&self, name: &'static str, args: &[u64]) -> Result<u32, ProbeError> {
         use aya::programs::{RawTracePointRunOptions, TestRun as _};
-        let name = programs::SEED;
         let perr = move |source| ProbeError::Run { name, source };
         let prog: &RawTracePoint = self
             .ebpf
@@ -304,8 +303,16 @@ impl Probes {
             .try_into()
             .map_err(perr)?;
         let mut opts = RawTracePointRunOptions::new();
-        opts.args[0] = u64::from(pid);
-        prog.test_run(opts).map_err(perr)?;
+        for (slot, a) in opts.args.iter_mut().zip(args) {
+            *slot = *a;
+        }
+        Ok(prog.test_run(opts).map_err(perr)?.return_value)
+    }
+
+    /// Marks `pid` as holding an NVIDIA file in the tracepoint-mode filter, by running the
+    /// `gpud_seed` program in the kernel (the filter is only changed with atomic adds there).
+    pub fn seed(&self, pid: u32) -> Result<(), ProbeError> {
+        self.run_program(programs::SEED, &[u64::from(pid)])?;
         Ok(())
     }
 
@@ -313,21 +320,14 @@ impl Probes {
     /// bytes, by running the `gpud_release` program in the kernel (usage counters are only ever
     /// changed atomically there). Returns whether it was released.
     pub fn release(&self, key: ObjKey, serial: u64) -> Result<bool, ProbeError> {
-        use aya::programs::{RawTracePointRunOptions, TestRun as _};
-        let name = programs::RELEASE;
-        let perr = move |source| ProbeError::Run { name, source };
-        let prog: &RawTracePoint = self
-            .ebpf
-            .program(name)
-            .ok_or(ProbeError::NoProgram(name))?
-            .try_into()
-            .map_err(perr)?;
-        let mut opts = RawTracePointRunOptions::new();
-        opts.args[0] = u64::from(key.client);
-        opts.args[1] = u64::from(key.object);
-        opts.args[2] = serial;
-        let out = prog.test_run(opts).map_err(perr)?;
-        Ok(out.return_value == 0)
+        let args = [u64::from(key.client), u64::from(key.object), serial];
+        Ok(self.run_program(programs::RELEASE, &args)? == 0)
+    }
+
+    /// Whether the control file at kernel address `file` is still referenced (so the driver
+    /// still holds the clients made through it), by running the `gpud_file_held` program.
+    pub fn file_held(&self, file: u64) -> Result<bool, ProbeError> {
+        Ok(self.run_program(programs::FILE_HELD, &[file])? == 0)
     }
 
     pub fn mode(&self) -> AttachMode {

@@ -31,6 +31,11 @@
 //! | `sleep MS` | waits |
 //! | `pid` | `{"ok":true,"pid":…}` |
 //! | `fork` | forks; see below |
+//! | `handoff` | forks; the child takes over the script and answers `{"ok":true,"pid":CHILD,"parent":PARENT}`; the parent exits at once (a daemon's double fork is two of these) |
+//! | `dup2` | duplicates the file descriptor to a higher number and closes the original |
+//! | `listen PATH` | binds a unix stream socket at PATH |
+//! | `recv-fd` | accepts one connection on it and takes the descriptor sent there (SCM_RIGHTS) as its file, closing the old one |
+//! | `send-fd PATH` | connects to PATH and sends the file descriptor there (SCM_RIGHTS), keeping its own |
 //! | `exit [CODE]` | answers `{"ok":true,"exit":PID}` and exits at once, closing nothing itself |
 //!
 //! `fork`: the child shares the open file (one open file description, as after a real fork)
@@ -42,6 +47,10 @@
 use std::{
     fs::File,
     io::Write as _,
+    os::{
+        fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+        unix::net::{UnixListener, UnixStream},
+    },
     path::{Path, PathBuf},
 };
 
@@ -56,6 +65,7 @@ use serde_json::{Value, json};
 struct State {
     path: Option<PathBuf>,
     file: Option<File>,
+    listener: Option<UnixListener>,
 }
 
 fn die(msg: &str) -> ! {
@@ -162,6 +172,49 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                     json!({ "ok": true })
                 }
                 Err(e) => err(format!("open {}: {e}", path.display())),
+            });
+        }
+        ("dup2", []) => {
+            return Some(match st.file.take() {
+                Some(f) => match redup(f) {
+                    Ok((f, fd)) => {
+                        st.file = Some(f);
+                        json!({ "ok": true, "fd": fd })
+                    }
+                    Err(e) => err(format!("dup2: {e}")),
+                },
+                None => err("no file open"),
+            });
+        }
+        ("listen", [path]) => {
+            let _ = std::fs::remove_file(path);
+            return Some(match UnixListener::bind(path) {
+                Ok(l) => {
+                    st.listener = Some(l);
+                    json!({ "ok": true })
+                }
+                Err(e) => err(format!("bind {path}: {e}")),
+            });
+        }
+        ("recv-fd", []) => {
+            let Some(l) = &st.listener else {
+                return Some(err("not listening"));
+            };
+            return Some(match recv_fd(l) {
+                Ok(f) => {
+                    st.file = Some(f);
+                    json!({ "ok": true })
+                }
+                Err(e) => err(format!("receiving a descriptor: {e}")),
+            });
+        }
+        ("send-fd", [path]) => {
+            let Some(f) = &st.file else {
+                return Some(err("no file open"));
+            };
+            return Some(match send_fd(Path::new(path), f) {
+                Ok(()) => json!({ "ok": true }),
+                Err(e) => err(format!("sending the descriptor to {path}: {e}")),
             });
         }
         ("cgroup", [dir]) => {
@@ -385,6 +438,76 @@ fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
     json!({ "ok": true, "calls": n, "accepted": accepted })
 }
 
+/// `dup2(fd, n)` onto the first free descriptor from 100, then closes `fd`: the same open
+/// file description under another number.
+fn redup(f: File) -> std::io::Result<(File, i32)> {
+    let mut target = 100;
+    // SAFETY: probing descriptor numbers with fcntl(F_GETFD) only reads the table.
+    while unsafe { libc::fcntl(target, libc::F_GETFD) } != -1 {
+        target += 1;
+    }
+    // SAFETY: `target` is free; dup2 makes it refer to `f`'s open file description.
+    if unsafe { libc::dup2(f.as_raw_fd(), target) } == -1 {
+        return Err(std::io::Error::last_os_error());
+    }
+    drop(f);
+    // SAFETY: `target` was just made ours by dup2.
+    Ok((unsafe { File::from_raw_fd(target) }, target))
+}
+
+/// Sends `f`'s descriptor over a new connection to `path` (SCM_RIGHTS).
+fn send_fd(path: &Path, f: &File) -> std::io::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let stream = UnixStream::connect(path)?;
+    let fds = [f.as_raw_fd()];
+    sendmsg::<()>(
+        stream.as_raw_fd(),
+        &[std::io::IoSlice::new(b"f")],
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::empty(),
+        None,
+    )?;
+    Ok(())
+}
+
+/// Accepts one connection on `l` and returns the descriptor sent over it.
+fn recv_fd(l: &UnixListener) -> std::io::Result<File> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    let (stream, _) = l.accept()?;
+    let mut byte = [0u8; 1];
+    let mut iov = [std::io::IoSliceMut::new(&mut byte)];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let msg = recvmsg::<()>(
+        stream.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(fds) = c
+            && let Some(&fd) = fds.first()
+        {
+            // SAFETY: the kernel installed `fd` in this process for us.
+            return Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }));
+        }
+    }
+    Err(std::io::Error::other("no descriptor in the message"))
+}
+
+/// Forks; the child takes over the script, the parent leaves at once without closing anything
+/// itself (as the first half of a daemon's double fork).
+fn handoff() -> Value {
+    let parent = std::process::id();
+    let _ = std::io::stdout().flush();
+    // SAFETY: this process is single-threaded here (`parallel` joins its threads).
+    match unsafe { libc::fork() } {
+        -1 => err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => json!({ "ok": true, "pid": std::process::id(), "parent": parent }),
+        // SAFETY: leaves at once; the child answers for both.
+        _ => unsafe { libc::_exit(0) },
+    }
+}
+
 /// Forks; the child answers and returns to the command loop, the parent waits for it and
 /// reports.
 fn fork() -> Value {
@@ -427,11 +550,16 @@ fn main() {
     let file = path
         .as_ref()
         .map(|p| open(p).unwrap_or_else(|e| die(&format!("open {}: {e}", p.display()))));
-    let mut st = State { path, file };
+    let mut st = State {
+        path,
+        file,
+        listener: None,
+    };
     while let Some(line) = read_line() {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
             ["fork"] => emit(&fork()),
+            ["handoff"] => emit(&handoff()),
             ["exit"] | ["exit", _] => {
                 let code = words.get(1).and_then(|c| parse_num(c)).unwrap_or(0) as i32;
                 emit(&json!({ "ok": true, "exit": std::process::id() }));
