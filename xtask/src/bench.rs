@@ -147,10 +147,19 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
             results.push(json!({"where": "vm", "mode": mode, "result": parse(&console)?}));
         }
         println!("bench: VM, GPU-memory accounting and enforcement, fentry mode");
-        let args: Vec<String> = ["--mode", "fentry", "--pairs", "100", "--rounds", "3"]
-            .iter()
-            .map(|s| (*s).to_owned())
-            .collect();
+        let args: Vec<String> = [
+            "--mode",
+            "fentry",
+            "--pairs",
+            "100",
+            "--rounds",
+            "3",
+            "--holders",
+            "100",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
         let console = crate::vm::run(&membench, &args, VM_TIMEOUT)?;
         results.push(json!({"where": "vm", "mode": "fentry", "memory": parse(&console)?}));
     }

@@ -5,7 +5,10 @@
 //! program on the same hook; gpud's probes attached in the given mode. Differences are taken
 //! within each cycle and the median over cycles is reported. In each
 //! phase, three workloads run in fresh forked children, R rounds of N calls each, fastest round:
-//! - `unrelated_ioctl`: ioctls on /dev/null by a process holding no NVIDIA file;
+//! - `unrelated_ioctl`: ioctls (`TCGETS`) on /dev/null by a process holding no NVIDIA file;
+//! - `unrelated_nv_ioctl`: the same with an NVIDIA escape's encoding (`_IOC_TYPE` 'F'), which
+//!   tracepoint mode follows to the file even from untracked processes (a received NVIDIA file
+//!   is found at its first call);
 //! - `getppid`: a cheap non-ioctl syscall (the host-wide tax of syscall tracepoints);
 //! - `matched_ioctl`: ioctls on a stand-in control device (listed as an extra device file) by a
 //!   process that opened it, so gpud walks, identifies, classifies and counts each one.
@@ -88,6 +91,11 @@ fn workloads(o: &Opts, standin: &Path) -> anyhow::Result<Value> {
     let s = standin.to_path_buf();
     let unrelated = measure(o.rounds, o.calls, |n| {
         if let Ok(f) = std::fs::File::open("/dev/null") {
+            inproc::issue(inproc::fd(&f), libc::TCGETS as u32, n);
+        }
+    })?;
+    let unrelated_nv = measure(o.rounds, o.calls, |n| {
+        if let Ok(f) = std::fs::File::open("/dev/null") {
             inproc::issue(inproc::fd(&f), RM_ALLOC, n);
         }
     })?;
@@ -102,7 +110,12 @@ fn workloads(o: &Opts, standin: &Path) -> anyhow::Result<Value> {
             inproc::issue(inproc::fd(&f), RM_ALLOC, n);
         }
     })?;
-    Ok(json!({"unrelated_ioctl": unrelated, "getppid": getppid, "matched_ioctl": matched}))
+    Ok(json!({
+        "unrelated_ioctl": unrelated,
+        "unrelated_nv_ioctl": unrelated_nv,
+        "getppid": getppid,
+        "matched_ioctl": matched,
+    }))
 }
 
 fn kernel_release() -> String {
@@ -169,7 +182,12 @@ fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
     r
 }
 
-const KEYS: [&str; 3] = ["unrelated_ioctl", "getppid", "matched_ioctl"];
+const KEYS: [&str; 4] = [
+    "unrelated_ioctl",
+    "unrelated_nv_ioctl",
+    "getppid",
+    "matched_ioctl",
+];
 
 /// Per-workload median over the cycles.
 fn median_of(samples: &[Value]) -> Value {

@@ -25,6 +25,12 @@
 //!   event handled by gpud's enforcement code in a polling loop (the daemon's state task adds a
 //!   channel hop, not measured here).
 //!
+//! - `file_check_ns`: the release rule's check of control files (`Attribution::
+//!   release_closed_files`, which the daemon runs at every sweep and after exits): H processes in
+//!   the cgroup each hold their own control file with a client, a device and 2 MiB; the check's
+//!   time over all their files (one `gpud_file_held` run each, plus the object-table walk), median
+//!   of 5, and per file.
+//!
 //! Prints one line `BENCH JSON: {...}`.
 
 use std::{
@@ -69,6 +75,9 @@ struct Opts {
     /// Samples of the kill and freeze latencies.
     #[arg(long, default_value_t = 15)]
     samples: usize,
+    /// Processes holding a control file each while the check of control files is timed.
+    #[arg(long, default_value_t = 1000)]
+    holders: usize,
     /// Serves the fake NVIDIA device at DIR until standard input closes (the measuring run
     /// starts this binary so).
     #[arg(long, value_name = "DIR", hide = true)]
@@ -181,6 +190,56 @@ fn alloc_free(ctl: &Path, cg: &Path, pairs: u64, rounds: usize) -> anyhow::Resul
     report
         .parse()
         .map_err(|_| anyhow::anyhow!("child: {report}"))
+}
+
+/// `n` children in `cg`, each holding its own control file with a client, a device and 2 MiB,
+/// until killed; returns their pids once all are ready.
+fn spawn_holders(ctl: &Path, cg: &Path, n: usize) -> anyhow::Result<Vec<i32>> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) writes two descriptors.
+    ensure!(unsafe { libc::pipe(fds.as_mut_ptr()) } == 0, "pipe failed");
+    let mut pids = Vec::with_capacity(n);
+    for _ in 0..n {
+        // SAFETY: this process is single-threaded; the child only makes RM calls, writes one
+        // byte and sleeps until killed.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let ok = inproc::join_cgroup(cg).is_ok()
+                && std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(ctl)
+                    .map(|f| {
+                        let rm = Ctl::new(&f);
+                        let c = rm.alloc_client().handle;
+                        let d = rm.alloc_device(c, 0).handle;
+                        let _ = rm.alloc_vidmem(c, d, 2 * MIB, Form::Nvos64);
+                        std::mem::forget(f);
+                    })
+                    .is_ok();
+            let byte = [u8::from(ok)];
+            // SAFETY: one byte to the pipe, then sleep until killed.
+            unsafe {
+                libc::write(fds[1], byte.as_ptr().cast(), 1);
+                loop {
+                    libc::pause();
+                }
+            }
+        }
+        ensure!(pid > 0, "fork failed");
+        pids.push(pid);
+    }
+    // SAFETY: the write end is the children's now.
+    unsafe { libc::close(fds[1]) };
+    for _ in 0..n {
+        let mut byte = [0u8];
+        // SAFETY: reads one byte from the pipe.
+        let r = unsafe { libc::read(fds[0], byte.as_mut_ptr().cast(), 1) };
+        ensure!(r == 1 && byte[0] == 1, "a holder failed to set up");
+    }
+    // SAFETY: done with the read end.
+    unsafe { libc::close(fds[0]) };
+    Ok(pids)
 }
 
 /// Run time (ns) and run count of every loaded gpud program, by name.
@@ -453,6 +512,27 @@ fn main() -> anyhow::Result<()> {
         attr.clear_kernel_limit(id, gpud_common::GPU_ALL)?;
     }
     attr.shutdown(false);
+
+    // The release rule's check of control files, with `holders` files held.
+    let (mut attr, _ring) = setup(&o, &fake.ctl, ReactAction::Notify, "files")?;
+    let holders = spawn_holders(&fake.ctl, &cg, o.holders)?;
+    let mut check_ns = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        let released = attr.release_closed_files();
+        check_ns.push(t.elapsed().as_nanos() as f64);
+        ensure!(released == 0, "the check released {released} held objects");
+    }
+    for pid in &holders {
+        // SAFETY: kill(2) and waitpid(2) of our own children.
+        unsafe {
+            libc::kill(*pid, libc::SIGKILL);
+            libc::waitpid(*pid, std::ptr::null_mut(), 0);
+        }
+    }
+    attr.shutdown(false);
+    let check_median = median(check_ns);
+
     drop(fake);
     let _ = std::fs::remove_dir(&cg);
     let _ = std::fs::remove_dir_all(&work);
@@ -469,6 +549,11 @@ fn main() -> anyhow::Result<()> {
             "ioctl_alone_median": ioctl_median,
             "added_p50": percentile(kill_after.clone(), 0.5),
             "added_p90": percentile(kill_after, 0.9),
+        },
+        "file_check_ns": {
+            "holders": o.holders,
+            "median": check_median,
+            "per_file": check_median / o.holders.max(1) as f64,
         },
         "freeze_ns": {
             "p50": percentile(freeze_ns.clone(), 0.5),
