@@ -33,7 +33,7 @@ pub use attach::{AttachMode, Tier};
 pub use caps::KernelCaps;
 pub use devices::{DynamicMajors, ExtraFile, Matcher};
 pub use maps::{KernelMaps, map_entries};
-pub use pin::{BPF_FS_MAGIC, ensure_mounted};
+pub use pin::{BPF_FS_MAGIC, TRACEFS, TRACEFS_MAGIC, ensure_mounted};
 
 use crate::{
     config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},

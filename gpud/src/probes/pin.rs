@@ -15,8 +15,8 @@ use tracing::{info, warn};
 use super::{ProbeError, io_err};
 
 pub const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-pub(super) const TRACEFS_MAGIC: i64 = 0x7472_6163;
-pub(super) const TRACEFS: &str = "/sys/kernel/tracing";
+pub const TRACEFS_MAGIC: i64 = 0x7472_6163;
+pub const TRACEFS: &str = "/sys/kernel/tracing";
 
 /// The pin directory for this ABI under `bpffs`.
 pub fn pin_base(bpffs: &Path) -> PathBuf {

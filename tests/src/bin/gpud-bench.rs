@@ -211,6 +211,9 @@ fn main() -> anyhow::Result<()> {
     std::fs::write(&standin, b"")?;
     let bpffs = PathBuf::from("/sys/fs/bpf");
     probes::ensure_mounted(&bpffs, "bpf", probes::BPF_FS_MAGIC)?;
+    // The reference programs attach before gpud's probes would mount tracefs (a fresh machine
+    // may not have it mounted).
+    probes::ensure_mounted(Path::new(probes::TRACEFS), "tracefs", probes::TRACEFS_MAGIC)?;
 
     // Phases alternate, and differences are taken within each cycle (phases minutes apart
     // would otherwise compare different states of a shared machine); medians over cycles.
