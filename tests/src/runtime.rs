@@ -431,7 +431,14 @@ container_calls! {
 impl Session {
     /// `Configure` with [`configure_request`].
     pub async fn configure(&self) -> ttrpc::Result<nri::ConfigureResponse> {
-        self.plugin.configure(ctx(), &configure_request()).await
+        self.configure_with("").await
+    }
+
+    /// `Configure` handing over `config`, the text of the plugin's configuration file.
+    pub async fn configure_with(&self, config: &str) -> ttrpc::Result<nri::ConfigureResponse> {
+        let mut req = configure_request();
+        req.config = config.to_owned();
+        self.plugin.configure(ctx(), &req).await
     }
 
     /// `StateChange` with `event` for `container` of `pod`, as older runtimes deliver starts

@@ -72,6 +72,99 @@ async fn expect_limits(d: &Daemon, plugin: &NriPlugin, cgroup: &str, want: &[(&s
     }
 }
 
+/// A plugin the runtime launched gets no flags: its settings come in `Configure`, from its file
+/// in the runtime's NRI configuration directory. Invalid settings are refused and change
+/// nothing; valid ones point the plugin at gpud.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_runtimes_configuration_sets_the_bus_and_bad_configuration_is_refused() {
+    let (rig, rt) = started("nri-conf").await;
+    let dir = TempDir::new("nri-conf");
+    let nowhere = format!("unix:path={}", dir.path().join("no-bus").display());
+    let plugin = start_plugin(rig.path(), &rt.socket, &nowhere, &[]);
+    let session = rt.accept(WAIT).await;
+    #[rustfmt::skip]
+    let bad = [
+        ("bus = \"unix:path=/x\"", "unknown field `bus`"),
+        ("timeout_ms = 0", "timeout_ms must be 1 to 60000"),
+        ("on_invalid = \"maybe\"", "unknown variant `maybe`"),
+        ("bus_address = 5", "invalid type"),
+        ("bus_address = \"a\"\nbus_address = \"b\"", "duplicate key"),
+        ("[nri]\nbus_address = \"x\"", "unknown field `nri`"),
+    ];
+    for (text, says) in bad {
+        let err = session
+            .configure_with(text)
+            .await
+            .expect_err("invalid configuration accepted");
+        let (code, msg) = status_of(&err);
+        assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{text:?}: {msg}");
+        assert!(msg.contains(says), "{text:?}: {msg:?} lacks {says:?}");
+    }
+    // Still pointed nowhere, and open: the container runs without shares.
+    session.configure().await.expect("Configure");
+    let parent = Cgroup::new("nriconf");
+    let p = pod("p", "p", &[("gpud.dev/memory-max", "1Gi")]);
+    let c = container(
+        "c",
+        &p,
+        "c",
+        ContainerState::CONTAINER_CREATED,
+        0,
+        &parent.rel,
+        &[],
+    );
+    session.start(&p, &c).await.expect("open while unreachable");
+    assert!(limits_of(&rig, &parent.rel).await.is_empty());
+
+    let text = format!(
+        "# /etc/nri/conf.d/50-gpud.conf\nbus_address = \"{}\"\ntimeout_ms = 1500\non_unreachable = \"closed\"\n",
+        rig.bus.address
+    );
+    session.configure_with(&text).await.expect("Configure");
+    session.start(&p, &c).await.expect("StartContainer");
+    expect_limits(&rig, &plugin, &parent.rel, &[("all", 1 << 30)]).await;
+    assert!(
+        plugin
+            .log_text()
+            .contains("configuration from the runtime applied"),
+        "{}",
+        plugin.log_text()
+    );
+}
+
+/// gpud down while a container starts (open: it runs without shares), e.g. restarted after an
+/// upgrade, or started after the runtime: the plugin sets the shares once gpud answers again.
+#[tokio::test(flavor = "multi_thread")]
+async fn shares_missed_while_gpud_was_down_are_set_when_it_is_back() {
+    let (mut rig, rt) = started("nri-late").await;
+    let plugin = start_plugin(rig.path(), &rt.socket, &rig.bus.address.clone(), &[]);
+    let session = rt.accept(WAIT).await;
+    session.configure().await.expect("Configure");
+    rig.stop();
+    let parent = Cgroup::new("nrilate");
+    let p = pod("p", "p", &[("gpud.dev/memory-max", "3Gi")]);
+    let c = container(
+        "c",
+        &p,
+        "c",
+        ContainerState::CONTAINER_CREATED,
+        0,
+        &parent.rel,
+        &[],
+    );
+    session
+        .start(&p, &c)
+        .await
+        .expect("open: the container starts");
+    rig.restart().await;
+    expect_limits(&rig, &plugin, &parent.rel, &[("all", 3 << 30)]).await;
+    assert!(
+        plugin.log_text().contains("GPU shares set late"),
+        "{}",
+        plugin.log_text()
+    );
+}
+
 fn plugin_args<'a>(socket: &'a Path, bus: &'a str, extra: &[&'a str]) -> Vec<String> {
     let mut v = vec![
         "--socket".to_owned(),

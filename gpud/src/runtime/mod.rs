@@ -70,7 +70,8 @@ impl RuntimeError {
 }
 
 /// What to do with the container when its shares cannot be applied.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum FailMode {
     /// Fail the container (the hook exits non-zero; the NRI plugin returns an error).
     Closed,

@@ -22,7 +22,12 @@
 //!   next registration synchronizes again).
 
 pub mod api;
+mod config;
 pub mod mux;
+mod serve;
+
+pub use config::{PluginConfig, RuntimeSettings};
+pub use serve::{Ending, serve};
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
@@ -33,10 +38,13 @@ use tracing::{debug, info, warn};
 use crate::report::Chain;
 
 use super::{
-    FailMode, FailPolicy, RuntimeError,
+    FailMode, RuntimeError,
     annotations::{self, Shares},
     client::Client,
 };
+
+/// How often shares that could not be set because gpud was unreachable are tried again.
+pub const RETRY_EVERY: Duration = Duration::from_secs(2);
 
 /// Environment variable through which a runtime that launched the plugin passes the connected
 /// socket's file descriptor.
@@ -62,38 +70,12 @@ pub enum NriError {
     Register(String),
     #[error("the runtime did not configure the plugin within {0:?} of its registration")]
     NotConfigured(Duration),
-}
-
-/// How the plugin registers and where it applies shares.
-#[derive(Clone, Debug)]
-pub struct PluginConfig {
-    /// Registered name (`[A-Za-z0-9_.+-]+`).
-    pub name: String,
-    /// Registered index: two digits; plugins are called in ascending order.
-    pub idx: String,
-    /// `"system"` or the D-Bus address of gpud's bus.
-    pub bus: String,
-    /// Bound of each D-Bus call and of the registration.
-    pub timeout: Duration,
-    pub policy: FailPolicy,
-}
-
-impl PluginConfig {
-    /// Checks name and index as NRI does.
-    pub fn validate(&self) -> Result<(), NriError> {
-        let name_ok = !self.name.is_empty()
-            && self
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"_.+-".contains(&b));
-        if !name_ok {
-            return Err(NriError::InvalidName(self.name.clone()));
-        }
-        if self.idx.len() != 2 || !self.idx.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(NriError::InvalidIndex(self.idx.clone()));
-        }
-        Ok(())
-    }
+    #[error("invalid plugin configuration from the runtime")]
+    RuntimeConfig(#[from] toml::de::Error),
+    #[error(
+        "invalid plugin configuration from the runtime: timeout_ms must be 1 to 60000, not {0}"
+    )]
+    RuntimeTimeout(u64),
 }
 
 /// Event numbers (NRI's `Event` enum); bit `event - 1` of the subscription mask.
@@ -118,11 +100,16 @@ struct Tracked {
 
 /// The plugin's state, shared by the ttrpc handlers.
 struct Inner {
-    cfg: PluginConfig,
+    /// The flags' configuration, with what the runtime's `Configure` set applied.
+    cfg: std::sync::RwLock<PluginConfig>,
     /// Cached connection to gpud; dropped after a failure so that the next call reconnects.
     client: Mutex<Option<Client>>,
     /// Containers with shares set, by id.
     tracked: Mutex<HashMap<String, Tracked>>,
+    /// Containers left without their shares because gpud could not be reached (the policy let
+    /// them run, or a synchronization stopped), by id: applied again every [`RETRY_EVERY`] until
+    /// gpud answers (it was restarted, or came up after the runtime) or they go.
+    pending: Mutex<HashMap<String, (Option<nri::PodSandbox>, nri::Container)>>,
     /// Synchronize batches received with `more` set.
     pending_sync: Mutex<(Vec<nri::PodSandbox>, Vec<nri::Container>)>,
     configured: Notify,
@@ -159,14 +146,25 @@ impl Handler {
     pub fn new(cfg: PluginConfig) -> Self {
         Self {
             inner: Arc::new(Inner {
-                cfg,
+                cfg: std::sync::RwLock::new(cfg),
                 client: Mutex::new(None),
                 tracked: Mutex::new(HashMap::new()),
+                pending: Mutex::new(HashMap::new()),
                 pending_sync: Mutex::new((Vec::new(), Vec::new())),
                 configured: Notify::new(),
                 shutdown: Notify::new(),
             }),
         }
+    }
+
+    /// The configuration in force (a poisoned lock still holds a whole value: writers only
+    /// ever replace it).
+    fn cfg(&self) -> PluginConfig {
+        self.inner
+            .cfg
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// Resolves when the runtime asked the plugin to shut down.
@@ -190,7 +188,8 @@ impl Handler {
         if let Some(c) = slot.as_ref() {
             return Ok(c.clone());
         }
-        let c = Client::connect(&self.inner.cfg.bus, self.inner.cfg.timeout).await?;
+        let cfg = self.cfg();
+        let c = Client::connect(&cfg.bus, cfg.timeout).await?;
         *slot = Some(c.clone());
         Ok(c)
     }
@@ -308,7 +307,7 @@ impl Handler {
         r: Result<(), RuntimeError>,
     ) -> ttrpc::Result<()> {
         let Err(e) = r else { return Ok(()) };
-        match self.inner.cfg.policy.mode_for(&e) {
+        match self.cfg().policy.mode_for(&e) {
             FailMode::Closed => {
                 warn!(container = %describe(pod, c), "{what}: {}; failing the container (closed)", Chain(&e));
                 Err(status(&e))
@@ -330,7 +329,46 @@ impl Handler {
         c: &nri::Container,
     ) -> ttrpc::Result<()> {
         let r = self.apply(pod, c).await.map(|_| ());
-        self.decide("StartContainer", pod, c, r)
+        let unreachable = matches!(&r, Err(e) if e.class() == super::FailureClass::Unreachable);
+        self.decide("StartContainer", pod, c, r)?;
+        if unreachable {
+            // Running without its shares (open): set them once gpud answers.
+            self.inner
+                .pending
+                .lock()
+                .await
+                .insert(c.id.clone(), (pod.cloned(), c.clone()));
+        }
+        Ok(())
+    }
+
+    /// Applies the shares of the containers left without them while gpud was unreachable;
+    /// stops at the first that still cannot reach it.
+    pub async fn retry_pending(&self) {
+        let waiting: Vec<(String, (Option<nri::PodSandbox>, nri::Container))> = self
+            .inner
+            .pending
+            .lock()
+            .await
+            .iter()
+            .map(|(id, v)| (id.clone(), v.clone()))
+            .collect();
+        for (id, (pod, c)) in waiting {
+            match self.apply(pod.as_ref(), &c).await {
+                Err(e) if e.class() == super::FailureClass::Unreachable => return,
+                Err(e) => warn!(
+                    container = %describe(pod.as_ref(), &c),
+                    "GPU shares still not set, and will not be: {}",
+                    Chain(&e)
+                ),
+                Ok(true) => info!(
+                    container = %describe(pod.as_ref(), &c),
+                    "gpud answers again: GPU shares set late"
+                ),
+                Ok(false) => {}
+            }
+            self.inner.pending.lock().await.remove(&id);
+        }
     }
 
     async fn on_remove(
@@ -338,6 +376,7 @@ impl Handler {
         pod: Option<&nri::PodSandbox>,
         c: &nri::Container,
     ) -> ttrpc::Result<()> {
+        self.inner.pending.lock().await.remove(&c.id);
         // Clearing cannot fail a container that is going away: only logged.
         let _ = self.clear(pod, c).await;
         Ok(())
@@ -348,6 +387,7 @@ impl Handler {
         let by_id: HashMap<&str, &nri::PodSandbox> =
             pods.iter().map(|p| (p.id.as_str(), p)).collect();
         let (mut set, mut failed) = (0usize, 0usize);
+        let mut unreachable = false;
         for c in containers {
             let live = matches!(
                 c.state.enum_value(),
@@ -359,16 +399,31 @@ impl Handler {
                 continue;
             }
             let pod = by_id.get(c.pod_sandbox_id.as_str()).copied();
+            if unreachable {
+                // One timeout is enough: the rest wait for gpud too.
+                self.inner
+                    .pending
+                    .lock()
+                    .await
+                    .insert(c.id.clone(), (pod.cloned(), c.clone()));
+                continue;
+            }
             match self.apply(pod, c).await {
                 Ok(true) => set += 1,
                 Ok(false) => {}
                 Err(e) if e.class() == super::FailureClass::Unreachable => {
                     warn!(
-                        "synchronize: {}; the remaining containers are not synchronized",
+                        "synchronize: {}; the remaining containers get their shares once gpud \
+                         answers",
                         Chain(&e)
                     );
                     failed += 1;
-                    break;
+                    unreachable = true;
+                    self.inner
+                        .pending
+                        .lock()
+                        .await
+                        .insert(c.id.clone(), (pod.cloned(), c.clone()));
                 }
                 Err(e) => {
                     failed += 1;
@@ -399,16 +454,36 @@ impl nri_ttrpc::Plugin for Handler {
             nri = %req.NRI_version,
             "configured by the runtime"
         );
-        let budget = Duration::from_millis(u64::try_from(req.request_timeout).unwrap_or(0));
-        if !budget.is_zero() && self.inner.cfg.timeout >= budget {
-            warn!(
-                "the D-Bus timeout ({:?}) is not below the runtime's request timeout ({budget:?}): \
-                 a slow gpud would make the runtime drop this plugin",
-                self.inner.cfg.timeout
+        let settings = RuntimeSettings::parse(&req.config).map_err(|e| {
+            warn!("refusing the runtime's configuration: {}", Chain(&e));
+            ttrpc::Error::RpcStatus(ttrpc::get_status(
+                ttrpc::Code::INVALID_ARGUMENT,
+                format!("gpud: {}", Chain(&e)),
+            ))
+        })?;
+        if settings != RuntimeSettings::default() {
+            let cfg = settings.apply(self.cfg());
+            info!(
+                bus = %cfg.bus,
+                timeout = ?cfg.timeout,
+                policy = ?cfg.policy,
+                "configuration from the runtime applied"
             );
+            *self
+                .inner
+                .cfg
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = cfg;
+            // The bus may have changed.
+            *self.inner.client.lock().await = None;
         }
-        if !req.config.trim().is_empty() {
-            warn!("plugin configuration from the runtime is not used (gpud-nri takes flags)");
+        let budget = Duration::from_millis(u64::try_from(req.request_timeout).unwrap_or(0));
+        let timeout = self.cfg().timeout;
+        if !budget.is_zero() && timeout >= budget {
+            warn!(
+                "the D-Bus timeout ({timeout:?}) is not below the runtime's request timeout \
+                 ({budget:?}): a slow gpud would make the runtime drop this plugin"
+            );
         }
         self.inner.configured.notify_one();
         Ok(nri::ConfigureResponse {
@@ -512,86 +587,4 @@ impl nri_ttrpc::Plugin for Handler {
         }
         Ok(nri::Empty::default())
     }
-}
-
-/// Why [`serve`] returned.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Ending {
-    /// The runtime called `Shutdown`.
-    Shutdown,
-    /// The connection closed (the runtime stopped or dropped the plugin).
-    Disconnected(String),
-}
-
-/// Runs the plugin on a connected NRI socket until the runtime shuts it down or the connection
-/// closes: serves `Plugin`, registers, and waits for the runtime's `Configure`.
-pub async fn serve<T>(trunk: T, handler: Handler) -> Result<Ending, NriError>
-where
-    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
-{
-    use futures_util::StreamExt as _;
-    let cfg = handler.inner.cfg.clone();
-    cfg.validate()?;
-    let (mut mux, mut conns) = mux::Mux::start(
-        trunk,
-        &[mux::PLUGIN_SERVICE_CONN, mux::RUNTIME_SERVICE_CONN],
-    )?;
-    let (Some(plugin_conn), Some(runtime_conn)) = (
-        conns.remove(&mux::PLUGIN_SERVICE_CONN),
-        conns.remove(&mux::RUNTIME_SERVICE_CONN),
-    ) else {
-        return Err(NriError::Mux(mux::MuxError::Closed));
-    };
-    // The Plugin service: the runtime's one connection, then no more.
-    let incoming = futures_util::stream::once(async move { Ok(plugin_conn) })
-        .chain(futures_util::stream::pending());
-    let mut server = ttrpc::r#async::Server::new()
-        .add_listener(ttrpc::r#async::transport::Listener::new(incoming))
-        .register_service(nri_ttrpc::create_plugin(Arc::new(handler.clone())));
-    server.start().await?;
-
-    let client = ttrpc::r#async::Client::new(ttrpc::r#async::transport::Socket::new(runtime_conn));
-    let runtime = nri_ttrpc::RuntimeClient::new(client);
-    let configured = handler.inner.configured.notified();
-    tokio::pin!(configured);
-    // Registered before the request goes out: Configure may arrive before its answer.
-    configured.as_mut().enable();
-    let req = nri::RegisterPluginRequest {
-        plugin_name: cfg.name.clone(),
-        plugin_idx: cfg.idx.clone(),
-        NRI_version: String::new(),
-        ..Default::default()
-    };
-    info!(name = %cfg.name, idx = %cfg.idx, "registering with the runtime");
-    let registered = tokio::select! {
-        r = runtime.register_plugin(ttrpc::context::with_duration(cfg.timeout), &req) => r,
-        why = mux.closed() => {
-            let _ = server.shutdown().await;
-            return Ok(Ending::Disconnected(why.to_string()));
-        }
-    };
-    if let Err(e) = registered {
-        let _ = server.shutdown().await;
-        return Err(NriError::Register(e.to_string()));
-    }
-    let wait = cfg.timeout.max(Duration::from_secs(5));
-    tokio::select! {
-        () = &mut configured => {}
-        why = mux.closed() => {
-            let _ = server.shutdown().await;
-            return Ok(Ending::Disconnected(why.to_string()));
-        }
-        () = tokio::time::sleep(wait) => {
-            let _ = server.shutdown().await;
-            return Err(NriError::NotConfigured(wait));
-        }
-    }
-    let ending = tokio::select! {
-        () = handler.shutdown_requested() => Ending::Shutdown,
-        why = mux.closed() => Ending::Disconnected(why.to_string()),
-    };
-    let _ = server.shutdown().await;
-    mux.shutdown();
-    drop(runtime);
-    Ok(ending)
 }
