@@ -103,16 +103,7 @@ async fn the_runtimes_configuration_sets_the_bus_and_bad_configuration_is_refuse
     // Still pointed nowhere, and open: the container runs without shares.
     session.configure().await.expect("Configure");
     let parent = Cgroup::new("nriconf");
-    let p = pod("p", "p", &[("gpud.dev/memory-max", "1Gi")]);
-    let c = container(
-        "c",
-        &p,
-        "c",
-        ContainerState::CONTAINER_CREATED,
-        0,
-        &parent.rel,
-        &[],
-    );
+    let (p, c) = one_container(&parent, "1Gi");
     session.start(&p, &c).await.expect("open while unreachable");
     assert!(limits_of(&rig, &parent.rel).await.is_empty());
 
@@ -142,16 +133,7 @@ async fn shares_missed_while_gpud_was_down_are_set_when_it_is_back() {
     session.configure().await.expect("Configure");
     rig.stop();
     let parent = Cgroup::new("nrilate");
-    let p = pod("p", "p", &[("gpud.dev/memory-max", "3Gi")]);
-    let c = container(
-        "c",
-        &p,
-        "c",
-        ContainerState::CONTAINER_CREATED,
-        0,
-        &parent.rel,
-        &[],
-    );
+    let (p, c) = one_container(&parent, "3Gi");
     session
         .start(&p, &c)
         .await
@@ -163,6 +145,21 @@ async fn shares_missed_while_gpud_was_down_are_set_when_it_is_back() {
         "{}",
         plugin.log_text()
     );
+}
+
+/// A pod asking for `memory_max` of `max` and its one created container in `parent`.
+fn one_container(parent: &Cgroup, max: &str) -> (nri::PodSandbox, nri::Container) {
+    let p = pod("p", "p", &[("gpud.dev/memory-max", max)]);
+    let c = container(
+        "c",
+        &p,
+        "c",
+        ContainerState::CONTAINER_CREATED,
+        0,
+        &parent.rel,
+        &[],
+    );
+    (p, c)
 }
 
 fn plugin_args<'a>(socket: &'a Path, bus: &'a str, extra: &[&'a str]) -> Vec<String> {
@@ -489,16 +486,7 @@ async fn unreachable_gpud_is_open_by_default_and_closed_on_request(#[case] mode:
     let dir = TempDir::new(&format!("nri-unreach-{label}"));
     let nowhere = format!("unix:path={}", dir.path().join("no-bus").display());
     let parent = Cgroup::new(&format!("nriun-{label}"));
-    let p = pod("p", "p", &[("gpud.dev/memory-max", "1Gi")]);
-    let c = container(
-        "c",
-        &p,
-        "c",
-        ContainerState::CONTAINER_CREATED,
-        0,
-        &parent.rel,
-        &[],
-    );
+    let (p, c) = one_container(&parent, "1Gi");
     let rt = TestRuntime::bind(dir.path());
     let extra: Vec<&str> = match mode {
         Some(m) => vec!["--on-unreachable", m],

@@ -333,13 +333,18 @@ impl Handler {
         self.decide("StartContainer", pod, c, r)?;
         if unreachable {
             // Running without its shares (open): set them once gpud answers.
-            self.inner
-                .pending
-                .lock()
-                .await
-                .insert(c.id.clone(), (pod.cloned(), c.clone()));
+            self.wait_for_gpud(pod, c).await;
         }
         Ok(())
+    }
+
+    /// Remembers a container whose shares wait for gpud to answer ([`Self::retry_pending`]).
+    async fn wait_for_gpud(&self, pod: Option<&nri::PodSandbox>, c: &nri::Container) {
+        self.inner
+            .pending
+            .lock()
+            .await
+            .insert(c.id.clone(), (pod.cloned(), c.clone()));
     }
 
     /// Applies the shares of the containers left without them while gpud was unreachable;
@@ -401,11 +406,7 @@ impl Handler {
             let pod = by_id.get(c.pod_sandbox_id.as_str()).copied();
             if unreachable {
                 // One timeout is enough: the rest wait for gpud too.
-                self.inner
-                    .pending
-                    .lock()
-                    .await
-                    .insert(c.id.clone(), (pod.cloned(), c.clone()));
+                self.wait_for_gpud(pod, c).await;
                 continue;
             }
             match self.apply(pod, c).await {
@@ -419,11 +420,7 @@ impl Handler {
                     );
                     failed += 1;
                     unreachable = true;
-                    self.inner
-                        .pending
-                        .lock()
-                        .await
-                        .insert(c.id.clone(), (pod.cloned(), c.clone()));
+                    self.wait_for_gpud(pod, c).await;
                 }
                 Err(e) => {
                     failed += 1;
