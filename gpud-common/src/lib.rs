@@ -497,6 +497,9 @@ pub mod programs {
     pub const NOOP_TP: &str = "gpud_noop_tp";
     /// Benchmark reference: an empty fentry program on `security_file_ioctl`.
     pub const NOOP_FENTRY: &str = "gpud_noop_fentry";
+    /// Benchmark reference: an empty fexit program on the ioctl syscall's entry (where fentry
+    /// mode attaches its return side).
+    pub const NOOP_FEXIT: &str = "gpud_noop_fexit";
 }
 
 /// Capacity of `PROCS`: tracked processes on the host.

@@ -238,6 +238,13 @@ pub fn gpud_noop_fentry(_ctx: FEntryContext) -> i32 {
     0
 }
 
+/// Benchmark reference only: an empty program where fentry mode has its return side, so the
+/// reference pays the same hooks as gpud.
+#[fexit(function = "__x64_sys_ioctl")]
+pub fn gpud_noop_fexit(_ctx: FExitContext) -> i32 {
+    0
+}
+
 // ---- tracepoint mode ---------------------------------------------------------------------------
 
 #[tracepoint]

@@ -60,11 +60,11 @@ impl Tier {
 
 /// The return side of `ioctl(2)` for fexit, per architecture: native and 32-bit compat entry.
 #[cfg(target_arch = "x86_64")]
-const SYS_IOCTL: (&str, &str) = ("__x64_sys_ioctl", "__ia32_compat_sys_ioctl");
+pub const SYS_IOCTL: (&str, &str) = ("__x64_sys_ioctl", "__ia32_compat_sys_ioctl");
 #[cfg(target_arch = "aarch64")]
-const SYS_IOCTL: (&str, &str) = ("__arm64_sys_ioctl", "__arm64_compat_sys_ioctl");
+pub const SYS_IOCTL: (&str, &str) = ("__arm64_sys_ioctl", "__arm64_compat_sys_ioctl");
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-const SYS_IOCTL: (&str, &str) = ("sys_ioctl", "compat_sys_ioctl");
+pub const SYS_IOCTL: (&str, &str) = ("sys_ioctl", "compat_sys_ioctl");
 
 /// Where one program attaches.
 #[derive(Clone, Copy)]

@@ -29,7 +29,7 @@ use aya::{
 use gpud_common::{ObjKey, maps as map_names, programs};
 use tracing::{debug, info, warn};
 
-pub use attach::{AttachMode, Tier};
+pub use attach::{AttachMode, SYS_IOCTL, Tier};
 pub use caps::KernelCaps;
 pub use devices::{DynamicMajors, ExtraFile, Matcher};
 pub use maps::{KernelMaps, map_entries};
@@ -462,7 +462,11 @@ mod tests {
         used.extend(RUN_PROGRAMS);
         used.insert(programs::LSM_PROBE);
         // The benchmark's references (tests/src/bin/gpud-bench.rs).
-        used.extend([programs::NOOP_TP, programs::NOOP_FENTRY]);
+        used.extend([
+            programs::NOOP_TP,
+            programs::NOOP_FENTRY,
+            programs::NOOP_FEXIT,
+        ]);
         let in_object: BTreeSet<&str> = obj.programs.keys().map(String::as_str).collect();
         assert_eq!(in_object, used, "programs in the object and their users");
         Ok(())

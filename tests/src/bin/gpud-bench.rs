@@ -2,9 +2,11 @@
 //! gpud's probes, measured in one run (run by `cargo xtask bench`; method in docs/benchmarks.md).
 //!
 //! Three phases in one process tree, alternated C times: no program attached; a no-op reference
-//! program on the same hook; gpud's probes attached in the given mode. Differences are taken
-//! within each cycle and the median over cycles is reported. In each
-//! phase, three workloads run in fresh forked children, R rounds of N calls each, fastest round:
+//! program on the same ioctl hooks as gpud (entry and return: `sys_enter_ioctl` and
+//! `sys_exit_ioctl`, or fentry on `security_file_ioctl` and fexit on the ioctl syscall); gpud's
+//! probes attached in the given mode. Differences are taken within each cycle and the median over
+//! cycles is reported. In each phase, four workloads run in fresh forked children, R rounds of N
+//! calls each, fastest round:
 //! - `unrelated_ioctl`: ioctls (`TCGETS`) on /dev/null by a process holding no NVIDIA file;
 //! - `unrelated_nv_ioctl`: the same with an NVIDIA escape's encoding (`_IOC_TYPE` 'F'), which
 //!   tracepoint mode follows to the file even from untracked processes (a received NVIDIA file
@@ -23,7 +25,7 @@ use std::{
 use anyhow::Context as _;
 use aya::{
     EbpfLoader,
-    programs::{FEntry, TracePoint},
+    programs::{FEntry, FExit, TracePoint},
 };
 use clap::Parser;
 use gpud::{
@@ -139,7 +141,9 @@ fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
                 .context(programs::NOOP_TP)?
                 .try_into()?;
             p.load()?;
+            // Both sides, as gpud attaches them: the reference pays the same two hooks.
             p.attach("syscalls", "sys_enter_ioctl")?;
+            p.attach("syscalls", "sys_exit_ioctl")?;
         }
         AttachMode::Fentry => {
             let p: &mut FEntry = ebpf
@@ -147,6 +151,12 @@ fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
                 .context(programs::NOOP_FENTRY)?
                 .try_into()?;
             p.load("security_file_ioctl", &btf)?;
+            p.attach()?;
+            let p: &mut FExit = ebpf
+                .program_mut(programs::NOOP_FEXIT)
+                .context(programs::NOOP_FEXIT)?
+                .try_into()?;
+            p.load(probes::SYS_IOCTL.0, &btf)?;
             p.attach()?;
         }
     }
