@@ -17,6 +17,59 @@ pub fn attach_mode(s: &str) -> Result<gpud::probes::AttachMode, String> {
     }
 }
 
+/// The names of gpud's programs already loaded in the kernel, and the pin directories of gpud's
+/// probes under `/sys/fs/bpf` (`…/gpud/v<ABI>`): a benchmark that finds any would measure a host
+/// where gpud's probes already run (a daemon, or probes a stopped one left pinned with
+/// `probes.keep_pinned`), so that "detached" is not detached.
+pub fn foreign_probes() -> (Vec<String>, Vec<std::path::PathBuf>) {
+    let mut names: Vec<String> = aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .filter_map(|p| p.name_as_str().map(str::to_owned))
+        .filter(|n| n.starts_with("gpud_"))
+        .collect();
+    names.sort();
+    names.dedup();
+    let mut pins = Vec::new();
+    let mut dirs = vec![(std::path::PathBuf::from("/sys/fs/bpf"), 0)];
+    while let Some((dir, depth)) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            if e.file_name() == "gpud" {
+                pins.push(path);
+            } else if depth < 3 {
+                dirs.push((path, depth + 1));
+            }
+        }
+    }
+    pins.sort();
+    (names, pins)
+}
+
+/// Refuses to measure where gpud's probes already run (see [`foreign_probes`]).
+pub fn refuse_foreign_probes() -> anyhow::Result<()> {
+    let (names, pins) = foreign_probes();
+    if names.is_empty() {
+        return Ok(());
+    }
+    let pins: Vec<String> = pins.iter().map(|p| p.display().to_string()).collect();
+    anyhow::bail!(
+        "gpud's programs are already loaded ({}): a gpud daemon is running, or a stopped one left \
+         its probes pinned ({}); stop it, or remove those pin directories, and run again",
+        names.join(", "),
+        if pins.is_empty() {
+            "no pin directory found under /sys/fs/bpf".to_owned()
+        } else {
+            pins.join(", ")
+        }
+    )
+}
+
 /// Joins the cgroup v2 directory `dir` (the calling process only).
 pub fn join_cgroup(dir: &Path) -> std::io::Result<()> {
     std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())

@@ -380,6 +380,11 @@ impl Probes {
             Ok(()) => info!(dir = %self.base_dir.display(), "probes detached, pins removed"),
             Err(e) => warn!(dir = %self.base_dir.display(), "removing pins: {}", Chain(&e)),
         }
+        // `<bpffs>/gpud` too, unless something else lives there (other ABI versions' pins are
+        // removed at start; remove_dir leaves a non-empty directory alone).
+        if let Some(parent) = self.base_dir.parent() {
+            let _ = std::fs::remove_dir(parent);
+        }
     }
 }
 

@@ -224,6 +224,7 @@ fn main() -> anyhow::Result<()> {
     // The reference programs attach before gpud's probes would mount tracefs (a fresh machine
     // may not have it mounted).
     probes::ensure_mounted(Path::new(probes::TRACEFS), "tracefs", probes::TRACEFS_MAGIC)?;
+    inproc::refuse_foreign_probes()?;
 
     // Phases alternate, and differences are taken within each cycle (phases minutes apart
     // would otherwise compare different states of a shared machine); medians over cycles.

@@ -377,6 +377,7 @@ fn main() -> anyhow::Result<()> {
     }
     let work = std::env::temp_dir().join(format!("gpud-membench-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
+    inproc::refuse_foreign_probes()?;
     let fake = Fake::start(&work.join("fake"))?;
     let cg_root = CgroupFs::discover()?.root().to_owned();
     let cg = cg_root.join(format!("gpud-membench-{}", std::process::id()));
@@ -535,6 +536,10 @@ fn main() -> anyhow::Result<()> {
 
     drop(fake);
     let _ = std::fs::remove_dir(&cg);
+    // Each setup's bpffs directory (its pins went with its probes).
+    for tag in ["acct", "kill", "freeze", "files"] {
+        let _ = std::fs::remove_dir(format!("/sys/fs/bpf/gpud-membench-{tag}"));
+    }
     let _ = std::fs::remove_dir_all(&work);
 
     let result = json!({
