@@ -364,3 +364,33 @@ async fn freeze_action_freezes_the_cgroup_over_its_limit_until_the_limit_is_rais
     assert_eq!(a["ok"], true, "{a}");
     p.ok(&format!("alloc {c} {d} {} nvos64", MIB));
 }
+
+/// A cgroup removed while it has limits loses them at once (a container that failed after its
+/// runtime's hook set them, a clear that went unanswered), not at the next sweep, which this
+/// daemon runs once an hour; other cgroups keep theirs.
+#[tokio::test(flavor = "multi_thread")]
+async fn limits_of_a_removed_cgroup_go_at_once() {
+    let mut rig = Rig::new("mem-rmdir");
+    let config = rig.config().set("attribution.sweep_interval_secs", 3600);
+    rig.start(config).await;
+    let (gone, kept) = (Cgroup::new("mem-rmdir-gone"), Cgroup::new("mem-rmdir-kept"));
+    rig.set_limit(&gone.rel, "all", "memory_max", "1Gi").await;
+    rig.set_limit(&kept.rel, "all", "memory_max", "2Gi").await;
+    let rel = gone.rel.clone();
+    assert!(!rig.limits(&rel).await.is_empty());
+    drop(gone);
+    let dropped = eventually(Duration::from_secs(3), || async {
+        rig.limits(&rel).await.is_empty().then_some(())
+    })
+    .await;
+    assert!(dropped.is_some(), "still limited:\n{}", rig.log_text());
+    assert_eq!(
+        rig.limits(&kept.rel).await["all"]["memory_max"],
+        2 << 30,
+        "the other cgroup keeps its limit"
+    );
+    assert!(
+        rig.log_text()
+            .contains("cgroup removed; dropping its limit")
+    );
+}

@@ -9,6 +9,7 @@
 //! - `start`: start-up (probes, stored limits, tasks) and orderly stop.
 
 mod handle;
+mod removals;
 mod ring;
 mod start;
 mod views;
@@ -43,6 +44,8 @@ enum Message {
     Scanned(BTreeSet<u32>),
     /// What the NVML sampler saw.
     Nvml(NvmlSnapshot),
+    /// A cgroup with limits was removed ([`removals`]).
+    CgroupRemoved,
 }
 
 /// Where the state task's news goes: the API's publishers subscribe to these.
@@ -55,6 +58,8 @@ struct Senders {
     xids: broadcast::Sender<AttributedXid>,
     /// Idle transitions, for the `IdleChanged` signal.
     idle_changes: broadcast::Sender<IdleChange>,
+    /// Directories of the cgroups that have limits, for [`removals`].
+    limited_dirs: watch::Sender<BTreeSet<std::path::PathBuf>>,
 }
 
 /// The live settings the state task passes on to the tasks that own them.
@@ -139,6 +144,7 @@ async fn run_state(
                     sweep = timer(intervals.sweep);
                     rescan = timer(intervals.rescan.unwrap_or(NEVER));
                 }
+                publish_limited_dirs(&mut state);
                 if rx.is_empty() && state.attribution.check_pending_files() {
                     recheck.as_mut().reset(tokio::time::Instant::now() + RECHECK_AFTER_EXIT);
                     recheck_armed = true;
@@ -198,6 +204,7 @@ fn handle(state: &mut State, msg: Message) -> Option<Intervals> {
         Message::Kernel(ev) => on_kernel_event(state, &ev),
         Message::Nvml(NvmlSnapshot::Xid { uuid, xid }) => on_xid(state, uuid, xid),
         Message::Nvml(snapshot) => on_nvml(state, snapshot),
+        Message::CgroupRemoved => state.memory.sweep(&mut state.attribution),
         Message::Scanned(pids) => {
             let n = state.attribution.track_holders(pids);
             if n > 0 {
@@ -365,6 +372,22 @@ fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
         };
         state.memory.set_catalog(&mut state.attribution, catalog);
     }
+}
+
+/// Hands the directories of the cgroups that have limits to the removal watcher, if they changed.
+fn publish_limited_dirs(state: &mut State) {
+    let root = state.attribution.cgroup_root().to_owned();
+    let dirs: BTreeSet<std::path::PathBuf> = state
+        .memory
+        .list()
+        .into_iter()
+        .map(|l| root.join(l.cgroup.trim_start_matches('/')))
+        .collect();
+    state.outputs.limited_dirs.send_if_modified(|cur| {
+        let changed = *cur != dirs;
+        *cur = dirs;
+        changed
+    });
 }
 
 /// Hands the current inventory to the task that publishes the `Gpu1` objects, if it changed.

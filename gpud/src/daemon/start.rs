@@ -3,7 +3,7 @@
 //! reader, NVML sampler, compute controller, state task) started; then, at the end, stopped in
 //! the order that leaves nothing frozen and the probes pinned or detached as configured.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use tokio::{
     sync::{broadcast, mpsc, watch},
@@ -183,6 +183,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     let (sampler, sampler_rx) = watch::channel(SamplerSettings::of(&config.nvml));
     let (shutdown, shutdown_rx) = watch::channel(false);
     let (tx, rx) = mpsc::channel::<Message>(1024);
+    let (limited_dirs, limited_dirs_rx) = watch::channel(BTreeSet::new());
 
     let state = State {
         attribution,
@@ -205,6 +206,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
             inventory,
             xids,
             idle_changes,
+            limited_dirs,
         },
         live: LiveSettings {
             compute: compute_on.then_some(compute_params),
@@ -232,6 +234,11 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         spawn_nvml_sampler(sampler_rx, tx.clone(), shutdown_rx.clone());
     }
     let reader = tokio::spawn(read_events(events, tx.clone()));
+    tokio::spawn(super::removals::run(
+        limited_dirs_rx,
+        tx.clone(),
+        shutdown_rx.clone(),
+    ));
     let handle = Handle::new(tx.clone(), compute_on.then_some(compute_stats_rx));
     let state = tokio::spawn(super::run_state(
         state,

@@ -157,8 +157,44 @@ fn load(dir: &Path, id: &str) -> Result<Option<Record>, RuntimeError> {
         .map_err(|e| RuntimeError::Input(format!("{}: {e}", path.display())))
 }
 
+/// Removes the records of containers whose cgroup is gone without a `poststop` (a container
+/// that failed after `createRuntime` under a runtime that never ran the hook again): gpud dropped
+/// their limits when it saw the cgroup removed, so only the file is left. Best effort, at every
+/// hook run. Returns how many were removed.
+pub fn prune_records(dir: &Path) -> usize {
+    let Ok(root) = crate::cgroupfs::CgroupFs::discover() else {
+        return 0;
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for path in entries.flatten().map(|e| e.path()) {
+        if path.extension().is_none_or(|x| x != "json") {
+            continue;
+        }
+        let Some(record) = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<Record>(&t).ok())
+        else {
+            continue;
+        };
+        let cgroup = root.root().join(record.cgroup.trim_start_matches('/'));
+        if !cgroup.exists() && std::fs::remove_file(&path).is_ok() {
+            tracing::info!(
+                container = %record.id,
+                cgroup = %record.cgroup,
+                "record of a container whose cgroup is gone removed"
+            );
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// The `createRuntime`/`prestart` stage.
 pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeError> {
+    prune_records(&cfg.record_dir);
     let id = checked_id(state)?;
     let ann = annotations_of(state)?;
     if SANDBOX_MARKERS
@@ -204,6 +240,12 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
 /// The `poststop` stage.
 pub async fn poststop(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeError> {
     let id = checked_id(state)?;
+    let outcome = poststop_of(id, cfg).await;
+    prune_records(&cfg.record_dir);
+    outcome
+}
+
+async fn poststop_of(id: &str, cfg: &HookConfig) -> Result<Outcome, RuntimeError> {
     let Some(record) = load(&cfg.record_dir, id)? else {
         return Ok(Outcome::NothingToClear);
     };
@@ -300,6 +342,30 @@ mod tests {
         assert!(save(&dir, &r).is_ok());
         assert_eq!(load(&dir, "c1").ok().flatten(), Some(r));
         assert_eq!(load(&dir, "c2").ok().flatten(), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn records_of_removed_cgroups_are_pruned_and_others_kept() {
+        let dir = std::env::temp_dir().join(format!("gpud-oci-prune-{}", std::process::id()));
+        let gone = Record {
+            id: "gone".into(),
+            cgroup: format!("/gpud-no-such-cgroup-{}", std::process::id()),
+            gpus: vec!["all".into()],
+        };
+        let live = Record {
+            id: "live".into(),
+            cgroup: "/".into(),
+            gpus: vec!["all".into()],
+        };
+        for r in [&gone, &live] {
+            save(&dir, r).expect("save");
+        }
+        std::fs::write(dir.join("notes.txt"), "not a record").expect("write");
+        assert_eq!(prune_records(&dir), 1);
+        assert_eq!(load(&dir, "gone").ok().flatten(), None);
+        assert_eq!(load(&dir, "live").ok().flatten(), Some(live));
+        assert!(dir.join("notes.txt").exists(), "other files are left alone");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
