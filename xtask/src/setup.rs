@@ -79,6 +79,11 @@ const PACKAGES: &[(&str, Probe, &str)] = &[
         Probe::Dpkg,
         "the OCI hook's end-to-end tests run real containers",
     ),
+    (
+        "podman",
+        Probe::Dpkg,
+        "the OCI hook's tests under the real Podman (hooks.d)",
+    ),
     ("cpio", Probe::Dpkg, "packing the VM's initramfs"),
 ];
 
