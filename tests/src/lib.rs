@@ -31,6 +31,7 @@ mod config;
 pub mod fakenv;
 pub mod inproc;
 pub mod kubelet;
+pub mod podman;
 mod rig;
 pub mod rm;
 pub mod runtime;
