@@ -3,11 +3,13 @@
 //! finds gpud's hook through a hooks.d directory, as on a real host.
 //!
 //! Everything Podman keeps lives in the test's directory: storage (`--root`, driver `vfs`),
-//! run state (`--runroot`), its own tmp directory (`--tmpdir`), no events log, hooks from the
-//! test's `--hooks-dir` only. What it cannot be pointed elsewhere: the shared-memory lock
-//! segment (`/dev/shm/libpod_lock`, its locks allocated and freed per container) and, on a
-//! cgroup v1/v2 hybrid host, the cgroup v1 directories of the `--cgroup-parent`, which
-//! [`Podman`]'s drop removes.
+//! run state (`--runroot`), its own tmp directory (`--tmpdir`), network definitions
+//! (`--network-config-dir`), no events log, hooks from the test's `--hooks-dir` only; no
+//! configuration file is read or written beyond Debian's defaults. What Podman 4.3 cannot be
+//! pointed elsewhere: the shared-memory lock segment (`/dev/shm/libpod_lock`, a lock allocated
+//! and freed per container), netavark's run directory `/run/containers/networks` (created,
+//! empty, even with `--network none`) and, on a cgroup v1/v2 hybrid host, the cgroup v1
+//! directories under the `--cgroup-parent`, which [`Podman`]'s drop removes.
 
 use std::{
     path::{Path, PathBuf},
@@ -16,7 +18,7 @@ use std::{
 };
 
 use crate::{
-    bin_dir,
+    bin_dir, cgroup2_root,
     runtime::{busybox_rootfs, remove_v1_dirs, runc_path},
 };
 
@@ -72,6 +74,8 @@ impl Podman {
             .arg(self.dir.join("run"))
             .arg("--tmpdir")
             .arg(self.dir.join("tmp"))
+            .arg("--network-config-dir")
+            .arg(self.dir.join("networks"))
             .args(["--storage-driver", "vfs", "--events-backend", "none"])
             // Not systemd: gpud's tests own their cgroups; cgroupfs puts the container at
             // `<cgroup parent>/libpod-<id>`, in cgroup v2 too on a hybrid host (runc does).
@@ -172,12 +176,17 @@ impl Drop for Podman {
             .command()
             .args(["rm", "--all", "--force", "--time", "0"])
             .output();
-        // Podman's cgroupfs manager (in cgroup v1 mode on a hybrid host) puts conmon into
-        // `<parent>/conmon` of every v1 hierarchy and leaves it there; conmon exits shortly
-        // after its container.
+        // Podman's cgroupfs manager puts conmon into `<parent>/conmon` (of every v1 hierarchy in
+        // its cgroup v1 mode on a hybrid host, of cgroup v2 on a unified one) and leaves it
+        // there; conmon exits shortly after its container.
         let conmon = format!("{}/conmon", self.cgroup_parent);
+        let v2 = cgroup2_root().join(conmon.trim_start_matches('/'));
         for _ in 0..100 {
-            if remove_v1_dirs(&conmon) {
+            let v2_gone = match std::fs::remove_dir(&v2) {
+                Ok(()) => true,
+                Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+            };
+            if remove_v1_dirs(&conmon) && v2_gone {
                 break;
             }
             std::thread::sleep(Duration::from_millis(20));
