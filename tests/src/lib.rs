@@ -28,6 +28,7 @@ pub use config::TestConfig;
 pub use rig::Rig;
 
 mod config;
+pub mod containerd;
 pub mod fakenv;
 pub mod inproc;
 pub mod kubelet;
