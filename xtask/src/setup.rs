@@ -9,7 +9,7 @@
 
 use std::{path::PathBuf, process::Command};
 
-use anyhow::bail;
+use anyhow::{Context as _, bail};
 
 use crate::util::{cargo, output, run_logged, which};
 
@@ -323,15 +323,18 @@ fn containerd(installed: &mut Vec<String>) -> anyhow::Result<()> {
         &cache.join("archives/partial"),
         &debs,
     ] {
-        std::fs::create_dir_all(d)?;
+        std::fs::create_dir_all(d)
+            .with_context(|| format!("setup: containerd: creating {}", d.display()))?;
     }
+    let sources = parts.join(format!("{CONTAINERD_SUITE}.sources"));
     std::fs::write(
-        parts.join(format!("{CONTAINERD_SUITE}.sources")),
+        &sources,
         format!(
             "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: {CONTAINERD_SUITE}\n\
              Components: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
         ),
-    )?;
+    )
+    .with_context(|| format!("setup: containerd: writing {}", sources.display()))?;
     let private = [
         "-o".to_owned(),
         "Dir::Etc::SourceList=/dev/null".to_owned(),
@@ -354,15 +357,18 @@ fn containerd(installed: &mut Vec<String>) -> anyhow::Result<()> {
         &log,
         "can deb.debian.org be reached, and does debian-archive-keyring know trixie's key?",
     )?;
-    for old in std::fs::read_dir(&debs)? {
-        std::fs::remove_file(old?.path())?;
+    // A .deb of an earlier run would be picked instead of today's.
+    for old in std::fs::read_dir(&debs)?.filter_map(Result::ok) {
+        std::fs::remove_file(old.path())
+            .with_context(|| format!("setup: containerd: removing {}", old.path().display()))?;
     }
     // `apt-get download` writes into its working directory.
     let out = Command::new("apt-get")
         .args(&private)
         .args(["download", "-q", "containerd"])
         .current_dir(&debs)
-        .output()?;
+        .output()
+        .context("setup: containerd: cannot start apt-get")?;
     if !out.status.success() {
         bail!(
             "setup: containerd: `apt-get download containerd` failed: {}",
