@@ -17,7 +17,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::runtime::{busybox_rootfs, remove_v1_dirs, runc_path};
+use crate::{
+    cgroup2_root,
+    runtime::{busybox_rootfs, cgroup_v1_mounts, remove_v1_dirs, runc_path},
+};
 
 /// Where `cargo xtask setup` unpacks Debian's containerd 1.7 package (binaries in `usr/bin`).
 pub const PREFIX: &str = "/opt/gpud-test/containerd";
@@ -217,8 +220,20 @@ impl Drop for Containerd {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        // Shims outlive containerd by design; the containers they ran are killed with the test's
-        // cgroup.
+        // A shim killed here leaves its socket in /run/containerd/s; each task's `address` file
+        // names it.
+        let tasks = self.dir.join("state/io.containerd.runtime.v2.task");
+        for ns in std::fs::read_dir(&tasks).into_iter().flatten().flatten() {
+            for task in std::fs::read_dir(ns.path()).into_iter().flatten().flatten() {
+                if let Ok(address) = std::fs::read_to_string(task.path().join("address")) {
+                    let socket = address.trim().trim_start_matches("unix://");
+                    if socket.starts_with("/run/containerd/s/") {
+                        let _ = std::fs::remove_file(socket);
+                    }
+                }
+            }
+        }
+        // Shims outlive containerd by design.
         for pid in self.shims() {
             // SAFETY: kill(2) with a pid read from /proc; no memory is involved.
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
@@ -239,8 +254,26 @@ impl Drop for Containerd {
                 unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
             }
         }
-        // runc (cgroupfs driver) leaves the pod's parent in the cgroup v1 hierarchies.
-        remove_v1_dirs(&self.cgroup_parent);
+        // What a failed test left running under the pods' parent goes now, so that its cgroups
+        // can: runc (cgroupfs driver) makes `<parent>/<id>` in cgroup v2 and every v1 hierarchy,
+        // removes those of the containers it deleted, and never the parent (in v2 the test's
+        // `Cgroup` removes it).
+        let parent = self.cgroup_parent.trim_start_matches('/');
+        let _ = std::fs::write(cgroup2_root().join(parent).join("cgroup.kill"), "1");
+        for _ in 0..50 {
+            for mount in cgroup_v1_mounts().into_iter().chain([cgroup2_root()]) {
+                let children = std::fs::read_dir(mount.join(parent)).into_iter().flatten();
+                for child in children.flatten() {
+                    if child.path().is_dir() {
+                        let _ = std::fs::remove_dir(child.path());
+                    }
+                }
+            }
+            if remove_v1_dirs(&self.cgroup_parent) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 

@@ -135,7 +135,7 @@ impl Drop for Runc {
 }
 
 /// Mount points of cgroup v1 hierarchies (hybrid hosts have them beside the v2 one).
-fn cgroup_v1_mounts() -> Vec<PathBuf> {
+pub fn cgroup_v1_mounts() -> Vec<PathBuf> {
     let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     mi.lines()
         .filter_map(|l| {
