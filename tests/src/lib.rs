@@ -28,9 +28,11 @@ pub use config::TestConfig;
 pub use rig::Rig;
 
 mod config;
+pub mod containerd;
 pub mod fakenv;
 pub mod inproc;
 pub mod kubelet;
+pub mod podman;
 mod rig;
 pub mod rm;
 pub mod runtime;

@@ -135,7 +135,7 @@ impl Drop for Runc {
 }
 
 /// Mount points of cgroup v1 hierarchies (hybrid hosts have them beside the v2 one).
-fn cgroup_v1_mounts() -> Vec<PathBuf> {
+pub fn cgroup_v1_mounts() -> Vec<PathBuf> {
     let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     mi.lines()
         .filter_map(|l| {
@@ -149,8 +149,10 @@ fn cgroup_v1_mounts() -> Vec<PathBuf> {
 
 /// runc (cgroupfs driver) also makes the container's path in every v1 hierarchy and, on delete,
 /// removes only the leaf: removes the now empty directories of `rel` and its ancestors there.
-pub fn remove_v1_dirs(rel: &str) {
-    for mount in cgroup_v1_mounts() {
+/// Whether `rel` is gone from every v1 hierarchy.
+pub fn remove_v1_dirs(rel: &str) -> bool {
+    let mounts = cgroup_v1_mounts();
+    for mount in &mounts {
         let mut path = Path::new(rel.trim_start_matches('/'));
         loop {
             if path.as_os_str().is_empty() {
@@ -163,6 +165,20 @@ pub fn remove_v1_dirs(rel: &str) {
             }
             path = path.parent().unwrap_or(Path::new(""));
         }
+    }
+    let rel = Path::new(rel.trim_start_matches('/'));
+    mounts.iter().all(|m| !m.join(rel).exists())
+}
+
+/// A container root filesystem at `rootfs`: the static busybox and a few of its applets.
+pub fn busybox_rootfs(rootfs: &Path) {
+    for d in ["bin", "proc", "sys", "dev", "tmp", "etc"] {
+        std::fs::create_dir_all(rootfs.join(d)).expect("rootfs dir");
+    }
+    std::fs::copy("/bin/busybox", rootfs.join("bin/busybox"))
+        .expect("copy /bin/busybox (Debian busybox-static)");
+    for applet in ["sh", "sleep", "cat", "ls"] {
+        let _ = std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet));
     }
 }
 
@@ -178,15 +194,7 @@ impl Bundle {
     /// A bundle in `dir` whose process runs `args`, in the cgroup `cgroups_path` (relative to the
     /// cgroup v2 root, cgroupfs driver).
     pub fn busybox(dir: &Path, args: &[&str], cgroups_path: &str) -> Self {
-        let rootfs = dir.join("rootfs");
-        for d in ["bin", "proc", "sys", "dev", "tmp", "etc"] {
-            std::fs::create_dir_all(rootfs.join(d)).expect("rootfs dir");
-        }
-        std::fs::copy("/bin/busybox", rootfs.join("bin/busybox"))
-            .expect("copy /bin/busybox (Debian busybox-static)");
-        for applet in ["sh", "sleep", "cat", "ls"] {
-            let _ = std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet));
-        }
+        busybox_rootfs(&dir.join("rootfs"));
         let status = Command::new(runc_path())
             .args(["spec", "--bundle"])
             .arg(dir)

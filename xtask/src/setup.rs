@@ -1,6 +1,7 @@
 //! `cargo xtask setup`: idempotent bootstrap of a fresh machine of the project's kind (Debian 12,
-//! rustup, root): Debian packages, nightly `rust-src`, `bpf-linker` 0.13 against LLVM 22, stable
-//! rustfmt and clippy.
+//! rustup, root): Debian packages, containerd 1.7 from Debian trixie unpacked under
+//! `/opt/gpud-test` for the NRI test, nightly `rust-src`, `bpf-linker` 0.13 against LLVM 22,
+//! stable rustfmt and clippy.
 //!
 //! Each step checks first and acts only when something is missing, so a machine that has
 //! everything is done in well under a second. A failing step is reported as one line naming the
@@ -8,7 +9,7 @@
 
 use std::{path::PathBuf, process::Command};
 
-use anyhow::bail;
+use anyhow::{Context as _, bail};
 
 use crate::util::{cargo, output, run_logged, which};
 
@@ -78,6 +79,11 @@ const PACKAGES: &[(&str, Probe, &str)] = &[
         "runc",
         Probe::Dpkg,
         "the OCI hook's end-to-end tests run real containers",
+    ),
+    (
+        "podman",
+        Probe::Dpkg,
+        "the OCI hook's tests under the real Podman (hooks.d)",
     ),
     ("cpio", Probe::Dpkg, "packing the VM's initramfs"),
 ];
@@ -270,10 +276,134 @@ fn bpf_linker(installed: &mut Vec<String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where containerd 1.7 is unpacked for the NRI test (tests/src/containerd.rs reads it there).
+const CONTAINERD_PREFIX: &str = "/opt/gpud-test/containerd";
+/// The private apt state that fetches it: its own sources, lists and cache.
+const CONTAINERD_APT: &str = "/opt/gpud-test/apt";
+/// The Debian suite with containerd 1.7 (Debian 12 has 1.6, whose NRI the plugin does not
+/// speak).
+const CONTAINERD_SUITE: &str = "trixie";
+
+/// `containerd --version` of the unpacked containerd, if it runs.
+fn containerd_version() -> Option<String> {
+    Command::new(PathBuf::from(CONTAINERD_PREFIX).join("usr/bin/containerd"))
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+}
+
+/// Unpacks Debian trixie's containerd 1.7 (`containerd`, `ctr`, the runc shim) into
+/// [`CONTAINERD_PREFIX`], with `dpkg -x`: not installed, no service, and the host's apt
+/// sources, lists and dpkg database untouched (apt runs on a private sources list, lists and
+/// cache). Its only dependencies, libc6 >= 2.34 and runc, are Debian 12's.
+fn containerd(installed: &mut Vec<String>) -> anyhow::Result<()> {
+    if containerd_version().is_some_and(|v| v.contains(" 1.7.")) {
+        return Ok(());
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("setup: containerd: unpacking into {CONTAINERD_PREFIX} needs root; run as root");
+    }
+    println!(
+        "setup: unpacking containerd 1.7 from Debian {CONTAINERD_SUITE} into {CONTAINERD_PREFIX} \
+         (the NRI plugin's test against a real containerd)"
+    );
+    let apt = PathBuf::from(CONTAINERD_APT);
+    let (parts, lists, cache, debs) = (
+        apt.join("sources.list.d"),
+        apt.join("lists"),
+        apt.join("cache"),
+        apt.join("debs"),
+    );
+    for d in [
+        &parts,
+        &lists.join("partial"),
+        &cache.join("archives/partial"),
+        &debs,
+    ] {
+        std::fs::create_dir_all(d)
+            .with_context(|| format!("setup: containerd: creating {}", d.display()))?;
+    }
+    let sources = parts.join(format!("{CONTAINERD_SUITE}.sources"));
+    std::fs::write(
+        &sources,
+        format!(
+            "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: {CONTAINERD_SUITE}\n\
+             Components: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+        ),
+    )
+    .with_context(|| format!("setup: containerd: writing {}", sources.display()))?;
+    let private = [
+        "-o".to_owned(),
+        "Dir::Etc::SourceList=/dev/null".to_owned(),
+        "-o".to_owned(),
+        format!("Dir::Etc::SourceParts={}", parts.display()),
+        "-o".to_owned(),
+        format!("Dir::State::Lists={}", lists.display()),
+        "-o".to_owned(),
+        format!("Dir::Cache={}", cache.display()),
+        // The download lands in a root-only directory.
+        "-o".to_owned(),
+        "APT::Sandbox::User=root".to_owned(),
+    ];
+    let log = log_path("containerd");
+    run_logged(
+        &format!("setup: containerd: `apt-get update` ({CONTAINERD_SUITE}, private lists)"),
+        Command::new("apt-get")
+            .args(&private)
+            .args(["update", "-q"]),
+        &log,
+        "can deb.debian.org be reached, and does debian-archive-keyring know trixie's key?",
+    )?;
+    // A .deb of an earlier run would be picked instead of today's.
+    for old in std::fs::read_dir(&debs)?.filter_map(Result::ok) {
+        std::fs::remove_file(old.path())
+            .with_context(|| format!("setup: containerd: removing {}", old.path().display()))?;
+    }
+    // `apt-get download` writes into its working directory.
+    let out = Command::new("apt-get")
+        .args(&private)
+        .args(["download", "-q", "containerd"])
+        .current_dir(&debs)
+        .output()
+        .context("setup: containerd: cannot start apt-get")?;
+    if !out.status.success() {
+        bail!(
+            "setup: containerd: `apt-get download containerd` failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let deb = std::fs::read_dir(&debs)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "deb"))
+        .ok_or_else(|| anyhow::anyhow!("setup: containerd: no .deb in {}", debs.display()))?;
+    let _ = std::fs::remove_dir_all(CONTAINERD_PREFIX);
+    output(
+        &format!("setup: containerd: `dpkg -x {}`", deb.display()),
+        Command::new("dpkg")
+            .arg("-x")
+            .arg(&deb)
+            .arg(CONTAINERD_PREFIX),
+    )?;
+    match containerd_version() {
+        Some(v) if v.contains(" 1.7.") => {}
+        other => bail!(
+            "setup: containerd: unpacked, but `containerd --version` gives {:?}",
+            other.unwrap_or_default()
+        ),
+    }
+    installed.push(format!("containerd 1.7 ({CONTAINERD_PREFIX})"));
+    Ok(())
+}
+
 /// Runs every step and prints one summary line; fails on the first failing step.
 pub fn run() -> anyhow::Result<()> {
     let mut installed = Vec::new();
     packages(&mut installed)?;
+    containerd(&mut installed)?;
     rustup_components(&mut installed)?;
     bpf_linker(&mut installed)?;
     if installed.is_empty() {
