@@ -601,3 +601,15 @@ impl Drop for Sleeper {
         let _ = self.child.wait();
     }
 }
+
+/// `gpud-oci-hook` arguments for a test: its bus, record directory and log file.
+pub fn hook_args(bus: &str, records: &Path, log: &Path) -> Vec<String> {
+    vec![
+        "--bus-address".into(),
+        bus.into(),
+        "--record-dir".into(),
+        records.display().to_string(),
+        "--log-file".into(),
+        log.display().to_string(),
+    ]
+}

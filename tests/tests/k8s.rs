@@ -219,35 +219,14 @@ async fn a_pod_asking_8_units_and_30_percent_gets_them_on_one_gpu_enforced_by_gp
         "",
         &annotations,
     );
-    for call in ["create", "start"] {
-        let r = match call {
-            "create" => session
-                .plugin
-                .create_container(
-                    ctx(),
-                    &nri::CreateContainerRequest {
-                        pod: Some(p.clone()).into(),
-                        container: Some(c.clone()).into(),
-                        ..Default::default()
-                    },
-                )
-                .await
-                .map(|_| ()),
-            _ => session
-                .plugin
-                .start_container(
-                    ctx(),
-                    &nri::StartContainerRequest {
-                        pod: Some(p.clone()).into(),
-                        container: Some(c.clone()).into(),
-                        ..Default::default()
-                    },
-                )
-                .await
-                .map(|_| ()),
-        };
-        r.unwrap_or_else(|e| panic!("{call}: {e:?}\n{}", nri_plugin.log_text()));
-    }
+    session
+        .create(&p, &c)
+        .await
+        .unwrap_or_else(|e| panic!("create: {e:?}\n{}", nri_plugin.log_text()));
+    session
+        .start(&p, &c)
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}\n{}", nri_plugin.log_text()));
     let want: BTreeMap<String, BTreeMap<String, u64>> = [(
         gpu.clone(),
         [

@@ -17,7 +17,7 @@ use std::{
 use gpud::cgroupfs::CgroupFs;
 use gpud_tests::{
     Cgroup, Rig, TempDir, TestConfig, bin_dir, cgroup2_root, eventually,
-    runtime::{Bundle, Runc},
+    runtime::{Bundle, Runc, hook_args},
 };
 
 const MIB: u64 = 1 << 20;
@@ -39,18 +39,6 @@ fn read(path: &Path) -> String {
 fn container_pid(runc: &Runc, id: &str) -> u32 {
     let state = runc.state(id).expect("runc state");
     state["pid"].as_u64().expect("pid in runc state") as u32
-}
-
-/// Hook arguments: the test's bus, record directory and log file.
-fn hook_args<'a>(bus: &'a str, records: &'a Path, log: &'a Path) -> Vec<String> {
-    vec![
-        "--bus-address".into(),
-        bus.into(),
-        "--record-dir".into(),
-        records.display().to_string(),
-        "--log-file".into(),
-        log.display().to_string(),
-    ]
 }
 
 fn strs(v: &[String]) -> Vec<&str> {

@@ -14,7 +14,9 @@ use std::{
 };
 
 use gpud::cgroupfs::CgroupFs;
-use gpud_tests::{Cgroup, Rig, TestConfig, cgroup2_root, eventually, podman::Podman};
+use gpud_tests::{
+    Cgroup, Rig, TestConfig, cgroup2_root, eventually, podman::Podman, runtime::hook_args,
+};
 
 const GIB: u64 = 1 << 30;
 
@@ -27,18 +29,6 @@ fn config(rig: &Rig) -> TestConfig {
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
-}
-
-/// The hook's arguments: the test's bus, record directory and log file.
-fn hook_args(bus: &str, records: &Path, log: &Path) -> Vec<String> {
-    vec![
-        "--bus-address".into(),
-        bus.into(),
-        "--record-dir".into(),
-        records.display().to_string(),
-        "--log-file".into(),
-        log.display().to_string(),
-    ]
 }
 
 fn text(out: &std::process::Output) -> String {
