@@ -227,15 +227,7 @@ async fn a_pod_asking_8_units_and_30_percent_gets_them_on_one_gpu_enforced_by_gp
         .start(&p, &c)
         .await
         .unwrap_or_else(|e| panic!("start: {e:?}\n{}", nri_plugin.log_text()));
-    let want: BTreeMap<String, BTreeMap<String, u64>> = [(
-        gpu.clone(),
-        [
-            ("memory_max".to_owned(), 8 * GIB),
-            ("compute_max".to_owned(), 30),
-        ]
-        .into(),
-    )]
-    .into();
+    let want = eight_gib_and_thirty_percent_on(&gpu);
     let got = eventually(WAIT, || async {
         let l = node.limits(&cg.rel).await;
         (l == want).then_some(l)
@@ -590,15 +582,7 @@ async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_
     let hooks = edits["hooks"].as_array().cloned().unwrap_or_default();
     assert_eq!(hooks.len(), 2, "{edits}");
     assert!(run_hook(&hooks[0]).success());
-    let want: BTreeMap<String, BTreeMap<String, u64>> = [(
-        gpu.clone(),
-        [
-            ("memory_max".to_owned(), 8 * GIB),
-            ("compute_max".to_owned(), 30),
-        ]
-        .into(),
-    )]
-    .into();
+    let want = eight_gib_and_thirty_percent_on(&gpu);
     assert_eq!(node.limits(&cg.rel).await, want);
     assert!(run_hook(&hooks[1]).success());
     assert!(node.limits(&cg.rel).await.is_empty(), "poststop cleared");
@@ -624,4 +608,15 @@ async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_
         .into_inner();
     assert_eq!(resp.claims["uid-1"].error, "");
     assert!(!spec_path.exists());
+}
+
+/// The limits the claims and allocations of these tests ask for on `gpu`: 8 GiB and 30 %.
+fn eight_gib_and_thirty_percent_on(gpu: &str) -> BTreeMap<String, BTreeMap<String, u64>> {
+    BTreeMap::from([(
+        gpu.to_owned(),
+        BTreeMap::from([
+            ("memory_max".to_owned(), 8 * GIB),
+            ("compute_max".to_owned(), 30),
+        ]),
+    )])
 }
