@@ -46,7 +46,9 @@ pub(super) fn plan_freezer(
         .cloned()
         .collect();
     for n in active {
-        let u = g.units.get_mut(n).expect("active");
+        let Some(u) = g.units.get_mut(n) else {
+            continue;
+        };
         if u.off || u.unsure {
             for &pid in &u.pids {
                 out.push((now, Command::Schedule { pid, enabled: true }));
@@ -73,9 +75,10 @@ pub(super) fn plan_freezer(
     if slotted.is_empty() {
         return p.period;
     }
-    if slotted.len() == 1 && g.units[&slotted[0]].target >= 99.5 {
-        let n = &slotted[0];
-        let u = g.units.get_mut(n).expect("slotted");
+    if let [n] = slotted.as_slice()
+        && let Some(u) = g.units.get_mut(n)
+        && u.target >= 99.5
+    {
         if u.frozen || u.unsure {
             freeze(out, now, n, false);
             u.frozen = false;
@@ -85,12 +88,15 @@ pub(super) fn plan_freezer(
     }
     // Slots back to back in a rotating order, from a varying offset where they leave part of the
     // period idle; each unit thawed a thaw latency before its slot and frozen at its end.
-    if slotted.len() == 1 {
-        let u = g.units.get_mut(&slotted[0]).expect("slotted");
-        trim_lone(u, now);
+    if let [n] = slotted.as_slice() {
+        if let Some(u) = g.units.get_mut(n) {
+            trim_lone(u, now);
+        }
     } else {
         for n in &slotted {
-            g.units.get_mut(n).expect("slotted").slot = None;
+            if let Some(u) = g.units.get_mut(n) {
+                u.slot = None;
+            }
         }
     }
     let want: Vec<f64> = slotted
@@ -153,7 +159,9 @@ pub(super) fn plan_freezer(
             continue;
         }
         let n = &slotted[i];
-        let u = g.units.get_mut(n).expect("slotted");
+        let Some(u) = g.units.get_mut(n) else {
+            continue;
+        };
         let thaw_at = t.saturating_sub(p.thaw_latency).max(now);
         if first[i] && (!u.frozen || u.unsure) && thaw_at > now {
             // Running from before (first cycle, or released): it waits for its slot.
@@ -167,7 +175,9 @@ pub(super) fn plan_freezer(
         t += len;
     }
     for (i, n) in slotted.iter().enumerate() {
-        let u = g.units.get_mut(n).expect("slotted");
+        let Some(u) = g.units.get_mut(n) else {
+            continue;
+        };
         u.stat.duty = lens[i] as f64 * 100.0 / cycle as f64;
         u.stat.nr_throttled += 1;
         u.stat.throttled_usec += (cycle - lens[i].min(cycle)) / 1_000;

@@ -40,7 +40,9 @@ pub(super) fn plan_hardware(
         }
     };
     for n in active {
-        let u = g.units.get_mut(n).expect("active");
+        let Some(u) = g.units.get_mut(n) else {
+            continue;
+        };
         if u.frozen || u.unsure {
             out.push((
                 now,
@@ -64,7 +66,9 @@ pub(super) fn plan_hardware(
         }
     }
     for n in &prio {
-        let u = g.units.get_mut(n).expect("active");
+        let Some(u) = g.units.get_mut(n) else {
+            continue;
+        };
         on(u, out, now);
         u.stat.duty = 100.0;
     }
@@ -76,9 +80,10 @@ pub(super) fn plan_hardware(
     let pairs: Vec<(f64, &Limits)> = windowed.iter().map(|(d, l)| (*d, l)).collect();
     let t = targets(&pairs);
     if slotted.len() == 1 && t[0] >= 99.5 {
-        let u = g.units.get_mut(&slotted[0]).expect("active");
-        on(u, out, now);
-        u.stat.duty = 100.0;
+        if let Some(u) = g.units.get_mut(&slotted[0]) {
+            on(u, out, now);
+            u.stat.duty = 100.0;
+        }
         return;
     }
     // The windows repeat in cycles of about HW_CYCLE within the period: preemption makes short
@@ -108,7 +113,9 @@ pub(super) fn plan_hardware(
         }
     }
     for (i, n) in slotted.iter().enumerate() {
-        let u = g.units.get_mut(n).expect("active");
+        let Some(u) = g.units.get_mut(n) else {
+            continue;
+        };
         u.stat.target = t[i];
         u.stat.duty = t[i];
         let first_on = segments[i].first().map(|(s, _)| *s);
