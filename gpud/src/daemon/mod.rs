@@ -132,6 +132,8 @@ async fn run_state(
     let mut keepalive = tokio::time::interval(watchdog.unwrap_or(NEVER));
     // A second look at the control files shortly after exits were checked: a file an exiting
     // process held is closed a moment after its exit is reported.
+    // The limits restored at start.
+    publish_limited_dirs(&mut state);
     let recheck = tokio::time::sleep(NEVER);
     tokio::pin!(recheck);
     let mut recheck_armed = false;
@@ -139,12 +141,17 @@ async fn run_state(
         tokio::select! {
             msg = rx.recv() => {
                 let Some(msg) = msg else { break };
+                // Only requests (SetLimits, ClearLimits, a reload) and removals change limits;
+                // kernel events come by the thousand and must stay cheap.
+                let limits_may_change = matches!(msg, Message::Request(_) | Message::CgroupRemoved);
                 if let Some(new) = handle(&mut state, msg) && new != intervals {
                     intervals = new;
                     sweep = timer(intervals.sweep);
                     rescan = timer(intervals.rescan.unwrap_or(NEVER));
                 }
-                publish_limited_dirs(&mut state);
+                if limits_may_change {
+                    publish_limited_dirs(&mut state);
+                }
                 if rx.is_empty() && state.attribution.check_pending_files() {
                     recheck.as_mut().reset(tokio::time::Instant::now() + RECHECK_AFTER_EXIT);
                     recheck_armed = true;
@@ -154,7 +161,10 @@ async fn run_state(
                 recheck_armed = false;
                 state.attribution.release_closed_files();
             }
-            _ = sweep.tick() => sweep_all(&mut state),
+            _ = sweep.tick() => {
+                sweep_all(&mut state);
+                publish_limited_dirs(&mut state);
+            }
             _ = rescan.tick(), if intervals.rescan.is_some() => {
                 // Reading every process's fd table is blocking work: do it off this task.
                 let matcher = state.attribution.matcher().clone();
