@@ -130,10 +130,10 @@ async fn run_state(
     let mut rescan = timer(intervals.rescan.unwrap_or(NEVER));
     // Keep-alives start at once: the service manager may have been waiting since the start.
     let mut keepalive = tokio::time::interval(watchdog.unwrap_or(NEVER));
-    // A second look at the control files shortly after exits were checked: a file an exiting
-    // process held is closed a moment after its exit is reported.
     // The limits restored at start.
     publish_limited_dirs(&mut state);
+    // A second look at the control files shortly after exits were checked: a file an exiting
+    // process held is closed a moment after its exit is reported.
     let recheck = tokio::time::sleep(NEVER);
     tokio::pin!(recheck);
     let mut recheck_armed = false;
