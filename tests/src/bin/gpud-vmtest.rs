@@ -166,6 +166,9 @@ fn pump(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, attribution: &mut Att
 /// closed file's clients. The fake NVIDIA control device (FUSE) answers the real RM ABI.
 fn memory_deny() -> anyhow::Result<()> {
     const MIB: u64 = 1 << 20;
+    // Orphans (the heir below) are re-parented here, so they can be reaped.
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) only sets a flag of this process.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let fake = gpud_tests::fakenv::mount(
         std::path::Path::new("/tmp/vm-fake"),
         gpud_tests::fakenv::Options::default(),
@@ -229,19 +232,38 @@ fn memory_deny() -> anyhow::Result<()> {
             xfer_denied.errno,
             fits.ok()
         );
+        // A grandchild inherits the file and outlives its creator (a daemon's fork): the
+        // driver keeps the client while it holds the file.
+        // SAFETY: the grandchild only sleeps until it is killed.
+        let keep = std::os::fd::AsRawFd::as_raw_fd(&f);
+        let heir = unsafe { libc::fork() };
+        if heir == 0 {
+            // Only the control file: the report and release pipes must close with the child.
+            for fd in 3..1024 {
+                if fd != keep {
+                    // SAFETY: closes descriptors this process does not use.
+                    unsafe { libc::close(fd) };
+                }
+            }
+            loop {
+                // SAFETY: waits for a signal.
+                unsafe { libc::pause() };
+            }
+        }
         // Keep the file open while the parent checks; it is closed when the child exits.
         std::mem::forget(f);
-        out
+        format!("{out} heir={heir}")
     })?;
     let want = format!(
         "first=true denied=-1/{e} xfer=-1/{e} fits=true",
         e = libc::ENOMEM
     );
-    ensure!(
-        held.report == want,
-        "child: {} (wanted {want})",
-        held.report
-    );
+    let (report, heir) = held
+        .report
+        .rsplit_once(" heir=")
+        .context("no heir in the child's report")?;
+    let heir: i32 = heir.parse().context("heir pid")?;
+    ensure!(report == want, "child: {report} (wanted {want})");
     ensure!(
         fake.snapshot().used_total() == 6 * MIB,
         "the driver saw a refused allocation: {:?}",
@@ -258,8 +280,29 @@ fn memory_deny() -> anyhow::Result<()> {
         stats.get("allocs_denied") == Some(&2),
         "kernel stats {stats:?}"
     );
-    // Exit closes the file: `security_file_free` announces it and its clients are released.
+    // The creator exits; the heir still holds the file, so the memory stays charged, and the
+    // release rule's check of the file (`gpud_file_held`, this kernel's `f_count`) agrees.
     held.release();
+    pump(&mut ring, &mut attribution);
+    let released = attribution.release_closed_files();
+    let m = attribution.memory_of(id);
+    ensure!(
+        released == 0 && m.current.get("all") == Some(&(6 * MIB)),
+        "the creator's exit released memory the heir's file still holds: {released} released, {m:?}"
+    );
+    // The heir goes: the file's last reference with it. The check alone (before any event is
+    // read) finds the file released.
+    // SAFETY: kill(2) and waitpid(2) of our adopted grandchild (this process is a subreaper).
+    unsafe {
+        libc::kill(heir, libc::SIGKILL);
+        libc::waitpid(heir, std::ptr::null_mut(), 0);
+    }
+    let released = attribution.release_closed_files();
+    ensure!(
+        released > 0 && attribution.memory_of(id).current.get("all") == Some(&0),
+        "the check did not find the file released: {released} released, {:?}",
+        attribution.memory_of(id)
+    );
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         pump(&mut ring, &mut attribution);
