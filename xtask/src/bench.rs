@@ -28,16 +28,11 @@ fn parse(out: &str) -> anyhow::Result<Value> {
     serde_json::from_str(line).context("bench: gpud-bench's JSON does not parse")
 }
 
-/// `cargo xtask bench compute [--quick] [--json] [--controller NAME] [--filter TEXT]`: builds
-/// and runs `gpusim-bench` (dev profile: gpusim itself is optimized there, see the workspace
-/// manifest). Its output goes straight to stdout; misses against the targets are reported, not
+/// `cargo xtask bench compute [ARGS…]`: builds and runs `gpusim-bench ARGS…` (dev profile:
+/// gpusim itself is optimized there, see the workspace manifest); the benchmark defines its own
+/// arguments. Its output goes straight to stdout; misses against the targets are reported, not
 /// failures.
-pub fn compute(
-    quick: bool,
-    json: bool,
-    controller: &str,
-    filter: Option<&str>,
-) -> anyhow::Result<()> {
+pub fn compute(args: &[String]) -> anyhow::Result<()> {
     let mut cmd = cargo();
     cmd.args([
         "run",
@@ -48,16 +43,7 @@ pub fn compute(
         "gpusim-bench",
         "--",
     ]);
-    if quick {
-        cmd.arg("--quick");
-    }
-    if json {
-        cmd.arg("--json");
-    }
-    cmd.args(["--controller", controller]);
-    if let Some(text) = filter {
-        cmd.args(["--filter", text]);
-    }
+    cmd.args(args);
     run_cmd("bench compute: gpusim-bench", &mut cmd)
 }
 

@@ -103,19 +103,10 @@ enum BenchWhat {
     /// across kernel durations, queue depths and firmware modes, LC vs BE, and the H100
     /// reproduction; pass/miss per case (the exit status does not depend on them).
     Compute {
-        /// A representative subset (a few minutes at most on 2 cores).
-        #[arg(long)]
-        quick: bool,
-        /// One JSON object per line and case instead of the table.
-        #[arg(long)]
-        json: bool,
-        /// The controller under test (`law`: gpud's; `old`: the controller it replaced;
-        /// `none`: no control).
-        #[arg(long, default_value = "law")]
-        controller: String,
-        /// Only the cases whose scenario contains this text.
-        #[arg(long)]
-        filter: Option<String>,
+        /// gpusim-bench's own arguments, passed on as given: `--quick`, `--json`,
+        /// `--controller law|old|none`, `--threads N`, `--filter TEXT` (its `--help` says more).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
 }
 
@@ -157,15 +148,9 @@ fn main() -> ExitCode {
         Task::Run { args } => run::run(&args),
         Task::Test { no_vm, no_lint } => test::run(!no_vm, !no_lint),
         Task::Bench {
-            what:
-                Some(BenchWhat::Compute {
-                    quick,
-                    json,
-                    controller,
-                    filter,
-                }),
+            what: Some(BenchWhat::Compute { args }),
             ..
-        } => bench::compute(quick, json, &controller, filter.as_deref()),
+        } => bench::compute(&args),
         Task::Bench { no_vm, what: None } => bench::run(!no_vm),
         Task::Fuzz { cases, rm_rounds } => fuzz::run(cases, rm_rounds),
         Task::Soak { minutes } => soak::run(std::time::Duration::from_secs(minutes * 60)),
