@@ -149,18 +149,7 @@ impl CgroupFs {
 
     /// The id of the cgroup at `path` (relative to the root, already normalized).
     pub fn id_of(&mut self, path: &str) -> Result<u64, CgroupError> {
-        let full = self.root.join(path.trim_start_matches('/'));
-        let meta = std::fs::metadata(&full).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => CgroupError::NotFound(path.to_owned()),
-            _ => CgroupError::Read {
-                path: full.clone(),
-                source: e,
-            },
-        })?;
-        if !meta.is_dir() {
-            return Err(CgroupError::NotFound(path.to_owned()));
-        }
-        let id = meta.ino();
+        let id = id_at(&self.root, path)?;
         self.gone.remove(&id);
         self.cache.insert(id, path.to_owned());
         Ok(id)
@@ -330,6 +319,23 @@ impl CgroupFs {
     pub fn freeze(&self, path: &str, frozen: bool) -> Result<(), CgroupError> {
         freeze_at(&self.root, path, frozen)
     }
+}
+
+/// The id of the cgroup at `path` (normalized, relative to `root`): its directory's inode.
+/// Reads nothing but the directory's metadata, so any task may ask.
+pub fn id_at(root: &Path, path: &str) -> Result<u64, CgroupError> {
+    let full = root.join(path.trim_start_matches('/'));
+    let meta = std::fs::metadata(&full).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => CgroupError::NotFound(path.to_owned()),
+        _ => CgroupError::Read {
+            path: full.clone(),
+            source: e,
+        },
+    })?;
+    if !meta.is_dir() {
+        return Err(CgroupError::NotFound(path.to_owned()));
+    }
+    Ok(meta.ino())
 }
 
 /// The cgroup v2 path in the text of a `/proc/<pid>/cgroup` file: its `0::` line (hybrid

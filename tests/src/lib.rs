@@ -109,6 +109,11 @@ pub struct Bus {
 }
 
 impl Bus {
+    /// The bus daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Starts a bus whose policy lets anyone own names and call anything (the shipped system
     /// policy is tested separately).
     pub fn start() -> Self {

@@ -571,8 +571,14 @@ impl Soak<'_> {
         self.n.checkpoints += 1;
         let r = settle(|| self.compare()).await;
         if let Err(e) = r {
+            let parent = std::fs::metadata(&self.parent_dir).map_or(0, |m| m.ino());
+            let kernel: Vec<String> = pinned::<UsageKey, u64>(base, maps::USAGE)
+                .into_iter()
+                .filter(|(k, _)| k.cgroup_id == parent)
+                .map(|(k, b)| format!("{:#x}={b}", k.gpu))
+                .collect();
             panic!(
-                "usage differs from the driver's: {e}\n{}\n{}",
+                "usage differs from the driver's: {e}\nthe parent's USAGE entries now: {kernel:?}\n{}\n{}",
                 stray_objects(base, &self.fake.snapshot()),
                 daemon.log_text()
             );
@@ -636,6 +642,89 @@ impl Soak<'_> {
             Err(left.join(", "))
         }
     }
+}
+
+/// What one reply of the read path must show whatever churn goes on, since it comes from one
+/// view of the daemon: paths ordered and unique, no process in two cgroups, `all` present and
+/// no GPU's bytes above it, and a cgroup's limits and bytes on the GPUs it is limited on.
+fn whole(records: &[gpud_api::CgroupRecord]) -> Result<(), String> {
+    let mut pids = HashSet::new();
+    for w in records.windows(2) {
+        if w[0].path >= w[1].path {
+            return Err(format!(
+                "paths out of order: {:?} {:?}",
+                w[0].path, w[1].path
+            ));
+        }
+    }
+    for r in records {
+        let all = *r
+            .memory_current
+            .get("all")
+            .ok_or_else(|| format!("{}: no `all` in {:?}", r.path, r.memory_current))?;
+        if let Some((g, b)) = r.memory_current.iter().find(|(_, b)| **b > all) {
+            return Err(format!("{}: GPU {g} holds {b} > all {all}", r.path));
+        }
+        for pid in &r.pids {
+            if !pids.insert(*pid) {
+                return Err(format!("process {pid} listed twice (again in {})", r.path));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads through D-Bus (`ListCgroups`, `GetCgroup` of what it lists) and `gpudctl list` until
+/// `stop`, checking each reply with [`whole`]; returns how many replies it checked.
+async fn read_during_churn(
+    proxy: Manager1Proxy<'static>,
+    bus: String,
+    parent: String,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Result<u64, String> {
+    let mut checked = 0;
+    let mut round = 0u64;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        round += 1;
+        let list = proxy
+            .list_cgroups()
+            .await
+            .map_err(|e| format!("ListCgroups: {e}"))?;
+        whole(&list).map_err(|e| format!("ListCgroups: {e}"))?;
+        checked += 1;
+        for r in list.iter().filter(|r| r.path.starts_with(&parent)).take(8) {
+            match proxy.get_cgroup(&r.path).await {
+                Ok(one) => whole(std::slice::from_ref(&one))
+                    .map_err(|e| format!("GetCgroup {}: {e}", r.path))?,
+                // Removed by the churn since it was listed.
+                Err(e) if e.to_string().contains("no cgroup") => continue,
+                Err(e) => return Err(format!("GetCgroup {}: {e}", r.path)),
+            }
+            checked += 1;
+        }
+        if round.is_multiple_of(5) {
+            let out = tokio::process::Command::new(gpud_tests::gpudctl_bin())
+                .args(["--bus-address", &bus, "list", "--json"])
+                .output()
+                .await
+                .map_err(|e| format!("gpudctl: {e}"))?;
+            if !out.status.success() {
+                return Err(format!("gpudctl list failed: {out:?}"));
+            }
+            let listed: Vec<gpud_api::CgroupRecord> =
+                serde_json::from_slice::<Vec<Value>>(&out.stdout)
+                    .map_err(|e| format!("gpudctl JSON: {e}"))?
+                    .into_iter()
+                    .filter_map(|v| serde_json::from_value(v).ok())
+                    .collect();
+            whole(&listed).map_err(|e| format!("gpudctl list: {e}"))?;
+            checked += 1;
+        }
+        // A monitoring client's pace, not a storm: reads cause no work in the daemon while
+        // nothing changed, but a changed state is rebuilt for them.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(checked)
 }
 
 /// Polls `f` until it is `Ok`, for at most [`SETTLE`]; its last error otherwise.
@@ -711,6 +800,15 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
             *e = (*e).max(v);
         }
     };
+    // Readers during the churn, on a connection of their own.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (reader_conn, reader_proxy) = rig.proxy().await;
+    let reader = tokio::spawn(read_during_churn(
+        reader_proxy,
+        rig.bus.address.clone(),
+        soak.parent_rel.clone(),
+        stop.clone(),
+    ));
     let started = Instant::now();
     let mut next_checkpoint = started + CHECKPOINT_EVERY;
     while started.elapsed() < Duration::from_secs(secs) {
@@ -722,6 +820,12 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
         }
     }
     soak.checkpoint(&rig, &base).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let replies_checked = match reader.await.expect("reader task") {
+        Ok(n) => n,
+        Err(e) => panic!("read path under churn: {e}\n{}", rig.log_text()),
+    };
+    drop(reader_conn);
 
     // Wind down: every process and cgroup goes; then nothing may remain anywhere.
     while !soak.cgroups.is_empty() {
@@ -750,6 +854,7 @@ async fn churn_soak_leaks_nothing_and_matches_the_driver() {
         "limits_set": soak.n.limits_set,
         "limits_cleared": soak.n.limits_cleared,
         "checkpoints": soak.n.checkpoints,
+        "read_replies_checked": replies_checked,
         "max_map_entries": max_entries,
         "leaks": settled.as_ref().map_or_else(|l| l.split(", ").count(), |()| 0),
     });

@@ -1,13 +1,17 @@
 //! The D-Bus service `dev.gpud.Daemon1`: object `/dev/gpud/Daemon1`, interface
 //! `dev.gpud.Manager1` (documented in docs/dbus-api.md), and the client proxy gpudctl uses.
 //!
-//! Handlers hold no state: they validate arguments, ask the state task through its
-//! [`Handle`], and turn its answers into gpud-api's records.
+//! Handlers hold no state but a cache of the last full listing: they validate arguments, read
+//! the state task's published view or ask it for changes through its [`Handle`], and turn its
+//! answers into gpud-api's records.
 
 // Signal arguments are the D-Bus signature; zbus generates functions with one parameter each.
 #![allow(clippy::too_many_arguments)]
 
-use std::collections::BTreeMap;
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex, PoisonError, Weak},
+};
 
 use tokio::sync::watch;
 use zbus::interface;
@@ -24,7 +28,7 @@ use super::{
     records::{all, compute_record},
 };
 use crate::{
-    daemon::{DaemonInfo, Handle},
+    daemon::{DaemonInfo, Handle, View},
     enforcement::LimitNotice,
     policy::{LimitUpdate, idle::IdleChange},
 };
@@ -39,11 +43,18 @@ fn check_len(what: &str, s: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// A `ListCgroups` reply and the view it was made from.
+type CachedListing = (Weak<View>, Arc<Vec<CgroupRecord>>);
+
 pub struct Manager {
     daemon: Handle,
     info: DaemonInfo,
     /// Who may call [`gpud_api::MUTATING_METHODS`].
     authz: Authorizer,
+    /// The last `ListCgroups` reply and the view it was made from: calls against an unchanged
+    /// view (the usual case when many clients poll) serialize the same records instead of
+    /// copying and converting a thousand of them again.
+    cgroups_reply: Mutex<Option<CachedListing>>,
 }
 
 impl Manager {
@@ -53,7 +64,31 @@ impl Manager {
             daemon,
             info,
             authz: Authorizer::new(admin_group),
+            cgroups_reply: Mutex::new(None),
         }
+    }
+
+    /// The `ListCgroups` records of `view`, converted once per view.
+    fn cgroup_records(&self, view: &Arc<View>) -> Arc<Vec<CgroupRecord>> {
+        // A panic elsewhere while holding the lock leaves nothing half-written worth refusing.
+        let mut cached = self
+            .cgroups_reply
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some((of, records)) = cached.as_ref()
+            && Weak::ptr_eq(of, &Arc::downgrade(view))
+        {
+            return records.clone();
+        }
+        let records: Arc<Vec<CgroupRecord>> = Arc::new(
+            view.cgroups
+                .iter()
+                .cloned()
+                .map(CgroupRecord::from)
+                .collect(),
+        );
+        *cached = Some((Arc::downgrade(view), records.clone()));
+        records
     }
 }
 
@@ -247,8 +282,9 @@ impl Manager {
     ) -> zbus::Result<()>;
 
     /// Every attributed cgroup, ordered by path.
-    async fn list_cgroups(&self) -> Result<Vec<CgroupRecord>, ApiError> {
-        Ok(all(self.daemon.list_cgroups().await?))
+    async fn list_cgroups(&self) -> Result<Arc<Vec<CgroupRecord>>, ApiError> {
+        let view = self.daemon.view().await?;
+        Ok(self.cgroup_records(&view))
     }
 
     /// Every live attributed process, ordered by pid.

@@ -53,13 +53,19 @@ impl Attribution {
     pub fn memory_views(&self, only: Option<u64>) -> HashMap<u64, MemoryView> {
         let mut views: HashMap<u64, MemoryView> = HashMap::new();
         let wanted = |id: u64| only.is_none_or(|o| o == id);
+        // `all` is the sum of the per-GPU figures read here, not the kernel's own total: the
+        // kernel updates the two one after the other, so a walk can fall between them, and a
+        // record whose GPU holds more than its `all` would be torn.
         for (k, bytes) in map_entries(&self.maps.usage) {
             if wanted(k.cgroup_id) && (bytes != 0 || k.gpu == GPU_ALL) {
-                views
+                let current = &mut views
                     .entry(k.cgroup_id)
                     .or_insert_with(MemoryView::empty)
-                    .current
-                    .insert(gpu_name(k.gpu), bytes);
+                    .current;
+                if k.gpu != GPU_ALL {
+                    current.insert(gpu_name(k.gpu), bytes);
+                    *current.entry(gpu_name(GPU_ALL)).or_default() += bytes;
+                }
             }
         }
         for (k, l) in map_entries(&self.maps.limits) {
@@ -247,16 +253,13 @@ impl Attribution {
             .map(|(_, e)| e.file)
             .collect();
         let checked = files.len();
-        let mut released = 0;
+        let mut gone = Vec::new();
         for file in files {
             match self.probes.file_held(file) {
                 Ok(true) => {}
                 Ok(false) => {
-                    // Nothing is allocated on a released file: everything under its clients
-                    // until now is gone with it.
-                    let Some(now) = monotonic_ns() else { break };
                     debug!(file, "control file no longer referenced");
-                    released += self.release_file_of(&objects, file, now);
+                    gone.push(file);
                 }
                 Err(e) => {
                     warn!(
@@ -264,6 +267,19 @@ impl Attribution {
                         crate::report::Chain(&e)
                     );
                     break;
+                }
+            }
+        }
+        let mut released = 0;
+        if !gone.is_empty() {
+            // Read again: an allocation that completed between the first read and its file's
+            // release (e.g. the one that crossed a limit, its process killed at once) is not
+            // in it, and would be left without its client. Nothing is allocated on a released
+            // file, so everything under its clients until now goes with it.
+            let objects = self.objects();
+            if let Some(now) = monotonic_ns() {
+                for file in gone {
+                    released += self.release_file_of(&objects, file, now);
                 }
             }
         }

@@ -2,10 +2,11 @@
 //! maps cgroup ids to paths, seeds processes found holding devices, and forgets processes and
 //! cgroups that are gone. Owned by the state task (`daemon`); nothing here is shared.
 
+mod counters;
 pub mod memory;
 pub mod scan;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use gpud_common::{
     EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, EVENT_PROC_EXIT,
@@ -18,6 +19,7 @@ use crate::{
     probes::{KernelMaps, Matcher, Probes, map_entries},
     report::Chain,
 };
+pub use counters::KernelCounters;
 pub use memory::MemoryView;
 
 /// Most process exits answered by one check of control files while events keep coming.
@@ -337,35 +339,6 @@ impl Attribution {
             );
             let _ = self.maps.cgroups.remove(&id);
         }
-    }
-
-    /// Kernel health counters summed over CPUs.
-    pub fn kernel_stats(&self) -> BTreeMap<String, u64> {
-        let names = [
-            (stat::EVENTS_LOST, "events_lost"),
-            (stat::PROCS_FULL, "procs_map_full"),
-            (stat::CGROUPS_FULL, "cgroups_map_full"),
-            (stat::MATCHED_IOCTLS, "matched_ioctls"),
-            (stat::OBJECTS_FULL, "objects_map_full"),
-            (stat::CHARGES, "memory_charges"),
-            (stat::UNCHARGES, "memory_uncharges"),
-            (stat::UNREADABLE, "allocs_unreadable"),
-            (stat::DENIED, "allocs_denied"),
-            (stat::CROSSED, "limit_crossings"),
-            (stat::UNKNOWN_GPU, "allocs_unknown_gpu"),
-        ];
-        names
-            .into_iter()
-            .map(|(i, n)| {
-                let v = self
-                    .maps
-                    .stats
-                    .get(&i, 0)
-                    .map(|per_cpu| per_cpu.iter().sum())
-                    .unwrap_or(0);
-                (n.to_owned(), v)
-            })
-            .collect()
     }
 
     /// Reacts to what the probes report: releases the kernel leaves to the daemon; the maps

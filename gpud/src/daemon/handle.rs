@@ -1,12 +1,16 @@
 //! The typed handle to the state task: what the API layer (D-Bus, metrics) may ask and change.
-//! Each call is one request on the state task's channel with a oneshot reply; callers never see
-//! the message types.
+//! A change is one request on the state task's channel with a oneshot reply; a question reads
+//! the state task's published [`View`] (see `snapshot`). Callers never see the message types.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::{Message, views::NvmlUsage};
+use super::{
+    Message,
+    snapshot::{Reader, View},
+    views::NvmlUsage,
+};
 use crate::{
     attribution::{AttributionError, CgroupView, ProcessView},
     config::Config,
@@ -38,7 +42,7 @@ pub struct NvmlStatus {
     pub status: String,
 }
 
-/// Everything one metrics scrape shows, taken at one moment of the state task.
+/// Everything one metrics scrape shows, from one view of the state task.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     pub cgroups: Vec<CgroupView>,
@@ -50,15 +54,14 @@ pub struct Snapshot {
     pub compute: ComputeStats,
 }
 
-/// Questions and changes for the state task, each with its reply channel.
+/// Changes for the state task, each with its reply channel (reads go to the published
+/// [`View`], but for one cgroup when that is stale).
 pub(super) enum Request {
-    ListCgroups(oneshot::Sender<Vec<CgroupView>>),
-    ListProcesses(oneshot::Sender<Vec<ProcessView>>),
+    /// One cgroup, when the view is stale (a whole new view costs far more).
     GetCgroup {
         path: String,
         reply: oneshot::Sender<Result<CgroupView, AttributionError>>,
     },
-    KernelStats(oneshot::Sender<BTreeMap<String, u64>>),
     SetLimits {
         cgroup: String,
         gpu: String,
@@ -71,13 +74,6 @@ pub(super) enum Request {
         names: Vec<String>,
         reply: oneshot::Sender<Result<(), EnforcementError>>,
     },
-    ListLimits(oneshot::Sender<Vec<LimitEntry>>),
-    ListGpus(oneshot::Sender<Vec<GpuStatus>>),
-    ListNvmlUsage(oneshot::Sender<Vec<NvmlUsage>>),
-    NvmlStatus(oneshot::Sender<NvmlStatus>),
-    ListNvmlEvents(oneshot::Sender<Vec<AttributedXid>>),
-    ListIdle(oneshot::Sender<Vec<IdleEntry>>),
-    Snapshot(oneshot::Sender<Snapshot>),
     /// A reloaded configuration: each owner applies its live keys.
     Reconfigure(Box<Config>, oneshot::Sender<()>),
 }
@@ -86,6 +82,7 @@ pub(super) enum Request {
 #[derive(Clone)]
 pub struct Handle {
     tx: mpsc::Sender<Message>,
+    reader: Reader,
     /// Published by the compute controller (its own task) after every period; `None` when
     /// compute shares are off.
     compute: Option<watch::Receiver<ComputeStats>>,
@@ -94,9 +91,20 @@ pub struct Handle {
 impl Handle {
     pub(super) fn new(
         tx: mpsc::Sender<Message>,
+        reader: Reader,
         compute: Option<watch::Receiver<ComputeStats>>,
     ) -> Self {
-        Self { tx, compute }
+        Self {
+            tx,
+            reader,
+            compute,
+        }
+    }
+
+    /// The latest view of the state: everything changed before this call is in it (see
+    /// [`View`]'s module for the rule); one reply built from one view is never torn.
+    pub async fn view(&self) -> Result<Arc<View>, DaemonError> {
+        self.reader.view().await
     }
 
     async fn ask<T>(
@@ -113,25 +121,22 @@ impl Handle {
 
     /// Every attributed cgroup, ordered by path.
     pub async fn list_cgroups(&self) -> Result<Vec<CgroupView>, DaemonError> {
-        self.ask(Request::ListCgroups).await
+        Ok(self.view().await?.cgroups.clone())
     }
 
     /// Every live attributed process, ordered by pid.
     pub async fn list_processes(&self) -> Result<Vec<ProcessView>, DaemonError> {
-        self.ask(Request::ListProcesses).await
+        Ok(self.view().await?.processes.clone())
     }
 
     /// One cgroup by path relative to the cgroup v2 root.
     pub async fn get_cgroup(&self, path: &str) -> Result<CgroupView, DaemonError> {
-        let path = path.to_owned();
-        Ok(self
-            .ask(|reply| Request::GetCgroup { path, reply })
-            .await??)
+        self.reader.cgroup(path).await
     }
 
     /// Health counters of the kernel side.
     pub async fn kernel_stats(&self) -> Result<BTreeMap<String, u64>, DaemonError> {
-        self.ask(Request::KernelStats).await
+        Ok(self.reader.kernel_stats())
     }
 
     /// Sets limits on a cgroup for one GPU selector; persisted and in force when it returns.
@@ -172,38 +177,45 @@ impl Handle {
 
     /// Every limit in force, ordered by cgroup and GPU.
     pub async fn list_limits(&self) -> Result<Vec<LimitEntry>, DaemonError> {
-        self.ask(Request::ListLimits).await
+        Ok(self.view().await?.limits.clone())
     }
 
     /// GPUs and MIG devices as NVML last reported them.
     pub async fn list_gpus(&self) -> Result<Vec<GpuStatus>, DaemonError> {
-        self.ask(Request::ListGpus).await
+        Ok(self.view().await?.gpus.clone())
     }
 
     /// NVML's per-cgroup figures from the last sample beside the probes' memory figures.
     pub async fn list_nvml_usage(&self) -> Result<Vec<NvmlUsage>, DaemonError> {
-        self.ask(Request::ListNvmlUsage).await
+        Ok(self.view().await?.nvml_usage.clone())
     }
 
     pub async fn nvml_status(&self) -> Result<NvmlStatus, DaemonError> {
-        self.ask(Request::NvmlStatus).await
+        Ok(self.view().await?.nvml.clone())
     }
 
     /// The most recent Xid events, oldest first.
     pub async fn list_nvml_events(&self) -> Result<Vec<AttributedXid>, DaemonError> {
-        self.ask(Request::ListNvmlEvents).await
+        Ok(self.view().await?.nvml_events.clone())
     }
 
     /// cgroups reported idle while holding GPU memory, longest idle first.
     pub async fn list_idle(&self) -> Result<Vec<IdleEntry>, DaemonError> {
-        self.ask(Request::ListIdle).await
+        Ok(self.view().await?.idle())
     }
 
     /// What a metrics scrape shows, all from one moment of the state task.
     pub async fn snapshot(&self) -> Result<Snapshot, DaemonError> {
-        let mut snap = self.ask(Request::Snapshot).await?;
-        snap.compute = self.compute_stats().unwrap_or_default();
-        Ok(snap)
+        let view = self.view().await?;
+        Ok(Snapshot {
+            cgroups: view.cgroups.clone(),
+            nvml_usage: view.nvml_usage.clone(),
+            nvml_available: view.nvml.available,
+            gpus: view.gpus.clone(),
+            kernel_stats: self.reader.kernel_stats(),
+            idle: view.idle(),
+            compute: self.compute_stats().unwrap_or_default(),
+        })
     }
 
     /// What the compute controller does per cgroup; `None` when compute shares are off.

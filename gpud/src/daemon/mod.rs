@@ -4,6 +4,7 @@
 //! only through a [`Handle`]. [`spawn`] wires it all up and hands back a [`Running`] daemon.
 //!
 //! - `handle`: the typed requests the API may make;
+//! - `snapshot`: the view of the state that readers get without queuing behind its work;
 //! - `views`: joins of the state computed on demand (attribution × NVML, the controller's input);
 //! - `ring`: the event ring buffer's reader;
 //! - `start`: start-up (probes, stored limits, tasks) and orderly stop.
@@ -11,6 +12,7 @@
 mod handle;
 mod removals;
 mod ring;
+mod snapshot;
 mod start;
 mod views;
 
@@ -22,6 +24,7 @@ use tracing::{debug, info, warn};
 use handle::Request;
 pub use handle::{ComputeStats, DaemonError, Handle, NvmlStatus, Snapshot};
 pub use ring::parse_event;
+pub use snapshot::View;
 pub use start::{DaemonInfo, Outputs, Running, StartError, spawn};
 pub use views::NvmlUsage;
 
@@ -46,6 +49,8 @@ enum Message {
     Nvml(NvmlSnapshot),
     /// A cgroup with limits was removed ([`removals`]).
     CgroupRemoved,
+    /// A reader found the published view stale ([`snapshot`]).
+    Refresh,
 }
 
 /// Where the state task's news goes: the API's publishers subscribe to these.
@@ -118,6 +123,7 @@ fn timer(every: Duration) -> tokio::time::Interval {
 /// here so that they stop when this task hangs.
 async fn run_state(
     mut state: State,
+    views: snapshot::Publisher,
     mut intervals: Intervals,
     watchdog: Option<Duration>,
     tx: mpsc::Sender<Message>,
@@ -141,6 +147,10 @@ async fn run_state(
         tokio::select! {
             msg = rx.recv() => {
                 let Some(msg) = msg else { break };
+                let refresh = matches!(msg, Message::Refresh);
+                if !refresh {
+                    views.changing();
+                }
                 // Only requests (SetLimits, ClearLimits, a reload) and removals change limits;
                 // kernel events come by the thousand and must stay cheap.
                 let limits_may_change = matches!(msg, Message::Request(_) | Message::CgroupRemoved);
@@ -152,16 +162,22 @@ async fn run_state(
                 if limits_may_change {
                     publish_limited_dirs(&mut state);
                 }
-                if rx.is_empty() && state.attribution.check_pending_files() {
+                // A view reflects every exit read so far: the files they held are checked first.
+                if (refresh || rx.is_empty()) && state.attribution.check_pending_files() {
                     recheck.as_mut().reset(tokio::time::Instant::now() + RECHECK_AFTER_EXIT);
                     recheck_armed = true;
+                }
+                if refresh {
+                    views.refresh(&mut state);
                 }
             }
             () = &mut recheck, if recheck_armed => {
                 recheck_armed = false;
+                views.changing();
                 state.attribution.release_closed_files();
             }
             _ = sweep.tick() => {
+                views.changing();
                 sweep_all(&mut state);
                 publish_limited_dirs(&mut state);
             }
@@ -206,15 +222,13 @@ fn sweep_all(state: &mut State) {
 /// The switchboard: one arm per message. Returns new timer intervals after a reload.
 fn handle(state: &mut State, msg: Message) -> Option<Intervals> {
     match msg {
-        Message::Request(request) => {
-            // Answers reflect every exit read so far.
-            state.attribution.check_pending_files();
-            return answer(state, request);
-        }
+        Message::Request(request) => return answer(state, request),
         Message::Kernel(ev) => on_kernel_event(state, &ev),
         Message::Nvml(NvmlSnapshot::Xid { uuid, xid }) => on_xid(state, uuid, xid),
         Message::Nvml(snapshot) => on_nvml(state, snapshot),
         Message::CgroupRemoved => state.memory.sweep(&mut state.attribution),
+        // Answered by the loop before it gets here.
+        Message::Refresh => {}
         Message::Scanned(pids) => {
             let n = state.attribution.track_holders(pids);
             if n > 0 {
@@ -233,15 +247,16 @@ fn reply<T>(to: oneshot::Sender<T>, value: T) {
     let _ = to.send(value);
 }
 
-/// Answers one request from the API.
+/// Carries out one change asked through the API (or answers a question the view could not).
 fn answer(state: &mut State, request: Request) -> Option<Intervals> {
     let attribution = &mut state.attribution;
     let memory = &mut state.memory;
     match request {
-        Request::ListCgroups(to) => reply(to, attribution.list()),
-        Request::ListProcesses(to) => reply(to, attribution.processes()),
-        Request::GetCgroup { path, reply: to } => reply(to, attribution.get(&path)),
-        Request::KernelStats(to) => reply(to, attribution.kernel_stats()),
+        Request::GetCgroup { path, reply: to } => {
+            // Answers reflect every exit read so far.
+            attribution.check_pending_files();
+            reply(to, attribution.get(&path));
+        }
         Request::SetLimits {
             cgroup,
             gpu,
@@ -254,13 +269,6 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             names,
             reply: to,
         } => reply(to, memory.clear(attribution, &cgroup, &gpu, &names)),
-        Request::ListLimits(to) => reply(to, memory.list()),
-        Request::ListGpus(to) => reply(to, state.nvml.inventory()),
-        Request::NvmlStatus(to) => reply(to, nvml_status(&state.nvml)),
-        Request::ListNvmlUsage(to) => reply(to, views::nvml_usage(attribution, &state.nvml)),
-        Request::ListIdle(to) => reply(to, state.idle.list(std::time::Instant::now())),
-        Request::ListNvmlEvents(to) => reply(to, state.nvml.events.iter().cloned().collect()),
-        Request::Snapshot(to) => reply(to, snapshot(state)),
         Request::Reconfigure(config, to) => {
             let intervals = reconfigure(state, &config);
             reply(to, ());
@@ -268,27 +276,6 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
         }
     }
     None
-}
-
-fn nvml_status(nvml: &NvmlView) -> NvmlStatus {
-    NvmlStatus {
-        available: nvml.available,
-        status: nvml.status.clone(),
-    }
-}
-
-/// Everything a scrape shows, from this one moment (the controller's figures are added by the
-/// handle from its own channel).
-fn snapshot(state: &mut State) -> Snapshot {
-    Snapshot {
-        cgroups: state.attribution.list(),
-        nvml_usage: views::nvml_usage(&mut state.attribution, &state.nvml),
-        nvml_available: state.nvml.available,
-        gpus: state.nvml.inventory(),
-        kernel_stats: state.attribution.kernel_stats(),
-        idle: state.idle.list(std::time::Instant::now()),
-        compute: ComputeStats::default(),
-    }
 }
 
 /// Applies the live keys of a reloaded configuration that this task and the tasks it feeds own

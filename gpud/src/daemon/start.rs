@@ -239,9 +239,22 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         tx.clone(),
         shutdown_rx.clone(),
     ));
-    let handle = Handle::new(tx.clone(), compute_on.then_some(compute_stats_rx));
+    let (views, view_reader) = super::snapshot::channel(
+        state
+            .attribution
+            .counters()
+            .map_err(StartError::Attribution)?,
+        tx.clone(),
+        cgroup_root.clone(),
+    );
+    let handle = Handle::new(
+        tx.clone(),
+        view_reader,
+        compute_on.then_some(compute_stats_rx),
+    );
     let state = tokio::spawn(super::run_state(
         state,
+        views,
         Intervals::of(config),
         // Keep-alives at half the service manager's timeout, from the state task itself: a hung
         // state task stops them and systemd restarts the daemon.

@@ -175,7 +175,9 @@ impl IdleTracker {
                 cgroup_id: e.cgroup_id,
                 gpu: *gpu,
                 memory_bytes: e.memory_bytes,
-                idle_for: Duration::from_secs(idle_secs(e, now)),
+                idle_for: e
+                    .below_since
+                    .map_or(Duration::ZERO, |s| now.saturating_duration_since(s)),
                 last_active: e.last_active,
                 util: e.util,
             })

@@ -16,6 +16,9 @@
 //!   many clients the latency is mostly queueing behind the others);
 //! - `dbus_paced_us`: the same clients and mix, each calling once every `--pace-ms` (1,000 by
 //!   default: 100 monitoring agents polling once a second), starts spread over the period;
+//!   Each D-Bus run also says where the CPU went (`cpu_percent`: daemon, bus daemon, clients);
+//! - `list_cgroups_parts_us`: one client, `ListCgroups` 200 times in a row: the round trip to the
+//!   reply's arrival, and the client's decoding of it, apart;
 //! - `load`: daemon CPU and RSS while those processes issue about `--rate` matched ioctls/s spread
 //!   over all cgroups (achieved rate from the kernel's own counter);
 //! - `events`: ring-buffer events (process fork/exit of tracked processes) consumed per second
@@ -119,6 +122,71 @@ fn cpu_over(pid: u32, window: Duration) -> anyhow::Result<Value> {
         "cpu_percent": (c1 - c0) / t.elapsed().as_secs_f64() * 100.0,
         "rss_kib": rss, "hwm_kib": hwm, "window_s": window.as_secs_f64(),
     }))
+}
+
+/// One client calling `ListCgroups` 200 times in a row, nothing else running: the round trip
+/// up to the reply's arrival (the daemon's work, the bus daemon's copy and checks, both sockets)
+/// apart from the client's decoding of the reply into records, which is the client's own cost.
+async fn listing_parts(conn: &zbus::Connection) -> anyhow::Result<Value> {
+    let (mut trip, mut decode) = (Vec::new(), Vec::new());
+    let mut bytes = 0;
+    for _ in 0..200 {
+        let t = Instant::now();
+        let reply = conn
+            .call_method(
+                Some(gpud_api::BUS_NAME),
+                gpud_api::OBJECT_PATH,
+                Some(gpud_api::MANAGER_INTERFACE),
+                "ListCgroups",
+                &(),
+            )
+            .await?;
+        trip.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        let records: Vec<gpud_api::CgroupRecord> = reply.body().deserialize()?;
+        decode.push(t.elapsed().as_secs_f64() * 1e6);
+        bytes = reply.data().len();
+        std::hint::black_box(records);
+    }
+    Ok(json!({"round_trip": dist(trip), "client_decode": dist(decode), "reply_bytes": bytes}))
+}
+
+/// Where the CPU went during a D-Bus run (percent of one core each): the daemon, the bus daemon,
+/// and this process (the clients: their calls, replies' deserialization, bookkeeping). The
+/// machine's total is 100 per CPU; what is left of it was idle or other processes'.
+struct CpuSplit {
+    pids: [(&'static str, u32); 3],
+    start: [f64; 3],
+    at: Instant,
+}
+
+impl CpuSplit {
+    fn start(daemon: u32, bus: u32) -> anyhow::Result<Self> {
+        let pids = [
+            ("daemon", daemon),
+            ("bus", bus),
+            ("clients", std::process::id()),
+        ];
+        let mut start = [0.0; 3];
+        for (i, (_, pid)) in pids.iter().enumerate() {
+            start[i] = usage(*pid)?.0;
+        }
+        Ok(Self {
+            pids,
+            start,
+            at: Instant::now(),
+        })
+    }
+
+    fn end(self) -> anyhow::Result<Value> {
+        let secs = self.at.elapsed().as_secs_f64();
+        let mut out = serde_json::Map::new();
+        for (i, (name, pid)) in self.pids.iter().enumerate() {
+            let used = usage(*pid)?.0 - self.start[i];
+            out.insert((*name).into(), json!(used / secs * 100.0));
+        }
+        Ok(Value::Object(out))
+    }
 }
 
 /// A held `gpud-ioctl` in a cgroup; each line written to it re-issues its ioctls.
@@ -439,15 +507,23 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         "scalebench: D-Bus, {} clients back to back for {} s",
         o.clients, o.seconds
     );
-    let saturated = dbus_clients(&rig.bus.address, &paths, o.clients, o.seconds, None).await?;
+    let cpu = CpuSplit::start(pid, rig.bus.pid())?;
+    let mut saturated = dbus_clients(&rig.bus.address, &paths, o.clients, o.seconds, None).await?;
+    saturated["cpu_percent"] = cpu.end()?;
     report.insert("dbus_us".into(), saturated);
     let pace = Duration::from_millis(o.pace_ms);
     eprintln!(
         "scalebench: D-Bus, {} clients each calling every {} ms for {} s",
         o.clients, o.pace_ms, o.seconds
     );
-    let paced = dbus_clients(&rig.bus.address, &paths, o.clients, o.seconds, Some(pace)).await?;
+    let cpu = CpuSplit::start(pid, rig.bus.pid())?;
+    let mut paced =
+        dbus_clients(&rig.bus.address, &paths, o.clients, o.seconds, Some(pace)).await?;
+    paced["cpu_percent"] = cpu.end()?;
     report.insert("dbus_paced_us".into(), paced);
+
+    eprintln!("scalebench: one ListCgroups at a time, its parts");
+    report.insert("list_cgroups_parts_us".into(), listing_parts(&conn).await?);
 
     eprintln!(
         "scalebench: ~{} matched ioctls/s over {} cgroups",

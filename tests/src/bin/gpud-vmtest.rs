@@ -275,7 +275,7 @@ fn memory_deny() -> anyhow::Result<()> {
         m.current.get("all") == Some(&(6 * MIB)) && m.events == 2,
         "accounting after denials: {m:?}"
     );
-    let stats = attribution.kernel_stats();
+    let stats = attribution.counters()?.stats();
     ensure!(
         stats.get("allocs_denied") == Some(&2),
         "kernel stats {stats:?}"
