@@ -355,3 +355,45 @@ async fn pinned_maps_of_another_layout_are_replaced_not_used() {
     );
     p.finish();
 }
+
+/// Reads come from the daemon's published view, never older than what was done before them:
+/// a listing right after ioctls shows them, right after a limit change shows the limit, and
+/// every reader in between gets the same answer without the daemon rebuilding anything.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_read_never_returns_state_older_than_what_came_before_it() {
+    let (rig, ctl) = started("fresh").await;
+    let cg = Cgroup::new("fresh");
+    let one_alloc = ioctl_arg(ALLOC, 1);
+    let mut issuer = Issuer::in_cgroup(&cg, &ctl, &["--ioctl", &one_alloc]);
+    let (_conn, proxy) = rig.proxy().await;
+    let find = |list: Vec<gpud_api::CgroupRecord>| {
+        list.into_iter()
+            .find(|r| r.path == cg.rel)
+            .expect("the cgroup is listed")
+    };
+    for round in 1..=5u64 {
+        // Listed (a whole view) right after the ioctls, with no wait in between.
+        let listed = find(proxy.list_cgroups().await.expect("ListCgroups"));
+        assert_eq!(listed.ioctls["alloc"], round, "round {round}");
+        // The same view serves a second reader unchanged.
+        let again = find(proxy.list_cgroups().await.expect("ListCgroups"));
+        assert_eq!(again, listed);
+        let max = round * 1024 * 1024;
+        let limits = std::collections::BTreeMap::from([("memory_max", zbus::Variant::from(max))]);
+        proxy
+            .set_limits(&cg.rel, "all", limits)
+            .await
+            .expect("SetLimits");
+        // Read-your-writes: the limit is in the next listing and in ListLimits.
+        let listed = find(proxy.list_cgroups().await.expect("ListCgroups"));
+        assert_eq!(listed.memory_max.get("all"), Some(&max), "round {round}");
+        let limits = proxy.list_limits().await.expect("ListLimits");
+        assert!(
+            limits
+                .iter()
+                .any(|l| l.cgroup == cg.rel && l.limits.get("memory_max") == Some(&max)),
+            "round {round}: {limits:?}"
+        );
+        issuer.again();
+    }
+}
