@@ -19,6 +19,7 @@
 //!   Each D-Bus run also says where the CPU went (`cpu_percent`: daemon, bus daemon, clients);
 //! - `list_cgroups_parts_us`: one client, `ListCgroups` 200 times in a row: the round trip to the
 //!   reply's arrival, and the client's decoding of it, apart;
+//! - `targets`: each goal with its limit, the figure and whether it is met;
 //! - `load`: daemon CPU and RSS while those processes issue about `--rate` matched ioctls/s spread
 //!   over all cgroups (achieved rate from the kernel's own counter);
 //! - `events`: ring-buffer events (process fork/exit of tracked processes) consumed per second
@@ -122,6 +123,88 @@ fn cpu_over(pid: u32, window: Duration) -> anyhow::Result<Value> {
         "cpu_percent": (c1 - c0) / t.elapsed().as_secs_f64() * 100.0,
         "rss_kib": rss, "hwm_kib": hwm, "window_s": window.as_secs_f64(),
     }))
+}
+
+/// The goals (issue "performance at scale"), each with its limit, the figure measured and
+/// whether it is met, so that a script can check a run: `{name: {limit, measured, met}}`.
+/// Latencies in µs, throughput in calls/s, memory in KiB.
+fn targets(report: &serde_json::Map<String, Value>) -> Value {
+    let at = |path: &[&str]| -> Option<f64> {
+        let mut v = report.get(path[0])?;
+        for k in &path[1..] {
+            v = v.get(k)?;
+        }
+        v.as_f64()
+    };
+    // (name, figure, limit, at most (true) or at least)
+    let goals: [(&str, &[&str], f64, bool); 11] = [
+        (
+            "dbus_calls_per_s",
+            &["dbus_us", "calls_per_s"],
+            10_000.0,
+            false,
+        ),
+        (
+            "dbus_GetCgroup_p99_us",
+            &["dbus_us", "GetCgroup", "p99"],
+            5_000.0,
+            true,
+        ),
+        (
+            "dbus_Get_p99_us",
+            &["dbus_us", "Get(Version)", "p99"],
+            2_000.0,
+            true,
+        ),
+        (
+            "dbus_ListCgroups_p99_us",
+            &["dbus_us", "ListCgroups", "p99"],
+            50_000.0,
+            true,
+        ),
+        (
+            "paced_ListCgroups_p99_us",
+            &["dbus_paced_us", "ListCgroups", "p99"],
+            3_000.0,
+            true,
+        ),
+        (
+            "paced_GetCgroup_p99_us",
+            &["dbus_paced_us", "GetCgroup", "p99"],
+            5_000.0,
+            true,
+        ),
+        (
+            "attribution_p99_us",
+            &["attribution_us", "p99"],
+            860.0,
+            true,
+        ),
+        (
+            "limit_change_p99_us",
+            &["limit_change_us", "p99"],
+            1_050.0,
+            true,
+        ),
+        ("load_hwm_kib", &["load", "hwm_kib"], 64.0 * 1024.0, true),
+        ("idle_rss_kib", &["idle", "rss_kib"], 16.0 * 1024.0, true),
+        (
+            "events_lost_running",
+            &["events", "lost_running"],
+            0.0,
+            true,
+        ),
+    ];
+    let mut out = serde_json::Map::new();
+    for (name, path, limit, at_most) in goals {
+        let measured = at(path);
+        let met = measured.is_some_and(|m| if at_most { m <= limit } else { m >= limit });
+        out.insert(
+            name.into(),
+            json!({"limit": limit, "at_most": at_most, "measured": measured, "met": met}),
+        );
+    }
+    Value::Object(out)
 }
 
 /// One client calling `ListCgroups` 200 times in a row, nothing else running: the round trip
@@ -598,6 +681,8 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
     );
     drop(ev_cg);
 
+    let targets = targets(&report);
+    report.insert("targets".into(), targets);
     println!("BENCH JSON: {}", Value::Object(report));
     drop(conn);
     drop(rig);
