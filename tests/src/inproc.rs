@@ -53,13 +53,22 @@ pub fn foreign_probes() -> (Vec<String>, Vec<std::path::PathBuf>) {
 
 /// Refuses to measure where gpud's probes already run (see [`foreign_probes`]).
 pub fn refuse_foreign_probes() -> anyhow::Result<()> {
-    let (names, pins) = foreign_probes();
-    if names.is_empty() {
-        return Ok(());
-    }
+    // The kernel frees a program some time after its last holder went (a bench run just before
+    // this one, a test's daemon): give that time before calling them someone else's.
+    let waited = std::time::Instant::now();
+    let (names, pins) = loop {
+        let (names, pins) = foreign_probes();
+        if names.is_empty() {
+            return Ok(());
+        }
+        if waited.elapsed() > std::time::Duration::from_secs(10) {
+            break (names, pins);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
     let pins: Vec<String> = pins.iter().map(|p| p.display().to_string()).collect();
     anyhow::bail!(
-        "gpud's programs are already loaded ({}): a gpud daemon is running, or a stopped one left \
+        "gpud's programs are still loaded after 10 s ({}): a gpud daemon is running, or a stopped one left \
          its probes pinned ({}); stop it, or remove those pin directories, and run again",
         names.join(", "),
         if pins.is_empty() {
