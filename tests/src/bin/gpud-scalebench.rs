@@ -17,6 +17,9 @@
 //! - `dbus_paced_us`: the same clients and mix, each calling once every `--pace-ms` (1,000 by
 //!   default: 100 monitoring agents polling once a second), starts spread over the period;
 //!   Each D-Bus run also says where the CPU went (`cpu_percent`: daemon, bus daemon, clients);
+//! - `bus_ceiling_us`: the back-to-back run against a service on the same bus, in a process of
+//!   its own, that replays gpud's replies from memory: what the bus daemon and the clients allow
+//!   here without gpud's work;
 //! - `list_cgroups_parts_us`: one client, `ListCgroups` 200 times in a row: the round trip to the
 //!   reply's arrival, and the client's decoding of it, apart;
 //! - `targets`: each goal with its limit, the figure and whether it is met;
@@ -38,8 +41,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+use std::sync::Arc;
+
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
+use gpud_api::BUS_NAME;
 use gpud_tests::{Cgroup, Manager1Proxy, Rig, connect_builder};
 use serde_json::{Value, json};
 
@@ -80,6 +86,9 @@ enum Sub {
     /// Its own event generator (see [`forker`]).
     #[command(hide = true)]
     Forker { file: String, n: u64 },
+    /// The replaying service of [`bus_ceiling`], in a process of its own.
+    #[command(hide = true)]
+    Replay { bus: String, path: String },
 }
 
 /// p50, p99, max of microsecond samples.
@@ -205,6 +214,81 @@ fn targets(report: &serde_json::Map<String, Value>) -> Value {
         );
     }
     Value::Object(out)
+}
+
+/// A service on the same bus that answers the bench's four calls with replies it holds ready
+/// (the very records gpud returned), doing nothing else.
+struct Replay {
+    cgroups: Arc<Vec<gpud_api::CgroupRecord>>,
+    one: gpud_api::CgroupRecord,
+    limits: Arc<Vec<gpud_api::LimitRecord>>,
+}
+
+#[zbus::interface(name = "dev.gpud.Manager1")]
+impl Replay {
+    #[zbus(property)]
+    async fn version(&self) -> String {
+        "replay".into()
+    }
+
+    async fn list_cgroups(&self) -> Arc<Vec<gpud_api::CgroupRecord>> {
+        self.cgroups.clone()
+    }
+
+    async fn get_cgroup(&self, _path: &str) -> gpud_api::CgroupRecord {
+        self.one.clone()
+    }
+
+    async fn list_limits(&self) -> Arc<Vec<gpud_api::LimitRecord>> {
+        self.limits.clone()
+    }
+}
+
+/// The name [`bus_ceiling`]'s replaying service owns.
+const REPLAY_NAME: &str = "dev.gpud.ScalebenchReplay";
+
+/// The replaying service: takes gpud's replies once, serves them until killed ("READY" on
+/// stdout once it owns its name).
+async fn replay(bus: &str, path: &str) -> anyhow::Result<()> {
+    let gpud = connect_builder(bus).build().await?;
+    let proxy = Manager1Proxy::new(&gpud).await?;
+    let service = Replay {
+        cgroups: Arc::new(proxy.list_cgroups().await?),
+        one: proxy.get_cgroup(path).await?,
+        limits: Arc::new(proxy.list_limits().await?),
+    };
+    let _service = connect_builder(bus)
+        .name(REPLAY_NAME)
+        .serve_at(gpud_api::OBJECT_PATH, service)
+        .build()
+        .await?;
+    println!("READY");
+    std::future::pending::<()>().await;
+    Ok(())
+}
+
+/// The same clients and mix back to back against [`Replay`] in a process of its own: what the
+/// bus daemon and the clients allow on this machine with gpud's work taken away (the ceiling
+/// for `dbus_us`). `cpu_percent.daemon` is the replaying process's.
+async fn bus_ceiling(bus: &str, bus_pid: u32, paths: &[String], o: &Opts) -> anyhow::Result<Value> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["replay", bus, &paths[0]])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().context("replay stdout")?).read_line(&mut line)?;
+    if line.trim() != "READY" {
+        let _ = child.kill();
+        bail!("the replaying service did not start: {line:?}");
+    }
+    let cpu = CpuSplit::start(child.id(), bus_pid)?;
+    let run = dbus_clients(bus, REPLAY_NAME, paths, o.clients, o.seconds, None).await;
+    let cpu = cpu.end();
+    let _ = child.kill();
+    let _ = child.wait();
+    let mut out = run?;
+    out["cpu_percent"] = cpu?;
+    Ok(out)
 }
 
 /// One client calling `ListCgroups` 200 times in a row, nothing else running: the round trip
@@ -410,6 +494,7 @@ async fn stats(p: &Manager1Proxy<'_>) -> anyhow::Result<BTreeMap<String, u64>> {
 /// period (latency at a stated load). Per-method p50/p99/max in µs and the calls per second.
 async fn dbus_clients(
     bus: &str,
+    service: &'static str,
     paths: &[String],
     clients: usize,
     seconds: u64,
@@ -423,6 +508,7 @@ async fn dbus_clients(
         tasks.push(tokio::spawn(async move {
             let conn = connect_builder(&bus).build().await?;
             let p = Manager1Proxy::builder(&conn)
+                .destination(service)
                 .cache_properties(zbus::proxy::CacheProperties::No)
                 .build()
                 .await?;
@@ -486,8 +572,12 @@ async fn dbus_clients(
 
 fn main() -> anyhow::Result<()> {
     let mut o = Opts::parse();
-    if let Some(Sub::Forker { file, n }) = &o.command {
-        return forker(file, *n);
+    match &o.command {
+        Some(Sub::Forker { file, n }) => return forker(file, *n),
+        Some(Sub::Replay { bus, path }) => {
+            return tokio::runtime::Runtime::new()?.block_on(replay(bus, path));
+        }
+        None => {}
     }
     o.pace_ms = o.pace_ms.max(1);
     if std::env::var_os("GPUD_BIN").is_none() {
@@ -591,7 +681,15 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         o.clients, o.seconds
     );
     let cpu = CpuSplit::start(pid, rig.bus.pid())?;
-    let mut saturated = dbus_clients(&rig.bus.address, &paths, o.clients, o.seconds, None).await?;
+    let mut saturated = dbus_clients(
+        &rig.bus.address,
+        BUS_NAME,
+        &paths,
+        o.clients,
+        o.seconds,
+        None,
+    )
+    .await?;
     saturated["cpu_percent"] = cpu.end()?;
     report.insert("dbus_us".into(), saturated);
     let pace = Duration::from_millis(o.pace_ms);
@@ -600,10 +698,21 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         o.clients, o.pace_ms, o.seconds
     );
     let cpu = CpuSplit::start(pid, rig.bus.pid())?;
-    let mut paced =
-        dbus_clients(&rig.bus.address, &paths, o.clients, o.seconds, Some(pace)).await?;
+    let mut paced = dbus_clients(
+        &rig.bus.address,
+        BUS_NAME,
+        &paths,
+        o.clients,
+        o.seconds,
+        Some(pace),
+    )
+    .await?;
     paced["cpu_percent"] = cpu.end()?;
     report.insert("dbus_paced_us".into(), paced);
+
+    eprintln!("scalebench: the bus's own ceiling (a service replaying gpud's replies)");
+    let ceiling = bus_ceiling(&rig.bus.address, rig.bus.pid(), &paths, &o).await?;
+    report.insert("bus_ceiling_us".into(), ceiling);
 
     eprintln!("scalebench: one ListCgroups at a time, its parts");
     report.insert("list_cgroups_parts_us".into(), listing_parts(&conn).await?);
