@@ -720,9 +720,10 @@ async fn read_during_churn(
             whole(&listed).map_err(|e| format!("gpudctl list: {e}"))?;
             checked += 1;
         }
-        // A monitoring client's pace, not a storm: reads cause no work in the daemon while
-        // nothing changed, but a changed state is rebuilt for them.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Close enough that most reads fall between the churn's steps, each of which changes the
+        // state (so nearly every read makes the daemon build a new view): about 100 replies a
+        // second. This pace found the release race of `release_closed_files`.
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     Ok(checked)
 }
