@@ -357,6 +357,65 @@ pub mod tsg {
 
 const _: () = assert!(size_of::<Nvos54>() == crate::nv::NVOS54_SIZE as usize);
 
+/// The subdevice's framebuffer information control (`ctrl2080fb.h`): what `cuMemGetInfo`, NVML
+/// and `nvidia-smi` learn the GPU's memory size and free memory from. Layout and units are those
+/// of drivers 580–595 (docs/driver/memory-info-controls.md, with the source lines).
+pub mod fb {
+    /// `NV2080_CTRL_CMD_FB_GET_INFO_V2`: a list of (index, value) pairs inline in
+    /// [`GetInfoV2Params`]; the driver fills each pair's value.
+    pub const GET_INFO_V2: u32 = 0x2080_1303;
+    /// `NV2080_CTRL_FB_INFO_MAX_LIST_SIZE` of drivers 580–595 (54 before 545, 55 to 555, 57 to
+    /// 575): the driver takes a params size of exactly `4 + 8 * MAX_LIST_SIZE`.
+    pub const MAX_LIST_SIZE: usize = 128;
+
+    // `NV2080_CTRL_FB_INFO_INDEX_*` that carry memory sizes, all in KiB.
+    /// Framebuffer memory physically present.
+    pub const RAM_SIZE: u32 = 0x07;
+    /// Video memory usable with the subdevice.
+    pub const TOTAL_RAM_SIZE: u32 = 0x08;
+    /// Memory available for allocations (total less the driver's reserve).
+    pub const HEAP_SIZE: u32 = 0x09;
+    /// The part of the heap the CPU can map.
+    pub const MAPPABLE_HEAP_SIZE: u32 = 0x0a;
+    /// Largest contiguous free block.
+    pub const LARGEST_FREE_REGION_SIZE_KB: u32 = 0x12;
+    /// Free video memory.
+    pub const HEAP_FREE: u32 = 0x16;
+    /// Usable framebuffer physically present.
+    pub const USABLE_RAM_SIZE: u32 = 0x20;
+
+    /// `NV2080_CTRL_FB_INFO`: one pair of the list.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct Info {
+        /// `NV2080_CTRL_FB_INFO_INDEX_*`, set by the caller.
+        pub index: u32,
+        /// The value, filled by the driver (KiB for the memory indices).
+        pub data: u32,
+    }
+
+    /// `NV2080_CTRL_FB_GET_INFO_V2_PARAMS`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct GetInfoV2Params {
+        /// Pairs used, 1 to [`MAX_LIST_SIZE`].
+        pub list_size: u32,
+        /// The pairs; those past `list_size` are ignored.
+        pub list: [Info; MAX_LIST_SIZE],
+    }
+
+    impl Default for GetInfoV2Params {
+        fn default() -> Self {
+            Self {
+                list_size: 0,
+                list: [Info::default(); MAX_LIST_SIZE],
+            }
+        }
+    }
+
+    const _: () = assert!(size_of::<GetInfoV2Params>() == 1028);
+}
+
 /// Generated object handles start here, per client (`RS_UNIQUE_HANDLE_BASE`, range 0x80000).
 pub const RS_UNIQUE_HANDLE_BASE: Handle = 0xcaf0_0000;
 /// How many object handles RM generates per client from [`RS_UNIQUE_HANDLE_BASE`].

@@ -30,6 +30,7 @@ unsafe impl Plain for rm::Nv0080AllocParams {}
 unsafe impl Plain for rm::Nv2080AllocParams {}
 unsafe impl Plain for rm::NvIoctlXfer {}
 unsafe impl Plain for rm::Nvos54 {}
+unsafe impl Plain for rm::fb::GetInfoV2Params {}
 unsafe impl Plain for rm::tsg::ScheduleParams {}
 unsafe impl Plain for rm::tsg::TimesliceParams {}
 unsafe impl Plain for rm::tsg::PreemptParams {}

@@ -820,3 +820,57 @@ fn eventually_sync(f: impl Fn() -> bool) -> bool {
     }
     false
 }
+
+/// `FB_GET_INFO_V2` as the driver answers it: the subdevice's GPU size and free memory in KiB
+/// for the memory indices, 0 for the others, free memory following allocations; the driver's
+/// refusals for an empty list and for a control on the device instead of the subdevice.
+#[test]
+fn fb_info_reports_size_and_free_memory_in_kib_as_the_driver() {
+    use gpud_common::rm::fb;
+    let Some((_fake, mut p)) = caller("fbinfo", GIB) else {
+        return;
+    };
+    let (client, device, sub) = setup(&mut p);
+    let indices = [
+        fb::HEAP_SIZE,
+        fb::HEAP_FREE,
+        fb::TOTAL_RAM_SIZE,
+        0x0b, // BUS_WIDTH: not a memory size
+        fb::USABLE_RAM_SIZE,
+    ];
+    let ask = |p: &mut RmProcess| -> Vec<(u32, u64)> {
+        let list: Vec<String> = indices.iter().map(|i| format!("{i:#x}")).collect();
+        let v = p.cmd(&format!("fbinfo {client} {sub} {}", list.join(" ")));
+        assert_eq!(status_of(&v), status::NV_OK, "{v}");
+        v["info"]
+            .as_array()
+            .expect("info")
+            .iter()
+            .map(|e| {
+                (
+                    e[0].as_u64().unwrap_or(0) as u32,
+                    e[1].as_u64().unwrap_or(0),
+                )
+            })
+            .collect()
+    };
+    let kib = GIB >> 10;
+    let want = |free: u64| {
+        vec![
+            (fb::HEAP_SIZE, kib),
+            (fb::HEAP_FREE, free),
+            (fb::TOTAL_RAM_SIZE, kib),
+            (0x0b, 0),
+            (fb::USABLE_RAM_SIZE, kib),
+        ]
+    };
+    assert_eq!(ask(&mut p), want(kib));
+    p.ok(&format!("alloc {client} {device} 64M"));
+    assert_eq!(ask(&mut p), want(kib - (64 << 10)));
+    // An empty list is refused.
+    let v = p.cmd(&format!("fbinfo {client} {sub}"));
+    assert_eq!(status_of(&v), status::NV_ERR_INVALID_ARGUMENT, "{v}");
+    // On the device, not the subdevice: not this class's control.
+    let v = p.cmd(&format!("fbinfo {client} {device} {:#x}", fb::HEAP_SIZE));
+    assert_eq!(status_of(&v), status::NV_ERR_NOT_SUPPORTED, "{v}");
+}

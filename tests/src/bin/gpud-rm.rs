@@ -276,6 +276,27 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                 };
                 reply_json(&ctl.control(n(0)?, n(1)?, gpud_common::rm::tsg::SET_TIMESLICE, &mut p))
             }
+            ("fbinfo", 2..) => {
+                // `fbinfo CLIENT SUBDEVICE INDEX...`: FB_GET_INFO_V2 for those indices (none:
+                // an empty list, which the driver refuses).
+                use gpud_common::rm::fb;
+                let mut p = fb::GetInfoV2Params::default();
+                let indices = &args[2..];
+                if indices.len() > fb::MAX_LIST_SIZE {
+                    return Err(format!("fbinfo: at most {} indices", fb::MAX_LIST_SIZE));
+                }
+                p.list_size = indices.len() as u32;
+                for (e, i) in p.list.iter_mut().zip(indices) {
+                    e.index = num(i)? as u32;
+                }
+                let r = ctl.control(n(0)?, n(1)?, fb::GET_INFO_V2, &mut p);
+                let mut v = reply_json(&r);
+                v["info"] = p.list[..indices.len()]
+                    .iter()
+                    .map(|e| json!([e.index, e.data]))
+                    .collect();
+                v
+            }
             ("alloc", _) => reply_json(&ctl.alloc_memory(&mem_request(args)?)),
             ("parallel", 4 | 5) => {
                 let threads = n(0)? as usize;

@@ -694,6 +694,9 @@ impl Rm {
         if st != status::NV_OK {
             return st;
         }
+        if p.cmd == rm::fb::GET_INFO_V2 {
+            return self.fb_info(c, p);
+        }
         if p.cmd >> 16 != class::CHANNEL_GROUP {
             return status::NV_OK;
         }
@@ -758,6 +761,47 @@ impl Rm {
         }
         self.apply_runlist();
         st
+    }
+
+    /// `FB_GET_INFO_V2` on a subdevice: its GPU's memory size and free memory in KiB, as the
+    /// driver of drivers 580–595 answers (params of exactly that version's size, 1 to
+    /// `MAX_LIST_SIZE` pairs; indices that carry no memory size read 0 here).
+    fn fb_info(&self, c: Caller, p: &rm::Nvos54) -> u32 {
+        use rm::fb;
+        let Some(o) = self.clients[&p.h_client].objects.get(&p.h_object) else {
+            return status::NV_ERR_INVALID_OBJECT_HANDLE;
+        };
+        let Some(gpu) = o.gpu.filter(|_| o.class == class::SUBDEVICE) else {
+            return status::NV_ERR_NOT_SUPPORTED;
+        };
+        let mut q = match params::<fb::GetInfoV2Params>(c, p) {
+            Ok(q) => q,
+            Err(st) => return st,
+        };
+        let n = q.list_size as usize;
+        if n == 0 || n > fb::MAX_LIST_SIZE {
+            return status::NV_ERR_INVALID_ARGUMENT;
+        }
+        let g = self.gpus[gpu as usize];
+        let kib = |bytes: u64| u32::try_from(bytes >> 10).unwrap_or(u32::MAX);
+        for e in &mut q.list[..n] {
+            e.data = match e.index {
+                fb::RAM_SIZE
+                | fb::TOTAL_RAM_SIZE
+                | fb::HEAP_SIZE
+                | fb::MAPPABLE_HEAP_SIZE
+                | fb::USABLE_RAM_SIZE => kib(g.capacity),
+                fb::HEAP_FREE | fb::LARGEST_FREE_REGION_SIZE_KB => {
+                    kib(g.capacity.saturating_sub(g.used))
+                }
+                _ => 0,
+            };
+        }
+        if remote_write(c.tid, p.params, bytes_of(&q)).is_ok() {
+            status::NV_OK
+        } else {
+            status::NV_ERR_INVALID_POINTER
+        }
     }
 
     /// `Runlist::Stop`: each process with a channel group off the runlist is stopped, the others
