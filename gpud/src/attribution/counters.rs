@@ -38,12 +38,17 @@ pub struct KernelCounters {
     stats: PerCpuArray<MapData, u64>,
 }
 
+/// Counter `index` of `stats` summed over CPUs (0 if unreadable).
+pub(super) fn summed(stats: &PerCpuArray<MapData, u64>, index: u32) -> u64 {
+    stats
+        .get(&index, 0)
+        .map(|per_cpu| per_cpu.iter().sum())
+        .unwrap_or(0)
+}
+
 impl KernelCounters {
     fn sum(&self, index: u32) -> u64 {
-        self.stats
-            .get(&index, 0)
-            .map(|per_cpu| per_cpu.iter().sum())
-            .unwrap_or(0)
+        summed(&self.stats, index)
     }
 
     /// Every counter summed over CPUs.
@@ -62,11 +67,6 @@ impl KernelCounters {
             .iter()
             .map(|i| self.sum(*i))
             .fold(0, u64::wrapping_add)
-    }
-
-    /// `events_lost`.
-    pub fn events_lost(&self) -> u64 {
-        self.sum(stat::EVENTS_LOST)
     }
 }
 

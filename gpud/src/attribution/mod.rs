@@ -120,12 +120,7 @@ impl Attribution {
     /// full: the daemon stopped or fell behind). What they would have said is caught up by the
     /// periodic sweeps and reconciliation; the count is what operators alert on.
     pub fn newly_lost_events(&mut self) -> u64 {
-        let lost = self
-            .maps
-            .stats
-            .get(&stat::EVENTS_LOST, 0)
-            .map(|per_cpu| per_cpu.iter().sum::<u64>())
-            .unwrap_or(0);
+        let lost = counters::summed(&self.maps.stats, stat::EVENTS_LOST);
         let new = lost.saturating_sub(self.events_lost_seen);
         self.events_lost_seen = lost;
         new

@@ -119,11 +119,6 @@ impl Handle {
         rx.await.map_err(|_| DaemonError::Stopped)
     }
 
-    /// Every attributed cgroup, ordered by path.
-    pub async fn list_cgroups(&self) -> Result<Vec<CgroupView>, DaemonError> {
-        Ok(self.view().await?.cgroups.clone())
-    }
-
     /// Every live attributed process, ordered by pid.
     pub async fn list_processes(&self) -> Result<Vec<ProcessView>, DaemonError> {
         Ok(self.view().await?.processes.clone())

@@ -82,6 +82,12 @@ impl View {
         }
     }
 
+    /// Whether this view was built after the state task and the kernel reached these
+    /// generations.
+    fn covers(&self, state_gen: u64, kernel_gen: u64) -> bool {
+        self.state_gen >= state_gen && self.kernel_gen >= kernel_gen
+    }
+
     /// The attributed cgroup at `path` (normalized) with id `id`, if this view lists it.
     pub fn cgroup(&self, path: &str, id: u64) -> Option<&CgroupView> {
         self.by_path
@@ -172,7 +178,7 @@ impl Publisher {
         let state_gen = self.board.state_gen.load(Ordering::Acquire);
         let kernel_gen = self.board.counters.generation();
         let latest = self.tx.borrow().clone();
-        if latest.state_gen == state_gen && latest.kernel_gen == kernel_gen {
+        if latest.covers(state_gen, kernel_gen) {
             self.tx.send_modify(|_| {});
             return;
         }
@@ -214,7 +220,7 @@ impl Reader {
         let state_gen = self.board.state_gen.load(Ordering::Acquire);
         let kernel_gen = self.board.counters.generation();
         let v = self.rx.borrow();
-        let fresh = (v.state_gen >= state_gen && v.kernel_gen >= kernel_gen).then(|| v.clone());
+        let fresh = v.covers(state_gen, kernel_gen).then(|| v.clone());
         ((state_gen, kernel_gen), fresh)
     }
 
@@ -229,7 +235,7 @@ impl Reader {
         loop {
             {
                 let v = rx.borrow_and_update();
-                if v.state_gen >= state_gen && v.kernel_gen >= kernel_gen {
+                if v.covers(state_gen, kernel_gen) {
                     return Ok(v.clone());
                 }
             }

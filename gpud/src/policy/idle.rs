@@ -175,9 +175,7 @@ impl IdleTracker {
                 cgroup_id: e.cgroup_id,
                 gpu: *gpu,
                 memory_bytes: e.memory_bytes,
-                idle_for: e
-                    .below_since
-                    .map_or(Duration::ZERO, |s| now.saturating_duration_since(s)),
+                idle_for: idle_for(e, now),
                 last_active: e.last_active,
                 util: e.util,
             })
@@ -191,9 +189,14 @@ impl IdleTracker {
     }
 }
 
-fn idle_secs(e: &Entry, now: Instant) -> u64 {
+/// How long `e` has been under the threshold at `now`.
+fn idle_for(e: &Entry, now: Instant) -> Duration {
     e.below_since
-        .map_or(0, |s| now.saturating_duration_since(s).as_secs())
+        .map_or(Duration::ZERO, |s| now.saturating_duration_since(s))
+}
+
+fn idle_secs(e: &Entry, now: Instant) -> u64 {
+    idle_for(e, now).as_secs()
 }
 
 fn change(key: &(String, u32), memory_bytes: u64, idle: bool, idle_secs: u64) -> IdleChange {
