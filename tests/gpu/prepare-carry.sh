@@ -1,7 +1,7 @@
 #!/bin/sh
 # Builds what tests/gpu/real-gpu.sh needs on the GPU machine (which has no network and no
 # dbus-daemon) into DIR: release gpud and gpudctl, dbus-daemon with the shared libraries ldd
-# names, the private-bus config, and the ioctl sniffer.
+# names, the private-bus config, the ioctl sniffer and the write-user probe.
 #
 #   tests/gpu/prepare-carry.sh DIR
 set -eu
@@ -16,3 +16,4 @@ ldd "$(command -v dbus-daemon)" "$D/gpud" | awk '/=> \// { print $3 }' | sort -u
 done
 cp "$ROOT/tests/fixtures/private-bus.conf" "$D/"
 gcc -O2 -shared -fPIC -Wall -o "$D/nv-ioctl-sniffer.so" "$ROOT/tests/gpu/nv-ioctl-sniffer.c" -ldl
+gcc -O2 -Wall -o "$D/write-user-probe" "$ROOT/tests/gpu/write-user-probe.c"
