@@ -58,6 +58,8 @@ pub trait Manager1 {
     fn nvml_available(&self) -> zbus::Result<bool>;
     #[zbus(property(emits_changed_signal = "false"))]
     fn nvml_status(&self) -> zbus::Result<String>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn memory_info_view(&self) -> zbus::Result<String>;
     fn list_gpus(&self) -> zbus::Result<Vec<GpuRecord>>;
     fn list_nvml_usage(&self) -> zbus::Result<Vec<NvmlUsageRecord>>;
     fn list_compute(&self) -> zbus::Result<Vec<ComputeRecord>>;

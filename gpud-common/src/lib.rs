@@ -12,7 +12,7 @@ pub mod rm;
 
 /// Bumped whenever a map layout, map name or event record changes. Maps are pinned under
 /// `<bpffs>/gpud/v<ABI_VERSION>/`, so a daemon of another ABI never reads a foreign layout.
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 
 /// Classes of ioctls on NVIDIA device files, as counted per cgroup and per process.
 #[repr(u32)]
@@ -198,6 +198,11 @@ pub const CFG_READY: u32 = 1 << 1;
 /// tracepoint searches a dying process's descriptors for control files it releases.
 pub const CFG_EXIT_RELEASE: u32 = 1 << 2;
 
+/// `ProbeConfig::flags`: the in-container memory view is on: a limited cgroup's processes read
+/// their limit as the GPU's memory size (the replies of the memory-info controls are rewritten
+/// at the ioctl's exit). Set only while the rewriting exit program is attached.
+pub const CFG_VIRT_MEMINFO: u32 = 1 << 3;
+
 /// The single value of the `CONFIG` array map.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -250,8 +255,13 @@ pub mod stat {
     pub const CROSSED: u32 = 9;
     /// Video-memory allocations whose parent object was not known: charged to `GPU_UNKNOWN`.
     pub const UNKNOWN_GPU: u32 = 10;
+    /// Memory-info replies (FB info lists, VID_HEAP_CONTROL INFO) given a limited cgroup's view.
+    pub const MEMINFO_REWRITTEN: u32 = 11;
+    /// Memory-info replies of a limited cgroup left as the driver wrote them: unreadable,
+    /// malformed (a list size the driver would not have answered) or not writable.
+    pub const MEMINFO_SKIPPED: u32 = 12;
     /// Number of counters.
-    pub const COUNT: u32 = 11;
+    pub const COUNT: u32 = 13;
 }
 
 /// `Event::kind`: a process became tracked (opened an NVIDIA file, first matched ioctl, or forked
@@ -404,6 +414,12 @@ pub struct Pending {
     pub nr: u32,
     /// Parameter size (`_IOC_SIZE`, or the XFER's inner `size`): tells NVOS21 from NVOS64.
     pub size: u32,
+    /// A memory-info call of a limited cgroup whose reply the exit side rewrites: the RM
+    /// control command (`RM_CONTROL`), or `NVOS32_FUNCTION_INFO` (`VID_HEAP_CONTROL`); 0 for
+    /// every other call.
+    pub cmd: u32,
+    /// The GPU that call asks about (`GPU_UNKNOWN` when its subdevice is not known).
+    pub gpu: u32,
 }
 
 /// Map names, as written in the eBPF object and pinned in bpffs.
@@ -468,6 +484,11 @@ pub mod programs {
     pub const FEXIT_IOCTL: &str = "gpud_fexit_ioctl";
     /// [`FEXIT_IOCTL`] on the 32-bit compat entry.
     pub const FEXIT_IOCTL_COMPAT: &str = "gpud_fexit_ioctl_compat";
+    /// [`FEXIT_IOCTL`] that also rewrites the memory-info replies of limited cgroups
+    /// (`bpf_probe_write_user`): attached instead of it where the kernel allows the helper.
+    pub const FEXIT_IOCTL_RW: &str = "gpud_fexit_ioctl_rw";
+    /// [`FEXIT_IOCTL_RW`] on the 32-bit compat entry.
+    pub const FEXIT_IOCTL_COMPAT_RW: &str = "gpud_fexit_ioctl_compat_rw";
     /// fentry on `security_file_free`: the last reference to a control file is dropped.
     pub const FENTRY_FILE_FREE: &str = "gpud_fentry_file_free";
     /// fentry on `security_file_open`: marks processes that open an NVIDIA file.
@@ -478,6 +499,8 @@ pub mod programs {
     pub const TP_IOCTL: &str = "gpud_tp_ioctl";
     /// `syscalls:sys_exit_ioctl`: the return side in tracepoint mode.
     pub const TP_IOCTL_EXIT: &str = "gpud_tp_ioctl_exit";
+    /// [`TP_IOCTL_EXIT`] that also rewrites the memory-info replies of limited cgroups.
+    pub const TP_IOCTL_EXIT_RW: &str = "gpud_tp_ioctl_exit_rw";
     /// `syscalls:sys_enter_close`: closing the only reference to a control file.
     pub const TP_CLOSE: &str = "gpud_tp_close";
     /// `syscalls:sys_exit_open*`: marks processes that open an NVIDIA file.

@@ -383,6 +383,32 @@ pub mod fb {
     pub const HEAP_FREE: u32 = 0x16;
     /// Usable framebuffer physically present.
     pub const USABLE_RAM_SIZE: u32 = 0x20;
+    /// Width of the memory bus in bits (not a size: never rewritten).
+    pub const BUS_WIDTH: u32 = 0x0b;
+    /// Memory the vGPU host takes (0 on bare metal; never rewritten).
+    pub const FB_TAX_SIZE_KB: u32 = 0x10;
+
+    /// What the memory view does with a list entry of `index`: lower it to the limit
+    /// ([`Clamp::Total`]), to the limit less the cgroup's usage ([`Clamp::Free`]), or leave it.
+    #[inline(always)]
+    pub const fn clamp_of(index: u32) -> Option<Clamp> {
+        match index {
+            RAM_SIZE | TOTAL_RAM_SIZE | HEAP_SIZE | MAPPABLE_HEAP_SIZE | USABLE_RAM_SIZE => {
+                Some(Clamp::Total)
+            }
+            HEAP_FREE | LARGEST_FREE_REGION_SIZE_KB => Some(Clamp::Free),
+            _ => None,
+        }
+    }
+
+    /// How an FB info value is lowered by the memory view.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Clamp {
+        /// A size of the GPU's memory: at most the cgroup's limit.
+        Total,
+        /// Free memory: at most the limit less the cgroup's usage.
+        Free,
+    }
 
     /// `NV2080_CTRL_FB_INFO`: one pair of the list.
     #[repr(C)]
@@ -496,6 +522,9 @@ pub const VIDHEAP_ATTR_TILED: usize = 64;
 pub const VIDHEAP_SIZE: usize = 88;
 /// `data.AllocSizeRange.size` (u64, IN/OUT).
 pub const VIDHEAP_SIZE_RANGE: usize = 80;
+/// `data.Info.size` (u64, OUT of `NVOS32_FUNCTION_INFO`): the largest free block in bytes
+/// (nvos.h L773-780).
+pub const VIDHEAP_INFO_SIZE: usize = 56;
 
 /// Where a VID_HEAP_CONTROL allocation function keeps its `attr` and `size`; `None` for functions
 /// that do not allocate.

@@ -16,8 +16,8 @@
 //! This file holds only the programs, whose names the daemon loads them by
 //! (`gpud_common::programs`); what they share lives in one module per concern:
 //! [`maps`] (every map), [`kernel`] (reading kernel structs, identifying NVIDIA files),
-//! [`counting`] (ioctl counters and the tracked-process filter) and [`memory`] (GPU-memory
-//! accounting and limits).
+//! [`counting`] (ioctl counters and the tracked-process filter), [`memory`] (GPU-memory
+//! accounting and limits) and [`meminfo`] (the memory view of limited cgroups).
 #![no_std]
 #![no_main]
 // The bpf target has no atomic RMW types; the intrinsic lowers to BPF_ATOMIC_ADD (XADD).
@@ -27,6 +27,7 @@
 mod counting;
 mod kernel;
 mod maps;
+mod meminfo;
 mod memory;
 
 use aya_ebpf::{
@@ -182,7 +183,7 @@ pub fn gpud_lsm_ioctl_compat(ctx: LsmContext) -> i32 {
 #[fexit(function = "__x64_sys_ioctl")]
 pub fn gpud_fexit_ioctl(ctx: FExitContext) -> i32 {
     let ret: i64 = ctx.arg(1);
-    rm_exit(ret);
+    rm_exit::<false>(ret);
     0
 }
 
@@ -190,7 +191,24 @@ pub fn gpud_fexit_ioctl(ctx: FExitContext) -> i32 {
 #[fexit(function = "__ia32_compat_sys_ioctl")]
 pub fn gpud_fexit_ioctl_compat(ctx: FExitContext) -> i32 {
     let ret: i64 = ctx.arg(1);
-    rm_exit(ret);
+    rm_exit::<false>(ret);
+    0
+}
+
+/// [`gpud_fexit_ioctl`] that also gives limited cgroups their memory view. A separate program
+/// because `bpf_probe_write_user` is refused under lockdown: where it is, the plain one runs.
+#[fexit(function = "__x64_sys_ioctl")]
+pub fn gpud_fexit_ioctl_rw(ctx: FExitContext) -> i32 {
+    let ret: i64 = ctx.arg(1);
+    rm_exit::<true>(ret);
+    0
+}
+
+/// [`gpud_fexit_ioctl_rw`] for 32-bit callers.
+#[fexit(function = "__ia32_compat_sys_ioctl")]
+pub fn gpud_fexit_ioctl_compat_rw(ctx: FExitContext) -> i32 {
+    let ret: i64 = ctx.arg(1);
+    rm_exit::<true>(ret);
     0
 }
 
@@ -282,7 +300,18 @@ pub fn gpud_tp_ioctl_exit(ctx: TracePointContext) -> u32 {
     if !is_tracked(current_tgid()) {
         return 0;
     }
-    rm_exit(tp_u64(&ctx, TP_SYSCALL_RET) as i64);
+    rm_exit::<false>(tp_u64(&ctx, TP_SYSCALL_RET) as i64);
+    0
+}
+
+/// [`gpud_tp_ioctl_exit`] that also gives limited cgroups their memory view (see
+/// [`gpud_fexit_ioctl_rw`]).
+#[tracepoint]
+pub fn gpud_tp_ioctl_exit_rw(ctx: TracePointContext) -> u32 {
+    if !is_tracked(current_tgid()) {
+        return 0;
+    }
+    rm_exit::<true>(tp_u64(&ctx, TP_SYSCALL_RET) as i64);
     0
 }
 

@@ -17,29 +17,31 @@ use aya_ebpf::{
     },
 };
 use gpud_common::{
-    Ancestry, DeviceKind, EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE,
-    EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL_GROUP,
-    OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY, OBJ_SUBDEVICE, ObjEntry, ObjKey, Pending, ProbeConfig,
-    REACT_KILL, UsageKey, nv, rm, stat,
+    Ancestry, CFG_VIRT_MEMINFO, DeviceKind, EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE,
+    EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH,
+    OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY, OBJ_SUBDEVICE, ObjEntry, ObjKey,
+    Pending, ProbeConfig, REACT_KILL, UsageKey, nv, rm, stat,
 };
 
 use crate::{
     kernel::{ProbeRead, current_tgid, device_kind, read_at, sole_reference},
     maps::{ANCESTRY, LIMITS, OBJECTS, PENDING, SCRATCH, USAGE, bump_stat, config, send},
+    meminfo,
 };
 
 const ENOMEM: i32 = 12;
 const SIGKILL: u32 = 9;
 
 #[inline(always)]
-unsafe fn user<T>(addr: u64) -> Option<T> {
+pub(crate) unsafe fn user<T>(addr: u64) -> Option<T> {
     unsafe { bpf_probe_read_user(addr as *const T).ok() }
 }
 
 /// The RM call an ioctl makes: escape number, parameter size and user address, unwrapping an
-/// XFER. `None` for commands the accounting does not follow.
+/// XFER. `None` for commands the accounting does not follow (RM controls only for the memory
+/// view, `meminfo`).
 #[inline(always)]
-fn rm_call(cmd: u32, arg: u64) -> Option<(u32, u32, u64)> {
+fn rm_call(cmd: u32, arg: u64, meminfo: bool) -> Option<(u32, u32, u64)> {
     let (mut nr, mut size, mut params) = (nv::ioc_nr(cmd), nv::ioc_size(cmd), arg);
     if nr == nv::NV_ESC_IOCTL_XFER_CMD {
         if size != nv::NV_IOCTL_XFER_SIZE {
@@ -55,12 +57,13 @@ fn rm_call(cmd: u32, arg: u64) -> Option<(u32, u32, u64)> {
         (nv::NV_ESC_RM_ALLOC, nv::NVOS21_SIZE | nv::NVOS64_SIZE)
         | (nv::NV_ESC_RM_FREE, nv::NVOS00_SIZE)
         | (nv::NV_ESC_RM_VID_HEAP_CONTROL, nv::NVOS32_SIZE) => Some((nr, size, params)),
+        (nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE) if meminfo => Some((nr, size, params)),
         _ => None,
     }
 }
 
 #[inline(always)]
-fn gpu_of(client: u32, parent: u32) -> u32 {
+pub(crate) fn gpu_of(client: u32, parent: u32) -> u32 {
     match unsafe {
         OBJECTS.get(ObjKey {
             client,
@@ -115,7 +118,7 @@ fn vidmem_request(nr: u32, size: u32, params: u64) -> Option<(u32, u32, u32, u64
 
 /// The calling task's cgroup and its ancestors, recorded once per cgroup.
 #[inline(always)]
-fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
+pub(crate) fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
     let leaf = unsafe { bpf_get_current_cgroup_id() };
     if let Some(a) = unsafe { ANCESTRY.get(leaf) } {
         return Some((leaf, a));
@@ -177,7 +180,7 @@ fn charge(anc: &Ancestry, gpu: u32, delta: u64) {
 }
 
 #[inline(always)]
-fn usage(cgroup_id: u64, gpu: u32) -> u64 {
+pub(crate) fn usage(cgroup_id: u64, gpu: u32) -> u64 {
     let key = UsageKey {
         cgroup_id,
         gpu,
@@ -274,9 +277,24 @@ pub(crate) fn release(key: &ObjKey, expect: u64) -> bool {
 /// Entry side of an ioctl on a control file. Returns the verdict (`-ENOMEM` to refuse).
 #[inline(always)]
 pub(crate) fn rm_entry(file: u64, cmd: u32, arg: u64, deny: bool) -> i32 {
-    let Some((nr, size, params)) = rm_call(cmd, arg) else {
+    let meminfo = config().is_some_and(|c| c.flags & CFG_VIRT_MEMINFO != 0);
+    let Some((nr, size, params)) = rm_call(cmd, arg, meminfo) else {
         return 0;
     };
+    // A memory-info call of a limited cgroup: its reply is rewritten at the exit. Other
+    // controls are not noted at all.
+    let (mut view_cmd, mut view_gpu) = (0, GPU_UNKNOWN);
+    if nr == nv::NV_ESC_RM_CONTROL {
+        let Some((c, g)) = meminfo::control_entry(params) else {
+            return 0;
+        };
+        (view_cmd, view_gpu) = (c, g);
+    } else if meminfo
+        && nr == nv::NV_ESC_RM_VID_HEAP_CONTROL
+        && let Some((c, g)) = meminfo::vidheap_entry(params)
+    {
+        (view_cmd, view_gpu) = (c, g);
+    }
     if deny && let Some((client, parent, _, bytes)) = vidmem_request(nr, size, params) {
         let gpu = gpu_of(client, parent);
         if let Some((_, anc)) = current_ancestry()
@@ -302,14 +320,18 @@ pub(crate) fn rm_entry(file: u64, cmd: u32, arg: u64, deny: bool) -> i32 {
         params,
         nr,
         size,
+        cmd: view_cmd,
+        gpu: view_gpu,
     };
     let _ = PENDING.insert(bpf_get_current_pid_tgid(), pending, 0);
     0
 }
 
-/// Return side: accounts a successful RM call noted at entry.
+/// Return side: accounts a successful RM call noted at entry; with `REWRITE` (the exit
+/// programs that may call `bpf_probe_write_user`) also gives memory-info replies the caller's
+/// view.
 #[inline(always)]
-pub(crate) fn rm_exit(ret: i64) {
+pub(crate) fn rm_exit<const REWRITE: bool>(ret: i64) {
     let id = bpf_get_current_pid_tgid();
     let Some(p) = (unsafe { PENDING.get(id) }).copied() else {
         return;
@@ -321,6 +343,12 @@ pub(crate) fn rm_exit(ret: i64) {
     match p.nr {
         nv::NV_ESC_RM_ALLOC => alloc_done(&p),
         nv::NV_ESC_RM_FREE => free_done(&p),
+        nv::NV_ESC_RM_CONTROL => {
+            if REWRITE {
+                meminfo::control_done(&p);
+            }
+        }
+        _ if REWRITE && p.cmd != 0 => meminfo::vidheap_done(&p),
         _ => vidheap_done(&p),
     }
 }

@@ -193,6 +193,8 @@ pub enum ReactAction {
 pub struct EnforcementConfig {
     pub tier: TierPreference,
     pub react_action: ReactAction,
+    /// Limited cgroups read their limit as the GPU's memory size (`cudaMemGetInfo`, NVML).
+    pub virtualize_memory_info: bool,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -478,6 +480,7 @@ pub const LIVE_KEYS: &[&str] = &[
     "dbus.admin_group",
     "attribution.rescan_interval_secs",
     "attribution.sweep_interval_secs",
+    "enforcement.virtualize_memory_info",
     "nvml.sample_interval_ms",
     "nvml.retry_interval_secs",
     "compute.period_ms",
@@ -604,6 +607,7 @@ mod tests {
         assert_eq!(parse("[dbus]\nadmin_group = \"\"")?.dbus.admin_group, "");
         assert!(c.devices.extra_paths.is_empty());
         assert!(c.nvml.enabled);
+        assert!(c.enforcement.virtualize_memory_info);
         assert_eq!(
             c.nvml.library(),
             None,
@@ -693,6 +697,11 @@ mod tests {
                 "`nvml.enabled`: invalid type",
             ),
             ("[enforcement]\ntier = \"lsm\"", 2, "unknown variant `lsm`"),
+            (
+                "[enforcement]\nvirtualize_memory_info = \"on\"",
+                2,
+                "`enforcement.virtualize_memory_info`: invalid type",
+            ),
             (
                 "[daemon]\nlog = \"info\"\n[nvml]\nsample_interval_ms = 5",
                 4,

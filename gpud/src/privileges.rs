@@ -5,7 +5,8 @@
 //! `CAP_PERFMON` (tracing programs, tracepoint attach), or `CAP_SYS_ADMIN` in their stead (it
 //! covers both, and is the only way before Linux 5.8). Wanted: `CAP_SYS_PTRACE` and
 //! `CAP_DAC_READ_SEARCH`, without which the `/proc` scan misses processes that hold more
-//! capabilities than gpud or belong to other users.
+//! capabilities than gpud or belong to other users, and `CAP_SYS_ADMIN` for the in-container
+//! memory view (the kernel allows `bpf_probe_write_user` only with it).
 
 const CAP_DAC_READ_SEARCH: u32 = 2;
 const CAP_SYS_PTRACE: u32 = 19;
@@ -44,6 +45,12 @@ fn cap_eff(status: &str) -> Option<u64> {
 
 fn has(set: u64, cap: u32) -> bool {
     set & (1 << cap) != 0
+}
+
+/// Whether the effective set holds `CAP_SYS_ADMIN`, which the kernel requires of a program
+/// that calls `bpf_probe_write_user` (the in-container memory view); `None` when unreadable.
+pub fn sys_admin() -> Option<bool> {
+    effective().ok().map(|set| has(set, CAP_SYS_ADMIN))
 }
 
 /// Fails without the capabilities BPF needs; returns warnings for the ones the `/proc` scan

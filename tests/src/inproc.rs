@@ -179,12 +179,198 @@ pub fn fork_held(work: impl FnOnce() -> String) -> std::io::Result<Held> {
     }
 }
 
+/// How long [`Serving::ask`] waits for a reply.
+const ASK_TIMEOUT_MS: i32 = 60_000;
+
+/// A forked child that answers requests, one line each, until released.
+pub struct Serving {
+    pub pid: u32,
+    requests: Option<File>,
+    replies: std::io::BufReader<File>,
+}
+
+impl Serving {
+    /// Sends one request line and returns the child's one-line reply.
+    pub fn ask(&mut self, request: &str) -> std::io::Result<String> {
+        use std::io::BufRead as _;
+        let to = self
+            .requests
+            .as_mut()
+            .ok_or_else(|| std::io::Error::other("released"))?;
+        to.write_all(format!("{request}\n").as_bytes())?;
+        if self.replies.buffer().is_empty() {
+            let mut pfd = libc::pollfd {
+                fd: self.replies.get_ref().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            if unsafe { libc::poll(&mut pfd, 1, ASK_TIMEOUT_MS) } == 0 {
+                // Where the child waits, for the report.
+                let stack = std::fs::read_to_string(format!("/proc/{}/stack", self.pid))
+                    .unwrap_or_default();
+                return Err(std::io::Error::other(format!(
+                    "child {} gave no answer to {request:?} in {} s; kernel stack:\n{stack}",
+                    self.pid,
+                    ASK_TIMEOUT_MS / 1000
+                )));
+            }
+        }
+        let mut line = String::new();
+        if self.replies.read_line(&mut line)? == 0 {
+            return Err(std::io::Error::other(format!(
+                "child {} exited before answering {request:?}",
+                self.pid
+            )));
+        }
+        Ok(line.trim_end().to_owned())
+    }
+
+    /// Closes the requests (the child exits) and reaps it; returns its exit code.
+    pub fn release(mut self) -> i32 {
+        self.requests.take();
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(self.pid as i32, &mut status, 0) };
+        libc::WEXITSTATUS(status)
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if self.requests.take().is_some() {
+            let mut status = 0;
+            // SAFETY: as above.
+            unsafe { libc::waitpid(self.pid as i32, &mut status, 0) };
+        }
+    }
+}
+
+/// Forks; the child runs `setup` once, then answers each request line with `serve` until the
+/// requests are closed, and exits 0. A failed `setup` is the error of this call. The caller
+/// must be single-threaded in the sense of [`fork_held`].
+pub fn fork_serving<S>(
+    setup: impl FnOnce() -> Result<S, String>,
+    mut serve: impl FnMut(&mut S, &str) -> String,
+) -> std::io::Result<Serving> {
+    use std::io::BufRead as _;
+    let (req_r, req_w) = pipe()?;
+    let (rep_r, mut rep_w) = pipe()?;
+    // SAFETY: the child only runs the closures, reads and writes its pipes and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(std::io::Error::last_os_error()),
+        0 => {
+            drop(req_w);
+            drop(rep_r);
+            // Only these pipes: a sibling forked earlier must not keep another child's request
+            // pipe open (its child would never see the end of its requests).
+            let keep = [req_r.as_raw_fd(), rep_w.as_raw_fd()];
+            for fd in 3..1024 {
+                if !keep.contains(&fd) {
+                    // SAFETY: closes descriptors this child does not use.
+                    unsafe { libc::close(fd) };
+                }
+            }
+            let mut state = match setup() {
+                Ok(s) => {
+                    let _ = rep_w.write_all(b"ready\n");
+                    s
+                }
+                Err(e) => {
+                    let _ = rep_w.write_all(format!("setup failed: {e}\n").as_bytes());
+                    // SAFETY: leave without running the parent's destructors.
+                    unsafe { libc::_exit(1) }
+                }
+            };
+            let mut lines = std::io::BufReader::new(req_r);
+            let mut line = String::new();
+            while matches!(lines.read_line(&mut line), Ok(n) if n > 0) {
+                let reply = serve(&mut state, line.trim_end()).replace('\n', " ");
+                if rep_w.write_all(format!("{reply}\n").as_bytes()).is_err() {
+                    break;
+                }
+                line.clear();
+            }
+            // SAFETY: as above.
+            unsafe { libc::_exit(0) }
+        }
+        pid => {
+            drop(req_r);
+            drop(rep_w);
+            let mut replies = std::io::BufReader::new(rep_r);
+            let mut first = String::new();
+            replies.read_line(&mut first)?;
+            let serving = Serving {
+                pid: pid as u32,
+                requests: Some(req_w),
+                replies,
+            };
+            if first.trim_end() != "ready" {
+                drop(serving);
+                return Err(std::io::Error::other(format!(
+                    "child {pid}: {}",
+                    first.trim_end()
+                )));
+            }
+            Ok(serving)
+        }
+    }
+}
+
 /// Runs `work` in a forked child and returns its report once it has exited.
 pub fn in_child(work: impl FnOnce() -> String) -> std::io::Result<String> {
     let held = fork_held(work)?;
     let report = held.report.clone();
     held.release();
     Ok(report)
+}
+
+/// Until dropped, a thread that after `after` prints the kernel stacks of this process's
+/// threads and children and exits with status 3: a stuck check in the VM then says where it
+/// waits.
+pub struct Watchdog(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Watchdog {
+    pub fn arm(after: std::time::Duration) -> Self {
+        use std::sync::atomic::Ordering;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watch = done.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            if watch.load(Ordering::Relaxed) {
+                return;
+            }
+            let stack = |dir: &Path| std::fs::read_to_string(dir.join("stack")).unwrap_or_default();
+            println!("WATCHDOG: stuck after {after:?}; kernel stacks:");
+            for t in std::fs::read_dir("/proc/self/task")
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                println!("thread {:?}:\n{}", t.file_name(), stack(&t.path()));
+            }
+            let me = format!(" {} ", std::process::id());
+            for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+                // `pid (comm) state ppid ...`: children name this process as their parent.
+                let stat = std::fs::read_to_string(p.path().join("stat")).unwrap_or_default();
+                if stat
+                    .split(") ")
+                    .nth(1)
+                    .is_some_and(|rest| rest[1..].starts_with(&me))
+                {
+                    println!("child {:?}:\n{}", p.file_name(), stack(&p.path()));
+                }
+            }
+            std::process::exit(3);
+        });
+        Self(done)
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Raw fd of an open file, for the helpers above.

@@ -361,6 +361,78 @@ impl<'f> Ctl<'f> {
         }
     }
 
+    /// `NV_ESC_RM_CONTROL` with `size` bytes at `params` declared as the parameters, whatever
+    /// they hold (for the malformed calls of the tests).
+    ///
+    /// # Safety
+    /// `params` must be valid for reads and writes of `size` bytes.
+    pub unsafe fn control_raw(
+        &self,
+        client: Handle,
+        object: Handle,
+        cmd: u32,
+        params: *mut u8,
+        size: u32,
+    ) -> Reply {
+        let mut p = rm::Nvos54 {
+            h_client: client,
+            h_object: object,
+            cmd,
+            flags: 0,
+            params: params as u64,
+            params_size: size,
+            status: 0,
+        };
+        let (ret, errno) = self.escape(nv::NV_ESC_RM_CONTROL, &mut p, false);
+        Reply {
+            ret,
+            errno,
+            status: p.status,
+            handle: object,
+            size: 0,
+        }
+    }
+
+    /// `FB_GET_INFO_V2` on `subdevice` for `indices`: the reply and the (index, value) pairs
+    /// as they read after the call.
+    pub fn fb_info_v2(
+        &self,
+        client: Handle,
+        subdevice: Handle,
+        indices: &[u32],
+    ) -> (Reply, Vec<(u32, u32)>) {
+        use rm::fb;
+        let mut p = fb::GetInfoV2Params::default();
+        let n = indices.len().min(fb::MAX_LIST_SIZE);
+        p.list_size = n as u32;
+        for (e, i) in p.list.iter_mut().zip(indices) {
+            e.index = *i;
+        }
+        let r = self.control(client, subdevice, fb::GET_INFO_V2, &mut p);
+        (r, p.list[..n].iter().map(|e| (e.index, e.data)).collect())
+    }
+
+    /// `NV_ESC_RM_VID_HEAP_CONTROL` `NVOS32_FUNCTION_INFO` on `parent`: the reply, and the heap
+    /// size, free bytes and largest free block it holds after the call.
+    pub fn vidheap_info(&self, client: Handle, parent: Handle) -> (Reply, [u64; 3]) {
+        let mut p = rm::Nvos32 {
+            h_root: client,
+            h_object_parent: parent,
+            function: rm::NVOS32_FUNCTION_INFO,
+            ..Default::default()
+        };
+        let (ret, errno) = self.escape(nv::NV_ESC_RM_VID_HEAP_CONTROL, &mut p, false);
+        let largest = get_u64(bytes_of(&p), rm::VIDHEAP_INFO_SIZE);
+        let reply = Reply {
+            ret,
+            errno,
+            status: p.status,
+            handle: parent,
+            size: 0,
+        };
+        (reply, [p.total, p.free, largest])
+    }
+
     /// Video memory of `size` bytes under `parent` (a device or subdevice), issued as `form`.
     pub fn alloc_vidmem(&self, client: Handle, parent: Handle, size: u64, form: Form) -> Reply {
         self.alloc_memory(&MemRequest::vidmem(client, parent, size, form))

@@ -821,9 +821,10 @@ fn eventually_sync(f: impl Fn() -> bool) -> bool {
     false
 }
 
-/// `FB_GET_INFO_V2` as the driver answers it: the subdevice's GPU size and free memory in KiB
-/// for the memory indices, 0 for the others, free memory following allocations; the driver's
-/// refusals for an empty list and for a control on the device instead of the subdevice.
+/// `FB_GET_INFO_V2` as the driver answers it (the H100 of docs/real-gpu.md): the heap and free
+/// memory in KiB, the total with the driver's reserve on top, the bus width, free memory
+/// following allocations; the driver's refusals for an empty list and for a control on the
+/// device instead of the subdevice.
 #[test]
 fn fb_info_reports_size_and_free_memory_in_kib_as_the_driver() {
     use gpud_common::rm::fb;
@@ -835,8 +836,9 @@ fn fb_info_reports_size_and_free_memory_in_kib_as_the_driver() {
         fb::HEAP_SIZE,
         fb::HEAP_FREE,
         fb::TOTAL_RAM_SIZE,
-        0x0b, // BUS_WIDTH: not a memory size
+        fb::BUS_WIDTH,
         fb::USABLE_RAM_SIZE,
+        fb::FB_TAX_SIZE_KB,
     ];
     let ask = |p: &mut RmProcess| -> Vec<(u32, u64)> {
         let list: Vec<String> = indices.iter().map(|i| format!("{i:#x}")).collect();
@@ -855,13 +857,15 @@ fn fb_info_reports_size_and_free_memory_in_kib_as_the_driver() {
             .collect()
     };
     let kib = GIB >> 10;
+    let total = kib + (480 << 10);
     let want = |free: u64| {
         vec![
             (fb::HEAP_SIZE, kib),
             (fb::HEAP_FREE, free),
-            (fb::TOTAL_RAM_SIZE, kib),
-            (0x0b, 0),
-            (fb::USABLE_RAM_SIZE, kib),
+            (fb::TOTAL_RAM_SIZE, total),
+            (fb::BUS_WIDTH, 5120),
+            (fb::USABLE_RAM_SIZE, total),
+            (fb::FB_TAX_SIZE_KB, 0),
         ]
     };
     assert_eq!(ask(&mut p), want(kib));

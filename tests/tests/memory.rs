@@ -394,3 +394,94 @@ async fn limits_of_a_removed_cgroup_go_at_once() {
             .contains("cgroup removed; dropping its limit")
     );
 }
+
+/// Where the kernel refuses `bpf_probe_write_user` (this machine's lockdown; the VM test covers
+/// a kernel that allows it), gpud runs without the in-container memory view and says why: on
+/// D-Bus, in `gpudctl status` and in its log; a limited cgroup reads the driver's own figures;
+/// a reload of `virtualize_memory_info` is applied and changes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_memory_view_says_why_it_is_unavailable_and_limited_cgroups_read_the_real_figures() {
+    use gpud_common::rm::fb;
+    let Some(rig) = started("mem-view", "notify", false).await else {
+        return;
+    };
+    let (_c, p) = rig.proxy().await;
+    let caps = p.kernel_capabilities().await.expect("KernelCapabilities");
+    let view = p.memory_info_view().await.expect("MemoryInfoView");
+    if caps.get("probe_write_user") == Some(&true) {
+        assert_eq!(view, "on", "the kernel allows the rewrite");
+        eprintln!("SKIPPED: this kernel allows bpf_probe_write_user (the VM test covers the view)");
+        return;
+    }
+    assert_eq!(caps.get("probe_write_user"), Some(&false), "{caps:?}");
+    assert!(
+        view.starts_with("unavailable: the kernel refuses bpf_probe_write_user ("),
+        "{view}"
+    );
+    assert!(
+        rig.log_text().contains("memory view unavailable"),
+        "no start-up warning:\n{}",
+        rig.log_text()
+    );
+    let status = |json: bool| {
+        let mut cmd = std::process::Command::new(gpud_tests::gpudctl_bin());
+        cmd.args(["--bus-address", &rig.bus.address, "status"]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().expect("run gpudctl");
+        assert!(out.status.success(), "gpudctl status: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = status(false);
+    assert!(
+        text.contains(&format!("memory view:      {view}")),
+        "{text}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&status(true)).expect("status JSON");
+    assert_eq!(json["memory_info_view"], view.as_str(), "{json}");
+
+    let cg = Cgroup::new("mem-view");
+    rig.set_limit(&cg.rel, "all", "memory_max", 8 * MIB).await;
+    let mut pr = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (c, d) = pr.client_device(0);
+    let s = pr.handle(&format!("subdevice {c} {d}"));
+    pr.ok(&format!("alloc {c} {d} {} nvos64", 2 * MIB));
+    let v = pr.cmd(&format!(
+        "fbinfo {c} {s} {:#x} {:#x}",
+        fb::HEAP_SIZE,
+        fb::HEAP_FREE
+    ));
+    let snap = rig.fake().snapshot();
+    let gpu = &snap.gpus[0];
+    assert_eq!(
+        v["info"],
+        serde_json::json!([
+            [fb::HEAP_SIZE, gpu.capacity >> 10],
+            [fb::HEAP_FREE, (gpu.capacity - gpu.used) >> 10]
+        ]),
+        "a limited cgroup reads the driver's figures where the view is unavailable: {v}"
+    );
+    let stats = p.get_kernel_stats().await.expect("GetKernelStats");
+    assert_eq!(stats.get("memory_info_rewritten"), Some(&0), "{stats:?}");
+
+    rig.config()
+        .react_action("notify")
+        .set("enforcement.virtualize_memory_info", false)
+        .write();
+    rig.signal(libc::SIGHUP);
+    let log = eventually(Duration::from_secs(10), || async {
+        let log = rig.log_text();
+        log.lines()
+            .any(|l| l.contains("live settings applied") && l.contains("memory_view"))
+            .then_some(log)
+    })
+    .await
+    .unwrap_or_else(|| panic!("reload not applied:\n{}", rig.log_text()));
+    assert!(log.contains("enforcement.virtualize_memory_info"), "{log}");
+    assert_eq!(
+        p.memory_info_view().await.expect("MemoryInfoView"),
+        view,
+        "nothing to turn off"
+    );
+}

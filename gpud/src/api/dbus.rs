@@ -219,6 +219,17 @@ impl Manager {
             .map_or_else(|e| e.to_string(), |s| s.status)
     }
 
+    /// The in-container memory view (`[enforcement] virtualize_memory_info`): `on` (limited
+    /// cgroups read their limit as the GPU's memory size), `off`, or `unavailable: <why>` where
+    /// the kernel refuses the rewrite. Follows reloads.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn memory_info_view(&self) -> String {
+        self.daemon
+            .memory_info_view()
+            .await
+            .unwrap_or_else(|e| e.to_string())
+    }
+
     /// GPUs and MIG devices as NVML reports them (empty while NVML is unavailable).
     async fn list_gpus(&self) -> Result<Vec<GpuRecord>, ApiError> {
         Ok(self

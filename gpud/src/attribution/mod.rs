@@ -126,6 +126,16 @@ impl Attribution {
         new
     }
 
+    /// The in-container memory view: `on`, `off` or `unavailable: <why>`.
+    pub fn memory_info(&self) -> String {
+        self.probes.memory_info().describe()
+    }
+
+    /// Turns the memory view on or off (a reload); see [`Probes::set_memory_info`].
+    pub fn set_memory_info(&mut self, on: bool) -> Result<(), AttributionError> {
+        Ok(self.probes.set_memory_info(on)?)
+    }
+
     /// Stops; see [`Probes::shutdown`].
     pub fn shutdown(self, keep_pinned: bool) {
         self.probes.shutdown(keep_pinned);

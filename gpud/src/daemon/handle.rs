@@ -189,6 +189,11 @@ impl Handle {
         Ok(self.view().await?.nvml.clone())
     }
 
+    /// The in-container memory view: `on`, `off` or `unavailable: <why>`.
+    pub async fn memory_info_view(&self) -> Result<String, DaemonError> {
+        Ok(self.view().await?.memory_info.clone())
+    }
+
     /// The most recent Xid events, oldest first.
     pub async fn list_nvml_events(&self) -> Result<Vec<AttributedXid>, DaemonError> {
         Ok(self.view().await?.nvml_events.clone())

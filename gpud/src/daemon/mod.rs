@@ -37,6 +37,7 @@ use crate::{
     },
     nvml::{AttributedXid, GpuStatus, NvmlView, SamplerSettings, Snapshot as NvmlSnapshot},
     policy::idle::{IdleChange, IdleTracker},
+    report::Chain,
 };
 
 /// Everything the state task reacts to.
@@ -294,6 +295,12 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
             s.retry_interval = new.retry_interval;
         });
     }
+    if let Err(e) = state
+        .attribution
+        .set_memory_info(config.enforcement.virtualize_memory_info)
+    {
+        warn!("memory view not changed: {}", Chain(&e));
+    }
     let intervals = Intervals::of(config);
     info!(
         sweep_secs = intervals.sweep.as_secs(),
@@ -303,6 +310,7 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
         idle_signal = config.idle.signal,
         compute_period_ms = config.compute.period_ms,
         nvml_sample_interval_ms = config.nvml.sample_interval_ms,
+        memory_view = state.attribution.memory_info(),
         "live settings applied"
     );
     intervals

@@ -58,6 +58,8 @@ pub struct View {
     /// The most recent Xid events, oldest first.
     pub nvml_events: Vec<AttributedXid>,
     idle: Vec<IdleEntry>,
+    /// The in-container memory view: `on`, `off` or `unavailable: <why>`.
+    pub memory_info: String,
 }
 
 impl View {
@@ -79,6 +81,7 @@ impl View {
             },
             nvml_events: Vec::new(),
             idle: Vec::new(),
+            memory_info: String::new(),
         }
     }
 
@@ -210,6 +213,7 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         },
         nvml_events: state.nvml.events.iter().cloned().collect(),
         idle: state.idle.list(std::time::Instant::now()),
+        memory_info: state.attribution.memory_info(),
         cgroups,
     }
 }

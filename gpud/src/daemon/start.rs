@@ -132,6 +132,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         cgroup2_root: cgroups.root(),
         tier: config.enforcement.tier,
         react_action: config.enforcement.react_action,
+        virtualize_memory_info: config.enforcement.virtualize_memory_info,
     })
     .map_err(StartError::Probes)?;
     let events = probes.take_events().map_err(StartError::Probes)?;

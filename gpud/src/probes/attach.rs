@@ -1,8 +1,9 @@
 //! Where the programs attach: the attach modes and enforcement tiers, the attachment table of
 //! each, and attaching them (or adopting the links a previous daemon pinned).
 //!
-//! Links are pinned under `links/<object-hash>-<mode>-<tier>/`, one file per attachment, so a
-//! daemon that finds every required link of its own object, mode and tier adopts them with no gap.
+//! Links are pinned under `links/<object-hash>-<mode>-<tier>[-rw]/` (`-rw`: the return side is the
+//! memory view's rewriting twin), one file per attachment, so a daemon that finds every required
+//! link of its own object, mode, tier and return side adopts them with no gap.
 
 use std::{
     fmt,
@@ -92,6 +93,8 @@ impl fmt::Display for Target {
 /// old kernels).
 pub(super) struct Attachment {
     pub(super) program: &'static str,
+    /// The program attached instead where the memory view's rewriting exit programs run.
+    pub(super) rewriting: Option<&'static str>,
     target: Target,
     optional: bool,
 }
@@ -99,6 +102,22 @@ pub(super) struct Attachment {
 const fn att(program: &'static str, target: Target, optional: bool) -> Attachment {
     Attachment {
         program,
+        rewriting: None,
+        target,
+        optional,
+    }
+}
+
+/// An ioctl return side, with its rewriting twin.
+const fn att_rw(
+    program: &'static str,
+    rewriting: &'static str,
+    target: Target,
+    optional: bool,
+) -> Attachment {
+    Attachment {
+        program,
+        rewriting: Some(rewriting),
         target,
         optional,
     }
@@ -129,9 +148,15 @@ pub(super) const FENTRY_ATTACHMENTS: &[Attachment] = &[
 
 /// Added to the fentry set in both tiers: the return side and the file-release hook.
 pub(super) const FENTRY_RETURN_ATTACHMENTS: &[Attachment] = &[
-    att(programs::FEXIT_IOCTL, Target::Fexit(SYS_IOCTL.0), false),
-    att(
+    att_rw(
+        programs::FEXIT_IOCTL,
+        programs::FEXIT_IOCTL_RW,
+        Target::Fexit(SYS_IOCTL.0),
+        false,
+    ),
+    att_rw(
         programs::FEXIT_IOCTL_COMPAT,
+        programs::FEXIT_IOCTL_COMPAT_RW,
         Target::Fexit(SYS_IOCTL.1),
         true,
     ),
@@ -158,8 +183,9 @@ pub(super) const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
         Target::Tracepoint("syscalls", "sys_enter_ioctl"),
         false,
     ),
-    att(
+    att_rw(
         programs::TP_IOCTL_EXIT,
+        programs::TP_IOCTL_EXIT_RW,
         Target::Tracepoint("syscalls", "sys_exit_ioctl"),
         false,
     ),
@@ -196,6 +222,14 @@ pub(super) const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
 ];
 
 impl Attachment {
+    /// The program attached here: the rewriting twin where `rewriting` holds.
+    fn program_of(&self, rewriting: bool) -> &'static str {
+        match self.rewriting {
+            Some(rw) if rewriting => rw,
+            _ => self.program,
+        }
+    }
+
     /// Name of the link's pin. bpffs reserves dots in names, hence the dashes.
     fn pin_name(&self) -> String {
         match self.target {
@@ -233,10 +267,11 @@ impl Probes {
         let mut h = DefaultHasher::new();
         OBJECT.hash(&mut h);
         self.base_dir.join("links").join(format!(
-            "{:016x}-{}-{}",
+            "{:016x}-{}-{}{}",
             h.finish(),
             self.mode.as_str(),
-            self.tier.as_str()
+            self.tier.as_str(),
+            if self.rewriting { "-rw" } else { "" }
         ))
     }
 
@@ -287,11 +322,11 @@ impl Probes {
                         path: path.clone(),
                         source,
                     })?;
-                    debug!(program = a.program, pin = %path.display(), "attached");
+                    debug!(program = a.program_of(self.rewriting), pin = %path.display(), "attached");
                 }
                 Err(e) if a.optional => {
                     debug!(
-                        program = a.program,
+                        program = a.program_of(self.rewriting),
                         target = a.pin_name(),
                         "optional attach skipped: {}",
                         Chain(&e)
@@ -305,7 +340,7 @@ impl Probes {
     }
 
     fn attach_one(&mut self, a: &Attachment, btf: &aya::Btf) -> Result<FdLink, ProbeError> {
-        let name = a.program;
+        let name = a.program_of(self.rewriting);
         let lerr = |source| ProbeError::LoadProgram { name, source };
         let aerr = |source| ProbeError::Attach {
             name,

@@ -17,6 +17,9 @@ pub struct KernelCaps {
     pub dmem_cgroup: bool,
     /// `dmem.capacity` lists regions of NVIDIA GPUs (the `dmem` tier is possible).
     pub dmem_nvidia: bool,
+    /// The ioctl return side may call `bpf_probe_write_user` (the memory view is possible):
+    /// refused under lockdown and without CAP_SYS_ADMIN.
+    pub probe_write_user: bool,
 }
 
 impl KernelCaps {
@@ -29,6 +32,7 @@ impl KernelCaps {
             ("file_ioctl_compat", self.file_ioctl_compat),
             ("dmem_cgroup", self.dmem_cgroup),
             ("dmem_nvidia", self.dmem_nvidia),
+            ("probe_write_user", self.probe_write_user),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
@@ -41,6 +45,62 @@ pub fn bpf_in_lsm_list() -> bool {
     std::fs::read_to_string("/sys/kernel/security/lsm")
         .map(|s| s.trim().split(',').any(|l| l == "bpf"))
         .unwrap_or(false)
+}
+
+/// The kernel's lockdown mode when one is in force (`integrity`, `confidentiality`), from
+/// `/sys/kernel/security/lockdown` (`none [integrity] confidentiality`); `None` when it is
+/// `none` or cannot be read.
+pub fn active_lockdown() -> Option<String> {
+    let text = std::fs::read_to_string("/sys/kernel/security/lockdown").ok()?;
+    lockdown_of(&text)
+}
+
+fn lockdown_of(text: &str) -> Option<String> {
+    let (_, rest) = text.split_once('[')?;
+    let (mode, _) = rest.split_once(']')?;
+    (mode != "none").then(|| mode.to_owned())
+}
+
+/// Why the memory view cannot run, from the refused load of its return side (`load_error`:
+/// the error chain, verifier log included): the verifier's own line about the helper, and its
+/// cause — no `CAP_SYS_ADMIN` (`sys_admin`: whether gpud holds it, if known), or the lockdown
+/// mode in force.
+pub fn write_user_refusal(load_error: &str, sys_admin: Option<bool>) -> String {
+    // The verifier's verdict, not its trace of the instruction (`5: (85) call ...`).
+    let mut lines = load_error
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.contains("bpf_probe_write_user"));
+    let first = lines.clone().next();
+    let line = lines.find(|l| !l.contains(") call ")).or(first);
+    let cause = match (sys_admin, active_lockdown()) {
+        (Some(false), _) => "gpud lacks CAP_SYS_ADMIN".to_owned(),
+        (_, Some(mode)) => format!("kernel lockdown: {mode}"),
+        (Some(true), None) => "kernel lockdown".to_owned(),
+        (None, None) => "kernel lockdown, or no CAP_SYS_ADMIN".to_owned(),
+    };
+    match line {
+        Some(l) => format!("the kernel refuses bpf_probe_write_user ({cause}): {l}"),
+        None => {
+            // The verifier's verdict is its last line before the statistics.
+            let verdict = load_error
+                .lines()
+                .map(str::trim)
+                .rfind(|l| {
+                    !l.is_empty()
+                        && !l.starts_with("processed ")
+                        && !l.starts_with("verification time")
+                        && !l.starts_with("stack depth")
+                })
+                .unwrap_or_default();
+            let first = load_error.lines().next().unwrap_or_default();
+            if verdict == first {
+                format!("its return-side program did not load: {first}")
+            } else {
+                format!("its return-side program did not load: {first} … {verdict}")
+            }
+        }
+    }
 }
 
 /// Whether the `dmem` controller is listed in the root's `cgroup.controllers`.
@@ -78,6 +138,48 @@ pub fn dmem_nvidia_regions(cgroup2_root: &Path, pci_devices: &Path) -> Option<Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lockdown_mode_is_the_bracketed_one() {
+        assert_eq!(
+            lockdown_of("none [integrity] confidentiality\n").as_deref(),
+            Some("integrity")
+        );
+        assert_eq!(lockdown_of("[none] integrity confidentiality\n"), None);
+        assert_eq!(lockdown_of(""), None);
+    }
+
+    #[test]
+    fn a_refusal_names_the_verifier_line() {
+        let err = "cannot load eBPF program `x`: the BPF_PROG_LOAD syscall failed. Verifier output: 0: R1=ctx()\n5: (85) call bpf_probe_write_user#36\nprogram of this type cannot use helper bpf_probe_write_user#36\nprocessed 6 insns";
+        let why = write_user_refusal(err, Some(false));
+        assert!(
+            why.starts_with("the kernel refuses bpf_probe_write_user (gpud lacks CAP_SYS_ADMIN): "),
+            "{why}"
+        );
+        let why = write_user_refusal(err, Some(true));
+        assert!(
+            why.starts_with("the kernel refuses bpf_probe_write_user (kernel lockdown"),
+            "{why}"
+        );
+        assert!(
+            why.ends_with(": program of this type cannot use helper bpf_probe_write_user#36"),
+            "{why}"
+        );
+        let other = write_user_refusal("cannot load eBPF program `x`: out of memory", None);
+        assert_eq!(
+            other,
+            "its return-side program did not load: cannot load eBPF program `x`: out of memory"
+        );
+        let verifier = write_user_refusal(
+            "load failed. Verifier output: 12: (85) call x\nBPF program is too large\nprocessed 1000001 insns\n",
+            Some(true),
+        );
+        assert_eq!(
+            verifier,
+            "its return-side program did not load: load failed. Verifier output: 12: (85) call x … BPF program is too large"
+        );
+    }
 
     #[test]
     fn dmem_regions_are_matched_to_nvidia_functions() -> std::io::Result<()> {

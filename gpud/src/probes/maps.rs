@@ -6,9 +6,9 @@ use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray},
 };
 use gpud_common::{
-    Ancestry, CFG_EXIT_RELEASE, CFG_HAS_EXTRA_FILES, CFG_READY, DeviceKind, FileKey, IoctlCounts,
-    LimitValue, ObjEntry, ObjKey, ProbeConfig, ProcEntry, REACT_FREEZE, REACT_KILL, REACT_NOTIFY,
-    UsageKey, maps,
+    Ancestry, CFG_EXIT_RELEASE, CFG_HAS_EXTRA_FILES, CFG_READY, CFG_VIRT_MEMINFO, DeviceKind,
+    FileKey, IoctlCounts, LimitValue, ObjEntry, ObjKey, ProbeConfig, ProcEntry, REACT_FREEZE,
+    REACT_KILL, REACT_NOTIFY, UsageKey, maps,
 };
 use tracing::debug;
 
@@ -112,6 +112,7 @@ pub(super) fn write_config(
     extra: &[ExtraFile],
     mode: AttachMode,
     react: ReactAction,
+    memory_info: bool,
 ) -> Result<(), ProbeError> {
     let map_err = |name| move |source| ProbeError::WriteMap { name, source };
     let mut files: HashMap<_, FileKey, u32> =
@@ -146,7 +147,8 @@ pub(super) fn write_config(
             | match mode {
                 AttachMode::Tracepoint => CFG_EXIT_RELEASE,
                 AttachMode::Fentry => 0,
-            },
+            }
+            | if memory_info { CFG_VIRT_MEMINFO } else { 0 },
         react_action: match react {
             ReactAction::Kill => REACT_KILL,
             ReactAction::Freeze => REACT_FREEZE,
@@ -155,6 +157,23 @@ pub(super) fn write_config(
         _pad: 0,
     };
     config.set(0, value, 0).map_err(map_err(maps::CONFIG))
+}
+
+/// Sets or clears `flag` in the configuration record the programs read.
+pub(super) fn set_config_flag(ebpf: &mut Ebpf, flag: u32, on: bool) -> Result<(), ProbeError> {
+    let map_err = |source| ProbeError::WriteMap {
+        name: maps::CONFIG,
+        source,
+    };
+    let mut config: Array<_, ProbeConfig> =
+        Array::try_from(map_mut(ebpf, maps::CONFIG)?).map_err(map_err)?;
+    let mut value = config.get(&0, 0).map_err(map_err)?;
+    if on {
+        value.flags |= flag;
+    } else {
+        value.flags &= !flag;
+    }
+    config.set(0, value, 0).map_err(map_err)
 }
 
 /// Takes map `name` out of the loaded object, as the map type `T`.

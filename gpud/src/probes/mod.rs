@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{MapData, RingBuf},
-    programs::{FEntry, Lsm, RawTracePoint, TracePoint},
+    programs::{FEntry, FExit, Lsm, RawTracePoint, TracePoint},
 };
 use gpud_common::{ObjKey, maps as map_names, programs};
 use tracing::{debug, info, warn};
@@ -167,6 +167,29 @@ pub struct ProbeSetup<'a> {
     pub cgroup2_root: &'a Path,
     pub tier: TierPreference,
     pub react_action: ReactAction,
+    /// `[enforcement] virtualize_memory_info`: the memory view on at start.
+    pub virtualize_memory_info: bool,
+}
+
+/// The in-container memory view (limited cgroups read their limit as the GPU's memory size).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MemoryInfoState {
+    On,
+    /// Off by configuration; the rewriting programs are attached, so it can be turned on live.
+    Off,
+    /// The kernel refuses `bpf_probe_write_user`; why.
+    Unavailable(String),
+}
+
+impl MemoryInfoState {
+    /// `on`, `off` or `unavailable: <why>`, as reported on D-Bus and by `gpudctl status`.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::On => "on".to_owned(),
+            Self::Off => "off".to_owned(),
+            Self::Unavailable(why) => format!("unavailable: {why}"),
+        }
+    }
 }
 
 /// The loaded object, its maps, and the links keeping it attached.
@@ -177,6 +200,9 @@ pub struct Probes {
     caps: KernelCaps,
     base_dir: PathBuf,
     resumed: bool,
+    /// The ioctl return side is the rewriting twin (the kernel allows `bpf_probe_write_user`).
+    rewriting: bool,
+    memory_info: MemoryInfoState,
 }
 
 impl Probes {
@@ -239,7 +265,6 @@ impl Probes {
             && try_load(&mut ebpf, programs::LSM_PROBE, |p: &mut Lsm| {
                 p.load("file_ioctl", &aya_btf)
             });
-        info!(?caps, "kernel capabilities");
         for name in attach::RUN_PROGRAMS {
             let perr = move |source| ProbeError::LoadProgram { name, source };
             let p: &mut RawTracePoint = ebpf
@@ -265,6 +290,30 @@ impl Probes {
             TierPreference::Deny | TierPreference::Auto if can_deny => Tier::Deny,
             _ => Tier::React,
         };
+        // The memory view's return side calls bpf_probe_write_user, which the verifier refuses
+        // under lockdown or without CAP_SYS_ADMIN: loading it is the probe.
+        let rewrite = match mode {
+            AttachMode::Tracepoint => load_probe(
+                &mut ebpf,
+                programs::TP_IOCTL_EXIT_RW,
+                |p: &mut TracePoint| p.load(),
+            ),
+            AttachMode::Fentry => {
+                load_probe(&mut ebpf, programs::FEXIT_IOCTL_RW, |p: &mut FExit| {
+                    p.load(SYS_IOCTL.0, &aya_btf)
+                })
+            }
+        };
+        caps.probe_write_user = rewrite.is_ok();
+        info!(?caps, "kernel capabilities");
+        let memory_info = match rewrite {
+            Ok(()) if setup.virtualize_memory_info => MemoryInfoState::On,
+            Ok(()) => MemoryInfoState::Off,
+            Err(e) => MemoryInfoState::Unavailable(caps::write_user_refusal(
+                &e,
+                crate::privileges::sys_admin(),
+            )),
+        };
         maps::write_config(
             &mut ebpf,
             offsets,
@@ -272,12 +321,19 @@ impl Probes {
             setup.extra,
             mode,
             setup.react_action,
+            memory_info == MemoryInfoState::On,
         )?;
         info!(
             mode = mode.as_str(),
             tier = tier.as_str(),
             "attach mode and enforcement tier"
         );
+        match &memory_info {
+            MemoryInfoState::Unavailable(why) => warn!(
+                "memory view unavailable ({why}): limited cgroups see the GPU's real memory size"
+            ),
+            state => info!(memory_view = state.describe(), "in-container memory view"),
+        }
 
         let mut probes = Self {
             ebpf,
@@ -286,6 +342,8 @@ impl Probes {
             caps,
             base_dir,
             resumed: false,
+            rewriting: caps_rewrite(&memory_info),
+            memory_info,
         };
         probes.attach_or_adopt(&kbtf, &aya_btf)?;
         Ok(probes)
@@ -342,6 +400,26 @@ impl Probes {
         &self.caps
     }
 
+    /// The memory view's state.
+    pub fn memory_info(&self) -> &MemoryInfoState {
+        &self.memory_info
+    }
+
+    /// Turns the memory view on or off (a reload of `virtualize_memory_info`); nothing changes
+    /// where the kernel refuses it.
+    pub fn set_memory_info(&mut self, on: bool) -> Result<(), ProbeError> {
+        if !self.rewriting {
+            return Ok(());
+        }
+        maps::set_config_flag(&mut self.ebpf, gpud_common::CFG_VIRT_MEMINFO, on)?;
+        self.memory_info = if on {
+            MemoryInfoState::On
+        } else {
+            MemoryInfoState::Off
+        };
+        Ok(())
+    }
+
     /// Whether the probes were found attached by a previous daemon and adopted.
     pub fn resumed(&self) -> bool {
         self.resumed
@@ -388,6 +466,11 @@ impl Probes {
     }
 }
 
+/// Whether the memory view's rewriting return side runs (the kernel allowed it).
+fn caps_rewrite(state: &MemoryInfoState) -> bool {
+    !matches!(state, MemoryInfoState::Unavailable(_))
+}
+
 /// Loads a program to learn whether the kernel accepts its type; a refusal is an answer, not an
 /// error.
 fn try_load<P>(
@@ -398,19 +481,28 @@ fn try_load<P>(
 where
     for<'a> &'a mut P: TryFrom<&'a mut aya::programs::Program>,
 {
-    let Some(prog) = ebpf.program_mut(name) else {
-        return false;
-    };
-    let Ok(p) = <&mut P>::try_from(prog) else {
-        return false;
-    };
-    match load(p) {
-        Ok(()) => true,
-        Err(e) => {
-            debug!(program = name, "probe load refused: {}", Chain(&e));
-            false
-        }
-    }
+    load_probe(ebpf, name, load).is_ok()
+}
+
+/// [`try_load`] that keeps the refusal (the whole chain, verifier log included).
+fn load_probe<P>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    load: impl FnOnce(&mut P) -> Result<(), aya::programs::ProgramError>,
+) -> Result<(), String>
+where
+    for<'a> &'a mut P: TryFrom<&'a mut aya::programs::Program>,
+{
+    let prog = ebpf
+        .program_mut(name)
+        .ok_or_else(|| ProbeError::NoProgram(name).to_string())?;
+    let p = <&mut P>::try_from(prog)
+        .map_err(|_| format!("`{name}` is not of the expected program type"))?;
+    load(p).map_err(|e| {
+        let e = Chain(&e).to_string();
+        debug!(program = name, "probe load refused: {e}");
+        e
+    })
 }
 
 #[cfg(test)]
@@ -462,7 +554,8 @@ mod tests {
             .chain(FENTRY_RETURN_ATTACHMENTS)
             .chain(LSM_ATTACHMENTS)
             .chain(TRACEPOINT_ATTACHMENTS)
-            .map(|a| a.program)
+            .flat_map(|a| [Some(a.program), a.rewriting])
+            .flatten()
             .collect();
         used.extend(RUN_PROGRAMS);
         used.insert(programs::LSM_PROBE);

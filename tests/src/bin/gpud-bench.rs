@@ -185,6 +185,7 @@ fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
         cgroup2_root: cgroups.root(),
         tier: TierPreference::React,
         react_action: ReactAction::Notify,
+        virtualize_memory_info: true,
     })?;
     let r = workloads(o, standin);
     probes.shutdown(false);

@@ -31,6 +31,14 @@
 //!   time over all their files (one `gpud_file_held` run each, plus the object-table walk), median
 //!   of 5, and per file.
 //!
+//! - `memory_info_ns_per_call`: the in-container memory view: a process in the cgroup issues
+//!   `FB_GET_INFO_V2` as `cuMemGetInfo` does (HEAP_FREE, HEAP_SIZE, FB_TAX), 20,000 times per
+//!   phase, and the kernel's run-time statistics of gpud's ioctl programs give their time per
+//!   call: no limit (`unlimited`), a limit with the view off (`limited_view_off`: the command
+//!   is compared, nothing noted) and on (`limited_view_on`: noted at entry, the reply rewritten
+//!   at the exit; only where the kernel allows `bpf_probe_write_user`, else `null`, the reason
+//!   in `memory_view`). Each phase also checks what the process read.
+//!
 //! Prints one line `BENCH JSON: {...}`.
 
 use std::{
@@ -344,6 +352,7 @@ fn setup(
         cgroup2_root: &root,
         tier: TierPreference::React,
         react_action: action,
+        virtualize_memory_info: true,
     })?;
     ensure!(probes.mode() == o.mode, "attached in {:?}", probes.mode());
     let ring = probes.take_events()?;
@@ -352,6 +361,91 @@ fn setup(
         extra,
     };
     Ok((Attribution::new(probes, cgroups, matcher)?, ring))
+}
+
+/// The memory view's cost per `FB_GET_INFO_V2` call (see the module docs): the phases' ns per
+/// call of gpud's ioctl programs, and the view's state.
+fn memory_info_cost(
+    o: &Opts,
+    ctl: &Path,
+    cg: &Path,
+    rel: &str,
+) -> anyhow::Result<(serde_json::Value, String)> {
+    use gpud_common::rm::fb;
+    const CALLS: u64 = 20_000;
+    const LIMIT: u64 = 8 << 30;
+    let (mut attr, _ring) = setup(o, ctl, ReactAction::Notify, "view")?;
+    let state = attr.memory_info();
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("enabling BPF run-time statistics")?;
+    let (c, dir) = (ctl.to_owned(), cg.to_owned());
+    let setup_tenant = move || -> Result<(std::fs::File, [u32; 2]), String> {
+        inproc::join_cgroup(&dir).map_err(|e| format!("join: {e}"))?;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&c)
+            .map_err(|e| format!("open: {e}"))?;
+        let rm = Ctl::new(&f);
+        let client = rm.alloc_client().handle;
+        let dev = rm.alloc_device(client, 0).handle;
+        let sub = rm.alloc_subdevice(client, dev).handle;
+        Ok((f, [client, sub]))
+    };
+    // `calls N`: N queries; replies with the last HEAP_SIZE read (KiB).
+    let serve = |s: &mut (std::fs::File, [u32; 2]), req: &str| -> String {
+        let rm = Ctl::new(&s.0);
+        let n: u64 = req
+            .strip_prefix("calls ")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        let mut heap = 0;
+        for _ in 0..n {
+            let (_, pairs) = rm.fb_info_v2(
+                s.1[0],
+                s.1[1],
+                &[fb::HEAP_FREE, fb::HEAP_SIZE, fb::FB_TAX_SIZE_KB],
+            );
+            heap = pairs.get(1).map_or(0, |p| p.1);
+        }
+        heap.to_string()
+    };
+    let mut tenant = inproc::fork_serving(setup_tenant, serve)?;
+    let (_, id) = attr.id_of(rel)?;
+    let mut phases = serde_json::Map::new();
+    for (name, limit, view) in [
+        ("unlimited", false, true),
+        ("limited_view_off", true, false),
+        ("limited_view_on", true, true),
+    ] {
+        if limit {
+            attr.set_kernel_limit(id, gpud_common::GPU_ALL, LIMIT)?;
+        } else {
+            attr.clear_kernel_limit(id, gpud_common::GPU_ALL)?;
+        }
+        attr.set_memory_info(view)?;
+        if name == "limited_view_on" && attr.memory_info() != "on" {
+            phases.insert(name.into(), serde_json::Value::Null);
+            continue;
+        }
+        let before = prog_stats();
+        let heap: u64 = tenant.ask(&format!("calls {CALLS}"))?.parse()?;
+        let spent: u64 = prog_stats()
+            .into_iter()
+            .filter(|(k, _)| k.contains("_ioc"))
+            .map(|(k, (t, _))| t.saturating_sub(before.get(&k).map_or(0, |b| b.0)))
+            .sum();
+        let rewritten = heap == LIMIT >> 10;
+        ensure!(
+            rewritten == (name == "limited_view_on"),
+            "{name}: the process read a heap of {heap} KiB"
+        );
+        phases.insert(name.into(), json!(spent as f64 / CALLS as f64));
+    }
+    tenant.release();
+    attr.clear_kernel_limit(id, gpud_common::GPU_ALL)?;
+    attr.shutdown(false);
+    Ok((serde_json::Value::Object(phases), state))
 }
 
 /// `--serve-fake DIR`: serves the fake device until standard input closes.
@@ -514,6 +608,9 @@ fn main() -> anyhow::Result<()> {
     }
     attr.shutdown(false);
 
+    // The memory view: gpud's ioctl programs' time per FB_GET_INFO_V2 call.
+    let (view_phases, memory_view) = memory_info_cost(&o, &fake.ctl, &cg, &rel)?;
+
     // The release rule's check of control files, with `holders` files held.
     let (mut attr, _ring) = setup(&o, &fake.ctl, ReactAction::Notify, "files")?;
     let holders = spawn_holders(&fake.ctl, &cg, o.holders)?;
@@ -537,7 +634,7 @@ fn main() -> anyhow::Result<()> {
     drop(fake);
     let _ = std::fs::remove_dir(&cg);
     // Each setup's bpffs directory (its pins went with its probes).
-    for tag in ["acct", "kill", "freeze", "files"] {
+    for tag in ["acct", "kill", "freeze", "view", "files"] {
         let _ = std::fs::remove_dir(format!("/sys/fs/bpf/gpud-membench-{tag}"));
     }
     let _ = std::fs::remove_dir_all(&work);
@@ -555,6 +652,8 @@ fn main() -> anyhow::Result<()> {
             "added_p50": percentile(kill_after.clone(), 0.5),
             "added_p90": percentile(kill_after, 0.9),
         },
+        "memory_view": memory_view,
+        "memory_info_ns_per_call": view_phases,
         "file_check_ns": {
             "holders": o.holders,
             "median": check_median,

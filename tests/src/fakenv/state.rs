@@ -11,6 +11,10 @@ use std::{
     time::Duration,
 };
 
+/// What the driver keeps of a GPU's memory for itself: `TOTAL_RAM_SIZE` less `HEAP_SIZE` (480 MiB
+/// on the H100 of docs/real-gpu.md).
+const DRIVER_RESERVE: u64 = 480 << 20;
+
 use gpud_common::{
     nv,
     rm::{self, Handle, class, status},
@@ -765,7 +769,10 @@ impl Rm {
 
     /// `FB_GET_INFO_V2` on a subdevice: its GPU's memory size and free memory in KiB, as the
     /// driver of drivers 580–595 answers (params of exactly that version's size, 1 to
-    /// `MAX_LIST_SIZE` pairs; indices that carry no memory size read 0 here).
+    /// `MAX_LIST_SIZE` pairs). As on the H100 (docs/real-gpu.md): the heap is the capacity, the
+    /// total (`RAM_SIZE`, `TOTAL_RAM_SIZE`, `USABLE_RAM_SIZE`) adds the driver's 480 MiB
+    /// reserve, `BUS_WIDTH` is 5120 and `FB_TAX_SIZE_KB` 0; indices this fake does not model
+    /// read 0.
     fn fb_info(&self, c: Caller, p: &rm::Nvos54) -> u32 {
         use rm::fb;
         let Some(o) = self.clients[&p.h_client].objects.get(&p.h_object) else {
@@ -786,14 +793,14 @@ impl Rm {
         let kib = |bytes: u64| u32::try_from(bytes >> 10).unwrap_or(u32::MAX);
         for e in &mut q.list[..n] {
             e.data = match e.index {
-                fb::RAM_SIZE
-                | fb::TOTAL_RAM_SIZE
-                | fb::HEAP_SIZE
-                | fb::MAPPABLE_HEAP_SIZE
-                | fb::USABLE_RAM_SIZE => kib(g.capacity),
+                fb::RAM_SIZE | fb::TOTAL_RAM_SIZE | fb::USABLE_RAM_SIZE => {
+                    kib(g.capacity + DRIVER_RESERVE)
+                }
+                fb::HEAP_SIZE | fb::MAPPABLE_HEAP_SIZE => kib(g.capacity),
                 fb::HEAP_FREE | fb::LARGEST_FREE_REGION_SIZE_KB => {
                     kib(g.capacity.saturating_sub(g.used))
                 }
+                fb::BUS_WIDTH => 5120,
                 _ => 0,
             };
         }
@@ -890,6 +897,8 @@ impl Rm {
                         let g = self.gpus[g as usize];
                         put_u64(buf, rm::VIDHEAP_TOTAL, g.capacity);
                         put_u64(buf, rm::VIDHEAP_FREE, g.capacity - g.used);
+                        // The largest free block: all of it, as this fake does not fragment.
+                        put_u64(buf, rm::VIDHEAP_INFO_SIZE, g.capacity - g.used);
                         status::NV_OK
                     }
                     Err(st) => st,

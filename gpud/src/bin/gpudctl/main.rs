@@ -300,6 +300,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     let gpus = proxy.list_gpus().await.map_err(daemon_err)?;
     let nvml_available = proxy.nvml_available().await.map_err(daemon_err)?;
     let nvml_events = proxy.list_nvml_events().await.map_err(daemon_err)?;
+    let memory_view = proxy.memory_info_view().await.map_err(daemon_err)?;
     if json {
         let v = serde_json::json!({
             "version": version,
@@ -310,6 +311,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
             "attach_mode": mode,
             "enforcement_tier": tier,
             "react_action": action,
+            "memory_info_view": memory_view,
             "kernel_capabilities": caps,
             "cgroup_root": root,
             "probes_resumed": resumed,
@@ -335,6 +337,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
         .map(|(k, _)| k.as_str())
         .collect();
     println!("  memory limits:    {tier} tier (react action: {action})");
+    println!("  memory view:      {memory_view}");
     println!("  NVML:             {nvml_status}");
     for g in &gpus {
         let id = if g.mig == u32::MAX {
