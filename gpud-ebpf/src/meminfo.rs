@@ -11,7 +11,7 @@
 
 use aya_ebpf::helpers::bpf_probe_write_user;
 use gpud_common::{
-    Ancestry, GPU_ALL, MAX_CGROUP_DEPTH, Pending, UsageKey,
+    Ancestry, Pending,
     rm::{
         self,
         fb::{self, Clamp},
@@ -20,8 +20,8 @@ use gpud_common::{
 };
 
 use crate::{
-    maps::{LIMITS, bump_stat},
-    memory::{current_ancestry, gpu_of, usage, user},
+    maps::bump_stat,
+    memory::{current_ancestry, each_limit, gpu_of, usage, user},
 };
 
 /// The smallest limit over the caller's ancestry for `gpu` (and for all GPUs), and the smallest
@@ -29,24 +29,13 @@ use crate::{
 #[inline(always)]
 fn view(anc: &Ancestry, gpu: u32) -> Option<(u64, u64)> {
     let (mut total, mut free, mut found) = (u64::MAX, u64::MAX, false);
-    for i in 0..MAX_CGROUP_DEPTH {
-        if i as u32 >= anc.depth {
-            break;
-        }
-        let id = anc.ids[i];
-        for g in [gpu, GPU_ALL] {
-            let key = UsageKey {
-                cgroup_id: id,
-                gpu: g,
-                _pad: 0,
-            };
-            if let Some(l) = unsafe { LIMITS.get(key) } {
-                found = true;
-                total = total.min(l.max);
-                free = free.min(l.max.saturating_sub(usage(id, g)));
-            }
-        }
-    }
+    each_limit(anc, gpu, |id, g, l| {
+        let max = unsafe { (*l).max };
+        found = true;
+        total = total.min(max);
+        free = free.min(max.saturating_sub(usage(id, g)));
+        false
+    });
     found.then_some((total, free))
 }
 

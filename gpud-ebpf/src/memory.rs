@@ -18,9 +18,9 @@ use aya_ebpf::{
 };
 use gpud_common::{
     Ancestry, CFG_VIRT_MEMINFO, DeviceKind, EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE,
-    EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH,
-    OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY, OBJ_SUBDEVICE, ObjEntry, ObjKey,
-    Pending, ProbeConfig, REACT_KILL, UsageKey, nv, rm, stat,
+    EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN, LimitValue,
+    MAX_CGROUP_DEPTH, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY, OBJ_SUBDEVICE,
+    ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv, rm, stat,
 };
 
 use crate::{
@@ -192,10 +192,14 @@ pub(crate) fn usage(cgroup_id: u64, gpu: u32) -> u64 {
     }
 }
 
-/// The first limit (from the root down) that usage plus `extra` exceeds: the cgroup, the GPU
-/// key of the limit, and the usage it holds now. Bumps that limit's event counter.
+/// Calls `f(cgroup, GPU key, limit)` for each limit that applies to `gpu` (its own and the
+/// all-GPU one) over `anc`, from the root down, until `f` returns true.
 #[inline(always)]
-fn over_limit(anc: &Ancestry, gpu: u32, extra: u64) -> Option<(u64, u32, u64)> {
+pub(crate) fn each_limit(
+    anc: &Ancestry,
+    gpu: u32,
+    mut f: impl FnMut(u64, u32, *mut LimitValue) -> bool,
+) {
     for i in 0..MAX_CGROUP_DEPTH {
         if i as u32 >= anc.depth {
             break;
@@ -207,19 +211,33 @@ fn over_limit(anc: &Ancestry, gpu: u32, extra: u64) -> Option<(u64, u32, u64)> {
                 gpu: g,
                 _pad: 0,
             };
-            if let Some(l) = LIMITS.get_ptr_mut(key) {
-                let now = usage(id, g);
-                if now.saturating_add(extra) > unsafe { (*l).max } {
-                    unsafe {
-                        let ev = core::ptr::addr_of_mut!((*l).events);
-                        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(ev, 1);
-                    }
-                    return Some((id, g, now));
-                }
+            if let Some(l) = LIMITS.get_ptr_mut(key)
+                && f(id, g, l)
+            {
+                return;
             }
         }
     }
-    None
+}
+
+/// The first limit (from the root down) that usage plus `extra` exceeds: the cgroup, the GPU
+/// key of the limit, and the usage it holds now. Bumps that limit's event counter.
+#[inline(always)]
+fn over_limit(anc: &Ancestry, gpu: u32, extra: u64) -> Option<(u64, u32, u64)> {
+    let mut hit = None;
+    each_limit(anc, gpu, |id, g, l| {
+        let now = usage(id, g);
+        if now.saturating_add(extra) <= unsafe { (*l).max } {
+            return false;
+        }
+        unsafe {
+            let ev = core::ptr::addr_of_mut!((*l).events);
+            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(ev, 1);
+        }
+        hit = Some((id, g, now));
+        true
+    });
+    hit
 }
 
 /// Object serials are the monotonic clock: unique per key (one object per key at a time) and

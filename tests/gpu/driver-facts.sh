@@ -55,7 +55,7 @@ log "nvidia-smi from inside cgroup facts-b while the victim runs"
 sh -c "echo \$\$ > $CG/facts-b/cgroup.procs; exec nvidia-smi" >>"$R" 2>&1
 sh -c "echo \$\$ > $CG/facts-b/cgroup.procs; exec nvidia-smi --query-compute-apps=pid,used_memory --format=csv" >>"$R" 2>&1
 sh -c "echo \$\$ > $CG/facts-b/cgroup.procs; VICTIM_LOG=$L/victim.log NVSNIFF_OUT=$L/tenant.log \
-	LD_PRELOAD=$C/nv-ioctl-sniffer.so exec timeout 90 python3 $HERE/sched_facts.py" >>"$R" 2>&1
+	LD_PRELOAD=$C/nv-ioctl-sniffer.so PYTHONPATH=$HERE exec timeout 90 python3 $HERE/sched_facts.py" >>"$R" 2>&1
 wait $V
 log "victim products per second"
 cat "$L/victim.jsonl" >>"$R"

@@ -8,40 +8,15 @@ sniffer's nvsniff_control this process issues, as its own CUDA client:
      re-enabled; the victim's products per second tell whether its work stopped.
 Prints one JSON line per step (with wall-clock time, to set beside the victim's lines).
 """
-import ctypes, json, os, re, struct, time
+import ctypes, json, os, struct, time
 
 import torch
 
-sniff = ctypes.CDLL(os.environ["LD_PRELOAD"])
-sniff.nvsniff_control.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32]
-
-
-def mark(what):
-    sniff.nvsniff_mark(what.encode())
+from nvsniff import allocations, control, mark
 
 
 def say(step, **kv):
     print(json.dumps({"t": round(time.time(), 3), "step": step, **kv}), flush=True)
-
-
-def control(client, obj, cmd, buf):
-    return sniff.nvsniff_control(client, obj, cmd, ctypes.addressof(buf), len(buf))
-
-
-ALLOC = re.compile(r"RM_ALLOC\d+ client=(0x[0-9a-f]+) parent=(0x[0-9a-f]+) new=(0x[0-9a-f]+) class=(0x[0-9a-f]+).*status=0(?:x0)?$")
-
-
-def allocations(path, pid=None):
-    """(client, parent, handle, class) of every successful RM_ALLOC in a sniffer log."""
-    out = []
-    for line in open(path, errors="replace"):
-        if pid is not None and not line.startswith(f"{pid} "):
-            continue
-        post = line.rstrip("\n").split(" | ")[-1]
-        m = ALLOC.search(post)
-        if m:
-            out.append(tuple(int(g, 16) for g in m.groups()))
-    return out
 
 
 mark("context")

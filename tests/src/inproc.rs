@@ -179,6 +179,22 @@ pub fn fork_held(work: impl FnOnce() -> String) -> std::io::Result<Held> {
     }
 }
 
+/// In a forked child: joins `cgroup`, opens the control device `ctl` and makes a client, device
+/// 0 and its subdevice there (see [`crate::rm::Ctl::alloc_subdevice_tree`]), as a tenant's CUDA
+/// context would; the [`fork_serving`] set-up of the tests' tenants.
+pub fn rm_tenant(ctl: &Path, cgroup: &Path) -> Result<(File, [u32; 3]), String> {
+    join_cgroup(cgroup).map_err(|e| format!("join: {e}"))?;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(ctl)
+        .map_err(|e| format!("open: {e}"))?;
+    let handles = crate::rm::Ctl::new(&f)
+        .alloc_subdevice_tree(0)
+        .map_err(|r| format!("client, device and subdevice: {r:?}"))?;
+    Ok((f, handles))
+}
+
 /// How long [`Serving::ask`] waits for a reply.
 const ASK_TIMEOUT_MS: i32 = 60_000;
 

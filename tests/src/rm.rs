@@ -342,23 +342,9 @@ impl<'f> Ctl<'f> {
         cmd: u32,
         params: &mut P,
     ) -> Reply {
-        let mut p = rm::Nvos54 {
-            h_client: client,
-            h_object: object,
-            cmd,
-            flags: 0,
-            params: bytes_of_mut(params).as_mut_ptr() as u64,
-            params_size: size_of::<P>() as u32,
-            status: 0,
-        };
-        let (ret, errno) = self.escape(nv::NV_ESC_RM_CONTROL, &mut p, false);
-        Reply {
-            ret,
-            errno,
-            status: p.status,
-            handle: object,
-            size: 0,
-        }
+        let ptr = bytes_of_mut(params).as_mut_ptr();
+        // SAFETY: `params` is a live `P`, exactly the size declared.
+        unsafe { self.control_raw(client, object, cmd, ptr, size_of::<P>() as u32) }
     }
 
     /// `NV_ESC_RM_CONTROL` with `size` bytes at `params` declared as the parameters, whatever
@@ -431,6 +417,23 @@ impl<'f> Ctl<'f> {
             size: 0,
         };
         (reply, [p.total, p.free, largest])
+    }
+
+    /// A client, device `device_id` and its subdevice: what a CUDA process holds per GPU.
+    pub fn alloc_subdevice_tree(&self, device_id: u32) -> Result<[Handle; 3], Reply> {
+        let client = self.alloc_client();
+        if !client.ok() {
+            return Err(client);
+        }
+        let device = self.alloc_device(client.handle, device_id);
+        if !device.ok() {
+            return Err(device);
+        }
+        let sub = self.alloc_subdevice(client.handle, device.handle);
+        if !sub.ok() {
+            return Err(sub);
+        }
+        Ok([client.handle, device.handle, sub.handle])
     }
 
     /// Video memory of `size` bytes under `parent` (a device or subdevice), issued as `form`.

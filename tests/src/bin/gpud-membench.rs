@@ -380,21 +380,9 @@ fn memory_info_cost(
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
     let (c, dir) = (ctl.to_owned(), cg.to_owned());
-    let setup_tenant = move || -> Result<(std::fs::File, [u32; 2]), String> {
-        inproc::join_cgroup(&dir).map_err(|e| format!("join: {e}"))?;
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&c)
-            .map_err(|e| format!("open: {e}"))?;
-        let rm = Ctl::new(&f);
-        let client = rm.alloc_client().handle;
-        let dev = rm.alloc_device(client, 0).handle;
-        let sub = rm.alloc_subdevice(client, dev).handle;
-        Ok((f, [client, sub]))
-    };
+    let setup_tenant = move || inproc::rm_tenant(&c, &dir);
     // `calls N`: N queries; replies with the last HEAP_SIZE read (KiB).
-    let serve = |s: &mut (std::fs::File, [u32; 2]), req: &str| -> String {
+    let serve = |s: &mut (std::fs::File, [u32; 3]), req: &str| -> String {
         let rm = Ctl::new(&s.0);
         let n: u64 = req
             .strip_prefix("calls ")
@@ -404,7 +392,7 @@ fn memory_info_cost(
         for _ in 0..n {
             let (_, pairs) = rm.fb_info_v2(
                 s.1[0],
-                s.1[1],
+                s.1[2],
                 &[fb::HEAP_FREE, fb::HEAP_SIZE, fb::FB_TAX_SIZE_KB],
             );
             heap = pairs.get(1).map_or(0, |p| p.1);

@@ -35,21 +35,14 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     let root = cgroups.root().to_owned();
     let majors = DynamicMajors::read()?;
     let extra = devices::resolve_extra_paths(std::slice::from_ref(&standin))?;
-    let config = ProbesConfig {
-        attach: pref,
-        bpffs: PathBuf::from(format!("/sys/fs/bpf/{tag}")),
-        keep_pinned: false,
-        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
-    };
-    let probes = Probes::start(ProbeSetup {
-        config: &config,
+    let probes = start_probes(
+        pref,
+        TierPreference::React,
+        format!("/sys/fs/bpf/{tag}"),
         majors,
-        extra: &extra,
-        cgroup2_root: &root,
-        tier: TierPreference::React,
-        react_action: ReactAction::Notify,
-        virtualize_memory_info: true,
-    })
+        &extra,
+        &root,
+    )
     .context("starting probes")?;
     println!("[{tag}] capabilities: {:?}", probes.caps());
     ensure!(
@@ -151,6 +144,33 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// gpud's probes as the tests start them: their own bpffs (pins removed at the end), the
+/// `notify` action, the memory view on.
+fn start_probes(
+    attach: AttachPreference,
+    tier: TierPreference,
+    bpffs: impl Into<PathBuf>,
+    majors: DynamicMajors,
+    extra: &[devices::ExtraFile],
+    root: &std::path::Path,
+) -> Result<Probes, gpud::probes::ProbeError> {
+    let config = ProbesConfig {
+        attach,
+        bpffs: bpffs.into(),
+        keep_pinned: false,
+        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
+    };
+    Probes::start(ProbeSetup {
+        config: &config,
+        majors,
+        extra,
+        cgroup2_root: root,
+        tier,
+        react_action: ReactAction::Notify,
+        virtualize_memory_info: true,
+    })
+}
+
 /// Drains the probes' ring buffer into the attribution (the daemon's event loop does this).
 fn pump(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, attribution: &mut Attribution) -> usize {
     let mut n = 0;
@@ -181,21 +201,14 @@ fn memory_deny() -> anyhow::Result<()> {
     let cgroups = CgroupFs::discover()?;
     let root = cgroups.root().to_owned();
     let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
-    let config = ProbesConfig {
-        attach: AttachPreference::Auto,
-        bpffs: PathBuf::from("/sys/fs/bpf/deny"),
-        keep_pinned: false,
-        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
-    };
-    let mut probes = Probes::start(ProbeSetup {
-        config: &config,
-        majors: DynamicMajors::read()?,
-        extra: &extra,
-        cgroup2_root: &root,
-        tier: TierPreference::Deny,
-        react_action: ReactAction::Notify,
-        virtualize_memory_info: true,
-    })
+    let mut probes = start_probes(
+        AttachPreference::Auto,
+        TierPreference::Deny,
+        "/sys/fs/bpf/deny",
+        DynamicMajors::read()?,
+        &extra,
+        &root,
+    )
     .context("starting probes with enforcement.tier = deny")?;
     ensure!(probes.tier() == Tier::Deny, "tier {:?}", probes.tier());
     let mut ring = probes.take_events()?;
@@ -409,22 +422,7 @@ fn tenant(ctl: &std::path::Path, cgroup: &std::path::Path) -> anyhow::Result<inp
     use gpud_tests::rm::{Ctl, Form};
     const MIB: u64 = 1 << 20;
     let (c, dir) = (ctl.to_owned(), cgroup.to_owned());
-    let setup = move || -> Result<(std::fs::File, [u32; 3]), String> {
-        inproc::join_cgroup(&dir).map_err(|e| format!("join: {e}"))?;
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&c)
-            .map_err(|e| format!("open: {e}"))?;
-        let rm = Ctl::new(&f);
-        let client = rm.alloc_client().handle;
-        let dev = rm.alloc_device(client, 0).handle;
-        let sub = rm.alloc_subdevice(client, dev);
-        if !sub.ok() {
-            return Err(format!("subdevice: {sub:?}"));
-        }
-        Ok((f, [client, dev, sub.handle]))
-    };
+    let setup = move || inproc::rm_tenant(&c, &dir);
     let serve = |s: &mut (std::fs::File, [u32; 3]), req: &str| -> String {
         let rm = Ctl::new(&s.0);
         let [client, dev, sub] = s.1;
@@ -516,21 +514,14 @@ fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     let cgroups = CgroupFs::discover()?;
     let root = cgroups.root().to_owned();
     let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
-    let config = ProbesConfig {
-        attach: pref,
-        bpffs: PathBuf::from(format!("/sys/fs/bpf/view-{tag}")),
-        keep_pinned: false,
-        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
-    };
-    let probes = Probes::start(ProbeSetup {
-        config: &config,
-        majors: DynamicMajors::read()?,
-        extra: &extra,
-        cgroup2_root: &root,
-        tier: TierPreference::Auto,
-        react_action: ReactAction::Notify,
-        virtualize_memory_info: true,
-    })
+    let probes = start_probes(
+        pref,
+        TierPreference::Auto,
+        format!("/sys/fs/bpf/view-{tag}"),
+        DynamicMajors::read()?,
+        &extra,
+        &root,
+    )
     .context("starting probes")?;
     ensure!(probes.mode() == want, "mode {:?}", probes.mode());
     ensure!(
@@ -714,21 +705,14 @@ fn main() -> std::process::ExitCode {
 
 fn check_lsm_probe() -> anyhow::Result<()> {
     let cgroups = CgroupFs::discover()?;
-    let config = ProbesConfig {
-        attach: AttachPreference::Auto,
-        bpffs: PathBuf::from("/sys/fs/bpf/caps"),
-        keep_pinned: false,
-        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
-    };
-    let probes = Probes::start(ProbeSetup {
-        config: &config,
-        majors: DynamicMajors::default(),
-        extra: &[],
-        cgroup2_root: cgroups.root(),
-        tier: TierPreference::React,
-        react_action: ReactAction::Notify,
-        virtualize_memory_info: true,
-    })?;
+    let probes = start_probes(
+        AttachPreference::Auto,
+        TierPreference::React,
+        "/sys/fs/bpf/caps",
+        DynamicMajors::default(),
+        &[],
+        cgroups.root(),
+    )?;
     let caps = probes.caps().clone();
     let mode = probes.mode();
     probes.shutdown(false);
