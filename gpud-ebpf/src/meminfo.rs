@@ -147,9 +147,8 @@ fn fb_list(params: u64, size: u32, total_k: u32, free_k: u32) -> bool {
             Some(Clamp::Free) => free_k,
             None => u32::MAX,
         };
-        if e.data > cap {
-            let _ = unsafe { bpf_probe_write_user((at + 4) as *mut u32, &cap as *const u32) };
-        }
+        // A value that cannot be written stays as the driver wrote it.
+        let _ = lower(at + 4, e.data, cap);
         at += 8;
     }
     true

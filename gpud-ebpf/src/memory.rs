@@ -38,10 +38,9 @@ pub(crate) unsafe fn user<T>(addr: u64) -> Option<T> {
 }
 
 /// The RM call an ioctl makes: escape number, parameter size and user address, unwrapping an
-/// XFER. `None` for commands the accounting does not follow (RM controls only for the memory
-/// view, `meminfo`).
+/// XFER. `None` for commands neither the accounting nor the memory view follows.
 #[inline(always)]
-fn rm_call(cmd: u32, arg: u64, meminfo: bool) -> Option<(u32, u32, u64)> {
+fn rm_call(cmd: u32, arg: u64) -> Option<(u32, u32, u64)> {
     let (mut nr, mut size, mut params) = (nv::ioc_nr(cmd), nv::ioc_size(cmd), arg);
     if nr == nv::NV_ESC_IOCTL_XFER_CMD {
         if size != nv::NV_IOCTL_XFER_SIZE {
@@ -56,8 +55,8 @@ fn rm_call(cmd: u32, arg: u64, meminfo: bool) -> Option<(u32, u32, u64)> {
     match (nr, size) {
         (nv::NV_ESC_RM_ALLOC, nv::NVOS21_SIZE | nv::NVOS64_SIZE)
         | (nv::NV_ESC_RM_FREE, nv::NVOS00_SIZE)
-        | (nv::NV_ESC_RM_VID_HEAP_CONTROL, nv::NVOS32_SIZE) => Some((nr, size, params)),
-        (nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE) if meminfo => Some((nr, size, params)),
+        | (nv::NV_ESC_RM_VID_HEAP_CONTROL, nv::NVOS32_SIZE)
+        | (nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE) => Some((nr, size, params)),
         _ => None,
     }
 }
@@ -295,20 +294,20 @@ pub(crate) fn release(key: &ObjKey, expect: u64) -> bool {
 /// Entry side of an ioctl on a control file. Returns the verdict (`-ENOMEM` to refuse).
 #[inline(always)]
 pub(crate) fn rm_entry(file: u64, cmd: u32, arg: u64, deny: bool) -> i32 {
-    let meminfo = config().is_some_and(|c| c.flags & CFG_VIRT_MEMINFO != 0);
-    let Some((nr, size, params)) = rm_call(cmd, arg, meminfo) else {
+    let Some((nr, size, params)) = rm_call(cmd, arg) else {
         return 0;
     };
     // A memory-info call of a limited cgroup: its reply is rewritten at the exit. Other
-    // controls are not noted at all.
+    // controls are not noted at all; only these two escapes look the view's flag up.
+    let meminfo = || config().is_some_and(|c| c.flags & CFG_VIRT_MEMINFO != 0);
     let (mut view_cmd, mut view_gpu) = (0, GPU_UNKNOWN);
     if nr == nv::NV_ESC_RM_CONTROL {
-        let Some((c, g)) = meminfo::control_entry(params) else {
+        let Some((c, g)) = meminfo().then(|| meminfo::control_entry(params)).flatten() else {
             return 0;
         };
         (view_cmd, view_gpu) = (c, g);
-    } else if meminfo
-        && nr == nv::NV_ESC_RM_VID_HEAP_CONTROL
+    } else if nr == nv::NV_ESC_RM_VID_HEAP_CONTROL
+        && meminfo()
         && let Some((c, g)) = meminfo::vidheap_entry(params)
     {
         (view_cmd, view_gpu) = (c, g);

@@ -271,7 +271,7 @@ impl Probes {
             h.finish(),
             self.mode.as_str(),
             self.tier.as_str(),
-            if self.rewriting { "-rw" } else { "" }
+            if self.rewriting() { "-rw" } else { "" }
         ))
     }
 
@@ -322,11 +322,11 @@ impl Probes {
                         path: path.clone(),
                         source,
                     })?;
-                    debug!(program = a.program_of(self.rewriting), pin = %path.display(), "attached");
+                    debug!(program = a.program_of(self.rewriting()), pin = %path.display(), "attached");
                 }
                 Err(e) if a.optional => {
                     debug!(
-                        program = a.program_of(self.rewriting),
+                        program = a.program_of(self.rewriting()),
                         target = a.pin_name(),
                         "optional attach skipped: {}",
                         Chain(&e)
@@ -340,7 +340,7 @@ impl Probes {
     }
 
     fn attach_one(&mut self, a: &Attachment, btf: &aya::Btf) -> Result<FdLink, ProbeError> {
-        let name = a.program_of(self.rewriting);
+        let name = a.program_of(self.rewriting());
         let lerr = |source| ProbeError::LoadProgram { name, source };
         let aerr = |source| ProbeError::Attach {
             name,

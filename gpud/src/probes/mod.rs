@@ -200,8 +200,6 @@ pub struct Probes {
     caps: KernelCaps,
     base_dir: PathBuf,
     resumed: bool,
-    /// The ioctl return side is the rewriting twin (the kernel allows `bpf_probe_write_user`).
-    rewriting: bool,
     memory_info: MemoryInfoState,
 }
 
@@ -342,7 +340,6 @@ impl Probes {
             caps,
             base_dir,
             resumed: false,
-            rewriting: caps_rewrite(&memory_info),
             memory_info,
         };
         probes.attach_or_adopt(&kbtf, &aya_btf)?;
@@ -400,6 +397,13 @@ impl Probes {
         &self.caps
     }
 
+    /// Whether the ioctl return side is the memory view's rewriting twin: wherever the kernel
+    /// allows `bpf_probe_write_user`, whatever the configuration (so the view can be turned on
+    /// live).
+    fn rewriting(&self) -> bool {
+        self.caps.probe_write_user
+    }
+
     /// The memory view's state.
     pub fn memory_info(&self) -> &MemoryInfoState {
         &self.memory_info
@@ -408,7 +412,7 @@ impl Probes {
     /// Turns the memory view on or off (a reload of `virtualize_memory_info`); nothing changes
     /// where the kernel refuses it.
     pub fn set_memory_info(&mut self, on: bool) -> Result<(), ProbeError> {
-        if !self.rewriting {
+        if !self.rewriting() {
             return Ok(());
         }
         maps::set_config_flag(&mut self.ebpf, gpud_common::CFG_VIRT_MEMINFO, on)?;
@@ -464,11 +468,6 @@ impl Probes {
             let _ = std::fs::remove_dir(parent);
         }
     }
-}
-
-/// Whether the memory view's rewriting return side runs (the kernel allowed it).
-fn caps_rewrite(state: &MemoryInfoState) -> bool {
-    !matches!(state, MemoryInfoState::Unavailable(_))
 }
 
 /// Loads a program to learn whether the kernel accepts its type; a refusal is an answer, not an
