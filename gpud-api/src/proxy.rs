@@ -60,6 +60,8 @@ pub trait Manager1 {
     fn nvml_status(&self) -> zbus::Result<String>;
     #[zbus(property(emits_changed_signal = "false"))]
     fn memory_info_view(&self) -> zbus::Result<String>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn scheduler_guard(&self) -> zbus::Result<String>;
     fn list_gpus(&self) -> zbus::Result<Vec<GpuRecord>>;
     fn list_nvml_usage(&self) -> zbus::Result<Vec<NvmlUsageRecord>>;
     fn list_compute(&self) -> zbus::Result<Vec<ComputeRecord>>;
@@ -75,6 +77,17 @@ pub trait Manager1 {
         idle: bool,
         memory_bytes: u64,
         idle_secs: u64,
+    ) -> zbus::Result<()>;
+    #[zbus(signal)]
+    fn scheduler_control_guarded(
+        &self,
+        cgroup: String,
+        pid: u32,
+        control: String,
+        action: String,
+        reason: String,
+        requested: u64,
+        allowed: u64,
     ) -> zbus::Result<()>;
     #[zbus(signal)]
     fn memory_limit_exceeded(

@@ -12,7 +12,7 @@ pub mod rm;
 
 /// Bumped whenever a map layout, map name or event record changes. Maps are pinned under
 /// `<bpffs>/gpud/v<ABI_VERSION>/`, so a daemon of another ABI never reads a foreign layout.
-pub const ABI_VERSION: u32 = 3;
+pub const ABI_VERSION: u32 = 4;
 
 /// Classes of ioctls on NVIDIA device files, as counted per cgroup and per process.
 #[repr(u32)]
@@ -202,6 +202,11 @@ pub const CFG_EXIT_RELEASE: u32 = 1 << 2;
 /// their limit as the GPU's memory size (the replies of the memory-info controls are rewritten
 /// at the ioctl's exit). Set only while the rewriting exit program is attached.
 pub const CFG_VIRT_MEMINFO: u32 = 1 << 3;
+/// `ProbeConfig::flags`: the scheduler guard looks at tenants' scheduling controls
+/// (`[enforcement] scheduler_guard` is `audit` or `enforce`).
+pub const CFG_SCHED_GUARD: u32 = 1 << 4;
+/// `ProbeConfig::flags`: the guard acts (`enforce`); without it, it only reports (`audit`).
+pub const CFG_SCHED_ENFORCE: u32 = 1 << 5;
 
 /// The single value of the `CONFIG` array map.
 #[repr(C)]
@@ -220,8 +225,11 @@ pub struct ProbeConfig {
     /// What the kernel side does itself when an allocation takes a cgroup over a GPU-memory
     /// limit: `REACT_*`.
     pub react_action: u32,
-    /// Explicit padding (always 0).
-    pub _pad: u32,
+    /// The daemon's process: its own RM controls (the compute law's) pass the scheduler guard.
+    pub daemon_tgid: u32,
+    /// The longest channel-group timeslice (µs) a tenant may set where no `SCHED_ALLOW` entry
+    /// of its cgroup or an ancestor says otherwise.
+    pub guard_timeslice_us: u64,
 }
 
 /// `ProbeConfig::react_action`: only report the crossing (ring-buffer event, counter).
@@ -260,8 +268,10 @@ pub mod stat {
     /// Memory-info replies of a limited cgroup left as the driver wrote them: unreadable,
     /// malformed (a list size the driver would not have answered) or not writable.
     pub const MEMINFO_SKIPPED: u32 = 12;
+    /// Scheduling controls of tenants the guard acted on or, in `audit`, reported.
+    pub const SCHED_GUARDED: u32 = 13;
     /// Number of counters.
-    pub const COUNT: u32 = 13;
+    pub const COUNT: u32 = 14;
 }
 
 /// `Event::kind`: a process became tracked (opened an NVIDIA file, first matched ioctl, or forked
@@ -283,6 +293,33 @@ pub const EVENT_LIMIT_CROSSED: u32 = 5;
 /// `Event::kind`: the `deny` tier refused an allocation of `bytes` in `cgroup_id` on `gpu`
 /// (`value`: usage at the time).
 pub const EVENT_ALLOC_DENIED: u32 = 6;
+/// `Event::kind`: the scheduler guard met a tenant's scheduling control (`tgid`, its
+/// `cgroup_id`; `client`: the call's client; `object`: the RM command; `value`: what was asked,
+/// a timeslice in µs or the foreign client named; `bytes`: the caller's timeslice allowance;
+/// `gpu`: `GUARD_*` action | `GUARD_REASON_*` << 8).
+pub const EVENT_SCHED_GUARD: u32 = 7;
+
+/// The guard refused the call with `EPERM` before the driver saw it (BPF-LSM).
+pub const GUARD_DENIED: u32 = 1;
+/// The guard turned the call into one the driver rejects (its parameter size set to 0).
+pub const GUARD_REFUSED: u32 = 2;
+/// The guard lowered the timeslice asked to the caller's allowance.
+pub const GUARD_CLAMPED: u32 = 3;
+/// `audit`: the call went through; `enforce` would have acted on it.
+pub const GUARD_AUDITED: u32 = 4;
+/// `enforce`, but this kernel allows neither refusing nor rewriting the call: it went through.
+pub const GUARD_UNENFORCED: u32 = 5;
+/// A control tenants may never use.
+pub const GUARD_REASON_FORBIDDEN: u32 = 1;
+/// A timeslice above the caller's allowance.
+pub const GUARD_REASON_TIMESLICE: u32 = 2;
+/// A disable-channels list naming another process's client.
+pub const GUARD_REASON_FOREIGN: u32 = 3;
+/// A scheduling command on the driver's legacy path (`cmd` bit 15), which skips its checks.
+pub const GUARD_REASON_LEGACY: u32 = 4;
+/// A guarded control with `NVOS54.flags` set (a serialized parameter layout the guard cannot
+/// read).
+pub const GUARD_REASON_FLAGS: u32 = 5;
 
 /// Record sent through the `EVENTS` ring buffer. What each field holds depends on `kind` (see
 /// the `EVENT_*` constants); fields a kind does not name are 0.
@@ -449,9 +486,12 @@ pub mod maps {
     pub const ANCESTRY: &str = "ANCESTRY";
     /// LRU hash `pid_tgid` → [`Pending`](crate::Pending): RM calls between entry and return.
     pub const PENDING: &str = "PENDING";
+    /// Hash cgroup id → the longest timeslice (µs) its tenants may set on their channel groups
+    /// (the scheduler guard's allowance; the least over a cgroup's ancestry holds).
+    pub const SCHED_ALLOW: &str = "SCHED_ALLOW";
 
     /// Every pinned map: the daemon checks each one's layout before adopting its pin.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 13] = [
         CONFIG,
         EXTRA_FILES,
         PROCS,
@@ -464,6 +504,7 @@ pub mod maps {
         LIMITS,
         ANCESTRY,
         PENDING,
+        SCHED_ALLOW,
     ];
 }
 
@@ -480,6 +521,15 @@ pub mod programs {
     pub const LSM_IOCTL: &str = "gpud_lsm_ioctl";
     /// [`LSM_IOCTL`] on `file_ioctl_compat`.
     pub const LSM_IOCTL_COMPAT: &str = "gpud_lsm_ioctl_compat";
+    /// [`FENTRY_IOCTL`] that may also rewrite a tenant's scheduling control
+    /// (`bpf_probe_write_user`): attached instead of it where the kernel allows the helper.
+    pub const FENTRY_IOCTL_RW: &str = "gpud_fentry_ioctl_rw";
+    /// [`FENTRY_IOCTL_RW`] on `security_file_ioctl_compat`.
+    pub const FENTRY_IOCTL_COMPAT_RW: &str = "gpud_fentry_ioctl_compat_rw";
+    /// [`LSM_IOCTL`] that may also rewrite a tenant's scheduling control.
+    pub const LSM_IOCTL_RW: &str = "gpud_lsm_ioctl_rw";
+    /// [`LSM_IOCTL_RW`] on `file_ioctl_compat`.
+    pub const LSM_IOCTL_COMPAT_RW: &str = "gpud_lsm_ioctl_compat_rw";
     /// fexit on the architecture's `sys_ioctl` entry: the return side of RM calls.
     pub const FEXIT_IOCTL: &str = "gpud_fexit_ioctl";
     /// [`FEXIT_IOCTL`] on the 32-bit compat entry.
@@ -497,6 +547,8 @@ pub mod programs {
     pub const LSM_PROBE: &str = "gpud_lsm_probe";
     /// `syscalls:sys_enter_ioctl` (tracepoint mode).
     pub const TP_IOCTL: &str = "gpud_tp_ioctl";
+    /// [`TP_IOCTL`] that may also rewrite a tenant's scheduling control.
+    pub const TP_IOCTL_RW: &str = "gpud_tp_ioctl_rw";
     /// `syscalls:sys_exit_ioctl`: the return side in tracepoint mode.
     pub const TP_IOCTL_EXIT: &str = "gpud_tp_ioctl_exit";
     /// [`TP_IOCTL_EXIT`] that also rewrites the memory-info replies of limited cgroups.
@@ -542,6 +594,8 @@ pub const MAX_USAGE: u32 = 65_536;
 pub const MAX_LIMITS: u32 = 16_384;
 /// Capacity of `PENDING`: RM calls in flight at once (an LRU, so stale entries age out).
 pub const MAX_PENDING: u32 = 16_384;
+/// Capacity of `SCHED_ALLOW`: cgroups with a timeslice allowance of their own.
+pub const MAX_SCHED_ALLOW: u32 = 4_096;
 
 #[cfg(feature = "user")]
 mod pod {

@@ -17,7 +17,12 @@
 //! (`gpud_common::programs`); what they share lives in one module per concern:
 //! [`maps`] (every map), [`kernel`] (reading kernel structs, identifying NVIDIA files),
 //! [`counting`] (ioctl counters and the tracked-process filter), [`memory`] (GPU-memory
-//! accounting and limits) and [`meminfo`] (the memory view of limited cgroups).
+//! accounting and limits), [`meminfo`] (the memory view of limited cgroups) and [`guard`] (the
+//! scheduler guard).
+//!
+//! Programs that may call `bpf_probe_write_user` (the memory view's and the guard's rewrites)
+//! come in twins, `*_rw`: the verifier refuses the helper under lockdown, and there the plain
+//! twin runs instead.
 #![no_std]
 #![no_main]
 // The bpf target has no atomic RMW types; the intrinsic lowers to BPF_ATOMIC_ADD (XADD).
@@ -25,6 +30,7 @@
 #![allow(internal_features)]
 
 mod counting;
+mod guard;
 mod kernel;
 mod maps;
 mod meminfo;
@@ -132,38 +138,51 @@ fn control_file_opened(file: *const u8) {
 
 /// Shared by the fentry and LSM programs on the ioctl hooks; `deny` only from LSM.
 #[inline(always)]
-fn on_file_ioctl(file: *const u8, cmd: u32, arg: u64, deny: bool) -> i32 {
+fn on_file_ioctl<const REWRITE: bool>(file: *const u8, cmd: u32, arg: u64, deny: bool) -> i32 {
     let Some(kind) = (unsafe { device_kind(&BtfRead, file) }) else {
         return 0;
     };
     account(kind, cmd, arg);
     if let DeviceKind::Control = kind {
-        return rm_entry(file as u64, cmd, arg, deny);
+        return rm_entry::<REWRITE>(file as u64, cmd, arg, deny);
     }
     0
 }
 
 #[fentry(function = "security_file_ioctl")]
 pub fn gpud_fentry_ioctl(ctx: FEntryContext) -> i32 {
-    on_file_ioctl(ctx.arg(0), ctx.arg(1), ctx.arg(2), false)
+    on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), false)
 }
 
 /// 32-bit callers on kernels with the `file_ioctl_compat` hook (6.8+, some 6.6.y) skip
 /// `security_file_ioctl`; loaded only where the kernel has the function.
 #[fentry(function = "security_file_ioctl_compat")]
 pub fn gpud_fentry_ioctl_compat(ctx: FEntryContext) -> i32 {
-    on_file_ioctl(ctx.arg(0), ctx.arg(1), ctx.arg(2), false)
+    on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), false)
+}
+
+/// [`gpud_fentry_ioctl`] whose scheduler guard may rewrite a tenant's control.
+#[fentry(function = "security_file_ioctl")]
+pub fn gpud_fentry_ioctl_rw(ctx: FEntryContext) -> i32 {
+    on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), false)
+}
+
+/// [`gpud_fentry_ioctl_compat`] whose scheduler guard may rewrite a tenant's control.
+#[fentry(function = "security_file_ioctl_compat")]
+pub fn gpud_fentry_ioctl_compat_rw(ctx: FEntryContext) -> i32 {
+    on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), false)
 }
 
 /// The `deny` tier: counts like [`gpud_fentry_ioctl`] and refuses, before the driver sees it,
-/// a video-memory allocation that would take the caller's cgroup (or an ancestor) over a limit.
+/// a video-memory allocation that would take the caller's cgroup (or an ancestor) over a limit,
+/// and a tenant's scheduling control the guard does not allow.
 #[lsm(hook = "file_ioctl")]
 pub fn gpud_lsm_ioctl(ctx: LsmContext) -> i32 {
     let prev: i32 = ctx.arg(3);
     if prev != 0 {
         return prev;
     }
-    on_file_ioctl(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+    on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
 }
 
 /// The `deny` tier for 32-bit callers on kernels with the `file_ioctl_compat` hook.
@@ -173,7 +192,27 @@ pub fn gpud_lsm_ioctl_compat(ctx: LsmContext) -> i32 {
     if prev != 0 {
         return prev;
     }
-    on_file_ioctl(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+    on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+}
+
+/// [`gpud_lsm_ioctl`] whose scheduler guard may also lower a tenant's timeslice.
+#[lsm(hook = "file_ioctl")]
+pub fn gpud_lsm_ioctl_rw(ctx: LsmContext) -> i32 {
+    let prev: i32 = ctx.arg(3);
+    if prev != 0 {
+        return prev;
+    }
+    on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+}
+
+/// [`gpud_lsm_ioctl_compat`] whose scheduler guard may also lower a tenant's timeslice.
+#[lsm(hook = "file_ioctl_compat")]
+pub fn gpud_lsm_ioctl_compat_rw(ctx: LsmContext) -> i32 {
+    let prev: i32 = ctx.arg(3);
+    if prev != 0 {
+        return prev;
+    }
+    on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
 }
 
 /// Return side of `ioctl(2)` in the fentry and LSM tiers. The loader attaches it to the
@@ -267,20 +306,32 @@ pub fn gpud_noop_fexit(_ctx: FExitContext) -> i32 {
 
 #[tracepoint]
 pub fn gpud_tp_ioctl(ctx: TracePointContext) -> u32 {
+    tp_ioctl::<false>(&ctx)
+}
+
+/// [`gpud_tp_ioctl`] whose scheduler guard may rewrite a tenant's control.
+#[tracepoint]
+pub fn gpud_tp_ioctl_rw(ctx: TracePointContext) -> u32 {
+    tp_ioctl::<true>(&ctx)
+}
+
+/// `syscalls:sys_enter_ioctl`.
+#[inline(always)]
+fn tp_ioctl<const REWRITE: bool>(ctx: &TracePointContext) -> u32 {
     // The one lookup every process on the host pays: an array read the verifier inlines.
     // An untracked process goes on only with an RM or OS escape (`_IOC_TYPE` 'F'): it may
     // have received an NVIDIA file (SCM_RIGHTS, pidfd_getfd), and its first call on it makes it
     // tracked, so what it allocates is charged to its cgroup at once. Other drivers rarely use
     // 'F'; UVM's commands carry no type, so a process that only ever received a UVM file is
     // found by the periodic scan.
-    let cmd = tp_u64(&ctx, TP_SYSCALL_ARG0 + 8);
+    let cmd = tp_u64(ctx, TP_SYSCALL_ARG0 + 8);
     if !is_tracked(current_tgid()) && !nv::is_escape_type(cmd as u32) {
         return 0;
     }
     let Some(cfg) = config() else { return 0 };
     let (fd, arg) = (
-        tp_u64(&ctx, TP_SYSCALL_ARG0),
-        tp_u64(&ctx, TP_SYSCALL_ARG0 + 16),
+        tp_u64(ctx, TP_SYSCALL_ARG0),
+        tp_u64(ctx, TP_SYSCALL_ARG0 + 16),
     );
     let Some(file) = (unsafe { file_of_fd(cfg, fd) }) else {
         return 0;
@@ -288,7 +339,7 @@ pub fn gpud_tp_ioctl(ctx: TracePointContext) -> u32 {
     if let Some(kind) = unsafe { device_kind(&ProbeRead(&cfg.offsets), file) } {
         account(kind, cmd as u32, arg);
         if let DeviceKind::Control = kind {
-            rm_entry(file as u64, cmd as u32, arg, false);
+            rm_entry::<REWRITE>(file as u64, cmd as u32, arg, false);
         }
     }
     0

@@ -39,11 +39,10 @@ fn view(anc: &Ancestry, gpu: u32) -> Option<(u64, u64)> {
     found.then_some((total, free))
 }
 
-/// Entry side of an RM control: `Some((cmd, gpu))` to note when it is a memory-info control
+/// Entry side of an RM control (its `NVOS54`): `Some((cmd, gpu))` to note when it is a memory-info control
 /// on a subdevice of a GPU the caller's cgroup is limited on.
 #[inline(always)]
-pub(crate) fn control_entry(params: u64) -> Option<(u32, u32)> {
-    let c: rm::Nvos54 = unsafe { user(params)? };
+pub(crate) fn control_entry(c: &rm::Nvos54) -> Option<(u32, u32)> {
     if c.cmd != fb::GET_INFO_V2 {
         return None;
     }

@@ -17,13 +17,14 @@ use aya_ebpf::{
     },
 };
 use gpud_common::{
-    Ancestry, CFG_VIRT_MEMINFO, DeviceKind, EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE,
-    EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN, LimitValue,
-    MAX_CGROUP_DEPTH, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY, OBJ_SUBDEVICE,
-    ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv, rm, stat,
+    Ancestry, CFG_SCHED_GUARD, CFG_VIRT_MEMINFO, DeviceKind, EVENT_ALLOC_DENIED,
+    EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN,
+    LimitValue, MAX_CGROUP_DEPTH, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY,
+    OBJ_SUBDEVICE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv, rm, stat,
 };
 
 use crate::{
+    guard,
     kernel::{ProbeRead, current_tgid, device_kind, read_at, sole_reference},
     maps::{ANCESTRY, LIMITS, OBJECTS, PENDING, SCRATCH, USAGE, bump_stat, config, send},
     meminfo,
@@ -291,23 +292,39 @@ pub(crate) fn release(key: &ObjKey, expect: u64) -> bool {
     true
 }
 
-/// Entry side of an ioctl on a control file. Returns the verdict (`-ENOMEM` to refuse).
+/// Entry side of an ioctl on a control file. Returns the verdict (`-ENOMEM` or `-EPERM` to
+/// refuse). With `REWRITE` (the entry programs that may call `bpf_probe_write_user`) the
+/// scheduler guard may also rewrite a tenant's control.
 #[inline(always)]
-pub(crate) fn rm_entry(file: u64, cmd: u32, arg: u64, deny: bool) -> i32 {
+pub(crate) fn rm_entry<const REWRITE: bool>(file: u64, cmd: u32, arg: u64, deny: bool) -> i32 {
     let Some((nr, size, params)) = rm_call(cmd, arg) else {
         return 0;
     };
     // A memory-info call of a limited cgroup: its reply is rewritten at the exit. Other
-    // controls are not noted at all; only these two escapes look the view's flag up.
-    let meminfo = || config().is_some_and(|c| c.flags & CFG_VIRT_MEMINFO != 0);
+    // controls are not noted at all; only these two escapes look the configuration up.
     let (mut view_cmd, mut view_gpu) = (0, GPU_UNKNOWN);
     if nr == nv::NV_ESC_RM_CONTROL {
-        let Some((c, g)) = meminfo().then(|| meminfo::control_entry(params)).flatten() else {
+        let Some(cfg) = config() else { return 0 };
+        if cfg.flags & (CFG_VIRT_MEMINFO | CFG_SCHED_GUARD) == 0 {
+            return 0;
+        }
+        let Some(c) = (unsafe { user::<rm::Nvos54>(params) }) else {
+            return 0;
+        };
+        if cfg.flags & CFG_SCHED_GUARD != 0
+            && let Some(verdict) = guard::control::<REWRITE>(cfg, file, params, &c, deny)
+        {
+            return verdict;
+        }
+        if cfg.flags & CFG_VIRT_MEMINFO == 0 {
+            return 0;
+        }
+        let Some((c, g)) = meminfo::control_entry(&c) else {
             return 0;
         };
         (view_cmd, view_gpu) = (c, g);
     } else if nr == nv::NV_ESC_RM_VID_HEAP_CONTROL
-        && meminfo()
+        && config().is_some_and(|c| c.flags & CFG_VIRT_MEMINFO != 0)
         && let Some((c, g)) = meminfo::vidheap_entry(params)
     {
         (view_cmd, view_gpu) = (c, g);

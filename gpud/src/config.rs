@@ -188,6 +188,29 @@ pub enum ReactAction {
     Notify,
 }
 
+/// What the scheduler guard does with tenants' scheduling controls (`[enforcement]
+/// scheduler_guard`).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GuardMode {
+    /// Refuse or rewrite what a tenant's policy does not allow, and report it.
+    Enforce,
+    /// Only report what `enforce` would act on.
+    Audit,
+    /// Look at no control.
+    Off,
+}
+
+impl GuardMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Enforce => "enforce",
+            Self::Audit => "audit",
+            Self::Off => "off",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct EnforcementConfig {
@@ -195,6 +218,8 @@ pub struct EnforcementConfig {
     pub react_action: ReactAction,
     /// Limited cgroups read their limit as the GPU's memory size (`cudaMemGetInfo`, NVML).
     pub virtualize_memory_info: bool,
+    /// Tenants' RM controls that change GPU scheduling: refused, clamped or reported.
+    pub scheduler_guard: GuardMode,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -481,6 +506,7 @@ pub const LIVE_KEYS: &[&str] = &[
     "attribution.rescan_interval_secs",
     "attribution.sweep_interval_secs",
     "enforcement.virtualize_memory_info",
+    "enforcement.scheduler_guard",
     "nvml.sample_interval_ms",
     "nvml.retry_interval_secs",
     "compute.period_ms",
@@ -608,6 +634,13 @@ mod tests {
         assert!(c.devices.extra_paths.is_empty());
         assert!(c.nvml.enabled);
         assert!(c.enforcement.virtualize_memory_info);
+        assert_eq!(c.enforcement.scheduler_guard, GuardMode::Enforce);
+        assert_eq!(
+            parse("[enforcement]\nscheduler_guard = \"audit\"")?
+                .enforcement
+                .scheduler_guard,
+            GuardMode::Audit
+        );
         assert_eq!(
             c.nvml.library(),
             None,
@@ -697,6 +730,11 @@ mod tests {
                 "`nvml.enabled`: invalid type",
             ),
             ("[enforcement]\ntier = \"lsm\"", 2, "unknown variant `lsm`"),
+            (
+                "[enforcement]\nscheduler_guard = \"strict\"",
+                2,
+                "unknown variant `strict`, expected one of `enforce`, `audit`, `off`",
+            ),
             (
                 "[enforcement]\nvirtualize_memory_info = \"on\"",
                 2,

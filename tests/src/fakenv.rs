@@ -1,8 +1,9 @@
 //! A fake NVIDIA control device: a FUSE filesystem whose regular file `nvidiactl` answers the
-//! RM ioctl ABI the way `/dev/nvidiactl` does, for the subset gpud accounts (clients, devices,
-//! subdevices, video memory; alloc, free, VID_HEAP_CONTROL, XFER), so tests drive real processes
-//! in real cgroups while gpud's probes watch real ioctls and read their argument structs from the
-//! callers' memory.
+//! RM ioctl ABI the way `/dev/nvidiactl` does, for the subset gpud accounts and steers (clients,
+//! devices, subdevices, video memory, channel groups and channels; alloc, free,
+//! VID_HEAP_CONTROL, XFER, and the RM controls that report memory or change scheduling), so
+//! tests drive real processes in real cgroups while gpud's probes watch real ioctls and read
+//! their argument structs from the callers' memory.
 //!
 //! This module owns the FUSE server, the mount's lifetime and the public API ([`mount`],
 //! [`FakeNv`], [`Snapshot`]); `state` owns the fake's RM (clients bound to open files, object
@@ -32,6 +33,33 @@
 //! status field answer `NV_OK` after the client check, other RM and OS escape numbers succeed
 //! doing nothing, and numbers that are no escape fail with `EINVAL` (as RmIoctl's default case).
 //!
+//! `NV_ESC_RM_CONTROL` runs the driver's checks in the driver's order
+//! (docs/driver/scheduler-controls.md §0; the details in `state`): a `cmd` with bit 15 set takes
+//! the GSS-legacy path, which checks neither size nor privilege nor the client's file, and
+//! answers `NV_ERR_NOT_SUPPORTED` (counted in [`Stats::legacy`]); a NULL command (`cmd` 0 or
+//! `0xXXXX0000`) answers `NV_OK` having done nothing; `flags` bit 0 or 1 is
+//! `NV_ERR_INVALID_ARGUMENT`; an unknown client `NV_ERR_INVALID_CLIENT`; then, for the controls
+//! the fake models (every row of `gpud_common::rm::sched::CONTROLS`, the channel-group ones among
+//! them, and `FB_GET_INFO_V2`), a parameter size other than the control's, or a size without a
+//! pointer or a pointer without a size, is `NV_ERR_INVALID_ARGUMENT` before the parameters are
+//! read; then the client must be bound to the caller's file (`NV_ERR_INVALID_CLIENT`), the object
+//! must exist (`NV_ERR_OBJECT_NOT_FOUND`) and export the command (`NV_ERR_NOT_SUPPORTED`;
+//! channel-group commands answer `NV_ERR_INVALID_OBJECT_HANDLE` for both, which gpud reads as
+//! "the group is gone"), and `SET_INTERLEAVE_LEVEL`, `MAKE_REALTIME`, `RESTART_RUNLIST` and
+//! `RUNLIST_SET_SCHED_POLICY` need the `NICE` right (the calling thread's effective
+//! `CAP_SYS_NICE` or `CAP_SYS_ADMIN`), the `PRIVILEGED` controls (`SET_COMPUTE_POLICY_CONFIG`,
+//! `STOP`/`START_RUNLIST`, `CONFIG_CTXSW_TIMEOUT`) `CAP_SYS_ADMIN`
+//! (`NV_ERR_INSUFFICIENT_PERMISSIONS`). Controls the fake does not model answer `NV_OK` doing
+//! nothing once the client checks pass. What passes takes effect ([`Snapshot`]: a group's
+//! runlist state, timeslice, interleave level and realtime flag, a channel's `enabled`) and is
+//! counted per command ([`Snapshot::controls`]), scheduling controls without a modelled effect
+//! included. `FIFO_DISABLE_CHANNELS` resolves its (client, channel) pairs among all clients, the
+//! caller's or not, as the driver does. Choices of the fake where the firmware decides:
+//! `FINN_SERIALIZED` on a modelled control answers `NV_ERR_NOT_SUPPORTED`; `FIFO_DISABLE_CHANNELS`
+//! answers `NV_ERR_INVALID_ARGUMENT` past 64 channels and `NV_ERR_INVALID_CHANNEL` for a pair
+//! that names no channel, changing nothing; `CONFIG_CTXSW_TIMEOUT` and `ROTATE_KEYS` are
+//! exported as in 595 (580 answers `NV_ERR_NOT_SUPPORTED`).
+//!
 //! Requests are served one at a time on one thread, so multi-threaded callers are serialized.
 //!
 //! # What this fake models, and how far to trust it
@@ -55,6 +83,18 @@
 //! * gpud's figures from these calls equal NVML's per-process memory to the byte, and a limit
 //!   crossed in the react tier kills the allocator before its ioctl returns (status 137).
 //!
+//! Checked on the same H100 (driver 580.159.04) by `tests/gpu/sched_facts.py`, from a second
+//! CUDA process through its own client (docs/real-gpu.md, "Scheduling controls"):
+//! * `SET_TIMESLICE` takes any value from an unprivileged tenant (0, 1, 100, 2,000,000 and
+//!   2^32 µs all answered status 0) and `GET_TIMESLICE` reads it back: the fake stores any
+//!   value; an untouched group reads 1,024 µs;
+//! * the same control with bit 15 set (`0xa06c8103`) answers `NV_ERR_NOT_SUPPORTED` and
+//!   changes nothing: the fake answers every bit-15 command so;
+//! * `FIFO_DISABLE_CHANNELS` on the caller's own subdevice naming another process's channels
+//!   (its client's handles) answers status 0 and that process stalls until they are enabled
+//!   again: the fake disables them whoever owns them, and `runlist stop` stands in for the
+//!   stall.
+//!
 //! **Not checked on hardware yet** (CUDA 13 on that driver never issued them, or the case was
 //! not provoked):
 //! * the NVOS21 form, `NV_ESC_RM_VID_HEAP_CONTROL` (alloc and free) and `NV_ESC_IOCTL_XFER_CMD`
@@ -63,12 +103,23 @@
 //! * `RM_FREE` of a device, subdevice or client taking its subtree, and `NV_OK` for an unknown
 //!   handle;
 //! * clients bound to their open file (`NV_ERR_INVALID_CLIENT` through another one);
-//! * the channel-group controls (`NV_ESC_RM_CONTROL` on a `KEPLER_CHANNEL_GROUP_A`, allocated
-//!   under a device): `GPFIFO_SCHEDULE`, `SET_TIMESLICE`, `GET_TIMESLICE`, `PREEMPT` with their
-//!   parameter structs in the caller's memory (`NV_ERR_INVALID_PARAM_STRUCT` for a wrong size,
-//!   `NV_ERR_INVALID_OBJECT_HANDLE` for no such group), through the owning client's file only,
-//!   from the driver source (gpu-scheduler-controls.md); what they do to GPU work is not
-//!   modelled (no GPU work runs here), except as `runlist stop` stands in for it;
+//! * the RM_CONTROL checks and their order (all but the bit-15 answer above): the NULL command,
+//!   the `flags` bits, the size check before the parameters are read (`NV_ERR_INVALID_ARGUMENT`),
+//!   the file binding after it, `NV_ERR_OBJECT_NOT_FOUND` and `NV_ERR_NOT_SUPPORTED` for the
+//!   object, the `NICE` right and `PRIVILEGED` flag (`NV_ERR_INSUFFICIENT_PERMISSIONS`); no
+//!   real call was made with a wrong size, a NULL command or without the capabilities: from
+//!   the driver source only (docs/driver/scheduler-controls.md §0);
+//! * channels (`HOPPER_CHANNEL_GPFIFO_A`) under a channel group, their parameters unread;
+//! * the channel-group and channel controls (`NV_ESC_RM_CONTROL` on a `KEPLER_CHANNEL_GROUP_A`,
+//!   allocated under a device, or a channel): `GPFIFO_SCHEDULE`, `PREEMPT`, the interleave
+//!   level (`NV_ERR_INVALID_ARGUMENT` above HIGH) and `MAKE_REALTIME` with their parameter
+//!   structs in the caller's memory, through the owning client's file only, from the driver
+//!   source (gpu-scheduler-controls.md); the other scheduling controls answer `NV_OK` with no
+//!   modelled effect; what any of them does to GPU work is not modelled (no GPU work runs here),
+//!   except as `runlist stop` stands in for a group off the runlist or a disabled channel;
+//! * `FIFO_DISABLE_CHANNELS` refusing a non-null `pRunlistPreemptEvent` (the kernel's one
+//!   check), and its answers past 64 channels and for a pair naming no channel (the fake's
+//!   choices);
 //! * `EINVAL` for malformed sizes and bad XFER wrappers, `EFAULT` for unreadable payloads;
 //! * a forked child allocating on its parent's open file;
 //! * what CUDA sees when the `deny` tier refuses an allocation with `ENOMEM` (that machine refuses
@@ -87,7 +138,7 @@
 //! `gpud-fake-nvidia --self-test` shows. `gpud-fake-nvidia` is the same server as a process.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     ffi::OsStr,
     io,
     path::{Path, PathBuf},
@@ -193,6 +244,27 @@ pub struct ChannelGroupState {
     /// `GPFIFO_SCHEDULE` and `PREEMPT` controls that reached it.
     pub schedules: u64,
     pub preempts: u64,
+    /// `SET_INTERLEAVE_LEVEL` of the group or of one of its channels: LOW 0 (at creation),
+    /// MEDIUM 1, HIGH 2.
+    #[serde(default)]
+    pub interleave: u32,
+    /// `MAKE_REALTIME`.
+    #[serde(default)]
+    pub realtime: bool,
+}
+
+/// A channel (`HOPPER_CHANNEL_GPFIFO_A`) in a [`Snapshot`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChannelState {
+    pub client: Handle,
+    pub handle: Handle,
+    /// Its channel group.
+    pub group: Handle,
+    /// Process that created it.
+    pub pid: u32,
+    pub gpu: Option<u32>,
+    /// Not disabled by `FIFO_DISABLE_CHANNELS` (true at creation).
+    pub enabled: bool,
 }
 
 /// Running counters.
@@ -206,6 +278,10 @@ pub struct Stats {
     pub refused: u64,
     /// `nvidiactl` files released (last close).
     pub released: u64,
+    /// RM controls on the driver's GSS-legacy path (`cmd` bit 15) that reached the "firmware"
+    /// (answered `NV_ERR_NOT_SUPPORTED`, nothing done).
+    #[serde(default)]
+    pub legacy: u64,
 }
 
 /// The fake's state, as the `state` file shows it.
@@ -214,6 +290,14 @@ pub struct Snapshot {
     /// Channel groups (`KEPLER_CHANNEL_GROUP_A`) and their scheduling state.
     #[serde(default)]
     pub channel_groups: Vec<ChannelGroupState>,
+    /// Channels (`HOPPER_CHANNEL_GPFIFO_A`).
+    #[serde(default)]
+    pub channels: Vec<ChannelState>,
+    /// Per command (`0x%08x`, e.g. `"0xa06c0103"`): the RM controls this fake models that
+    /// passed every check of the driver and took effect (answered `NV_OK`); a command absent
+    /// here never reached the "driver" or was refused by it. See [`Snapshot::control_count`].
+    #[serde(default)]
+    pub controls: BTreeMap<String, u64>,
     pub page_size: u64,
     pub gpus: Vec<GpuState>,
     pub files: Vec<FileState>,
@@ -260,6 +344,26 @@ impl Snapshot {
 
     pub fn has_client(&self, client: Handle) -> bool {
         self.clients.iter().any(|c| c.handle == client)
+    }
+
+    /// How many controls `cmd` took effect ([`Snapshot::controls`]).
+    pub fn control_count(&self, cmd: u32) -> u64 {
+        self.controls
+            .get(&format!("{cmd:#010x}"))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    pub fn channel_group(&self, client: Handle, handle: Handle) -> Option<&ChannelGroupState> {
+        self.channel_groups
+            .iter()
+            .find(|g| g.client == client && g.handle == handle)
+    }
+
+    pub fn channel(&self, client: Handle, handle: Handle) -> Option<&ChannelState> {
+        self.channels
+            .iter()
+            .find(|c| c.client == client && c.handle == handle)
     }
 }
 
@@ -693,10 +797,11 @@ impl FakeNv {
     ///   ERRNO, nothing done;
     /// * `delay-ioctl-ms MS` — every later ioctl waits MS before it is handled (0: off);
     /// * `capacity GPU BYTES` — sets a GPU's capacity (already allocated memory stays);
-    /// * `fail-control CMD STATUS [COUNT]` — the next COUNT channel-group controls CMD (e.g.
-    ///   `0xa06c0101`) answer RM status STATUS, nothing changed;
-    /// * `runlist stop` / `runlist record` — whether taking a channel group off the runlist stops
-    ///   its process (SIGSTOP until all its groups are back on) or is only recorded (the
+    /// * `fail-control CMD STATUS [COUNT]` — the next COUNT modelled RM controls CMD (e.g.
+    ///   `0xa06c0101`) that pass the driver's checks answer RM status STATUS, nothing changed;
+    /// * `runlist stop` / `runlist record` — whether taking a channel group off the runlist, or
+    ///   disabling a channel (`FIFO_DISABLE_CHANNELS`), stops the process that made it (SIGSTOP
+    ///   until all its groups are back on and its channels enabled) or is only recorded (the
     ///   default): tenants that burn CPU as their GPU work see the control take effect, or see
     ///   firmware that ignores it;
     /// * `clear` — drops pending injections and the delay.

@@ -10,8 +10,45 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 use gpud_common::{
     nv,
-    rm::{self, Handle, class, status},
+    rm::{self, Handle},
 };
+
+/// RM classes: gpud-common's ([`gpud_common::rm::class`]) and the few more the tests' fake
+/// allocates.
+pub mod class {
+    pub use gpud_common::rm::class::*;
+
+    /// `HOPPER_CHANNEL_GPFIFO_A`: a GPFIFO channel, allocated under a channel group
+    /// (`KEPLER_CHANNEL_GROUP_A`) of the same client, as CUDA makes one per engine of a context.
+    /// Every `*_CHANNEL_GPFIFO_*` class is one `KernelChannel` to RM: the `a06f`, `906f` and
+    /// `506f` controls reach it.
+    pub const HOPPER_CHANNEL_GPFIFO_A: u32 = 0xc86f;
+}
+
+/// `NV_STATUS` values: gpud-common's ([`gpud_common::rm::status`]) and the ones more the
+/// driver answers to the RM controls the tests' fake models (`nvstatuscodes.h`).
+pub mod status {
+    pub use gpud_common::rm::status::*;
+
+    /// The caller lacks the right or privilege a control needs (`NICE`: `CAP_SYS_NICE` or
+    /// `CAP_SYS_ADMIN`; `PRIVILEGED`: `CAP_SYS_ADMIN`).
+    pub const NV_ERR_INSUFFICIENT_PERMISSIONS: u32 = 0x1b;
+    /// A (client, channel) pair that names no channel.
+    pub const NV_ERR_INVALID_CHANNEL: u32 = 0x21;
+    /// `hObject` names no object of the client (`rs_client.c`).
+    pub const NV_ERR_OBJECT_NOT_FOUND: u32 = 0x57;
+}
+
+/// `NVOS54.flags` bits (`nvos.h`): raised IRQL and lock bypass are the kernel's own and refused
+/// from user space; `FINN_SERIALIZED` makes `params` a serialized blob.
+pub mod nvos54_flags {
+    /// `NVOS54_FLAGS_IRQL_RAISED`.
+    pub const IRQL_RAISED: u32 = 0x1;
+    /// `NVOS54_FLAGS_LOCK_BYPASS`.
+    pub const LOCK_BYPASS: u32 = 0x2;
+    /// `NVOS54_FLAGS_FINN_SERIALIZED`.
+    pub const FINN_SERIALIZED: u32 = 0x4;
+}
 
 /// Structs that may be viewed as bytes and made from any bytes: `#[repr(C)]`, `Copy`, every
 /// byte belongs to a field (the ABI structs spell out their padding), every bit pattern valid.
@@ -34,6 +71,9 @@ unsafe impl Plain for rm::fb::GetInfoV2Params {}
 unsafe impl Plain for rm::tsg::ScheduleParams {}
 unsafe impl Plain for rm::tsg::TimesliceParams {}
 unsafe impl Plain for rm::tsg::PreemptParams {}
+unsafe impl Plain for rm::sched::DisableChannelsParams {}
+unsafe impl Plain for rm::sched::InterleaveParams {}
+unsafe impl Plain for rm::sched::RealtimeParams {}
 
 /// The bytes of `v`.
 pub fn bytes_of<T: Plain>(v: &T) -> &[u8] {
@@ -334,6 +374,92 @@ impl<'f> Ctl<'f> {
         unsafe { self.alloc(&a) }
     }
 
+    /// `HOPPER_CHANNEL_GPFIFO_A` under channel group `tsg` (NVOS64, no parameters): its handle,
+    /// or the reply that refused it.
+    pub fn alloc_channel(&self, client: Handle, tsg: Handle) -> Result<Handle, Reply> {
+        let mut a = Alloc::new(client, tsg, class::HOPPER_CHANNEL_GPFIFO_A);
+        a.long = true;
+        // SAFETY: no params.
+        let r = unsafe { self.alloc(&a) };
+        if r.ok() { Ok(r.handle) } else { Err(r) }
+    }
+
+    /// `NVA06C_CTRL_CMD_SET_TIMESLICE` of `us` microseconds on channel group `tsg`.
+    pub fn set_timeslice(&self, client: Handle, tsg: Handle, us: u64) -> Reply {
+        let mut p = rm::tsg::TimesliceParams { timeslice_us: us };
+        self.control(client, tsg, rm::tsg::SET_TIMESLICE, &mut p)
+    }
+
+    /// `NVA06C_CTRL_CMD_GET_TIMESLICE` on channel group `tsg`: the reply and the timeslice (µs)
+    /// the parameters hold after the call (0 where the driver wrote nothing).
+    pub fn get_timeslice(&self, client: Handle, tsg: Handle) -> (Reply, u64) {
+        let mut p = rm::tsg::TimesliceParams::default();
+        let r = self.control(client, tsg, rm::tsg::GET_TIMESLICE, &mut p);
+        (r, p.timeslice_us)
+    }
+
+    /// `NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS` on `subdevice`: disables (or enables) the
+    /// channels named by `pairs` of (client, channel) handles, whichever client they belong
+    /// to. `numChannels` is `pairs.len()`; the lists hold the first
+    /// [`DISABLE_CHANNELS_MAX`](rm::sched::DISABLE_CHANNELS_MAX).
+    pub fn disable_channels(
+        &self,
+        client: Handle,
+        subdevice: Handle,
+        disable: bool,
+        pairs: &[(Handle, Handle)],
+    ) -> Reply {
+        let mut p = rm::sched::DisableChannelsParams {
+            disable: disable.into(),
+            num_channels: pairs.len() as u32,
+            ..Default::default()
+        };
+        for (i, &(c, h)) in pairs
+            .iter()
+            .take(rm::sched::DISABLE_CHANNELS_MAX)
+            .enumerate()
+        {
+            p.client_list[i] = c;
+            p.channel_list[i] = h;
+        }
+        self.control(client, subdevice, rm::sched::DISABLE_CHANNELS, &mut p)
+    }
+
+    /// Any RM control `cmd` on `object`, with the bytes of `params` as its parameters
+    /// (`paramsSize` their length; an empty slice is a null pointer and size 0): the scheduling
+    /// controls of [`rm::sched`] whatever their struct, or a size the driver refuses.
+    pub fn sched_control(
+        &self,
+        client: Handle,
+        object: Handle,
+        cmd: u32,
+        params: &mut [u8],
+    ) -> Reply {
+        let ptr = if params.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            params.as_mut_ptr()
+        };
+        // SAFETY: `ptr` is null with size 0, or `params`, live and exactly that long.
+        unsafe { self.control_raw(client, object, cmd, ptr, params.len() as u32) }
+    }
+
+    /// `NV_ESC_RM_CONTROL` with `p` as it stands (any `flags`, `cmd`, pointer and size): the
+    /// reply, with the status RM wrote back into `p` as well.
+    ///
+    /// # Safety
+    /// `p.params` must be null or valid for reads and writes of `p.params_size` bytes.
+    pub unsafe fn control_nvos54(&self, p: &mut rm::Nvos54) -> Reply {
+        let (ret, errno) = self.escape(nv::NV_ESC_RM_CONTROL, p, false);
+        Reply {
+            ret,
+            errno,
+            status: p.status,
+            handle: p.h_object,
+            size: 0,
+        }
+    }
+
     /// `NV_ESC_RM_CONTROL` `cmd` on `object` of `client`, with `params` as its parameters.
     pub fn control<P: Plain>(
         &self,
@@ -369,14 +495,8 @@ impl<'f> Ctl<'f> {
             params_size: size,
             status: 0,
         };
-        let (ret, errno) = self.escape(nv::NV_ESC_RM_CONTROL, &mut p, false);
-        Reply {
-            ret,
-            errno,
-            status: p.status,
-            handle: object,
-            size: 0,
-        }
+        // SAFETY: as the caller guarantees for `params`.
+        unsafe { self.control_nvos54(&mut p) }
     }
 
     /// `FB_GET_INFO_V2` on `subdevice` for `indices`: the reply and the (index, value) pairs

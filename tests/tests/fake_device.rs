@@ -13,12 +13,12 @@ use std::{
 
 use gpud_common::{
     nv::{self, nv_iowr},
-    rm::{self, class, status},
+    rm::{self, sched},
 };
 use gpud_tests::{
     Cgroup, Rig, RmProcess, TempDir, bin_dir, class_counts, eventually,
     fakenv::{self, FakeNv, Options, Snapshot},
-    rm::{Alloc, Ctl, Form, bytes_of_mut},
+    rm::{Alloc, Ctl, Form, bytes_of, bytes_of_mut, class, nvos54_flags, status},
 };
 use rstest::rstest;
 use serde_json::Value;
@@ -382,9 +382,15 @@ fn rm_errors_parents_and_classes_as_the_driver() {
     assert_eq!(s.object(client, sys).unwrap().class, class::MEMORY_SYSTEM);
     assert_eq!(s.object(client, va2).unwrap().class, class::MEMORY_VIRTUAL);
     assert_eq!((s.used(0), s.memory().count()), (0, 0));
-    // Other classes are plain objects under any parent.
-    let plain = p.handle(&format!("alloc {client} {sub} 1 class=0xc86f"));
+    // Other classes are plain objects under any parent (0xc8b5: HOPPER_DMA_COPY_A).
+    let plain = p.handle(&format!("alloc {client} {sub} 1 class=0xc8b5"));
     assert_eq!(fake.snapshot().object(client, plain).unwrap().gpu, Some(0));
+    // A channel only under a channel group.
+    let v = p.cmd(&format!(
+        "alloc {client} {sub} 1 class={:#x}",
+        class::HOPPER_CHANNEL_GPFIFO_A
+    ));
+    assert_eq!(status_of(&v), status::NV_ERR_INVALID_OBJECT_PARENT, "{v}");
     // VID_HEAP FREE frees what it names.
     let m = p.handle(&format!("alloc {client} {device} 1 vidheap"));
     assert_eq!(fake.snapshot().used(0), PAGE);
@@ -782,10 +788,10 @@ fn channel_group_controls_reach_a_group_only_through_its_clients_file() {
         "owner not stopped: {}",
         gpud_tests::process_state(a.pid)
     );
-    // Parameters of another control's size.
+    // Parameters of another control's size: refused before they are read.
     let mut bad = rm::tsg::TimesliceParams::default();
     let r = ctl.control(client, group, rm::tsg::GPFIFO_SCHEDULE, &mut bad);
-    assert_eq!(r.status, status::NV_ERR_INVALID_PARAM_STRUCT);
+    assert_eq!(r.status, status::NV_ERR_INVALID_ARGUMENT);
     let mut on = rm::tsg::ScheduleParams {
         enable: 1,
         ..Default::default()
@@ -877,4 +883,494 @@ fn fb_info_reports_size_and_free_memory_in_kib_as_the_driver() {
     // On the device, not the subdevice: not this class's control.
     let v = p.cmd(&format!("fbinfo {client} {device} {:#x}", fb::HEAP_SIZE));
     assert_eq!(status_of(&v), status::NV_ERR_NOT_SUPPORTED, "{v}");
+}
+
+/// `CAP_SYS_ADMIN` and `CAP_SYS_NICE`: what RM's `USER_ROOT` and `NICE` right come from.
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_SYS_NICE: u32 = 23;
+
+/// Runs `f` on a thread of this process whose effective capabilities are only those of `keep`
+/// (capability numbers) that it holds: a caller without `CAP_SYS_NICE` or `CAP_SYS_ADMIN`, as a
+/// container's tenant. Capabilities are per thread, and the fake checks the calling thread's.
+fn with_caps<R: Send>(keep: &[u32], f: impl FnOnce() -> R + Send) -> R {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    // _LINUX_CAPABILITY_VERSION_3: two 32-bit halves.
+    const V3: u32 = 0x2008_0522;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut h = Header {
+                version: V3,
+                pid: 0,
+            };
+            let mut d = [Data::default(); 2];
+            // SAFETY: a v3 header and the two data words it describes; pid 0 is this thread.
+            let r = unsafe { libc::syscall(libc::SYS_capget, &mut h, d.as_mut_ptr()) };
+            assert_eq!(r, 0, "capget: {}", std::io::Error::last_os_error());
+            let want: u64 = keep.iter().map(|c| 1u64 << c).sum();
+            d[0].effective = want as u32 & d[0].permitted;
+            d[1].effective = (want >> 32) as u32 & d[1].permitted;
+            // SAFETY: as above; lowering the effective set needs no privilege.
+            let r = unsafe { libc::syscall(libc::SYS_capset, &h, d.as_ptr()) };
+            assert_eq!(r, 0, "capset: {}", std::io::Error::last_os_error());
+            f()
+        })
+        .join()
+        .expect("thread")
+    })
+}
+
+/// The control file, opened by this process.
+fn open_ctl(fake: &FakeNv) -> File {
+    File::options()
+        .read(true)
+        .write(true)
+        .open(fake.ctl())
+        .expect("open the control file")
+}
+
+/// NV_ESC_RM_CONTROL's checks come in the driver's order (docs/driver/scheduler-controls.md
+/// §0): the legacy path (bit 15) before everything and without the size, binding or privilege
+/// checks; the NULL command before any check; the flags; the size before the parameters are
+/// read and before the file binding; the object; unknown controls answer NV_OK. Refused calls
+/// leave the caller's parameters as they were and are not counted as having reached the driver.
+#[test]
+fn rm_control_checks_come_in_the_drivers_order() {
+    use rm::tsg::{GET_TIMESLICE, SET_TIMESLICE, TimesliceParams};
+    let Some(fake) = fake("control-checks", GIB) else {
+        return;
+    };
+    let f = open_ctl(&fake);
+    let ctl = Ctl::new(&f);
+    let [client, device, sub] = ctl.alloc_subdevice_tree(0).expect("client tree");
+    let group = ctl.alloc_channel_group(client, device).handle;
+    // A client of another open file (another tenant's).
+    let f2 = open_ctl(&fake);
+    let other = Ctl::new(&f2).alloc_client().handle;
+    let ok = |r: gpud_tests::rm::Reply| (r.ret, r.status);
+
+    // Bit 15: NV_ERR_NOT_SUPPORTED (as the H100 answered 0xa06c8103), counted, nothing done,
+    // whatever the size and whoever's client (the path checks neither); an unknown client is
+    // still refused, and bit 14 needs CAP_SYS_ADMIN.
+    let legacy = SET_TIMESLICE | sched::LEGACY_BIT;
+    let mut t = TimesliceParams { timeslice_us: 7 };
+    let not_supported = (0, status::NV_ERR_NOT_SUPPORTED);
+    assert_eq!(
+        ok(ctl.control(client, group, legacy, &mut t)),
+        not_supported
+    );
+    assert_eq!(
+        ok(ctl.sched_control(client, group, legacy, &mut [])),
+        not_supported
+    );
+    assert_eq!(ok(ctl.control(other, group, legacy, &mut t)), not_supported);
+    assert_eq!(
+        ctl.control(0xc1d0_ffff, group, legacy, &mut t).status,
+        status::NV_ERR_INVALID_CLIENT
+    );
+    let root_only = legacy | 0x4000;
+    let r = with_caps(&[CAP_SYS_NICE], || {
+        ctl.control(client, group, root_only, &mut t)
+    });
+    assert_eq!(r.status, status::NV_ERR_INSUFFICIENT_PERMISSIONS);
+    assert_eq!(
+        ok(ctl.control(client, group, root_only, &mut t)),
+        not_supported
+    );
+    let s = fake.snapshot();
+    assert_eq!(s.stats.legacy, 4);
+    assert_eq!(s.channel_group(client, group).unwrap().timeslice_us, 1024);
+    assert!(s.controls.is_empty(), "{:?}", s.controls);
+
+    // The NULL command: NV_OK before any check (no client, object, size, flags or pointer
+    // is looked at), nothing done.
+    for cmd in [0, 0xa06c_0000, 0x2080_0000] {
+        let mut p = rm::Nvos54 {
+            h_client: 0xdead,
+            h_object: 0xbeef,
+            cmd,
+            flags: 0x3,
+            params: 8,
+            params_size: 12345,
+            status: 0x99,
+        };
+        // SAFETY: the pointer is unmapped: the fake must not touch it (and could not).
+        let r = unsafe { ctl.control_nvos54(&mut p) };
+        assert_eq!(ok(r), (0, status::NV_OK), "{cmd:#x}");
+    }
+
+    // Flags: raised IRQL and lock bypass refused for any control; FINN_SERIALIZED on a control
+    // the fake models refused (its choice). The parameters stay as they were.
+    const SENTINEL: u64 = 0x5eed_5eed;
+    let mut sentinel = TimesliceParams {
+        timeslice_us: SENTINEL,
+    };
+    let nvos54 = |cmd: u32, flags: u32, params: u64, size: u32| {
+        let mut p = rm::Nvos54 {
+            h_client: client,
+            h_object: group,
+            cmd,
+            flags,
+            params,
+            params_size: size,
+            status: 0,
+        };
+        // SAFETY: `params` is null or `sentinel` (8 bytes), never with a larger size.
+        unsafe { ctl.control_nvos54(&mut p) }.status
+    };
+    let ptr = bytes_of_mut(&mut sentinel).as_mut_ptr() as u64;
+    for flags in [nvos54_flags::IRQL_RAISED, nvos54_flags::LOCK_BYPASS, 0x3] {
+        for cmd in [GET_TIMESLICE, 0xa06c_01ff] {
+            assert_eq!(
+                nvos54(cmd, flags, ptr, 8),
+                status::NV_ERR_INVALID_ARGUMENT,
+                "{cmd:#x} flags {flags:#x}"
+            );
+        }
+    }
+    assert_eq!(
+        nvos54(GET_TIMESLICE, nvos54_flags::FINN_SERIALIZED, ptr, 8),
+        status::NV_ERR_NOT_SUPPORTED
+    );
+
+    // The size, before the parameters are read: a short or long size, a size without a
+    // pointer, a pointer without a size.
+    for (params, size) in [(ptr, 4), (ptr, 7), (0, 8), (ptr, 0), (0, 0)] {
+        assert_eq!(
+            nvos54(GET_TIMESLICE, 0, params, size),
+            status::NV_ERR_INVALID_ARGUMENT,
+            "params {params:#x} size {size}"
+        );
+    }
+    assert_eq!(
+        sentinel.timeslice_us, SENTINEL,
+        "refused calls wrote the parameters"
+    );
+    // … and before the file binding: another file's client with the wrong size is refused for
+    // the size, with the right one for the binding.
+    let short = &mut [0u8; 4];
+    assert_eq!(
+        ctl.sched_control(other, group, GET_TIMESLICE, short).status,
+        status::NV_ERR_INVALID_ARGUMENT
+    );
+    assert_eq!(
+        ctl.control(other, group, GET_TIMESLICE, &mut sentinel)
+            .status,
+        status::NV_ERR_INVALID_CLIENT
+    );
+    assert_eq!(sentinel.timeslice_us, SENTINEL);
+    // Every modelled control has its size checked, those without a modelled effect too.
+    for c in sched::CONTROLS {
+        let mut one_more = vec![0u8; c.size as usize + 1];
+        let r = ctl.sched_control(client, sub, c.cmd, &mut one_more);
+        assert_eq!(r.status, status::NV_ERR_INVALID_ARGUMENT, "{}", c.name);
+    }
+    let mut fb = vec![0u8; 1027];
+    let r = ctl.sched_control(client, sub, rm::fb::GET_INFO_V2, &mut fb);
+    assert_eq!(r.status, status::NV_ERR_INVALID_ARGUMENT);
+    // The right size passes, and GET_TIMESLICE writes the group's timeslice.
+    assert_eq!(nvos54(GET_TIMESLICE, 0, ptr, 8), status::NV_OK);
+    assert_eq!(sentinel.timeslice_us, 1024);
+
+    // The object: none (NV_ERR_OBJECT_NOT_FOUND; the channel-group commands keep
+    // NV_ERR_INVALID_OBJECT_HANDLE, which gpud reads as "the group is gone"), or one that does
+    // not export the command (NV_ERR_NOT_SUPPORTED).
+    let mut gpfifo = [0u8; 24];
+    let set_gpfifo = sched::SUBDEVICE_SET_GPFIFO;
+    let r = ctl.sched_control(client, 0xbad, set_gpfifo, &mut gpfifo);
+    assert_eq!(r.status, status::NV_ERR_OBJECT_NOT_FOUND);
+    let r = ctl.sched_control(client, device, set_gpfifo, &mut gpfifo);
+    assert_eq!(r.status, status::NV_ERR_NOT_SUPPORTED);
+    let r = ctl.control(client, 0xbad, GET_TIMESLICE, &mut sentinel);
+    assert_eq!(r.status, status::NV_ERR_INVALID_OBJECT_HANDLE);
+    assert_eq!(
+        ok(ctl.sched_control(client, sub, set_gpfifo, &mut gpfifo)),
+        (0, 0)
+    );
+
+    // A control the fake does not model: NV_OK after the client checks, whatever its size.
+    let unknown = 0x2080_01ee;
+    assert_eq!(
+        ok(ctl.sched_control(client, sub, unknown, &mut [0u8; 3])),
+        (0, 0)
+    );
+    assert_eq!(
+        ctl.sched_control(other, sub, unknown, &mut [0u8; 3]).status,
+        status::NV_ERR_INVALID_CLIENT
+    );
+
+    // What reached the driver, and nothing else.
+    let s = fake.snapshot();
+    let want: std::collections::BTreeMap<String, u64> = [
+        (format!("{GET_TIMESLICE:#010x}"), 1),
+        (format!("{set_gpfifo:#010x}"), 1),
+    ]
+    .into();
+    assert_eq!(s.controls, want);
+    assert_eq!(
+        (s.control_count(GET_TIMESLICE), s.control_count(unknown)),
+        (1, 0)
+    );
+    assert_eq!(s.stats.legacy, 4);
+}
+
+/// SET_TIMESLICE takes any value and GET_TIMESLICE reads it back (as on the H100); the
+/// interleave level (of the group, or of the group through one of its channels) and the
+/// realtime flag are recorded; the NICE right gates them, PRIVILEGED needs CAP_SYS_ADMIN; every
+/// scheduling control the guard refuses reaches the driver from a privileged caller.
+#[test]
+fn scheduling_controls_take_effect_with_the_rights_the_driver_asks() {
+    use sched::{InterleaveParams, RealtimeParams};
+    let Some(fake) = fake("sched-controls", GIB) else {
+        return;
+    };
+    let f = open_ctl(&fake);
+    let ctl = Ctl::new(&f);
+    let [client, device, sub] = ctl.alloc_subdevice_tree(0).expect("client tree");
+    let group = ctl.alloc_channel_group(client, device).handle;
+    let chan = ctl.alloc_channel(client, group).expect("channel");
+    let s = fake.snapshot();
+    let c = s.channel(client, chan).expect("channel in the state");
+    assert_eq!(
+        (c.group, c.pid, c.gpu, c.enabled),
+        (group, std::process::id(), Some(0), true)
+    );
+    let g = s.channel_group(client, group).unwrap();
+    assert_eq!((g.interleave, g.realtime), (0, false));
+
+    for us in [0, 1, 100, 2_000_000, 1 << 32] {
+        let r = ctl.set_timeslice(client, group, us);
+        assert!(r.ok(), "{us}: {r:?}");
+        let (r, got) = ctl.get_timeslice(client, group);
+        assert!(r.ok(), "{r:?}");
+        assert_eq!(got, us);
+    }
+
+    let interleave = |cmd: u32, object: u32, level: u32| {
+        let mut p = InterleaveParams { level };
+        ctl.control(client, object, cmd, &mut p).status
+    };
+    let group_state = || {
+        fake.snapshot()
+            .channel_group(client, group)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(interleave(sched::TSG_SET_INTERLEAVE_LEVEL, group, 2), 0);
+    assert_eq!(group_state().interleave, 2);
+    assert_eq!(
+        interleave(sched::TSG_SET_INTERLEAVE_LEVEL, group, 3),
+        status::NV_ERR_INVALID_ARGUMENT
+    );
+    assert_eq!(group_state().interleave, 2);
+    // The channel's control sets its whole group's level.
+    assert_eq!(interleave(sched::CHANNEL_SET_INTERLEAVE_LEVEL, chan, 1), 0);
+    assert_eq!(group_state().interleave, 1);
+    // Each on the object that exports it.
+    assert_eq!(
+        interleave(sched::CHANNEL_SET_INTERLEAVE_LEVEL, group, 0),
+        status::NV_ERR_NOT_SUPPORTED
+    );
+    let mut rt = RealtimeParams { realtime: 1 };
+    assert!(
+        ctl.control(client, group, sched::TSG_MAKE_REALTIME, &mut rt)
+            .ok()
+    );
+    assert!(group_state().realtime);
+
+    // Without CAP_SYS_NICE and CAP_SYS_ADMIN: the NICE and PRIVILEGED controls are refused,
+    // nothing changes; SET_TIMESLICE (NON_PRIVILEGED) still passes.
+    let mut z2 = [0u8; 2];
+    let mut z8 = [0u8; 8];
+    let mut z4 = [0u8; 4];
+    let refused = with_caps(&[], || {
+        let mut rt = RealtimeParams { realtime: 0 };
+        vec![
+            interleave(sched::TSG_SET_INTERLEAVE_LEVEL, group, 0),
+            interleave(sched::CHANNEL_SET_INTERLEAVE_LEVEL, chan, 0),
+            ctl.control(client, group, sched::TSG_MAKE_REALTIME, &mut rt)
+                .status,
+            ctl.sched_control(client, chan, sched::CHANNEL_RESTART_RUNLIST, &mut z2)
+                .status,
+            ctl.sched_control(client, sub, sched::RUNLIST_SET_SCHED_POLICY, &mut z8)
+                .status,
+            ctl.sched_control(client, sub, sched::SET_COMPUTE_POLICY_CONFIG, &mut z8)
+                .status,
+            ctl.sched_control(client, device, sched::DEVICE_STOP_RUNLIST, &mut z4)
+                .status,
+            ctl.set_timeslice(client, group, 5000).status,
+        ]
+    });
+    let mut want = vec![status::NV_ERR_INSUFFICIENT_PERMISSIONS; 7];
+    want.push(status::NV_OK);
+    assert_eq!(refused, want);
+    let g = group_state();
+    assert_eq!((g.interleave, g.realtime, g.timeslice_us), (1, true, 5000));
+    // CAP_SYS_NICE alone: the NICE right, not PRIVILEGED.
+    let got = with_caps(&[CAP_SYS_NICE], || {
+        (
+            interleave(sched::TSG_SET_INTERLEAVE_LEVEL, group, 0),
+            ctl.sched_control(client, sub, sched::SET_COMPUTE_POLICY_CONFIG, &mut z8)
+                .status,
+        )
+    });
+    assert_eq!(got, (0, status::NV_ERR_INSUFFICIENT_PERMISSIONS));
+    assert_eq!(group_state().interleave, 0);
+    // CAP_SYS_ADMIN alone: both.
+    let got = with_caps(&[CAP_SYS_ADMIN], || {
+        (
+            interleave(sched::TSG_SET_INTERLEAVE_LEVEL, group, 2),
+            ctl.sched_control(client, device, sched::DEVICE_START_RUNLIST, &mut z4)
+                .status,
+        )
+    });
+    assert_eq!(got, (0, 0));
+
+    // Every control the guard refuses reaches the driver from a privileged caller, on the
+    // object that exports it, and is counted once more.
+    let before = fake.snapshot();
+    for c in sched::CONTROLS
+        .iter()
+        .filter(|c| c.rule == sched::Rule::Refuse)
+    {
+        let object = match c.cmd >> 16 {
+            0xa06c | 0x0090 => group,
+            0xa06f => chan,
+            0x0080 => device,
+            _ => sub,
+        };
+        let mut p = vec![0u8; c.size as usize];
+        let r = ctl.sched_control(client, object, c.cmd, &mut p);
+        assert_eq!((r.ret, r.status), (0, 0), "{}", c.name);
+    }
+    let after = fake.snapshot();
+    for c in sched::CONTROLS
+        .iter()
+        .filter(|c| c.rule == sched::Rule::Refuse)
+    {
+        assert_eq!(
+            after.control_count(c.cmd),
+            before.control_count(c.cmd) + 1,
+            "{}",
+            c.name
+        );
+    }
+    // Zeroed parameters: interleave LOW, not realtime.
+    let g = after.channel_group(client, group).unwrap();
+    assert_eq!((g.interleave, g.realtime), (0, false));
+    // The channel goes with its group.
+    assert!(ctl.free(client, group).ok());
+    let s = fake.snapshot();
+    assert!(s.channels.is_empty() && s.channel_groups.is_empty());
+}
+
+/// FIFO_DISABLE_CHANNELS resolves its (client, channel) pairs among every client, as the
+/// driver does (and as the H100 showed: another process's channels were disabled): a tenant
+/// disables another process's channel through its own subdevice, and under `runlist stop` that
+/// process stops until the channel is enabled again. Its own client in NVOS54.hClient must
+/// still be bound to its file.
+#[test]
+fn disable_channels_reaches_another_processs_channel() {
+    let Some(fake) = fake("disable-channels", GIB) else {
+        return;
+    };
+    // The victim: another process, with a channel in a channel group.
+    let mut a = RmProcess::spawn(None, &fake.ctl());
+    let (ac, adev, _) = setup(&mut a);
+    let ag = a.handle(&format!("channel-group {ac} {adev}"));
+    let chan_class = class::HOPPER_CHANNEL_GPFIFO_A;
+    let ach = a.handle(&format!("alloc {ac} {ag} 0 class={chan_class:#x}"));
+    let c = fake.snapshot().channel(ac, ach).cloned().expect("channel");
+    assert_eq!((c.group, c.pid, c.enabled), (ag, a.pid, true));
+
+    // The tenant: this process, its own file and client.
+    let f = open_ctl(&fake);
+    let ctl = Ctl::new(&f);
+    let [bc, _, bsub] = ctl.alloc_subdevice_tree(0).expect("client tree");
+    fake.inject("runlist stop").expect("inject");
+    let enabled = || fake.snapshot().channel(ac, ach).map(|c| c.enabled);
+
+    // Refused, nothing changed: a pair naming no channel (none, or a channel group), more
+    // pairs than the lists hold, an event pointer from user space, another file's client as
+    // the caller.
+    let d = sched::DISABLE_CHANNELS;
+    for pairs in [
+        vec![(ac, ach), (ac, 0xbad)],
+        vec![(ac, ag)],
+        vec![(0xc1d0_0bad, ach)],
+    ] {
+        let r = ctl.disable_channels(bc, bsub, true, &pairs);
+        assert_eq!(r.status, status::NV_ERR_INVALID_CHANNEL, "{pairs:x?}");
+    }
+    let r = ctl.disable_channels(bc, bsub, true, &[(ac, ach); 65]);
+    assert_eq!(r.status, status::NV_ERR_INVALID_ARGUMENT);
+    let mut p = sched::DisableChannelsParams {
+        disable: 1,
+        num_channels: 1,
+        runlist_preempt_event: 0x1000,
+        ..Default::default()
+    };
+    (p.client_list[0], p.channel_list[0]) = (ac, ach);
+    let r = ctl.control(bc, bsub, d, &mut p);
+    assert_eq!(r.status, status::NV_ERR_INSUFFICIENT_PERMISSIONS);
+    let r = ctl.disable_channels(ac, bsub, true, &[(ac, ach)]);
+    assert_eq!(r.status, status::NV_ERR_INVALID_CLIENT);
+    // The legacy alias: not supported, nothing done, even with the victim's client.
+    p.runlist_preempt_event = 0;
+    for caller in [bc, ac] {
+        let r = ctl.control(caller, bsub, d | sched::LEGACY_BIT, &mut p);
+        assert_eq!(r.status, status::NV_ERR_NOT_SUPPORTED);
+    }
+    assert_eq!(enabled(), Some(true));
+    assert_ne!(gpud_tests::process_state(a.pid), 'T');
+    assert_eq!(fake.snapshot().control_count(d), 0);
+
+    // The victim's channel, named from the tenant's own client and subdevice: disabled, and the
+    // victim stops; enabled again, it continues.
+    let r = ctl.disable_channels(bc, bsub, true, &[(ac, ach)]);
+    assert_eq!((r.ret, r.status), (0, status::NV_OK));
+    assert_eq!(enabled(), Some(false));
+    assert!(
+        eventually_sync(|| gpud_tests::process_state(a.pid) == 'T'),
+        "victim not stopped: {}",
+        gpud_tests::process_state(a.pid)
+    );
+    let r = ctl.disable_channels(bc, bsub, false, &[(ac, ach)]);
+    assert!(r.ok(), "{r:?}");
+    assert_eq!(enabled(), Some(true));
+    assert!(eventually_sync(|| gpud_tests::process_state(a.pid) != 'T'));
+    // No channels at all: nothing to do.
+    assert!(ctl.disable_channels(bc, bsub, true, &[]).ok());
+    assert_eq!(fake.snapshot().control_count(d), 3);
+
+    // `runlist record`: disabled, and the victim runs on (firmware that ignores it).
+    fake.inject("runlist record").expect("inject");
+    assert!(ctl.disable_channels(bc, bsub, true, &[(ac, ach)]).ok());
+    assert_eq!(enabled(), Some(false));
+    std::thread::sleep(Duration::from_millis(50));
+    assert_ne!(gpud_tests::process_state(a.pid), 'T');
+    // The params were read, not written.
+    let mut p = sched::DisableChannelsParams {
+        disable: 0,
+        num_channels: 1,
+        ..Default::default()
+    };
+    (p.client_list[0], p.channel_list[0]) = (ac, ach);
+    let copy = bytes_of(&p).to_vec();
+    assert!(ctl.control(bc, bsub, d, &mut p).ok());
+    assert_eq!(bytes_of(&p), &copy[..]);
+    assert_eq!(enabled(), Some(true));
+    // The channel goes with its group.
+    a.ok(&format!("free {ac} {ag}"));
+    assert!(fake.snapshot().channels.is_empty());
 }

@@ -29,7 +29,7 @@ use super::{
 };
 use crate::{
     daemon::{DaemonInfo, Handle, View},
-    enforcement::LimitNotice,
+    enforcement::{LimitNotice, guard::GuardNotice},
     policy::{LimitUpdate, idle::IdleChange},
 };
 
@@ -204,6 +204,23 @@ impl Manager {
         action: &str,
     ) -> zbus::Result<()>;
 
+    /// The scheduler guard met a tenant's scheduling control: `control` (the driver's name),
+    /// what it did (`action`: `denied`, `refused`, `clamped`, `audited` or `unenforced`) and why
+    /// (`reason`: `forbidden`, `timeslice`, `foreign-client`, `legacy-path` or `flags`);
+    /// `requested` is the timeslice asked (µs) or the foreign client named, `allowed` the
+    /// caller's timeslice allowance (µs).
+    #[zbus(signal)]
+    pub async fn scheduler_control_guarded(
+        emitter: &zbus::object_server::SignalEmitter<'_>,
+        cgroup: &str,
+        pid: u32,
+        control: &str,
+        action: &str,
+        reason: &str,
+        requested: u64,
+        allowed: u64,
+    ) -> zbus::Result<()>;
+
     /// Whether NVML answers (library loaded, GPUs found, last sample succeeded).
     #[zbus(property(emits_changed_signal = "false"))]
     async fn nvml_available(&self) -> bool {
@@ -226,6 +243,17 @@ impl Manager {
     async fn memory_info_view(&self) -> String {
         self.daemon
             .memory_info_view()
+            .await
+            .unwrap_or_else(|e| e.to_string())
+    }
+
+    /// The scheduler guard (`[enforcement] scheduler_guard`): `off`, `audit`, `enforce (deny,
+    /// rewrite)`, `enforce (rewrite)`, `enforce (deny only; ...)`, or `unenforced: <why>` where
+    /// the kernel allows neither refusing nor rewriting a call. Follows reloads.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn scheduler_guard(&self) -> String {
+        self.daemon
+            .scheduler_guard()
             .await
             .unwrap_or_else(|e| e.to_string())
     }
@@ -347,6 +375,43 @@ pub async fn publish_notices(
         .await
         {
             tracing::warn!("cannot emit MemoryLimitExceeded: {e}");
+        }
+    }
+}
+
+/// Publishes the scheduler guard's reports as `SchedulerControlGuarded` signals until the
+/// channel closes.
+pub async fn publish_guard_notices(
+    conn: zbus::Connection,
+    mut rx: tokio::sync::broadcast::Receiver<GuardNotice>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        let n = match rx.recv().await {
+            Ok(n) => n,
+            Err(RecvError::Lagged(missed)) => {
+                tracing::warn!(
+                    missed,
+                    "scheduler guard signals dropped (subscriber too slow)"
+                );
+                continue;
+            }
+            Err(RecvError::Closed) => return,
+        };
+        if let Ok(emitter) = zbus::object_server::SignalEmitter::new(&conn, OBJECT_PATH)
+            && let Err(e) = Manager::scheduler_control_guarded(
+                &emitter,
+                &n.cgroup,
+                n.pid,
+                &n.control,
+                &n.action,
+                &n.reason,
+                n.requested,
+                n.allowed,
+            )
+            .await
+        {
+            tracing::warn!("cannot emit SchedulerControlGuarded: {e}");
         }
     }
 }

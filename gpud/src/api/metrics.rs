@@ -67,6 +67,8 @@ pub struct Snapshot {
     pub kernel_stats: BTreeMap<String, u64>,
     pub idle: Vec<IdleRecord>,
     pub compute: ComputeStats,
+    /// Tenants' scheduling controls the guard acted on, by (cgroup, control, action).
+    pub guard_counts: crate::enforcement::guard::GuardCounts,
 }
 
 /// Gathers snapshots and renders them.
@@ -157,6 +159,7 @@ impl From<daemon::Snapshot> for Snapshot {
             kernel_stats: s.kernel_stats,
             idle: all(s.idle),
             compute: s.compute,
+            guard_counts: s.guard_counts,
         }
     }
 }
@@ -346,6 +349,22 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
         processes,
     );
 
+    let guarded = counters();
+    for ((cgroup, control, action), n) in &snap.guard_counts {
+        let l = with(
+            with(cgroup_labels(cgroup), "control", control),
+            "action",
+            action,
+        );
+        guarded.get_or_create(&l).inc_by(*n);
+    }
+    r.register(
+        "gpud_scheduler_guard",
+        "Scheduling controls of the cgroup's processes the guard acted on (denied, refused, \
+         clamped) or reported (audited, unenforced), by control",
+        guarded,
+    );
+
     let nvml_memory = int_gauges();
     let util = gauges();
     for u in &snap.nvml_usage {
@@ -491,6 +510,15 @@ mod tests {
                 memory_events: 1,
             }],
             kernel_stats: [("events_lost".to_owned(), 0)].into(),
+            guard_counts: [(
+                (
+                    format!("/system.slice/docker-{ID}.scope"),
+                    "SET_TIMESLICE".to_owned(),
+                    "clamped".to_owned(),
+                ),
+                5,
+            )]
+            .into(),
             ..Default::default()
         };
         let info = DaemonInfo {
@@ -510,6 +538,9 @@ mod tests {
             format!("gpud_cgroup_memory_limit_bytes{{{labels},gpu=\"all\"}} 8192"),
             format!("gpud_cgroup_ioctls_total{{{labels},class=\"alloc\"}} 3"),
             format!("gpud_cgroup_processes{{{labels}}} 2"),
+            format!(
+                "gpud_scheduler_guard_total{{{labels},control=\"SET_TIMESLICE\",action=\"clamped\"}} 5"
+            ),
             "gpud_nvml_available 0".to_owned(),
         ] {
             assert!(out.lines().any(|l| l == line), "missing {line} in\n{out}");

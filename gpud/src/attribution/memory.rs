@@ -93,6 +93,29 @@ impl Attribution {
             .unwrap_or(0)
     }
 
+    /// Sets (or, with `None`, removes) the scheduler guard's timeslice allowance of a cgroup.
+    pub fn set_sched_allowance(
+        &mut self,
+        cgroup_id: u64,
+        us: Option<u64>,
+    ) -> Result<(), AttributionError> {
+        match us {
+            Some(us) => self.maps.sched_allow.insert(cgroup_id, us, 0)?,
+            None => match self.maps.sched_allow.remove(&cgroup_id) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(aya::maps::MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(e.into()),
+            },
+        }
+        Ok(())
+    }
+
+    /// The scheduler guard's allowances in the kernel map, by cgroup id.
+    pub fn sched_allowances(&self) -> BTreeMap<u64, u64> {
+        map_entries(&self.maps.sched_allow).into_iter().collect()
+    }
+
     /// Sets a limit in the kernel map, keeping its event counter.
     pub fn set_kernel_limit(
         &mut self,

@@ -10,7 +10,8 @@ use std::collections::HashMap;
 
 use gpud_common::{
     EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, EVENT_PROC_EXIT,
-    EVENT_PROC_NEW, Event, IoctlCounts, PROC_OPENED, PROC_SCANNED, ProcEntry, stat,
+    EVENT_PROC_NEW, EVENT_SCHED_GUARD, Event, IoctlCounts, PROC_OPENED, PROC_SCANNED, ProcEntry,
+    stat,
 };
 use tracing::{debug, info, warn};
 
@@ -129,6 +130,21 @@ impl Attribution {
     /// The in-container memory view: `on`, `off` or `unavailable: <why>`.
     pub fn memory_info(&self) -> String {
         self.probes.memory_info().describe()
+    }
+
+    /// The scheduler guard's state, as reported (see [`GuardState::describe`]).
+    ///
+    /// [`GuardState::describe`]: crate::probes::GuardState::describe
+    pub fn scheduler_guard(&self) -> String {
+        self.probes.guard().describe()
+    }
+
+    /// Changes the scheduler guard's mode (a reload); see [`Probes::set_guard`].
+    pub fn set_scheduler_guard(
+        &mut self,
+        mode: crate::config::GuardMode,
+    ) -> Result<(), AttributionError> {
+        Ok(self.probes.set_guard(mode)?)
     }
 
     /// Turns the memory view on or off (a reload); see [`Probes::set_memory_info`].
@@ -384,7 +400,8 @@ impl Attribution {
             EVENT_FILE_RELEASE => {
                 self.release_file(ev.value, ev.bytes);
             }
-            EVENT_LIMIT_CROSSED | EVENT_ALLOC_DENIED => {}
+            // The enforcement reports these.
+            EVENT_LIMIT_CROSSED | EVENT_ALLOC_DENIED | EVENT_SCHED_GUARD => {}
             other => warn!(kind = other, "unknown kernel event"),
         }
     }

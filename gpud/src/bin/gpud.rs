@@ -247,6 +247,10 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
             conn.clone(),
             outputs.limit_notices,
         )),
+        tokio::spawn(gpud::api::dbus::publish_guard_notices(
+            conn.clone(),
+            outputs.guard_notices,
+        )),
         tokio::spawn(gpu::publish_gpus(conn.clone(), outputs.inventory)),
         tokio::spawn(gpud::api::dbus::publish_throttled(
             conn.clone(),

@@ -52,6 +52,8 @@ pub struct Snapshot {
     pub kernel_stats: BTreeMap<String, u64>,
     pub idle: Vec<IdleEntry>,
     pub compute: ComputeStats,
+    /// Tenants' scheduling controls the guard acted on, by (cgroup, control, action).
+    pub guard_counts: crate::enforcement::guard::GuardCounts,
 }
 
 /// Changes for the state task, each with its reply channel (reads go to the published
@@ -194,6 +196,11 @@ impl Handle {
         Ok(self.view().await?.memory_info.clone())
     }
 
+    /// The scheduler guard's state (`enforce (deny, rewrite)`, `audit`, ...).
+    pub async fn scheduler_guard(&self) -> Result<String, DaemonError> {
+        Ok(self.view().await?.scheduler_guard.clone())
+    }
+
     /// The most recent Xid events, oldest first.
     pub async fn list_nvml_events(&self) -> Result<Vec<AttributedXid>, DaemonError> {
         Ok(self.view().await?.nvml_events.clone())
@@ -215,6 +222,7 @@ impl Handle {
             kernel_stats: self.reader.kernel_stats(),
             idle: view.idle(),
             compute: self.compute_stats().unwrap_or_default(),
+            guard_counts: view.guard_counts.clone(),
         })
     }
 

@@ -34,6 +34,7 @@ use crate::{
     enforcement::{
         GpuCatalog, LimitNotice, MemoryEnforcement,
         compute::{self, law::LawParams},
+        guard::{GuardNotice, SchedulerGuard},
     },
     nvml::{AttributedXid, GpuStatus, NvmlView, SamplerSettings, Snapshot as NvmlSnapshot},
     policy::idle::{IdleChange, IdleTracker},
@@ -58,6 +59,8 @@ enum Message {
 struct Senders {
     /// Limit events, for the `MemoryLimitExceeded` signal.
     notices: broadcast::Sender<LimitNotice>,
+    /// The scheduler guard's reports, for the `SchedulerControlGuarded` signal.
+    guard_notices: broadcast::Sender<GuardNotice>,
     /// The GPU inventory, for the `dev.gpud.Gpu1` objects.
     inventory: watch::Sender<Vec<GpuStatus>>,
     /// Xid events, for the `Xid` signals.
@@ -80,6 +83,7 @@ struct LiveSettings {
 struct State {
     attribution: Attribution,
     memory: MemoryEnforcement,
+    guard: SchedulerGuard,
     nvml: NvmlView,
     /// Inputs of the compute task (`None`: compute shares disabled).
     compute: Option<views::ComputeFeed>,
@@ -162,6 +166,7 @@ async fn run_state(
                 }
                 if limits_may_change {
                     publish_limited_dirs(&mut state);
+                    sync_allowances(&mut state);
                 }
                 // A view reflects every exit read so far: the files they held are checked first.
                 if (refresh || rx.is_empty()) && state.attribution.check_pending_files() {
@@ -181,6 +186,7 @@ async fn run_state(
                 views.changing();
                 sweep_all(&mut state);
                 publish_limited_dirs(&mut state);
+                sync_allowances(&mut state);
             }
             _ = rescan.tick(), if intervals.rescan.is_some() => {
                 // Reading every process's fd table is blocking work: do it off this task.
@@ -217,6 +223,7 @@ fn sweep_all(state: &mut State) {
     state.attribution.sweep();
     state.attribution.sweep_memory();
     state.memory.sweep(&mut state.attribution);
+    state.guard.sweep(&mut state.attribution);
     release_free_heap();
 }
 
@@ -301,6 +308,12 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
     {
         warn!("memory view not changed: {}", Chain(&e));
     }
+    if let Err(e) = state
+        .attribution
+        .set_scheduler_guard(config.enforcement.scheduler_guard)
+    {
+        warn!("scheduler guard not changed: {}", Chain(&e));
+    }
     let intervals = Intervals::of(config);
     info!(
         sweep_secs = intervals.sweep.as_secs(),
@@ -311,6 +324,7 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
         compute_period_ms = config.compute.period_ms,
         nvml_sample_interval_ms = config.nvml.sample_interval_ms,
         memory_view = state.attribution.memory_info(),
+        scheduler_guard = state.attribution.scheduler_guard(),
         "live settings applied"
     );
     intervals
@@ -321,6 +335,9 @@ fn on_kernel_event(state: &mut State, ev: &gpud_common::Event) {
     if let Some(notice) = state.memory.on_event(&mut state.attribution, ev) {
         // No subscriber (no bus yet) is fine: the event is logged and counted.
         let _ = state.outputs.notices.send(notice);
+    }
+    if let Some(notice) = state.guard.on_event(&mut state.attribution, ev) {
+        let _ = state.outputs.guard_notices.send(notice);
     }
 }
 
@@ -393,6 +410,13 @@ fn publish_limited_dirs(state: &mut State) {
         *cur = dirs;
         changed
     });
+}
+
+/// The scheduler guard's allowances follow the stored policies' priority classes.
+fn sync_allowances(state: &mut State) {
+    state
+        .guard
+        .sync_allowances(&mut state.attribution, state.memory.policies());
 }
 
 /// Hands the current inventory to the task that publishes the `Gpu1` objects, if it changed.

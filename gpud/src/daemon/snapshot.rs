@@ -31,7 +31,7 @@ use super::{DaemonError, Message, NvmlStatus, State, handle::Request, views};
 use crate::{
     attribution::{AttributionError, CgroupView, KernelCounters, MemoryView, ProcessView},
     cgroupfs::{CgroupFs, id_at},
-    enforcement::LimitEntry,
+    enforcement::{LimitEntry, guard::GuardCounts},
     nvml::{AttributedXid, GpuStatus},
     policy::idle::IdleEntry,
 };
@@ -60,6 +60,10 @@ pub struct View {
     idle: Vec<IdleEntry>,
     /// The in-container memory view: `on`, `off` or `unavailable: <why>`.
     pub memory_info: String,
+    /// The scheduler guard's state (`GuardState::describe`).
+    pub scheduler_guard: String,
+    /// Tenants' scheduling controls the guard acted on, by (cgroup, control, action).
+    pub guard_counts: GuardCounts,
 }
 
 impl View {
@@ -82,6 +86,8 @@ impl View {
             nvml_events: Vec::new(),
             idle: Vec::new(),
             memory_info: String::new(),
+            scheduler_guard: String::new(),
+            guard_counts: GuardCounts::new(),
         }
     }
 
@@ -214,6 +220,8 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         nvml_events: state.nvml.events.iter().cloned().collect(),
         idle: state.idle.list(std::time::Instant::now()),
         memory_info: state.attribution.memory_info(),
+        scheduler_guard: state.attribution.scheduler_guard(),
+        guard_counts: state.guard.counts().clone(),
         cgroups,
     }
 }

@@ -19,7 +19,10 @@ use crate::{
     attribution::{Attribution, AttributionError},
     cgroupfs::{CgroupError, CgroupFs},
     config::Config,
-    enforcement::{GpuCatalog, LimitNotice, MemoryEnforcement, compute},
+    enforcement::{
+        GpuCatalog, LimitNotice, MemoryEnforcement, compute,
+        guard::{self, GuardNotice, SchedulerGuard},
+    },
     nvml::{AttributedXid, GpuStatus, NvmlView, Sampler, SamplerSettings},
     policy::{LimitStore, PolicyError, idle::IdleChange, idle::IdleTracker},
     probes::{self, DynamicMajors, Matcher, ProbeError, ProbeSetup, Probes, devices::DeviceError},
@@ -69,6 +72,8 @@ impl StartError {
 /// What the state task and the controller announce, for the API's publishers.
 pub struct Outputs {
     pub limit_notices: broadcast::Receiver<LimitNotice>,
+    /// The scheduler guard's reports, for the `SchedulerControlGuarded` signal.
+    pub guard_notices: broadcast::Receiver<GuardNotice>,
     pub inventory: watch::Receiver<Vec<GpuStatus>>,
     pub xids: broadcast::Receiver<AttributedXid>,
     pub idle_changes: broadcast::Receiver<IdleChange>,
@@ -133,6 +138,8 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         tier: config.enforcement.tier,
         react_action: config.enforcement.react_action,
         virtualize_memory_info: config.enforcement.virtualize_memory_info,
+        scheduler_guard: config.enforcement.scheduler_guard,
+        guard_timeslice_us: guard::allowance(None),
     })
     .map_err(StartError::Probes)?;
     let events = probes.take_events().map_err(StartError::Probes)?;
@@ -161,6 +168,8 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     };
     let mut memory = MemoryEnforcement::new(store, tier, config.enforcement.react_action, catalog);
     memory.restore(&mut attribution);
+    let guard = SchedulerGuard::default();
+    guard.sync_allowances(&mut attribution, memory.policies());
 
     let compute_on = config.compute.enabled && config.nvml.enabled;
     if compute_on {
@@ -173,6 +182,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         }
     }
     let (notices, notices_rx) = broadcast::channel(256);
+    let (guard_notices, guard_notices_rx) = broadcast::channel(256);
     let (inventory, inventory_rx) = watch::channel(Vec::new());
     let (xids, xids_rx) = broadcast::channel(64);
     let (idle_changes, idle_rx) = broadcast::channel(64);
@@ -189,6 +199,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     let state = State {
         attribution,
         memory,
+        guard,
         nvml: if config.nvml.enabled {
             NvmlView::default()
         } else {
@@ -204,6 +215,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         idle_signal: config.idle.signal,
         outputs: Senders {
             notices,
+            guard_notices,
             inventory,
             xids,
             idle_changes,
@@ -277,6 +289,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     };
     let outputs = Outputs {
         limit_notices: notices_rx,
+        guard_notices: guard_notices_rx,
         inventory: inventory_rx,
         xids: xids_rx,
         idle_changes: idle_rx,

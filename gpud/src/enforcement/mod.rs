@@ -1,9 +1,11 @@
 //! Enforcement of GPU-memory limits: turns the stored policy into kernel-map entries, re-applies
 //! it at start, and acts on the kernel's limit events (the `freeze` action, notices for D-Bus).
 //! The `kill` and `deny` actions happen in the kernel itself; this module only reports them.
-//! Owned by the state task. Compute shares are [`compute`]'s, a task of their own.
+//! Owned by the state task. Compute shares are [`compute`]'s, a task of their own; the scheduler
+//! guard's allowances and reports are [`guard`]'s.
 
 pub mod compute;
+pub mod guard;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -503,6 +505,11 @@ impl MemoryEnforcement {
                 error!(cgroup = %p, "cannot thaw at shutdown: {}", Chain(&e));
             }
         }
+    }
+
+    /// Every stored policy: (cgroup path, limits), one per GPU selector.
+    pub fn policies(&self) -> impl Iterator<Item = (&str, &Limits)> {
+        self.store.iter().map(|((c, _), l)| (c.as_str(), l))
     }
 
     /// Compute policies in force: (cgroup path, GPU selector, limits).

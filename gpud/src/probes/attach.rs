@@ -1,8 +1,8 @@
 //! Where the programs attach: the attach modes and enforcement tiers, the attachment table of
 //! each, and attaching them (or adopting the links a previous daemon pinned).
 //!
-//! Links are pinned under `links/<object-hash>-<mode>-<tier>[-rw]/` (`-rw`: the return side is the
-//! memory view's rewriting twin), one file per attachment, so a daemon that finds every required
+//! Links are pinned under `links/<object-hash>-<mode>-<tier>[-rw]/` (`-rw`: the ioctl programs are
+//! the twins that may rewrite user memory), one file per attachment, so a daemon that finds every required
 //! link of its own object, mode, tier and return side adopts them with no gap.
 
 use std::{
@@ -93,7 +93,8 @@ impl fmt::Display for Target {
 /// old kernels).
 pub(super) struct Attachment {
     pub(super) program: &'static str,
-    /// The program attached instead where the memory view's rewriting exit programs run.
+    /// The program attached instead where the kernel allows `bpf_probe_write_user` (the memory
+    /// view's and the scheduler guard's rewrites).
     pub(super) rewriting: Option<&'static str>,
     target: Target,
     optional: bool,
@@ -108,7 +109,7 @@ const fn att(program: &'static str, target: Target, optional: bool) -> Attachmen
     }
 }
 
-/// An ioctl return side, with its rewriting twin.
+/// An ioctl program, with its rewriting twin.
 const fn att_rw(
     program: &'static str,
     rewriting: &'static str,
@@ -124,13 +125,15 @@ const fn att_rw(
 }
 
 pub(super) const FENTRY_ATTACHMENTS: &[Attachment] = &[
-    att(
+    att_rw(
         programs::FENTRY_IOCTL,
+        programs::FENTRY_IOCTL_RW,
         Target::Fentry("security_file_ioctl"),
         false,
     ),
-    att(
+    att_rw(
         programs::FENTRY_IOCTL_COMPAT,
+        programs::FENTRY_IOCTL_COMPAT_RW,
         Target::Fentry("security_file_ioctl_compat"),
         true,
     ),
@@ -169,17 +172,24 @@ pub(super) const FENTRY_RETURN_ATTACHMENTS: &[Attachment] = &[
 
 /// The `deny` tier's replacements for the two fentry ioctl programs.
 pub(super) const LSM_ATTACHMENTS: &[Attachment] = &[
-    att(programs::LSM_IOCTL, Target::Lsm("file_ioctl"), false),
-    att(
+    att_rw(
+        programs::LSM_IOCTL,
+        programs::LSM_IOCTL_RW,
+        Target::Lsm("file_ioctl"),
+        false,
+    ),
+    att_rw(
         programs::LSM_IOCTL_COMPAT,
+        programs::LSM_IOCTL_COMPAT_RW,
         Target::Lsm("file_ioctl_compat"),
         true,
     ),
 ];
 
 pub(super) const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
-    att(
+    att_rw(
         programs::TP_IOCTL,
+        programs::TP_IOCTL_RW,
         Target::Tracepoint("syscalls", "sys_enter_ioctl"),
         false,
     ),

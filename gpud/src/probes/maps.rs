@@ -24,6 +24,8 @@ pub struct KernelMaps {
     pub usage: HashMap<MapData, UsageKey, u64>,
     pub limits: HashMap<MapData, UsageKey, LimitValue>,
     pub ancestry: HashMap<MapData, u64, Ancestry>,
+    /// The scheduler guard's timeslice allowances (µs) by cgroup id.
+    pub sched_allow: HashMap<MapData, u64, u64>,
 }
 
 /// Entries per `BPF_MAP_LOOKUP_BATCH` call: far more than a hash bucket ever holds (a bucket
@@ -105,15 +107,30 @@ fn batch_entries<K: aya::Pod, V: aya::Pod>(fd: i32) -> std::io::Result<Vec<(K, V
     }
 }
 
-pub(super) fn write_config(
-    ebpf: &mut Ebpf,
-    offsets: gpud_common::KernelOffsets,
-    majors: DynamicMajors,
-    extra: &[ExtraFile],
-    mode: AttachMode,
-    react: ReactAction,
-    memory_info: bool,
-) -> Result<(), ProbeError> {
+/// What the configuration record is written from.
+pub(super) struct Settings<'a> {
+    pub offsets: gpud_common::KernelOffsets,
+    pub majors: DynamicMajors,
+    pub extra: &'a [ExtraFile],
+    pub mode: AttachMode,
+    pub react: ReactAction,
+    pub memory_info: bool,
+    /// `CFG_SCHED_*` bits of the guard's mode.
+    pub guard_flags: u32,
+    pub guard_timeslice_us: u64,
+}
+
+pub(super) fn write_config(ebpf: &mut Ebpf, s: Settings<'_>) -> Result<(), ProbeError> {
+    let Settings {
+        offsets,
+        majors,
+        extra,
+        mode,
+        react,
+        memory_info,
+        guard_flags,
+        guard_timeslice_us,
+    } = s;
     let map_err = |name| move |source| ProbeError::WriteMap { name, source };
     let mut files: HashMap<_, FileKey, u32> =
         HashMap::try_from(map_mut(ebpf, maps::EXTRA_FILES)?).map_err(map_err(maps::EXTRA_FILES))?;
@@ -148,13 +165,15 @@ pub(super) fn write_config(
                 AttachMode::Tracepoint => CFG_EXIT_RELEASE,
                 AttachMode::Fentry => 0,
             }
-            | if memory_info { CFG_VIRT_MEMINFO } else { 0 },
+            | if memory_info { CFG_VIRT_MEMINFO } else { 0 }
+            | guard_flags,
         react_action: match react {
             ReactAction::Kill => REACT_KILL,
             ReactAction::Freeze => REACT_FREEZE,
             ReactAction::Notify => REACT_NOTIFY,
         },
-        _pad: 0,
+        daemon_tgid: std::process::id(),
+        guard_timeslice_us,
     };
     config.set(0, value, 0).map_err(map_err(maps::CONFIG))
 }

@@ -36,7 +36,7 @@ pub use maps::{KernelMaps, map_entries};
 pub use pin::{BPF_FS_MAGIC, TRACEFS, TRACEFS_MAGIC, ensure_mounted};
 
 use crate::{
-    config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
+    config::{AttachPreference, GuardMode, ProbesConfig, ReactAction, TierPreference},
     report::Chain,
 };
 
@@ -169,6 +169,49 @@ pub struct ProbeSetup<'a> {
     pub react_action: ReactAction,
     /// `[enforcement] virtualize_memory_info`: the memory view on at start.
     pub virtualize_memory_info: bool,
+    /// `[enforcement] scheduler_guard` at start.
+    pub scheduler_guard: GuardMode,
+    /// The timeslice (µs) a tenant may set where its policy gives no other allowance.
+    pub guard_timeslice_us: u64,
+}
+
+/// The scheduler guard: its mode and the means this kernel gives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuardState {
+    pub mode: GuardMode,
+    /// BPF-LSM runs (the `deny` tier): a call can be refused with `EPERM`.
+    pub deny: bool,
+    /// Why the entry programs cannot rewrite a call (`bpf_probe_write_user` refused); `None`
+    /// where they can.
+    pub no_rewrite: Option<String>,
+}
+
+impl GuardState {
+    /// As reported on D-Bus and by `gpudctl status`: `off`, `audit`, `enforce (deny, rewrite)`,
+    /// `enforce (rewrite)`, `enforce (deny only: <why>)` or `unenforced: <why>`.
+    pub fn describe(&self) -> String {
+        match (self.mode, self.deny, &self.no_rewrite) {
+            (GuardMode::Off, ..) => "off".to_owned(),
+            (GuardMode::Audit, ..) => "audit".to_owned(),
+            (GuardMode::Enforce, true, None) => "enforce (deny, rewrite)".to_owned(),
+            (GuardMode::Enforce, false, None) => "enforce (rewrite)".to_owned(),
+            (GuardMode::Enforce, true, Some(why)) => format!(
+                "enforce (deny only; timeslices are refused above {} µs, not lowered: {why})",
+                gpud_common::rm::sched::CUDA_TIMESLICE_US
+            ),
+            (GuardMode::Enforce, false, Some(why)) => {
+                format!("unenforced: calls are only reported (no BPF-LSM, and {why})")
+            }
+        }
+    }
+
+    fn flags(mode: GuardMode) -> u32 {
+        match mode {
+            GuardMode::Off => 0,
+            GuardMode::Audit => gpud_common::CFG_SCHED_GUARD,
+            GuardMode::Enforce => gpud_common::CFG_SCHED_GUARD | gpud_common::CFG_SCHED_ENFORCE,
+        }
+    }
 }
 
 /// The in-container memory view (limited cgroups read their limit as the GPU's memory size).
@@ -201,6 +244,7 @@ pub struct Probes {
     base_dir: PathBuf,
     resumed: bool,
     memory_info: MemoryInfoState,
+    guard: GuardState,
 }
 
 impl Probes {
@@ -304,22 +348,31 @@ impl Probes {
         };
         caps.probe_write_user = rewrite.is_ok();
         info!(?caps, "kernel capabilities");
-        let memory_info = match rewrite {
-            Ok(()) if setup.virtualize_memory_info => MemoryInfoState::On,
-            Ok(()) => MemoryInfoState::Off,
-            Err(e) => MemoryInfoState::Unavailable(caps::write_user_refusal(
-                &e,
-                crate::privileges::sys_admin(),
-            )),
+        let no_rewrite = rewrite
+            .err()
+            .map(|e| caps::write_user_refusal(&e, crate::privileges::sys_admin()));
+        let memory_info = match &no_rewrite {
+            None if setup.virtualize_memory_info => MemoryInfoState::On,
+            None => MemoryInfoState::Off,
+            Some(why) => MemoryInfoState::Unavailable(why.clone()),
+        };
+        let guard = GuardState {
+            mode: setup.scheduler_guard,
+            deny: tier == Tier::Deny,
+            no_rewrite,
         };
         maps::write_config(
             &mut ebpf,
-            offsets,
-            setup.majors,
-            setup.extra,
-            mode,
-            setup.react_action,
-            memory_info == MemoryInfoState::On,
+            maps::Settings {
+                offsets,
+                majors: setup.majors,
+                extra: setup.extra,
+                mode,
+                react: setup.react_action,
+                memory_info: memory_info == MemoryInfoState::On,
+                guard_flags: GuardState::flags(guard.mode),
+                guard_timeslice_us: setup.guard_timeslice_us,
+            },
         )?;
         info!(
             mode = mode.as_str(),
@@ -332,6 +385,14 @@ impl Probes {
             ),
             state => info!(memory_view = state.describe(), "in-container memory view"),
         }
+        if guard.mode == GuardMode::Enforce && !guard.deny && guard.no_rewrite.is_some() {
+            warn!(
+                "scheduler guard {}: tenants can change their timeslice and stop others' channels",
+                guard.describe()
+            );
+        } else {
+            info!(scheduler_guard = guard.describe(), "scheduler guard");
+        }
 
         let mut probes = Self {
             ebpf,
@@ -341,6 +402,7 @@ impl Probes {
             base_dir,
             resumed: false,
             memory_info,
+            guard,
         };
         probes.attach_or_adopt(&kbtf, &aya_btf)?;
         Ok(probes)
@@ -424,6 +486,20 @@ impl Probes {
         Ok(())
     }
 
+    /// The scheduler guard's state.
+    pub fn guard(&self) -> &GuardState {
+        &self.guard
+    }
+
+    /// Changes the scheduler guard's mode (a reload of `scheduler_guard`).
+    pub fn set_guard(&mut self, mode: GuardMode) -> Result<(), ProbeError> {
+        let all = gpud_common::CFG_SCHED_GUARD | gpud_common::CFG_SCHED_ENFORCE;
+        maps::set_config_flag(&mut self.ebpf, all, false)?;
+        maps::set_config_flag(&mut self.ebpf, GuardState::flags(mode), true)?;
+        self.guard.mode = mode;
+        Ok(())
+    }
+
     /// Whether the probes were found attached by a previous daemon and adopted.
     pub fn resumed(&self) -> bool {
         self.resumed
@@ -448,6 +524,7 @@ impl Probes {
             usage: maps::take(&mut self.ebpf, map_names::USAGE)?,
             limits: maps::take(&mut self.ebpf, map_names::LIMITS)?,
             ancestry: maps::take(&mut self.ebpf, map_names::ANCESTRY)?,
+            sched_allow: maps::take(&mut self.ebpf, map_names::SCHED_ALLOW)?,
         })
     }
 

@@ -186,6 +186,8 @@ fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
         tier: TierPreference::React,
         react_action: ReactAction::Notify,
         virtualize_memory_info: true,
+        scheduler_guard: gpud::config::GuardMode::Enforce,
+        guard_timeslice_us: gpud::enforcement::guard::allowance(None),
     })?;
     let r = workloads(o, standin);
     probes.shutdown(false);

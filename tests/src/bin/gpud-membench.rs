@@ -39,6 +39,15 @@
 //!   at the exit; only where the kernel allows `bpf_probe_write_user`, else `null`, the reason
 //!   in `memory_view`). Each phase also checks what the process read.
 //!
+//! - `scheduler_guard_ns_per_call`: the scheduler guard's cost, measured the same way (10,000
+//!   calls per phase, three phases alternated 3 times, median), with the memory view off: an
+//!   ordinary RM control (`FB_GET_INFO_V2`) with the guard `off` (`ordinary_guard_off`: the
+//!   configuration's flags are read, nothing else) and `enforce` (`ordinary_guard_on`: the
+//!   `NVOS54` is read and its command matched), and a tenant's `SET_TIMESLICE` of 1 s the guard
+//!   acts on (`set_timeslice_guarded`: the allowance looked up, the value lowered where the kernel
+//!   allows `bpf_probe_write_user`, and an event sent). `scheduler_guard` says what the guard
+//!   could do on this kernel.
+//!
 //! Prints one line `BENCH JSON: {...}`.
 
 use std::{
@@ -353,6 +362,8 @@ fn setup(
         tier: TierPreference::React,
         react_action: action,
         virtualize_memory_info: true,
+        scheduler_guard: gpud::config::GuardMode::Enforce,
+        guard_timeslice_us: gpud::enforcement::guard::allowance(None),
     })?;
     ensure!(probes.mode() == o.mode, "attached in {:?}", probes.mode());
     let ring = probes.take_events()?;
@@ -448,6 +459,92 @@ fn memory_info_cost(
         .collect();
     tenant.release();
     attr.clear_kernel_limit(id, gpud_common::GPU_ALL)?;
+    attr.shutdown(false);
+    Ok((serde_json::Value::Object(phases), state))
+}
+
+/// The scheduler guard's cost per call (see the module docs): the phases' ns per call of gpud's
+/// ioctl programs, and the guard's state.
+fn scheduler_guard_cost(
+    o: &Opts,
+    ctl: &Path,
+    cg: &Path,
+) -> anyhow::Result<(serde_json::Value, String)> {
+    use gpud::config::GuardMode;
+    use gpud_common::rm::fb;
+    const CALLS: u64 = 10_000;
+    const CYCLES: usize = 3;
+    let (mut attr, mut ring) = setup(o, ctl, ReactAction::Notify, "guard")?;
+    attr.set_memory_info(false)?;
+    let state = attr.scheduler_guard();
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("enabling BPF run-time statistics")?;
+    let (c, dir) = (ctl.to_owned(), cg.to_owned());
+    let setup_tenant = move || {
+        let (f, [client, dev, sub]) = inproc::rm_tenant(&c, &dir)?;
+        let g = Ctl::new(&f).alloc_channel_group(client, dev);
+        if !g.ok() {
+            return Err(format!("channel group: {g:?}"));
+        }
+        Ok((f, [client, sub, g.handle]))
+    };
+    // `fbinfo N` or `timeslice N`: N calls; replies with the last RM status.
+    let serve = |s: &mut (std::fs::File, [u32; 3]), req: &str| -> String {
+        let rm = Ctl::new(&s.0);
+        let [client, sub, group] = s.1;
+        let (what, n) = req.split_once(' ').unwrap_or((req, "0"));
+        let n: u64 = n.parse().unwrap_or(0);
+        let mut status = u32::MAX;
+        for _ in 0..n {
+            status = if what == "fbinfo" {
+                rm.fb_info_v2(
+                    client,
+                    sub,
+                    &[fb::HEAP_FREE, fb::HEAP_SIZE, fb::FB_TAX_SIZE_KB],
+                )
+                .0
+                .status
+            } else {
+                rm.set_timeslice(client, group, 1_000_000).status
+            };
+        }
+        status.to_string()
+    };
+    let mut tenant = inproc::fork_serving(setup_tenant, serve)?;
+    let phases = [
+        ("ordinary_guard_off", "fbinfo", GuardMode::Off),
+        ("ordinary_guard_on", "fbinfo", GuardMode::Enforce),
+        ("set_timeslice_guarded", "timeslice", GuardMode::Enforce),
+    ];
+    let mut per_call: Vec<Vec<f64>> = vec![Vec::new(); phases.len()];
+    for _ in 0..CYCLES {
+        for (i, (name, what, mode)) in phases.into_iter().enumerate() {
+            attr.set_scheduler_guard(mode)?;
+            let before = prog_stats();
+            let status = tenant.ask(&format!("{what} {CALLS}"))?;
+            let spent: u64 = prog_stats()
+                .into_iter()
+                .filter(|(k, _)| k.contains("_ioc"))
+                .map(|(k, (t, _))| t.saturating_sub(before.get(&k).map_or(0, |b| b.0)))
+                .sum();
+            ensure!(status == "0", "{name}: the driver answered status {status}");
+            per_call[i].push(spent as f64 / CALLS as f64);
+            // The guard's reports of this phase, read so the ring never fills.
+            while ring.next().is_some() {}
+        }
+    }
+    let guarded = attr.counters()?.stats().get("sched_guarded").copied();
+    ensure!(
+        guarded == Some(CALLS * CYCLES as u64),
+        "the guard saw {guarded:?} of {} timeslices",
+        CALLS * CYCLES as u64
+    );
+    let phases: serde_json::Map<String, serde_json::Value> = phases
+        .iter()
+        .zip(per_call)
+        .map(|((name, ..), v)| ((*name).to_owned(), json!(median(v))))
+        .collect();
+    tenant.release();
     attr.shutdown(false);
     Ok((serde_json::Value::Object(phases), state))
 }
@@ -615,6 +712,9 @@ fn main() -> anyhow::Result<()> {
     // The memory view: gpud's ioctl programs' time per FB_GET_INFO_V2 call.
     let (view_phases, memory_view) = memory_info_cost(&o, &fake.ctl, &cg, &rel)?;
 
+    // The scheduler guard: gpud's ioctl programs' time per RM control.
+    let (guard_phases, guard_state) = scheduler_guard_cost(&o, &fake.ctl, &cg)?;
+
     // The release rule's check of control files, with `holders` files held.
     let (mut attr, _ring) = setup(&o, &fake.ctl, ReactAction::Notify, "files")?;
     let holders = spawn_holders(&fake.ctl, &cg, o.holders)?;
@@ -638,7 +738,7 @@ fn main() -> anyhow::Result<()> {
     drop(fake);
     let _ = std::fs::remove_dir(&cg);
     // Each setup's bpffs directory (its pins went with its probes).
-    for tag in ["acct", "kill", "freeze", "view", "files"] {
+    for tag in ["acct", "kill", "freeze", "view", "guard", "files"] {
         let _ = std::fs::remove_dir(format!("/sys/fs/bpf/gpud-membench-{tag}"));
     }
     let _ = std::fs::remove_dir_all(&work);
@@ -658,6 +758,8 @@ fn main() -> anyhow::Result<()> {
         },
         "memory_view": memory_view,
         "memory_info_ns_per_call": view_phases,
+        "scheduler_guard": guard_state,
+        "scheduler_guard_ns_per_call": guard_phases,
         "file_check_ns": {
             "holders": o.holders,
             "median": check_median,

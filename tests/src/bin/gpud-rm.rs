@@ -18,6 +18,9 @@
 //! | `channel-group CLIENT DEVICE` | `KEPLER_CHANNEL_GROUP_A` under DEVICE |
 //! | `schedule CLIENT GROUP 0\|1` | `NVA06C_CTRL_CMD_GPFIFO_SCHEDULE` (off or on the runlist) |
 //! | `timeslice CLIENT GROUP US` | `NVA06C_CTRL_CMD_SET_TIMESLICE` |
+//! | `get-timeslice CLIENT GROUP` | `NVA06C_CTRL_CMD_GET_TIMESLICE`: adds `timeslice_us` |
+//! | `channel CLIENT GROUP` | `HOPPER_CHANNEL_GPFIFO_A` under GROUP |
+//! | `disable-channels CLIENT SUBDEVICE 1\|0 [OWNER CHANNEL]...` | `NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS` on the (client, channel) pairs, whoever owns them |
 //! | `burn` | answers, then spins on the CPU until killed (a tenant whose CPU time stands for its GPU work) |
 //! | `alloc CLIENT PARENT SIZE [FORM] [handle=H] [flags=F] [attr=A] [class=C]` | video memory; FORM is `nvos21`, `nvos64` (default), `vidheap`, `xfer21`, `xfer64` or `xfervidheap` |
 //! | `parallel N CLIENT PARENT SIZE [FORM]` | N threads allocate at once: `{"ok":…,"results":[…]}` |
@@ -275,6 +278,27 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                     timeslice_us: u64::from(n(2)?),
                 };
                 reply_json(&ctl.control(n(0)?, n(1)?, gpud_common::rm::tsg::SET_TIMESLICE, &mut p))
+            }
+            ("channel", 2) => match ctl.alloc_channel(n(0)?, n(1)?) {
+                Ok(h) => json!({"ok": true, "ret": 0, "errno": 0, "status": 0, "handle": h}),
+                Err(r) => reply_json(&r),
+            },
+            ("get-timeslice", 2) => {
+                let (r, us) = ctl.get_timeslice(n(0)?, n(1)?);
+                let mut v = reply_json(&r);
+                v["timeslice_us"] = json!(us);
+                v
+            }
+            // `disable-channels CLIENT SUBDEVICE 1|0 [OWNER CHANNEL]...`
+            ("disable-channels", 3..) => {
+                let pairs = args[3..]
+                    .chunks(2)
+                    .map(|p| match p {
+                        [c, h] => Ok((num(c)? as u32, num(h)? as u32)),
+                        _ => Err("disable-channels: CLIENT CHANNEL pairs".to_owned()),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                reply_json(&ctl.disable_channels(n(0)?, n(1)?, n(2)? != 0, &pairs))
             }
             ("fbinfo", 2..) => {
                 // `fbinfo CLIENT SUBDEVICE INDEX...`: FB_GET_INFO_V2 for those indices (none:

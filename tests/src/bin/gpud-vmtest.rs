@@ -168,6 +168,8 @@ fn start_probes(
         tier,
         react_action: ReactAction::Notify,
         virtualize_memory_info: true,
+        scheduler_guard: gpud::config::GuardMode::Enforce,
+        guard_timeslice_us: gpud::enforcement::guard::allowance(None),
     })
 }
 
@@ -645,6 +647,379 @@ fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A tenant for the scheduler guard: its own client, device 0, subdevice, channel group and
+/// channel on the fake control device, answering `ids`, `ts US` (set, then read back), `get`,
+/// `disable|enable CLIENT CHANNEL`, `ctl NAME` (a control tenants may not use) and `malformed`.
+fn guard_tenant(
+    ctl: &std::path::Path,
+    cgroup: &std::path::Path,
+) -> anyhow::Result<inproc::Serving> {
+    use gpud_common::rm::{sched, tsg};
+    use gpud_tests::rm::{Ctl, Reply};
+    let (c, dir) = (ctl.to_owned(), cgroup.to_owned());
+    let setup = move || {
+        let (f, [client, dev, sub]) = inproc::rm_tenant(&c, &dir)?;
+        let rm = Ctl::new(&f);
+        let tsg = rm.alloc_channel_group(client, dev);
+        if !tsg.ok() {
+            return Err(format!("channel group: {tsg:?}"));
+        }
+        let chan = rm
+            .alloc_channel(client, tsg.handle)
+            .map_err(|r| format!("channel: {r:?}"))?;
+        Ok((f, [client, sub, tsg.handle, chan]))
+    };
+    let said = |r: Reply| format!("errno={} status={:#x}", r.errno, r.status);
+    let serve = move |s: &mut (std::fs::File, [u32; 4]), req: &str| -> String {
+        let rm = Ctl::new(&s.0);
+        let [client, sub, tsg, chan] = s.1;
+        let num = |v: &str| u64::from_str_radix(v.trim_start_matches("0x"), 16).unwrap_or(0);
+        match req.split_whitespace().collect::<Vec<_>>()[..] {
+            ["ids"] => format!("{client:#x} {tsg:#x} {chan:#x}"),
+            ["ts", us] => {
+                let r = rm.set_timeslice(client, tsg, us.parse().unwrap_or(0));
+                let (_, got) = rm.get_timeslice(client, tsg);
+                format!("{} got={got}", said(r))
+            }
+            ["get"] => rm.get_timeslice(client, tsg).1.to_string(),
+            [verb @ ("disable" | "enable"), c, h] => said(rm.disable_channels(
+                client,
+                sub,
+                verb == "disable",
+                &[(num(c) as u32, num(h) as u32)],
+            )),
+            ["ctl", name] => {
+                let (object, cmd, mut params, flags) = match name {
+                    "interleave" => (tsg, sched::TSG_SET_INTERLEAVE_LEVEL, vec![2, 0, 0, 0], 0),
+                    "realtime" => (tsg, sched::TSG_MAKE_REALTIME, vec![1], 0),
+                    "sched-policy" => (sub, sched::RUNLIST_SET_SCHED_POLICY, vec![0; 8], 0),
+                    // SET_TIMESLICE of 1 s on the driver's legacy path, and serialized.
+                    "legacy" => (
+                        tsg,
+                        tsg::SET_TIMESLICE | sched::LEGACY_BIT,
+                        vec![0x40; 8],
+                        0,
+                    ),
+                    "flags" => (
+                        tsg,
+                        tsg::SET_TIMESLICE,
+                        1_000_000u64.to_ne_bytes().to_vec(),
+                        4,
+                    ),
+                    _ => return format!("unknown control {name}"),
+                };
+                let mut p = gpud_common::rm::Nvos54 {
+                    h_client: client,
+                    h_object: object,
+                    cmd,
+                    flags,
+                    params: params.as_mut_ptr() as u64,
+                    params_size: params.len() as u32,
+                    status: 0,
+                };
+                // SAFETY: `params` is live and exactly `params_size` bytes.
+                said(unsafe { rm.control_nvos54(&mut p) })
+            }
+            ["malformed"] => guard_malformed(&rm, client, sub, tsg),
+            _ => format!("unknown request {req:?}"),
+        }
+    };
+    Ok(inproc::fork_serving(setup, serve)?)
+}
+
+/// Guarded controls the driver refuses itself (short or null parameters, an over-long list):
+/// the guard leaves them alone, so each comes back refused by the driver with the caller's
+/// bytes as they were. `ok`, or what went wrong.
+fn guard_malformed(rm: &gpud_tests::rm::Ctl<'_>, client: u32, sub: u32, tsg: u32) -> String {
+    use gpud_common::rm::{sched, tsg as t};
+    let mut bad = Vec::new();
+    let mut short = [0xffu8; 4];
+    let r = rm.sched_control(client, tsg, t::SET_TIMESLICE, &mut short);
+    if r.ret != 0 || r.status == 0 || short != [0xff; 4] {
+        bad.push(format!("short timeslice: {r:?} {short:?}"));
+    }
+    let r = rm.sched_control(client, tsg, t::SET_TIMESLICE, &mut []);
+    if r.ret != 0 || r.status == 0 {
+        bad.push(format!("null timeslice: {r:?}"));
+    }
+    // 65 channels, one past the lists: the driver's to refuse.
+    let mut p = sched::DisableChannelsParams {
+        disable: 1,
+        num_channels: 65,
+        ..Default::default()
+    };
+    let r = rm.control(client, sub, sched::DISABLE_CHANNELS, &mut p);
+    if r.ret != 0 || r.status == 0 || p.num_channels != 65 {
+        bad.push(format!("over-long list: {r:?}"));
+    }
+    if bad.is_empty() {
+        "ok".into()
+    } else {
+        bad.join("; ")
+    }
+}
+
+/// The scheduler guard on the fake control device: a tenant's timeslice is lowered to its
+/// allowance (the default, a latency-critical cgroup's longer one, the least over the ancestry)
+/// and read back so; controls tenants may not use, legacy-path and serialized aliases are
+/// refused (`EPERM` in the deny tier, turned into calls the driver rejects elsewhere); a
+/// disable-channels call naming a neighbour's channel leaves it running while one naming the
+/// caller's own acts; malformed calls are left to the driver; gpud's own timeslice passes;
+/// `audit` lets everything through and reports it; `off` reports nothing.
+fn scheduler_guard(
+    pref: AttachPreference,
+    tier: TierPreference,
+    want: AttachMode,
+) -> anyhow::Result<()> {
+    use gpud::enforcement::guard::{GuardNotice, SchedulerGuard};
+    let tag = format!("{}-{}", want.as_str(), format!("{tier:?}").to_lowercase());
+    let _watchdog = inproc::Watchdog::arm(std::time::Duration::from_secs(150));
+    let fake = gpud_tests::fakenv::mount(
+        std::path::Path::new(&format!("/tmp/vm-guard-{tag}")),
+        gpud_tests::fakenv::Options::default(),
+    )
+    .context("mounting the fake NVIDIA device")?;
+    let ctl = fake.ctl();
+    let cgroups = CgroupFs::discover()?;
+    let root = cgroups.root().to_owned();
+    let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
+    let mut probes = start_probes(
+        pref,
+        tier,
+        format!("/sys/fs/bpf/guard-{tag}"),
+        DynamicMajors::read()?,
+        &extra,
+        &root,
+    )
+    .context("starting probes")?;
+    ensure!(probes.mode() == want, "mode {:?}", probes.mode());
+    let deny = probes.tier() == Tier::Deny;
+    let mut ring = probes.take_events()?;
+    let want_state = if deny {
+        "enforce (deny, rewrite)"
+    } else {
+        "enforce (rewrite)"
+    };
+    ensure!(
+        probes.guard().describe() == want_state,
+        "guard {}",
+        probes.guard().describe()
+    );
+    let matcher = Matcher {
+        majors: DynamicMajors::read()?,
+        extra,
+    };
+    let mut attribution = Attribution::new(probes, cgroups, matcher.clone())?;
+    let base = format!("/vm-guard-{tag}");
+    let (pa, pb, lc, be) = (
+        format!("{base}/a"),
+        format!("{base}/b"),
+        format!("{base}/lc"),
+        format!("{base}/lc/be"),
+    );
+    for p in [&base, &pa, &pb, &lc, &be] {
+        std::fs::create_dir_all(root.join(&p[1..]))?;
+    }
+    let (_, id_lc) = attribution.id_of(&lc)?;
+    let (_, id_be) = attribution.id_of(&be)?;
+    let (lc_us, be_us) = (16_384, 128);
+    attribution.set_sched_allowance(id_lc, Some(lc_us))?;
+    attribution.set_sched_allowance(id_be, Some(be_us))?;
+    let mut guard = SchedulerGuard::default();
+    let mut drain = |attribution: &mut Attribution| -> Vec<GuardNotice> {
+        let mut out = Vec::new();
+        while let Some(item) = ring.next() {
+            if let Some(ev) = gpud::daemon::parse_event(&item) {
+                attribution.on_kernel_event(&ev);
+                out.extend(guard.on_event(attribution, &ev));
+            }
+        }
+        out
+    };
+    let seen = |n: &[GuardNotice]| {
+        n.iter()
+            .map(|n| format!("{}:{}:{}", n.control, n.action, n.reason))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+
+    println!("[guard-{tag}] probes attached, starting tenants");
+    let mut a = guard_tenant(&ctl, &root.join(&pa[1..]))?;
+    let mut b = guard_tenant(&ctl, &root.join(&pb[1..]))?;
+    let mut l = guard_tenant(&ctl, &root.join(&lc[1..]))?;
+    let mut e = guard_tenant(&ctl, &root.join(&be[1..]))?;
+    let ids = |t: &mut inproc::Serving| -> anyhow::Result<Vec<String>> {
+        Ok(t.ask("ids")?.split(' ').map(str::to_owned).collect())
+    };
+    let (ia, ib) = (ids(&mut a)?, ids(&mut b)?);
+    drain(&mut attribution);
+
+    // Timeslices: at most the allowance, read back as such; below it, untouched.
+    let ok_got = |us: u64| format!("errno=0 status=0x0 got={us}");
+    ensure!(a.ask("ts 1000")? == ok_got(1000), "a: 1000 µs");
+    ensure!(a.ask("ts 1000000")? == ok_got(2048), "a: 1 s");
+    ensure!(l.ask("ts 10000")? == ok_got(10_000), "lc: 10 ms");
+    ensure!(l.ask("ts 1000000")? == ok_got(lc_us), "lc: 1 s");
+    ensure!(e.ask("ts 1000000")? == ok_got(be_us), "be under lc: 1 s");
+    let n = drain(&mut attribution);
+    ensure!(
+        seen(&n) == ["SET_TIMESLICE:clamped:timeslice"; 3].join(","),
+        "timeslice reports: {n:?}"
+    );
+    ensure!(
+        n[0].cgroup == pa && n[0].requested == 1_000_000 && n[0].allowed == 2048,
+        "report: {:?}",
+        n[0]
+    );
+    println!("[guard-{tag}] timeslices lowered to the allowances");
+
+    // A neighbour's channel: refused; the caller's own: done.
+    let refused = if deny {
+        "errno=1 status=0x0".to_owned()
+    } else {
+        format!(
+            "errno=0 status={:#x}",
+            gpud_common::rm::status::NV_ERR_INVALID_ARGUMENT
+        )
+    };
+    let chan_enabled = |f: &gpud_tests::fakenv::FakeNv, ids: &[String]| {
+        f.snapshot()
+            .channels
+            .iter()
+            .find(|c| format!("{:#x}", c.handle) == ids[2] && format!("{:#x}", c.client) == ids[0])
+            .map(|c| c.enabled)
+    };
+    let r = a.ask(&format!("disable {} {}", ib[0], ib[2]))?;
+    ensure!(r == refused, "a disables b's channel: {r}");
+    ensure!(
+        chan_enabled(&fake, &ib) == Some(true),
+        "b's channel was disabled"
+    );
+    let r = a.ask(&format!("disable {} {}", ia[0], ia[2]))?;
+    ensure!(r == "errno=0 status=0x0", "a disables its own channel: {r}");
+    ensure!(
+        chan_enabled(&fake, &ia) == Some(false),
+        "a's channel still enabled"
+    );
+    ensure!(
+        a.ask(&format!("enable {} {}", ia[0], ia[2]))? == "errno=0 status=0x0",
+        "a enables its own channel"
+    );
+    let n = drain(&mut attribution);
+    ensure!(
+        seen(&n)
+            == format!(
+                "FIFO_DISABLE_CHANNELS:{}:foreign-client",
+                if deny { "denied" } else { "refused" }
+            ),
+        "disable-channels reports: {n:?}"
+    );
+    println!("[guard-{tag}] a neighbour's channels are out of reach");
+
+    // Controls no tenant may use, and the aliases that would hide one.
+    let before = fake.snapshot().controls;
+    for name in ["interleave", "realtime", "sched-policy", "legacy", "flags"] {
+        let r = a.ask(&format!("ctl {name}"))?;
+        if deny {
+            ensure!(r == refused, "{name}: {r}");
+        } else {
+            ensure!(
+                r.starts_with("errno=0 status=0x") && r != "errno=0 status=0x0",
+                "{name}: {r}"
+            );
+        }
+    }
+    ensure!(
+        fake.snapshot().controls == before,
+        "a refused control reached the driver"
+    );
+    ensure!(
+        a.ask("get")? == "2048",
+        "a's timeslice changed: {}",
+        a.ask("get")?
+    );
+    let n = drain(&mut attribution);
+    let act = if deny { "denied" } else { "refused" };
+    ensure!(
+        seen(&n)
+            == format!(
+                "TSG_SET_INTERLEAVE_LEVEL:{act}:forbidden,MAKE_REALTIME:{act}:forbidden,\
+                 FIFO_RUNLIST_SET_SCHED_POLICY:{act}:forbidden,\
+                 SET_TIMESLICE(legacy 0xa06c8103):{act}:legacy-path,SET_TIMESLICE:{act}:flags"
+            ),
+        "refusal reports: {n:?}"
+    );
+    ensure!(a.ask("malformed")? == "ok", "malformed calls");
+    ensure!(
+        drain(&mut attribution).is_empty(),
+        "malformed calls reported"
+    );
+    println!("[guard-{tag}] forbidden controls refused, malformed ones left to the driver");
+
+    // gpud's own control, issued through the tenant's file as the compute law does.
+    let pid_a = a.pid;
+    let groups = attribution.channel_groups(&[pid_a].into());
+    ensure!(groups.len() == 1, "a's channel groups: {groups:?}");
+    let mut controls = gpud::enforcement::compute::channel::Controls::new(matcher);
+    controls
+        .timeslice(&groups[0], 1_000_000)
+        .map_err(|e| anyhow::anyhow!("gpud's own timeslice: {e}"))?;
+    ensure!(
+        a.ask("get")? == "1000000",
+        "gpud's own timeslice: {}",
+        a.ask("get")?
+    );
+    ensure!(
+        drain(&mut attribution).is_empty(),
+        "gpud's own call reported"
+    );
+    println!("[guard-{tag}] gpud's own control passes");
+
+    // audit: everything through, and reported; off: nothing looked at.
+    attribution.set_scheduler_guard(gpud::config::GuardMode::Audit)?;
+    ensure!(a.ask("ts 1000000")? == ok_got(1_000_000), "audit: 1 s");
+    let r = a.ask(&format!("disable {} {}", ib[0], ib[2]))?;
+    ensure!(
+        r == "errno=0 status=0x0",
+        "audit: a disables b's channel: {r}"
+    );
+    ensure!(
+        chan_enabled(&fake, &ib) == Some(false),
+        "audit: b's channel still enabled"
+    );
+    ensure!(
+        a.ask(&format!("enable {} {}", ib[0], ib[2]))? == "errno=0 status=0x0",
+        "audit: a enables b's channel again"
+    );
+    let n = drain(&mut attribution);
+    ensure!(
+        seen(&n)
+            == "SET_TIMESLICE:audited:timeslice,FIFO_DISABLE_CHANNELS:audited:foreign-client,\
+                FIFO_DISABLE_CHANNELS:audited:foreign-client",
+        "audit reports: {n:?}"
+    );
+    attribution.set_scheduler_guard(gpud::config::GuardMode::Off)?;
+    ensure!(a.ask("ts 999999")? == ok_got(999_999), "off: timeslice");
+    ensure!(drain(&mut attribution).is_empty(), "off: reported");
+    let stats = attribution.counters()?.stats();
+    ensure!(
+        // 3 lowered, 1 foreign list, 5 refusals, 3 in audit.
+        stats.get("sched_guarded") == Some(&12),
+        "kernel stats {stats:?}"
+    );
+
+    for t in [a, b, l, e] {
+        t.release();
+    }
+    attribution.shutdown(false);
+    drop(fake);
+    for p in [&be, &lc, &pa, &pb, &base] {
+        let _ = std::fs::remove_dir(root.join(&p[1..]));
+    }
+    println!("[guard-{tag}] scheduler guard checks passed");
+    Ok(())
+}
+
 /// The kernel-side checks, run inside the VM (see the module docs).
 #[derive(Parser)]
 #[command(name = "gpud-vmtest")]
@@ -681,6 +1056,25 @@ fn main() -> std::process::ExitCode {
             ),
         ] {
             if let Err(e) = memory_view(pref, want) {
+                println!("[{name}] FAILED: {e:#}");
+                failed.push(name);
+            }
+        }
+        for (pref, tier, want, name) in [
+            (
+                AttachPreference::Auto,
+                TierPreference::Deny,
+                AttachMode::Fentry,
+                "guard-deny",
+            ),
+            (
+                AttachPreference::Tracepoint,
+                TierPreference::React,
+                AttachMode::Tracepoint,
+                "guard-tracepoint",
+            ),
+        ] {
+            if let Err(e) = scheduler_guard(pref, tier, want) {
                 println!("[{name}] FAILED: {e:#}");
                 failed.push(name);
             }

@@ -17,14 +17,17 @@ const DRIVER_RESERVE: u64 = 480 << 20;
 
 use gpud_common::{
     nv,
-    rm::{self, Handle, class, status},
+    rm::{self, Handle, sched},
 };
 
 use super::{
-    ChannelGroupState, ClientState, FileState, GpuState, ObjectState, Options, Snapshot, Stats,
-    parse_num, parse_size,
+    ChannelGroupState, ChannelState, ClientState, FileState, GpuState, ObjectState, Options,
+    Snapshot, Stats, parse_num, parse_size,
 };
-use crate::rm::{Plain, bytes_of, bytes_of_mut, from_bytes, get_u32, get_u64, put_u32, put_u64};
+use crate::rm::{
+    Plain, bytes_of, bytes_of_mut, class, from_bytes, get_u32, get_u64, nvos54_flags, put_u32,
+    put_u64, status,
+};
 
 /// `hClass`-independent facts about a live object.
 #[derive(Clone, Copy, Debug)]
@@ -36,6 +39,8 @@ struct Object {
     pid: u32,
     /// Channel groups: their scheduling state.
     sched: Option<Sched>,
+    /// Channels (`HOPPER_CHANNEL_GPFIFO_A`, under a channel group, the `parent`): their state.
+    channel: Option<Chan>,
 }
 
 /// A channel group's scheduling state, as its controls set it.
@@ -45,6 +50,95 @@ struct Sched {
     timeslice_us: u64,
     schedules: u64,
     preempts: u64,
+    /// `SET_INTERLEAVE_LEVEL` (of the group or one of its channels): LOW 0, MEDIUM 1, HIGH 2.
+    interleave: u32,
+    /// `MAKE_REALTIME`.
+    realtime: bool,
+}
+
+/// A channel's state, as `FIFO_DISABLE_CHANNELS` sets it.
+#[derive(Clone, Copy, Debug)]
+struct Chan {
+    /// Not disabled (true at creation).
+    enabled: bool,
+}
+
+/// What a control needs of the caller beyond a client of its own file (the export row's access
+/// right or flags; gpu-scheduler-controls.md §0.12).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gate {
+    /// `NON_PRIVILEGED`, no access right.
+    None,
+    /// The `NICE` access right: `CAP_SYS_NICE` or `CAP_SYS_ADMIN`.
+    Nice,
+    /// `PRIVILEGED`: `USER_ROOT`, i.e. `CAP_SYS_ADMIN`.
+    Privileged,
+}
+
+/// The gate of control `cmd`.
+fn gate(cmd: u32) -> Gate {
+    match cmd {
+        sched::TSG_SET_INTERLEAVE_LEVEL
+        | sched::CHANNEL_SET_INTERLEAVE_LEVEL
+        | sched::TSG_MAKE_REALTIME
+        | sched::CHANNEL_RESTART_RUNLIST
+        | sched::RUNLIST_SET_SCHED_POLICY => Gate::Nice,
+        sched::SET_COMPUTE_POLICY_CONFIG
+        | sched::DEVICE_STOP_RUNLIST
+        | sched::DEVICE_START_RUNLIST
+        | sched::CONFIG_CTXSW_TIMEOUT => Gate::Privileged,
+        _ => Gate::None,
+    }
+}
+
+/// The parameter size of the controls this fake models (the export rows' sizes): the
+/// scheduling controls of [`sched::CONTROLS`] (the channel-group ones among them) and
+/// `FB_GET_INFO_V2`. `None` for any other command, which answers `NV_OK` doing nothing.
+fn param_size(cmd: u32) -> Option<u32> {
+    if cmd == rm::fb::GET_INFO_V2 {
+        return Some(size_of::<rm::fb::GetInfoV2Params>() as u32);
+    }
+    sched::CONTROLS
+        .iter()
+        .find(|c| c.cmd == cmd)
+        .map(|c| c.size)
+}
+
+/// Whether an object of `class` exports `cmd`: RM resolves a command on the object's resource
+/// type, whatever class `cmd[31:16]` names (every channel class is one `KernelChannel`;
+/// gpu-scheduler-controls.md §0.11).
+fn exported(cmd: u32, object_class: u32) -> bool {
+    let c = cmd >> 16;
+    match object_class {
+        class::CHANNEL_GROUP => c == 0xa06c || cmd == sched::CTX_SET_TPC_PARTITION_MODE,
+        class::HOPPER_CHANNEL_GPFIFO_A => {
+            matches!(c, 0xa06f | 0x906f | 0x506f | 0xc86f)
+                || cmd == sched::CTX_SET_TPC_PARTITION_MODE
+        }
+        class::SUBDEVICE => c == 0x2080,
+        class::DEVICE => c == 0x0080,
+        _ => false,
+    }
+}
+
+/// `CAP_SYS_ADMIN`, what RM calls `USER_ROOT`.
+const CAP_SYS_ADMIN: u32 = 21;
+/// `CAP_SYS_NICE`, which RM also takes for the `NICE` right.
+const CAP_SYS_NICE: u32 = 23;
+
+/// Whether thread `tid` holds `cap` in its effective set (`CapEff` of `/proc/TID/status`); no
+/// when that cannot be read. The driver asks `capable()`, i.e. in the initial user namespace;
+/// this reads the thread's own namespace's set, the same for the tests, which run in the
+/// initial one.
+fn capable(tid: u32, cap: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{tid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << cap) != 0)
 }
 
 /// RM's default channel-group timeslice on Volta and later (gpu-scheduler-controls.md §2).
@@ -155,6 +249,8 @@ enum Kind {
     Memory,
     /// `KEPLER_CHANNEL_GROUP_A`: under a device.
     ChannelGroup,
+    /// `HOPPER_CHANNEL_GPFIFO_A`: under a channel group.
+    Channel,
     Plain,
 }
 
@@ -175,6 +271,8 @@ pub(super) struct Rm {
     runlist: Runlist,
     /// Processes this fake stopped (`Runlist::Stop`).
     stopped: BTreeSet<u32>,
+    /// Per command: the modelled RM controls that passed every check and took effect.
+    controls: BTreeMap<u32, u64>,
     stats: Stats,
     verbose: bool,
 }
@@ -196,6 +294,7 @@ impl Rm {
             inject: Inject::default(),
             runlist: Runlist::default(),
             stopped: BTreeSet::new(),
+            controls: BTreeMap::new(),
             stats: Stats::default(),
             verbose: o.verbose,
         }
@@ -237,6 +336,7 @@ impl Rm {
             .collect();
         let mut objects = Vec::new();
         let mut channel_groups = Vec::new();
+        let mut channels = Vec::new();
         for (&client, c) in &self.clients {
             for (&handle, o) in &c.objects {
                 objects.push(ObjectState {
@@ -258,12 +358,30 @@ impl Rm {
                         timeslice_us: s.timeslice_us,
                         schedules: s.schedules,
                         preempts: s.preempts,
+                        interleave: s.interleave,
+                        realtime: s.realtime,
+                    });
+                }
+                if let Some(ch) = o.channel {
+                    channels.push(ChannelState {
+                        client,
+                        handle,
+                        group: o.parent,
+                        pid: o.pid,
+                        gpu: o.gpu,
+                        enabled: ch.enabled,
                     });
                 }
             }
         }
         Snapshot {
             channel_groups,
+            channels,
+            controls: self
+                .controls
+                .iter()
+                .map(|(cmd, &n)| (format!("{cmd:#010x}"), n))
+                .collect(),
             page_size: self.page_size,
             gpus,
             files,
@@ -444,6 +562,10 @@ impl Rm {
             class::CHANNEL_GROUP => self
                 .create(c, root, parent, new, class, Kind::ChannelGroup)
                 .map(|(h, _)| h),
+            // Its params (`NV_CHANNEL_ALLOC_PARAMS`: GPFIFO, error notifier…) are not read.
+            class::HOPPER_CHANNEL_GPFIFO_A => self
+                .create(c, root, parent, new, class, Kind::Channel)
+                .map(|(h, _)| h),
             class::SUBDEVICE => {
                 let p: rm::Nv2080AllocParams = read_params(c.tid, params)?;
                 self.create(
@@ -571,6 +693,12 @@ impl Rm {
                 }
                 (parent_gpu, None)
             }
+            Kind::Channel => {
+                if parent_class != Some(class::CHANNEL_GROUP) {
+                    return Err(status::NV_ERR_INVALID_OBJECT_PARENT);
+                }
+                (parent_gpu, None)
+            }
             Kind::Plain => (parent_gpu, None),
         };
         let bytes = match (vid, gpu) {
@@ -604,7 +732,11 @@ impl Rm {
                     timeslice_us: DEFAULT_TIMESLICE_US,
                     schedules: 0,
                     preempts: 0,
+                    // kchangrpInit zeroes the levels: LOW.
+                    interleave: 0,
+                    realtime: false,
                 }),
+                channel: matches!(kind, Kind::Channel).then_some(Chan { enabled: true }),
             },
         );
         self.stats.created += 1;
@@ -690,55 +822,136 @@ impl Rm {
         self.apply_runlist();
     }
 
-    /// `NV_ESC_RM_CONTROL`: the client must be bound to the caller's file (strict validation,
-    /// as the driver's default); the channel-group controls act on a live channel group of that
-    /// client; any other control answers `NV_OK` doing nothing.
+    /// `NV_ESC_RM_CONTROL` (NVOS54), with the driver's checks in the driver's order
+    /// (gpu-scheduler-controls.md §0; `control.c`, `rs_server.c`):
+    ///
+    /// 1. `cmd` bit 15 ([`sched::LEGACY_BIT`]): the GSS-legacy path, which forwards the call
+    ///    to the firmware after a mere lookup of the client (any live client, whatever file it
+    ///    is bound to; none: `NV_ERR_INVALID_CLIENT`), with no size, privilege or binding check;
+    ///    bit 14 as well needs `CAP_SYS_ADMIN` (else `NV_ERR_INSUFFICIENT_PERMISSIONS`). The
+    ///    firmware answered `NV_ERR_NOT_SUPPORTED` on the H100 (docs/real-gpu.md): so does
+    ///    this fake, counting the call in `stats.legacy`, nothing read or done.
+    /// 2. A NULL command (`cmd` 0, or category and index 0, as `0xa06c0000`): `NV_OK` at once,
+    ///    nothing checked, read or done.
+    /// 3. `flags` bit 0 or 1 (raised IRQL, lock bypass): `NV_ERR_INVALID_ARGUMENT`.
+    /// 4. No such client: `NV_ERR_INVALID_CLIENT`.
+    /// 5. A control this fake models ([`param_size`]): `flags` `FINN_SERIALIZED` answers
+    ///    `NV_ERR_NOT_SUPPORTED` (the fake's choice: it deserializes nothing); a parameter size
+    ///    other than the control's, a size with a null pointer or a pointer with size 0 answer
+    ///    `NV_ERR_INVALID_ARGUMENT`, before the parameters are read. Other controls answer
+    ///    `NV_OK` doing nothing once the client passes step 6.
+    /// 6. A client bound to another open file: `NV_ERR_INVALID_CLIENT` (strict validation, the
+    ///    driver's default). So the size check comes first, as in the driver.
+    /// 7. No such object: `NV_ERR_OBJECT_NOT_FOUND`; an object that does not export the
+    ///    command ([`exported`]): `NV_ERR_NOT_SUPPORTED`. Channel-group commands (`0xa06c…`)
+    ///    answer `NV_ERR_INVALID_OBJECT_HANDLE` for both instead, as this fake always has (gpud
+    ///    reads it as "the group is gone").
+    /// 8. The `NICE` right or the `PRIVILEGED` flag ([`gate`]) missing:
+    ///    `NV_ERR_INSUFFICIENT_PERMISSIONS`.
+    /// 9. An injected `fail-control` answers its status; otherwise the control takes effect
+    ///    ([`Rm::effect`]) and, where it answers `NV_OK`, is counted per command.
     fn control(&mut self, c: Caller, p: &rm::Nvos54) -> u32 {
+        if p.cmd & sched::LEGACY_BIT != 0 {
+            if !self.clients.contains_key(&p.h_client) {
+                return status::NV_ERR_INVALID_CLIENT;
+            }
+            if p.cmd & 0x4000 != 0 && !capable(c.tid, CAP_SYS_ADMIN) {
+                return status::NV_ERR_INSUFFICIENT_PERMISSIONS;
+            }
+            self.stats.legacy += 1;
+            return status::NV_ERR_NOT_SUPPORTED;
+        }
+        if p.cmd & 0xffff == 0 {
+            return status::NV_OK;
+        }
+        if p.flags & (nvos54_flags::IRQL_RAISED | nvos54_flags::LOCK_BYPASS) != 0 {
+            return status::NV_ERR_INVALID_ARGUMENT;
+        }
+        if !self.clients.contains_key(&p.h_client) {
+            return status::NV_ERR_INVALID_CLIENT;
+        }
+        let Some(size) = param_size(p.cmd) else {
+            return self.check_client(c.fh, p.h_client);
+        };
+        if p.flags & nvos54_flags::FINN_SERIALIZED != 0 {
+            return status::NV_ERR_NOT_SUPPORTED;
+        }
+        if (p.params_size != 0 && p.params == 0)
+            || (p.params_size == 0 && p.params != 0)
+            || p.params_size != size
+        {
+            return status::NV_ERR_INVALID_ARGUMENT;
+        }
         let st = self.check_client(c.fh, p.h_client);
         if st != status::NV_OK {
             return st;
         }
-        if p.cmd == rm::fb::GET_INFO_V2 {
-            return self.fb_info(c, p);
-        }
-        if p.cmd >> 16 != class::CHANNEL_GROUP {
-            return status::NV_OK;
-        }
-        let Some(sched) = self.clients[&p.h_client]
-            .objects
-            .get(&p.h_object)
-            .and_then(|o| o.sched)
-        else {
-            return status::NV_ERR_INVALID_OBJECT_HANDLE;
+        let group_cmd = p.cmd >> 16 == class::CHANNEL_GROUP;
+        let Some(obj) = self.clients[&p.h_client].objects.get(&p.h_object).copied() else {
+            return if group_cmd {
+                status::NV_ERR_INVALID_OBJECT_HANDLE
+            } else {
+                status::NV_ERR_OBJECT_NOT_FOUND
+            };
         };
+        if !exported(p.cmd, obj.class) {
+            return if group_cmd {
+                status::NV_ERR_INVALID_OBJECT_HANDLE
+            } else {
+                status::NV_ERR_NOT_SUPPORTED
+            };
+        }
+        let allowed = match gate(p.cmd) {
+            Gate::None => true,
+            Gate::Nice => capable(c.tid, CAP_SYS_NICE) || capable(c.tid, CAP_SYS_ADMIN),
+            Gate::Privileged => capable(c.tid, CAP_SYS_ADMIN),
+        };
+        if !allowed {
+            return status::NV_ERR_INSUFFICIENT_PERMISSIONS;
+        }
         if let Some(((cmd, st), _)) = self.inject.fail_control
             && cmd == p.cmd
         {
             take(&mut self.inject.fail_control);
             return st;
         }
-        let mut sched = sched;
-        let st = match p.cmd {
-            rm::tsg::GPFIFO_SCHEDULE => match params::<rm::tsg::ScheduleParams>(c, p) {
-                Ok(s) => {
-                    sched.enabled = s.enable != 0;
-                    sched.schedules += 1;
-                    status::NV_OK
-                }
+        let st = self.effect(c, p, &obj);
+        if st == status::NV_OK {
+            *self.controls.entry(p.cmd).or_default() += 1;
+        }
+        self.apply_runlist();
+        st
+    }
+
+    /// What a modelled control does once every check passed, on object `obj` (`p.h_object`),
+    /// which exports it. Channel-group controls act on the group; a channel's interleave level
+    /// is its group's (the driver applies it to the whole group). The scheduling controls
+    /// this fake gives no effect (the guard's `Refuse` rows: `RESTART_RUNLIST`,
+    /// `SET_CHANNEL_PROPERTIES`, `STOP`/`START_RUNLIST`, `SET_GPFIFO`, `SET_SCHED_POLICY`,
+    /// `SET_COMPUTE_POLICY_CONFIG`, key rotation, …) read their parameters and answer `NV_OK`:
+    /// the per-command count is what shows the driver saw them.
+    fn effect(&mut self, c: Caller, p: &rm::Nvos54, obj: &Object) -> u32 {
+        use rm::tsg;
+        let (client, h) = (p.h_client, p.h_object);
+        match p.cmd {
+            rm::fb::GET_INFO_V2 => self.fb_info(c, p, obj),
+            tsg::GPFIFO_SCHEDULE => match params::<tsg::ScheduleParams>(c, p) {
+                Ok(s) => self.with_group(client, h, |g| {
+                    g.enabled = s.enable != 0;
+                    g.schedules += 1;
+                }),
                 Err(st) => st,
             },
-            rm::tsg::SET_TIMESLICE => match params::<rm::tsg::TimesliceParams>(c, p) {
-                Ok(t) => {
-                    sched.timeslice_us = t.timeslice_us;
-                    status::NV_OK
-                }
+            tsg::SET_TIMESLICE => match params::<tsg::TimesliceParams>(c, p) {
+                Ok(t) => self.with_group(client, h, |g| g.timeslice_us = t.timeslice_us),
                 Err(st) => st,
             },
-            rm::tsg::GET_TIMESLICE => match params::<rm::tsg::TimesliceParams>(c, p) {
+            tsg::GET_TIMESLICE => match params::<tsg::TimesliceParams>(c, p) {
                 Ok(_) => {
-                    let t = rm::tsg::TimesliceParams {
-                        timeslice_us: sched.timeslice_us,
+                    let Some(timeslice_us) = self.group(client, h).map(|g| g.timeslice_us) else {
+                        return status::NV_ERR_INVALID_OBJECT_HANDLE;
                     };
+                    let t = tsg::TimesliceParams { timeslice_us };
                     if remote_write(c.tid, p.params, bytes_of(&t)).is_ok() {
                         status::NV_OK
                     } else {
@@ -747,38 +960,114 @@ impl Rm {
                 }
                 Err(st) => st,
             },
-            rm::tsg::PREEMPT => match params::<rm::tsg::PreemptParams>(c, p) {
-                Ok(_) => {
-                    sched.preempts += 1;
-                    status::NV_OK
-                }
+            tsg::PREEMPT => match params::<tsg::PreemptParams>(c, p) {
+                Ok(_) => self.with_group(client, h, |g| g.preempts += 1),
                 Err(st) => st,
             },
-            _ => status::NV_OK,
-        };
-        if let Some(o) = self
-            .clients
-            .get_mut(&p.h_client)
-            .and_then(|cl| cl.objects.get_mut(&p.h_object))
-        {
-            o.sched = Some(sched);
+            // `kchangrpSetInterleaveLevel` takes LOW, MEDIUM and HIGH only.
+            sched::TSG_SET_INTERLEAVE_LEVEL | sched::CHANNEL_SET_INTERLEAVE_LEVEL => {
+                match params::<sched::InterleaveParams>(c, p) {
+                    Ok(l) if l.level > 2 => status::NV_ERR_INVALID_ARGUMENT,
+                    Ok(l) => self.with_group(client, h, |g| g.interleave = l.level),
+                    Err(st) => st,
+                }
+            }
+            sched::TSG_MAKE_REALTIME => match params::<sched::RealtimeParams>(c, p) {
+                Ok(r) => self.with_group(client, h, |g| g.realtime = r.realtime != 0),
+                Err(st) => st,
+            },
+            sched::DISABLE_CHANNELS => match params::<sched::DisableChannelsParams>(c, p) {
+                Ok(d) => self.disable_channels(&d),
+                Err(st) => st,
+            },
+            _ => {
+                let mut raw = vec![0u8; p.params_size as usize];
+                match remote_read(c.tid, p.params, &mut raw) {
+                    Ok(()) => status::NV_OK,
+                    Err(_) => status::NV_ERR_INVALID_POINTER,
+                }
+            }
         }
-        self.apply_runlist();
-        st
+    }
+
+    /// The scheduling state of channel group `h` of `client`, or of the group of channel `h`.
+    fn group(&self, client: Handle, h: Handle) -> Option<&Sched> {
+        let objects = &self.clients.get(&client)?.objects;
+        let o = objects.get(&h)?;
+        let g = if o.channel.is_some() { o.parent } else { h };
+        objects.get(&g)?.sched.as_ref()
+    }
+
+    /// Applies `f` to the state of [`Rm::group`]: `NV_OK`, or `NV_ERR_INVALID_OBJECT_HANDLE`
+    /// where there is no such group.
+    fn with_group(&mut self, client: Handle, h: Handle, f: impl FnOnce(&mut Sched)) -> u32 {
+        let Some(objects) = self.clients.get_mut(&client).map(|c| &mut c.objects) else {
+            return status::NV_ERR_INVALID_CLIENT;
+        };
+        let g = match objects.get(&h) {
+            Some(o) if o.channel.is_some() => o.parent,
+            _ => h,
+        };
+        match objects.get_mut(&g).and_then(|o| o.sched.as_mut()) {
+            Some(s) => {
+                f(s);
+                status::NV_OK
+            }
+            None => status::NV_ERR_INVALID_OBJECT_HANDLE,
+        }
+    }
+
+    /// `FIFO_DISABLE_CHANNELS`: each listed (client, channel) pair is looked up among **all**
+    /// clients, whoever owns them, as the driver does (neither the kernel nor, on the H100, the
+    /// firmware checks that the clients are the caller's: docs/real-gpu.md), and disabled or
+    /// enabled. A non-null `pRunlistPreemptEvent` from user space is refused with
+    /// `NV_ERR_INSUFFICIENT_PERMISSIONS` (the kernel's one check, `kernel_fifo_ctrl.c`). The
+    /// fake's choices where the firmware decides: `numChannels` past 64 is
+    /// `NV_ERR_INVALID_ARGUMENT`, and a pair that names no channel `NV_ERR_INVALID_CHANNEL`
+    /// with nothing changed (every pair is resolved before any is applied).
+    fn disable_channels(&mut self, d: &sched::DisableChannelsParams) -> u32 {
+        if d.runlist_preempt_event != 0 {
+            return status::NV_ERR_INSUFFICIENT_PERMISSIONS;
+        }
+        let n = d.num_channels as usize;
+        if n > sched::DISABLE_CHANNELS_MAX {
+            return status::NV_ERR_INVALID_ARGUMENT;
+        }
+        let pairs: Vec<(Handle, Handle)> = d.client_list[..n]
+            .iter()
+            .copied()
+            .zip(d.channel_list[..n].iter().copied())
+            .collect();
+        let is_channel = |&(client, h): &(Handle, Handle)| {
+            self.clients
+                .get(&client)
+                .and_then(|c| c.objects.get(&h))
+                .is_some_and(|o| o.channel.is_some())
+        };
+        if !pairs.iter().all(is_channel) {
+            return status::NV_ERR_INVALID_CHANNEL;
+        }
+        for (client, h) in pairs {
+            if let Some(ch) = self
+                .clients
+                .get_mut(&client)
+                .and_then(|c| c.objects.get_mut(&h))
+                .and_then(|o| o.channel.as_mut())
+            {
+                ch.enabled = d.disable == 0;
+            }
+        }
+        status::NV_OK
     }
 
     /// `FB_GET_INFO_V2` on a subdevice: its GPU's memory size and free memory in KiB, as the
-    /// driver of drivers 580–595 answers (params of exactly that version's size, 1 to
-    /// `MAX_LIST_SIZE` pairs). As on the H100 (docs/real-gpu.md): the heap is the capacity, the
-    /// total (`RAM_SIZE`, `TOTAL_RAM_SIZE`, `USABLE_RAM_SIZE`) adds the driver's 480 MiB
-    /// reserve, `BUS_WIDTH` is 5120 and `FB_TAX_SIZE_KB` 0; indices this fake does not model
-    /// read 0.
-    fn fb_info(&self, c: Caller, p: &rm::Nvos54) -> u32 {
+    /// driver of drivers 580–595 answers (1 to `MAX_LIST_SIZE` pairs). As on the H100
+    /// (docs/real-gpu.md): the heap is the capacity, the total (`RAM_SIZE`, `TOTAL_RAM_SIZE`,
+    /// `USABLE_RAM_SIZE`) adds the driver's 480 MiB reserve, `BUS_WIDTH` is 5120 and
+    /// `FB_TAX_SIZE_KB` 0; indices this fake does not model read 0.
+    fn fb_info(&self, c: Caller, p: &rm::Nvos54, obj: &Object) -> u32 {
         use rm::fb;
-        let Some(o) = self.clients[&p.h_client].objects.get(&p.h_object) else {
-            return status::NV_ERR_INVALID_OBJECT_HANDLE;
-        };
-        let Some(gpu) = o.gpu.filter(|_| o.class == class::SUBDEVICE) else {
+        let Some(gpu) = obj.gpu else {
             return status::NV_ERR_NOT_SUPPORTED;
         };
         let mut q = match params::<fb::GetInfoV2Params>(c, p) {
@@ -811,14 +1100,17 @@ impl Rm {
         }
     }
 
-    /// `Runlist::Stop`: each process with a channel group off the runlist is stopped, the others
-    /// (that this fake stopped) continued.
+    /// `Runlist::Stop`: each process with a channel group off the runlist, or a channel
+    /// disabled (`FIFO_DISABLE_CHANNELS`, by whichever process), is stopped, the others (that
+    /// this fake stopped) continued.
     fn apply_runlist(&mut self) {
         let off: BTreeSet<u32> = if self.runlist == Runlist::Stop {
             self.clients
                 .values()
                 .flat_map(|c| c.objects.values())
-                .filter(|o| o.sched.is_some_and(|s| !s.enabled))
+                .filter(|o| {
+                    o.sched.is_some_and(|s| !s.enabled) || o.channel.is_some_and(|c| !c.enabled)
+                })
                 .map(|o| o.pid)
                 .collect()
         } else {
@@ -1085,11 +1377,12 @@ fn read_params<T: Plain>(pid: u32, addr: u64) -> Result<T, u32> {
     read_remote(pid, addr).ok_or(status::NV_ERR_INVALID_POINTER)
 }
 
-/// A control's parameters from the caller's memory: `NV_ERR_INVALID_PARAM_STRUCT` for a size
-/// other than the control's struct, `NV_ERR_INVALID_POINTER` where they cannot be read.
+/// A control's parameters from the caller's memory, once [`Rm::control`] has checked their
+/// size: `NV_ERR_INVALID_ARGUMENT` for a size other than `T`'s all the same,
+/// `NV_ERR_INVALID_POINTER` where they cannot be read.
 fn params<T: Plain>(c: Caller, p: &rm::Nvos54) -> Result<T, u32> {
     if p.params_size as usize != size_of::<T>() {
-        return Err(status::NV_ERR_INVALID_PARAM_STRUCT);
+        return Err(status::NV_ERR_INVALID_ARGUMENT);
     }
     read_remote(c.tid, p.params).ok_or(status::NV_ERR_INVALID_POINTER)
 }

@@ -12,13 +12,15 @@ pub struct EventsArgs {
     /// Exit after this many events (default: follow until interrupted).
     #[arg(long, short = 'n', value_name = "N")]
     count: Option<u64>,
-    /// Only these signals (repeatable): MemoryLimitExceeded, ComputeThrottled, IdleChanged, Xid.
+    /// Only these signals (repeatable): MemoryLimitExceeded, SchedulerControlGuarded,
+    /// ComputeThrottled, IdleChanged, Xid.
     #[arg(long = "type", value_name = "SIGNAL")]
     types: Vec<String>,
 }
 
-const KNOWN: [&str; 4] = [
+const KNOWN: [&str; 5] = [
     "MemoryLimitExceeded",
+    "SchedulerControlGuarded",
     "ComputeThrottled",
     "IdleChanged",
     "Xid",
@@ -50,6 +52,27 @@ fn decode(msg: &zbus::Message) -> Option<(String, String, Value)> {
                 ),
                 json!({"cgroup": cgroup, "gpu": gpu, "pid": pid, "bytes": bytes, "usage": usage,
                        "max": max, "action": action}),
+            )
+        }
+        "SchedulerControlGuarded" => {
+            let (cgroup, pid, control, action, reason, requested, allowed): (
+                String,
+                u32,
+                String,
+                String,
+                String,
+                u64,
+                u64,
+            ) = body.deserialize().ok()?;
+            let asked = match reason.as_str() {
+                "timeslice" => format!(" {requested} µs (allowed {allowed} µs)"),
+                "foreign-client" => format!(" naming client {requested:#x}"),
+                _ => String::new(),
+            };
+            (
+                format!("{cgroup}: pid {pid} {control}{asked}: {action} ({reason})"),
+                json!({"cgroup": cgroup, "pid": pid, "control": control, "action": action,
+                       "reason": reason, "requested": requested, "allowed": allowed}),
             )
         }
         "ComputeThrottled" => {

@@ -301,6 +301,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     let nvml_available = proxy.nvml_available().await.map_err(daemon_err)?;
     let nvml_events = proxy.list_nvml_events().await.map_err(daemon_err)?;
     let memory_view = proxy.memory_info_view().await.map_err(daemon_err)?;
+    let guard = proxy.scheduler_guard().await.map_err(daemon_err)?;
     if json {
         let v = serde_json::json!({
             "version": version,
@@ -312,6 +313,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
             "enforcement_tier": tier,
             "react_action": action,
             "memory_info_view": memory_view,
+            "scheduler_guard": guard,
             "kernel_capabilities": caps,
             "cgroup_root": root,
             "probes_resumed": resumed,
@@ -338,6 +340,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
         .collect();
     println!("  memory limits:    {tier} tier (react action: {action})");
     println!("  memory view:      {memory_view}");
+    println!("  scheduler guard:  {guard}");
     println!("  NVML:             {nvml_status}");
     for g in &gpus {
         let id = if g.mig == u32::MAX {

@@ -1,0 +1,211 @@
+//! The scheduler guard: what a tenant (any process but gpud) may do with the RM controls that
+//! change how the GPU divides its time (`gpud_common::rm::sched`).
+//!
+//! Entry side of `NV_ESC_RM_CONTROL` only, before the driver copies anything in. Ordinary
+//! controls pay one `match` on the command number. A guarded one is refused (`EPERM` from the
+//! BPF-LSM hook), or, where the program may call `bpf_probe_write_user`, turned into a call the
+//! driver rejects (`paramsSize` 0) or, for `SET_TIMESLICE`, lowered to the caller's allowance.
+//! In `audit` it is only reported. Every call acted on is reported through the ring.
+
+use aya_ebpf::helpers::bpf_probe_write_user;
+use gpud_common::{
+    CFG_SCHED_ENFORCE, EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED,
+    GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_LEGACY,
+    GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_UNENFORCED, ObjKey, ProbeConfig,
+    rm::{
+        self,
+        sched::{self, Rule},
+    },
+    stat,
+};
+
+use crate::{
+    kernel::current_tgid,
+    maps::{OBJECTS, SCHED_ALLOW, bump_stat, send},
+    memory::{current_ancestry, user},
+};
+
+const EPERM: i32 = 1;
+
+/// What a guarded call asked for, and why it is acted on.
+struct Finding {
+    reason: u32,
+    /// The timeslice asked (µs), or the foreign client named.
+    asked: u64,
+    /// The caller's timeslice allowance (µs; 0 where no timeslice is involved).
+    allowed: u64,
+}
+
+/// Entry side of an RM control `c` (its `NVOS54` at `nvos54` in user memory) on control file
+/// `file`. `None` for a control the guard does not own (the caller goes on with it); otherwise
+/// the verdict: `-EPERM` to refuse (only where `deny`), 0 to let the (possibly rewritten) call
+/// through.
+#[inline(always)]
+pub(crate) fn control<const REWRITE: bool>(
+    cfg: &ProbeConfig,
+    file: u64,
+    nvos54: u64,
+    c: &rm::Nvos54,
+    deny: bool,
+) -> Option<i32> {
+    let rule = sched::rule_of(c.cmd)?;
+    if current_tgid() == cfg.daemon_tgid {
+        return Some(0);
+    }
+    let found = match rule {
+        Rule::Pass => return Some(0),
+        _ if c.cmd & sched::LEGACY_BIT != 0 => Finding {
+            reason: GUARD_REASON_LEGACY,
+            asked: 0,
+            allowed: 0,
+        },
+        // A serialized layout would hide the parameters read below.
+        _ if c.flags != 0 => Finding {
+            reason: GUARD_REASON_FLAGS,
+            asked: 0,
+            allowed: 0,
+        },
+        Rule::Refuse => Finding {
+            reason: GUARD_REASON_FORBIDDEN,
+            asked: 0,
+            allowed: 0,
+        },
+        Rule::Timeslice => timeslice(cfg, c)?,
+        Rule::DisableChannels => foreign_channels(file, c)?,
+    };
+    bump_stat(stat::SCHED_GUARDED);
+    let action = if cfg.flags & CFG_SCHED_ENFORCE == 0 {
+        GUARD_AUDITED
+    } else if found.reason == GUARD_REASON_TIMESLICE {
+        clamp::<REWRITE>(c, &found, deny)
+    } else if deny {
+        GUARD_DENIED
+    } else if REWRITE && reject(nvos54, c) {
+        GUARD_REFUSED
+    } else {
+        GUARD_UNENFORCED
+    };
+    send(&Event {
+        kind: EVENT_SCHED_GUARD,
+        tgid: current_tgid(),
+        cgroup_id: unsafe { aya_ebpf::helpers::bpf_get_current_cgroup_id() },
+        client: c.h_client,
+        object: c.cmd,
+        value: found.asked,
+        bytes: found.allowed,
+        gpu: action | found.reason << 8,
+        _pad: 0,
+    });
+    Some(if action == GUARD_DENIED { -EPERM } else { 0 })
+}
+
+/// `SET_TIMESLICE` above the caller's allowance: what it asked and may have. `None` when it
+/// asks no more, or the call is malformed (the driver refuses it; nothing is written).
+#[inline(always)]
+fn timeslice(cfg: &ProbeConfig, c: &rm::Nvos54) -> Option<Finding> {
+    if c.params_size as usize != size_of::<rm::tsg::TimesliceParams>() {
+        return None;
+    }
+    let asked: u64 = unsafe { user(c.params)? };
+    let allowed = allowance(cfg);
+    (asked > allowed).then_some(Finding {
+        reason: GUARD_REASON_TIMESLICE,
+        asked,
+        allowed,
+    })
+}
+
+/// The least allowance over the caller's cgroup and its ancestors, or the configured default.
+#[inline(always)]
+fn allowance(cfg: &ProbeConfig) -> u64 {
+    let mut allowed = cfg.guard_timeslice_us;
+    let mut found = false;
+    if let Some((_, anc)) = current_ancestry() {
+        for i in 0..gpud_common::MAX_CGROUP_DEPTH {
+            if i as u32 >= anc.depth {
+                break;
+            }
+            if let Some(v) = unsafe { SCHED_ALLOW.get(anc.ids[i]) } {
+                allowed = if found { allowed.min(*v) } else { *v };
+                found = true;
+            }
+        }
+    }
+    allowed
+}
+
+/// Lowers the timeslice in the caller's parameters where the program may write them; refuses
+/// the call where it may only refuse (never below what CUDA itself sets at context creation,
+/// whose refusal would fail it).
+#[inline(always)]
+fn clamp<const REWRITE: bool>(c: &rm::Nvos54, f: &Finding, deny: bool) -> u32 {
+    if REWRITE {
+        let to = f.allowed;
+        if unsafe { bpf_probe_write_user(c.params as *mut u64, &to as *const u64) }.is_ok() {
+            return GUARD_CLAMPED;
+        }
+    }
+    if deny && f.asked > f.allowed.max(sched::CUDA_TIMESLICE_US) {
+        return GUARD_DENIED;
+    }
+    GUARD_UNENFORCED
+}
+
+/// Makes the driver reject the call before it reads any parameter: `paramsSize` 0 fails its
+/// size check (`NV_ERR_INVALID_ARGUMENT`); a legacy-path command loses its bit 15 first, as
+/// that path checks no size.
+#[inline(always)]
+fn reject(nvos54: u64, c: &rm::Nvos54) -> bool {
+    if c.cmd & sched::LEGACY_BIT != 0 {
+        let plain = c.cmd & !sched::LEGACY_BIT;
+        let at = nvos54 + sched::NVOS54_CMD as u64;
+        if unsafe { bpf_probe_write_user(at as *mut u32, &plain as *const u32) }.is_err() {
+            return false;
+        }
+    }
+    let zero = 0u32;
+    let at = nvos54 + sched::NVOS54_PARAMS_SIZE as u64;
+    unsafe { bpf_probe_write_user(at as *mut u32, &zero as *const u32) }.is_ok()
+}
+
+/// `FIFO_DISABLE_CHANNELS` naming a client that gpud saw made on another control file by
+/// another process. A client gpud never saw made (older than gpud) cannot be told apart and
+/// passes. `None` when every client named is the caller's, or the call is malformed.
+#[inline(always)]
+fn foreign_channels(file: u64, c: &rm::Nvos54) -> Option<Finding> {
+    if c.params_size as usize != size_of::<sched::DisableChannelsParams>() {
+        return None;
+    }
+    let n: u32 = unsafe { user(c.params + sched::DISABLE_NUM_CHANNELS as u64)? };
+    let mut n = n;
+    if n > sched::DISABLE_CHANNELS_MAX as u32 {
+        // The driver refuses an over-long list itself.
+        return None;
+    }
+    let tgid = current_tgid();
+    let mut at = c.params + sched::DISABLE_CLIENT_LIST as u64;
+    for _ in 0..sched::DISABLE_CHANNELS_MAX {
+        if n == 0 {
+            break;
+        }
+        n -= 1;
+        // An unreadable list is the driver's to refuse.
+        let client: u32 = unsafe { user(at)? };
+        at += 4;
+        let key = ObjKey {
+            client,
+            object: client,
+        };
+        if let Some(e) = unsafe { OBJECTS.get(key) }
+            && e.file != file
+            && e.tgid != tgid
+        {
+            return Some(Finding {
+                reason: GUARD_REASON_FOREIGN,
+                asked: client as u64,
+                allowed: 0,
+            });
+        }
+    }
+    None
+}

@@ -1,0 +1,201 @@
+//! The scheduler guard's daemon side: each cgroup's timeslice allowance, derived from its policy
+//! and written to the kernel's `SCHED_ALLOW` map, and the reports of what the kernel side did
+//! (a rate-limited log line, counters by cgroup, control and action, and a notice for the D-Bus
+//! `SchedulerControlGuarded` signal). Owned by the state task. The decisions themselves are the
+//! kernel's (gpud-ebpf `guard`); the guarded controls are `gpud_common::rm::sched::CONTROLS`.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    time::{Duration, Instant},
+};
+
+use gpud_common::{
+    EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED, GUARD_REASON_FLAGS,
+    GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE,
+    GUARD_REFUSED, GUARD_UNENFORCED, rm::sched,
+};
+use tracing::{error, warn};
+
+use super::compute::law::LawParams;
+use crate::{
+    attribution::Attribution,
+    policy::{Limits, Priority},
+    report::Chain,
+};
+
+/// At most one log line per (cgroup, control) in this long; the lines skipped are counted in
+/// the next one.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The longest timeslice (µs) a tenant of this priority class may set: what the compute law
+/// sets for the class where it issues timeslices itself (latency-critical the longest,
+/// best-effort the shortest, others what CUDA sets at context creation).
+pub fn allowance(priority: Option<Priority>) -> u64 {
+    let p = LawParams::default();
+    match priority {
+        Some(Priority::LatencyCritical) => p.max_timeslice_us,
+        Some(Priority::BestEffort) => p.min_timeslice_us,
+        Some(Priority::Normal) | None => p.base_timeslice_us,
+    }
+}
+
+/// One report of the kernel side, for the D-Bus signal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuardNotice {
+    /// The caller's cgroup (path, or `#<id>` once gone).
+    pub cgroup: String,
+    pub pid: u32,
+    /// The control's driver name (`SET_TIMESLICE`, `FIFO_DISABLE_CHANNELS`, ...).
+    pub control: String,
+    /// `denied`, `refused`, `clamped`, `audited` or `unenforced`.
+    pub action: String,
+    /// `forbidden`, `timeslice`, `foreign-client`, `legacy-path` or `flags`.
+    pub reason: String,
+    /// The timeslice asked (µs), or the foreign client named (0 otherwise).
+    pub requested: u64,
+    /// The caller's timeslice allowance (µs; 0 where none is involved).
+    pub allowed: u64,
+}
+
+/// Calls acted on, by (cgroup, control, action).
+pub type GuardCounts = BTreeMap<(String, String, String), u64>;
+
+fn action_name(a: u32) -> &'static str {
+    match a {
+        GUARD_DENIED => "denied",
+        GUARD_REFUSED => "refused",
+        GUARD_CLAMPED => "clamped",
+        GUARD_AUDITED => "audited",
+        GUARD_UNENFORCED => "unenforced",
+        _ => "unknown",
+    }
+}
+
+fn reason_name(r: u32) -> &'static str {
+    match r {
+        GUARD_REASON_FORBIDDEN => "forbidden",
+        GUARD_REASON_TIMESLICE => "timeslice",
+        GUARD_REASON_FOREIGN => "foreign-client",
+        GUARD_REASON_LEGACY => "legacy-path",
+        GUARD_REASON_FLAGS => "flags",
+        _ => "unknown",
+    }
+}
+
+/// The control's name, or its number for one outside the table.
+pub fn control_name(cmd: u32) -> String {
+    match sched::control(cmd) {
+        Some(c) if cmd & sched::LEGACY_BIT != 0 => format!("{}(legacy {cmd:#x})", c.name),
+        Some(c) => c.name.to_owned(),
+        None => format!("{cmd:#010x}"),
+    }
+}
+
+#[derive(Default)]
+pub struct SchedulerGuard {
+    counts: GuardCounts,
+    /// Per (cgroup, control): when a line was last logged, and the lines skipped since.
+    logged: HashMap<(String, String), (Instant, u64)>,
+}
+
+impl SchedulerGuard {
+    /// Makes the kernel's allowances exactly those of `policies` (cgroup path → limits): the
+    /// least of a cgroup's entries (one per GPU selector) where any names a priority class other
+    /// than the default's. Called after every change of the stored policies.
+    pub fn sync_allowances<'a>(
+        &self,
+        attr: &mut Attribution,
+        policies: impl IntoIterator<Item = (&'a str, &'a Limits)>,
+    ) {
+        let default = allowance(None);
+        let mut want: BTreeMap<u64, u64> = BTreeMap::new();
+        for (path, limits) in policies {
+            let us = allowance(limits.priority);
+            if us == default {
+                continue;
+            }
+            // A cgroup that is gone has no tenants to allow anything.
+            if let Ok((_, id)) = attr.id_of(path) {
+                let slot = want.entry(id).or_insert(us);
+                *slot = (*slot).min(us);
+            }
+        }
+        let have = attr.sched_allowances();
+        let apply = |attr: &mut Attribution, id: u64, us: Option<u64>| {
+            if let Err(e) = attr.set_sched_allowance(id, us) {
+                error!(
+                    cgroup_id = id,
+                    "cannot set the timeslice allowance: {}",
+                    Chain(&e)
+                );
+            }
+        };
+        for (&id, &us) in &want {
+            if have.get(&id) != Some(&us) {
+                apply(attr, id, Some(us));
+            }
+        }
+        for id in have.keys().filter(|id| !want.contains_key(id)) {
+            apply(attr, *id, None);
+        }
+    }
+
+    /// A kernel event: counted, logged (rate-limited) and returned as a notice; `None` for
+    /// other events.
+    pub fn on_event(&mut self, attr: &mut Attribution, ev: &Event) -> Option<GuardNotice> {
+        if ev.kind != EVENT_SCHED_GUARD {
+            return None;
+        }
+        let cgroup = attr
+            .path_of(ev.cgroup_id)
+            .unwrap_or_else(|| format!("#{}", ev.cgroup_id));
+        let control = control_name(ev.object);
+        let (action, reason) = (action_name(ev.gpu & 0xff), reason_name(ev.gpu >> 8));
+        *self
+            .counts
+            .entry((cgroup.clone(), control.clone(), action.to_owned()))
+            .or_default() += 1;
+        let now = Instant::now();
+        let slot = self
+            .logged
+            .entry((cgroup.clone(), control.clone()))
+            .or_insert((now - LOG_EVERY, 0));
+        if now.duration_since(slot.0) >= LOG_EVERY {
+            warn!(
+                cgroup = %cgroup, pid = ev.tgid, control = %control, action, reason,
+                requested = ev.value, allowed = ev.bytes, client = format_args!("{:#x}", ev.client),
+                skipped = slot.1,
+                "scheduling control of a tenant {action}"
+            );
+            *slot = (now, 0);
+        } else {
+            slot.1 += 1;
+        }
+        Some(GuardNotice {
+            cgroup,
+            pid: ev.tgid,
+            control,
+            action: action.to_owned(),
+            reason: reason.to_owned(),
+            requested: ev.value,
+            allowed: ev.bytes,
+        })
+    }
+
+    /// Calls acted on so far, by (cgroup, control, action).
+    pub fn counts(&self) -> &GuardCounts {
+        &self.counts
+    }
+
+    /// Forgets the counters and log slots of cgroups that were removed.
+    pub fn sweep(&mut self, attr: &mut Attribution) {
+        let mut dead = std::collections::BTreeSet::new();
+        for (cg, ..) in self.counts.keys() {
+            if cg.starts_with('#') || attr.id_of(cg).is_err() {
+                dead.insert(cg.clone());
+            }
+        }
+        self.counts.retain(|(cg, ..), _| !dead.contains(cg));
+        self.logged.retain(|(cg, _), _| !dead.contains(cg));
+    }
+}

@@ -1,0 +1,237 @@
+//! The scheduler guard through the real daemon on this machine's kernel: tenants' scheduling
+//! controls on the fake NVIDIA control device are seen by gpud's eBPF programs and reported (log,
+//! `SchedulerControlGuarded` on D-Bus, `gpud_scheduler_guard_total` in the metrics), with the
+//! allowance of the caller's priority class, and the mode follows reloads. Where this kernel
+//! allows neither BPF-LSM nor `bpf_probe_write_user` (lockdown; the VM test covers a kernel that
+//! allows both, and what they refuse and rewrite), gpud says the guard is unenforced, and why.
+
+use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use gpud_tests::{Cgroup, Rig, RmProcess, eventually};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// `gpud_scheduler_guard_total` samples of the metrics endpoint: (cgroup, control, action) →
+/// value.
+fn guard_samples(port: u16) -> Vec<(String, String, String, f64)> {
+    let text = ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+        .call()
+        .expect("scrape /metrics")
+        .body_mut()
+        .read_to_string()
+        .expect("metrics body");
+    let parsed = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned())))
+        .expect("parse the exposition");
+    parsed
+        .samples
+        .into_iter()
+        .filter(|s| s.metric == "gpud_scheduler_guard_total")
+        .map(|s| {
+            let v = match s.value {
+                prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) => v,
+                other => panic!("not a counter: {other:?}"),
+            };
+            let l = |k: &str| s.labels.get(k).unwrap_or_default().to_owned();
+            (l("cgroup"), l("control"), l("action"), v)
+        })
+        .collect()
+}
+
+/// A tenant with a client, device 0, subdevice, channel group and channel: its process and
+/// handles (client, subdevice, group, channel).
+fn tenant(cg: &Cgroup, ctl: &std::path::Path) -> (RmProcess, [u32; 4]) {
+    let mut p = RmProcess::spawn(Some(&cg.dir), ctl);
+    let (c, d) = p.client_device(0);
+    let s = p.handle(&format!("subdevice {c} {d}"));
+    let g = p.handle(&format!("channel-group {c} {d}"));
+    let ch = p.handle(&format!("channel {c} {g}"));
+    (p, [c, s, g, ch])
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_mode_reloads() {
+    let Some(mut rig) = Rig::new("guard").fake_device(1) else {
+        return;
+    };
+    let port = free_port();
+    let config = rig
+        .config()
+        .react_action("notify")
+        .set("metrics.listen", format!("127.0.0.1:{port}"));
+    rig.start(config).await;
+    let (_conn, p) = rig.proxy().await;
+    let caps = p.kernel_capabilities().await.expect("KernelCapabilities");
+    let state = p.scheduler_guard().await.expect("SchedulerGuard");
+    let enforced = caps.get("probe_write_user") == Some(&true) || rig_denies(&p).await;
+    if enforced {
+        assert!(state.starts_with("enforce ("), "{state}");
+        eprintln!("SKIPPED: this kernel lets the guard act (the VM test covers it)");
+        return;
+    }
+    assert!(
+        state.starts_with(
+            "unenforced: calls are only reported (no BPF-LSM, and the kernel refuses \
+             bpf_probe_write_user ("
+        ),
+        "{state}"
+    );
+    assert!(
+        rig.log_text().contains("scheduler guard unenforced"),
+        "no start-up warning:\n{}",
+        rig.log_text()
+    );
+    let status = std::process::Command::new(gpud_tests::gpudctl_bin())
+        .args(["--bus-address", &rig.bus.address, "status"])
+        .output()
+        .expect("run gpudctl");
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains(&format!("scheduler guard:  {state}")),
+        "{text}"
+    );
+
+    let mut signals = p
+        .receive_scheduler_control_guarded()
+        .await
+        .expect("subscribe to SchedulerControlGuarded");
+    let mut next = async || {
+        let s = tokio::time::timeout(Duration::from_secs(10), signals.next())
+            .await
+            .expect("a SchedulerControlGuarded signal")
+            .expect("signal stream");
+        let a = s.args().expect("signal arguments");
+        (
+            a.cgroup.clone(),
+            a.pid,
+            a.control.clone(),
+            a.action.clone(),
+            a.reason.clone(),
+            a.requested,
+            a.allowed,
+        )
+    };
+
+    let (cg_a, cg_b) = (Cgroup::new("guard-a"), Cgroup::new("guard-b"));
+    let ctl = rig.ctl();
+    let (mut a, [ca, _, ga, cha]) = tenant(&cg_a, &ctl);
+    let (mut b, [cb, sb, _, _]) = tenant(&cg_b, &ctl);
+
+    // Unenforced: the driver takes the 1 s, and gpud reports it against the default allowance.
+    a.ok(&format!("timeslice {ca} {ga} 1000000"));
+    let got = a.ok(&format!("get-timeslice {ca} {ga}"));
+    assert_eq!(got["timeslice_us"], 1_000_000, "{got}");
+    assert_eq!(
+        next().await,
+        (
+            cg_a.rel.clone(),
+            a.pid,
+            "SET_TIMESLICE".to_owned(),
+            "unenforced".to_owned(),
+            "timeslice".to_owned(),
+            1_000_000,
+            2048
+        )
+    );
+    // Below the allowance: nothing to report.
+    a.ok(&format!("timeslice {ca} {ga} 1000"));
+
+    // A latency-critical policy raises the cgroup's allowance.
+    rig.set_limit(&cg_a.rel, "all", "priority", "latency-critical")
+        .await;
+    a.ok(&format!("timeslice {ca} {ga} 1000000"));
+    let s = next().await;
+    assert_eq!((s.2.as_str(), s.6), ("SET_TIMESLICE", 16_384), "{s:?}");
+
+    // b names a's channel: the driver (and its firmware, on a real GPU) obeys; gpud reports it.
+    b.ok(&format!("disable-channels {cb} {sb} 1 {ca} {cha}"));
+    let s = next().await;
+    assert_eq!(
+        (s.0.as_str(), s.2.as_str(), s.3.as_str(), s.4.as_str(), s.5),
+        (
+            cg_b.rel.as_str(),
+            "FIFO_DISABLE_CHANNELS",
+            "unenforced",
+            "foreign-client",
+            u64::from(ca)
+        ),
+        "{s:?}"
+    );
+    b.ok(&format!("disable-channels {cb} {sb} 0 {ca} {cha}"));
+    next().await;
+
+    // Counted by cgroup, control and action; the log says it once per 10 s and control.
+    let samples = eventually(Duration::from_secs(10), || async {
+        let s = guard_samples(port);
+        (s.len() == 2).then_some(s)
+    })
+    .await
+    .unwrap_or_else(|| panic!("metrics: {:?}", guard_samples(port)));
+    assert!(
+        samples.contains(&(
+            cg_a.rel.clone(),
+            "SET_TIMESLICE".into(),
+            "unenforced".into(),
+            2.0
+        )) && samples.contains(&(
+            cg_b.rel.clone(),
+            "FIFO_DISABLE_CHANNELS".into(),
+            "unenforced".into(),
+            2.0
+        )),
+        "{samples:?}"
+    );
+    let lines = |control: &str| {
+        rig.log_text()
+            .lines()
+            .filter(|l| l.contains("scheduling control of a tenant") && l.contains(control))
+            .count()
+    };
+    assert_eq!(lines("SET_TIMESLICE"), 1, "{}", rig.log_text());
+    assert_eq!(lines("FIFO_DISABLE_CHANNELS"), 1, "{}", rig.log_text());
+
+    // Reloads: audit reports as audited; off reports nothing.
+    for (mode, want) in [("audit", "audit"), ("off", "off")] {
+        rig.config()
+            .react_action("notify")
+            .set("metrics.listen", format!("127.0.0.1:{port}"))
+            .set("enforcement.scheduler_guard", mode)
+            .write();
+        rig.signal(libc::SIGHUP);
+        eventually(Duration::from_secs(10), || async {
+            (p.scheduler_guard().await.ok()? == want).then_some(())
+        })
+        .await
+        .unwrap_or_else(|| panic!("reload to {mode} not applied:\n{}", rig.log_text()));
+        a.ok(&format!("timeslice {ca} {ga} 1000000"));
+        if mode == "audit" {
+            let s = next().await;
+            assert_eq!((s.2.as_str(), s.3.as_str()), ("SET_TIMESLICE", "audited"));
+        }
+    }
+    // 2 timeslices and 2 lists unenforced, 1 timeslice audited; none since.
+    let guarded = p.get_kernel_stats().await.expect("GetKernelStats")["sched_guarded"];
+    b.ok(&format!("disable-channels {cb} {sb} 1 {ca} {cha}"));
+    let after = p.get_kernel_stats().await.expect("GetKernelStats")["sched_guarded"];
+    assert_eq!(
+        (guarded, after),
+        (5, 5),
+        "off: the kernel side looked at a control"
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), signals.next())
+            .await
+            .is_err(),
+        "off: a signal"
+    );
+}
+
+/// Whether the daemon runs the `deny` tier (BPF-LSM), where the guard refuses with `EPERM`.
+async fn rig_denies(p: &gpud_api::Manager1Proxy<'_>) -> bool {
+    p.enforcement_tier().await.is_ok_and(|t| t == "deny")
+}
