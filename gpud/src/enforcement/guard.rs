@@ -199,3 +199,34 @@ impl SchedulerGuard {
         self.logged.retain(|(cg, _), _| !dead.contains(cg));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allowances_follow_the_laws_timeslices_and_names_the_drivers() {
+        let p = LawParams::default();
+        assert_eq!(allowance(None), sched::CUDA_TIMESLICE_US);
+        assert_eq!(allowance(Some(Priority::Normal)), p.base_timeslice_us);
+        assert_eq!(
+            allowance(Some(Priority::LatencyCritical)),
+            p.max_timeslice_us
+        );
+        assert_eq!(allowance(Some(Priority::BestEffort)), p.min_timeslice_us);
+        assert_eq!(control_name(0xa06c_0103), "SET_TIMESLICE");
+        assert_eq!(
+            control_name(0xa06c_8103),
+            "SET_TIMESLICE(legacy 0xa06c8103)"
+        );
+        assert_eq!(control_name(0x2080_110b), "FIFO_DISABLE_CHANNELS");
+        assert_eq!(control_name(0x1234_5678), "0x12345678");
+        assert_eq!(
+            (
+                action_name(GUARD_CLAMPED),
+                reason_name(GUARD_REASON_FOREIGN)
+            ),
+            ("clamped", "foreign-client")
+        );
+    }
+}
