@@ -301,7 +301,8 @@ pub const EVENT_SCHED_GUARD: u32 = 7;
 
 /// The guard refused the call with `EPERM` before the driver saw it (BPF-LSM).
 pub const GUARD_DENIED: u32 = 1;
-/// The guard turned the call into one the driver rejects (its parameter size set to 0).
+/// The guard turned the call into one the driver rejects (its parameter size set to 0), or, for
+/// an enable of a held group, into the driver's NULL command (answered `NV_OK`, nothing done).
 pub const GUARD_REFUSED: u32 = 2;
 /// The guard lowered the timeslice asked to the caller's allowance.
 pub const GUARD_CLAMPED: u32 = 3;
@@ -320,6 +321,9 @@ pub const GUARD_REASON_LEGACY: u32 = 4;
 /// A guarded control with `NVOS54.flags` set (a serialized parameter layout the guard cannot
 /// read).
 pub const GUARD_REASON_FLAGS: u32 = 5;
+/// `GPFIFO_SCHEDULE` enabling a channel group that gpud holds off the runlist (the compute law's
+/// hardware mode).
+pub const GUARD_REASON_HELD: u32 = 6;
 
 /// Record sent through the `EVENTS` ring buffer. What each field holds depends on `kind` (see
 /// the `EVENT_*` constants); fields a kind does not name are 0.
@@ -489,9 +493,12 @@ pub mod maps {
     /// Hash cgroup id → the longest timeslice (µs) its tenants may set on their channel groups
     /// (the scheduler guard's allowance; the least over a cgroup's ancestry holds).
     pub const SCHED_ALLOW: &str = "SCHED_ALLOW";
+    /// Hash [`ObjKey`](crate::ObjKey) → `u32` (1): channel groups the daemon's compute law holds
+    /// off the runlist; the scheduler guard refuses their owners' own `GPFIFO_SCHEDULE` enable.
+    pub const HELD_GROUPS: &str = "HELD_GROUPS";
 
     /// Every pinned map: the daemon checks each one's layout before adopting its pin.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 14] = [
         CONFIG,
         EXTRA_FILES,
         PROCS,
@@ -505,6 +512,7 @@ pub mod maps {
         ANCESTRY,
         PENDING,
         SCHED_ALLOW,
+        HELD_GROUPS,
     ];
 }
 
@@ -596,6 +604,8 @@ pub const MAX_LIMITS: u32 = 16_384;
 pub const MAX_PENDING: u32 = 16_384;
 /// Capacity of `SCHED_ALLOW`: cgroups with a timeslice allowance of their own.
 pub const MAX_SCHED_ALLOW: u32 = 4_096;
+/// Capacity of `HELD_GROUPS`: channel groups held off the runlist at once.
+pub const MAX_HELD_GROUPS: u32 = 16_384;
 
 #[cfg(feature = "user")]
 mod pod {

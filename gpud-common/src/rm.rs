@@ -417,6 +417,9 @@ pub mod sched {
         Timeslice,
         /// `FIFO_DISABLE_CHANNELS`: refused when its list names a client of another process.
         DisableChannels,
+        /// A channel group's `GPFIFO_SCHEDULE`: CUDA enables its groups with it at context
+        /// creation, so it passes, but for an enable of a group gpud holds off the runlist.
+        Schedule,
         /// Never a tenant's: refused (with `EPERM`, or turned into a call the driver rejects).
         Refuse,
         /// Scheduling controls that act on the caller's own work only and that CUDA issues:
@@ -537,7 +540,7 @@ pub mod sched {
             super::tsg::GPFIFO_SCHEDULE,
             "TSG_GPFIFO_SCHEDULE",
             3,
-            Rule::Pass,
+            Rule::Schedule,
         ),
         c(super::tsg::GET_TIMESLICE, "GET_TIMESLICE", 8, Rule::Pass),
         c(super::tsg::PREEMPT, "PREEMPT", 8, Rule::Pass),
@@ -574,6 +577,7 @@ pub mod sched {
         match cmd {
             super::tsg::SET_TIMESLICE => Some(Rule::Timeslice),
             DISABLE_CHANNELS => Some(Rule::DisableChannels),
+            super::tsg::GPFIFO_SCHEDULE => Some(Rule::Schedule),
             TSG_SET_INTERLEAVE_LEVEL
             | TSG_MAKE_REALTIME
             | CHANNEL_SET_INTERLEAVE_LEVEL

@@ -4,14 +4,17 @@
 //! Entry side of `NV_ESC_RM_CONTROL` only, before the driver copies anything in. Ordinary
 //! controls pay one `match` on the command number. A guarded one is refused (`EPERM` from the
 //! BPF-LSM hook), or, where the program may call `bpf_probe_write_user`, turned into a call the
-//! driver rejects (`paramsSize` 0) or, for `SET_TIMESLICE`, lowered to the caller's allowance.
+//! driver rejects (`paramsSize` 0) or, for `SET_TIMESLICE`, lowered to the caller's allowance;
+//! an enable of a channel group the daemon holds off the runlist (`HELD_GROUPS`) becomes the
+//! driver's NULL command.
 //! In `audit` it is only reported. Every call acted on is reported through the ring.
 
 use aya_ebpf::helpers::bpf_probe_write_user;
 use gpud_common::{
     CFG_SCHED_ENFORCE, EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED,
-    GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_LEGACY,
-    GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_UNENFORCED, ObjKey, ProbeConfig,
+    GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD,
+    GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_UNENFORCED, ObjKey,
+    ProbeConfig,
     rm::{
         self,
         sched::{self, Rule},
@@ -21,7 +24,7 @@ use gpud_common::{
 
 use crate::{
     kernel::current_tgid,
-    maps::{OBJECTS, SCHED_ALLOW, bump_stat, send},
+    maps::{HELD_GROUPS, OBJECTS, SCHED_ALLOW, bump_stat, send},
     memory::{current_ancestry, user},
 };
 
@@ -72,10 +75,14 @@ pub(crate) fn control<const REWRITE: bool>(
         },
         Rule::Timeslice => timeslice(cfg, c)?,
         Rule::DisableChannels => foreign_channels(file, c)?,
+        Rule::Schedule => held_enable(c)?,
     };
     bump_stat(stat::SCHED_GUARDED);
     let action = if cfg.flags & CFG_SCHED_ENFORCE == 0 {
         GUARD_AUDITED
+    } else if found.reason == GUARD_REASON_HELD && REWRITE && neutralize(nvos54, c) {
+        // Done as the driver does a NULL command: CUDA may check the status.
+        GUARD_REFUSED
     } else if found.reason == GUARD_REASON_TIMESLICE {
         clamp::<REWRITE>(c, &found, deny)
     } else if deny {
@@ -166,6 +173,34 @@ fn reject(nvos54: u64, c: &rm::Nvos54) -> bool {
     let zero = 0u32;
     let at = nvos54 + sched::NVOS54_PARAMS_SIZE as u64;
     unsafe { bpf_probe_write_user(at as *mut u32, &zero as *const u32) }.is_ok()
+}
+
+/// `GPFIFO_SCHEDULE` putting back on the runlist a channel group gpud holds off it. `None` for
+/// any other (CUDA's own enables at context creation, a disable), or a malformed call.
+#[inline(always)]
+fn held_enable(c: &rm::Nvos54) -> Option<Finding> {
+    if c.params_size as usize != size_of::<rm::tsg::ScheduleParams>() {
+        return None;
+    }
+    let enable: u8 = unsafe { user(c.params)? };
+    let key = ObjKey {
+        client: c.h_client,
+        object: c.h_object,
+    };
+    (enable != 0 && unsafe { HELD_GROUPS.get(key) }.is_some()).then_some(Finding {
+        reason: GUARD_REASON_HELD,
+        asked: 1,
+        allowed: 0,
+    })
+}
+
+/// Makes the call one the driver answers `NV_OK` without doing anything: the control's class
+/// with category and index 0 (`control.c`'s NULL command).
+#[inline(always)]
+fn neutralize(nvos54: u64, c: &rm::Nvos54) -> bool {
+    let null = c.cmd & 0xffff_0000;
+    let at = nvos54 + sched::NVOS54_CMD as u64;
+    unsafe { bpf_probe_write_user(at as *mut u32, &null as *const u32) }.is_ok()
 }
 
 /// `FIFO_DISABLE_CHANNELS` naming a client that gpud saw made on another control file by

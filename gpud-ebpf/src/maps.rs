@@ -10,8 +10,8 @@ use aya_ebpf::{
 };
 use gpud_common::{
     Ancestry, CFG_READY, EVENTS_BYTES, Event, FileKey, IoctlCounts, LimitValue, MAX_CGROUPS,
-    MAX_EXTRA_FILES, MAX_LIMITS, MAX_OBJECTS, MAX_PENDING, MAX_PROCS, MAX_SCHED_ALLOW, MAX_USAGE,
-    ObjEntry, ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
+    MAX_EXTRA_FILES, MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PENDING, MAX_PROCS,
+    MAX_SCHED_ALLOW, MAX_USAGE, ObjEntry, ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
 };
 
 #[map]
@@ -61,6 +61,10 @@ pub(crate) static PENDING: LruHashMap<u64, Pending> = LruHashMap::pinned(MAX_PEN
 /// The scheduler guard's timeslice allowance (µs) of cgroups whose policy sets one.
 #[map]
 pub(crate) static SCHED_ALLOW: HashMap<u64, u64> = HashMap::pinned(MAX_SCHED_ALLOW, 0);
+
+/// Channel groups the daemon holds off the runlist (value 1).
+#[map]
+pub(crate) static HELD_GROUPS: HashMap<ObjKey, u32> = HashMap::pinned(MAX_HELD_GROUPS, 0);
 
 /// Scratch space for building an `Ancestry` (too large for the stack beside the callers).
 #[map]

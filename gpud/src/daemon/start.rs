@@ -143,6 +143,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     })
     .map_err(StartError::Probes)?;
     let events = probes.take_events().map_err(StartError::Probes)?;
+    let held = probes.take_held_groups().map_err(StartError::Probes)?;
     let tier = probes.tier();
     let info = DaemonInfo {
         version: crate::VERSION.to_owned(),
@@ -233,6 +234,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
                 matcher: matcher_for_compute,
                 params: compute::params(config),
                 hardware: config.compute.hardware,
+                held: Some(compute::channel::HeldGroups::new(held)),
             },
             compute::Links {
                 input: control_rx,

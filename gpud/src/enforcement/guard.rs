@@ -11,8 +11,8 @@ use std::{
 
 use gpud_common::{
     EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED, GUARD_REASON_FLAGS,
-    GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE,
-    GUARD_REFUSED, GUARD_UNENFORCED, rm::sched,
+    GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD, GUARD_REASON_LEGACY,
+    GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_UNENFORCED, rm::sched,
 };
 use tracing::{error, warn};
 
@@ -47,9 +47,10 @@ pub struct GuardNotice {
     pub pid: u32,
     /// The control's driver name (`SET_TIMESLICE`, `FIFO_DISABLE_CHANNELS`, ...).
     pub control: String,
-    /// `denied`, `refused`, `clamped`, `audited` or `unenforced`.
+    /// `denied`, `refused` (rewritten to fail or to do nothing), `clamped`, `audited` or
+    /// `unenforced`.
     pub action: String,
-    /// `forbidden`, `timeslice`, `foreign-client`, `legacy-path` or `flags`.
+    /// `forbidden`, `timeslice`, `foreign-client`, `legacy-path`, `flags` or `held-off`.
     pub reason: String,
     /// The timeslice asked (µs), or the foreign client named (0 otherwise).
     pub requested: u64,
@@ -78,6 +79,7 @@ fn reason_name(r: u32) -> &'static str {
         GUARD_REASON_FOREIGN => "foreign-client",
         GUARD_REASON_LEGACY => "legacy-path",
         GUARD_REASON_FLAGS => "flags",
+        GUARD_REASON_HELD => "held-off",
         _ => "unknown",
     }
 }

@@ -514,6 +514,13 @@ impl Probes {
         maps::take(&mut self.ebpf, map_names::EVENTS)
     }
 
+    /// Takes the map of channel groups held off the runlist (for the compute actuator).
+    pub fn take_held_groups(
+        &mut self,
+    ) -> Result<aya::maps::HashMap<MapData, ObjKey, u32>, ProbeError> {
+        maps::take(&mut self.ebpf, map_names::HELD_GROUPS)
+    }
+
     /// Takes the counter maps (for the state owner).
     pub fn take_maps(&mut self) -> Result<KernelMaps, ProbeError> {
         Ok(KernelMaps {

@@ -60,7 +60,7 @@ pub fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), Probe
 }
 
 /// Key and value sizes of every pinned map, as this build defines them.
-pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 13] {
+pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 14] {
     use std::mem::size_of;
     [
         (maps::OBJECTS, size_of::<ObjKey>(), size_of::<ObjEntry>()),
@@ -75,6 +75,7 @@ pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 13] {
         (maps::STATS, size_of::<u32>(), size_of::<u64>()),
         (maps::TRACKED, size_of::<u32>(), size_of::<u64>()),
         (maps::SCHED_ALLOW, size_of::<u64>(), size_of::<u64>()),
+        (maps::HELD_GROUPS, size_of::<ObjKey>(), size_of::<u32>()),
         (maps::EVENTS, 0, 0),
     ]
 }

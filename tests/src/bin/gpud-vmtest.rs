@@ -649,6 +649,7 @@ fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
 
 /// A tenant for the scheduler guard: its own client, device 0, subdevice, channel group and
 /// channel on the fake control device, answering `ids`, `ts US` (set, then read back), `get`,
+/// `schedule 0|1` (its group off or on the runlist),
 /// `disable|enable CLIENT CHANNEL`, `ctl NAME` (a control tenants may not use) and `malformed`.
 fn guard_tenant(
     ctl: &std::path::Path,
@@ -682,6 +683,13 @@ fn guard_tenant(
                 format!("{} got={got}", said(r))
             }
             ["get"] => rm.get_timeslice(client, tsg).1.to_string(),
+            ["schedule", on] => {
+                let mut p = tsg::ScheduleParams {
+                    enable: u8::from(on == "1"),
+                    ..Default::default()
+                };
+                said(rm.control(client, tsg, tsg::GPFIFO_SCHEDULE, &mut p))
+            }
             [verb @ ("disable" | "enable"), c, h] => said(rm.disable_channels(
                 client,
                 sub,
@@ -795,6 +803,7 @@ fn scheduler_guard(
     ensure!(probes.mode() == want, "mode {:?}", probes.mode());
     let deny = probes.tier() == Tier::Deny;
     let mut ring = probes.take_events()?;
+    let held = gpud::enforcement::compute::channel::HeldGroups::new(probes.take_held_groups()?);
     let want_state = if deny {
         "enforce (deny, rewrite)"
     } else {
@@ -960,7 +969,7 @@ fn scheduler_guard(
     let pid_a = a.pid;
     let groups = attribution.channel_groups(&[pid_a].into());
     ensure!(groups.len() == 1, "a's channel groups: {groups:?}");
-    let mut controls = gpud::enforcement::compute::channel::Controls::new(matcher);
+    let mut controls = gpud::enforcement::compute::channel::Controls::new(matcher, Some(held));
     controls
         .timeslice(&groups[0], 1_000_000)
         .map_err(|e| anyhow::anyhow!("gpud's own timeslice: {e}"))?;
@@ -974,6 +983,44 @@ fn scheduler_guard(
         "gpud's own call reported"
     );
     println!("[guard-{tag}] gpud's own control passes");
+
+    // A group gpud holds off the runlist: its owner's enable does nothing until gpud puts it
+    // back; its own disable, and enables outside the hold, pass.
+    let on_runlist = |f: &gpud_tests::fakenv::FakeNv| {
+        f.snapshot()
+            .channel_groups
+            .iter()
+            .find(|g| g.client == groups[0].client && g.handle == groups[0].handle)
+            .map(|g| g.enabled)
+    };
+    let ok = "errno=0 status=0x0";
+    controls
+        .schedule(&groups[0], false)
+        .map_err(|e| anyhow::anyhow!("gpud holds a's group off: {e}"))?;
+    ensure!(on_runlist(&fake) == Some(false), "gpud's hold");
+    ensure!(a.ask("schedule 1")? == ok, "a's enable while held");
+    ensure!(
+        on_runlist(&fake) == Some(false),
+        "a put its group back while held"
+    );
+    let n = drain(&mut attribution);
+    ensure!(
+        seen(&n) == "TSG_GPFIFO_SCHEDULE:refused:held-off",
+        "hold reports: {n:?}"
+    );
+    controls
+        .schedule(&groups[0], true)
+        .map_err(|e| anyhow::anyhow!("gpud puts a's group back: {e}"))?;
+    ensure!(
+        a.ask("schedule 0")? == ok && a.ask("schedule 1")? == ok,
+        "a's own schedule"
+    );
+    ensure!(on_runlist(&fake) == Some(true), "a's group after the hold");
+    ensure!(
+        drain(&mut attribution).is_empty(),
+        "schedules outside a hold reported"
+    );
+    println!("[guard-{tag}] a group gpud holds off stays off");
 
     // audit: everything through, and reported; off: nothing looked at.
     attribution.set_scheduler_guard(gpud::config::GuardMode::Audit)?;
@@ -1003,8 +1050,8 @@ fn scheduler_guard(
     ensure!(drain(&mut attribution).is_empty(), "off: reported");
     let stats = attribution.counters()?.stats();
     ensure!(
-        // 3 lowered, 1 foreign list, 5 refusals, 3 in audit.
-        stats.get("sched_guarded") == Some(&12),
+        // 3 lowered, 1 foreign list, 5 refusals, 1 held, 3 in audit.
+        stats.get("sched_guarded") == Some(&13),
         "kernel stats {stats:?}"
     );
 

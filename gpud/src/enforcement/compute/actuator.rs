@@ -16,7 +16,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{debug, warn};
 
 use super::{
-    channel::{ControlError, Controls, on_gpu},
+    channel::{ControlError, Controls, HeldGroups, on_gpu},
     law::Command,
 };
 use crate::{attribution::ChannelGroup, probes::Matcher, report::Chain};
@@ -52,6 +52,7 @@ impl Actuator {
     pub fn spawn(
         cgroup_root: PathBuf,
         matcher: Matcher,
+        held: Option<HeldGroups>,
         failures: UnboundedSender<Failure>,
     ) -> std::io::Result<Self> {
         let (orders, rx) = mpsc::channel();
@@ -60,7 +61,7 @@ impl Actuator {
             .spawn(move || {
                 Worker {
                     root: cgroup_root,
-                    controls: Controls::new(matcher),
+                    controls: Controls::new(matcher, held),
                     groups: BTreeMap::new(),
                     failed: BTreeSet::new(),
                     off: BTreeSet::new(),

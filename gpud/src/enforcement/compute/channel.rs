@@ -13,17 +13,19 @@
 //! This module owns those descriptors' lifetimes and the pidfds it keeps per process.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     io,
     os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
 };
 
 use gpud_common::{
-    DeviceKind, GPU_UNKNOWN, nv,
+    DeviceKind, GPU_UNKNOWN, ObjKey, nv,
     rm::{Nvos54, status, tsg},
 };
 
-use crate::{attribution::ChannelGroup, probes::Matcher};
+use tracing::warn;
+
+use crate::{attribution::ChannelGroup, probes::Matcher, report::Chain};
 
 /// A control that could not be issued, or that the driver refused.
 #[derive(Debug, thiserror::Error)]
@@ -68,18 +70,90 @@ impl ControlError {
     }
 }
 
+/// The channel groups the daemon holds off the runlist, mirrored in the kernel's `HELD_GROUPS`
+/// map: meanwhile the scheduler guard turns their owners' own `GPFIFO_SCHEDULE` enables into
+/// calls that do nothing, so a tenant cannot put itself back during another's window.
+pub struct HeldGroups {
+    map: aya::maps::HashMap<aya::maps::MapData, ObjKey, u32>,
+    /// Each held group's process, to forget the groups of processes that are gone.
+    pids: BTreeMap<ObjKey, u32>,
+}
+
+impl HeldGroups {
+    /// Takes over the map, emptied: what a previous daemon held was put back when it stopped,
+    /// or is put back at the law's first sample.
+    pub fn new(map: aya::maps::HashMap<aya::maps::MapData, ObjKey, u32>) -> Self {
+        let mut held = Self {
+            map,
+            pids: BTreeMap::new(),
+        };
+        let stale: Vec<ObjKey> = held.map.keys().filter_map(Result::ok).collect();
+        for k in stale {
+            held.forget(k);
+        }
+        held
+    }
+
+    fn set(&mut self, g: &ChannelGroup, held: bool) {
+        let key = ObjKey {
+            client: g.client,
+            object: g.handle,
+        };
+        if !held {
+            self.forget(key);
+            return;
+        }
+        match self.map.insert(key, 1, 0) {
+            Ok(()) => {
+                self.pids.insert(key, g.pid);
+            }
+            Err(e) => warn!(
+                pid = g.pid,
+                group = format_args!("{:#x}", g.handle),
+                "the scheduler guard will not keep this group off the runlist: {}",
+                Chain(&e)
+            ),
+        }
+    }
+
+    fn forget(&mut self, key: ObjKey) {
+        self.pids.remove(&key);
+        match self.map.remove(&key) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => warn!("cannot release a held channel group: {}", Chain(&e)),
+        }
+    }
+
+    fn retain(&mut self, keep: &impl Fn(u32) -> bool) {
+        let gone: Vec<ObjKey> = self
+            .pids
+            .iter()
+            .filter(|(_, pid)| !keep(**pid))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in gone {
+            self.forget(k);
+        }
+    }
+}
+
 /// The controls, with what they keep between calls.
 pub struct Controls {
     matcher: Matcher,
+    /// Where the kernel learns which groups are held off (`None`: the guard is not told).
+    held: Option<HeldGroups>,
     pidfds: HashMap<u32, OwnedFd>,
     /// Per (process, client): the descriptor number of the file that owns the client.
     owners: HashMap<(u32, u32), RawFd>,
 }
 
 impl Controls {
-    pub fn new(matcher: Matcher) -> Self {
+    pub fn new(matcher: Matcher, held: Option<HeldGroups>) -> Self {
         Self {
             matcher,
+            held,
             pidfds: HashMap::new(),
             owners: HashMap::new(),
         }
@@ -93,6 +167,9 @@ impl Controls {
             ..Default::default()
         };
         self.control(g, tsg::GPFIFO_SCHEDULE, &mut params)?;
+        if let Some(held) = &mut self.held {
+            held.set(g, !enabled);
+        }
         if !enabled {
             // Not waiting: the actuator keeps its times; the preemption completes within the
             // GPU's preemption latency.
@@ -110,6 +187,9 @@ impl Controls {
 
     /// Forgets the processes `keep` rejects (their pidfds are closed).
     pub fn retain(&mut self, keep: impl Fn(u32) -> bool) {
+        if let Some(held) = &mut self.held {
+            held.retain(&keep);
+        }
         self.pidfds.retain(|pid, _| keep(*pid));
         self.owners.retain(|(pid, _), _| keep(*pid));
     }

@@ -167,6 +167,8 @@ pub struct Settings {
     pub params: LawParams,
     /// Use the channel-group controls where the firmware honors them (`compute.hardware`).
     pub hardware: bool,
+    /// The kernel's record of the groups held off the runlist, for the scheduler guard.
+    pub held: Option<channel::HeldGroups>,
 }
 
 /// The compute task's channels.
@@ -185,7 +187,12 @@ pub struct Links {
 /// thawed and put back on the runlist.
 pub async fn run(settings: Settings, mut links: Links) {
     let (failed_tx, mut failures) = mpsc::unbounded_channel();
-    let actuator = match Actuator::spawn(settings.cgroup_root, settings.matcher, failed_tx) {
+    let actuator = match Actuator::spawn(
+        settings.cgroup_root,
+        settings.matcher,
+        settings.held,
+        failed_tx,
+    ) {
         Ok(a) => a,
         Err(e) => {
             warn!("compute shares off: cannot start the actuator thread: {e}");
