@@ -270,8 +270,12 @@ pub mod stat {
     pub const MEMINFO_SKIPPED: u32 = 12;
     /// Scheduling controls of tenants the guard acted on or, in `audit`, reported.
     pub const SCHED_GUARDED: u32 = 13;
+    /// Of those, calls not sent as an event (their cgroup's burst spent); counted all the same.
+    pub const SCHED_GUARD_QUIET: u32 = 14;
+    /// Calls the guard acted on whose `GUARD_COUNTS` entry could not be made (map full).
+    pub const GUARD_COUNTS_FULL: u32 = 15;
     /// Number of counters.
-    pub const COUNT: u32 = 14;
+    pub const COUNT: u32 = 16;
 }
 
 /// `Event::kind`: a process became tracked (opened an NVIDIA file, first matched ioctl, or forked
@@ -296,8 +300,15 @@ pub const EVENT_ALLOC_DENIED: u32 = 6;
 /// `Event::kind`: the scheduler guard met a tenant's scheduling control (`tgid`, its
 /// `cgroup_id`; `client`: the call's client; `object`: the RM command; `value`: what was asked,
 /// a timeslice in µs or the foreign client named; `bytes`: the caller's timeslice allowance;
-/// `gpu`: `GUARD_*` action | `GUARD_REASON_*` << 8).
+/// `gpu`: `GUARD_*` action | `GUARD_REASON_*` << 8). Sent for at most [`GUARD_EVENT_BURST`]
+/// calls of a cgroup at once and one per [`GUARD_EVENT_GAP_NS`] after that: a tenant looping on
+/// refused controls must not fill the ring the accounting's events share. Every call is counted
+/// in `GUARD_COUNTS`.
 pub const EVENT_SCHED_GUARD: u32 = 7;
+/// Guard events a cgroup may send at once (see [`EVENT_SCHED_GUARD`]).
+pub const GUARD_EVENT_BURST: u64 = 64;
+/// The rate the burst refills at: one event per this many nanoseconds (100 per second).
+pub const GUARD_EVENT_GAP_NS: u64 = 10_000_000;
 
 /// The guard refused the call with `EPERM` before the driver saw it (BPF-LSM).
 pub const GUARD_DENIED: u32 = 1;
@@ -401,6 +412,30 @@ pub struct ObjEntry {
     pub serial: u64,
 }
 
+/// Key of the `GUARD_COUNTS` map: the calls of a cgroup's processes the scheduler guard acted on
+/// or reported, by command and verdict.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GuardKey {
+    /// The caller's cgroup.
+    pub cgroup_id: u64,
+    /// The RM command.
+    pub cmd: u32,
+    /// `GUARD_*` action | `GUARD_REASON_*` << 8.
+    pub verdict: u32,
+}
+
+/// Value of the `GUARD_BUCKET` map: a cgroup's guard events left to send, and when it was last
+/// refilled (see [`EVENT_SCHED_GUARD`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GuardBucket {
+    /// Events it may still send now.
+    pub tokens: u64,
+    /// `bpf_ktime_get_ns()` of the last refill.
+    pub at: u64,
+}
+
 /// Key of the `USAGE` and `LIMITS` maps.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -496,9 +531,14 @@ pub mod maps {
     /// Hash [`ObjKey`](crate::ObjKey) → `u32` (1): channel groups the daemon's compute law holds
     /// off the runlist; the scheduler guard refuses their owners' own `GPFIFO_SCHEDULE` enable.
     pub const HELD_GROUPS: &str = "HELD_GROUPS";
+    /// Hash [`GuardKey`](crate::GuardKey) → `u64`: every call the scheduler guard acted on or
+    /// reported, by cgroup, command and verdict.
+    pub const GUARD_COUNTS: &str = "GUARD_COUNTS";
+    /// LRU hash cgroup id → [`GuardBucket`](crate::GuardBucket): the guard events it may send.
+    pub const GUARD_BUCKET: &str = "GUARD_BUCKET";
 
     /// Every pinned map: the daemon checks each one's layout before adopting its pin.
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 16] = [
         CONFIG,
         EXTRA_FILES,
         PROCS,
@@ -513,6 +553,8 @@ pub mod maps {
         PENDING,
         SCHED_ALLOW,
         HELD_GROUPS,
+        GUARD_COUNTS,
+        GUARD_BUCKET,
     ];
 }
 
@@ -606,6 +648,10 @@ pub const MAX_PENDING: u32 = 16_384;
 pub const MAX_SCHED_ALLOW: u32 = 4_096;
 /// Capacity of `HELD_GROUPS`: channel groups held off the runlist at once.
 pub const MAX_HELD_GROUPS: u32 = 16_384;
+/// Capacity of `GUARD_COUNTS`: (cgroup, command, verdict) triples counted.
+pub const MAX_GUARD_COUNTS: u32 = 16_384;
+/// Capacity of `GUARD_BUCKET` (an LRU: the least recent cgroup's bucket goes, refilled).
+pub const MAX_GUARD_BUCKETS: u32 = 4_096;
 
 #[cfg(feature = "user")]
 mod pod {
@@ -622,4 +668,6 @@ mod pod {
     unsafe impl aya::Pod for super::LimitValue {}
     unsafe impl aya::Pod for super::Ancestry {}
     unsafe impl aya::Pod for super::Pending {}
+    unsafe impl aya::Pod for super::GuardKey {}
+    unsafe impl aya::Pod for super::GuardBucket {}
 }

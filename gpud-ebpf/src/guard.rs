@@ -9,12 +9,17 @@
 //! driver's NULL command.
 //! In `audit` it is only reported. Every call acted on is reported through the ring.
 
-use aya_ebpf::helpers::bpf_probe_write_user;
+use core::intrinsics::{AtomicOrdering, atomic_xadd};
+
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_get_current_cgroup_id, bpf_ktime_get_ns, bpf_probe_write_user},
+};
 use gpud_common::{
     CFG_SCHED_ENFORCE, EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED,
-    GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD,
-    GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_UNENFORCED, ObjKey,
-    ProbeConfig,
+    GUARD_EVENT_BURST, GUARD_EVENT_GAP_NS, GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN,
+    GUARD_REASON_FOREIGN, GUARD_REASON_HELD, GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE,
+    GUARD_REFUSED, GUARD_UNENFORCED, GuardBucket, GuardKey, ObjKey, ProbeConfig,
     rm::{
         self,
         sched::{self, Rule},
@@ -24,7 +29,7 @@ use gpud_common::{
 
 use crate::{
     kernel::current_tgid,
-    maps::{HELD_GROUPS, OBJECTS, SCHED_ALLOW, bump_stat, send},
+    maps::{GUARD_BUCKET, GUARD_COUNTS, HELD_GROUPS, OBJECTS, SCHED_ALLOW, bump_stat, send},
     memory::{current_ancestry, user},
 };
 
@@ -92,18 +97,74 @@ pub(crate) fn control<const REWRITE: bool>(
     } else {
         GUARD_UNENFORCED
     };
-    send(&Event {
-        kind: EVENT_SCHED_GUARD,
-        tgid: current_tgid(),
-        cgroup_id: unsafe { aya_ebpf::helpers::bpf_get_current_cgroup_id() },
-        client: c.h_client,
-        object: c.cmd,
-        value: found.asked,
-        bytes: found.allowed,
-        gpu: action | found.reason << 8,
-        _pad: 0,
+    let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
+    let verdict = action | found.reason << 8;
+    count(GuardKey {
+        cgroup_id,
+        cmd: c.cmd,
+        verdict,
     });
+    if may_send(cgroup_id) {
+        send(&Event {
+            kind: EVENT_SCHED_GUARD,
+            tgid: current_tgid(),
+            cgroup_id,
+            client: c.h_client,
+            object: c.cmd,
+            value: found.asked,
+            bytes: found.allowed,
+            gpu: verdict,
+            _pad: 0,
+        });
+    } else {
+        bump_stat(stat::SCHED_GUARD_QUIET);
+    }
     Some(if action == GUARD_DENIED { -EPERM } else { 0 })
+}
+
+/// One more call under `key` in `GUARD_COUNTS`.
+#[inline(always)]
+fn count(key: GuardKey) {
+    let slot = match GUARD_COUNTS.get_ptr_mut(key) {
+        Some(p) => p,
+        None => {
+            let _ = GUARD_COUNTS.insert(key, 0, BPF_NOEXIST as u64);
+            match GUARD_COUNTS.get_ptr_mut(key) {
+                Some(p) => p,
+                None => {
+                    bump_stat(stat::GUARD_COUNTS_FULL);
+                    return;
+                }
+            }
+        }
+    };
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(slot, 1) };
+}
+
+/// Whether the cgroup's burst of events has one left (refilled one per `GUARD_EVENT_GAP_NS`
+/// since the last refill). Racing CPUs may both take the last token: a bound, not a count.
+#[inline(always)]
+fn may_send(cgroup_id: u64) -> bool {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let Some(b) = GUARD_BUCKET.get_ptr_mut(cgroup_id) else {
+        let fresh = GuardBucket {
+            tokens: GUARD_EVENT_BURST - 1,
+            at: now,
+        };
+        let _ = GUARD_BUCKET.insert(cgroup_id, fresh, 0);
+        return true;
+    };
+    let b = unsafe { &mut *b };
+    let refill = now.saturating_sub(b.at) / GUARD_EVENT_GAP_NS;
+    if refill > 0 {
+        b.tokens = (b.tokens + refill).min(GUARD_EVENT_BURST);
+        b.at += refill * GUARD_EVENT_GAP_NS;
+    }
+    if b.tokens == 0 {
+        return false;
+    }
+    b.tokens -= 1;
+    true
 }
 
 /// `SET_TIMESLICE` above the caller's allowance: what it asked and may have. `None` when it

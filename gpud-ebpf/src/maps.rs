@@ -9,9 +9,10 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use gpud_common::{
-    Ancestry, CFG_READY, EVENTS_BYTES, Event, FileKey, IoctlCounts, LimitValue, MAX_CGROUPS,
-    MAX_EXTRA_FILES, MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PENDING, MAX_PROCS,
-    MAX_SCHED_ALLOW, MAX_USAGE, ObjEntry, ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
+    Ancestry, CFG_READY, EVENTS_BYTES, Event, FileKey, GuardBucket, GuardKey, IoctlCounts,
+    LimitValue, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS, MAX_HELD_GROUPS,
+    MAX_LIMITS, MAX_OBJECTS, MAX_PENDING, MAX_PROCS, MAX_SCHED_ALLOW, MAX_USAGE, ObjEntry, ObjKey,
+    Pending, ProbeConfig, ProcEntry, UsageKey, stat,
 };
 
 #[map]
@@ -65,6 +66,15 @@ pub(crate) static SCHED_ALLOW: HashMap<u64, u64> = HashMap::pinned(MAX_SCHED_ALL
 /// Channel groups the daemon holds off the runlist (value 1).
 #[map]
 pub(crate) static HELD_GROUPS: HashMap<ObjKey, u32> = HashMap::pinned(MAX_HELD_GROUPS, 0);
+
+/// Every call the scheduler guard acted on, by cgroup, command and verdict.
+#[map]
+pub(crate) static GUARD_COUNTS: HashMap<GuardKey, u64> = HashMap::pinned(MAX_GUARD_COUNTS, 0);
+
+/// The guard events each cgroup may still send (see `gpud_common::EVENT_SCHED_GUARD`).
+#[map]
+pub(crate) static GUARD_BUCKET: LruHashMap<u64, GuardBucket> =
+    LruHashMap::pinned(MAX_GUARD_BUCKETS, 0);
 
 /// Scratch space for building an `Ancestry` (too large for the stack beside the callers).
 #[map]

@@ -100,22 +100,6 @@ async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_m
         .receive_scheduler_control_guarded()
         .await
         .expect("subscribe to SchedulerControlGuarded");
-    let mut next = async || {
-        let s = tokio::time::timeout(Duration::from_secs(10), signals.next())
-            .await
-            .expect("a SchedulerControlGuarded signal")
-            .expect("signal stream");
-        let a = s.args().expect("signal arguments");
-        (
-            a.cgroup.clone(),
-            a.pid,
-            a.control.clone(),
-            a.action.clone(),
-            a.reason.clone(),
-            a.requested,
-            a.allowed,
-        )
-    };
 
     let (cg_a, cg_b) = (Cgroup::new("guard-a"), Cgroup::new("guard-b"));
     let ctl = rig.ctl();
@@ -127,7 +111,7 @@ async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_m
     let got = a.ok(&format!("get-timeslice {ca} {ga}"));
     assert_eq!(got["timeslice_us"], 1_000_000, "{got}");
     assert_eq!(
-        next().await,
+        next(&mut signals).await,
         (
             cg_a.rel.clone(),
             a.pid,
@@ -145,12 +129,12 @@ async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_m
     rig.set_limit(&cg_a.rel, "all", "priority", "latency-critical")
         .await;
     a.ok(&format!("timeslice {ca} {ga} 1000000"));
-    let s = next().await;
+    let s = next(&mut signals).await;
     assert_eq!((s.2.as_str(), s.6), ("SET_TIMESLICE", 16_384), "{s:?}");
 
     // b names a's channel: the driver (and its firmware, on a real GPU) obeys; gpud reports it.
     b.ok(&format!("disable-channels {cb} {sb} 1 {ca} {cha}"));
-    let s = next().await;
+    let s = next(&mut signals).await;
     assert_eq!(
         (s.0.as_str(), s.2.as_str(), s.3.as_str(), s.4.as_str(), s.5),
         (
@@ -163,7 +147,7 @@ async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_m
         "{s:?}"
     );
     b.ok(&format!("disable-channels {cb} {sb} 0 {ca} {cha}"));
-    next().await;
+    next(&mut signals).await;
 
     // Counted by cgroup, control and action; the log says it once per 10 s and control.
     let samples = eventually(Duration::from_secs(10), || async {
@@ -195,6 +179,38 @@ async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_m
     assert_eq!(lines("SET_TIMESLICE"), 1, "{}", rig.log_text());
     assert_eq!(lines("FIFO_DISABLE_CHANNELS"), 1, "{}", rig.log_text());
 
+    // A tenant looping on a guarded control: every call counted, its events bounded (a burst,
+    // then 100 per second), so the ring the accounting shares is never filled.
+    let started = std::time::Instant::now();
+    a.ok(&format!("timeslice-loop {ca} {ga} 1000000 5000"));
+    let elapsed_ms = started.elapsed().as_millis() as u64;
+    let flood = eventually(Duration::from_secs(10), || async {
+        guard_samples(port).into_iter().find(|(cg, c, act, n)| {
+            *cg == cg_a.rel && c == "SET_TIMESLICE" && act == "unenforced" && *n == 5002.0
+        })
+    })
+    .await;
+    assert!(
+        flood.is_some(),
+        "every call counted: {:?}",
+        guard_samples(port)
+    );
+    let mut signalled = 0u64;
+    while tokio::time::timeout(Duration::from_millis(500), signals.next())
+        .await
+        .is_ok()
+    {
+        signalled += 1;
+    }
+    let bound = gpud_common::GUARD_EVENT_BURST + elapsed_ms / 10 + 2;
+    assert!(
+        signalled <= bound,
+        "{signalled} signals for 5,000 calls in {elapsed_ms} ms (at most {bound})"
+    );
+    let stats = p.get_kernel_stats().await.expect("GetKernelStats");
+    assert_eq!(stats["events_lost"], 0, "{stats:?}");
+    assert!(stats["sched_guard_quiet"] >= 5000 - bound, "{stats:?}");
+
     // Reloads: audit reports as audited; off reports nothing.
     for (mode, want) in [("audit", "audit"), ("off", "off")] {
         rig.config()
@@ -210,17 +226,17 @@ async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_m
         .unwrap_or_else(|| panic!("reload to {mode} not applied:\n{}", rig.log_text()));
         a.ok(&format!("timeslice {ca} {ga} 1000000"));
         if mode == "audit" {
-            let s = next().await;
+            let s = next(&mut signals).await;
             assert_eq!((s.2.as_str(), s.3.as_str()), ("SET_TIMESLICE", "audited"));
         }
     }
-    // 2 timeslices and 2 lists unenforced, 1 timeslice audited; none since.
+    // 2 timeslices, the loop's 5,000 and 2 lists unenforced, 1 timeslice audited; none since.
     let guarded = p.get_kernel_stats().await.expect("GetKernelStats")["sched_guarded"];
     b.ok(&format!("disable-channels {cb} {sb} 1 {ca} {cha}"));
     let after = p.get_kernel_stats().await.expect("GetKernelStats")["sched_guarded"];
     assert_eq!(
         (guarded, after),
-        (5, 5),
+        (5005, 5005),
         "off: the kernel side looked at a control"
     );
     assert!(
@@ -229,6 +245,27 @@ async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_m
             .is_err(),
         "off: a signal"
     );
+}
+
+/// What a guard signal said: (cgroup, pid, control, action, reason, requested, allowed).
+type Said = (String, u32, String, String, String, u64, u64);
+
+/// The next `SchedulerControlGuarded` signal (within 10 s).
+async fn next(signals: &mut gpud_api::proxy::SchedulerControlGuardedStream) -> Said {
+    let s = tokio::time::timeout(Duration::from_secs(10), signals.next())
+        .await
+        .expect("a SchedulerControlGuarded signal")
+        .expect("signal stream");
+    let a = s.args().expect("signal arguments");
+    (
+        a.cgroup.clone(),
+        a.pid,
+        a.control.clone(),
+        a.action.clone(),
+        a.reason.clone(),
+        a.requested,
+        a.allowed,
+    )
 }
 
 /// Whether the daemon runs the `deny` tier (BPF-LSM), where the guard refuses with `EPERM`.

@@ -111,6 +111,18 @@ impl Attribution {
         Ok(())
     }
 
+    /// The calls the scheduler guard acted on, by cgroup, command and verdict.
+    pub fn guard_counts(&self) -> Vec<(gpud_common::GuardKey, u64)> {
+        map_entries(&self.maps.guard_counts)
+    }
+
+    /// Drops counts of the guard (of cgroups that are gone).
+    pub fn forget_guard_counts(&mut self, keys: &[gpud_common::GuardKey]) {
+        for k in keys {
+            let _ = self.maps.guard_counts.remove(k);
+        }
+    }
+
     /// The scheduler guard's allowances in the kernel map, by cgroup id.
     pub fn sched_allowances(&self) -> BTreeMap<u64, u64> {
         map_entries(&self.maps.sched_allow).into_iter().collect()

@@ -95,7 +95,6 @@ pub fn control_name(cmd: u32) -> String {
 
 #[derive(Default)]
 pub struct SchedulerGuard {
-    counts: GuardCounts,
     /// Per (cgroup, control): when a line was last logged, and the lines skipped since.
     logged: HashMap<(String, String), (Instant, u64)>,
 }
@@ -142,8 +141,8 @@ impl SchedulerGuard {
         }
     }
 
-    /// A kernel event: counted, logged (rate-limited) and returned as a notice; `None` for
-    /// other events.
+    /// A kernel event: logged (rate-limited) and returned as a notice; `None` for other events.
+    /// (The kernel counts every call itself, events or not: [`Self::counts`].)
     pub fn on_event(&mut self, attr: &mut Attribution, ev: &Event) -> Option<GuardNotice> {
         if ev.kind != EVENT_SCHED_GUARD {
             return None;
@@ -153,10 +152,6 @@ impl SchedulerGuard {
             .unwrap_or_else(|| format!("#{}", ev.cgroup_id));
         let control = control_name(ev.object);
         let (action, reason) = (action_name(ev.gpu & 0xff), reason_name(ev.gpu >> 8));
-        *self
-            .counts
-            .entry((cgroup.clone(), control.clone(), action.to_owned()))
-            .or_default() += 1;
         let now = Instant::now();
         let slot = self
             .logged
@@ -184,21 +179,34 @@ impl SchedulerGuard {
         })
     }
 
-    /// Calls acted on so far, by (cgroup, control, action).
-    pub fn counts(&self) -> &GuardCounts {
-        &self.counts
+    /// Calls acted on so far, by (cgroup, control, action), from the kernel's counts.
+    pub fn counts(&self, attr: &mut Attribution) -> GuardCounts {
+        let mut out = GuardCounts::new();
+        for (k, n) in attr.guard_counts() {
+            let cgroup = attr
+                .path_of(k.cgroup_id)
+                .unwrap_or_else(|| format!("#{}", k.cgroup_id));
+            let key = (
+                cgroup,
+                control_name(k.cmd),
+                action_name(k.verdict & 0xff).to_owned(),
+            );
+            *out.entry(key).or_default() += n;
+        }
+        out
     }
 
-    /// Forgets the counters and log slots of cgroups that were removed.
+    /// Forgets the counts and log slots of cgroups that were removed.
     pub fn sweep(&mut self, attr: &mut Attribution) {
-        let mut dead = std::collections::BTreeSet::new();
-        for (cg, ..) in self.counts.keys() {
-            if cg.starts_with('#') || attr.id_of(cg).is_err() {
-                dead.insert(cg.clone());
-            }
-        }
-        self.counts.retain(|(cg, ..), _| !dead.contains(cg));
-        self.logged.retain(|(cg, _), _| !dead.contains(cg));
+        let dead: Vec<_> = attr
+            .guard_counts()
+            .into_iter()
+            .map(|(k, _)| k)
+            .filter(|k| attr.path_of(k.cgroup_id).is_none())
+            .collect();
+        attr.forget_guard_counts(&dead);
+        self.logged
+            .retain(|(cg, _), _| !cg.starts_with('#') && attr.id_of(cg).is_ok());
     }
 }
 

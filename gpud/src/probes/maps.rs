@@ -26,6 +26,8 @@ pub struct KernelMaps {
     pub ancestry: HashMap<MapData, u64, Ancestry>,
     /// The scheduler guard's timeslice allowances (µs) by cgroup id.
     pub sched_allow: HashMap<MapData, u64, u64>,
+    /// The calls the scheduler guard acted on, by cgroup, command and verdict.
+    pub guard_counts: HashMap<MapData, gpud_common::GuardKey, u64>,
 }
 
 /// Entries per `BPF_MAP_LOOKUP_BATCH` call: far more than a hash bucket ever holds (a bucket

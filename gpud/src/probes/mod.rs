@@ -532,6 +532,7 @@ impl Probes {
             limits: maps::take(&mut self.ebpf, map_names::LIMITS)?,
             ancestry: maps::take(&mut self.ebpf, map_names::ANCESTRY)?,
             sched_allow: maps::take(&mut self.ebpf, map_names::SCHED_ALLOW)?,
+            guard_counts: maps::take(&mut self.ebpf, map_names::GUARD_COUNTS)?,
         })
     }
 

@@ -60,7 +60,7 @@ pub fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), Probe
 }
 
 /// Key and value sizes of every pinned map, as this build defines them.
-pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 14] {
+pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 16] {
     use std::mem::size_of;
     [
         (maps::OBJECTS, size_of::<ObjKey>(), size_of::<ObjEntry>()),
@@ -76,6 +76,16 @@ pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 14] {
         (maps::TRACKED, size_of::<u32>(), size_of::<u64>()),
         (maps::SCHED_ALLOW, size_of::<u64>(), size_of::<u64>()),
         (maps::HELD_GROUPS, size_of::<ObjKey>(), size_of::<u32>()),
+        (
+            maps::GUARD_COUNTS,
+            size_of::<gpud_common::GuardKey>(),
+            size_of::<u64>(),
+        ),
+        (
+            maps::GUARD_BUCKET,
+            size_of::<u64>(),
+            size_of::<gpud_common::GuardBucket>(),
+        ),
         (maps::EVENTS, 0, 0),
     ]
 }

@@ -18,6 +18,7 @@
 //! | `channel-group CLIENT DEVICE` | `KEPLER_CHANNEL_GROUP_A` under DEVICE |
 //! | `schedule CLIENT GROUP 0\|1` | `NVA06C_CTRL_CMD_GPFIFO_SCHEDULE` (off or on the runlist) |
 //! | `timeslice CLIENT GROUP US` | `NVA06C_CTRL_CMD_SET_TIMESLICE` |
+//! | `timeslice-loop CLIENT GROUP US N` | N `SET_TIMESLICE` calls back to back (the last reply) |
 //! | `get-timeslice CLIENT GROUP` | `NVA06C_CTRL_CMD_GET_TIMESLICE`: adds `timeslice_us` |
 //! | `channel CLIENT GROUP` | `HOPPER_CHANNEL_GPFIFO_A` under GROUP |
 //! | `disable-channels CLIENT SUBDEVICE 1\|0 [OWNER CHANNEL]...` | `NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS` on the (client, channel) pairs, whoever owns them |
@@ -283,6 +284,14 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                 Ok(h) => json!({"ok": true, "ret": 0, "errno": 0, "status": 0, "handle": h}),
                 Err(r) => reply_json(&r),
             },
+            // `timeslice-loop CLIENT GROUP US N`: N SET_TIMESLICE calls back to back; the last reply.
+            ("timeslice-loop", 4) => {
+                let mut last = Reply::default();
+                for _ in 0..n(3)? {
+                    last = ctl.set_timeslice(n(0)?, n(1)?, u64::from(n(2)?));
+                }
+                reply_json(&last)
+            }
             ("get-timeslice", 2) => {
                 let (r, us) = ctl.get_timeslice(n(0)?, n(1)?);
                 let mut v = reply_json(&r);
