@@ -95,8 +95,9 @@ pub fn control_name(cmd: u32) -> String {
 
 #[derive(Default)]
 pub struct SchedulerGuard {
-    /// Per (cgroup, control): when a line was last logged, and the lines skipped since.
-    logged: HashMap<(String, String), (Instant, u64)>,
+    /// Per (cgroup, control): when a line was last logged (never: `None`), and the lines
+    /// skipped since.
+    logged: HashMap<(String, String), (Option<Instant>, u64)>,
 }
 
 impl SchedulerGuard {
@@ -156,15 +157,15 @@ impl SchedulerGuard {
         let slot = self
             .logged
             .entry((cgroup.clone(), control.clone()))
-            .or_insert((now - LOG_EVERY, 0));
-        if now.duration_since(slot.0) >= LOG_EVERY {
+            .or_insert((None, 0));
+        if slot.0.is_none_or(|at| now.duration_since(at) >= LOG_EVERY) {
             warn!(
                 cgroup = %cgroup, pid = ev.tgid, control = %control, action, reason,
                 requested = ev.value, allowed = ev.bytes, client = format_args!("{:#x}", ev.client),
                 skipped = slot.1,
                 "scheduling control of a tenant {action}"
             );
-            *slot = (now, 0);
+            *slot = (Some(now), 0);
         } else {
             slot.1 += 1;
         }
