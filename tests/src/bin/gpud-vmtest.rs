@@ -649,7 +649,8 @@ fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
 
 /// A tenant for the scheduler guard: its own client, device 0, subdevice, channel group and
 /// channel on the fake control device, answering `ids`, `ts US` (set, then read back), `get`,
-/// `schedule 0|1` (its group off or on the runlist),
+/// `schedule 0|1` (its group off or on the runlist), `fuzz SEED N CLIENT CHANNEL` (see
+/// [`guard_fuzz`]),
 /// `disable|enable CLIENT CHANNEL`, `ctl NAME` (a control tenants may not use) and `malformed`.
 fn guard_tenant(
     ctl: &std::path::Path,
@@ -729,6 +730,13 @@ fn guard_tenant(
                 said(unsafe { rm.control_nvos54(&mut p) })
             }
             ["malformed"] => guard_malformed(&rm, client, sub, tsg),
+            ["fuzz", seed, n, bc, bch] => guard_fuzz(
+                &rm,
+                [client, sub, tsg, chan],
+                (num(bc) as u32, num(bch) as u32),
+                seed.parse().unwrap_or(1),
+                n.parse().unwrap_or(0),
+            ),
             _ => format!("unknown request {req:?}"),
         }
     };
@@ -765,6 +773,104 @@ fn guard_malformed(rm: &gpud_tests::rm::Ctl<'_>, client: u32, sub: u32, tsg: u32
     } else {
         bad.join("; ")
     }
+}
+
+/// N corrupted guarded controls (seeded): any guarded command or its legacy alias, random
+/// flags, sizes and parameter bytes (timeslices, channel lists naming the caller's own and the
+/// given neighbour's client and channel), pointers valid, null or in the kernel half, directly or
+/// wrapped in an XFER. The guard may only ever write the caller's own `NVOS54` and parameters;
+/// what the driver ends up with is checked by the caller. `ok accepted=K`.
+fn guard_fuzz(
+    rm: &gpud_tests::rm::Ctl<'_>,
+    [client, sub, tsg, chan]: [u32; 4],
+    (bc, bch): (u32, u32),
+    seed: u64,
+    n: u64,
+) -> String {
+    use gpud_common::rm::{self as r, sched};
+    let mut x = seed | 1;
+    let mut next = move || {
+        // xorshift64*, as gpud-rm's fuzz.
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    };
+    let mut accepted = 0u64;
+    for _ in 0..n {
+        let row = sched::CONTROLS[(next() % sched::CONTROLS.len() as u64) as usize];
+        let mut params = [0u8; 600];
+        for b in params.iter_mut() {
+            *b = next() as u8;
+        }
+        match row.cmd {
+            r::tsg::SET_TIMESLICE => {
+                params[..8].copy_from_slice(&(next() % 4_000_000).to_ne_bytes());
+            }
+            sched::DISABLE_CHANNELS => {
+                let count = (next() % 70) as u32;
+                params[4..8].copy_from_slice(&count.to_ne_bytes());
+                params[16..24].copy_from_slice(&[0; 8]);
+                for i in 0..64 {
+                    let (c, h) = match next() % 3 {
+                        0 => (bc, bch),
+                        1 => (client, chan),
+                        _ => (next() as u32, next() as u32),
+                    };
+                    params[24 + 4 * i..28 + 4 * i].copy_from_slice(&c.to_ne_bytes());
+                    params[280 + 4 * i..284 + 4 * i].copy_from_slice(&h.to_ne_bytes());
+                }
+            }
+            _ => {}
+        }
+        let cmd = if next() % 8 == 0 {
+            row.cmd | sched::LEGACY_BIT
+        } else {
+            row.cmd
+        };
+        let size = match next() % 6 {
+            0 => 0,
+            1 => (next() % 600) as u32,
+            _ => row.size,
+        };
+        let ptr = match next() % 10 {
+            0 => 0,
+            1 => next() | 1 << 63,
+            _ => params.as_mut_ptr() as u64,
+        };
+        let mut p = r::Nvos54 {
+            h_client: client,
+            h_object: if next() % 2 == 0 { tsg } else { sub },
+            cmd,
+            flags: if next() % 10 == 0 {
+                next() as u32 & 7
+            } else {
+                0
+            },
+            params: ptr,
+            params_size: size,
+            status: next() as u32,
+        };
+        let (ret, _) = if next() % 4 == 0 {
+            let mut xfer = r::NvIoctlXfer {
+                cmd: nv::NV_ESC_RM_CONTROL,
+                size: nv::NVOS54_SIZE,
+                ptr: (&mut p as *mut r::Nvos54) as u64,
+            };
+            let c = nv::nv_iowr(nv::NV_ESC_IOCTL_XFER_CMD, nv::NV_IOCTL_XFER_SIZE);
+            // SAFETY: `xfer`, `p` and `params` (600 bytes, more than any size used) live
+            // across the call; other pointers are null or kernel-half garbage.
+            unsafe { rm.raw(c, (&mut xfer as *mut r::NvIoctlXfer).cast()) }
+        } else {
+            let c = nv::nv_iowr(nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE);
+            // SAFETY: as above.
+            unsafe { rm.raw(c, (&mut p as *mut r::Nvos54).cast()) }
+        };
+        if ret == 0 && p.status == 0 {
+            accepted += 1;
+        }
+    }
+    format!("ok accepted={accepted}")
 }
 
 /// The scheduler guard on the fake control device: a tenant's timeslice is lowered to its
@@ -1054,6 +1160,49 @@ fn scheduler_guard(
         stats.get("sched_guarded") == Some(&13),
         "kernel stats {stats:?}"
     );
+
+    // Corrupted calls from the best-effort tenant, guard enforcing: whatever got through, the
+    // driver holds no timeslice above its allowance, no interleave or realtime, and the
+    // neighbour's channel runs.
+    attribution.set_scheduler_guard(gpud::config::GuardMode::Enforce)?;
+    let ie = ids(&mut e)?;
+    let hex = |s: &str| u32::from_str_radix(s.trim_start_matches("0x"), 16).unwrap_or(0);
+    let (ec, eg) = (hex(&ie[0]), hex(&ie[1]));
+    let refused_before: Vec<u64> = {
+        let snap = fake.snapshot();
+        gpud_common::rm::sched::CONTROLS
+            .iter()
+            .filter(|c| c.rule == gpud_common::rm::sched::Rule::Refuse)
+            .map(|c| snap.control_count(c.cmd))
+            .collect()
+    };
+    for seed in [3u64, 17, 2026] {
+        let r = e.ask(&format!("fuzz {seed} 300 {} {}", ib[0], ib[2]))?;
+        ensure!(r.starts_with("ok accepted="), "fuzz {seed}: {r}");
+        let snap = fake.snapshot();
+        let g = snap
+            .channel_group(ec, eg)
+            .ok_or_else(|| anyhow::anyhow!("e's group gone after fuzz {seed}"))?;
+        ensure!(
+            g.timeslice_us <= be_us && g.interleave == 0 && !g.realtime,
+            "fuzz {seed}: e's group {g:?}"
+        );
+        ensure!(
+            chan_enabled(&fake, &ib) == Some(true),
+            "fuzz {seed}: b's channel disabled"
+        );
+        let refused_now: Vec<u64> = gpud_common::rm::sched::CONTROLS
+            .iter()
+            .filter(|c| c.rule == gpud_common::rm::sched::Rule::Refuse)
+            .map(|c| snap.control_count(c.cmd))
+            .collect();
+        ensure!(
+            refused_now == refused_before,
+            "fuzz {seed}: a refused control reached the driver"
+        );
+    }
+    drain(&mut attribution);
+    println!("[guard-{tag}] corrupted calls: nothing past the guard");
 
     for t in [a, b, l, e] {
         t.release();
