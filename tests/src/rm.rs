@@ -157,6 +157,18 @@ impl Form {
     }
 }
 
+/// A seeded xorshift64* generator: fixed and dependency-free, enough for the fuzz runs' mutation
+/// choices (the same seed replays the same calls).
+pub fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed | 1;
+    move || {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
 /// What one call reported.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Reply {

@@ -369,14 +369,7 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
 /// bytes. Deterministic for a seed. Answers how many calls the driver accepted.
 fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
     use gpud_common::rm::{self as r, MemoryAllocationParams, Nvos00, Nvos32, Nvos64};
-    let mut x = seed | 1;
-    let mut next = move || {
-        // xorshift64*: a fixed, dependency-free generator, enough for mutation choices.
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    };
+    let mut next = gpud_tests::rm::xorshift(seed);
     let mut accepted = 0u64;
     let mut handles: Vec<u32> = Vec::new();
     for _ in 0..n {
@@ -384,10 +377,10 @@ fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
             size: (next() % (8 << 20)) + 1,
             ..Default::default()
         };
-        if next() % 8 == 0 {
+        if next().is_multiple_of(8) {
             params.flags = next() as u32;
         }
-        if next() % 8 == 0 {
+        if next().is_multiple_of(8) {
             params.attr = next() as u32;
         }
         let pick = next() % 10;
@@ -395,12 +388,12 @@ fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
         let (nr, size) = match pick {
             0..=5 => {
                 let mut a = Nvos64 {
-                    h_root: if next() % 10 == 0 {
+                    h_root: if next().is_multiple_of(10) {
                         next() as u32
                     } else {
                         client
                     },
-                    h_object_parent: if next() % 10 == 0 {
+                    h_object_parent: if next().is_multiple_of(10) {
                         next() as u32
                     } else {
                         device
@@ -417,7 +410,11 @@ fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
                         1 => next() | 1 << 63,
                         _ => (&mut params as *mut MemoryAllocationParams) as u64,
                     },
-                    flags: if next() % 10 == 0 { next() as u32 } else { 0 },
+                    flags: if next().is_multiple_of(10) {
+                        next() as u32
+                    } else {
+                        0
+                    },
                     ..Default::default()
                 };
                 a.status = next() as u32; // an OUT field: garbage on the way in
@@ -437,7 +434,7 @@ fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
                     ..Default::default()
                 };
                 for b in v.data.iter_mut() {
-                    if next() % 4 == 0 {
+                    if next().is_multiple_of(4) {
                         *b = next() as u8;
                     }
                 }
@@ -446,7 +443,7 @@ fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
             }
             8 => {
                 let obj = match handles.last() {
-                    Some(h) if next() % 2 == 0 => *h,
+                    Some(h) if next().is_multiple_of(2) => *h,
                     _ => next() as u32,
                 };
                 let f = Nvos00 {
@@ -468,7 +465,7 @@ fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
                 (nv::NV_ESC_RM_ALLOC, 48)
             }
         };
-        let (ret, _) = if next() % 4 == 0 {
+        let (ret, _) = if next().is_multiple_of(4) {
             let mut x = r::NvIoctlXfer {
                 cmd: nr,
                 size,

@@ -788,14 +788,7 @@ fn guard_fuzz(
     n: u64,
 ) -> String {
     use gpud_common::rm::{self as r, sched};
-    let mut x = seed | 1;
-    let mut next = move || {
-        // xorshift64*, as gpud-rm's fuzz.
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    };
+    let mut next = gpud_tests::rm::xorshift(seed);
     let mut accepted = 0u64;
     for _ in 0..n {
         let row = sched::CONTROLS[(next() % sched::CONTROLS.len() as u64) as usize];
@@ -823,7 +816,7 @@ fn guard_fuzz(
             }
             _ => {}
         }
-        let cmd = if next() % 8 == 0 {
+        let cmd = if next().is_multiple_of(8) {
             row.cmd | sched::LEGACY_BIT
         } else {
             row.cmd
@@ -840,9 +833,9 @@ fn guard_fuzz(
         };
         let mut p = r::Nvos54 {
             h_client: client,
-            h_object: if next() % 2 == 0 { tsg } else { sub },
+            h_object: if next().is_multiple_of(2) { tsg } else { sub },
             cmd,
-            flags: if next() % 10 == 0 {
+            flags: if next().is_multiple_of(10) {
                 next() as u32 & 7
             } else {
                 0
@@ -851,7 +844,7 @@ fn guard_fuzz(
             params_size: size,
             status: next() as u32,
         };
-        let (ret, _) = if next() % 4 == 0 {
+        let (ret, _) = if next().is_multiple_of(4) {
             let mut xfer = r::NvIoctlXfer {
                 cmd: nv::NV_ESC_RM_CONTROL,
                 size: nv::NVOS54_SIZE,
