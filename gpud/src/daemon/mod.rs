@@ -156,9 +156,17 @@ async fn run_state(
                 if !refresh {
                     views.changing();
                 }
-                // Only requests (SetLimits, ClearLimits, a reload) and removals change limits;
-                // kernel events come by the thousand and must stay cheap.
-                let limits_may_change = matches!(msg, Message::Request(_) | Message::CgroupRemoved);
+                // Only SetLimits, ClearLimits, a reload and removals change limits; kernel events
+                // come by the thousand and a stale GetCgroup is on the readers' path: both must
+                // stay cheap.
+                let limits_may_change = matches!(
+                    msg,
+                    Message::Request(
+                        Request::SetLimits { .. }
+                            | Request::ClearLimits { .. }
+                            | Request::Reconfigure(..)
+                    ) | Message::CgroupRemoved
+                );
                 if let Some(new) = handle(&mut state, msg) && new != intervals {
                     intervals = new;
                     sweep = timer(intervals.sweep);
