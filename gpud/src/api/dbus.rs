@@ -347,17 +347,24 @@ impl Manager {
     }
 }
 
-/// Publishes limit notices as `MemoryLimitExceeded` signals until the channel closes.
-pub async fn publish_notices(
+/// Emits one signal per item of `rx` with `emit` until the channel closes: `what` names the
+/// signal in the warnings (items dropped for a slow subscriber, a failed emission).
+async fn publish<T, F, Fut>(
     conn: zbus::Connection,
-    mut rx: tokio::sync::broadcast::Receiver<LimitNotice>,
-) {
+    mut rx: tokio::sync::broadcast::Receiver<T>,
+    what: &str,
+    emit: F,
+) where
+    T: Clone,
+    F: Fn(zbus::object_server::SignalEmitter<'static>, T) -> Fut,
+    Fut: std::future::Future<Output = zbus::Result<()>>,
+{
     use tokio::sync::broadcast::error::RecvError;
     loop {
-        let n = match rx.recv().await {
-            Ok(n) => n,
+        let item = match rx.recv().await {
+            Ok(item) => item,
             Err(RecvError::Lagged(missed)) => {
-                tracing::warn!(missed, "limit signals dropped (subscriber too slow)");
+                tracing::warn!(missed, "{what} signals dropped (subscriber too slow)");
                 continue;
             }
             Err(RecvError::Closed) => return,
@@ -365,104 +372,70 @@ pub async fn publish_notices(
         let emitter = match zbus::object_server::SignalEmitter::new(&conn, OBJECT_PATH) {
             Ok(e) => e,
             Err(e) => {
-                tracing::warn!("cannot emit signal: {e}");
+                tracing::warn!("cannot emit {what}: {e}");
                 continue;
             }
         };
-        if let Err(e) = Manager::memory_limit_exceeded(
-            &emitter, &n.cgroup, &n.gpu, n.pid, n.bytes, n.usage, n.max, &n.action,
-        )
-        .await
-        {
-            tracing::warn!("cannot emit MemoryLimitExceeded: {e}");
+        if let Err(e) = emit(emitter, item).await {
+            tracing::warn!("cannot emit {what}: {e}");
         }
     }
+}
+
+/// Publishes limit notices as `MemoryLimitExceeded` signals until the channel closes.
+pub async fn publish_notices(
+    conn: zbus::Connection,
+    rx: tokio::sync::broadcast::Receiver<LimitNotice>,
+) {
+    publish(conn, rx, "MemoryLimitExceeded", |e, n| async move {
+        Manager::memory_limit_exceeded(
+            &e, &n.cgroup, &n.gpu, n.pid, n.bytes, n.usage, n.max, &n.action,
+        )
+        .await
+    })
+    .await;
 }
 
 /// Publishes the scheduler guard's reports as `SchedulerControlGuarded` signals until the
 /// channel closes.
 pub async fn publish_guard_notices(
     conn: zbus::Connection,
-    mut rx: tokio::sync::broadcast::Receiver<GuardNotice>,
+    rx: tokio::sync::broadcast::Receiver<GuardNotice>,
 ) {
-    use tokio::sync::broadcast::error::RecvError;
-    loop {
-        let n = match rx.recv().await {
-            Ok(n) => n,
-            Err(RecvError::Lagged(missed)) => {
-                tracing::warn!(
-                    missed,
-                    "scheduler guard signals dropped (subscriber too slow)"
-                );
-                continue;
-            }
-            Err(RecvError::Closed) => return,
-        };
-        if let Ok(emitter) = zbus::object_server::SignalEmitter::new(&conn, OBJECT_PATH)
-            && let Err(e) = Manager::scheduler_control_guarded(
-                &emitter,
-                &n.cgroup,
-                n.pid,
-                &n.control,
-                &n.action,
-                &n.reason,
-                n.requested,
-                n.allowed,
-            )
-            .await
-        {
-            tracing::warn!("cannot emit SchedulerControlGuarded: {e}");
-        }
-    }
+    publish(conn, rx, "SchedulerControlGuarded", |e, n| async move {
+        Manager::scheduler_control_guarded(
+            &e,
+            &n.cgroup,
+            n.pid,
+            &n.control,
+            &n.action,
+            &n.reason,
+            n.requested,
+            n.allowed,
+        )
+        .await
+    })
+    .await;
 }
 
 /// Publishes `IdleChanged` signals until the channel closes.
 pub async fn publish_idle(
     conn: zbus::Connection,
-    mut rx: tokio::sync::broadcast::Receiver<IdleChange>,
+    rx: tokio::sync::broadcast::Receiver<IdleChange>,
 ) {
-    use tokio::sync::broadcast::error::RecvError;
-    loop {
-        let c = match rx.recv().await {
-            Ok(c) => c,
-            Err(RecvError::Lagged(missed)) => {
-                tracing::warn!(missed, "idle signals dropped (subscriber too slow)");
-                continue;
-            }
-            Err(RecvError::Closed) => return,
-        };
-        if let Ok(emitter) = zbus::object_server::SignalEmitter::new(&conn, OBJECT_PATH)
-            && let Err(e) = Manager::idle_changed(
-                &emitter,
-                &c.cgroup,
-                c.gpu,
-                c.idle,
-                c.memory_bytes,
-                c.idle_secs,
-            )
-            .await
-        {
-            tracing::warn!("cannot emit IdleChanged: {e}");
-        }
-    }
+    publish(conn, rx, "IdleChanged", |e, c| async move {
+        Manager::idle_changed(&e, &c.cgroup, c.gpu, c.idle, c.memory_bytes, c.idle_secs).await
+    })
+    .await;
 }
 
 /// Publishes `ComputeThrottled` signals until the channel closes.
 pub async fn publish_throttled(
     conn: zbus::Connection,
-    mut rx: tokio::sync::broadcast::Receiver<String>,
+    rx: tokio::sync::broadcast::Receiver<String>,
 ) {
-    use tokio::sync::broadcast::error::RecvError;
-    loop {
-        let cgroup = match rx.recv().await {
-            Ok(c) => c,
-            Err(RecvError::Lagged(_)) => continue,
-            Err(RecvError::Closed) => return,
-        };
-        if let Ok(emitter) = zbus::object_server::SignalEmitter::new(&conn, OBJECT_PATH)
-            && let Err(e) = Manager::compute_throttled(&emitter, &cgroup).await
-        {
-            tracing::warn!("cannot emit ComputeThrottled: {e}");
-        }
-    }
+    publish(conn, rx, "ComputeThrottled", |e, cgroup| async move {
+        Manager::compute_throttled(&e, &cgroup).await
+    })
+    .await;
 }
