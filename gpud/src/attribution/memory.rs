@@ -10,7 +10,7 @@ use gpud_common::{
 use tracing::{debug, info, warn};
 
 use super::{Attribution, AttributionError, ChannelGroup};
-use crate::probes::map_entries;
+use crate::probes::{map_entries, remove_key};
 
 /// Name of a GPU key in records: the index, `unknown`, or `all`.
 pub fn gpu_name(gpu: u32) -> String {
@@ -101,12 +101,7 @@ impl Attribution {
     ) -> Result<(), AttributionError> {
         match us {
             Some(us) => self.maps.sched_allow.insert(cgroup_id, us, 0)?,
-            None => match self.maps.sched_allow.remove(&cgroup_id) {
-                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-                Err(aya::maps::MapError::SyscallError(e))
-                    if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
-                Err(e) => return Err(e.into()),
-            },
+            None => remove_key(&mut self.maps.sched_allow, &cgroup_id)?,
         }
         Ok(())
     }
@@ -119,7 +114,12 @@ impl Attribution {
     /// Drops counts of the guard (of cgroups that are gone).
     pub fn forget_guard_counts(&mut self, keys: &[gpud_common::GuardKey]) {
         for k in keys {
-            let _ = self.maps.guard_counts.remove(k);
+            if let Err(e) = remove_key(&mut self.maps.guard_counts, k) {
+                warn!(
+                    "cannot drop a removed cgroup's guard counts: {}",
+                    crate::report::Chain(&e)
+                );
+            }
         }
     }
 
@@ -153,14 +153,7 @@ impl Attribution {
             gpu,
             _pad: 0,
         };
-        // aya reports a missing key on delete as a failed syscall (ENOENT): look first.
-        match self.maps.limits.get(&key, 0) {
-            Err(aya::maps::MapError::KeyNotFound) => return Ok(()),
-            Err(e) => return Err(e.into()),
-            Ok(_) => {}
-        }
-        self.maps.limits.remove(&key)?;
-        Ok(())
+        Ok(remove_key(&mut self.maps.limits, &key)?)
     }
 
     /// Kernel limits in force: (cgroup id, GPU key) → max.

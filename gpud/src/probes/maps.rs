@@ -197,6 +197,23 @@ pub(super) fn set_config_flag(ebpf: &mut Ebpf, flag: u32, on: bool) -> Result<()
     config.set(0, value, 0).map_err(map_err)
 }
 
+/// Removes `key` from a hash map; a key that is not there is not an error (the kernel answers
+/// `ENOENT`, which aya reports as a failed syscall).
+pub fn remove_key<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    key: &K,
+) -> Result<(), aya::maps::MapError> {
+    match map.remove(key) {
+        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+        Err(aya::maps::MapError::SyscallError(e))
+            if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Takes map `name` out of the loaded object, as the map type `T`.
 pub(super) fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, ProbeError>
 where

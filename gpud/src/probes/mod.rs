@@ -32,7 +32,7 @@ use tracing::{debug, info, warn};
 pub use attach::{AttachMode, SYS_IOCTL, Tier};
 pub use caps::KernelCaps;
 pub use devices::{DynamicMajors, ExtraFile, Matcher};
-pub use maps::{KernelMaps, map_entries};
+pub use maps::{KernelMaps, map_entries, remove_key};
 pub use pin::{BPF_FS_MAGIC, TRACEFS, TRACEFS_MAGIC, ensure_mounted};
 
 use crate::{

@@ -118,11 +118,8 @@ impl HeldGroups {
 
     fn forget(&mut self, key: ObjKey) {
         self.pids.remove(&key);
-        match self.map.remove(&key) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
-            Err(e) => warn!("cannot release a held channel group: {}", Chain(&e)),
+        if let Err(e) = crate::probes::remove_key(&mut self.map, &key) {
+            warn!("cannot release a held channel group: {}", Chain(&e));
         }
     }
 
