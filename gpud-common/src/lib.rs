@@ -12,7 +12,7 @@ pub mod rm;
 
 /// Bumped whenever a map layout, map name or event record changes. Maps are pinned under
 /// `<bpffs>/gpud/v<ABI_VERSION>/`, so a daemon of another ABI never reads a foreign layout.
-pub const ABI_VERSION: u32 = 4;
+pub const ABI_VERSION: u32 = 5;
 
 /// Classes of ioctls on NVIDIA device files, as counted per cgroup and per process.
 #[repr(u32)]
@@ -274,8 +274,12 @@ pub mod stat {
     pub const SCHED_GUARD_QUIET: u32 = 14;
     /// Calls the guard acted on whose `GUARD_COUNTS` entry could not be made (map full).
     pub const GUARD_COUNTS_FULL: u32 = 15;
+    /// Objects the daemon's sweep released as orphans: no client record and no known control
+    /// file, so no release rule could ever reach them (a race the rules missed, or an object of
+    /// an older daemon).
+    pub const ORPHANS_RELEASED: u32 = 16;
     /// Number of counters.
-    pub const COUNT: u32 = 16;
+    pub const COUNT: u32 = 17;
 }
 
 /// `Event::kind`: a process became tracked (opened an NVIDIA file, first matched ioctl, or forked
@@ -405,7 +409,9 @@ pub struct ObjEntry {
     pub cgroup_id: u64,
     /// Bytes charged (memory objects; the size the driver wrote back).
     pub bytes: u64,
-    /// Clients: address of the control `struct file` that owns them.
+    /// Address of the control `struct file` the object was made through (for a client, the
+    /// file that owns it). The driver frees every object made through a file when its last
+    /// reference goes, so this alone decides that release.
     pub file: u64,
     /// `bpf_ktime_get_ns()` at creation: the daemon releases an object only if it still has
     /// this serial, and only objects older than the event that released their tree.

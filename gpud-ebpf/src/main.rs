@@ -90,17 +90,23 @@ macro_rules! run_program {
 
 run_program! {
     /// Never attached: the daemon runs it with `BPF_PROG_TEST_RUN` (arguments: client, object,
-    /// serial) to release an object below a freed subtree, client or file. Returns 0 if released.
+    /// serial, orphan) to release an object below a freed subtree, client or file, or (orphan
+    /// non-zero) one its sweep found with neither a client nor a known file, counted in
+    /// `ORPHANS_RELEASED`. Returns 0 if released.
     fn gpud_release(ctx) -> i32 {
         let client: u64 = ctx.arg(0);
         let object: u64 = ctx.arg(1);
         let serial: u64 = ctx.arg(2);
+        let orphan: u64 = ctx.arg(3);
         let key = ObjKey {
             client: client as u32,
             object: object as u32,
         };
         if serial == 0 || !release(&key, serial) {
             return 1;
+        }
+        if orphan != 0 {
+            bump_stat(stat::ORPHANS_RELEASED);
         }
         0
     }

@@ -247,6 +247,10 @@ fn serial_now() -> u64 {
     unsafe { bpf_ktime_get_ns() }
 }
 
+/// Records an object made through the control file `file`. Every object carries its file, not
+/// only its client: the driver frees everything made through a file when the file's last
+/// reference goes, so an object is released by its own file even where its client's record is
+/// gone or was never seen (the release rule, docs/design.md).
 #[inline(always)]
 fn track_object(key: ObjKey, kind: u32, parent: u32, gpu: u32, bytes: u64, file: u64) -> bool {
     let entry = ObjEntry {
@@ -419,11 +423,11 @@ fn alloc_done(p: &Pending) {
         rm::class::DEVICE => {
             let gpu = unsafe { user::<u32>(head.p_alloc_parms + rm::DEVICE_PARAMS_ID as u64) }
                 .unwrap_or(GPU_UNKNOWN);
-            track_object(key, OBJ_DEVICE, head.h_object_parent, gpu, 0, 0);
+            track_object(key, OBJ_DEVICE, head.h_object_parent, gpu, 0, p.file);
         }
         rm::class::SUBDEVICE => {
             let gpu = gpu_of(head.h_root, head.h_object_parent);
-            track_object(key, OBJ_SUBDEVICE, head.h_object_parent, gpu, 0, 0);
+            track_object(key, OBJ_SUBDEVICE, head.h_object_parent, gpu, 0, p.file);
         }
         rm::class::CHANNEL_GROUP => {
             let gpu = gpu_of(head.h_root, head.h_object_parent);
@@ -431,7 +435,7 @@ fn alloc_done(p: &Pending) {
         }
         rm::class::MEMORY_LOCAL_USER => {
             if let Some((client, parent, handle, bytes)) = vidmem_request(p.nr, p.size, p.params) {
-                memory_done(client, parent, handle, bytes);
+                memory_done(client, parent, handle, bytes, p.file);
             }
         }
         _ => {}
@@ -468,13 +472,14 @@ fn vidheap_done(p: &Pending) {
         return;
     }
     if let Some((client, parent, handle, bytes)) = vidmem_request(p.nr, p.size, p.params) {
-        memory_done(client, parent, handle, bytes);
+        memory_done(client, parent, handle, bytes, p.file);
     }
 }
 
-/// Charges a successful video-memory allocation and applies the `react` tier.
+/// Charges a successful video-memory allocation made through the control file `file` and
+/// applies the `react` tier.
 #[inline(always)]
-fn memory_done(client: u32, parent: u32, handle: u32, bytes: u64) {
+fn memory_done(client: u32, parent: u32, handle: u32, bytes: u64, file: u64) {
     let Some((_, anc)) = current_ancestry() else {
         return;
     };
@@ -489,7 +494,7 @@ fn memory_done(client: u32, parent: u32, handle: u32, bytes: u64) {
     // A stale entry under this key (a free missed while nothing was attached) goes first.
     release(&key, 0);
     charge(anc, gpu, bytes);
-    if !track_object(key, OBJ_MEMORY, parent, gpu, bytes, 0) {
+    if !track_object(key, OBJ_MEMORY, parent, gpu, bytes, file) {
         charge(anc, gpu, bytes.wrapping_neg());
         return;
     }

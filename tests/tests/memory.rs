@@ -485,3 +485,112 @@ async fn the_memory_view_says_why_it_is_unavailable_and_limited_cgroups_read_the
         "nothing to turn off"
     );
 }
+
+/// The guard rail behind the release rules: an object charged to a cgroup with neither a client
+/// record nor a known control file (what a race of the rules would leave, and what the soak
+/// found before the rules were fixed) is released by the next sweep, counted in the kernel's
+/// `orphans_released` and logged at warn with its cgroup, bytes and age. It is stranded here by
+/// writing it into the daemon's pinned maps, charge and all, as the probes would have.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_is_released_within_one_sweep_counted_and_logged() {
+    use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+    use gpud_common::{GPU_ALL, OBJ_MEMORY, ObjEntry, ObjKey, UsageKey, maps};
+    use std::os::unix::fs::MetadataExt as _;
+
+    let Some(rig) = started("mem-orphan", "notify", false).await else {
+        return;
+    };
+    let cg = Cgroup::new("mem-orphan");
+    let id = std::fs::metadata(&cg.dir).expect("stat cgroup").ino();
+    let (_c, p) = rig.proxy().await;
+    // A real allocation beside it, whose client and file are known: it must stay.
+    let mut pr = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (c, d) = pr.client_device(0);
+    pr.ok(&format!("alloc {c} {d} {} nvos21", 2 * MIB));
+    rig.expect_memory(&cg.rel, &[("0", 2 * MIB), ("all", 2 * MIB)])
+        .await;
+
+    let pin = |name: &str| MapData::from_pin(rig.pins().join(name)).expect("pinned map");
+    let mut usage: BpfHashMap<_, UsageKey, u64> =
+        BpfHashMap::try_from(Map::HashMap(pin(maps::USAGE))).expect("USAGE");
+    let mut objects: BpfHashMap<_, ObjKey, ObjEntry> =
+        BpfHashMap::try_from(Map::HashMap(pin(maps::OBJECTS))).expect("OBJECTS");
+    let bytes = 6 * MIB;
+    for gpu in [0, GPU_ALL] {
+        let key = UsageKey {
+            cgroup_id: id,
+            gpu,
+            _pad: 0,
+        };
+        let now = usage.get(&key, 0).expect("the cgroup's usage");
+        usage.insert(key, now + bytes, 0).expect("charge");
+    }
+    // The probes' serials are CLOCK_MONOTONIC nanoseconds; the sweep judges objects older than
+    // its own start.
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) },
+        0
+    );
+    let serial = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    let orphan = ObjKey {
+        client: 0xdead_0001,
+        object: 0xdead_0002,
+    };
+    let entry = ObjEntry {
+        kind: OBJ_MEMORY,
+        parent: 0xdead_0003,
+        gpu: 0,
+        tgid: pr.pid,
+        cgroup_id: id,
+        bytes,
+        file: 0,
+        serial,
+    };
+    objects.insert(orphan, entry, 0).expect("strand the object");
+    let stranded = std::time::Instant::now();
+    // It is charged (the sweep may already have taken it: then the wait below sees it gone).
+    let r = p.get_cgroup(&cg.rel).await.expect("GetCgroup");
+    assert!(
+        [2 * MIB, 8 * MIB].contains(&r.memory_current["all"]),
+        "{:?}",
+        r.memory_current
+    );
+
+    // Within one sweep (1 s here) and the read path's refresh: only the real allocation is left.
+    rig.expect_memory(&cg.rel, &[("0", 2 * MIB), ("all", 2 * MIB)])
+        .await;
+    let took = stranded.elapsed();
+    assert!(took < Duration::from_secs(3), "released after {took:?}");
+    assert!(
+        objects.get(&orphan, 0).is_err(),
+        "the orphan is still in OBJECTS"
+    );
+    let stats = p.get_kernel_stats().await.expect("GetKernelStats");
+    assert_eq!(stats.get("orphans_released"), Some(&1), "{stats:?}");
+    let log = rig.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("orphan released"))
+        .unwrap_or_else(|| panic!("no warning:\n{log}"));
+    for want in [
+        "WARN",
+        &format!("cgroup={}", cg.rel),
+        &format!("bytes={bytes}"),
+        "age_ms=",
+        "client=3735879681",
+    ] {
+        assert!(line.contains(want), "{want:?} not in {line}");
+    }
+
+    // The known allocation still goes the ordinary way, not as an orphan.
+    let _ = pr.try_cmd("exit");
+    pr.wait();
+    rig.expect_memory(&cg.rel, &[("all", 0)]).await;
+    let stats = p.get_kernel_stats().await.expect("GetKernelStats");
+    assert_eq!(stats.get("orphans_released"), Some(&1), "{stats:?}");
+}

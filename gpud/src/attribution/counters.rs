@@ -9,7 +9,7 @@ use gpud_common::stat;
 use super::{Attribution, AttributionError};
 
 /// The counters by the names the API and metrics use.
-const NAMES: [(u32, &str); 16] = [
+const NAMES: [(u32, &str); stat::COUNT as usize] = [
     (stat::EVENTS_LOST, "events_lost"),
     (stat::PROCS_FULL, "procs_map_full"),
     (stat::CGROUPS_FULL, "cgroups_map_full"),
@@ -26,6 +26,7 @@ const NAMES: [(u32, &str); 16] = [
     (stat::SCHED_GUARDED, "sched_guarded"),
     (stat::SCHED_GUARD_QUIET, "sched_guard_quiet"),
     (stat::GUARD_COUNTS_FULL, "guard_counts_map_full"),
+    (stat::ORPHANS_RELEASED, "orphans_released"),
 ];
 
 /// The counters that move whenever the kernel changes what a cgroup's record shows without

@@ -2,7 +2,7 @@
 //! releases the kernel leaves to the daemon (subtree, client and file frees, which need a walk
 //! over the objects). Part of [`Attribution`](super::Attribution); the state task owns it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use gpud_common::{
     GPU_ALL, GPU_UNKNOWN, LimitValue, OBJ_CHANNEL_GROUP, OBJ_CLIENT, ObjEntry, ObjKey, UsageKey,
@@ -216,6 +216,7 @@ impl Attribution {
                         object: *handle,
                     },
                     e,
+                    false,
                 );
             }
         }
@@ -223,16 +224,19 @@ impl Attribution {
         released
     }
 
-    /// Releases every client owned by the control file at address `file` that is older than
-    /// `before` (the file's last reference went; the driver freed its clients without RM_FREE).
+    /// Releases what was made through the control file at address `file` before `before` (the
+    /// file's last reference went; the driver freed its clients without RM_FREE).
     pub fn release_file(&mut self, file: u64, before: u64) -> usize {
         let objects = self.objects();
         self.release_file_of(&objects, file, before)
     }
 
-    /// [`Self::release_file`] on objects already read.
+    /// [`Self::release_file`] on objects already read: the file's clients with everything
+    /// below them, then every other object made through the file. Those have no client record
+    /// to go with (their client was made before gpud attached, or a race dropped its record):
+    /// they are released by their own file, as orphans.
     fn release_file_of(&mut self, objects: &[(ObjKey, ObjEntry)], file: u64, before: u64) -> usize {
-        let clients: Vec<u32> = objects
+        let clients: BTreeSet<u32> = objects
             .iter()
             .filter(|(k, e)| {
                 e.kind == OBJ_CLIENT && e.file == file && e.serial < before && k.client == k.object
@@ -240,8 +244,14 @@ impl Attribution {
             .map(|(k, _)| k.client)
             .collect();
         let mut released = 0;
-        for c in clients {
+        for &c in &clients {
             released += self.release_tree_of(objects, c, c, before);
+        }
+        for (k, e) in objects
+            .iter()
+            .filter(|(k, e)| e.file == file && e.serial < before && !clients.contains(&k.client))
+        {
+            released += self.release_orphan(*k, e, "its control file was released");
         }
         if released > 0 {
             info!(
@@ -256,10 +266,15 @@ impl Attribution {
     /// reference to the control file it was made through goes (a descriptor in any process, a
     /// mapping, a message in flight), so its objects are charged exactly that long, whoever
     /// holds the file meanwhile and whether or not its creator lives. Asks the kernel about each
-    /// file that clients name (`gpud_file_held`: one short program run per file) and releases
-    /// the clients of files that are gone. Catches every release the probes cannot see: a
-    /// last reference dropped by a process gpud does not track, by `munmap`, by a socket
-    /// discarding a message in flight, or while events were lost. Returns the objects released.
+    /// file that objects name (`gpud_file_held`: one short program run per file) and releases
+    /// what was made through files that are gone. Catches every release the probes cannot see:
+    /// a last reference dropped by a process gpud does not track, by `munmap`, by a socket
+    /// discarding a message in flight, or while events were lost. Then releases orphans
+    /// ([`Self::release_orphans`]). Returns the objects released.
+    ///
+    /// Only objects made before the check began are judged, against that instant: a file found
+    /// gone was gone for every object older than the check (a live file would still be at the
+    /// address), while a newer object may be on a file opened since at the same address.
     pub fn release_closed_files(&mut self) -> usize {
         self.exits_unchecked = 0;
         let started = std::time::Instant::now();
@@ -268,16 +283,9 @@ impl Attribution {
             return 0;
         };
         let objects = self.objects();
-        // Only clients made before the check began: a newer one may be on a file opened at
-        // the address of a released one, which this check would take for the old file.
-        let files: std::collections::BTreeSet<u64> = objects
+        let files: BTreeSet<u64> = objects
             .iter()
-            .filter(|(k, e)| {
-                e.kind == OBJ_CLIENT
-                    && k.client == k.object
-                    && e.file != 0
-                    && e.serial < checked_from
-            })
+            .filter(|(_, e)| e.file != 0 && e.serial < checked_from)
             .map(|(_, e)| e.file)
             .collect();
         let checked = files.len();
@@ -294,23 +302,15 @@ impl Attribution {
                         "cannot ask the kernel about a control file: {}",
                         crate::report::Chain(&e)
                     );
-                    break;
+                    return 0;
                 }
             }
         }
         let mut released = 0;
-        if !gone.is_empty() {
-            // Read again: an allocation that completed between the first read and its file's
-            // release (e.g. the one that crossed a limit, its process killed at once) is not
-            // in it, and would be left without its client. Nothing is allocated on a released
-            // file, so everything under its clients until now goes with it.
-            let objects = self.objects();
-            if let Some(now) = monotonic_ns() {
-                for file in gone {
-                    released += self.release_file_of(&objects, file, now);
-                }
-            }
+        for file in gone {
+            released += self.release_file_of(&objects, file, checked_from);
         }
+        released += self.release_orphans(&objects, checked_from);
         debug!(
             files = checked,
             objects = objects.len(),
@@ -321,8 +321,49 @@ impl Attribution {
         released
     }
 
-    fn release_one(&mut self, key: ObjKey, e: &ObjEntry) -> usize {
-        match self.probes.release(key, e.serial) {
+    /// The guard rail behind the release rules: objects older than `before` with neither a
+    /// client record nor a known control file, which no rule would ever release. Each is
+    /// released, counted (`orphans_released`) and logged at warn.
+    fn release_orphans(&mut self, objects: &[(ObjKey, ObjEntry)], before: u64) -> usize {
+        let clients: HashSet<u32> = objects
+            .iter()
+            .filter(|(k, e)| e.kind == OBJ_CLIENT && k.client == k.object)
+            .map(|(k, _)| k.client)
+            .collect();
+        let mut released = 0;
+        for (k, e) in objects.iter().filter(|(k, e)| {
+            e.kind != OBJ_CLIENT && e.file == 0 && e.serial < before && !clients.contains(&k.client)
+        }) {
+            released += self.release_orphan(*k, e, "no client and no control file is known");
+        }
+        released
+    }
+
+    /// Releases `key` as an orphan: counted in the kernel and logged with what it charged.
+    fn release_orphan(&mut self, key: ObjKey, e: &ObjEntry, why: &str) -> usize {
+        let n = self.release_one(key, e, true);
+        if n > 0 {
+            let age_ms = monotonic_ns().map_or(0, |now| now.saturating_sub(e.serial) / 1_000_000);
+            let cgroup = self
+                .cgroups
+                .path_of(e.cgroup_id)
+                .unwrap_or_else(|| format!("(removed, id {})", e.cgroup_id));
+            warn!(
+                %cgroup,
+                bytes = e.bytes,
+                gpu = %gpu_name(e.gpu),
+                age_ms,
+                pid = e.tgid,
+                client = key.client,
+                object = key.object,
+                "orphan released: {why}, and its client has no record"
+            );
+        }
+        n
+    }
+
+    fn release_one(&mut self, key: ObjKey, e: &ObjEntry, orphan: bool) -> usize {
+        match self.probes.release(key, e.serial, orphan) {
             Ok(true) => 1,
             Ok(false) => 0,
             Err(err) => {

@@ -435,9 +435,15 @@ impl Probes {
 
     /// Releases the object `(client, object)` if it still carries `serial`, uncharging its
     /// bytes, by running the `gpud_release` program in the kernel (usage counters are only ever
-    /// changed atomically there). Returns whether it was released.
-    pub fn release(&self, key: ObjKey, serial: u64) -> Result<bool, ProbeError> {
-        let args = [u64::from(key.client), u64::from(key.object), serial];
+    /// changed atomically there); an `orphan` is also counted in the kernel's
+    /// `orphans_released`. Returns whether it was released.
+    pub fn release(&self, key: ObjKey, serial: u64, orphan: bool) -> Result<bool, ProbeError> {
+        let args = [
+            u64::from(key.client),
+            u64::from(key.object),
+            serial,
+            u64::from(orphan),
+        ];
         Ok(self.run_program(programs::RELEASE, &args)? == 0)
     }
 
