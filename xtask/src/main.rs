@@ -62,9 +62,10 @@ enum Task {
         rm_rounds: u64,
     },
     /// Churn soak: the real gpud while cgroups and processes come and go, allocate, fork, exit
-    /// and are killed; asserts usage equals the fake driver's and nothing leaks. Needs root.
+    /// and are killed; asserts usage equals the fake driver's and nothing leaks. Runs on an idle
+    /// machine, then with every CPU kept busy. Needs root.
     Soak {
-        /// How long to churn.
+        /// How long to churn, in each of the two runs.
         #[arg(long, default_value_t = 10)]
         minutes: u64,
     },

@@ -2,7 +2,9 @@
 //! the short run `cargo test` gives it. It starts the real gpud on a private bus with the fake
 //! NVIDIA device, churns cgroups, processes and limits, and checks usage against the fake
 //! driver and every kernel map and daemon table for leaks; it prints a summary line
-//! `SOAK SUMMARY: …` and fails on any mismatch or leak.
+//! `SOAK SUMMARY: …` and fails on any mismatch or leak. Both variants run, N minutes each: on
+//! an otherwise idle machine and with every CPU kept busy (`GPUD_SOAK_SEED` and
+//! `GPUD_SOAK_RUNS` pass through to the test).
 
 use std::time::Duration;
 
