@@ -81,6 +81,12 @@ fn run_as(who: Who, program: &Path, args: &[&str]) -> Output {
 
 /// `gpudctl --bus-address BUS ARGS` as `who`: (success, stdout and stderr).
 fn gpudctl(who: Who, bus: &str, args: &[&str]) -> (bool, String) {
+    let (code, text) = gpudctl_code(who, bus, args);
+    (code == Some(0), text)
+}
+
+/// `gpudctl --bus-address BUS ARGS` as `who`: its exit code and output.
+fn gpudctl_code(who: Who, bus: &str, args: &[&str]) -> (Option<i32>, String) {
     let mut all = vec!["--bus-address", bus];
     all.extend_from_slice(args);
     let out = run_as(who, &gpudctl_bin(), &all);
@@ -89,7 +95,7 @@ fn gpudctl(who: Who, bus: &str, args: &[&str]) -> (bool, String) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    (out.status.success(), text)
+    (out.status.code(), text)
 }
 
 /// `busctl --address=BUS ARGS` as `who`.
@@ -131,12 +137,19 @@ async fn system_bus_policy_lets_anyone_read_and_only_root_and_admins_change() {
         vec!["set", &cg.rel, "--memory-max", "1Gi"],
         vec!["clear", &cg.rel],
     ] {
-        let (ok, text) = gpudctl(Who::Nobody, bus, &args);
-        assert!(!ok, "{args:?} allowed to a non-member: {text}");
-        assert!(
-            text.contains("org.freedesktop.DBus.Error.AccessDenied"),
-            "{args:?}: {text}"
-        );
+        let (code, text) = gpudctl_code(Who::Nobody, bus, &args);
+        assert_ne!(code, Some(0), "{args:?} allowed to a non-member: {text}");
+        // Said as a refusal, with what the caller needs; not as an unreachable daemon.
+        assert_eq!(code, Some(4), "{args:?}: {text}");
+        for needle in [
+            "not allowed",
+            "org.freedesktop.DBus.Error.AccessDenied",
+            "uid 65534",
+            "gpud-admin",
+        ] {
+            assert!(text.contains(needle), "{args:?}: {needle} not in {text}");
+        }
+        assert!(!text.contains("cannot reach"), "{args:?}: {text}");
     }
     assert_eq!(snapshot(&rig, &state).await, before);
 
@@ -239,9 +252,10 @@ async fn gpud_refuses_mutations_from_non_members_even_when_the_bus_allows_them()
         // Refused before its arguments are looked at.
         (vec!["set", "/..", "--memory-max", "2Gi"], "SetLimits"),
     ] {
-        let (ok, text) = gpudctl(Who::Nobody, bus, &args);
-        assert!(!ok, "{args:?} allowed to a non-member: {text}");
+        let (code, text) = gpudctl_code(Who::Nobody, bus, &args);
+        assert_eq!(code, Some(4), "{args:?}: {text}");
         for needle in [
+            "not allowed",
             "dev.gpud.Error.AccessDenied",
             method,
             "uid 65534",

@@ -1,7 +1,8 @@
 //! `gpudctl`: command-line client of gpud over D-Bus.
 //!
 //! Exit codes: 0 success; 1 the daemon answered with an error (e.g. unknown cgroup);
-//! 2 bad usage; 3 the daemon cannot be reached (or went away during `top`/`events`).
+//! 2 bad usage; 3 the daemon cannot be reached (or went away during `top`/`events`); 4 the
+//! caller is not allowed (refused by the bus policy or by gpud).
 
 mod events;
 mod top;
@@ -87,6 +88,8 @@ enum Command {
 pub(crate) enum Failure {
     Unreachable(String),
     Daemon(String),
+    /// The caller may not make this call (the bus policy or gpud refused it).
+    Denied(String),
     /// Already reported.
     Usage,
 }
@@ -104,9 +107,18 @@ async fn main() -> ExitCode {
             eprintln!("gpudctl: cannot reach gpud: {m}");
             ExitCode::from(3)
         }
+        Err(Failure::Denied(m)) => {
+            eprintln!("gpudctl: not allowed: {m}");
+            ExitCode::from(4)
+        }
         Err(Failure::Usage) => ExitCode::from(2),
     }
 }
+
+/// What a refused caller needs, where the refusal does not say it (the bus policy's does not).
+const NEEDS_ADMIN: &str = "changing limits needs root or membership in the admin group \
+    (`gpud-admin` as shipped; `[dbus] admin_group` in gpud.toml and the bus policy \
+    dev.gpud.Daemon1.conf name it)";
 
 pub(crate) fn daemon_err(e: zbus::Error) -> Failure {
     /// The bus answered for a daemon that is not there (not started, exited, restarting).
@@ -115,20 +127,35 @@ pub(crate) fn daemon_err(e: zbus::Error) -> Failure {
         "org.freedesktop.DBus.Error.NameHasNoOwner",
         "org.freedesktop.DBus.Error.NoReply",
     ];
-    match &e {
-        zbus::Error::MethodError(name, msg, _) if ABSENT.contains(&name.as_str()) => {
-            Failure::Unreachable(format!(
-                "{}: {}",
-                name.as_str(),
-                msg.as_deref().unwrap_or("")
-            ))
+    /// gpud's own refusal; its message names the method, the uid and the group it needs.
+    const DENIED_BY_GPUD: &str = "dev.gpud.Error.AccessDenied";
+    // zbus hands the bus's own errors (`org.freedesktop.DBus.Error.*`) over as `Error::FDO`.
+    let (name, msg) = match &e {
+        zbus::Error::MethodError(name, msg, _) => {
+            (name.as_str().to_owned(), msg.clone().unwrap_or_default())
         }
-        zbus::Error::MethodError(name, msg, _) => Failure::Daemon(format!(
-            "{}: {}",
-            name.as_str(),
-            msg.as_deref().unwrap_or("")
-        )),
-        _ => Failure::Unreachable(e.to_string()),
+        zbus::Error::FDO(f) => {
+            let name = zbus::DBusError::name(&**f).as_str().to_owned();
+            (
+                name,
+                zbus::DBusError::description(&**f)
+                    .unwrap_or_default()
+                    .to_owned(),
+            )
+        }
+        _ => return Failure::Unreachable(e.to_string()),
+    };
+    if ABSENT.contains(&name.as_str()) {
+        Failure::Unreachable(format!("{name}: {msg}"))
+    } else if name == DENIED_BY_GPUD {
+        Failure::Denied(format!("{msg} ({name})"))
+    } else if name == "org.freedesktop.DBus.Error.AccessDenied" {
+        Failure::Denied(format!(
+            "the system bus policy refused the call for uid {} ({name}: {msg}); {NEEDS_ADMIN}",
+            nix::unistd::Uid::current()
+        ))
+    } else {
+        Failure::Daemon(format!("{name}: {msg}"))
     }
 }
 
