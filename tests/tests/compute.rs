@@ -5,15 +5,16 @@
 //! the driver does), or freezes the tenants' cgroups, on its actuator's timetable.
 //!
 //! What stands in for the GPU: each tenant burns CPU as its "GPU work"; the fake NVML reports
-//! each one's CPU share as its SM utilization, and the fake device's `runlist stop` stops a
-//! tenant while its channel group is off the runlist (`runlist record`: the firmware ignores
-//! the control). A CPU has no queue to drain, so these tests check the plumbing and that the
-//! shares come out of it, not the law's accuracy on queued, time-sliced hardware: that is the
-//! simulated GPU's (tests/gpusim, `law` tests and `cargo xtask bench compute`). Shares are
-//! measured from the tenants' own CPU time, within 5 points: each switch of the stand-in costs
-//! a few FUSE round trips and signals, a millisecond or so of a 12.5 ms window. Exclusive
-//! windows and slots run one tenant at a time, so a machine with one free CPU shows them; the
-//! tests run one at a time.
+//! each one's runnable time (on a CPU or waiting for one) as its SM utilization, and the fake
+//! device's `runlist stop` stops a tenant while its channel group is off the runlist
+//! (`runlist record`: the firmware ignores the control). A CPU has no queue to drain, so these
+//! tests check the plumbing and that the shares come out of it, not the law's accuracy on
+//! queued, time-sliced hardware: that is the simulated GPU's (tests/gpusim, `law` tests and
+//! `cargo xtask bench compute`). Shares are measured as the share of the wall time each tenant
+//! was let run (runnable: on a CPU or waiting in a run queue), within 5 points: what gpud
+//! decides, whatever else keeps the machine's CPUs busy (a build beside the tests only delays
+//! the tenants, as it would not a GPU). Each switch of the stand-in costs a few FUSE round trips
+//! and signals, a millisecond or so of a 12.5 ms window. The tests run one at a time.
 
 use std::time::{Duration, Instant};
 
@@ -71,7 +72,7 @@ async fn rig(tag: &str, runlist: &str, hardware: bool) -> Option<Rig> {
     Some(rig)
 }
 
-/// [`rig`] and [`tenants`] (`None`: SKIPPED).
+/// [`rig`] and [`tenants`] (`None` without FUSE).
 async fn world(
     tag: &str,
     runlist: &str,
@@ -79,21 +80,13 @@ async fn world(
     names: &[&str],
 ) -> Option<(Rig, Vec<Tenant>)> {
     let rig = rig(tag, runlist, hardware).await?;
-    let ts = tenants(&rig, names).await?;
+    let ts = tenants(&rig, names).await;
     Some((rig, ts))
 }
 
-/// Tenants started after gpud (whose probes must see their channel groups made), listed by NVML;
-/// `None` (SKIPPED) where the first, alone, does not get a whole CPU: exclusive windows and
-/// slots run one tenant at a time, so one free CPU shows the shares.
-async fn tenants(rig: &Rig, names: &[&str]) -> Option<Vec<Tenant>> {
-    let first = tenant(rig, names[0]);
-    if !cpu_is_free(&first) {
-        return None;
-    }
-    let ts: Vec<Tenant> = std::iter::once(first)
-        .chain(names[1..].iter().map(|n| tenant(rig, n)))
-        .collect();
+/// Tenants started after gpud (whose probes must see their channel groups made), listed by NVML.
+async fn tenants(rig: &Rig, names: &[&str]) -> Vec<Tenant> {
+    let ts: Vec<Tenant> = names.iter().map(|n| tenant(rig, n)).collect();
     scenario(rig, &ts.iter().collect::<Vec<_>>());
     let (_c, p) = rig.proxy().await;
     let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
@@ -108,7 +101,7 @@ async fn tenants(rig: &Rig, names: &[&str]) -> Option<Vec<Tenant>> {
         },
     )
     .await;
-    Some(ts)
+    ts
 }
 
 async fn set(rig: &Rig, t: &Tenant, limits: &[(&str, zbus::Variant<'_>)]) {
@@ -120,42 +113,84 @@ async fn set(rig: &Rig, t: &Tenant, limits: &[(&str, zbus::Variant<'_>)]) {
     p.set_limits(&t.cg.rel, "0", m).await.expect("SetLimits");
 }
 
-/// CPU time of a process's threads (ns).
-fn runtime_ns(pid: u32) -> u64 {
+/// Time a process's threads ran on a CPU and waited in a run queue for one (ns; `schedstat`'s
+/// first two fields).
+fn sched_ns(pid: u32) -> (u64, u64) {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .map(|d| {
             d.flatten()
                 .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-                .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-                .sum()
+                .fold((0, 0), |(run, wait), s| {
+                    let mut f = s.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
+                    (run + f.next().unwrap_or(0), wait + f.next().unwrap_or(0))
+                })
         })
-        .unwrap_or(0)
+        .unwrap_or((0, 0))
 }
 
-/// Each tenant's share of one CPU (= of the stand-in GPU) over `window`, in percent.
-fn shares(tenants: &[&Tenant], window: Duration) -> Vec<f64> {
-    let before: Vec<u64> = tenants.iter().map(|t| runtime_ns(t.pid())).collect();
+/// A tenant's use of the stand-in GPU over a window, in percent of the wall time: what it ran,
+/// and what it was runnable (ran or waited for a CPU). The time it was let run lies between the
+/// two: on an idle host they agree; on a busy one, a stopped tenant must still get a CPU to stop,
+/// and that wait reads as runnable.
+#[derive(Clone, Copy, Debug)]
+struct Share {
+    ran: f64,
+    runnable: f64,
+}
+
+/// Each tenant's [`Share`] over `window`.
+fn shares_of(tenants: &[&Tenant], window: Duration) -> Vec<Share> {
+    let before: Vec<(u64, u64)> = tenants.iter().map(|t| sched_ns(t.pid())).collect();
     let t0 = Instant::now();
     std::thread::sleep(window);
     let wall = t0.elapsed().as_nanos() as f64;
     tenants
         .iter()
         .zip(before)
-        .map(|(t, b)| (runtime_ns(t.pid()) - b) as f64 / wall * 100.0)
+        .map(|(t, (run0, wait0))| {
+            let (run, wait) = sched_ns(t.pid());
+            let ran = run.saturating_sub(run0) as f64 / wall * 100.0;
+            let waited = wait.saturating_sub(wait0) as f64 / wall * 100.0;
+            Share {
+                ran,
+                runnable: ran + waited,
+            }
+        })
         .collect()
 }
 
-/// Whether a burner alone gets (nearly) a whole CPU; prints why not.
-fn cpu_is_free(t: &Tenant) -> bool {
-    let s = shares(&[t], Duration::from_millis(1000))[0];
-    if s >= 85.0 {
-        return true;
-    }
-    eprintln!(
-        "SKIPPED: a burner gets only {s:.0} % of a CPU before any control (other load on this \
-         machine); the shares need a whole CPU"
+/// Each tenant's runnable share of the stand-in GPU over `window`, in percent: CPU contention
+/// does not read as throttling.
+fn shares(tenants: &[&Tenant], window: Duration) -> Vec<f64> {
+    shares_of(tenants, window)
+        .into_iter()
+        .map(|s| s.runnable)
+        .collect()
+}
+
+/// Measures the tenants' shares over `secs` seconds and asserts each is within 5 points of its
+/// target. Several tenants dividing the GPU between them (targets summing to 100) are judged by
+/// their split of the time they were runnable: a switch that lands late on a busy host lends
+/// both sides the same extra time. A lone tenant passes when its target lies within 5 points of
+/// the span from what it ran to what it was runnable (one value on an idle host).
+fn expect_shares(rig: &Rig, what: &str, ts: &[Tenant], targets: &[f64], secs: u64) {
+    let got = shares_of(&ts.iter().collect::<Vec<_>>(), Duration::from_secs(secs));
+    let sum: f64 = got.iter().map(|s| s.runnable).sum();
+    let ok = if ts.len() > 1 && sum > 0.0 {
+        got.iter()
+            .zip(targets)
+            .all(|(g, t)| within(g.runnable / sum * 100.0, *t, 5.0))
+    } else {
+        got.iter()
+            .zip(targets)
+            .all(|(g, t)| g.ran - 5.0 <= *t && *t <= g.runnable + 5.0)
+    };
+    println!("{what}: {got:.1?} % of the wall time (targets {targets:?})");
+    assert!(
+        ok,
+        "{what}: {got:.1?} % of the wall time instead of {targets:?}:\n{}",
+        rig.log_text()
     );
-    false
 }
 
 /// Waits until the fake's channel groups satisfy `pred`.
@@ -184,18 +219,6 @@ fn held_files(rig: &Rig) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-/// Measures the tenants' shares over `secs` seconds and asserts each is within 5 points of its
-/// target.
-fn expect_shares(rig: &Rig, what: &str, ts: &[Tenant], targets: &[f64], secs: u64) {
-    let got = shares(&ts.iter().collect::<Vec<_>>(), Duration::from_secs(secs));
-    println!("{what}: {got:.1?} % (targets {targets:?})");
-    assert!(
-        got.iter().zip(targets).all(|(g, t)| within(*g, *t, 5.0)),
-        "{what}: {got:.1?} % instead of {targets:?}:\n{}",
-        rig.log_text()
-    );
 }
 
 fn within(x: f64, target: f64, tol: f64) -> bool {

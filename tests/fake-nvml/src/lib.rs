@@ -83,9 +83,11 @@
 //!
 //! `sm_util = round(100 × Δruntime / Δwall)`, capped at 100,
 //!
-//! where runtime is the sum of `sum_exec_runtime` over the process's live threads
-//! (`/proc/<pid>/task/*/schedstat`, nanoseconds: exact, unlike the 10 ms ticks of
-//! `/proc/<pid>/stat`). Every data call records each simulated process's runtime under the
+//! where runtime is the time the process's live threads were runnable: on a CPU or waiting in a
+//! run queue for one (the first two fields of `/proc/<pid>/task/*/schedstat`, nanoseconds: exact,
+//! unlike the 10 ms ticks of `/proc/<pid>/stat`). Time spent waiting for a CPU counts: each
+//! simulated process has the stand-in GPU to itself, and a busy host (a build beside the tests)
+//! does not slow a GPU down; only what stops the process (frozen, stopped, asleep) does. Every data call records each simulated process's runtime under the
 //! timestamp it returns, so the next call, which passes that timestamp back as
 //! `lastSeenTimeStamp`, is measured from exactly there. A `lastSeenTimeStamp` from before the
 //! process started (0 on a first call) measures from its start (runtime 0 then; start time from
@@ -917,18 +919,18 @@ fn next_timestamp(st: &mut State) -> u64 {
     st.last_ts
 }
 
-/// Sum of `sum_exec_runtime` (ns) over the threads of `pid`; `None` if it is gone.
+/// Runnable time (ns) of the threads of `pid`: on a CPU plus waiting in a run queue
+/// (`schedstat`'s first two fields); `None` if it is gone.
 fn runtime_ns(pid: u32) -> Option<u64> {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
     let mut total = 0u64;
     for t in tasks.flatten() {
-        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat"))
-            && let Some(v) = s
+        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+            total += s
                 .split_whitespace()
-                .next()
-                .and_then(|v| v.parse::<u64>().ok())
-        {
-            total += v;
+                .take(2)
+                .filter_map(|v| v.parse::<u64>().ok())
+                .sum::<u64>();
         }
     }
     Some(total)
