@@ -302,7 +302,8 @@ impl Attribution {
                         "cannot ask the kernel about a control file: {}",
                         crate::report::Chain(&e)
                     );
-                    return 0;
+                    // What was found gone so far is still released.
+                    break;
                 }
             }
         }
