@@ -156,25 +156,17 @@ async fn run_state(
                 if !refresh {
                     views.changing();
                 }
-                // Only SetLimits, ClearLimits, a reload and removals change limits; kernel events
-                // come by the thousand and a stale GetCgroup is on the readers' path: both must
-                // stay cheap.
-                let limits_may_change = matches!(
-                    msg,
-                    Message::Request(
-                        Request::SetLimits { .. }
-                            | Request::ClearLimits { .. }
-                            | Request::Reconfigure(..)
-                    ) | Message::CgroupRemoved
-                );
+                // SetLimits, ClearLimits and a reload follow their changes through before they
+                // answer (`answer`); a removal changes limits too. Kernel events come by the
+                // thousand and a stale GetCgroup is on the readers' path: both must stay cheap.
+                let limits_may_change = matches!(msg, Message::CgroupRemoved);
                 if let Some(new) = handle(&mut state, msg) && new != intervals {
                     intervals = new;
                     sweep = timer(intervals.sweep);
                     rescan = timer(intervals.rescan.unwrap_or(NEVER));
                 }
                 if limits_may_change {
-                    publish_limited_dirs(&mut state);
-                    sync_allowances(&mut state);
+                    limits_changed(&mut state);
                 }
                 // A view reflects every exit read so far: the files they held are checked first.
                 if (refresh || rx.is_empty()) && state.attribution.check_pending_files() {
@@ -193,8 +185,7 @@ async fn run_state(
             _ = sweep.tick() => {
                 views.changing();
                 sweep_all(&mut state);
-                publish_limited_dirs(&mut state);
-                sync_allowances(&mut state);
+                limits_changed(&mut state);
             }
             _ = rescan.tick(), if intervals.rescan.is_some() => {
                 // Reading every process's fd table is blocking work: do it off this task.
@@ -273,20 +264,31 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             attribution.check_pending_files();
             reply(to, attribution.get(&path));
         }
+        // A change is in force when its caller hears back: the guard's allowances (a priority
+        // class) are in the kernel before the reply, so a tenant's next control meets them.
         Request::SetLimits {
             cgroup,
             gpu,
             update,
             reply: to,
-        } => reply(to, memory.set(attribution, &cgroup, &gpu, update)),
+        } => {
+            let done = memory.set(attribution, &cgroup, &gpu, update);
+            limits_changed(state);
+            reply(to, done);
+        }
         Request::ClearLimits {
             cgroup,
             gpu,
             names,
             reply: to,
-        } => reply(to, memory.clear(attribution, &cgroup, &gpu, &names)),
+        } => {
+            let done = memory.clear(attribution, &cgroup, &gpu, &names);
+            limits_changed(state);
+            reply(to, done);
+        }
         Request::Reconfigure(config, to) => {
             let intervals = reconfigure(state, &config);
+            limits_changed(state);
             reply(to, ());
             return Some(intervals);
         }
@@ -418,6 +420,12 @@ fn publish_limited_dirs(state: &mut State) {
         *cur = dirs;
         changed
     });
+}
+
+/// What follows a change of limits: the removal watch's directories and the guard's allowances.
+fn limits_changed(state: &mut State) {
+    publish_limited_dirs(state);
+    sync_allowances(state);
 }
 
 /// The scheduler guard's allowances follow the stored policies' priority classes.
