@@ -34,6 +34,10 @@ pub trait Manager1 {
     #[zbus(property)]
     fn kernel_capabilities(&self) -> zbus::Result<BTreeMap<String, bool>>;
     #[zbus(property)]
+    fn deny_hook(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn deny_hook_refusals(&self) -> zbus::Result<BTreeMap<String, String>>;
+    #[zbus(property)]
     fn cgroup_root(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn probes_resumed(&self) -> zbus::Result<bool>;

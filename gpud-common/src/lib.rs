@@ -586,6 +586,20 @@ pub mod programs {
     pub const LSM_IOCTL_RW: &str = "gpud_lsm_ioctl_rw";
     /// [`LSM_IOCTL_RW`] on `file_ioctl_compat`.
     pub const LSM_IOCTL_COMPAT_RW: &str = "gpud_lsm_ioctl_compat_rw";
+    /// fmod_ret (`BPF_MODIFY_RETURN`) on `security_file_ioctl`: [`LSM_IOCTL`] where BPF-LSM does
+    /// not run (`bpf` left out of `lsm=`); its return value replaces the hook's, so a refusal
+    /// stops the ioctl before the driver as LSM's does. aya 0.14 has no loader for this attach
+    /// type: the object carries these in `fentry/` sections and the daemon loads them itself.
+    pub const FMODRET_IOCTL: &str = "gpud_fmodret_ioctl";
+    /// [`FMODRET_IOCTL`] on `security_file_ioctl_compat`.
+    pub const FMODRET_IOCTL_COMPAT: &str = "gpud_fmodret_ioctl_compat";
+    /// [`FMODRET_IOCTL`] that may also rewrite a tenant's scheduling control.
+    pub const FMODRET_IOCTL_RW: &str = "gpud_fmodret_ioctl_rw";
+    /// [`FMODRET_IOCTL_RW`] on `security_file_ioctl_compat`.
+    pub const FMODRET_IOCTL_COMPAT_RW: &str = "gpud_fmodret_ioctl_compat_rw";
+    /// Loaded and attached for a moment to learn whether the kernel runs fmod_ret programs on
+    /// `security_file_ioctl`; returns 0 (lets every call through).
+    pub const FMODRET_PROBE: &str = "gpud_fmodret_probe";
     /// fexit on the architecture's `sys_ioctl` entry: the return side of RM calls.
     pub const FEXIT_IOCTL: &str = "gpud_fexit_ioctl";
     /// [`FEXIT_IOCTL`] on the 32-bit compat entry.

@@ -221,6 +221,80 @@ pub fn gpud_lsm_ioctl_compat_rw(ctx: LsmContext) -> i32 {
     on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
 }
 
+/// A BPF_MODIFY_RETURN program on `$hook`: `file, cmd, arg`, then the return value so far (0
+/// unless an earlier fmod_ret program refused). A non-zero return skips the hook's body and is
+/// the hook's result, so `-ENOMEM` or `-EPERM` stops the ioctl before the driver, as from LSM.
+///
+/// The section is `fentry/$hook`: aya 0.14 parses no `fmod_ret/` section (it would refuse the
+/// whole object) and never loads these itself; the daemon loads them with the attach type
+/// `BPF_MODIFY_RETURN` (gpud/src/probes/modify_return.rs). aya-ebpf's `#[fentry]` would drop the
+/// return value, hence this wrapper.
+macro_rules! modify_return_program {
+    ($(#[$doc:meta])* $hook:literal fn $name:ident($ctx:ident) -> i32 $body:block) => {
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        #[unsafe(link_section = concat!("fentry/", $hook))]
+        pub fn $name(raw: *mut core::ffi::c_void) -> i32 {
+            let $ctx = FEntryContext::new(raw);
+            $body
+        }
+    };
+}
+
+modify_return_program! {
+    /// The `deny` tier through fmod_ret on `security_file_ioctl`: [`gpud_lsm_ioctl`] where
+    /// BPF-LSM does not run.
+    "security_file_ioctl" fn gpud_fmodret_ioctl(ctx) -> i32 {
+        let prev: i32 = ctx.arg(3);
+        if prev != 0 {
+            return prev;
+        }
+        on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+    }
+}
+
+modify_return_program! {
+    /// [`gpud_fmodret_ioctl`] on `security_file_ioctl_compat`.
+    "security_file_ioctl_compat" fn gpud_fmodret_ioctl_compat(ctx) -> i32 {
+        let prev: i32 = ctx.arg(3);
+        if prev != 0 {
+            return prev;
+        }
+        on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+    }
+}
+
+modify_return_program! {
+    /// [`gpud_fmodret_ioctl`] whose scheduler guard may also lower a tenant's timeslice.
+    "security_file_ioctl" fn gpud_fmodret_ioctl_rw(ctx) -> i32 {
+        let prev: i32 = ctx.arg(3);
+        if prev != 0 {
+            return prev;
+        }
+        on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+    }
+}
+
+modify_return_program! {
+    /// [`gpud_fmodret_ioctl_compat`] whose scheduler guard may also lower a tenant's timeslice.
+    "security_file_ioctl_compat" fn gpud_fmodret_ioctl_compat_rw(ctx) -> i32 {
+        let prev: i32 = ctx.arg(3);
+        if prev != 0 {
+            return prev;
+        }
+        on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+    }
+}
+
+modify_return_program! {
+    /// Capability probe only: attached for a moment to learn whether the kernel runs fmod_ret
+    /// programs on `security_file_ioctl`. Lets every call through.
+    "security_file_ioctl" fn gpud_fmodret_probe(ctx) -> i32 {
+        let prev: i32 = ctx.arg(3);
+        prev
+    }
+}
+
 /// Return side of `ioctl(2)` in the fentry and LSM tiers. The loader attaches it to the
 /// architecture's syscall entry (`__x64_sys_ioctl`, `__ia32_compat_sys_ioctl`, ...), which takes
 /// one argument (`struct pt_regs *`), so the return value is argument 1. Only threads with a

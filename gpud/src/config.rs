@@ -176,6 +176,37 @@ pub enum TierPreference {
     Dmem,
 }
 
+/// Which pre-driver hook refuses an ioctl (`[enforcement] deny_hook`): the memory deny tier and
+/// the scheduler guard's refusals both use it.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum DenyHookPreference {
+    /// The first the kernel accepts, in the order below; `none` where it accepts none.
+    Auto,
+    /// BPF-LSM `file_ioctl` (needs `bpf` in `lsm=`).
+    Lsm,
+    /// fmod_ret on `security_file_ioctl` (BPF trampolines and BTF; any `lsm=` list).
+    FmodRet,
+    /// kprobe with `bpf_override_return` on the ioctl syscall: not built (see docs/design.md);
+    /// naming it is a start-up error.
+    Kprobe,
+    /// No pre-driver hook: memory limits are enforced after the crossing allocation (`react`)
+    /// and the guard reacts and restores.
+    None,
+}
+
+impl DenyHookPreference {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Lsm => "lsm",
+            Self::FmodRet => "fmod_ret",
+            Self::Kprobe => "kprobe",
+            Self::None => "none",
+        }
+    }
+}
+
 /// What the `react` tier does to the allocation that crossed a limit.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -215,6 +246,7 @@ impl GuardMode {
 #[serde(deny_unknown_fields)]
 pub struct EnforcementConfig {
     pub tier: TierPreference,
+    pub deny_hook: DenyHookPreference,
     pub react_action: ReactAction,
     /// Limited cgroups read their limit as the GPU's memory size (`cudaMemGetInfo`, NVML).
     pub virtualize_memory_info: bool,

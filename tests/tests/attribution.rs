@@ -20,6 +20,14 @@ fn ioctl_arg(cmd: u32, n: u64) -> String {
 }
 
 /// `gpudctl --bus-address A list --json`, parsed.
+fn gpudctl_out(bus: &str, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(gpudctl_bin())
+        .args(["--bus-address", bus])
+        .args(args)
+        .output()
+        .expect("run gpudctl")
+}
+
 fn gpudctl_list(bus: &str) -> Vec<serde_json::Value> {
     let out = std::process::Command::new(gpudctl_bin())
         .args(["--bus-address", bus, "list", "--json"])
@@ -265,6 +273,8 @@ async fn busctl_introspection_shows_the_documented_interface() {
         ".Version",
         ".AttachMode",
         ".KernelCapabilities",
+        ".DenyHook",
+        ".DenyHookRefusals",
         ".CgroupRoot",
         ".ProbesResumed",
     ] {
@@ -278,6 +288,105 @@ async fn busctl_introspection_shows_the_documented_interface() {
     // On a kernel without trampolines the daemon must have fallen back to tracepoints.
     let mode = p.attach_mode().await.unwrap();
     assert_eq!(mode == "fentry", caps["fentry"]);
+
+    // The ladder of pre-driver hooks: the hook in force, and the kernel's reason for each hook
+    // above it, on D-Bus and in `gpudctl status` (text and JSON).
+    let hook = p.deny_hook().await.unwrap();
+    let refusals = p.deny_hook_refusals().await.unwrap();
+    let ladder = ["lsm", "fmod_ret", "kprobe", "none"];
+    let at = ladder
+        .iter()
+        .position(|h| *h == hook)
+        .expect("a rung of the ladder");
+    let above: Vec<&str> = refusals.keys().map(String::as_str).collect();
+    let mut want = ladder[..at].to_vec();
+    want.sort_unstable();
+    assert_eq!(
+        above, want,
+        "refusals for the hooks above {hook}: {refusals:?}"
+    );
+    assert!(
+        refusals.values().all(|why| !why.is_empty()),
+        "each refusal says why: {refusals:?}"
+    );
+    assert_eq!(
+        caps["fmod_ret"],
+        hook == "fmod_ret" || (hook == "lsm" && caps["fmod_ret"])
+    );
+    if !caps["fentry"] {
+        // Both hooks run on trampolines: the kernel's refusal of them is the reason.
+        assert_eq!(hook, "none");
+        for h in ["lsm", "fmod_ret"] {
+            assert!(refusals[h].contains("trampolines"), "{h}: {}", refusals[h]);
+        }
+    }
+    assert!(refusals["kprobe"].starts_with("not built"), "{refusals:?}");
+    let status = gpudctl_out(&rig.bus.address, &["status"]);
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(status.status.success(), "{status:?}");
+    assert!(
+        text.contains(&format!("pre-driver hook:  {hook}\n")),
+        "no hook line in:\n{text}"
+    );
+    for (h, why) in &refusals {
+        assert!(
+            text.contains(&format!("    {h:<9} {why}\n")),
+            "no line for {h} in:\n{text}"
+        );
+    }
+    let json = gpudctl_out(&rig.bus.address, &["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).expect("status JSON");
+    assert_eq!(v["deny_hook"], hook.as_str());
+    assert_eq!(
+        v["deny_hook_refusals"]["kprobe"],
+        refusals["kprobe"].as_str()
+    );
+}
+
+/// A hook named in the configuration that the kernel refuses is a start-up error that names the
+/// kernel's refusal; `kprobe` (not built) always is.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_named_hook_the_kernel_refuses_fails_start_up_with_its_reason() {
+    let mut rig = Rig::new("denyhook");
+    rig.start(rig.config()).await;
+    let caps = {
+        let (_c, p) = rig.proxy().await;
+        p.kernel_capabilities().await.unwrap()
+    };
+    let mut refused = vec!["kprobe"];
+    if !caps["fmod_ret"] {
+        refused.push("fmod_ret");
+    }
+    if !caps["bpf_lsm"] {
+        refused.push("lsm");
+    }
+    for hook in refused {
+        let cfg = rig
+            .config()
+            .set("enforcement.deny_hook", hook)
+            // Its own pins: nothing of the running daemon's is touched.
+            .set_path("probes.bpffs", rig.path().join(format!("bpffs-{hook}")))
+            .write_as(&format!("{hook}.toml"));
+        let out = std::process::Command::new(gpud_tests::gpud_bin())
+            .arg("--config")
+            .arg(&cfg)
+            .args(["--bus-address", &rig.bus.address])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{hook}: gpud started: {err}");
+        assert!(
+            err.contains(&format!("enforcement.deny_hook = \"{hook}\" but ")),
+            "{hook}: {err}"
+        );
+        let reason = match hook {
+            "kprobe" => "not built",
+            _ if !caps["fentry"] => "trampolines",
+            "lsm" => "LSM",
+            _ => "refused",
+        };
+        assert!(err.contains(reason), "{hook}: no {reason:?} in {err}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

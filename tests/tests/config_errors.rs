@@ -108,6 +108,12 @@ fn start(config: &Path) -> (Option<i32>, String) {
     Some(3),
     "unknown variant `stop`, expected one of `kill`, `freeze`, `notify`"
 )]
+#[case::bad_deny_hook(
+    "bad-deny-hook.toml",
+    "[enforcement]\ndeny_hook = \"kfunc\"\n",
+    Some(2),
+    "unknown variant `kfunc`, expected one of `auto`, `lsm`, `fmod_ret`, `kprobe`, `none`"
+)]
 #[case::not_toml(
     "not-toml.toml",
     "[daemon\nlog = \"info\"\n",

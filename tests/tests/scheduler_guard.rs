@@ -76,7 +76,7 @@ async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_m
     }
     assert!(
         state.starts_with(
-            "unenforced: calls are only reported (no BPF-LSM, and the kernel refuses \
+            "unenforced: calls are only reported (no pre-driver hook, and the kernel refuses \
              bpf_probe_write_user ("
         ),
         "{state}"

@@ -112,6 +112,20 @@ impl Manager {
         self.info.kernel_capabilities.clone()
     }
 
+    /// The hook that stops a tenant's ioctl before the driver runs it (memory deny, the scheduler
+    /// guard's refusals): `lsm`, `fmod_ret` or `none`.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn deny_hook(&self) -> String {
+        self.info.deny_hook.clone()
+    }
+
+    /// For each hook above the one in force (`lsm`, `fmod_ret`, `kprobe`), why it is not used:
+    /// the kernel's refusal (errno and verifier line) or what the kernel lacks.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn deny_hook_refusals(&self) -> BTreeMap<String, String> {
+        self.info.deny_hook_refusals.clone()
+    }
+
     /// Mount point of the cgroup v2 hierarchy; cgroup paths are relative to it.
     #[zbus(property(emits_changed_signal = "const"))]
     async fn cgroup_root(&self) -> String {

@@ -262,6 +262,7 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
             ("version".to_owned(), info.version.clone()),
             ("attach_mode".to_owned(), info.attach_mode.clone()),
             ("enforcement_tier".to_owned(), info.enforcement_tier.clone()),
+            ("deny_hook".to_owned(), info.deny_hook.clone()),
             ("react_action".to_owned(), info.react_action.clone()),
         ]),
     );
@@ -527,6 +528,8 @@ mod tests {
             enforcement_tier: "react".into(),
             react_action: "kill".into(),
             kernel_capabilities: BTreeMap::new(),
+            deny_hook: "none".into(),
+            deny_hook_refusals: BTreeMap::new(),
             cgroup_root: "/".into(),
             probes_resumed: false,
         };

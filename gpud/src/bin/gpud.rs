@@ -276,6 +276,7 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
     info!(
         mode = %info.attach_mode,
         tier = %info.enforcement_tier,
+        deny_hook = %info.deny_hook,
         resumed = info.probes_resumed,
         bus = %bus,
         "ready: {BUS_NAME} at {OBJECT_PATH}"
@@ -285,8 +286,8 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
     notify(&[
         NotifyState::Ready,
         NotifyState::Status(&format!(
-            "serving {BUS_NAME}; attach mode {}, enforcement {}",
-            info.attach_mode, info.enforcement_tier
+            "serving {BUS_NAME}; attach mode {}, enforcement {}, deny hook {}",
+            info.attach_mode, info.enforcement_tier, info.deny_hook
         )),
     ]);
 

@@ -38,6 +38,10 @@ pub struct DaemonInfo {
     /// What the react tier does: `kill`, `freeze` or `notify`.
     pub react_action: String,
     pub kernel_capabilities: BTreeMap<String, bool>,
+    /// The pre-driver hook in force: `lsm`, `fmod_ret` or `none`.
+    pub deny_hook: String,
+    /// Why each hook above the one in force is not used, by hook name.
+    pub deny_hook_refusals: BTreeMap<String, String>,
     pub cgroup_root: String,
     pub probes_resumed: bool,
 }
@@ -140,6 +144,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         virtualize_memory_info: config.enforcement.virtualize_memory_info,
         scheduler_guard: config.enforcement.scheduler_guard,
         guard_timeslice_us: guard::allowance(None),
+        deny_hook: config.enforcement.deny_hook,
     })
     .map_err(StartError::Probes)?;
     let events = probes.take_events().map_err(StartError::Probes)?;
@@ -151,6 +156,8 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         enforcement_tier: tier.as_str().to_owned(),
         react_action: format!("{:?}", config.enforcement.react_action).to_lowercase(),
         kernel_capabilities: probes.caps().as_map(),
+        deny_hook: probes.ladder().in_force.as_str().to_owned(),
+        deny_hook_refusals: probes.ladder().refusals(),
         cgroup_root: cgroups.root().display().to_string(),
         probes_resumed: probes.resumed(),
     };

@@ -59,6 +59,31 @@ impl Tier {
     }
 }
 
+/// The pre-driver hook that refuses an ioctl before the driver runs it (the ladder, tried in
+/// this order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DenyHook {
+    /// BPF-LSM `file_ioctl`.
+    Lsm,
+    /// fmod_ret on `security_file_ioctl` (and `_compat`).
+    FmodRet,
+    /// kprobe + `bpf_override_return` on the ioctl syscall: not built, never in force.
+    Kprobe,
+    /// No hook: memory limits react after the allocation, the guard restores.
+    None,
+}
+
+impl DenyHook {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Lsm => "lsm",
+            Self::FmodRet => "fmod_ret",
+            Self::Kprobe => "kprobe",
+            Self::None => "none",
+        }
+    }
+}
+
 /// The return side of `ioctl(2)` for fexit, per architecture: native and 32-bit compat entry.
 #[cfg(target_arch = "x86_64")]
 pub const SYS_IOCTL: (&str, &str) = ("__x64_sys_ioctl", "__ia32_compat_sys_ioctl");
@@ -73,6 +98,8 @@ enum Target {
     Fentry(&'static str),
     Fexit(&'static str),
     Lsm(&'static str),
+    /// fmod_ret on a kernel function, loaded by [`super::modify_return`].
+    ModifyReturn(&'static str),
     Tracepoint(&'static str, &'static str),
     RawTracepoint(&'static str),
 }
@@ -83,6 +110,7 @@ impl fmt::Display for Target {
             Self::Fentry(func) => write!(f, "fentry {func}"),
             Self::Fexit(func) => write!(f, "fexit {func}"),
             Self::Lsm(hook) => write!(f, "LSM hook {hook}"),
+            Self::ModifyReturn(func) => write!(f, "fmod_ret {func}"),
             Self::Tracepoint(cat, name) => write!(f, "tracepoint {cat}/{name}"),
             Self::RawTracepoint(name) => write!(f, "raw tracepoint {name}"),
         }
@@ -186,6 +214,23 @@ pub(super) const LSM_ATTACHMENTS: &[Attachment] = &[
     ),
 ];
 
+/// The `deny` tier's replacements for the two fentry ioctl programs where the fmod_ret hook is
+/// in force.
+pub(super) const MODIFY_RETURN_ATTACHMENTS: &[Attachment] = &[
+    att_rw(
+        programs::FMODRET_IOCTL,
+        programs::FMODRET_IOCTL_RW,
+        Target::ModifyReturn("security_file_ioctl"),
+        false,
+    ),
+    att_rw(
+        programs::FMODRET_IOCTL_COMPAT,
+        programs::FMODRET_IOCTL_COMPAT_RW,
+        Target::ModifyReturn("security_file_ioctl_compat"),
+        true,
+    ),
+];
+
 pub(super) const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
     att_rw(
         programs::TP_IOCTL,
@@ -246,6 +291,7 @@ impl Attachment {
             Target::Fentry(f) => format!("fentry-{f}"),
             Target::Fexit(f) => format!("fexit-{f}"),
             Target::Lsm(h) => format!("lsm-{h}"),
+            Target::ModifyReturn(f) => format!("fmod_ret-{f}"),
             Target::Tracepoint(c, n) => format!("tp-{c}-{n}"),
             Target::RawTracepoint(n) => format!("raw_tp-{n}"),
         }
@@ -257,16 +303,22 @@ pub(super) const RUN_PROGRAMS: [&str; 3] = [programs::SEED, programs::RELEASE, p
 
 impl Probes {
     fn attachments(&self) -> Vec<&'static Attachment> {
-        match (self.mode, self.tier) {
-            (AttachMode::Tracepoint, _) => TRACEPOINT_ATTACHMENTS.iter().collect(),
-            (AttachMode::Fentry, Tier::Deny) => LSM_ATTACHMENTS
+        let entry: &[Attachment] = match (self.tier, self.ladder.in_force) {
+            (Tier::Deny, DenyHook::Lsm) => LSM_ATTACHMENTS,
+            (Tier::Deny, DenyHook::FmodRet) => MODIFY_RETURN_ATTACHMENTS,
+            _ => &[],
+        };
+        match self.mode {
+            AttachMode::Tracepoint => TRACEPOINT_ATTACHMENTS.iter().collect(),
+            // The hook's programs count as the fentry ioctl programs do, and replace them.
+            AttachMode::Fentry if !entry.is_empty() => entry
                 .iter()
                 .chain(FENTRY_ATTACHMENTS.iter().filter(|a| {
                     ![programs::FENTRY_IOCTL, programs::FENTRY_IOCTL_COMPAT].contains(&a.program)
                 }))
                 .chain(FENTRY_RETURN_ATTACHMENTS)
                 .collect(),
-            (AttachMode::Fentry, _) => FENTRY_ATTACHMENTS
+            AttachMode::Fentry => FENTRY_ATTACHMENTS
                 .iter()
                 .chain(FENTRY_RETURN_ATTACHMENTS)
                 .collect(),
@@ -276,8 +328,12 @@ impl Probes {
     fn links_dir(&self) -> PathBuf {
         let mut h = DefaultHasher::new();
         OBJECT.hash(&mut h);
+        let hook = match self.tier {
+            Tier::Deny => format!("-{}", self.ladder.in_force.as_str()),
+            _ => String::new(),
+        };
         self.base_dir.join("links").join(format!(
-            "{:016x}-{}-{}{}",
+            "{:016x}-{}-{}{hook}{}",
             h.finish(),
             self.mode.as_str(),
             self.tier.as_str(),
@@ -315,7 +371,9 @@ impl Probes {
         std::fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
         for a in self.attachments() {
             let func = match a.target {
-                Target::Fentry(f) | Target::Fexit(f) => Some(f.to_owned()),
+                Target::Fentry(f) | Target::Fexit(f) | Target::ModifyReturn(f) => {
+                    Some(f.to_owned())
+                }
                 Target::Lsm(h) => Some(format!("bpf_lsm_{h}")),
                 _ => None,
             };
@@ -325,13 +383,9 @@ impl Probes {
             {
                 continue;
             }
-            match self.attach_one(a, btf) {
-                Ok(link) => {
-                    let path = dir.join(a.pin_name());
-                    link.pin(&path).map_err(|source| ProbeError::Pin {
-                        path: path.clone(),
-                        source,
-                    })?;
+            let path = dir.join(a.pin_name());
+            match self.attach_one(a, btf, &path) {
+                Ok(()) => {
                     debug!(program = a.program_of(self.rewriting()), pin = %path.display(), "attached");
                 }
                 Err(e) if a.optional => {
@@ -349,8 +403,38 @@ impl Probes {
         Ok(())
     }
 
-    fn attach_one(&mut self, a: &Attachment, btf: &aya::Btf) -> Result<FdLink, ProbeError> {
+    /// Attaches one program and pins its link at `path`.
+    fn attach_one(
+        &mut self,
+        a: &Attachment,
+        btf: &aya::Btf,
+        path: &std::path::Path,
+    ) -> Result<(), ProbeError> {
         let name = a.program_of(self.rewriting());
+        if let Target::ModifyReturn(func) = a.target {
+            let relocated = self
+                .modify_return
+                .as_ref()
+                .ok_or(ProbeError::NoProgram(name))?;
+            let prog = relocated.load(name, func, btf)?;
+            let link = super::modify_return::attach(&prog, name, func)?;
+            super::modify_return::pin(&link, path, name)?;
+            return Ok(());
+        }
+        let link = self.attach_link(a, name, btf)?;
+        link.pin(path).map_err(|source| ProbeError::Pin {
+            path: path.to_owned(),
+            source,
+        })?;
+        Ok(())
+    }
+
+    fn attach_link(
+        &mut self,
+        a: &Attachment,
+        name: &'static str,
+        btf: &aya::Btf,
+    ) -> Result<FdLink, ProbeError> {
         let lerr = |source| ProbeError::LoadProgram { name, source };
         let aerr = |source| ProbeError::Attach {
             name,
@@ -408,6 +492,7 @@ impl Probes {
                 let id = p.attach(tp).map_err(aerr)?;
                 Ok(p.take_link(id).map_err(aerr)?.into())
             }
+            Target::ModifyReturn(_) => Err(ProbeError::NoProgram(name)),
         }
     }
 }

@@ -9,8 +9,10 @@ pub struct KernelCaps {
     pub tracepoint: bool,
     /// BPF trampolines load (`fentry` on `security_file_ioctl`).
     pub fentry: bool,
-    /// BPF-LSM programs load (`lsm/file_ioctl`) and `bpf` is in the active LSM list.
+    /// BPF-LSM programs load and attach (`lsm/file_ioctl`) and `bpf` is in the active LSM list.
     pub bpf_lsm: bool,
+    /// fmod_ret programs load and attach on `security_file_ioctl`.
+    pub fmod_ret: bool,
     /// The kernel has the separate `security_file_ioctl_compat` hook (6.8+).
     pub file_ioctl_compat: bool,
     /// The `dmem` cgroup controller is available on the cgroup v2 hierarchy.
@@ -29,6 +31,7 @@ impl KernelCaps {
             ("tracepoint", self.tracepoint),
             ("fentry", self.fentry),
             ("bpf_lsm", self.bpf_lsm),
+            ("fmod_ret", self.fmod_ret),
             ("file_ioctl_compat", self.file_ioctl_compat),
             ("dmem_cgroup", self.dmem_cgroup),
             ("dmem_nvidia", self.dmem_nvidia),
@@ -81,25 +84,51 @@ pub fn write_user_refusal(load_error: &str, sys_admin: Option<bool>) -> String {
     };
     match line {
         Some(l) => format!("the kernel refuses bpf_probe_write_user ({cause}): {l}"),
-        None => {
-            // The verifier's verdict is its last line before the statistics.
-            let verdict = load_error
-                .lines()
-                .map(str::trim)
-                .rfind(|l| {
-                    !l.is_empty()
-                        && !l.starts_with("processed ")
-                        && !l.starts_with("verification time")
-                        && !l.starts_with("stack depth")
-                })
-                .unwrap_or_default();
-            let first = load_error.lines().next().unwrap_or_default();
-            if verdict == first {
-                format!("its return-side program did not load: {first}")
-            } else {
-                format!("its return-side program did not load: {first} … {verdict}")
-            }
-        }
+        None => format!(
+            "its return-side program did not load: {}",
+            load_refusal(load_error)
+        ),
+    }
+}
+
+/// The verifier's verdict in a refused load's text: its last line that is neither statistics
+/// nor the trace of an instruction (`12: (85) call …`); empty if there is none.
+pub fn verifier_verdict(text: &str) -> &str {
+    let is_trace = |l: &str| {
+        l.split_once(':')
+            .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+    };
+    text.lines()
+        .map(str::trim)
+        .rfind(|l| {
+            !l.is_empty()
+                && !l.starts_with("processed ")
+                && !l.starts_with("verification time")
+                && !l.starts_with("stack depth")
+                && !is_trace(l)
+        })
+        .unwrap_or_default()
+}
+
+/// A refused load in one line: the error (with its errno) and, where the verifier said more,
+/// its verdict.
+pub fn load_refusal(load_error: &str) -> String {
+    // aya puts the verifier's log after "Verifier output:" on the error's own line; an empty log
+    // leaves only the errno repeated there.
+    let first = load_error.lines().next().unwrap_or_default();
+    let (head, log_start) = match first.split_once(". Verifier output:") {
+        Some((head, rest)) => (head, rest),
+        None => (first, ""),
+    };
+    let rest: Vec<&str> = std::iter::once(log_start)
+        .chain(load_error.lines().skip(1))
+        .collect();
+    let log = rest.join("\n");
+    let verdict = verifier_verdict(&log).trim_start_matches(':').trim();
+    if verdict.is_empty() || head.contains(verdict) {
+        head.to_owned()
+    } else {
+        format!("{head} … {verdict}")
     }
 }
 
@@ -177,7 +206,25 @@ mod tests {
         );
         assert_eq!(
             verifier,
-            "its return-side program did not load: load failed. Verifier output: 12: (85) call x … BPF program is too large"
+            "its return-side program did not load: load failed … BPF program is too large"
+        );
+    }
+
+    #[test]
+    fn a_verdict_skips_traces_and_statistics() {
+        let log = "func#0 @0\n0: R1=ctx() R10=fp0\n0: (b7) r0 = 0\n\
+            can't modify return codes of BPF programs\n\
+            processed 1 insns (limit 1000000) max_states_per_insn 0\n";
+        assert_eq!(
+            verifier_verdict(log),
+            "can't modify return codes of BPF programs"
+        );
+        assert_eq!(verifier_verdict(""), "");
+        assert_eq!(
+            load_refusal(&format!(
+                "cannot load `p`: Invalid argument (os error 22)\n{log}"
+            )),
+            "cannot load `p`: Invalid argument (os error 22) … can't modify return codes of BPF programs"
         );
     }
 

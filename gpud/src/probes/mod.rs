@@ -17,6 +17,7 @@ pub mod btf;
 pub mod caps;
 pub mod devices;
 mod maps;
+mod modify_return;
 mod pin;
 
 use std::path::{Path, PathBuf};
@@ -29,14 +30,16 @@ use aya::{
 use gpud_common::{ObjKey, maps as map_names, programs};
 use tracing::{debug, info, warn};
 
-pub use attach::{AttachMode, SYS_IOCTL, Tier};
+pub use attach::{AttachMode, DenyHook, SYS_IOCTL, Tier};
 pub use caps::KernelCaps;
 pub use devices::{DynamicMajors, ExtraFile, Matcher};
 pub use maps::{KernelMaps, map_entries, remove_key};
 pub use pin::{BPF_FS_MAGIC, TRACEFS, TRACEFS_MAGIC, ensure_mounted};
 
 use crate::{
-    config::{AttachPreference, GuardMode, ProbesConfig, ReactAction, TierPreference},
+    config::{
+        AttachPreference, DenyHookPreference, GuardMode, ProbesConfig, ReactAction, TierPreference,
+    },
     report::Chain,
 };
 
@@ -130,10 +133,13 @@ pub enum ProbeError {
     FentryUnavailable,
     #[error("this kernel accepts neither fentry nor syscall tracepoint programs")]
     NoAttachMechanism,
-    #[error(
-        "enforcement.tier = \"deny\" but this kernel does not run BPF-LSM programs (needs CONFIG_BPF_LSM and `bpf` in the lsm= boot parameter)"
-    )]
-    DenyUnavailable,
+    #[error("enforcement.tier = \"deny\" but this kernel offers no pre-driver hook ({0})")]
+    DenyUnavailable(String),
+    /// `[enforcement] deny_hook` names a hook the kernel refused.
+    #[error("enforcement.deny_hook = \"{hook}\" but {reason}")]
+    DenyHookRefused { hook: &'static str, reason: String },
+    #[error("cannot attach fmod_ret program")]
+    ModifyReturn(#[from] modify_return::ModifyReturnError),
     #[error(
         "enforcement.tier = \"dmem\" but the dmem cgroup controller lists no NVIDIA regions in dmem.capacity"
     )]
@@ -173,13 +179,43 @@ pub struct ProbeSetup<'a> {
     pub scheduler_guard: GuardMode,
     /// The timeslice (µs) a tenant may set where its policy gives no other allowance.
     pub guard_timeslice_us: u64,
+    /// `[enforcement] deny_hook`.
+    pub deny_hook: DenyHookPreference,
+}
+
+/// The ladder of pre-driver hooks as probed at start: the hook in force and, for each hook above
+/// it, why it is not (the kernel's refusal: errno and verifier line, or what the kernel lacks).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HookLadder {
+    pub in_force: DenyHook,
+    /// Hooks above the one in force, in ladder order, with the reason each is not used.
+    pub refused: Vec<(DenyHook, String)>,
+}
+
+impl HookLadder {
+    /// Each refused hook and why, on one line.
+    pub fn summary(&self) -> String {
+        self.refused
+            .iter()
+            .map(|(h, why)| format!("{}: {why}", h.as_str()))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    /// The refusals keyed by hook name, as reported on D-Bus (`a{ss}`).
+    pub fn refusals(&self) -> std::collections::BTreeMap<String, String> {
+        self.refused
+            .iter()
+            .map(|(h, why)| (h.as_str().to_owned(), why.clone()))
+            .collect()
+    }
 }
 
 /// The scheduler guard: its mode and the means this kernel gives it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GuardState {
     pub mode: GuardMode,
-    /// BPF-LSM runs (the `deny` tier): a call can be refused with `EPERM`.
+    /// A pre-driver hook runs (the `deny` tier): a call can be refused with `EPERM`.
     pub deny: bool,
     /// Why the entry programs cannot rewrite a call (`bpf_probe_write_user` refused); `None`
     /// where they can.
@@ -200,7 +236,7 @@ impl GuardState {
                 gpud_common::rm::sched::CUDA_TIMESLICE_US
             ),
             (GuardMode::Enforce, false, Some(why)) => {
-                format!("unenforced: calls are only reported (no BPF-LSM, and {why})")
+                format!("unenforced: calls are only reported (no pre-driver hook, and {why})")
             }
         }
     }
@@ -245,6 +281,9 @@ pub struct Probes {
     resumed: bool,
     memory_info: MemoryInfoState,
     guard: GuardState,
+    ladder: HookLadder,
+    /// The object relocated for fmod_ret loads, while the fmod_ret hook is being attached.
+    modify_return: Option<modify_return::Relocated>,
 }
 
 impl Probes {
@@ -299,14 +338,12 @@ impl Probes {
             .is_some_and(|r| !r.is_empty()),
             ..KernelCaps::default()
         };
-        caps.fentry = try_load(&mut ebpf, programs::FENTRY_IOCTL, |p: &mut FEntry| {
+        let fentry_refusal = load_probe(&mut ebpf, programs::FENTRY_IOCTL, |p: &mut FEntry| {
             p.load("security_file_ioctl", &aya_btf)
-        });
+        })
+        .err();
+        caps.fentry = fentry_refusal.is_none();
         caps.tracepoint = try_load(&mut ebpf, programs::TP_IOCTL, |p: &mut TracePoint| p.load());
-        caps.bpf_lsm = caps::bpf_in_lsm_list()
-            && try_load(&mut ebpf, programs::LSM_PROBE, |p: &mut Lsm| {
-                p.load("file_ioctl", &aya_btf)
-            });
         for name in attach::RUN_PROGRAMS {
             let perr = move |source| ProbeError::LoadProgram { name, source };
             let p: &mut RawTracePoint = ebpf
@@ -323,13 +360,27 @@ impl Probes {
             (_, _, true) => AttachMode::Tracepoint,
             (_, _, false) => return Err(ProbeError::NoAttachMechanism),
         };
-        // BPF-LSM programs run on trampolines too: deny needs the fentry mode.
-        let can_deny = caps.bpf_lsm && mode == AttachMode::Fentry;
+        let ladder = climb_ladder(
+            &mut ebpf,
+            &aya_btf,
+            &LadderInputs {
+                preference: setup.deny_hook,
+                tier: setup.tier,
+                mode,
+                fentry_refusal: fentry_refusal.as_deref(),
+                attach: cfg.attach,
+            },
+        )?;
+        let (ladder, [bpf_lsm, fmod_ret], modify_return) = ladder;
+        caps.bpf_lsm = bpf_lsm;
+        caps.fmod_ret = fmod_ret;
         let tier = match setup.tier {
-            TierPreference::Deny if !can_deny => return Err(ProbeError::DenyUnavailable),
+            TierPreference::Deny if ladder.in_force == DenyHook::None => {
+                return Err(ProbeError::DenyUnavailable(ladder.summary()));
+            }
             TierPreference::Dmem if !caps.dmem_nvidia => return Err(ProbeError::DmemUnavailable),
             TierPreference::Dmem => Tier::Dmem,
-            TierPreference::Deny | TierPreference::Auto if can_deny => Tier::Deny,
+            _ if ladder.in_force != DenyHook::None => Tier::Deny,
             _ => Tier::React,
         };
         // The memory view's return side calls bpf_probe_write_user, which the verifier refuses
@@ -377,8 +428,12 @@ impl Probes {
         info!(
             mode = mode.as_str(),
             tier = tier.as_str(),
-            "attach mode and enforcement tier"
+            deny_hook = ladder.in_force.as_str(),
+            "attach mode, enforcement tier and pre-driver hook"
         );
+        for (hook, why) in &ladder.refused {
+            info!(hook = hook.as_str(), "pre-driver hook not used: {why}");
+        }
         match &memory_info {
             MemoryInfoState::Unavailable(why) => warn!(
                 "memory view unavailable ({why}): limited cgroups see the GPU's real memory size"
@@ -403,8 +458,12 @@ impl Probes {
             resumed: false,
             memory_info,
             guard,
+            ladder,
+            modify_return,
         };
         probes.attach_or_adopt(&kbtf, &aya_btf)?;
+        // Loaded programs hold their maps; the relocated copy is needed no more.
+        probes.modify_return = None;
         Ok(probes)
     }
 
@@ -459,6 +518,11 @@ impl Probes {
 
     pub fn tier(&self) -> Tier {
         self.tier
+    }
+
+    /// The pre-driver hook in force and why each above it is not.
+    pub fn ladder(&self) -> &HookLadder {
+        &self.ladder
     }
 
     pub fn caps(&self) -> &KernelCaps {
@@ -561,6 +625,142 @@ impl Probes {
     }
 }
 
+/// What the ladder of pre-driver hooks is climbed with.
+struct LadderInputs<'a> {
+    preference: DenyHookPreference,
+    tier: TierPreference,
+    mode: AttachMode,
+    /// Why the fentry probe did not load, where it did not.
+    fentry_refusal: Option<&'a str>,
+    attach: AttachPreference,
+}
+
+/// Why the kprobe hook is not offered.
+const KPROBE_NOT_BUILT: &str = "not built: kprobe + bpf_override_return needs \
+    CONFIG_BPF_KPROBE_OVERRIDE, which neither kernel gpud is tested on has (Debian 12, the CI \
+    host), so it could not be tested";
+
+/// Probes every hook of the ladder by loading and attaching a program that lets every call
+/// through, then picks the hook in force from the preference and the tier. Also returns the
+/// object relocated for fmod_ret loads, when that hook is in force.
+fn climb_ladder(
+    ebpf: &mut Ebpf,
+    btf: &aya::Btf,
+    input: &LadderInputs<'_>,
+) -> Result<(HookLadder, [bool; 2], Option<modify_return::Relocated>), ProbeError> {
+    // Both hooks run on BPF trampolines, which the probes' own fentry mode needs too.
+    let trampolines = match (input.mode, input.attach, input.fentry_refusal) {
+        (AttachMode::Fentry, ..) => Ok(()),
+        (_, AttachPreference::Tracepoint, _) => Err(
+            "it runs on BPF trampolines and the probes attach by tracepoint \
+             (probes.attach = \"tracepoint\")"
+                .to_owned(),
+        ),
+        (_, _, why) => Err(format!(
+            "the kernel refuses BPF trampolines: {}",
+            caps::load_refusal(why.unwrap_or("fentry did not load"))
+        )),
+    };
+    let lsm = trampolines.clone().and_then(|()| probe_lsm(ebpf, btf));
+    let (fmod_ret, relocated) = match trampolines.and_then(|()| probe_modify_return(ebpf, btf)) {
+        Ok(r) => (Ok(()), Some(r)),
+        Err(why) => (Err(why), None),
+    };
+    let results = [
+        (DenyHook::Lsm, lsm),
+        (DenyHook::FmodRet, fmod_ret),
+        (DenyHook::Kprobe, Err(KPROBE_NOT_BUILT.to_owned())),
+    ];
+    let works = [results[0].1.is_ok(), results[1].1.is_ok()];
+    let not_used = match (input.tier, input.preference) {
+        (TierPreference::React | TierPreference::Dmem, _) => Some(format!(
+            "not used: enforcement.tier = \"{}\"",
+            if input.tier == TierPreference::React {
+                "react"
+            } else {
+                "dmem"
+            }
+        )),
+        (_, DenyHookPreference::Auto) => None,
+        (_, p) => Some(format!(
+            "not used: enforcement.deny_hook = \"{}\"",
+            p.as_str()
+        )),
+    };
+    let wanted = match (input.tier, input.preference) {
+        (TierPreference::React | TierPreference::Dmem, _) | (_, DenyHookPreference::None) => None,
+        (_, DenyHookPreference::Auto) => results.iter().find(|(_, r)| r.is_ok()).map(|(h, _)| *h),
+        (_, DenyHookPreference::Lsm) => Some(DenyHook::Lsm),
+        (_, DenyHookPreference::FmodRet) => Some(DenyHook::FmodRet),
+        (_, DenyHookPreference::Kprobe) => Some(DenyHook::Kprobe),
+    };
+    if let Some(hook) = wanted
+        && let Some((_, Err(why))) = results.iter().find(|(h, _)| *h == hook)
+    {
+        return Err(ProbeError::DenyHookRefused {
+            hook: hook.as_str(),
+            reason: why.clone(),
+        });
+    }
+    let in_force = wanted.unwrap_or(DenyHook::None);
+    let refused = results
+        .into_iter()
+        .take_while(|(h, _)| *h != in_force)
+        .map(|(h, r)| {
+            let why = match (r, &not_used) {
+                (Err(why), _) => why,
+                (Ok(()), Some(why)) => why.clone(),
+                (Ok(()), None) => "not used".to_owned(),
+            };
+            (h, why)
+        })
+        .collect();
+    let relocated = relocated.filter(|_| in_force == DenyHook::FmodRet);
+    Ok((HookLadder { in_force, refused }, works, relocated))
+}
+
+/// The BPF-LSM hook: `bpf` in the LSM list (otherwise its programs load and attach but never
+/// run), and a pass-through program loads and attaches.
+fn probe_lsm(ebpf: &mut Ebpf, btf: &aya::Btf) -> Result<(), String> {
+    if !caps::bpf_in_lsm_list() {
+        let list = std::fs::read_to_string("/sys/kernel/security/lsm")
+            .map(|l| l.trim().to_owned())
+            .unwrap_or_else(|e| format!("unreadable: {e}"));
+        return Err(format!(
+            "`bpf` is not in the kernel's LSM list ({list}), so BPF-LSM programs never run \
+             (boot with lsm=…,bpf)"
+        ));
+    }
+    load_probe(ebpf, programs::LSM_PROBE, |p: &mut Lsm| {
+        p.load("file_ioctl", btf)
+    })
+    .map_err(|e| caps::load_refusal(&e))?;
+    let p: &mut Lsm = ebpf
+        .program_mut(programs::LSM_PROBE)
+        .and_then(|p| p.try_into().ok())
+        .ok_or_else(|| ProbeError::NoProgram(programs::LSM_PROBE).to_string())?;
+    let id = p
+        .attach()
+        .map_err(|e| caps::load_refusal(&Chain(&e).to_string()))?;
+    // The probe lets every call through; detached at once.
+    p.detach(id)
+        .map_err(|e| caps::load_refusal(&Chain(&e).to_string()))
+}
+
+/// The fmod_ret hook: a pass-through program loads as `BPF_MODIFY_RETURN` on
+/// `security_file_ioctl` and attaches (dropping the link detaches it).
+fn probe_modify_return(ebpf: &Ebpf, btf: &aya::Btf) -> Result<modify_return::Relocated, String> {
+    let relocated =
+        modify_return::Relocated::new(OBJECT, ebpf, btf).map_err(|e| Chain(&e).to_string())?;
+    let func = "security_file_ioctl";
+    let prog = relocated
+        .load(programs::FMODRET_PROBE, func, btf)
+        .map_err(|e| Chain(&e).to_string())?;
+    modify_return::attach(&prog, programs::FMODRET_PROBE, func)
+        .map_err(|e| Chain(&e).to_string())?;
+    Ok(relocated)
+}
+
 /// Loads a program to learn whether the kernel accepts its type; a refusal is an answer, not an
 /// error.
 fn try_load<P>(
@@ -603,8 +803,8 @@ mod tests {
 
     use super::{
         attach::{
-            FENTRY_ATTACHMENTS, FENTRY_RETURN_ATTACHMENTS, LSM_ATTACHMENTS, RUN_PROGRAMS,
-            TRACEPOINT_ATTACHMENTS,
+            FENTRY_ATTACHMENTS, FENTRY_RETURN_ATTACHMENTS, LSM_ATTACHMENTS,
+            MODIFY_RETURN_ATTACHMENTS, RUN_PROGRAMS, TRACEPOINT_ATTACHMENTS,
         },
         pin::expected_layouts,
         *,
@@ -643,12 +843,14 @@ mod tests {
             .iter()
             .chain(FENTRY_RETURN_ATTACHMENTS)
             .chain(LSM_ATTACHMENTS)
+            .chain(MODIFY_RETURN_ATTACHMENTS)
             .chain(TRACEPOINT_ATTACHMENTS)
             .flat_map(|a| [Some(a.program), a.rewriting])
             .flatten()
             .collect();
         used.extend(RUN_PROGRAMS);
         used.insert(programs::LSM_PROBE);
+        used.insert(programs::FMODRET_PROBE);
         // The benchmark's references (tests/src/bin/gpud-bench.rs).
         used.extend([
             programs::NOOP_TP,

@@ -188,6 +188,7 @@ fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
         virtualize_memory_info: true,
         scheduler_guard: gpud::config::GuardMode::Enforce,
         guard_timeslice_us: gpud::enforcement::guard::allowance(None),
+        deny_hook: gpud::config::DenyHookPreference::Auto,
     })?;
     let r = workloads(o, standin);
     probes.shutdown(false);

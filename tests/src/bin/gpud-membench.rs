@@ -364,6 +364,7 @@ fn setup(
         virtualize_memory_info: true,
         scheduler_guard: gpud::config::GuardMode::Enforce,
         guard_timeslice_us: gpud::enforcement::guard::allowance(None),
+        deny_hook: gpud::config::DenyHookPreference::Auto,
     })?;
     ensure!(probes.mode() == o.mode, "attached in {:?}", probes.mode());
     let ring = probes.take_events()?;

@@ -12,7 +12,7 @@ use clap::Parser;
 use gpud::{
     attribution::Attribution,
     cgroupfs::CgroupFs,
-    config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
+    config::{AttachPreference, DenyHookPreference, ProbesConfig, ReactAction, TierPreference},
     probes::{
         AttachMode, DynamicMajors, Matcher, MemoryInfoState, ProbeSetup, Probes, Tier, devices,
     },
@@ -38,6 +38,7 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     let probes = start_probes(
         pref,
         TierPreference::React,
+        DenyHookPreference::Auto,
         format!("/sys/fs/bpf/{tag}"),
         majors,
         &extra,
@@ -149,6 +150,7 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
 fn start_probes(
     attach: AttachPreference,
     tier: TierPreference,
+    hook: DenyHookPreference,
     bpffs: impl Into<PathBuf>,
     majors: DynamicMajors,
     extra: &[devices::ExtraFile],
@@ -170,6 +172,7 @@ fn start_probes(
         virtualize_memory_info: true,
         scheduler_guard: gpud::config::GuardMode::Enforce,
         guard_timeslice_us: gpud::enforcement::guard::allowance(None),
+        deny_hook: hook,
     })
 }
 
@@ -189,13 +192,14 @@ fn pump(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, attribution: &mut Att
 /// refuses, with ENOMEM and before the (fake) driver sees it, the allocation that would take a
 /// cgroup over its limit; accounting follows allocations, and `security_file_free` releases a
 /// closed file's clients. The fake NVIDIA control device (FUSE) answers the real RM ABI.
-fn memory_deny() -> anyhow::Result<()> {
+fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
+    let tag = format!("deny-{}", hook.as_str());
     const MIB: u64 = 1 << 20;
     // Orphans (the heir below) are re-parented here, so they can be reaped.
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) only sets a flag of this process.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let fake = gpud_tests::fakenv::mount(
-        std::path::Path::new("/tmp/vm-fake"),
+        std::path::Path::new(&format!("/tmp/vm-fake-{tag}")),
         gpud_tests::fakenv::Options::default(),
     )
     .context("mounting the fake NVIDIA device")?;
@@ -206,22 +210,35 @@ fn memory_deny() -> anyhow::Result<()> {
     let mut probes = start_probes(
         AttachPreference::Auto,
         TierPreference::Deny,
-        "/sys/fs/bpf/deny",
+        hook,
+        format!("/sys/fs/bpf/{tag}"),
         DynamicMajors::read()?,
         &extra,
         &root,
     )
-    .context("starting probes with enforcement.tier = deny")?;
+    .with_context(|| {
+        format!(
+            "starting probes with enforcement.tier = deny, deny_hook = {}",
+            hook.as_str()
+        )
+    })?;
     ensure!(probes.tier() == Tier::Deny, "tier {:?}", probes.tier());
+    if hook != DenyHookPreference::Auto {
+        ensure!(
+            probes.ladder().in_force.as_str() == hook.as_str(),
+            "hook in force: {:?}",
+            probes.ladder()
+        );
+    }
     let mut ring = probes.take_events()?;
     let matcher = Matcher {
         majors: DynamicMajors::read()?,
         extra,
     };
     let mut attribution = Attribution::new(probes, cgroups, matcher)?;
-    let cg = root.join("vm-deny");
+    let cg = root.join(&tag);
     std::fs::create_dir_all(&cg)?;
-    let (_, id) = attribution.id_of("/vm-deny")?;
+    let (_, id) = attribution.id_of(&format!("/{tag}"))?;
     attribution.set_kernel_limit(id, gpud_common::GPU_ALL, 8 * MIB)?;
 
     let c = ctl.clone();
@@ -338,7 +355,7 @@ fn memory_deny() -> anyhow::Result<()> {
     attribution.shutdown(false);
     drop(fake);
     let _ = std::fs::remove_dir(&cg);
-    println!("[deny] memory checks passed");
+    println!("[{tag}] memory checks passed");
     Ok(())
 }
 
@@ -519,6 +536,7 @@ fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     let probes = start_probes(
         pref,
         TierPreference::Auto,
+        DenyHookPreference::Auto,
         format!("/sys/fs/bpf/view-{tag}"),
         DynamicMajors::read()?,
         &extra,
@@ -876,10 +894,16 @@ fn guard_fuzz(
 fn scheduler_guard(
     pref: AttachPreference,
     tier: TierPreference,
+    hook: DenyHookPreference,
     want: AttachMode,
 ) -> anyhow::Result<()> {
     use gpud::enforcement::guard::{GuardNotice, SchedulerGuard};
-    let tag = format!("{}-{}", want.as_str(), format!("{tier:?}").to_lowercase());
+    let tag = format!(
+        "{}-{}-{}",
+        want.as_str(),
+        format!("{tier:?}").to_lowercase(),
+        hook.as_str()
+    );
     let _watchdog = inproc::Watchdog::arm(std::time::Duration::from_secs(150));
     let fake = gpud_tests::fakenv::mount(
         std::path::Path::new(&format!("/tmp/vm-guard-{tag}")),
@@ -893,6 +917,7 @@ fn scheduler_guard(
     let mut probes = start_probes(
         pref,
         tier,
+        hook,
         format!("/sys/fs/bpf/guard-{tag}"),
         DynamicMajors::read()?,
         &extra,
@@ -1232,9 +1257,11 @@ fn main() -> std::process::ExitCode {
         }
     }
     if gpud_tests::fakenv::available() {
-        if let Err(e) = memory_deny() {
-            println!("[deny] FAILED: {e:#}");
-            failed.push("deny");
+        for hook in [DenyHookPreference::Lsm, DenyHookPreference::FmodRet] {
+            if let Err(e) = memory_deny(hook) {
+                println!("[deny-{}] FAILED: {e:#}", hook.as_str());
+                failed.push("deny");
+            }
         }
         for (pref, want, name) in [
             (AttachPreference::Auto, AttachMode::Fentry, "view-fentry"),
@@ -1249,21 +1276,30 @@ fn main() -> std::process::ExitCode {
                 failed.push(name);
             }
         }
-        for (pref, tier, want, name) in [
+        for (pref, tier, hook, want, name) in [
             (
                 AttachPreference::Auto,
                 TierPreference::Deny,
+                DenyHookPreference::Lsm,
                 AttachMode::Fentry,
-                "guard-deny",
+                "guard-deny-lsm",
+            ),
+            (
+                AttachPreference::Auto,
+                TierPreference::Deny,
+                DenyHookPreference::FmodRet,
+                AttachMode::Fentry,
+                "guard-deny-fmod_ret",
             ),
             (
                 AttachPreference::Tracepoint,
                 TierPreference::React,
+                DenyHookPreference::Auto,
                 AttachMode::Tracepoint,
                 "guard-tracepoint",
             ),
         ] {
-            if let Err(e) = scheduler_guard(pref, tier, want) {
+            if let Err(e) = scheduler_guard(pref, tier, hook, want) {
                 println!("[{name}] FAILED: {e:#}");
                 failed.push(name);
             }
@@ -1291,6 +1327,7 @@ fn check_lsm_probe() -> anyhow::Result<()> {
     let probes = start_probes(
         AttachPreference::Auto,
         TierPreference::React,
+        DenyHookPreference::Auto,
         "/sys/fs/bpf/caps",
         DynamicMajors::default(),
         &[],

@@ -317,6 +317,8 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     let version = proxy.version().await.map_err(daemon_err)?;
     let mode = proxy.attach_mode().await.map_err(daemon_err)?;
     let caps = proxy.kernel_capabilities().await.map_err(daemon_err)?;
+    let hook = proxy.deny_hook().await.map_err(daemon_err)?;
+    let hook_refusals = proxy.deny_hook_refusals().await.map_err(daemon_err)?;
     let root = proxy.cgroup_root().await.map_err(daemon_err)?;
     let resumed = proxy.probes_resumed().await.map_err(daemon_err)?;
     let stats = proxy.get_kernel_stats().await.map_err(daemon_err)?;
@@ -338,6 +340,8 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
             "nvml_events": nvml_events,
             "attach_mode": mode,
             "enforcement_tier": tier,
+            "deny_hook": hook,
+            "deny_hook_refusals": hook_refusals,
             "react_action": action,
             "memory_info_view": memory_view,
             "scheduler_guard": guard,
@@ -366,6 +370,13 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
         .map(|(k, _)| k.as_str())
         .collect();
     println!("  memory limits:    {tier} tier (react action: {action})");
+    println!("  pre-driver hook:  {hook}");
+    // Ladder order, not the map's alphabetical one.
+    for rung in ["lsm", "fmod_ret", "kprobe"] {
+        if let Some(why) = hook_refusals.get(rung) {
+            println!("    {rung:<9} {why}");
+        }
+    }
     println!("  memory view:      {memory_view}");
     println!("  scheduler guard:  {guard}");
     println!("  NVML:             {nvml_status}");
