@@ -122,15 +122,23 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
     results.push(json!({"where": "host", "compute_daemon": parse(&compute)?}));
 
     if vm {
-        for mode in ["fentry", "tracepoint"] {
-            println!("bench: VM (qemu TCG, Debian kernel), {mode} mode");
-            let args: Vec<String> = ["--mode", mode]
+        // The react tier in both modes, then the deny tier through each pre-driver hook.
+        for (mode, hook) in [
+            ("fentry", "none"),
+            ("tracepoint", "none"),
+            ("fentry", "lsm"),
+            ("fentry", "fmod_ret"),
+        ] {
+            println!("bench: VM (qemu TCG, Debian kernel), {mode} mode, pre-driver hook {hook}");
+            let args: Vec<String> = ["--mode", mode, "--hook", hook]
                 .iter()
                 .chain(VM_ARGS)
                 .map(|s| (*s).to_owned())
                 .collect();
             let console = crate::vm::run(&bin, &args, VM_TIMEOUT)?;
-            results.push(json!({"where": "vm", "mode": mode, "result": parse(&console)?}));
+            results.push(
+                json!({"where": "vm", "mode": mode, "hook": hook, "result": parse(&console)?}),
+            );
         }
         println!("bench: VM, GPU-memory accounting and enforcement, fentry mode");
         let args: Vec<String> = [

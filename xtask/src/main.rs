@@ -84,11 +84,17 @@ enum Task {
         #[command(flatten)]
         layout: LayoutArgs,
     },
+    /// Only the kernel matrix of `test` (VM rows and this host), each row as one line.
+    Matrix,
     /// Boot the Debian-kernel VM and run BINARY ARGS… inside it: `cargo xtask vm -- BINARY ARGS…`.
     Vm {
         /// Seconds before qemu is killed.
         #[arg(long, default_value_t = 300)]
         timeout: u64,
+        /// How the kernel is booted: `debian` (bpf in lsm=), `ubuntu` (Ubuntu's LSM list) or
+        /// `ubuntu-secure-boot` (the same with lockdown=integrity).
+        #[arg(long, default_value = "debian")]
+        boot: String,
         /// The binary to run (with its shared libraries).
         binary: PathBuf,
         /// Its arguments.
@@ -158,11 +164,15 @@ fn main() -> ExitCode {
         Task::Install { layout, bin_dir } => install::install(&layout.layout(), bin_dir.as_deref()),
         Task::Uninstall { layout } => install::uninstall(&layout.layout()),
         // The console is echoed as it comes.
+        Task::Matrix => test::matrix_only(),
         Task::Vm {
             timeout,
+            boot,
             binary,
             args,
-        } => vm::run(&binary, &args, Duration::from_secs(timeout)).map(drop),
+        } => vm::Boot::parse(&boot).and_then(|b| {
+            vm::run_booted(&binary, &args, Duration::from_secs(timeout), b).map(drop)
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

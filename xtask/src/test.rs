@@ -110,7 +110,77 @@ fn vm() -> anyhow::Result<()> {
     if !console.lines().any(|l| l.trim() == VMTEST_PASS) {
         bail!("gpud-vmtest exited 0 but printed no `{VMTEST_PASS}` line");
     }
+    matrix_lines(&console);
     Ok(())
+}
+
+/// The `kernel-matrix:` lines seen so far (the VM test prints the Debian row).
+static MATRIX: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Keeps the `kernel-matrix:` lines of a console.
+fn matrix_lines(console: &str) {
+    let lines = console
+        .lines()
+        .filter_map(|l| l.find("kernel-matrix: ").map(|i| l[i..].trim().to_owned()));
+    if let Ok(mut m) = MATRIX.lock() {
+        m.extend(lines);
+    }
+}
+
+/// The kernel matrix: the same checks (`gpud-vmtest row`) on the kernels GPU hosts run —
+/// Ubuntu's LSM list, the same under Secure Boot's lockdown, tracepoints only (VM), and this
+/// host's own kernel. Each row fails unless what it shows is the row's expectation; every row is
+/// printed as one `kernel-matrix:` line at the end.
+fn kernel_matrix() -> anyhow::Result<()> {
+    use crate::vm::Boot;
+    let binary = root().join("target/debug/gpud-vmtest");
+    let mut failed = Vec::new();
+    let vm_rows = [
+        ("ubuntu", Boot::Ubuntu),
+        ("ubuntu-secure-boot", Boot::UbuntuLockdown),
+        ("tracepoint-only", Boot::Debian),
+    ];
+    for (row, boot) in vm_rows {
+        let args = ["row".to_owned(), row.to_owned()];
+        match crate::vm::run_booted(&binary, &args, VMTEST_TIMEOUT, boot) {
+            Ok(console) => matrix_lines(&console),
+            Err(e) => {
+                println!("kernel matrix: {row}: {e:#}");
+                failed.push(row);
+            }
+        }
+    }
+    let out = Command::new(&binary)
+        .args(["row", "host"])
+        .output()
+        .map_err(|e| anyhow::anyhow!("cannot run {}: {e}", binary.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    matrix_lines(&text);
+    if !out.status.success() {
+        failed.push("host");
+    }
+    println!("\nWhat gpud enforces on each kernel:");
+    if let Ok(m) = MATRIX.lock() {
+        for line in m.iter() {
+            println!("{line}");
+        }
+    }
+    if !failed.is_empty() {
+        bail!("kernel matrix rows failed: {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+/// `cargo xtask matrix`: builds the VM test binary and runs the kernel matrix's rows (the Debian
+/// row is the VM test's; run `cargo xtask test` for it).
+pub fn matrix_only() -> anyhow::Result<()> {
+    run_cmd(
+        "cargo build -p gpud-tests --bin gpud-vmtest",
+        cargo().args(["build", "-p", "gpud-tests", "--bin", "gpud-vmtest"]),
+    )?;
+    kernel_matrix()
 }
 
 /// The steps after setup, as the flags select them.
@@ -142,6 +212,10 @@ fn steps(vm_tests: bool, lint: bool) -> Vec<Step> {
         steps.push(Step {
             name: "VM tests (fentry, BPF-LSM)",
             run: vm,
+        });
+        steps.push(Step {
+            name: "kernel matrix",
+            run: kernel_matrix,
         });
     }
     steps

@@ -23,10 +23,43 @@ const EXIT_MARK: &str = "VM EXIT CODE: ";
 /// The line the init script prints once everything is mounted, followed by the kernel release.
 const BOOT_MARK: &str = "VM BOOTED: ";
 
-/// Kernel command line: serial console, BPF last in the LSM list (Debian's default list lacks
-/// it), and a panic powers the VM off at once (`-no-reboot`) instead of hanging until the timeout.
-const CMDLINE: &str =
-    "console=ttyS0 lsm=lockdown,capability,landlock,yama,apparmor,bpf panic=-1 quiet loglevel=3";
+/// Kernel command line: serial console, a panic powers the VM off at once (`-no-reboot`)
+/// instead of hanging until the timeout; the LSM list and lockdown are the row's ([`Boot`]).
+const CMDLINE: &str = "console=ttyS0 panic=-1 quiet loglevel=3";
+
+/// How the kernel is booted: the rows of the kernel matrix that differ by command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Boot {
+    /// BPF last in the LSM list (Debian's default list lacks it).
+    Debian,
+    /// Ubuntu 22.04/24.04's default LSM list: no `bpf`.
+    Ubuntu,
+    /// Ubuntu's list under Secure Boot: `lockdown=integrity`.
+    UbuntuLockdown,
+}
+
+impl Boot {
+    /// From its name on the command line.
+    pub fn parse(name: &str) -> anyhow::Result<Self> {
+        match name {
+            "debian" => Ok(Self::Debian),
+            "ubuntu" => Ok(Self::Ubuntu),
+            "ubuntu-secure-boot" => Ok(Self::UbuntuLockdown),
+            other => bail!("--boot {other}: expected debian, ubuntu or ubuntu-secure-boot"),
+        }
+    }
+
+    fn cmdline(self) -> String {
+        let extra = match self {
+            Self::Debian => "lsm=lockdown,capability,landlock,yama,apparmor,bpf",
+            Self::Ubuntu => "lsm=lockdown,capability,landlock,yama,apparmor",
+            Self::UbuntuLockdown => {
+                "lsm=lockdown,capability,landlock,yama,apparmor lockdown=integrity"
+            }
+        };
+        format!("{CMDLINE} {extra}")
+    }
+}
 
 /// Kernel features the payloads use that Debian builds as modules: config option, module name.
 /// Each is put into the image (with its dependencies) and loaded when the option is `=m`.
@@ -348,16 +381,26 @@ fn strip_escapes(line: &str) -> String {
 /// fails on any other status or when `timeout` passes (qemu is killed).
 /// The console is echoed as it comes, each line prefixed with `vm| `.
 pub fn run(binary: &Path, args: &[String], timeout: Duration) -> anyhow::Result<String> {
+    run_booted(binary, args, timeout, Boot::Debian)
+}
+
+/// [`run`] with the kernel booted as `boot` says.
+pub fn run_booted(
+    binary: &Path,
+    args: &[String],
+    timeout: Duration,
+    boot_as: Boot,
+) -> anyhow::Result<String> {
     let kernel = kernel()?;
     let image = initramfs(&kernel, binary, args)?;
     println!(
-        "vm: booting {} with {} ({} MiB initramfs)",
+        "vm: booting {} ({boot_as:?}) with {} ({} MiB initramfs)",
         kernel.image.display(),
         binary.display(),
         std::fs::metadata(&image).map_or(0, |m| m.len() >> 20)
     );
     for attempt in 1..=BOOT_ATTEMPTS {
-        match boot(&kernel, &image, binary, timeout)? {
+        match boot(&kernel, &image, binary, timeout, &boot_as.cmdline())? {
             Some(console) => return Ok(console),
             None if attempt < BOOT_ATTEMPTS => println!(
                 "vm: the kernel did not reach init within {}s (attempt {attempt} of \
@@ -382,6 +425,7 @@ fn boot(
     image: &Path,
     binary: &Path,
     timeout: Duration,
+    cmdline: &str,
 ) -> anyhow::Result<Option<String>> {
     let started = Instant::now();
     let mut child = Command::new("qemu-system-x86_64")
@@ -391,7 +435,7 @@ fn boot(
         .arg("-initrd")
         .arg(image)
         .arg("-append")
-        .arg(CMDLINE)
+        .arg(cmdline)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -1,4 +1,5 @@
-//! `gpud-bench --mode tracepoint|fentry [--calls N] [--rounds R] [--cycles C]`: the added cost per syscall of
+//! `gpud-bench --mode tracepoint|fentry [--hook none|lsm|fmod_ret] [--calls N] [--rounds R]
+//! [--cycles C]`: the added cost per syscall of
 //! gpud's probes, measured in one run (run by `cargo xtask bench`; method in docs/benchmarks.md).
 //!
 //! Three phases in one process tree, alternated C times: no program attached; a no-op reference
@@ -30,7 +31,7 @@ use aya::{
 use clap::Parser;
 use gpud::{
     cgroupfs::CgroupFs,
-    config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
+    config::{AttachPreference, DenyHookPreference, ProbesConfig, ReactAction, TierPreference},
     probes::{self, AttachMode, DynamicMajors, ProbeSetup, Probes, devices},
 };
 use gpud_common::programs;
@@ -55,6 +56,19 @@ struct Opts {
     /// Alternations of the three phases (the median counts).
     #[arg(long, default_value_t = 5)]
     cycles: usize,
+    /// The pre-driver hook in gpud's phase: `none` (the react tier: fentry or tracepoint
+    /// programs only), `lsm` or `fmod_ret` (the deny tier through that hook; fentry mode).
+    #[arg(long, default_value = "none", value_parser = hook)]
+    hook: DenyHookPreference,
+}
+
+fn hook(s: &str) -> Result<DenyHookPreference, String> {
+    match s {
+        "none" => Ok(DenyHookPreference::None),
+        "lsm" => Ok(DenyHookPreference::Lsm),
+        "fmod_ret" => Ok(DenyHookPreference::FmodRet),
+        _ => Err("none, lsm or fmod_ret".to_owned()),
+    }
 }
 
 /// Fastest ns per call of `f(n)` over `rounds`, measured in a fresh child process.
@@ -183,13 +197,22 @@ fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
         majors: DynamicMajors::read()?,
         extra: &extra,
         cgroup2_root: cgroups.root(),
-        tier: TierPreference::React,
+        tier: if o.hook == DenyHookPreference::None {
+            TierPreference::React
+        } else {
+            TierPreference::Deny
+        },
         react_action: ReactAction::Notify,
         virtualize_memory_info: true,
         scheduler_guard: gpud::config::GuardMode::Enforce,
         guard_timeslice_us: gpud::enforcement::guard::allowance(None),
-        deny_hook: gpud::config::DenyHookPreference::Auto,
+        deny_hook: o.hook,
     })?;
+    anyhow::ensure!(
+        probes.ladder().in_force.as_str() == o.hook.as_str(),
+        "hook in force: {:?}",
+        probes.ladder()
+    );
     let r = workloads(o, standin);
     probes.shutdown(false);
     let _ = std::fs::remove_dir_all(&config.bpffs);
@@ -260,6 +283,7 @@ fn main() -> anyhow::Result<()> {
     let (detached, noop, attached) = (median_of(&detached), median_of(&noop), median_of(&attached));
     let result = json!({
         "mode": o.mode.as_str(),
+        "hook": o.hook.as_str(),
         "kernel": kernel_release(),
         "calls_per_round": o.calls,
         "rounds": o.rounds,

@@ -156,6 +156,30 @@ fn start_probes(
     extra: &[devices::ExtraFile],
     root: &std::path::Path,
 ) -> Result<Probes, gpud::probes::ProbeError> {
+    start_probes_reacting(
+        attach,
+        tier,
+        hook,
+        bpffs,
+        majors,
+        extra,
+        root,
+        ReactAction::Notify,
+    )
+}
+
+/// [`start_probes`] with the react tier's action.
+#[allow(clippy::too_many_arguments)]
+fn start_probes_reacting(
+    attach: AttachPreference,
+    tier: TierPreference,
+    hook: DenyHookPreference,
+    bpffs: impl Into<PathBuf>,
+    majors: DynamicMajors,
+    extra: &[devices::ExtraFile],
+    root: &std::path::Path,
+    react_action: ReactAction,
+) -> Result<Probes, gpud::probes::ProbeError> {
     let config = ProbesConfig {
         attach,
         bpffs: bpffs.into(),
@@ -168,7 +192,7 @@ fn start_probes(
         extra,
         cgroup2_root: root,
         tier,
-        react_action: ReactAction::Notify,
+        react_action,
         virtualize_memory_info: true,
         scheduler_guard: gpud::config::GuardMode::Enforce,
         guard_timeslice_us: gpud::enforcement::guard::allowance(None),
@@ -1234,16 +1258,261 @@ fn scheduler_guard(
     Ok(())
 }
 
-/// The kernel-side checks, run inside the VM (see the module docs).
+/// What each row of the kernel matrix must show (xtask boots the VM once per row with the
+/// row's kernel command line; `host` runs on the machine itself): the hook, the memory tier, what
+/// the guard does to a tenant's 1 s timeslice, and whether the memory view runs.
+const MATRIX: &[(&str, &str)] = &[
+    // Debian's kernel with `bpf` in lsm=: BPF-LSM.
+    ("debian", "rung=lsm memory=deny guard=clamp view=yes"),
+    // Ubuntu's default LSM list (no `bpf`): BPF-LSM programs never run; fmod_ret does.
+    ("ubuntu", "rung=fmod_ret memory=deny guard=clamp view=yes"),
+    // The same under Secure Boot's lockdown=integrity: no bpf_probe_write_user, so no view and
+    // no rewrite; the hook still refuses.
+    (
+        "ubuntu-secure-boot",
+        "rung=fmod_ret memory=deny guard=deny view=no",
+    ),
+    // Tracepoints only (`probes.attach = "tracepoint"`, as on a kernel without BPF trampolines),
+    // no lockdown. The JIT off does not take trampolines away on x86-64 (measured: fentry and
+    // BPF-LSM still load and run with net.core.bpf_jit_enable=0, the trampoline is emitted by
+    // the arch code and calls the interpreter), so the attach preference stands in for it.
+    (
+        "tracepoint-only",
+        "rung=none memory=react guard=clamp view=yes",
+    ),
+    // This project's CI host: tracepoints only, under lockdown.
+    ("host", "rung=none memory=react guard=report view=no"),
+];
+
+/// One row of the kernel matrix: what gpud picks on this kernel and what holds, as the line
+/// `kernel-matrix: <row>: rung=… memory=… guard=… view=…`; fails where the row's expectation
+/// ([`MATRIX`]) does not hold, or memory goes over its limit by a byte (deny rows), or the
+/// crossing process lives on (react rows).
+fn matrix_row(row: &str) -> anyhow::Result<String> {
+    use gpud_tests::rm::{Ctl, Form};
+    const MIB: u64 = 1 << 20;
+    let want = MATRIX
+        .iter()
+        .find(|(r, _)| *r == row)
+        .map(|(_, w)| *w)
+        .with_context(|| format!("no matrix row {row:?}"))?;
+    let attach = if row == "tracepoint-only" {
+        AttachPreference::Tracepoint
+    } else {
+        AttachPreference::Auto
+    };
+    let _watchdog = inproc::Watchdog::arm(std::time::Duration::from_secs(120));
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) only sets a flag of this process.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    let tag = format!("matrix-{row}");
+    let fake = gpud_tests::fakenv::mount(
+        std::path::Path::new(&format!("/tmp/{tag}-fake")),
+        gpud_tests::fakenv::Options::default(),
+    )
+    .context("mounting the fake NVIDIA device")?;
+    let ctl = fake.ctl();
+    let cgroups = CgroupFs::discover()?;
+    let root = cgroups.root().to_owned();
+    let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
+    // As the daemon starts by default: every choice `auto`, the react action `kill`.
+    let mut probes = start_probes_reacting(
+        attach,
+        TierPreference::Auto,
+        DenyHookPreference::Auto,
+        // Its own bpffs, mounted by the probes (the host may have none at /sys/fs/bpf).
+        format!("/tmp/{tag}-bpffs"),
+        DynamicMajors::read()?,
+        &extra,
+        &root,
+        ReactAction::Kill,
+    )
+    .context("starting probes with the defaults")?;
+    let rung = probes.ladder().in_force.as_str();
+    let deny = probes.tier() == Tier::Deny;
+    let view = match probes.memory_info() {
+        gpud::probes::MemoryInfoState::Unavailable(why) => format!("no ({why})"),
+        _ => "yes".to_owned(),
+    };
+    for (hook, why) in &probes.ladder().refused {
+        println!("[{tag}] {} not used: {why}", hook.as_str());
+    }
+    let mut ring = probes.take_events()?;
+    let matcher = Matcher {
+        majors: DynamicMajors::read()?,
+        extra,
+    };
+    let mut attribution = Attribution::new(probes, cgroups, matcher)?;
+    let cg = root.join(&tag);
+    std::fs::create_dir_all(&cg)?;
+    let (_, id) = attribution.id_of(&format!("/{tag}"))?;
+    attribution.set_kernel_limit(id, gpud_common::GPU_ALL, 8 * MIB)?;
+
+    // Memory: 4 MiB, then 6 MiB that would take the cgroup to 10 over a limit of 8, then 2 MiB
+    // that fits (the driver, and the fake, round to 2 MiB pages).
+    let (c, dir) = (ctl.clone(), cg.clone());
+    let held = inproc::fork_held(move || {
+        if let Err(e) = inproc::join_cgroup(&dir) {
+            return format!("join: {e}");
+        }
+        let f = match std::fs::OpenOptions::new().read(true).write(true).open(&c) {
+            Ok(f) => f,
+            Err(e) => return format!("open: {e}"),
+        };
+        let rm = Ctl::new(&f);
+        let client = rm.alloc_client().handle;
+        let dev = rm.alloc_device(client, 0).handle;
+        let first = rm.alloc_vidmem(client, dev, 4 * MIB, Form::Nvos64);
+        let second = rm.alloc_vidmem(client, dev, 6 * MIB, Form::Nvos21);
+        // Reached only if the crossing call returned to this process.
+        let after = rm.alloc_vidmem(client, dev, 2 * MIB, Form::Nvos64);
+        std::mem::forget(f);
+        format!(
+            "first={} second={}/{} after={}",
+            first.ok(),
+            second.ret,
+            second.errno,
+            after.ok()
+        )
+    })?;
+    let memory = if deny {
+        let expect = format!("first=true second=-1/{} after=true", libc::ENOMEM);
+        ensure!(
+            held.report == expect,
+            "child: {} (wanted {expect})",
+            held.report
+        );
+        let used = fake.snapshot().used_total();
+        ensure!(
+            used == 6 * MIB,
+            "the driver holds {used} bytes for the cgroup (limit 8 MiB, 0 over)"
+        );
+        held.release();
+        "deny"
+    } else {
+        // The kill is sent from the probe before the crossing call returns: the child never
+        // reports, and dies of SIGKILL.
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(held.pid as i32, &mut status, 0) };
+        ensure!(
+            held.report.is_empty(),
+            "the crossing process went on: {}",
+            held.report
+        );
+        ensure!(
+            libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL,
+            "the crossing process was not killed (status {status:#x})"
+        );
+        drop(held);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            pump(&mut ring, &mut attribution);
+            attribution.release_closed_files();
+            if attribution.memory_of(id).current.get("all") == Some(&0) {
+                break;
+            }
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "the killed process's memory is still charged: {:?}",
+                attribution.memory_of(id)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        "react"
+    };
+
+    // The guard: a tenant asks for a 1 s timeslice; what is in force 5 ms later.
+    let allowance = gpud::enforcement::guard::allowance(None);
+    let mut a = guard_tenant(&ctl, &cg)?;
+    let mut b = guard_tenant(&ctl, &cg)?;
+    let set = a.ask("ts 1000000")?;
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let later: u64 = a.ask("get")?.parse().context("GET_TIMESLICE")?;
+    let guard = if set.starts_with(&format!("errno={} ", libc::EPERM)) {
+        "deny"
+    } else if set.ends_with(&format!(" got={allowance}")) {
+        "clamp"
+    } else if later == allowance {
+        "restore"
+    } else {
+        "report"
+    };
+    ensure!(
+        guard == "report" || later <= allowance,
+        "a timeslice of {later} µs in force 5 ms after a {guard} (allowance {allowance})"
+    );
+    // A neighbour's channels: disabled by a tenant naming them, and whether they stay so.
+    let ib: Vec<String> = b.ask("ids")?.split(' ').map(str::to_owned).collect();
+    let r = a.ask(&format!("disable {} {}", ib[0], ib[2]))?;
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let enabled = fake
+        .snapshot()
+        .channels
+        .iter()
+        .find(|c| format!("{:#x}", c.handle) == ib[2] && format!("{:#x}", c.client) == ib[0])
+        .map(|c| c.enabled);
+    let neighbour = match enabled {
+        Some(true) => "kept",
+        Some(false) => "left disabled",
+        None => "gone",
+    };
+    println!("[{tag}] a neighbour's channels after a foreign disable ({r}): {neighbour}");
+    drop((a, b));
+    attribution.shutdown(false);
+    drop(fake);
+    let _ = std::fs::remove_dir(&cg);
+
+    let line = format!("rung={rung} memory={memory} guard={guard} view={view}");
+    let expected_view = want.rsplit_once("view=").map_or("", |(_, v)| v);
+    let (got_head, got_view) = line.rsplit_once(" view=").unwrap_or((&line, ""));
+    let (want_head, _) = want.rsplit_once(" view=").unwrap_or((want, ""));
+    ensure!(
+        got_head == want_head && got_view.starts_with(expected_view),
+        "kernel-matrix: {row}: {line} (wanted {want})"
+    );
+    // Where a hook or the rewrite acts, a neighbour's channels are never left disabled.
+    ensure!(
+        guard == "report" || neighbour == "kept",
+        "a neighbour's channels were {neighbour} on a row whose guard acts ({guard})"
+    );
+    Ok(format!("kernel-matrix: {row}: {line}"))
+}
+
+/// The kernel-side checks, run inside the VM (see the module docs)./// The kernel-side checks, run inside the VM (see the module docs).
 #[derive(Parser)]
 #[command(name = "gpud-vmtest")]
 enum Cli {
-    /// Runs every check; prints `VMTEST RESULT: PASS` when all hold.
+    /// Runs every check; prints `VMTEST RESULT: PASS` when all hold, and the `debian` row of
+    /// the kernel matrix.
     Test,
+    /// Runs one row of the kernel matrix on the running kernel (`debian`, `ubuntu`,
+    /// `ubuntu-secure-boot`, `tracepoint-only`, `host`); prints its `kernel-matrix:` line and
+    /// `VMTEST RESULT: PASS` when the row's expectation holds.
+    Row { name: String },
 }
 
 fn main() -> std::process::ExitCode {
-    let Cli::Test = Cli::parse();
+    let row = match Cli::parse() {
+        Cli::Test => None,
+        Cli::Row { name } => Some(name),
+    };
+    if let Some(name) = row {
+        let lsm = std::fs::read_to_string("/sys/kernel/security/lsm").unwrap_or_default();
+        let lockdown = std::fs::read_to_string("/sys/kernel/security/lockdown").unwrap_or_default();
+        println!("kernel LSMs: {}; lockdown: {}", lsm.trim(), lockdown.trim());
+        return match matrix_row(&name) {
+            Ok(line) => {
+                println!("{line}");
+                println!("VMTEST RESULT: PASS");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("kernel-matrix: {name}: FAILED: {e:#}");
+                println!("VMTEST RESULT: FAIL ({name})");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     let mut failed = Vec::new();
     let lsm = std::fs::read_to_string("/sys/kernel/security/lsm").unwrap_or_default();
     println!("kernel LSMs: {}", lsm.trim());
@@ -1312,6 +1581,15 @@ fn main() -> std::process::ExitCode {
     if let Err(e) = check_lsm_probe() {
         println!("[caps] FAILED: {e:#}");
         failed.push("caps");
+    }
+    if gpud_tests::fakenv::available() {
+        match matrix_row("debian") {
+            Ok(line) => println!("{line}"),
+            Err(e) => {
+                println!("kernel-matrix: debian: FAILED: {e:#}");
+                failed.push("matrix");
+            }
+        }
     }
     if failed.is_empty() {
         println!("VMTEST RESULT: PASS");
