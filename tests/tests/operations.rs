@@ -253,13 +253,15 @@ async fn idle_cgroups_holding_memory_are_reported_and_followed() {
     let busy_cg = Cgroup::new("ops-busy");
     let nomem_cg = Cgroup::new("ops-nomem");
     let flag = rig.path().join("wake");
-    // Sleeps until the flag appears, then burns a CPU (= the simulated GPU).
+    let c_flag = std::ffi::CString::new(flag.as_os_str().as_encoded_bytes()).expect("path");
+    // SAFETY: mkfifo reads a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c_flag.as_ptr(), 0o600) }, 0, "mkfifo");
+    // Blocks in the FIFO's open until the test writes to it, then burns a CPU (= the simulated
+    // GPU). Blocked, not polling: the fake NVML counts time runnable (waiting for a CPU
+    // included), and a loop waking every 0.2 s reads as active on a busy machine.
     let mut idle_p = spawn_in_cgroup(
         &idle_cg,
-        &format!(
-            "while [ ! -e {} ]; do sleep 0.2; done; while :; do :; done",
-            flag.display()
-        ),
+        &format!("read _ < {}; while :; do :; done", flag.display()),
     );
     let mut busy_p = spawn_in_cgroup(&busy_cg, "while :; do :; done");
     let mut nomem_p = spawn_in_cgroup(&nomem_cg, "sleep 600");
@@ -371,7 +373,8 @@ async fn idle_cgroups_holding_memory_are_reported_and_followed() {
     );
 
     // It wakes up: no longer idle, and the signal says so.
-    std::fs::write(&flag, "").expect("wake");
+    // Opening the FIFO for writing meets the reader blocked in its open.
+    std::fs::write(&flag, "\n").expect("wake");
     let ev = follower
         .next(Duration::from_secs(10))
         .expect("IdleChanged(idle=false)");
