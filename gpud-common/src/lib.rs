@@ -207,6 +207,9 @@ pub const CFG_VIRT_MEMINFO: u32 = 1 << 3;
 pub const CFG_SCHED_GUARD: u32 = 1 << 4;
 /// `ProbeConfig::flags`: the guard acts (`enforce`); without it, it only reports (`audit`).
 pub const CFG_SCHED_ENFORCE: u32 = 1 << 5;
+/// `ProbeConfig::flags`: where no hook can refuse a forbidden control, kill its caller at the
+/// call's entry (`[enforcement] guard_react_action = "kill"`); otherwise only report it.
+pub const CFG_GUARD_KILL: u32 = 1 << 6;
 
 /// The single value of the `CONFIG` array map.
 #[repr(C)]
@@ -309,6 +312,9 @@ pub const EVENT_ALLOC_DENIED: u32 = 6;
 /// refused controls must not fill the ring the accounting's events share. Every call is counted
 /// in `GUARD_COUNTS`.
 pub const EVENT_SCHED_GUARD: u32 = 7;
+/// Record kind of a [`GuardRestore`]: sent at the exit of a tenant's control that neither a hook
+/// nor a rewrite could stop, for the daemon to undo what it did.
+pub const EVENT_GUARD_RESTORE: u32 = 8;
 /// Guard events a cgroup may send at once (see [`EVENT_SCHED_GUARD`]).
 pub const GUARD_EVENT_BURST: u64 = 64;
 /// The rate the burst refills at: one event per this many nanoseconds (100 per second).
@@ -325,6 +331,13 @@ pub const GUARD_CLAMPED: u32 = 3;
 pub const GUARD_AUDITED: u32 = 4;
 /// `enforce`, but this kernel allows neither refusing nor rewriting the call: it went through.
 pub const GUARD_UNENFORCED: u32 = 5;
+/// No hook and no rewrite could stop the call: it went through, and the daemon undoes it at its
+/// exit (a timeslice set back to the allowance, a neighbour's channels enabled again).
+pub const GUARD_RESTORED: u32 = 6;
+/// No hook and no rewrite could stop the call: its caller was sent `SIGKILL` at its entry (it dies
+/// before it returns to user space; `[enforcement] guard_react_action = "kill"`), and what the
+/// call did is undone as for [`GUARD_RESTORED`].
+pub const GUARD_KILLED: u32 = 7;
 /// A control tenants may never use.
 pub const GUARD_REASON_FORBIDDEN: u32 = 1;
 /// A timeslice above the caller's allowance.
@@ -364,6 +377,61 @@ pub struct Event {
     /// Explicit padding (always 0).
     pub _pad: u32,
 }
+
+/// What the daemon must undo after a tenant's control went through where no hook could refuse
+/// it and no rewrite could change it ([`EVENT_GUARD_RESTORE`] in the `EVENTS` ring, sent at the
+/// call's exit, so the undo follows what the driver did). Its own record type, apart from
+/// [`Event`]: the daemon tells them by size.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuardRestore {
+    /// [`EVENT_GUARD_RESTORE`].
+    pub kind: u32,
+    /// The calling process.
+    pub tgid: u32,
+    /// Its cgroup v2 id.
+    pub cgroup_id: u64,
+    /// The call's client.
+    pub client: u32,
+    /// The call's object: `SET_TIMESLICE`'s channel group, `FIFO_DISABLE_CHANNELS`'s subdevice.
+    pub object: u32,
+    /// The RM command.
+    pub cmd: u32,
+    /// `GUARD_RESTORED` or `GUARD_KILLED` | `GUARD_REASON_*` << 8.
+    pub verdict: u32,
+    /// `SET_TIMESLICE`: the timeslice to set back (µs, the caller's allowance).
+    pub allowed: u64,
+    /// The GPU of `object` (`GPU_UNKNOWN` when the probes did not see it made).
+    pub gpu: u32,
+    /// `FIFO_DISABLE_CHANNELS`: entries used in `clients` and `channels` (the channels the call
+    /// disabled, copied at its entry, before the driver read them).
+    pub num_channels: u32,
+    /// The client of each channel disabled.
+    pub clients: [u32; rm::sched::DISABLE_CHANNELS_MAX],
+    /// The channels disabled, each a handle in the client at the same index.
+    pub channels: [u32; rm::sched::DISABLE_CHANNELS_MAX],
+}
+
+impl Default for GuardRestore {
+    fn default() -> Self {
+        Self {
+            kind: EVENT_GUARD_RESTORE,
+            tgid: 0,
+            cgroup_id: 0,
+            client: 0,
+            object: 0,
+            cmd: 0,
+            verdict: 0,
+            allowed: 0,
+            gpu: GPU_UNKNOWN,
+            num_channels: 0,
+            clients: [0; rm::sched::DISABLE_CHANNELS_MAX],
+            channels: [0; rm::sched::DISABLE_CHANNELS_MAX],
+        }
+    }
+}
+
+const _: () = assert!(size_of::<GuardRestore>() != size_of::<Event>());
 
 /// GPU index meaning "the allocation's parent device is not known" (charged, reported apart).
 pub const GPU_UNKNOWN: u32 = 0xffff_fffe;

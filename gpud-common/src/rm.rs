@@ -665,6 +665,9 @@ pub mod sched {
     /// Offset of `client_list` (measured: 24).
     pub const DISABLE_CLIENT_LIST: usize =
         core::mem::offset_of!(DisableChannelsParams, client_list);
+    /// Offset of `channel_list` (measured: 280).
+    pub const DISABLE_CHANNEL_LIST: usize =
+        core::mem::offset_of!(DisableChannelsParams, channel_list);
     const _: () = assert!(size_of::<DisableChannelsParams>() == 536);
     const _: () = assert!(DISABLE_NUM_CHANNELS == 4 && DISABLE_CLIENT_LIST == 24);
     const _: () = assert!(core::mem::offset_of!(DisableChannelsParams, channel_list) == 280);

@@ -13,13 +13,17 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
-    helpers::{bpf_get_current_cgroup_id, bpf_ktime_get_ns, bpf_probe_write_user},
+    helpers::{
+        bpf_get_current_cgroup_id, bpf_get_current_pid_tgid, bpf_ktime_get_ns,
+        bpf_probe_read_user_buf, bpf_probe_write_user, bpf_send_signal,
+    },
 };
 use gpud_common::{
-    CFG_SCHED_ENFORCE, EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED,
-    GUARD_EVENT_BURST, GUARD_EVENT_GAP_NS, GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN,
-    GUARD_REASON_FOREIGN, GUARD_REASON_HELD, GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE,
-    GUARD_REFUSED, GUARD_UNENFORCED, GuardBucket, GuardKey, ObjKey, ProbeConfig,
+    CFG_GUARD_KILL, CFG_SCHED_ENFORCE, EVENT_SCHED_GUARD, Event, GPU_UNKNOWN, GUARD_AUDITED,
+    GUARD_CLAMPED, GUARD_DENIED, GUARD_EVENT_BURST, GUARD_EVENT_GAP_NS, GUARD_KILLED,
+    GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD,
+    GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_RESTORED, GUARD_UNENFORCED,
+    GuardBucket, GuardKey, ObjKey, Pending, ProbeConfig, nv,
     rm::{
         self,
         sched::{self, Rule},
@@ -29,9 +33,14 @@ use gpud_common::{
 
 use crate::{
     kernel::current_tgid,
-    maps::{GUARD_BUCKET, GUARD_COUNTS, HELD_GROUPS, OBJECTS, SCHED_ALLOW, bump_stat, send},
+    maps::{
+        EVENTS, GUARD_BUCKET, GUARD_COUNTS, GUARD_PENDING, HELD_GROUPS, OBJECTS, PENDING,
+        RESTORE_SCRATCH, SCHED_ALLOW, bump_stat, send,
+    },
     memory::{current_ancestry, user},
 };
+
+const SIGKILL: u32 = 9;
 
 const EPERM: i32 = 1;
 
@@ -98,6 +107,12 @@ pub(crate) fn control<const REWRITE: bool>(
         GUARD_UNENFORCED
     };
     let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
+    // Neither a hook nor a rewrite stopped it: react now, and have the daemon undo it at the exit.
+    let action = if action == GUARD_UNENFORCED && cfg.flags & CFG_SCHED_ENFORCE != 0 {
+        react(cfg, file, nvos54, c, &found, cgroup_id)
+    } else {
+        action
+    };
     let verdict = action | found.reason << 8;
     count(GuardKey {
         cgroup_id,
@@ -120,6 +135,145 @@ pub(crate) fn control<const REWRITE: bool>(
         bump_stat(stat::SCHED_GUARD_QUIET);
     }
     Some(if action == GUARD_DENIED { -EPERM } else { 0 })
+}
+
+/// A call that went through although the guard would stop it (no hook, no rewrite): a timeslice
+/// is set back and a neighbour's channels enabled again by the daemon at the call's exit
+/// ([`restore_at_exit`]); the caller of a foreign disable or a forbidden control is killed at
+/// once where `guard_react_action = "kill"` (it dies before it returns to user space; the call
+/// itself still runs, hence the restore).
+#[inline(always)]
+fn react(
+    cfg: &ProbeConfig,
+    file: u64,
+    nvos54: u64,
+    c: &rm::Nvos54,
+    f: &Finding,
+    cgroup_id: u64,
+) -> u32 {
+    let kill = cfg.flags & CFG_GUARD_KILL != 0;
+    let restorable = matches!(f.reason, GUARD_REASON_TIMESLICE | GUARD_REASON_FOREIGN);
+    let noted = restorable && note_restore(file, nvos54, c, f, cgroup_id, kill);
+    match f.reason {
+        GUARD_REASON_TIMESLICE if noted => GUARD_RESTORED,
+        // The compute law takes a held group off the runlist again at its next period.
+        GUARD_REASON_TIMESLICE | GUARD_REASON_HELD => GUARD_UNENFORCED,
+        _ if kill => {
+            let _ = unsafe { bpf_send_signal(SIGKILL) };
+            GUARD_KILLED
+        }
+        _ if noted => GUARD_RESTORED,
+        _ => GUARD_UNENFORCED,
+    }
+}
+
+/// Notes what the daemon must undo at the call's exit (its parameters copied now, before the
+/// driver reads them), and the call as pending so the exit side looks. False if it could not.
+#[inline(always)]
+fn note_restore(
+    file: u64,
+    nvos54: u64,
+    c: &rm::Nvos54,
+    f: &Finding,
+    cgroup_id: u64,
+    kill: bool,
+) -> bool {
+    let Some(r) = RESTORE_SCRATCH.get_ptr_mut(0) else {
+        return false;
+    };
+    let r = unsafe { &mut *r };
+    r.kind = gpud_common::EVENT_GUARD_RESTORE;
+    r.tgid = current_tgid();
+    r.cgroup_id = cgroup_id;
+    r.client = c.h_client;
+    r.object = c.h_object;
+    r.cmd = c.cmd;
+    r.verdict = if kill && f.reason == GUARD_REASON_FOREIGN {
+        GUARD_KILLED
+    } else {
+        GUARD_RESTORED
+    } | f.reason << 8;
+    r.allowed = f.allowed;
+    r.gpu = unsafe {
+        OBJECTS.get(ObjKey {
+            client: c.h_client,
+            object: c.h_object,
+        })
+    }
+    .map_or(GPU_UNKNOWN, |e| e.gpu);
+    r.num_channels = 0;
+    if f.reason == GUARD_REASON_FOREIGN {
+        let Some(n) = (unsafe { user::<u32>(c.params + sched::DISABLE_NUM_CHANNELS as u64) })
+        else {
+            return false;
+        };
+        if n as usize > sched::DISABLE_CHANNELS_MAX {
+            return false;
+        }
+        // SAFETY: the lists are plain u32 arrays in the scratch value; read as bytes.
+        let clients = unsafe {
+            core::slice::from_raw_parts_mut(
+                r.clients.as_mut_ptr().cast::<u8>(),
+                size_of_val(&r.clients),
+            )
+        };
+        if unsafe {
+            bpf_probe_read_user_buf(
+                (c.params + sched::DISABLE_CLIENT_LIST as u64) as *const u8,
+                clients,
+            )
+        }
+        .is_err()
+        {
+            return false;
+        }
+        let channels = unsafe {
+            core::slice::from_raw_parts_mut(
+                r.channels.as_mut_ptr().cast::<u8>(),
+                size_of_val(&r.channels),
+            )
+        };
+        if unsafe {
+            bpf_probe_read_user_buf(
+                (c.params + sched::DISABLE_CHANNEL_LIST as u64) as *const u8,
+                channels,
+            )
+        }
+        .is_err()
+        {
+            return false;
+        }
+        r.num_channels = n;
+    }
+    let id = bpf_get_current_pid_tgid();
+    // By reference to the scratch value: a copy (568 bytes) would not fit the BPF stack.
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    let inserted = GUARD_PENDING.insert(id, &*r, 0);
+    if inserted.is_err() {
+        return false;
+    }
+    let pending = Pending {
+        file,
+        params: nvos54,
+        nr: nv::NV_ESC_RM_CONTROL,
+        size: nv::NVOS54_SIZE,
+        cmd: 0,
+        gpu: GPU_UNKNOWN,
+    };
+    PENDING.insert(id, pending, 0).is_ok()
+}
+
+/// Exit side of an RM control noted by [`note_restore`]: hands what to undo to the daemon. Not
+/// rate-limited like the reports: each is an undo the daemon must do.
+#[inline(always)]
+pub(crate) fn restore_at_exit(id: u64) {
+    let Some(r) = (unsafe { GUARD_PENDING.get(id) }) else {
+        return;
+    };
+    if EVENTS.output::<gpud_common::GuardRestore>(r, 0).is_err() {
+        bump_stat(stat::EVENTS_LOST);
+    }
+    let _ = GUARD_PENDING.remove(id);
 }
 
 /// One more call under `key` in `GUARD_COUNTS`.

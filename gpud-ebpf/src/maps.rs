@@ -9,10 +9,10 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use gpud_common::{
-    Ancestry, CFG_READY, EVENTS_BYTES, Event, FileKey, GuardBucket, GuardKey, IoctlCounts,
-    LimitValue, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS, MAX_HELD_GROUPS,
-    MAX_LIMITS, MAX_OBJECTS, MAX_PENDING, MAX_PROCS, MAX_SCHED_ALLOW, MAX_USAGE, ObjEntry, ObjKey,
-    Pending, ProbeConfig, ProcEntry, UsageKey, stat,
+    Ancestry, CFG_READY, EVENTS_BYTES, Event, FileKey, GuardBucket, GuardKey, GuardRestore,
+    IoctlCounts, LimitValue, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS,
+    MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PENDING, MAX_PROCS, MAX_SCHED_ALLOW, MAX_USAGE,
+    ObjEntry, ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
 };
 
 #[map]
@@ -75,6 +75,17 @@ pub(crate) static GUARD_COUNTS: HashMap<GuardKey, u64> = HashMap::pinned(MAX_GUA
 #[map]
 pub(crate) static GUARD_BUCKET: LruHashMap<u64, GuardBucket> =
     LruHashMap::pinned(MAX_GUARD_BUCKETS, 0);
+
+/// By thread (`pid_tgid`): what the daemon must undo when a tenant's control, which neither a
+/// hook nor a rewrite could stop, returns (sent to the ring at the call's exit). Not pinned: a
+/// call in flight across a daemon restart is the only loss.
+#[map]
+pub(crate) static GUARD_PENDING: LruHashMap<u64, GuardRestore> =
+    LruHashMap::with_max_entries(1024, 0);
+
+/// Scratch space for building a [`GuardRestore`] (larger than the stack).
+#[map]
+pub(crate) static RESTORE_SCRATCH: PerCpuArray<GuardRestore> = PerCpuArray::with_max_entries(1, 0);
 
 /// Scratch space for building an `Ancestry` (too large for the stack beside the callers).
 #[map]

@@ -375,6 +375,12 @@ pub(crate) fn rm_exit<const REWRITE: bool>(ret: i64) {
         return;
     };
     let _ = PENDING.remove(id);
+    if p.nr == nv::NV_ESC_RM_CONTROL && p.cmd == 0 {
+        // Only the guard notes a control with no memory-info command: an undo for the daemon,
+        // whatever the call returned (the driver may have acted before failing).
+        guard::restore_at_exit(id);
+        return;
+    }
     if ret != 0 {
         return;
     }

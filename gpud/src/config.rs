@@ -242,6 +242,18 @@ impl GuardMode {
     }
 }
 
+/// What the scheduler guard does, where no pre-driver hook can refuse it, to the caller of a
+/// control it forbids or of a disable naming another process's channels (`[enforcement]
+/// guard_react_action`).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GuardReactAction {
+    /// `SIGKILL` from the probe at the call's entry: it dies before it returns to user space.
+    Kill,
+    /// Only report (the call's effect on others is still undone).
+    Report,
+}
+
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct EnforcementConfig {
@@ -252,6 +264,7 @@ pub struct EnforcementConfig {
     pub virtualize_memory_info: bool,
     /// Tenants' RM controls that change GPU scheduling: refused, clamped or reported.
     pub scheduler_guard: GuardMode,
+    pub guard_react_action: GuardReactAction,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -667,6 +680,8 @@ mod tests {
         assert!(c.nvml.enabled);
         assert!(c.enforcement.virtualize_memory_info);
         assert_eq!(c.enforcement.scheduler_guard, GuardMode::Enforce);
+        assert_eq!(c.enforcement.deny_hook, DenyHookPreference::Auto);
+        assert_eq!(c.enforcement.guard_react_action, GuardReactAction::Kill);
         assert_eq!(
             parse("[enforcement]\nscheduler_guard = \"audit\"")?
                 .enforcement

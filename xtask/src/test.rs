@@ -138,7 +138,7 @@ fn kernel_matrix() -> anyhow::Result<()> {
     let vm_rows = [
         ("ubuntu", Boot::Ubuntu),
         ("ubuntu-secure-boot", Boot::UbuntuLockdown),
-        ("tracepoint-only", Boot::Debian),
+        ("tracepoint-only", Boot::UbuntuLockdown),
     ];
     for (row, boot) in vm_rows {
         let args = ["row".to_owned(), row.to_owned()];

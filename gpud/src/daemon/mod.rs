@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 
 use handle::Request;
 pub use handle::{ComputeStats, DaemonError, Handle, NvmlStatus, Snapshot};
-pub use ring::parse_event;
+pub use ring::{parse_event, parse_guard_restore};
 pub use snapshot::View;
 pub use start::{DaemonInfo, Outputs, Running, StartError, spawn};
 pub use views::NvmlUsage;

@@ -7,9 +7,11 @@ use tracing::warn;
 use super::Message;
 
 /// Forwards ring-buffer records to the state task until the channel closes.
+/// Undo requests (`GuardRestore` records) go to `restore` at once, not through the state task.
 pub(super) async fn read_events(
     ring: RingBuf<MapData>,
     tx: mpsc::Sender<Message>,
+    restore: Option<std::sync::mpsc::Sender<gpud_common::GuardRestore>>,
 ) -> std::io::Result<()> {
     // SAFETY: the ring buffer owns its map fd for as long as the AsyncFd owns the ring buffer.
     let mut fd = unsafe { AsyncFd::register(ring) }.map_err(|e| e.into_parts().1)?;
@@ -18,6 +20,16 @@ pub(super) async fn read_events(
         let ring = guard.get_inner_mut();
         let mut batch = Vec::new();
         while let Some(item) = ring.next() {
+            if let Some(r) = parse_guard_restore(&item) {
+                match &restore {
+                    // Sending on a std channel never blocks.
+                    Some(tx) => {
+                        let _ = tx.send(r);
+                    }
+                    None => warn!(pid = r.tgid, "a tenant's control to undo, and no restorer"),
+                }
+                continue;
+            }
             match parse_event(&item) {
                 Some(ev) => batch.push(ev),
                 None => warn!(len = item.len(), "malformed ring-buffer record"),
@@ -42,6 +54,17 @@ pub fn parse_event(bytes: &[u8]) -> Option<gpud_common::Event> {
     Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<gpud_common::Event>()) })
 }
 
+/// Decodes an undo request; `None` unless the record has the size of a
+/// [`gpud_common::GuardRestore`] and its kind.
+pub fn parse_guard_restore(bytes: &[u8]) -> Option<gpud_common::GuardRestore> {
+    if bytes.len() != size_of::<gpud_common::GuardRestore>() {
+        return None;
+    }
+    // SAFETY: the length matches and GuardRestore is plain old data (any bit pattern is valid).
+    let r = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<gpud_common::GuardRestore>()) };
+    (r.kind == gpud_common::EVENT_GUARD_RESTORE).then_some(r)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -63,6 +86,26 @@ mod tests {
         assert_eq!(parse_event(&bytes[..size - 1]), None);
         assert_eq!(parse_event(&vec![0u8; size + 1]), None);
         assert_eq!(parse_event(&[]), None);
+    }
+
+    #[test]
+    fn undo_records_are_told_from_events_by_size_and_kind() {
+        let r = gpud_common::GuardRestore {
+            tgid: 9,
+            num_channels: 1,
+            ..Default::default()
+        };
+        let size = size_of::<gpud_common::GuardRestore>();
+        // SAFETY: GuardRestore is repr(C) plain data.
+        let bytes = unsafe {
+            std::slice::from_raw_parts((&r as *const gpud_common::GuardRestore).cast::<u8>(), size)
+        };
+        assert_eq!(parse_guard_restore(bytes), Some(r));
+        assert_eq!(parse_event(bytes), None);
+        assert_eq!(parse_guard_restore(&bytes[..size - 1]), None);
+        let mut other = bytes.to_vec();
+        other[0] = 0;
+        assert_eq!(parse_guard_restore(&other), None, "another kind");
     }
 }
 

@@ -145,6 +145,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         scheduler_guard: config.enforcement.scheduler_guard,
         guard_timeslice_us: guard::allowance(None),
         deny_hook: config.enforcement.deny_hook,
+        guard_react_action: config.enforcement.guard_react_action,
     })
     .map_err(StartError::Probes)?;
     let events = probes.take_events().map_err(StartError::Probes)?;
@@ -164,6 +165,25 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     let cgroup_root = cgroups.root().to_owned();
     let matcher = Matcher { majors, extra };
     let matcher_for_compute = matcher.clone();
+    // Where neither a hook nor a rewrite can stop a tenant's control, the kernel asks for it to
+    // be undone; the restorer does that on its own thread.
+    let restore = if probes.guard().reacts() {
+        match crate::enforcement::restore::Restorer::new(matcher.clone(), probes.base_dir())
+            .map_err(std::io::Error::other)
+            .and_then(crate::enforcement::restore::spawn)
+        {
+            Ok(tx) => Some(tx),
+            Err(e) => {
+                warn!(
+                    "the scheduler guard cannot undo tenants' controls: {}",
+                    crate::report::Chain(&e)
+                );
+                None
+            }
+        }
+    } else {
+        None
+    };
     let mut attribution =
         Attribution::new(probes, cgroups, matcher).map_err(StartError::Attribution)?;
     let found = attribution.scan();
@@ -255,7 +275,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     if config.nvml.enabled {
         spawn_nvml_sampler(sampler_rx, tx.clone(), shutdown_rx.clone());
     }
-    let reader = tokio::spawn(read_events(events, tx.clone()));
+    let reader = tokio::spawn(read_events(events, tx.clone(), restore));
     tokio::spawn(super::removals::run(
         limited_dirs_rx,
         tx.clone(),

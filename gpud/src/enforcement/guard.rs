@@ -10,9 +10,10 @@ use std::{
 };
 
 use gpud_common::{
-    EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED, GUARD_REASON_FLAGS,
-    GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD, GUARD_REASON_LEGACY,
-    GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_UNENFORCED, rm::sched,
+    EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED, GUARD_KILLED,
+    GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD,
+    GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_RESTORED, GUARD_UNENFORCED,
+    rm::sched,
 };
 use tracing::{error, warn};
 
@@ -47,7 +48,8 @@ pub struct GuardNotice {
     pub pid: u32,
     /// The control's driver name (`SET_TIMESLICE`, `FIFO_DISABLE_CHANNELS`, ...).
     pub control: String,
-    /// `denied`, `refused` (rewritten to fail or to do nothing), `clamped`, `audited` or
+    /// `denied`, `refused` (rewritten to fail or to do nothing), `clamped`, `restored` (let
+    /// through and undone after), `killed` (its caller killed, what it did undone), `audited` or
     /// `unenforced`.
     pub action: String,
     /// `forbidden`, `timeslice`, `foreign-client`, `legacy-path`, `flags` or `held-off`.
@@ -68,6 +70,8 @@ fn action_name(a: u32) -> &'static str {
         GUARD_CLAMPED => "clamped",
         GUARD_AUDITED => "audited",
         GUARD_UNENFORCED => "unenforced",
+        GUARD_RESTORED => "restored",
+        GUARD_KILLED => "killed",
         _ => "unknown",
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod compute;
 pub mod guard;
+pub mod restore;
 
 use std::collections::{BTreeMap, BTreeSet};
 

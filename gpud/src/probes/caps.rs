@@ -73,7 +73,8 @@ pub fn write_user_refusal(load_error: &str, sys_admin: Option<bool>) -> String {
     let mut lines = load_error
         .lines()
         .map(str::trim)
-        .filter(|l| l.contains("bpf_probe_write_user"));
+        // Lines starting with `;` are the verifier's quotes of the source, not its verdict.
+        .filter(|l| l.contains("bpf_probe_write_user") && !l.starts_with(';'));
     let first = lines.clone().next();
     let line = lines.find(|l| !l.contains(") call ")).or(first);
     let cause = match (sys_admin, active_lockdown()) {
@@ -106,6 +107,7 @@ pub fn verifier_verdict(text: &str) -> &str {
                 && !l.starts_with("verification time")
                 && !l.starts_with("stack depth")
                 && !is_trace(l)
+                && !l.starts_with(';')
         })
         .unwrap_or_default()
 }
@@ -180,7 +182,7 @@ mod tests {
 
     #[test]
     fn a_refusal_names_the_verifier_line() {
-        let err = "cannot load eBPF program `x`: the BPF_PROG_LOAD syscall failed. Verifier output: 0: R1=ctx()\n5: (85) call bpf_probe_write_user#36\nprogram of this type cannot use helper bpf_probe_write_user#36\nprocessed 6 insns";
+        let err = "cannot load eBPF program `x`: the BPF_PROG_LOAD syscall failed. Verifier output: 0: R1=ctx()\n; unsafe { bpf_probe_write_user(addr as *mut T, &cap as *const T) }.is_ok() @ meminfo.rs:88\n5: (85) call bpf_probe_write_user#36\nprogram of this type cannot use helper bpf_probe_write_user#36\nprocessed 6 insns";
         let why = write_user_refusal(err, Some(false));
         assert!(
             why.starts_with("the kernel refuses bpf_probe_write_user (gpud lacks CAP_SYS_ADMIN): "),

@@ -38,7 +38,8 @@ pub use pin::{BPF_FS_MAGIC, TRACEFS, TRACEFS_MAGIC, ensure_mounted};
 
 use crate::{
     config::{
-        AttachPreference, DenyHookPreference, GuardMode, ProbesConfig, ReactAction, TierPreference,
+        AttachPreference, DenyHookPreference, GuardMode, GuardReactAction, ProbesConfig,
+        ReactAction, TierPreference,
     },
     report::Chain,
 };
@@ -181,6 +182,8 @@ pub struct ProbeSetup<'a> {
     pub guard_timeslice_us: u64,
     /// `[enforcement] deny_hook`.
     pub deny_hook: DenyHookPreference,
+    /// `[enforcement] guard_react_action`.
+    pub guard_react_action: GuardReactAction,
 }
 
 /// The ladder of pre-driver hooks as probed at start: the hook in force and, for each hook above
@@ -220,6 +223,9 @@ pub struct GuardState {
     /// Why the entry programs cannot rewrite a call (`bpf_probe_write_user` refused); `None`
     /// where they can.
     pub no_rewrite: Option<String>,
+    /// `[enforcement] guard_react_action = "kill"`: where no hook can refuse a forbidden
+    /// control or a foreign disable, its caller is killed.
+    pub kill: bool,
 }
 
 impl GuardState {
@@ -235,10 +241,19 @@ impl GuardState {
                 "enforce (deny only; timeslices are refused above {} µs, not lowered: {why})",
                 gpud_common::rm::sched::CUDA_TIMESLICE_US
             ),
-            (GuardMode::Enforce, false, Some(why)) => {
-                format!("unenforced: calls are only reported (no pre-driver hook, and {why})")
-            }
+            (GuardMode::Enforce, false, Some(why)) => format!(
+                "enforce (react and restore: a timeslice is set back and a neighbour's channels \
+                 enabled again after the call, a foreign disable's caller {}; no pre-driver hook, \
+                 and {why})",
+                if self.kill { "killed" } else { "reported" }
+            ),
         }
+    }
+
+    /// Whether this kernel lets the guard only react: no hook refuses a call and no rewrite
+    /// changes it, so in `enforce` calls go through and are undone after.
+    pub fn reacts(&self) -> bool {
+        !self.deny && self.no_rewrite.is_some()
     }
 
     fn flags(mode: GuardMode) -> u32 {
@@ -411,6 +426,7 @@ impl Probes {
             mode: setup.scheduler_guard,
             deny: tier == Tier::Deny,
             no_rewrite,
+            kill: setup.guard_react_action == GuardReactAction::Kill,
         };
         maps::write_config(
             &mut ebpf,
@@ -421,7 +437,12 @@ impl Probes {
                 mode,
                 react: setup.react_action,
                 memory_info: memory_info == MemoryInfoState::On,
-                guard_flags: GuardState::flags(guard.mode),
+                guard_flags: GuardState::flags(guard.mode)
+                    | if guard.kill {
+                        gpud_common::CFG_GUARD_KILL
+                    } else {
+                        0
+                    },
                 guard_timeslice_us: setup.guard_timeslice_us,
             },
         )?;
@@ -440,9 +461,9 @@ impl Probes {
             ),
             state => info!(memory_view = state.describe(), "in-container memory view"),
         }
-        if guard.mode == GuardMode::Enforce && !guard.deny && guard.no_rewrite.is_some() {
+        if guard.mode == GuardMode::Enforce && guard.reacts() {
             warn!(
-                "scheduler guard {}: tenants can change their timeslice and stop others' channels",
+                "scheduler guard {}: a tenant's control holds until gpud undoes it",
                 guard.describe()
             );
         } else {

@@ -207,6 +207,7 @@ fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
         scheduler_guard: gpud::config::GuardMode::Enforce,
         guard_timeslice_us: gpud::enforcement::guard::allowance(None),
         deny_hook: o.hook,
+        guard_react_action: gpud::config::GuardReactAction::Kill,
     })?;
     anyhow::ensure!(
         probes.ladder().in_force.as_str() == o.hook.as_str(),

@@ -365,6 +365,7 @@ fn setup(
         scheduler_guard: gpud::config::GuardMode::Enforce,
         guard_timeslice_us: gpud::enforcement::guard::allowance(None),
         deny_hook: gpud::config::DenyHookPreference::Auto,
+        guard_react_action: gpud::config::GuardReactAction::Kill,
     })?;
     ensure!(probes.mode() == o.mode, "attached in {:?}", probes.mode());
     let ring = probes.take_events()?;

@@ -197,6 +197,7 @@ fn start_probes_reacting(
         scheduler_guard: gpud::config::GuardMode::Enforce,
         guard_timeslice_us: gpud::enforcement::guard::allowance(None),
         deny_hook: hook,
+        guard_react_action: gpud::config::GuardReactAction::Kill,
     })
 }
 
@@ -1272,16 +1273,17 @@ const MATRIX: &[(&str, &str)] = &[
         "ubuntu-secure-boot",
         "rung=fmod_ret memory=deny guard=deny view=no",
     ),
-    // Tracepoints only (`probes.attach = "tracepoint"`, as on a kernel without BPF trampolines),
-    // no lockdown. The JIT off does not take trampolines away on x86-64 (measured: fentry and
-    // BPF-LSM still load and run with net.core.bpf_jit_enable=0, the trampoline is emitted by
-    // the arch code and calls the interpreter), so the attach preference stands in for it.
+    // Tracepoints only (`probes.attach = "tracepoint"`, as on a kernel without BPF trampolines)
+    // under Secure Boot's lockdown: the lent GPU machines. The JIT off does not take trampolines
+    // away on x86-64 (measured: fentry and BPF-LSM still load and run with
+    // net.core.bpf_jit_enable=0, the trampoline is emitted by the arch code and calls the
+    // interpreter), so the attach preference stands in for it.
     (
         "tracepoint-only",
-        "rung=none memory=react guard=clamp view=yes",
+        "rung=none memory=react guard=restore view=no",
     ),
     // This project's CI host: tracepoints only, under lockdown.
-    ("host", "rung=none memory=react guard=report view=no"),
+    ("host", "rung=none memory=react guard=restore view=no"),
 ];
 
 /// One row of the kernel matrix: what gpud picks on this kernel and what holds, as the line
@@ -1314,13 +1316,16 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
     let cgroups = CgroupFs::discover()?;
     let root = cgroups.root().to_owned();
     let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
+    // Nothing of an earlier run (a failed one leaves its pins on the host's bpffs mount).
+    let bpffs = PathBuf::from(format!("/tmp/{tag}-bpffs"));
+    let _ = std::fs::remove_dir_all(Probes::pin_base(&bpffs));
     // As the daemon starts by default: every choice `auto`, the react action `kill`.
     let mut probes = start_probes_reacting(
         attach,
         TierPreference::Auto,
         DenyHookPreference::Auto,
         // Its own bpffs, mounted by the probes (the host may have none at /sys/fs/bpf).
-        format!("/tmp/{tag}-bpffs"),
+        bpffs,
         DynamicMajors::read()?,
         &extra,
         &root,
@@ -1341,7 +1346,37 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
         majors: DynamicMajors::read()?,
         extra,
     };
-    let mut attribution = Attribution::new(probes, cgroups, matcher)?;
+    let reacts = probes.guard().reacts();
+    let pins = probes.base_dir().to_owned();
+    let mut attribution = Attribution::new(probes, cgroups, matcher.clone())?;
+    // The daemon's restorer, run here in turn with the ring (the tenants are forked: no threads).
+    let mut restorer = if reacts {
+        Some(gpud::enforcement::restore::Restorer::new(matcher, &pins)?)
+    } else {
+        None
+    };
+    let mut undone = 0;
+    let mut pump_all = |ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+                        attribution: &mut Attribution|
+     -> anyhow::Result<()> {
+        while let Some(item) = ring.next() {
+            if let Some(r) = gpud::daemon::parse_guard_restore(&item) {
+                let restorer = restorer
+                    .as_mut()
+                    .context("an undo asked of a guard that rewrites")?;
+                restorer.apply(&r).with_context(|| {
+                    format!(
+                        "undoing a tenant's control (pid {}, verdict {:#x}, object {:#x})",
+                        r.tgid, r.verdict, r.object
+                    )
+                })?;
+                undone += 1;
+            } else if let Some(ev) = gpud::daemon::parse_event(&item) {
+                attribution.on_kernel_event(&ev);
+            }
+        }
+        Ok(())
+    };
     let cg = root.join(&tag);
     std::fs::create_dir_all(&cg)?;
     let (_, id) = attribution.id_of(&format!("/{tag}"))?;
@@ -1406,7 +1441,7 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
         drop(held);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         loop {
-            pump(&mut ring, &mut attribution);
+            pump_all(&mut ring, &mut attribution)?;
             attribution.release_closed_files();
             if attribution.memory_of(id).current.get("all") == Some(&0) {
                 break;
@@ -1426,6 +1461,7 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
     let mut a = guard_tenant(&ctl, &cg)?;
     let mut b = guard_tenant(&ctl, &cg)?;
     let set = a.ask("ts 1000000")?;
+    pump_all(&mut ring, &mut attribution)?;
     std::thread::sleep(std::time::Duration::from_millis(5));
     let later: u64 = a.ask("get")?.parse().context("GET_TIMESLICE")?;
     let guard = if set.starts_with(&format!("errno={} ", libc::EPERM)) {
@@ -1443,7 +1479,11 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
     );
     // A neighbour's channels: disabled by a tenant naming them, and whether they stay so.
     let ib: Vec<String> = b.ask("ids")?.split(' ').map(str::to_owned).collect();
-    let r = a.ask(&format!("disable {} {}", ib[0], ib[2]))?;
+    // Killed before it answers where the guard reacts with `kill`.
+    let r = a
+        .ask(&format!("disable {} {}", ib[0], ib[2]))
+        .unwrap_or_else(|e| format!("no answer: {e}"));
+    pump_all(&mut ring, &mut attribution)?;
     std::thread::sleep(std::time::Duration::from_millis(5));
     let enabled = fake
         .snapshot()
@@ -1457,6 +1497,12 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
         None => "gone",
     };
     println!("[{tag}] a neighbour's channels after a foreign disable ({r}): {neighbour}");
+    if reacts {
+        // Under the default react action the caller of the foreign disable was killed.
+        let caller_gone = a.ask("get").is_err();
+        println!("[{tag}] the foreign disable's caller killed: {caller_gone}; undone: {undone}");
+        ensure!(caller_gone, "the caller of a foreign disable lives on");
+    }
     drop((a, b));
     attribution.shutdown(false);
     drop(fake);

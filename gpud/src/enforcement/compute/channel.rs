@@ -136,6 +136,14 @@ impl HeldGroups {
     }
 }
 
+/// An RM object of a tenant: its process, its client, its handle there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RmObject {
+    pub pid: u32,
+    pub client: u32,
+    pub object: u32,
+}
+
 /// The controls, with what they keep between calls.
 pub struct Controls {
     matcher: Matcher,
@@ -197,9 +205,32 @@ impl Controls {
         cmd: u32,
         params: &mut P,
     ) -> Result<(), ControlError> {
-        let pid = g.pid;
+        self.control_on(
+            RmObject {
+                pid: g.pid,
+                client: g.client,
+                object: g.handle,
+            },
+            cmd,
+            params,
+        )
+    }
+
+    /// Issues RM control `cmd` on object `o.object` of client `o.client`, through the file of
+    /// process `o.pid` that owns the client.
+    pub fn control_on<P>(
+        &mut self,
+        o: RmObject,
+        cmd: u32,
+        params: &mut P,
+    ) -> Result<(), ControlError> {
+        let RmObject {
+            pid,
+            client,
+            object,
+        } = o;
         let pidfd = self.pidfd(pid)?;
-        let known = self.owners.get(&(pid, g.client)).copied();
+        let known = self.owners.get(&(pid, client)).copied();
         let candidates = known
             .into_iter()
             .chain(nvidia_fds(&self.matcher, pid).filter(|fd| Some(*fd) != known));
@@ -214,8 +245,8 @@ impl Controls {
                 Err(source) => return Err(ControlError::TakeFd { pid, fd, source }),
             };
             let mut req = Nvos54 {
-                h_client: g.client,
-                h_object: g.handle,
+                h_client: client,
+                h_object: object,
                 cmd,
                 flags: 0,
                 params: std::ptr::from_mut(params) as u64,
@@ -238,24 +269,21 @@ impl Controls {
             }
             match req.status {
                 0 => {
-                    self.owners.insert((pid, g.client), fd);
+                    self.owners.insert((pid, client), fd);
                     return Ok(());
                 }
                 status::NV_ERR_INVALID_CLIENT => continue,
                 status => {
                     return Err(ControlError::Refused {
                         cmd,
-                        handle: g.handle,
+                        handle: object,
                         status,
                     });
                 }
             }
         }
-        self.owners.remove(&(pid, g.client));
-        Err(ControlError::NoFile {
-            pid,
-            client: g.client,
-        })
+        self.owners.remove(&(pid, client));
+        Err(ControlError::NoFile { pid, client })
     }
 
     fn pidfd(&mut self, pid: u32) -> Result<RawFd, ControlError> {
