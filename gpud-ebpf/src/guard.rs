@@ -210,36 +210,11 @@ fn note_restore(
         if n as usize > sched::DISABLE_CHANNELS_MAX {
             return false;
         }
-        // SAFETY: the lists are plain u32 arrays in the scratch value; read as bytes.
-        let clients = unsafe {
-            core::slice::from_raw_parts_mut(
-                r.clients.as_mut_ptr().cast::<u8>(),
-                size_of_val(&r.clients),
+        if !read_list(&mut r.clients, c.params + sched::DISABLE_CLIENT_LIST as u64)
+            || !read_list(
+                &mut r.channels,
+                c.params + sched::DISABLE_CHANNEL_LIST as u64,
             )
-        };
-        if unsafe {
-            bpf_probe_read_user_buf(
-                (c.params + sched::DISABLE_CLIENT_LIST as u64) as *const u8,
-                clients,
-            )
-        }
-        .is_err()
-        {
-            return false;
-        }
-        let channels = unsafe {
-            core::slice::from_raw_parts_mut(
-                r.channels.as_mut_ptr().cast::<u8>(),
-                size_of_val(&r.channels),
-            )
-        };
-        if unsafe {
-            bpf_probe_read_user_buf(
-                (c.params + sched::DISABLE_CHANNEL_LIST as u64) as *const u8,
-                channels,
-            )
-        }
-        .is_err()
         {
             return false;
         }
@@ -261,6 +236,15 @@ fn note_restore(
         gpu: GPU_UNKNOWN,
     };
     PENDING.insert(id, pending, 0).is_ok()
+}
+
+/// Copies one of the disable-channels lists from user memory at `at`.
+#[inline(always)]
+fn read_list(dst: &mut [u32; sched::DISABLE_CHANNELS_MAX], at: u64) -> bool {
+    // SAFETY: a plain u32 array, read as its bytes.
+    let bytes =
+        unsafe { core::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), size_of_val(dst)) };
+    unsafe { bpf_probe_read_user_buf(at as *const u8, bytes) }.is_ok()
 }
 
 /// Exit side of an RM control noted by [`note_restore`]: hands what to undo to the daemon. Not

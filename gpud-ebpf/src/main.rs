@@ -155,6 +155,16 @@ fn on_file_ioctl<const REWRITE: bool>(file: *const u8, cmd: u32, arg: u64, deny:
     0
 }
 
+/// The pre-driver hooks' common body (BPF-LSM and fmod_ret alike): `prev`, the verdict of a
+/// program before this one, stands; otherwise this call's.
+#[inline(always)]
+fn refusing<const REWRITE: bool>(file: *const u8, cmd: u32, arg: u64, prev: i32) -> i32 {
+    if prev != 0 {
+        return prev;
+    }
+    on_file_ioctl::<REWRITE>(file, cmd, arg, true)
+}
+
 #[fentry(function = "security_file_ioctl")]
 pub fn gpud_fentry_ioctl(ctx: FEntryContext) -> i32 {
     on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), false)
@@ -184,41 +194,25 @@ pub fn gpud_fentry_ioctl_compat_rw(ctx: FEntryContext) -> i32 {
 /// and a tenant's scheduling control the guard does not allow.
 #[lsm(hook = "file_ioctl")]
 pub fn gpud_lsm_ioctl(ctx: LsmContext) -> i32 {
-    let prev: i32 = ctx.arg(3);
-    if prev != 0 {
-        return prev;
-    }
-    on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+    refusing::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), ctx.arg(3))
 }
 
 /// The `deny` tier for 32-bit callers on kernels with the `file_ioctl_compat` hook.
 #[lsm(hook = "file_ioctl_compat")]
 pub fn gpud_lsm_ioctl_compat(ctx: LsmContext) -> i32 {
-    let prev: i32 = ctx.arg(3);
-    if prev != 0 {
-        return prev;
-    }
-    on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+    refusing::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), ctx.arg(3))
 }
 
 /// [`gpud_lsm_ioctl`] whose scheduler guard may also lower a tenant's timeslice.
 #[lsm(hook = "file_ioctl")]
 pub fn gpud_lsm_ioctl_rw(ctx: LsmContext) -> i32 {
-    let prev: i32 = ctx.arg(3);
-    if prev != 0 {
-        return prev;
-    }
-    on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+    refusing::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), ctx.arg(3))
 }
 
 /// [`gpud_lsm_ioctl_compat`] whose scheduler guard may also lower a tenant's timeslice.
 #[lsm(hook = "file_ioctl_compat")]
 pub fn gpud_lsm_ioctl_compat_rw(ctx: LsmContext) -> i32 {
-    let prev: i32 = ctx.arg(3);
-    if prev != 0 {
-        return prev;
-    }
-    on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+    refusing::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), ctx.arg(3))
 }
 
 /// A BPF_MODIFY_RETURN program on `$hook`: `file, cmd, arg`, then the return value so far (0
@@ -245,44 +239,28 @@ modify_return_program! {
     /// The `deny` tier through fmod_ret on `security_file_ioctl`: [`gpud_lsm_ioctl`] where
     /// BPF-LSM does not run.
     "security_file_ioctl" fn gpud_fmodret_ioctl(ctx) -> i32 {
-        let prev: i32 = ctx.arg(3);
-        if prev != 0 {
-            return prev;
-        }
-        on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+        refusing::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), ctx.arg(3))
     }
 }
 
 modify_return_program! {
     /// [`gpud_fmodret_ioctl`] on `security_file_ioctl_compat`.
     "security_file_ioctl_compat" fn gpud_fmodret_ioctl_compat(ctx) -> i32 {
-        let prev: i32 = ctx.arg(3);
-        if prev != 0 {
-            return prev;
-        }
-        on_file_ioctl::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+        refusing::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), ctx.arg(3))
     }
 }
 
 modify_return_program! {
     /// [`gpud_fmodret_ioctl`] whose scheduler guard may also lower a tenant's timeslice.
     "security_file_ioctl" fn gpud_fmodret_ioctl_rw(ctx) -> i32 {
-        let prev: i32 = ctx.arg(3);
-        if prev != 0 {
-            return prev;
-        }
-        on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+        refusing::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), ctx.arg(3))
     }
 }
 
 modify_return_program! {
     /// [`gpud_fmodret_ioctl_compat`] whose scheduler guard may also lower a tenant's timeslice.
     "security_file_ioctl_compat" fn gpud_fmodret_ioctl_compat_rw(ctx) -> i32 {
-        let prev: i32 = ctx.arg(3);
-        if prev != 0 {
-            return prev;
-        }
-        on_file_ioctl::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), true)
+        refusing::<true>(ctx.arg(0), ctx.arg(1), ctx.arg(2), ctx.arg(3))
     }
 }
 

@@ -153,14 +153,7 @@ async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_m
 
     // b names a's channel: the driver (and its firmware, on a real GPU) obeys; gpud enables it
     // again after the call, and reports it.
-    let enabled = |rig: &Rig| {
-        rig.fake()
-            .snapshot()
-            .channels
-            .iter()
-            .find(|c| c.client == ca && c.handle == cha)
-            .map(|c| c.enabled)
-    };
+    let enabled = |rig: &Rig| channel_enabled(rig, ca, cha);
     b.ok(&format!("disable-channels {cb} {sb} 1 {ca} {cha}"));
     let s = next(&mut signals).await;
     assert_eq!(
@@ -300,14 +293,7 @@ async fn where_the_guard_can_only_react_it_restores_and_kills_the_foreign_caller
     let (cg_a, cg_b) = (Cgroup::new("guard-kill-a"), Cgroup::new("guard-kill-b"));
     let ctl = rig.ctl();
     let (mut a, [ca, _, ga, cha]) = tenant(&cg_a, &ctl);
-    let enabled = |rig: &Rig| {
-        rig.fake()
-            .snapshot()
-            .channels
-            .iter()
-            .find(|c| c.client == ca && c.handle == cha)
-            .map(|c| c.enabled)
-    };
+    let enabled = |rig: &Rig| channel_enabled(rig, ca, cha);
     let percentile = |v: &mut Vec<f64>, q: f64| {
         v.sort_by(f64::total_cmp);
         v[((v.len() as f64 - 1.0) * q).round() as usize]
@@ -374,6 +360,16 @@ async fn where_the_guard_can_only_react_it_restores_and_kills_the_foreign_caller
     })
     .await;
     assert!(counts.is_some(), "every call guarded");
+}
+
+/// Whether the fake device has channel `handle` of `client` enabled (`None`: no such channel).
+fn channel_enabled(rig: &Rig, client: u32, handle: u32) -> Option<bool> {
+    rig.fake()
+        .snapshot()
+        .channels
+        .iter()
+        .find(|c| c.client == client && c.handle == handle)
+        .map(|c| c.enabled)
 }
 
 /// What a guard signal said: (cgroup, pid, control, action, reason, requested, allowed).

@@ -201,6 +201,47 @@ fn start_probes_reacting(
     })
 }
 
+/// The fake NVIDIA device mounted at `at`, its control file, the cgroup hierarchy and its root,
+/// and the control file as gpud's extra device file.
+type Stage = (
+    gpud_tests::fakenv::FakeNv,
+    PathBuf,
+    CgroupFs,
+    PathBuf,
+    Vec<devices::ExtraFile>,
+);
+
+fn stage(at: &str) -> anyhow::Result<Stage> {
+    let fake = gpud_tests::fakenv::mount(
+        std::path::Path::new(at),
+        gpud_tests::fakenv::Options::default(),
+    )
+    .context("mounting the fake NVIDIA device")?;
+    let ctl = fake.ctl();
+    let cgroups = CgroupFs::discover()?;
+    let root = cgroups.root().to_owned();
+    let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
+    Ok((fake, ctl, cgroups, root, extra))
+}
+
+/// In a forked child: joins `cgroup`, opens the control device `ctl` and makes a client and
+/// device 0 there (file, client, device); what failed, as the child's report, otherwise.
+fn device_in(
+    ctl: &std::path::Path,
+    cgroup: &std::path::Path,
+) -> Result<(std::fs::File, u32, u32), String> {
+    inproc::join_cgroup(cgroup).map_err(|e| format!("join: {e}"))?;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(ctl)
+        .map_err(|e| format!("open: {e}"))?;
+    let rm = gpud_tests::rm::Ctl::new(&f);
+    let client = rm.alloc_client().handle;
+    let dev = rm.alloc_device(client, 0).handle;
+    Ok((f, client, dev))
+}
+
 /// Drains the probes' ring buffer into the attribution (the daemon's event loop does this).
 fn pump(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, attribution: &mut Attribution) -> usize {
     let mut n = 0;
@@ -223,15 +264,7 @@ fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
     // Orphans (the heir below) are re-parented here, so they can be reaped.
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) only sets a flag of this process.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    let fake = gpud_tests::fakenv::mount(
-        std::path::Path::new(&format!("/tmp/vm-fake-{tag}")),
-        gpud_tests::fakenv::Options::default(),
-    )
-    .context("mounting the fake NVIDIA device")?;
-    let ctl = fake.ctl();
-    let cgroups = CgroupFs::discover()?;
-    let root = cgroups.root().to_owned();
-    let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
+    let (fake, ctl, cgroups, root, extra) = stage(&format!("/tmp/vm-fake-{tag}"))?;
     let mut probes = start_probes(
         AttachPreference::Auto,
         TierPreference::Deny,
@@ -270,16 +303,11 @@ fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
     let dir = cg.clone();
     let held = fork_held(move || {
         use gpud_tests::rm::{Ctl, Form};
-        if let Err(e) = inproc::join_cgroup(&dir) {
-            return format!("join: {e}");
-        }
-        let f = match std::fs::OpenOptions::new().read(true).write(true).open(&c) {
-            Ok(f) => f,
-            Err(e) => return format!("open: {e}"),
+        let (f, client, dev) = match device_in(&c, &dir) {
+            Ok(t) => t,
+            Err(e) => return e,
         };
         let rm = Ctl::new(&f);
-        let client = rm.alloc_client().handle;
-        let dev = rm.alloc_device(client, 0).handle;
         let first = rm.alloc_vidmem(client, dev, 4 * MIB, Form::Nvos64);
         let denied = rm.alloc_vidmem(client, dev, 6 * MIB, Form::Nvos21);
         let xfer_denied = rm.alloc_vidmem(client, dev, 6 * MIB, Form::Xfer64);
@@ -1307,15 +1335,7 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) only sets a flag of this process.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let tag = format!("matrix-{row}");
-    let fake = gpud_tests::fakenv::mount(
-        std::path::Path::new(&format!("/tmp/{tag}-fake")),
-        gpud_tests::fakenv::Options::default(),
-    )
-    .context("mounting the fake NVIDIA device")?;
-    let ctl = fake.ctl();
-    let cgroups = CgroupFs::discover()?;
-    let root = cgroups.root().to_owned();
-    let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
+    let (fake, ctl, cgroups, root, extra) = stage(&format!("/tmp/{tag}-fake"))?;
     // Nothing of an earlier run (a failed one leaves its pins on the host's bpffs mount).
     let bpffs = PathBuf::from(format!("/tmp/{tag}-bpffs"));
     let _ = std::fs::remove_dir_all(Probes::pin_base(&bpffs));
@@ -1386,16 +1406,11 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
     // that fits (the driver, and the fake, round to 2 MiB pages).
     let (c, dir) = (ctl.clone(), cg.clone());
     let held = inproc::fork_held(move || {
-        if let Err(e) = inproc::join_cgroup(&dir) {
-            return format!("join: {e}");
-        }
-        let f = match std::fs::OpenOptions::new().read(true).write(true).open(&c) {
-            Ok(f) => f,
-            Err(e) => return format!("open: {e}"),
+        let (f, client, dev) = match device_in(&c, &dir) {
+            Ok(t) => t,
+            Err(e) => return e,
         };
         let rm = Ctl::new(&f);
-        let client = rm.alloc_client().handle;
-        let dev = rm.alloc_device(client, 0).handle;
         let first = rm.alloc_vidmem(client, dev, 4 * MIB, Form::Nvos64);
         let second = rm.alloc_vidmem(client, dev, 6 * MIB, Form::Nvos21);
         // Reached only if the crossing call returned to this process.
