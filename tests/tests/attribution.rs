@@ -20,6 +20,16 @@ fn ioctl_arg(cmd: u32, n: u64) -> String {
 }
 
 /// `gpudctl --bus-address A list --json`, parsed.
+/// Runs gpud with `config` on `bus` to its end (a start-up that fails).
+fn run_gpud(config: &std::path::Path, bus: &str) -> std::process::Output {
+    std::process::Command::new(gpud_tests::gpud_bin())
+        .arg("--config")
+        .arg(config)
+        .args(["--bus-address", bus])
+        .output()
+        .expect("run gpud")
+}
+
 fn gpudctl_out(bus: &str, args: &[&str]) -> std::process::Output {
     std::process::Command::new(gpudctl_bin())
         .args(["--bus-address", bus])
@@ -275,6 +285,7 @@ async fn busctl_introspection_shows_the_documented_interface() {
         ".KernelCapabilities",
         ".DenyHook",
         ".DenyHookRefusals",
+        ".DriverLimits",
         ".CgroupRoot",
         ".ProbesResumed",
     ] {
@@ -321,12 +332,23 @@ async fn busctl_introspection_shows_the_documented_interface() {
         }
     }
     assert!(refusals["kprobe"].starts_with("not built"), "{refusals:?}");
+    // The driver's own limits: where dmem.capacity lists no NVIDIA region, none, and why.
+    let driver = p.driver_limits().await.unwrap();
+    assert_eq!(
+        driver.starts_with("dmem: "),
+        caps["dmem_nvidia"],
+        "{driver}"
+    );
     let status = gpudctl_out(&rig.bus.address, &["status"]);
     let text = String::from_utf8_lossy(&status.stdout);
     assert!(status.status.success(), "{status:?}");
     assert!(
         text.contains(&format!("pre-driver hook:  {hook}\n")),
         "no hook line in:\n{text}"
+    );
+    assert!(
+        text.contains(&format!("driver limits:    {driver}\n")),
+        "no driver limits line in:\n{text}"
     );
     for (h, why) in &refusals {
         assert!(
@@ -367,12 +389,7 @@ async fn a_named_hook_the_kernel_refuses_fails_start_up_with_its_reason() {
             // Its own pins: nothing of the running daemon's is touched.
             .set_path("probes.bpffs", rig.path().join(format!("bpffs-{hook}")))
             .write_as(&format!("{hook}.toml"));
-        let out = std::process::Command::new(gpud_tests::gpud_bin())
-            .arg("--config")
-            .arg(&cfg)
-            .args(["--bus-address", &rig.bus.address])
-            .output()
-            .unwrap();
+        let out = run_gpud(&cfg, &rig.bus.address);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{hook}: gpud started: {err}");
         assert!(
@@ -394,12 +411,7 @@ async fn invalid_config_is_refused_with_a_clear_error() {
     let rig = Rig::new("badcfg");
     let cfg = rig.path().join("bad.toml");
     std::fs::write(&cfg, "[probes]\nattach = \"kprobe\"\n").unwrap();
-    let out = std::process::Command::new(gpud_tests::gpud_bin())
-        .arg("--config")
-        .arg(&cfg)
-        .args(["--bus-address", &rig.bus.address])
-        .output()
-        .unwrap();
+    let out = run_gpud(&cfg, &rig.bus.address);
     assert_eq!(out.status.code(), Some(78));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.toml") && err.contains("kprobe"), "{err}");
@@ -413,12 +425,7 @@ async fn invalid_config_is_refused_with_a_clear_error() {
         ),
     )
     .unwrap();
-    let out = std::process::Command::new(gpud_tests::gpud_bin())
-        .arg("--config")
-        .arg(&cfg)
-        .args(["--bus-address", &rig.bus.address])
-        .output()
-        .unwrap();
+    let out = run_gpud(&cfg, &rig.bus.address);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("missing.toml"), "{err}");

@@ -126,6 +126,14 @@ impl Manager {
         self.info.deny_hook_refusals.clone()
     }
 
+    /// The driver's own memory limits: `dmem: …` (gpud writes each `memory_max` to the
+    /// `dmem.max` of the GPU's region too, so the driver itself refuses past it) with the
+    /// regions, or `none: …` and why.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn driver_limits(&self) -> String {
+        self.info.driver_limits.clone()
+    }
+
     /// Mount point of the cgroup v2 hierarchy; cgroup paths are relative to it.
     #[zbus(property(emits_changed_signal = "const"))]
     async fn cgroup_root(&self) -> String {

@@ -530,6 +530,7 @@ mod tests {
             kernel_capabilities: BTreeMap::new(),
             deny_hook: "none".into(),
             deny_hook_refusals: BTreeMap::new(),
+            driver_limits: "none".into(),
             cgroup_root: "/".into(),
             probes_resumed: false,
         };

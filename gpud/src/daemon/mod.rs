@@ -92,6 +92,9 @@ struct State {
     idle_signal: bool,
     outputs: Senders,
     live: LiveSettings,
+    /// The driver's own limits (`dmem.max`), where it registers its GPUs with the dmem
+    /// controller; `None` where it does not.
+    dmem: Option<crate::enforcement::dmem::DmemLimits>,
 }
 
 /// Timers of the state task (live: a reload changes them).
@@ -386,6 +389,10 @@ fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
     // Unavailable: no inventory (the Gpu1 objects go away until NVML answers again).
     publish_inventory(state);
     if fresh {
+        // A per-GPU limit reaches the driver's region once NVML names the GPU's PCI address.
+        sync_dmem(state);
+    }
+    if fresh {
         views::update_idle(state);
     }
     if fresh {
@@ -426,6 +433,21 @@ fn publish_limited_dirs(state: &mut State) {
 fn limits_changed(state: &mut State) {
     publish_limited_dirs(state);
     sync_allowances(state);
+    sync_dmem(state);
+}
+
+/// The driver's own limits follow the memory limits in force (and NVML's PCI addresses).
+fn sync_dmem(state: &mut State) {
+    let Some(dmem) = &mut state.dmem else { return };
+    let gpus = state.nvml.inventory();
+    let pci_of = |gpu: u32| {
+        gpus.iter()
+            .find(|g| g.info.index == gpu && g.info.mig.is_none())
+            .and_then(|g| crate::probes::caps::PciAddr::parse(&g.info.pci_bus_id))
+    };
+    for e in dmem.sync(state.memory.memory_limits(), pci_of) {
+        tracing::error!("the driver's limit is not in force: {}", Chain(&e));
+    }
 }
 
 /// The scheduler guard's allowances follow the stored policies' priority classes.

@@ -42,6 +42,8 @@ pub struct DaemonInfo {
     pub deny_hook: String,
     /// Why each hook above the one in force is not used, by hook name.
     pub deny_hook_refusals: BTreeMap<String, String>,
+    /// The driver's own limits: `dmem: …` with its regions, or `none: …` and why.
+    pub driver_limits: String,
     pub cgroup_root: String,
     pub probes_resumed: bool,
 }
@@ -151,7 +153,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     let events = probes.take_events().map_err(StartError::Probes)?;
     let held = probes.take_held_groups().map_err(StartError::Probes)?;
     let tier = probes.tier();
-    let info = DaemonInfo {
+    let mut info = DaemonInfo {
         version: crate::VERSION.to_owned(),
         attach_mode: probes.mode().as_str().to_owned(),
         enforcement_tier: tier.as_str().to_owned(),
@@ -159,10 +161,34 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         kernel_capabilities: probes.caps().as_map(),
         deny_hook: probes.ladder().in_force.as_str().to_owned(),
         deny_hook_refusals: probes.ladder().refusals(),
+        driver_limits: String::new(),
         cgroup_root: cgroups.root().display().to_string(),
         probes_resumed: probes.resumed(),
     };
     let cgroup_root = cgroups.root().to_owned();
+    let regions = crate::probes::caps::dmem_nvidia_regions(
+        &cgroup_root,
+        std::path::Path::new(crate::probes::caps::PCI_DEVICES),
+    )
+    .unwrap_or_default();
+    let driver_limits = if regions.is_empty() {
+        "none: no NVIDIA region in dmem.capacity (the dmem controller needs Linux 6.14+, and \
+         NVIDIA's open module registers its GPUs from the 610/615 series)"
+            .to_owned()
+    } else {
+        format!(
+            "dmem: memory_max is also written to dmem.max of {}",
+            regions
+                .iter()
+                .map(|r| r.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
+    info!(driver_limits = %driver_limits, "driver-native memory limits");
+    info.driver_limits = driver_limits;
+    let dmem = (!regions.is_empty())
+        .then(|| crate::enforcement::dmem::DmemLimits::new(&cgroup_root, regions));
     let matcher = Matcher { majors, extra };
     let matcher_for_compute = matcher.clone();
     // Where neither a hook nor a rewrite can stop a tenant's control, the kernel asks for it to
@@ -253,6 +279,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
             compute: compute_on.then_some(compute_params),
             sampler: config.nvml.enabled.then_some(sampler),
         },
+        dmem,
     };
     let controller = compute_on.then(|| {
         tokio::spawn(compute::run(

@@ -5,6 +5,7 @@
 //! guard's allowances and reports are [`guard`]'s.
 
 pub mod compute;
+pub mod dmem;
 pub mod guard;
 pub mod restore;
 
@@ -506,6 +507,17 @@ impl MemoryEnforcement {
                 error!(cgroup = %p, "cannot thaw at shutdown: {}", Chain(&e));
             }
         }
+    }
+
+    /// The memory limits in force: (cgroup path, GPU index or `GPU_ALL`, bytes).
+    pub fn memory_limits(&self) -> Vec<(String, u32, u64)> {
+        self.applied
+            .iter()
+            .filter_map(|((cgroup, gpu), key)| {
+                let max = self.store.get(cgroup, gpu)?.memory_max?;
+                Some((cgroup.clone(), *key, max))
+            })
+            .collect()
     }
 
     /// Every stored policy: (cgroup path, limits), one per GPU selector.

@@ -145,12 +145,53 @@ pub fn dmem_available(cgroup2_root: &Path) -> bool {
 pub const PCI_DEVICES: &str = "/sys/bus/pci/devices";
 const NVIDIA_PCI_VENDOR: &str = "0x10de";
 
-/// The `dmem` regions of NVIDIA GPUs and their capacities, from the root's `dmem.capacity`
-/// (lines such as `drm/0000:03:00.0/vram0 17179869184`), matched against the PCI functions whose
-/// vendor is NVIDIA. `None` when the controller is absent.
-pub fn dmem_nvidia_regions(cgroup2_root: &Path, pci_devices: &Path) -> Option<Vec<(String, u64)>> {
+/// A PCI function's address without the function number (NVIDIA names its dmem region after
+/// function 0, whatever the function): domain, bus, device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PciAddr {
+    pub domain: u32,
+    pub bus: u8,
+    pub device: u8,
+}
+
+impl PciAddr {
+    /// `0000:03:00.0` (sysfs), `00000000:03:00.0` (NVML), `0000:03:00` (no function), any case.
+    pub fn parse(text: &str) -> Option<Self> {
+        let mut parts = text.split(':');
+        let domain = u32::from_str_radix(parts.next()?, 16).ok()?;
+        let bus = u8::from_str_radix(parts.next()?, 16).ok()?;
+        let rest = parts.next()?;
+        if parts.next().is_some() {
+            return None;
+        }
+        let device = rest.split('.').next()?;
+        let device = u8::from_str_radix(device, 16).ok()?;
+        Some(Self {
+            domain,
+            bus,
+            device,
+        })
+    }
+}
+
+/// A `dmem` region of an NVIDIA GPU, as `dmem.capacity` lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DmemRegion {
+    /// The region's name in the dmem files (`nvidia/00000000:03:00.0/vidmem`).
+    pub name: String,
+    pub pci: PciAddr,
+    /// Bytes.
+    pub capacity: u64,
+}
+
+/// The `dmem` regions of NVIDIA GPUs and their capacities, from the root's `dmem.capacity`.
+/// NVIDIA's open module (615: `nvidia/%08X:%02X:%02X.0/vidmem`; 610:
+/// `nvidia/%04x:%02x:%02x/vidmem`) names its regions after the GPU's PCI address; a DRM driver's
+/// (`drm/0000:03:00.0/vram0`) counts where the PCI function's vendor is NVIDIA. `None` when the
+/// controller is absent.
+pub fn dmem_nvidia_regions(cgroup2_root: &Path, pci_devices: &Path) -> Option<Vec<DmemRegion>> {
     let text = std::fs::read_to_string(cgroup2_root.join("dmem.capacity")).ok()?;
-    let is_nvidia = |bdf: &str| {
+    let nvidia_function = |bdf: &str| {
         std::fs::read_to_string(pci_devices.join(bdf).join("vendor"))
             .is_ok_and(|v| v.trim() == NVIDIA_PCI_VENDOR)
     };
@@ -158,9 +199,20 @@ pub fn dmem_nvidia_regions(cgroup2_root: &Path, pci_devices: &Path) -> Option<Ve
         text.lines()
             .filter_map(|l| {
                 let (name, size) = l.split_once(char::is_whitespace)?;
-                let bdf = name.strip_prefix("drm/")?.split('/').next()?;
-                let size = size.trim().parse().ok()?;
-                is_nvidia(bdf).then(|| (name.to_owned(), size))
+                let capacity = size.trim().parse().ok()?;
+                let (driver, rest) = name.split_once('/')?;
+                let addr = rest.split('/').next()?;
+                let ours = match driver {
+                    "nvidia" => true,
+                    "drm" => nvidia_function(addr),
+                    _ => false,
+                };
+                ours.then_some(())?;
+                Some(DmemRegion {
+                    name: name.to_owned(),
+                    pci: PciAddr::parse(addr)?,
+                    capacity,
+                })
             })
             .collect(),
     )
@@ -250,14 +302,43 @@ mod tests {
             Some(vec![]),
             "only an Intel GPU"
         );
+        // NVIDIA's open module names (615 and 610), a DRM driver's on an NVIDIA function, others.
         std::fs::write(
             cg.join("dmem.capacity"),
-            "drm/0000:04:00.0/vram0 8589934592\ndrm/0000:03:00.0/vram0 85899345920\ngarbage\n",
+            "drm/0000:04:00.0/vram0 8589934592\n\
+             nvidia/00000000:A1:00.0/vidmem 85899345920\n\
+             nvidia/0001:02:03/vidmem 1024\n\
+             drm/0000:03:00.0/vram0 17179869184\n\
+             garbage\n",
         )?;
+        let at = |domain, bus, device| PciAddr {
+            domain,
+            bus,
+            device,
+        };
         assert_eq!(
             dmem_nvidia_regions(&cg, &pci),
-            Some(vec![("drm/0000:03:00.0/vram0".to_owned(), 85_899_345_920)])
+            Some(vec![
+                DmemRegion {
+                    name: "nvidia/00000000:A1:00.0/vidmem".to_owned(),
+                    pci: at(0, 0xa1, 0),
+                    capacity: 85_899_345_920
+                },
+                DmemRegion {
+                    name: "nvidia/0001:02:03/vidmem".to_owned(),
+                    pci: at(1, 2, 3),
+                    capacity: 1024
+                },
+                DmemRegion {
+                    name: "drm/0000:03:00.0/vram0".to_owned(),
+                    pci: at(0, 3, 0),
+                    capacity: 17_179_869_184
+                },
+            ])
         );
+        assert_eq!(PciAddr::parse("00000000:A1:00.0"), Some(at(0, 0xa1, 0)));
+        assert_eq!(PciAddr::parse("0000:a1:00"), Some(at(0, 0xa1, 0)));
+        assert_eq!(PciAddr::parse("a1:00.0"), None);
         std::fs::remove_dir_all(&dir)
     }
 }

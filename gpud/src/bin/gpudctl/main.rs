@@ -175,7 +175,15 @@ async fn run(args: Args) -> Result<(), Failure> {
             let nvml = proxy.list_nvml_usage().await.map_err(daemon_err)?;
             let compute = proxy.list_compute().await.map_err(daemon_err)?;
             let limits = proxy.list_limits().await.map_err(daemon_err)?;
-            print_records(&list, &nvml, &compute, &limits, args.json);
+            let root = proxy.cgroup_root().await.map_err(daemon_err)?;
+            let records = Records {
+                list: &list,
+                nvml: &nvml,
+                compute: &compute,
+                limits: &limits,
+                cgroup_root: Some(std::path::Path::new(&root)),
+            };
+            print_records(&records, args.json);
             Ok(())
         }
         Command::Ps => {
@@ -266,7 +274,14 @@ async fn run(args: Args) -> Result<(), Failure> {
             if args.json {
                 println!("{}", to_json(&rec));
             } else {
-                print_records(std::slice::from_ref(&rec), &[], &[], &[], false);
+                let records = Records {
+                    list: std::slice::from_ref(&rec),
+                    nvml: &[],
+                    compute: &[],
+                    limits: &[],
+                    cgroup_root: None,
+                };
+                print_records(&records, false);
             }
             Ok(())
         }
@@ -319,6 +334,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     let caps = proxy.kernel_capabilities().await.map_err(daemon_err)?;
     let hook = proxy.deny_hook().await.map_err(daemon_err)?;
     let hook_refusals = proxy.deny_hook_refusals().await.map_err(daemon_err)?;
+    let driver_limits = proxy.driver_limits().await.map_err(daemon_err)?;
     let root = proxy.cgroup_root().await.map_err(daemon_err)?;
     let resumed = proxy.probes_resumed().await.map_err(daemon_err)?;
     let stats = proxy.get_kernel_stats().await.map_err(daemon_err)?;
@@ -342,6 +358,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
             "enforcement_tier": tier,
             "deny_hook": hook,
             "deny_hook_refusals": hook_refusals,
+            "driver_limits": driver_limits,
             "react_action": action,
             "memory_info_view": memory_view,
             "scheduler_guard": guard,
@@ -370,6 +387,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
         .map(|(k, _)| k.as_str())
         .collect();
     println!("  memory limits:    {tier} tier (react action: {action})");
+    println!("  driver limits:    {driver_limits}");
     println!("  pre-driver hook:  {hook}");
     // Ladder order, not the map's alphabetical one.
     for rung in ["lsm", "fmod_ret", "kprobe"] {
@@ -433,13 +451,24 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
 
 /// Cgroup records with NVML's per-GPU figures joined in by path (`nvml` key in JSON; cgroups that
 /// only NVML knows are listed too).
-fn print_records(
-    list: &[CgroupRecord],
-    nvml: &[NvmlUsageRecord],
-    compute: &[ComputeRecord],
-    limits: &[LimitRecord],
-    json: bool,
-) {
+/// What `gpudctl list` prints.
+struct Records<'a> {
+    list: &'a [CgroupRecord],
+    nvml: &'a [NvmlUsageRecord],
+    compute: &'a [ComputeRecord],
+    limits: &'a [LimitRecord],
+    /// Where the cgroups' own files are read (`dmem.current`: the driver's figure, in JSON).
+    cgroup_root: Option<&'a std::path::Path>,
+}
+
+fn print_records(records: &Records<'_>, json: bool) {
+    let Records {
+        list,
+        nvml,
+        compute,
+        limits,
+        cgroup_root,
+    } = *records;
     if json {
         let mut out: Vec<serde_json::Value> = Vec::new();
         let mut by_path: std::collections::BTreeMap<
@@ -506,6 +535,13 @@ fn print_records(
             }
             if let Some(x) = extra.remove(path.as_str()) {
                 o.extend(x);
+            }
+            // The driver's own figure beside gpud's, where it charges a dmem region.
+            let dmem = cgroup_root
+                .map(|root| gpud::enforcement::dmem::current(root, &path))
+                .unwrap_or_default();
+            if !dmem.is_empty() {
+                o.insert("dmem_current".into(), serde_json::json!(dmem));
             }
             out.push(serde_json::Value::Object(o));
         }
