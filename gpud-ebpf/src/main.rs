@@ -23,6 +23,11 @@
 //! Programs that may call `bpf_probe_write_user` (the memory view's and the guard's rewrites)
 //! come in twins, `*_rw`: the verifier refuses the helper under lockdown, and there the plain
 //! twin runs instead.
+//!
+//! In fentry mode the `deny` tier replaces the fentry ioctl programs by a pre-driver hook's, which
+//! count the same and may refuse the call: BPF-LSM `file_ioctl` (`gpud_lsm_*`) where `bpf` is in
+//! `lsm=`, else fmod_ret on `security_file_ioctl` (`gpud_fmodret_*`, loaded by the daemon itself:
+//! see [`modify_return_program`]). Both share [`refusing`].
 #![no_std]
 #![no_main]
 // The bpf target has no atomic RMW types; the intrinsic lowers to BPF_ATOMIC_ADD (XADD).

@@ -1,9 +1,11 @@
 //! The kernel side, from userspace: loading the eBPF object, probing what the kernel accepts,
 //! attaching in the chosen mode, and pinning maps and links so a restarted daemon resumes.
 //!
-//! This module owns [`Probes`] (start-up, the programs the daemon runs itself, shutdown) and
-//! [`ProbeError`]. The rest is one file per concern, like aya's `maps/`: `attach` (modes, tiers,
-//! attachment tables, attaching or adopting), `pin` (bpffs and the pin directory's hygiene),
+//! This module owns [`Probes`] (start-up, the ladder of pre-driver hooks, the programs the
+//! daemon runs itself, shutdown) and [`ProbeError`]. The rest is one file per concern, like aya's
+//! `maps/`: `attach` (modes, tiers, hooks, attachment tables, attaching or adopting),
+//! `modify_return` (loading fmod_ret programs, which aya 0.14 cannot), `pin` (bpffs and the pin
+//! directory's hygiene),
 //! `maps` (taking and reading the maps, writing the configuration), [`btf`] (kernel struct
 //! offsets), [`caps`] (what the kernel offers) and [`devices`] (which files are NVIDIA devices).
 //!
