@@ -1310,9 +1310,35 @@ const MATRIX: &[(&str, &str)] = &[
         "tracepoint-only",
         "rung=none memory=react guard=restore view=no",
     ),
-    // This project's CI host: tracepoints only, under lockdown.
-    ("host", "rung=none memory=react guard=restore view=no"),
+    // The machine the tests run on: what it must show follows from what its kernel offers
+    // (`host_expectation`); on this project's CI host (tracepoints only, under lockdown)
+    // `rung=none memory=react guard=restore view=no`.
+    ("host", ""),
 ];
+
+/// What the host row must show, from what its kernel accepted: the strongest hook it loads, deny
+/// with a hook, react without; the guard refuses (a hook, no rewrite), clamps (a rewrite) or
+/// reacts and restores (neither); the view where the rewrite is allowed.
+fn host_expectation(caps: &gpud::probes::KernelCaps) -> String {
+    let rung = if caps.bpf_lsm {
+        "lsm"
+    } else if caps.fmod_ret {
+        "fmod_ret"
+    } else {
+        "none"
+    };
+    let hook = rung != "none";
+    let guard = match (hook, caps.probe_write_user) {
+        (_, true) => "clamp",
+        (true, false) => "deny",
+        (false, false) => "restore",
+    };
+    format!(
+        "rung={rung} memory={} guard={guard} view={}",
+        if hook { "deny" } else { "react" },
+        if caps.probe_write_user { "yes" } else { "no" }
+    )
+}
 
 /// One row of the kernel matrix: what gpud picks on this kernel and what holds, as the line
 /// `kernel-matrix: <row>: rung=… memory=… guard=… view=…`; fails where the row's expectation
@@ -1353,6 +1379,7 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
     )
     .context("starting probes with the defaults")?;
     let rung = probes.ladder().in_force.as_str();
+    let caps = probes.caps().clone();
     let deny = probes.tier() == Tier::Deny;
     let view = match probes.memory_info() {
         gpud::probes::MemoryInfoState::Unavailable(why) => format!("no ({why})"),
@@ -1524,6 +1551,13 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
     let _ = std::fs::remove_dir(&cg);
 
     let line = format!("rung={rung} memory={memory} guard={guard} view={view}");
+    let derived;
+    let want = if want.is_empty() {
+        derived = host_expectation(&caps);
+        derived.as_str()
+    } else {
+        want
+    };
     let expected_view = want.rsplit_once("view=").map_or("", |(_, v)| v);
     let (got_head, got_view) = line.rsplit_once(" view=").unwrap_or((&line, ""));
     let (want_head, _) = want.rsplit_once(" view=").unwrap_or((want, ""));
