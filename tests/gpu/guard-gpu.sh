@@ -9,8 +9,12 @@
 # several values, each read back with GET_TIMESLICE (clamped to 2,048 µs where gpud may rewrite
 # it), the same on the legacy path (bit 15), and disables the victim's channels for 4 s (refused
 # where gpud may refuse or rewrite: the victim's products per second then do not fall). Where
-# the kernel allows neither BPF-LSM nor bpf_probe_write_user (lockdown), gpud only reports each
-# call: `SchedulerGuard`, the events and the metrics say so. Also checks that CUDA contexts come
+# the kernel allows neither a pre-driver hook nor bpf_probe_write_user (tracepoints only under
+# lockdown: the lent machines), gpud reacts and restores: the timeslice is set back to the
+# allowance right after the call and the victim's channels enabled again (its rate recovers within
+# milliseconds); guard_react_action = "report" here so the tenant survives its foreign disable and
+# the script goes on (the default "kill" would end it there). `SchedulerGuard`, the events
+# (`restored`) and the metrics say so. Also checks that CUDA contexts come
 # up under the guard (libcuda's own SET_TIMESLICE and GPFIFO_SCHEDULE at context creation).
 # Output: OUT_DIR/report.txt (status, the tenant's JSON lines, the victim's rate, gpud's events
 # and counters) and gpud.log.
@@ -33,6 +37,7 @@ bus = "$BUS"
 listen = "127.0.0.1:9464"
 [enforcement]
 scheduler_guard = "enforce"
+guard_react_action = "report"
 CONF
 "$C/gpud" --config /tmp/gpud.toml >"$OUT/gpud.log" 2>&1 &
 GPUD=$!
