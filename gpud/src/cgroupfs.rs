@@ -74,6 +74,7 @@ fn unescape_mountinfo(s: &str) -> String {
 pub struct CgroupFs {
     root: PathBuf,
     root_dir: Option<std::fs::File>,
+    freezer: Freezer,
     cache: HashMap<u64, String>,
     /// Ids found gone (cgroup ids are not reused): a removed cgroup's id is met by every list
     /// and sweep until its entries are forgotten, and must not cost a lookup each time.
@@ -107,6 +108,7 @@ impl CgroupFs {
     pub fn at(root: PathBuf) -> Self {
         let root_dir = std::fs::File::open(&root).ok();
         Self {
+            freezer: Freezer::new(&root),
             root,
             root_dir,
             cache: HashMap::new(),
@@ -315,9 +317,69 @@ impl CgroupFs {
         path_in_proc_cgroup(&text)
     }
 
-    /// Freezes or thaws the cgroup at `path` (relative to the root) through `cgroup.freeze`.
+    /// The memory enforcement's freeze of the cgroup at `path` (relative to the root), or its
+    /// release; through the one [`Freezer`].
     pub fn freeze(&self, path: &str, frozen: bool) -> Result<(), CgroupError> {
-        freeze_at(&self.root, path, frozen)
+        self.freezer.set(Holder::Memory, path, frozen)
+    }
+
+    /// The one writer of `cgroup.freeze` below this root, for the other holders (the compute
+    /// actuator) to share.
+    pub fn freezer(&self) -> Freezer {
+        self.freezer.clone()
+    }
+}
+
+/// Who wants a cgroup frozen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Holder {
+    /// The memory limit's `freeze` action (until the limit is raised or cleared).
+    Memory,
+    /// The compute law's freezer (its slots within each period).
+    Compute,
+}
+
+/// The one writer of `cgroup.freeze`: a cgroup is frozen while any holder wants it, so the
+/// compute law thawing a slot never undoes a memory freeze (and releasing a memory freeze leaves
+/// a cgroup frozen that the law holds). The holders' wishes and the write are one step under a
+/// lock: the state task and the compute actuator's thread both write through it, and neither can
+/// slip a write between the other's decision and its write.
+#[derive(Clone, Debug)]
+pub struct Freezer {
+    root: PathBuf,
+    held: std::sync::Arc<std::sync::Mutex<Held>>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    memory: std::collections::BTreeSet<String>,
+    compute: std::collections::BTreeSet<String>,
+}
+
+impl Freezer {
+    pub fn new(root: &Path) -> Self {
+        Self {
+            root: root.to_owned(),
+            held: Default::default(),
+        }
+    }
+
+    /// `holder` wants the cgroup at `path` frozen, or no longer; writes what all holders want.
+    pub fn set(&self, holder: Holder, path: &str, frozen: bool) -> Result<(), CgroupError> {
+        // A panic elsewhere while holding the lock leaves plain sets: still usable.
+        let mut guard = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let held = &mut *guard;
+        let (mine, other) = match holder {
+            Holder::Memory => (&mut held.memory, &held.compute),
+            Holder::Compute => (&mut held.compute, &held.memory),
+        };
+        if frozen {
+            mine.insert(path.to_owned());
+        } else {
+            mine.remove(path);
+        }
+        let want = frozen || other.contains(path);
+        freeze_at(&self.root, path, want)
     }
 }
 
@@ -359,6 +421,32 @@ pub fn freeze_at(root: &Path, path: &str, frozen: bool) -> Result<(), CgroupErro
 
 #[cfg(test)]
 mod tests {
+
+    /// A cgroup is frozen while any holder wants it; each holder's release writes what the
+    /// other still wants (a directory stands in for the cgroup: the file takes each write).
+    #[test]
+    fn the_freezer_keeps_a_cgroup_frozen_while_any_holder_wants_it() -> std::io::Result<()> {
+        let root = std::env::temp_dir().join(format!("gpud-freezer-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("t"))?;
+        let f = Freezer::new(&root);
+        let g = f.clone();
+        let read = || std::fs::read_to_string(root.join("t/cgroup.freeze"));
+        let set = |f: &Freezer, h, on| f.set(h, "/t", on).map_err(std::io::Error::other);
+        set(&f, Holder::Compute, true)?;
+        assert_eq!(read()?, "1");
+        set(&g, Holder::Memory, true)?;
+        // The law's thaw of its slot leaves the memory freeze.
+        set(&f, Holder::Compute, false)?;
+        assert_eq!(read()?, "1");
+        set(&f, Holder::Compute, true)?;
+        // The memory release leaves the law's slot.
+        set(&g, Holder::Memory, false)?;
+        assert_eq!(read()?, "1");
+        set(&f, Holder::Compute, false)?;
+        assert_eq!(read()?, "0");
+        std::fs::remove_dir_all(&root)
+    }
+
     use super::*;
 
     #[test]

@@ -390,6 +390,81 @@ async fn where_the_firmware_ignores_the_controls_shares_fall_back_to_the_freezer
     expect_shares(&rig, "caps 30/70 by the freezer", &ts, &[30.0, 70.0], 8);
 }
 
+/// `cgroup.freeze` has two writers: the memory limit's `freeze` action and the compute law's
+/// freezer. A cgroup frozen for its memory must stay frozen while the law, which froze and thawed
+/// it for a cap, runs on beside it: no thaw the law had planned may undo the memory freeze.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_memory_frozen_cgroup_stays_frozen_while_the_compute_law_runs_beside_it() {
+    let _serial = SERIAL.lock().await;
+    let Some(mut rig) = Rig::new("compute-memfreeze")
+        .fake_device(1)
+        .map(|r| r.fake_gpus(1))
+    else {
+        return;
+    };
+    // NVML samples 3 s apart: the law plans its periods from the last one in between, so it
+    // learns of the memory freeze up to 3 s late, as on a host sampling every second or more.
+    rig.start(
+        rig.config()
+            .log("gpud=debug")
+            .compute(false)
+            .react_action("freeze")
+            .set("nvml.sample_interval_ms", 3000),
+    )
+    .await;
+    rig.wait_for_gpus(1).await;
+    let ts = tenants(&rig, &["memfreeze-capped"]).await;
+    let t = &ts[0];
+    // A cap: the freezer freezes and thaws the cgroup every period.
+    set(&rig, t, &[("compute_max", zbus::Variant::from(30u32))]).await;
+    rig.expect_eventually(
+        "the law freezes the capped cgroup",
+        Duration::from_secs(10),
+        || async { t.cg.frozen().then_some(()) },
+    )
+    .await;
+    // Its memory crosses its limit: frozen for that, until the limit is raised.
+    rig.set_limit(&t.cg.rel, "all", "memory_max", 4u64 << 20)
+        .await;
+    let mut m = RmProcess::spawn(Some(&t.cg.dir), &rig.ctl());
+    // Spawned into a cgroup the law may have frozen: it answers once thawed.
+    let (c, d) = m.client_device(0);
+    m.send(&format!("alloc {c} {d} {} nvos64", 8u64 << 20));
+    rig.expect_eventually("the memory freeze", Duration::from_secs(10), || async {
+        rig.log_text().contains("action=\"frozen\"").then_some(())
+    })
+    .await;
+    // For 2 s, sampled every 2 ms: never thawed.
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    let mut samples = 0;
+    while std::time::Instant::now() < until {
+        let on = std::fs::read_to_string(t.cg.dir.join("cgroup.freeze")).unwrap_or_default();
+        assert_eq!(
+            on.trim(),
+            "1",
+            "a memory-frozen cgroup was thawed after {samples} samples:\n{}",
+            rig.log_text()
+        );
+        samples += 1;
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Raising the limit lets the law have it again.
+    rig.set_limit(&t.cg.rel, "all", "memory_max", 1u64 << 30)
+        .await;
+    rig.expect_eventually(
+        "thawed again by the law",
+        Duration::from_secs(10),
+        || async {
+            (std::fs::read_to_string(t.cg.dir.join("cgroup.freeze"))
+                .unwrap_or_default()
+                .trim()
+                == "0")
+                .then_some(())
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn with_hardware_off_no_control_is_issued_and_best_effort_yields_to_latency_critical() {
     let _serial = SERIAL.lock().await;

@@ -166,6 +166,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         probes_resumed: probes.resumed(),
     };
     let cgroup_root = cgroups.root().to_owned();
+    let freezer = cgroups.freezer();
     let regions = crate::probes::caps::dmem_nvidia_regions(
         &cgroup_root,
         std::path::Path::new(crate::probes::caps::PCI_DEVICES),
@@ -284,7 +285,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     let controller = compute_on.then(|| {
         tokio::spawn(compute::run(
             compute::Settings {
-                cgroup_root: cgroup_root.clone(),
+                freezer,
                 matcher: matcher_for_compute,
                 params: compute::params(config),
                 hardware: config.compute.hardware,

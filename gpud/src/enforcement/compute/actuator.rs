@@ -6,7 +6,6 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    path::PathBuf,
     sync::mpsc::{self, RecvTimeoutError},
     thread::JoinHandle,
     time::Instant,
@@ -19,7 +18,12 @@ use super::{
     channel::{ControlError, Controls, HeldGroups, on_gpu},
     law::Command,
 };
-use crate::{attribution::ChannelGroup, probes::Matcher, report::Chain};
+use crate::{
+    attribution::ChannelGroup,
+    cgroupfs::{Freezer, Holder},
+    probes::Matcher,
+    report::Chain,
+};
 
 /// What the compute task asks of the actuator.
 pub(super) enum Order {
@@ -50,7 +54,7 @@ pub(super) struct Actuator {
 
 impl Actuator {
     pub fn spawn(
-        cgroup_root: PathBuf,
+        freezer: Freezer,
         matcher: Matcher,
         held: Option<HeldGroups>,
         failures: UnboundedSender<Failure>,
@@ -60,7 +64,7 @@ impl Actuator {
             .name("compute-actuator".into())
             .spawn(move || {
                 Worker {
-                    root: cgroup_root,
+                    freezer,
                     controls: Controls::new(matcher, held),
                     groups: BTreeMap::new(),
                     failed: BTreeSet::new(),
@@ -88,7 +92,8 @@ impl Actuator {
 }
 
 struct Worker {
-    root: PathBuf,
+    /// The one writer of `cgroup.freeze`, shared with the memory enforcement.
+    freezer: Freezer,
     controls: Controls,
     groups: BTreeMap<u32, Vec<ChannelGroup>>,
     /// Processes whose controls failed: reported once, not tried again (except to put their
@@ -159,7 +164,8 @@ impl Worker {
     fn execute(&mut self, gpu: Option<u32>, c: Command) {
         match c {
             Command::Freeze { unit, frozen } => {
-                if let Err(e) = crate::cgroupfs::freeze_at(&self.root, &unit, frozen) {
+                // Through the one writer: a thaw here leaves a memory freeze in force.
+                if let Err(e) = self.freezer.set(Holder::Compute, &unit, frozen) {
                     // A unit removed meanwhile; the law forgets it at the next sample.
                     debug!(cgroup = %unit, frozen, "{}", Chain(&e));
                 }

@@ -18,7 +18,6 @@ pub mod law;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    path::PathBuf,
     time::{Duration, Instant},
 };
 
@@ -160,8 +159,8 @@ pub struct ControlInput {
 
 /// What the compute task needs from the daemon.
 pub struct Settings {
-    /// The cgroup v2 mount.
-    pub cgroup_root: PathBuf,
+    /// The one writer of `cgroup.freeze` (the memory enforcement writes through it too).
+    pub freezer: crate::cgroupfs::Freezer,
     /// Recognizes the tenants' NVIDIA files.
     pub matcher: Matcher,
     pub params: LawParams,
@@ -187,18 +186,14 @@ pub struct Links {
 /// thawed and put back on the runlist.
 pub async fn run(settings: Settings, mut links: Links) {
     let (failed_tx, mut failures) = mpsc::unbounded_channel();
-    let actuator = match Actuator::spawn(
-        settings.cgroup_root,
-        settings.matcher,
-        settings.held,
-        failed_tx,
-    ) {
-        Ok(a) => a,
-        Err(e) => {
-            warn!("compute shares off: cannot start the actuator thread: {e}");
-            return;
-        }
-    };
+    let actuator =
+        match Actuator::spawn(settings.freezer, settings.matcher, settings.held, failed_tx) {
+            Ok(a) => a,
+            Err(e) => {
+                warn!("compute shares off: cannot start the actuator thread: {e}");
+                return;
+            }
+        };
     let origin = Instant::now();
     let nanos = |t: Instant| t.saturating_duration_since(origin).as_nanos() as Nanos;
     let instant = |n: Nanos| origin + Duration::from_nanos(n);
