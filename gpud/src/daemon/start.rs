@@ -153,18 +153,6 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     let events = probes.take_events().map_err(StartError::Probes)?;
     let held = probes.take_held_groups().map_err(StartError::Probes)?;
     let tier = probes.tier();
-    let mut info = DaemonInfo {
-        version: crate::VERSION.to_owned(),
-        attach_mode: probes.mode().as_str().to_owned(),
-        enforcement_tier: tier.as_str().to_owned(),
-        react_action: format!("{:?}", config.enforcement.react_action).to_lowercase(),
-        kernel_capabilities: probes.caps().as_map(),
-        deny_hook: probes.ladder().in_force.as_str().to_owned(),
-        deny_hook_refusals: probes.ladder().refusals(),
-        driver_limits: String::new(),
-        cgroup_root: cgroups.root().display().to_string(),
-        probes_resumed: probes.resumed(),
-    };
     let cgroup_root = cgroups.root().to_owned();
     let freezer = cgroups.freezer();
     let regions = crate::probes::caps::dmem_nvidia_regions(
@@ -187,7 +175,18 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
         )
     };
     info!(driver_limits = %driver_limits, "driver-native memory limits");
-    info.driver_limits = driver_limits;
+    let info = DaemonInfo {
+        version: crate::VERSION.to_owned(),
+        attach_mode: probes.mode().as_str().to_owned(),
+        enforcement_tier: tier.as_str().to_owned(),
+        react_action: format!("{:?}", config.enforcement.react_action).to_lowercase(),
+        kernel_capabilities: probes.caps().as_map(),
+        deny_hook: probes.ladder().in_force.as_str().to_owned(),
+        deny_hook_refusals: probes.ladder().refusals(),
+        driver_limits,
+        cgroup_root: cgroups.root().display().to_string(),
+        probes_resumed: probes.resumed(),
+    };
     let dmem = (!regions.is_empty())
         .then(|| crate::enforcement::dmem::DmemLimits::new(&cgroup_root, regions));
     let matcher = Matcher { majors, extra };

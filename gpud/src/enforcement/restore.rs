@@ -113,10 +113,17 @@ impl Restorer {
                 .or_default()
                 .push(r.channels[i]);
         }
+        // One walk of the objects for every victim's subdevice.
+        let mut subdevices: BTreeMap<u32, u32> = BTreeMap::new();
+        for (k, e) in crate::probes::map_entries(&self.objects) {
+            if e.kind == OBJ_SUBDEVICE && by_client.contains_key(&k.client) {
+                subdevices.entry(k.client).or_insert(k.object);
+            }
+        }
         let mut enabled = 0;
         let mut first_error = None;
         for (client, channels) in by_client {
-            match self.enable_client(client, &channels) {
+            match self.enable_client(client, subdevices.get(&client).copied(), &channels) {
                 Ok(()) => enabled += channels.len() as u32,
                 Err(e) => {
                     warn!(
@@ -134,7 +141,12 @@ impl Restorer {
         }
     }
 
-    fn enable_client(&mut self, client: u32, channels: &[u32]) -> Result<(), RestoreError> {
+    fn enable_client(
+        &mut self,
+        client: u32,
+        subdevice: Option<u32>,
+        channels: &[u32],
+    ) -> Result<(), RestoreError> {
         let owner = self
             .objects
             .get(
@@ -147,11 +159,7 @@ impl Restorer {
             .ok()
             .filter(|e| e.kind == OBJ_CLIENT)
             .ok_or(RestoreError::UnknownClient { client })?;
-        let subdevice = crate::probes::map_entries(&self.objects)
-            .into_iter()
-            .find(|(k, e)| k.client == client && e.kind == OBJ_SUBDEVICE)
-            .map(|(k, _)| k.object)
-            .ok_or(RestoreError::NoSubdevice { client })?;
+        let subdevice = subdevice.ok_or(RestoreError::NoSubdevice { client })?;
         let mut params = sched::DisableChannelsParams {
             disable: 0,
             num_channels: channels.len() as u32,
