@@ -290,7 +290,6 @@ async fn where_the_guard_can_only_react_it_restores_and_kills_the_foreign_caller
     let (cg_a, cg_b) = (Cgroup::new("guard-kill-a"), Cgroup::new("guard-kill-b"));
     let ctl = rig.ctl();
     let (mut a, [ca, _, ga, cha]) = tenant(&cg_a, &ctl);
-    let enabled = |rig: &Rig| channel_enabled(rig, ca, cha);
     let percentile = |v: &mut Vec<f64>, q: f64| {
         v.sort_by(f64::total_cmp);
         v[((v.len() as f64 - 1.0) * q).round() as usize]
@@ -326,18 +325,7 @@ async fn where_the_guard_can_only_react_it_restores_and_kills_the_foreign_caller
         let (mut b, [cb, sb, _, _]) = tenant(&cg_b, &ctl);
         let t = std::time::Instant::now();
         let answer = b.try_cmd(&format!("disable-channels {cb} {sb} 1 {ca} {cha}"));
-        loop {
-            if enabled(&rig) == Some(true) {
-                break;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(5),
-                "a's channel left disabled:\n{}",
-                rig.log_text()
-            );
-            std::thread::sleep(Duration::from_micros(100));
-        }
-        off_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        off_ms.push(ms_until_enabled(&rig, ca, cha, t));
         assert!(answer.is_none(), "the foreign caller answered: {answer:?}");
         let status = b.wait();
         assert_eq!(
@@ -384,15 +372,7 @@ async fn a_victims_channels_are_enabled_again_after_each_foreign_disable() {
     for _ in 0..1000 {
         let t = std::time::Instant::now();
         b.ok(&format!("disable-channels {cb} {sb} 1 {ca} {cha}"));
-        while channel_enabled(&rig, ca, cha) != Some(true) {
-            assert!(
-                t.elapsed() < Duration::from_secs(5),
-                "a's channel left disabled:\n{}",
-                rig.log_text()
-            );
-            std::thread::sleep(Duration::from_micros(100));
-        }
-        off_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        off_ms.push(ms_until_enabled(&rig, ca, cha, t));
     }
     off_ms.sort_by(f64::total_cmp);
     let q = |f: f64| off_ms[((off_ms.len() as f64 - 1.0) * f).round() as usize];
@@ -413,6 +393,20 @@ async fn only_reacts(rig: &Rig) -> bool {
         return false;
     }
     true
+}
+
+/// Waits (polling every 0.1 ms, at most 5 s) until the fake device has the channel enabled;
+/// milliseconds since `since`.
+fn ms_until_enabled(rig: &Rig, client: u32, handle: u32, since: std::time::Instant) -> f64 {
+    while channel_enabled(rig, client, handle) != Some(true) {
+        assert!(
+            since.elapsed() < Duration::from_secs(5),
+            "the channel was left disabled:\n{}",
+            rig.log_text()
+        );
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    since.elapsed().as_secs_f64() * 1e3
 }
 
 /// Whether the fake device has channel `handle` of `client` enabled (`None`: no such channel).
