@@ -30,6 +30,7 @@ pub use rig::Rig;
 mod config;
 pub mod containerd;
 pub mod fakenv;
+pub mod hwcontrols;
 pub mod inproc;
 pub mod kubelet;
 pub mod podman;

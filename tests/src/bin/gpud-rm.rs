@@ -23,6 +23,7 @@
 //! | `channel CLIENT GROUP` | `HOPPER_CHANNEL_GPFIFO_A` under GROUP |
 //! | `disable-channels CLIENT SUBDEVICE 1\|0 [OWNER CHANNEL]...` | `NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS` on the (client, channel) pairs, whoever owns them |
 //! | `burn` | answers, then spins on the CPU until killed (a tenant whose CPU time stands for its GPU work) |
+//! | `progress [gated]` | as `burn`, counting its spins in a `u64` another process can read: answers `{"ok":true,"pid":…,"progress":ADDR,"gate":ADDR}`; `gated` waits until the `u64` at `gate` is 1 and stops counting once it is 2 (the stand-in of tests/gpu/hw_tenant.cu, for gpud-hwcontrols) |
 //! | `alloc CLIENT PARENT SIZE [FORM] [handle=H] [flags=F] [attr=A] [class=C]` | video memory; FORM is `nvos21`, `nvos64` (default), `vidheap`, `xfer21`, `xfer64` or `xfervidheap` |
 //! | `parallel N CLIENT PARENT SIZE [FORM]` | N threads allocate at once: `{"ok":…,"results":[…]}` |
 //! | `free CLIENT HANDLE` | `NV_ESC_RM_FREE` (HANDLE == CLIENT frees the client) |
@@ -119,6 +120,34 @@ fn err(msg: impl std::fmt::Display) -> Value {
 
 fn num(s: &str) -> Result<u64, String> {
     parse_num(s).ok_or_else(|| format!("bad number {s:?}"))
+}
+
+/// `progress [gated]`: never returns.
+fn progress(gated: bool) -> ! {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    static GATE: AtomicU64 = AtomicU64::new(0);
+    emit(&json!({
+        "ok": true,
+        "pid": std::process::id(),
+        "progress": COUNT.as_ptr() as u64,
+        "gate": GATE.as_ptr() as u64,
+    }));
+    loop {
+        match GATE.load(Relaxed) {
+            0 if gated => std::thread::sleep(std::time::Duration::from_micros(200)),
+            2.. if gated => loop {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            },
+            _ => {
+                // A unit of "work": about a microsecond of CPU.
+                for _ in 0..1000 {
+                    std::hint::spin_loop();
+                }
+                COUNT.fetch_add(1, Relaxed);
+            }
+        }
+    }
 }
 
 fn join_cgroup(dir: &Path) -> std::io::Result<()> {
@@ -234,6 +263,7 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                 std::hint::spin_loop();
             }
         }
+        ("progress", rest @ ([] | ["gated"])) => progress(!rest.is_empty()),
         ("sleep", [ms]) => {
             return Some(match num(ms) {
                 Ok(ms) => {
