@@ -20,11 +20,19 @@
 //!   shares. So compute-share accuracy measured against this fake shows the control law, not
 //!   what a real GPU achieves (docs/real-gpu.md, "Compute shares").
 //!
+//! Checked on an H200 (2026-11-27, `tests/gpu/hw-controls.sh`): device utilization samples from
+//! `nvmlDeviceGetSamples(NVML_GPU_UTILIZATION_SAMPLES)`: one sample about every 200 ms, zeros
+//! included, each stamped with a CPU timestamp in µs; 99 while a tenant ran alone, 0 within one
+//! window while its channels were disabled. This fake gives one sample per call instead
+//! ("Device utilization" below).
+//!
 //! **Not checked on hardware yet**: MIG devices and their handles (the lent H100 was not in MIG
 //! mode), graphics and compute-and-graphics processes, Xid events through
 //! `nvmlEventSetWait_v2`, every failure code (`fail`, `init_error`: GPU lost, driver not loaded,
-//! transient errors), `NOT_SUPPORTED` per-process utilization, and the exact sample semantics
-//! (only samples newer than `lastSeenTimeStamp`, `NOT_FOUND` when none).
+//! transient errors), `NOT_SUPPORTED` per-process utilization, the exact sample semantics
+//! (only samples newer than `lastSeenTimeStamp`, `NOT_FOUND` when none), and for device samples:
+//! the count a size query answers, `NOT_SUPPORTED` on MIG devices and GPUs in MIG mode (from
+//! NVML's documentation), and the other sampling types (not modelled: `NOT_SUPPORTED`).
 //!
 //! # Scenario
 //!
@@ -65,7 +73,7 @@
 //! - `events` (or `xid`): critical Xid errors, each delivered once (by `id`, default its position
 //!   in the list, so appending to the list delivers only the new ones) by `nvmlEventSetWait_v2` to
 //!   an event set that registered `nvmlEventTypeXidCriticalError` on that GPU.
-//! - `fail`: the named function returns that NVML code: always (a number), or
+//! - `fail`: the named function (e.g. `nvmlDeviceGetSamples`) returns that NVML code: always (a number), or
 //!   `{ "code", "after", "times" }`: the first `after` calls succeed, then `times` calls fail (all
 //!   further calls if `times` is absent). Calls are counted per function from the moment the
 //!   scenario's text last changed. `nvmlInit_v2` can fail the same way; `init_error` is a shorthand
@@ -103,11 +111,39 @@
 //! Like real NVML, a data call returns only samples with a non-zero utilization, each stamped with
 //! the call's timestamp (strictly increasing across calls), and `NOT_FOUND` when there is none.
 //!
+//! # Device utilization
+//!
+//! `nvmlDeviceGetSamples` answers `NVML_GPU_UTILIZATION_SAMPLES` of a whole GPU (other sampling
+//! types, MIG devices and GPUs in MIG mode: `NOT_SUPPORTED`; `process_utilization: false` does
+//! not matter), values `NVML_VALUE_TYPE_UNSIGNED_INT` in percent. A size query (null buffer)
+//! answers a count of 1 with `NVML_SUCCESS`. Each data call returns ONE sample, zeros included,
+//! stamped with the call's timestamp (the same strictly increasing clock as the per-process
+//! samples): the GPU's utilization over the window since its previous device sample,
+//!
+//! `util = min(100, Σ over the GPU's processes of their utilization over the window)`,
+//!
+//! a scripted process counting its `sm_util`, a simulated one its runtime growth over the window
+//! (measured as above, `round(100 × Δruntime / Δwall)`, capped at 100 each). The window begins at
+//! the GPU's previous device sample; on its first, at the caller's `lastSeenTimeStamp` but not
+//! before the earliest start of its simulated processes (a first call passes 0: each process is
+//! then measured from its start). A process that started in the window counts all its runtime; one
+//! already running that the previous device sample did not see (or a reused pid) counts nothing
+//! in that sample, only a baseline for the next. `NOT_FOUND` (count 0) when `lastSeenTimeStamp` is
+//! at or past the newest timestamp handed out and the wall clock has not passed it.
+//!
+//! The device samples keep their own baselines per GPU (the last device sample's timestamp and
+//! each simulated process's runtime then): they never move the per-process history, so each
+//! `nvmlDeviceGetProcessUtilization` call is still measured from its own `lastSeenTimeStamp`.
+//! On a real GPU, samples come about every 200 ms whether asked or not; a caller polling this fake
+//! at that period sees a similar stream.
+//!
 //! # Sample log
 //!
 //! Every data call of `nvmlDeviceGetProcessUtilization` appends
 //! `{"gpu":…,"last_seen":…,"returned":[timestamps]}` to `fake-nvml-samples.log` beside the
 //! scenario, so tests can check that the caller never asks again for samples it already had.
+//! Every data call of `nvmlDeviceGetSamples` appends the same record to
+//! `fake-nvml-device-samples.log` (`returned` empty for `NOT_FOUND`).
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::{
@@ -121,7 +157,9 @@ use std::{
 
 use nvml_wrapper_sys::bindings::{
     nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlEventTypeXidCriticalError, nvmlMemory_v2_t,
-    nvmlPciInfo_t, nvmlProcessInfo_t, nvmlProcessUtilizationSample_t, nvmlReturn_t,
+    nvmlPciInfo_t, nvmlProcessInfo_t, nvmlProcessUtilizationSample_t, nvmlReturn_t, nvmlSample_t,
+    nvmlSamplingType_enum_NVML_GPU_UTILIZATION_SAMPLES, nvmlSamplingType_t,
+    nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT, nvmlValueType_t,
 };
 use serde::Deserialize;
 
@@ -135,6 +173,10 @@ const TIMEOUT: nvmlReturn_t = 10;
 /// `gpuInstanceId` / `computeInstanceId` of a process not on a MIG device.
 const NO_INSTANCE: u32 = u32::MAX;
 const XID: u64 = nvmlEventTypeXidCriticalError as u64;
+/// `nvmlDeviceGetSamples`: the one sampling type modelled, and the type of its values.
+const GPU_UTILIZATION_SAMPLES: nvmlSamplingType_t =
+    nvmlSamplingType_enum_NVML_GPU_UTILIZATION_SAMPLES;
+const UNSIGNED_INT: nvmlValueType_t = nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT;
 /// `nvmlGpuTopologyLevel_t` values.
 const TOPOLOGY_INTERNAL: u32 = 0;
 const TOPOLOGY_SINGLE: u32 = 10;
@@ -308,6 +350,65 @@ fn share_of_cpu(runtime_ns: u64, since: (u64, u64), now_us: u64) -> Option<u32> 
     Some(((busy_ns / wall_ns) * 100.0).round().min(100.0) as u32)
 }
 
+/// A simulated process as a device-level sample saw it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Observed {
+    /// Start in clock ticks since boot: tells a reused pid.
+    start_ticks: u64,
+    /// Start as a wall-clock timestamp (µs).
+    start_us: u64,
+    /// Summed runtime (ns) when seen.
+    runtime_ns: u64,
+}
+
+/// What the device-level samples of one GPU remember: the last one handed out.
+#[derive(Debug, Default)]
+struct DeviceHistory {
+    /// Its timestamp.
+    ts: u64,
+    /// Each simulated process on the GPU then.
+    procs: HashMap<u32, Observed>,
+}
+
+/// Where the window of a device sample begins: at the GPU's previous device sample if there is
+/// one (the caller's `lastSeenTimeStamp` is then older, or newer with nothing observed between:
+/// that sample is the newest observation at or before it); on a GPU's first device sample, at
+/// `lastSeenTimeStamp`, but not before its first simulated process started (a first call passes 0,
+/// and a process is measured from its start, as per-process samples are).
+fn device_window_start(prev: Option<u64>, last_seen: u64, earliest_start: Option<u64>) -> u64 {
+    match prev {
+        Some(ts) => ts,
+        None => last_seen.max(earliest_start.unwrap_or(0)),
+    }
+}
+
+/// The device utilization over (`t0`, `now`]: the sum of each process's utilization over that
+/// window, at most 100. A simulated process counts its runtime growth since `prev` (the GPU's
+/// previous device sample, taken at `t0`), or all its runtime if it started in the window; one
+/// that was already running and that `prev` did not see gives only a baseline. A scripted process
+/// counts its fixed `sm_util`.
+fn device_utilization(
+    t0: u64,
+    now: u64,
+    prev: Option<&DeviceHistory>,
+    simulated: &[(u32, Observed)],
+    scripted: &[u32],
+) -> u32 {
+    let mut total = scripted.iter().fold(0u32, |a, u| a.saturating_add(*u));
+    for (pid, o) in simulated {
+        let before = prev
+            .and_then(|h| h.procs.get(pid))
+            .filter(|b| b.start_ticks == o.start_ticks);
+        let r0 = match before {
+            Some(b) => b.runtime_ns,
+            None if o.start_us >= t0 => 0,
+            None => continue,
+        };
+        total = total.saturating_add(share_of_cpu(o.runtime_ns, (t0, r0), now).unwrap_or(0));
+    }
+    total.min(100)
+}
+
 #[derive(Default)]
 struct State {
     /// `nvmlInit` calls not yet matched by `nvmlShutdown` (NVML counts them too).
@@ -319,6 +420,9 @@ struct State {
     /// Calls per function since the scenario's text last changed.
     calls: HashMap<String, u64>,
     history: HashMap<u32, History>,
+    /// Device-level utilization samples, per GPU index: kept apart from `history`, so neither
+    /// kind of sample moves the other's baselines.
+    device: HashMap<u32, DeviceHistory>,
     /// The newest timestamp handed out (they strictly increase).
     last_ts: u64,
     /// Ids of the events already delivered.
@@ -909,13 +1013,17 @@ pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
     }
 }
 
-/// Wall-clock time in µs, strictly increasing across calls.
-fn next_timestamp(st: &mut State) -> u64 {
-    let now = SystemTime::now()
+/// Wall-clock time in µs.
+fn wall_us() -> u64 {
+    SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_micros() as u64)
-        .unwrap_or(0);
-    st.last_ts = now.max(st.last_ts + 1);
+        .unwrap_or(0)
+}
+
+/// Wall-clock time in µs, strictly increasing across calls.
+fn next_timestamp(st: &mut State) -> u64 {
+    st.last_ts = wall_us().max(st.last_ts + 1);
     st.last_ts
 }
 
@@ -977,14 +1085,15 @@ fn simulated(st: &mut State, pid: u32, last_seen: u64, now: u64) -> Option<u32> 
     share_of_cpu(rt, since?, now)
 }
 
-fn log_samples(gpu: u32, last_seen: u64, returned: &[u64]) {
+/// Appends one data call to `file` beside the scenario.
+fn log_samples(file: &str, gpu: u32, last_seen: u64, returned: &[u64]) {
     let Some(dir) = scenario_path().and_then(|p| p.parent().map(PathBuf::from)) else {
         return;
     };
     if let Ok(mut f) = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(dir.join("fake-nvml-samples.log"))
+        .open(dir.join(file))
     {
         let line = serde_json::json!({"gpu": gpu, "last_seen": last_seen, "returned": returned});
         let _ = writeln!(f, "{line}");
@@ -1050,8 +1159,99 @@ pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
         }
         // SAFETY: non-null out pointer.
         unsafe { *count = n as c_uint };
-        log_samples(gi, last_seen, &vec![now; n]);
+        log_samples("fake-nvml-samples.log", gi, last_seen, &vec![now; n]);
         if n == 0 { NOT_FOUND } else { SUCCESS }
+    })
+}
+
+/// Reads a simulated process for a device sample (`None`: it is gone), keeping the start time the
+/// GPU's previous device sample recorded for the same process, so its windows chain exactly.
+fn observe(prev: Option<&DeviceHistory>, pid: u32, now: u64) -> Option<Observed> {
+    let runtime_ns = runtime_ns(pid)?;
+    let ticks = start_ticks(pid)?;
+    let start_us = match prev.and_then(|h| h.procs.get(&pid)) {
+        Some(b) if b.start_ticks == ticks => b.start_us,
+        _ => start_us(ticks, now),
+    };
+    Some(Observed {
+        start_ticks: ticks,
+        start_us,
+        runtime_ns,
+    })
+}
+
+/// Device-level samples: only `NVML_GPU_UTILIZATION_SAMPLES` of a whole GPU, one sample per data
+/// call covering the time since the GPU's previous one (module docs, "Device utilization").
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetSamples(
+    device: nvmlDevice_t,
+    kind: nvmlSamplingType_t,
+    last_seen: c_ulonglong,
+    value_type: *mut nvmlValueType_t,
+    count: *mut c_uint,
+    samples: *mut nvmlSample_t,
+) -> nvmlReturn_t {
+    with("nvmlDeviceGetSamples", |st| {
+        let (Some((gi, mi)), Some((gpu, _))) = (decode(device), gpu_of(st, device)) else {
+            return INVALID_ARGUMENT;
+        };
+        if count.is_null() || value_type.is_null() {
+            return INVALID_ARGUMENT;
+        }
+        // Whole GPUs outside MIG mode only (NVML has no device utilization for MIG devices).
+        if mi.is_some() || gpu.mig.is_some() || kind != GPU_UTILIZATION_SAMPLES {
+            return NOT_SUPPORTED;
+        }
+        // SAFETY: non-null out pointer.
+        unsafe { *value_type = UNSIGNED_INT };
+        if samples.is_null() {
+            // A size query: a data call returns at most one sample.
+            // SAFETY: non-null out pointer.
+            unsafe { *count = 1 };
+            return SUCCESS;
+        }
+        // SAFETY: non-null in/out pointer.
+        if unsafe { *count } < 1 {
+            // SAFETY: as above.
+            unsafe { *count = 1 };
+            return INSUFFICIENT_SIZE;
+        }
+        if last_seen >= st.last_ts && wall_us() <= last_seen {
+            // Nothing newer than what the caller has: no time has passed since.
+            // SAFETY: non-null out pointer.
+            unsafe { *count = 0 };
+            log_samples("fake-nvml-device-samples.log", gi, last_seen, &[]);
+            return NOT_FOUND;
+        }
+        let procs = processes_on(st, gi, None);
+        let now = next_timestamp(st);
+        let prev = st.device.remove(&gi);
+        let scripted: Vec<u32> = procs.iter().filter_map(|p| p.sm_util).collect();
+        let simulated: Vec<(u32, Observed)> = procs
+            .iter()
+            .filter(|p| p.sm_util.is_none())
+            .filter_map(|p| Some((p.pid, observe(prev.as_ref(), p.pid, now)?)))
+            .collect();
+        let earliest = simulated.iter().map(|(_, o)| o.start_us).min();
+        let t0 = device_window_start(prev.as_ref().map(|h| h.ts), last_seen, earliest);
+        let util = device_utilization(t0, now, prev.as_ref(), &simulated, &scripted);
+        st.device.insert(
+            gi,
+            DeviceHistory {
+                ts: now,
+                procs: simulated.into_iter().collect(),
+            },
+        );
+        // SAFETY: the caller's array holds at least one entry (checked above); plain data.
+        let out = unsafe { &mut *samples };
+        // SAFETY: plain data; zeroed, the union's bytes past `uiVal` are defined too.
+        *out = unsafe { std::mem::zeroed() };
+        out.timeStamp = now;
+        out.sampleValue.uiVal = util;
+        // SAFETY: non-null out pointer.
+        unsafe { *count = 1 };
+        log_samples("fake-nvml-device-samples.log", gi, last_seen, &[now]);
+        SUCCESS
     })
 }
 
@@ -1197,6 +1397,14 @@ pub extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> nvmlReturn_t {
 mod tests {
     use super::*;
 
+    /// Held by the tests that measure this process's CPU time, so one's busy loop does not show
+    /// in another's idle window.
+    static CPU: Mutex<()> = Mutex::new(());
+
+    fn cpu() -> MutexGuard<'static, ()> {
+        CPU.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     #[test]
     fn counted_failures_start_after_and_stop_after_times() {
         let f = Fail::Counted {
@@ -1268,6 +1476,7 @@ mod tests {
     /// timestamps handed out, as a caller passing back `lastSeenTimeStamp` sees them.
     #[test]
     fn simulated_utilization_follows_this_process_cpu_window_by_window() {
+        let _cpu = cpu();
         let pid = std::process::id();
         let ticks = start_ticks(pid).expect("start ticks");
         let now = 10_000_000_000_000;
@@ -1300,5 +1509,208 @@ mod tests {
         let t4 = next_timestamp(&mut fresh);
         assert!(simulated(&mut fresh, pid, t3, t4).is_some());
         assert_eq!(simulated(&mut st, u32::MAX, 0, t3), None, "no such process");
+    }
+
+    #[test]
+    fn device_window_chains_from_the_previous_device_sample_and_sums_processes() {
+        // A GPU's first device sample: from lastSeenTimeStamp, not before its first simulated
+        // process started (a first call passes 0).
+        assert_eq!(device_window_start(None, 0, Some(5_000_000)), 5_000_000);
+        assert_eq!(
+            device_window_start(None, 7_000_000, Some(5_000_000)),
+            7_000_000
+        );
+        assert_eq!(device_window_start(None, 0, None), 0);
+        // Later ones: from the GPU's previous device sample, whatever the caller passes.
+        assert_eq!(
+            device_window_start(Some(8_000_000), 0, Some(5_000_000)),
+            8_000_000
+        );
+        assert_eq!(
+            device_window_start(Some(8_000_000), 9_000_000, None),
+            8_000_000
+        );
+
+        let seen = |start_ticks, start_us, runtime_ns| Observed {
+            start_ticks,
+            start_us,
+            runtime_ns,
+        };
+        let prev = DeviceHistory {
+            ts: 2_000_000,
+            procs: [
+                (10, seen(1, 1_000_000, 500_000_000)),
+                (11, seen(2, 1_500_000, 100_000_000)),
+            ]
+            .into(),
+        };
+        // Over (2 s, 3 s]: pid 10 ran 300 ms (30 %), pid 11 200 ms (20 %), pid 12 started at
+        // 2.5 s and ran 100 ms (10 % of the window): 60 %.
+        let now = [
+            (10, seen(1, 1_000_000, 800_000_000)),
+            (11, seen(2, 1_500_000, 300_000_000)),
+            (12, seen(3, 2_500_000, 100_000_000)),
+        ];
+        let util = |procs: &[(u32, Observed)], scripted: &[u32]| {
+            device_utilization(2_000_000, 3_000_000, Some(&prev), procs, scripted)
+        };
+        assert_eq!(util(&now, &[]), 60);
+        // Scripted processes add their fixed figure; the sum is capped at 100.
+        assert_eq!(util(&now, &[30]), 90);
+        assert_eq!(util(&now, &[30, 40]), 100);
+        // Nothing ran (frozen): a sample of 0, not no sample.
+        assert_eq!(
+            util(
+                &prev.procs.iter().map(|(p, o)| (*p, *o)).collect::<Vec<_>>(),
+                &[]
+            ),
+            0
+        );
+        assert_eq!(util(&[], &[]), 0);
+        // A reused pid, or a process the previous sample did not see, already running when the
+        // window began: only a baseline for the next window. Started in the window: all of it.
+        assert_eq!(util(&[(10, seen(9, 1_900_000, 900_000_000))], &[]), 0);
+        assert_eq!(util(&[(13, seen(4, 500_000, 900_000_000))], &[]), 0);
+        assert_eq!(util(&[(10, seen(9, 2_100_000, 400_000_000))], &[]), 40);
+        // A first device sample measures a process from its start.
+        let first = [(10, seen(1, 1_000_000, 1_000_000_000))];
+        assert_eq!(
+            device_utilization(1_000_000, 3_000_000, None, &first, &[]),
+            50
+        );
+    }
+
+    /// `nvmlDeviceGetSamples` through its C ABI, as nvml-wrapper calls it, with this very process
+    /// as a simulated GPU user. The only test here that touches the library's global state.
+    #[test]
+    fn device_samples_through_the_c_abi() {
+        let _cpu = cpu();
+        let dir = std::env::temp_dir().join(format!("fake-nvml-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("fake-nvml.json");
+        let write = |v: serde_json::Value, secs: u64| {
+            std::fs::write(&path, v.to_string()).expect("scenario");
+            let f = std::fs::File::options()
+                .write(true)
+                .open(&path)
+                .expect("open");
+            // Distinct modification times, so each version is read however coarse the clock.
+            f.set_modified(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
+                .expect("mtime");
+        };
+        let gpu = |i: u32| {
+            serde_json::json!({"uuid": format!("GPU-{i}"), "name": "Fake", "memory_total": 1,
+                               "pci_bus_id": format!("00000000:00:0{i}.0")})
+        };
+        let mut mig = gpu(1);
+        mig["mig"] = serde_json::json!([{"uuid": "MIG-0", "name": "Fake 1g", "memory_total": 1}]);
+        let mut no_proc_util = gpu(2);
+        no_proc_util["process_utilization"] = false.into();
+        let mut scenario = serde_json::json!({
+            "gpus": [gpu(0), mig, no_proc_util],
+            "processes": [{"pid": std::process::id(), "gpu": 0},
+                          {"pid": 4_000_000, "gpu": 0, "sm_util": 20}]
+        });
+        write(scenario.clone(), 1_000);
+        // SAFETY: no other test reads the environment or this library's state.
+        unsafe { std::env::set_var("FAKE_NVML_SCENARIO", &path) };
+        assert_eq!(nvmlInit_v2(), SUCCESS);
+
+        let (gpu0, gpu2) = (handle(0, None), handle(2, None));
+        // SAFETY: nvmlSample_t is plain data.
+        let zero: nvmlSample_t = unsafe { std::mem::zeroed() };
+        // Calls as nvml-wrapper does: (code, value type, count, samples returned).
+        let call = |d: nvmlDevice_t, kind: u32, last_seen: u64, room: Option<u32>| {
+            let mut buf = vec![zero; room.unwrap_or(0) as usize];
+            let (mut vt, mut n) = (0, room.unwrap_or(0));
+            let ptr = if room.is_some() {
+                buf.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            };
+            // SAFETY: valid out pointers; `buf` holds `n` entries.
+            let rc = unsafe { nvmlDeviceGetSamples(d, kind, last_seen, &mut vt, &mut n, ptr) };
+            let got: Vec<(u64, u32)> = buf
+                .iter()
+                .take(if rc == SUCCESS { n as usize } else { 0 })
+                // SAFETY: the fake writes `uiVal` (value type checked by the caller).
+                .map(|s| (s.timeStamp, unsafe { s.sampleValue.uiVal }))
+                .collect();
+            (rc, vt, n, got)
+        };
+        let per_process = |last_seen: u64| {
+            let mut buf = [nvmlProcessUtilizationSample_t {
+                pid: 0,
+                timeStamp: 0,
+                smUtil: 0,
+                memUtil: 0,
+                encUtil: 0,
+                decUtil: 0,
+            }; 4];
+            let mut n = 4;
+            // SAFETY: valid pointers; `buf` holds `n` entries.
+            let rc = unsafe {
+                nvmlDeviceGetProcessUtilization(gpu0, buf.as_mut_ptr(), &mut n, last_seen)
+            };
+            assert!(rc == SUCCESS || rc == NOT_FOUND, "{rc}");
+        };
+        per_process(0);
+
+        // The count query: one sample, NVML_SUCCESS.
+        assert_eq!(call(gpu0, 1, 0, None), (SUCCESS, UNSIGNED_INT, 1, vec![]));
+        // First data call: the scripted 20 % plus this process's share since it started.
+        let (rc, vt, n, got) = call(gpu0, 1, 0, Some(1));
+        assert_eq!((rc, vt, n), (SUCCESS, UNSIGNED_INT, 1));
+        let (t1, first) = got[0];
+        assert!((20..=100).contains(&first), "{first}");
+        // A busy window: this process's CPU plus the scripted 20 %.
+        let busy_from = Instant::now();
+        while busy_from.elapsed() < Duration::from_millis(300) {
+            std::hint::black_box(0u64);
+        }
+        let (rc, _, _, got) = call(gpu0, 1, t1, Some(4));
+        assert_eq!((rc, got.len()), (SUCCESS, 1));
+        let (t2, busy) = got[0];
+        assert!(t2 > t1 && busy >= 70, "{t1} {t2} {busy}");
+        // Nothing newer than what the caller has seen: NOT_FOUND.
+        let future = wall_us() + 10_000_000;
+        assert_eq!(call(gpu0, 1, future, Some(1)).0, NOT_FOUND);
+        // A GPU with nothing on it answers zeros, per-process sampling or not.
+        let (rc, _, _, got) = call(gpu2, 1, 0, Some(1));
+        assert_eq!((rc, got.len(), got[0].1), (SUCCESS, 1, 0));
+        let (rc, _, _, again) = call(gpu2, 1, got[0].0, Some(1));
+        assert_eq!((rc, again[0].1), (SUCCESS, 0));
+        assert!(again[0].0 > got[0].0);
+        // Too small a buffer; other sampling types; MIG; unknown handles.
+        assert_eq!(call(gpu0, 1, 0, Some(0)).0, INSUFFICIENT_SIZE);
+        assert_eq!(call(gpu0, 1, 0, Some(0)).2, 1);
+        assert_eq!(call(gpu0, 2, 0, Some(1)).0, NOT_SUPPORTED);
+        assert_eq!(call(gpu0, 5, 0, None).0, NOT_SUPPORTED);
+        assert_eq!(call(handle(1, None), 1, 0, Some(1)).0, NOT_SUPPORTED);
+        assert_eq!(call(handle(1, Some(0)), 1, 0, Some(1)).0, NOT_SUPPORTED);
+        assert_eq!(call(handle(7, None), 1, 0, Some(1)).0, INVALID_ARGUMENT);
+
+        // The per-process history has only the per-process calls' timestamps.
+        per_process(0);
+        {
+            let guard = lock();
+            let st = guard.as_ref().expect("state");
+            let h = st.history.get(&std::process::id()).expect("history");
+            assert_eq!(h.seen.len(), 2);
+            assert!(h.seen.iter().all(|(ts, _)| *ts != t1 && *ts != t2));
+            assert!(h.seen[0].0 < t1 && h.seen[1].0 > t2);
+        }
+        // The log beside the scenario has every device data call.
+        let log = std::fs::read_to_string(dir.join("fake-nvml-device-samples.log")).expect("log");
+        assert_eq!(log.lines().count(), 5, "{log}");
+
+        // Injected failures, like every other call.
+        scenario["fail"] = serde_json::json!({"nvmlDeviceGetSamples": 15});
+        write(scenario, 2_000);
+        assert_eq!(call(gpu0, 1, 0, None).0, 15);
+        assert_eq!(call(gpu0, 1, 0, Some(1)).0, 15);
+
+        assert_eq!(nvmlShutdown(), SUCCESS);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
