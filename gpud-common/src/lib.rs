@@ -449,6 +449,10 @@ pub const OBJ_MEMORY: u32 = 4;
 /// `ObjEntry::kind`: a channel group (`KEPLER_CHANNEL_GROUP_A`): what the compute controller
 /// takes on and off the runlist for its process.
 pub const OBJ_CHANNEL_GROUP: u32 = 5;
+/// `ObjEntry::kind`: a GPFIFO channel (`VOLTA_CHANNEL_GPFIFO_A` and later), parent its channel
+/// group: what the compute controller disables (`FIFO_DISABLE_CHANNELS`) to hold its process's
+/// queued work off the GPU, where the firmware ignores runlist controls.
+pub const OBJ_CHANNEL: u32 = 6;
 
 /// Key of the `OBJECTS` map: RM handles are unique only within their client.
 #[repr(C)]

@@ -72,6 +72,14 @@ pub mod class {
     pub const fn is_root(c: u32) -> bool {
         matches!(c, ROOT | ROOT_NON_PRIV | ROOT_CLIENT)
     }
+
+    /// Whether `hClass` allocates a GPFIFO channel of Volta or later (`VOLTA_CHANNEL_GPFIFO_A`
+    /// 0xc36f, Turing 0xc46f, Ampere 0xc56f/0xc76f, Hopper 0xc86f, Blackwell 0xc96f/0xca6f): the
+    /// handles `FIFO_DISABLE_CHANNELS` takes.
+    #[inline(always)]
+    pub const fn is_gpfifo_channel(c: u32) -> bool {
+        c & 0xff == 0x6f && c >= 0xc36f && c <= 0xcfff
+    }
 }
 
 /// `NVOS00_PARAMETERS` (`NV_ESC_RM_FREE`). `hObjectParent` is ignored by modern RM; freeing

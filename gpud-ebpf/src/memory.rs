@@ -19,8 +19,9 @@ use aya_ebpf::{
 use gpud_common::{
     Ancestry, CFG_SCHED_GUARD, CFG_VIRT_MEMINFO, DeviceKind, EVENT_ALLOC_DENIED,
     EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN,
-    LimitValue, MAX_CGROUP_DEPTH, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY,
-    OBJ_SUBDEVICE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv, rm, stat,
+    LimitValue, MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE,
+    OBJ_MEMORY, OBJ_SUBDEVICE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv,
+    rm, stat,
 };
 
 use crate::{
@@ -438,6 +439,19 @@ fn alloc_done(p: &Pending) {
         rm::class::CHANNEL_GROUP => {
             let gpu = gpu_of(head.h_root, head.h_object_parent);
             track_object(key, OBJ_CHANNEL_GROUP, head.h_object_parent, gpu, 0, p.file);
+        }
+        c if rm::class::is_gpfifo_channel(c) => {
+            // Its group's GPU (a group's entry carries its device's).
+            let gpu = match unsafe {
+                OBJECTS.get(ObjKey {
+                    client: head.h_root,
+                    object: head.h_object_parent,
+                })
+            } {
+                Some(g) if g.kind == OBJ_CHANNEL_GROUP => g.gpu,
+                _ => GPU_UNKNOWN,
+            };
+            track_object(key, OBJ_CHANNEL, head.h_object_parent, gpu, 0, p.file);
         }
         rm::class::MEMORY_LOCAL_USER => {
             if let Some((client, parent, handle, bytes)) = vidmem_request(p.nr, p.size, p.params) {

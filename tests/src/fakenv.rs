@@ -803,7 +803,8 @@ impl FakeNv {
     ///   disabling a channel (`FIFO_DISABLE_CHANNELS`), stops the process that made it (SIGSTOP
     ///   until all its groups are back on and its channels enabled) or is only recorded (the
     ///   default): tenants that burn CPU as their GPU work see the control take effect, or see
-    ///   firmware that ignores it;
+    ///   firmware that ignores it; `runlist channels` — as the H200: only a disabled channel
+    ///   stops it, a group off the runlist is recorded;
     /// * `clear` — drops pending injections and the delay.
     ///
     /// Numbers are decimal or `0x` hex; blank lines and `#` comments are ignored.

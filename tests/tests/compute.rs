@@ -5,9 +5,10 @@
 //! the driver does), or freezes the tenants' cgroups, on its actuator's timetable.
 //!
 //! What stands in for the GPU: each tenant burns CPU as its "GPU work"; the fake NVML reports
-//! each one's runnable time (on a CPU or waiting for one) as its SM utilization, and the fake
-//! device's `runlist stop` stops a tenant while its channel group is off the runlist
-//! (`runlist record`: the firmware ignores the control). A CPU has no queue to drain, so these
+//! each one's runnable time (on a CPU or waiting for one) as its SM utilization (and their sum
+//! as the device's), and the fake device's `runlist channels` stops a tenant while its channels
+//! are disabled, as the H200 does (`runlist stop`: also while its group is off the runlist;
+//! `runlist record`: the firmware ignores both). A CPU has no queue to drain, so these
 //! tests check the plumbing and that the shares come out of it, not the law's accuracy on
 //! queued, time-sliced hardware: that is the simulated GPU's (tests/gpusim, `law` tests and
 //! `cargo xtask bench compute`). Shares are measured as the share of the wall time each tenant
@@ -18,12 +19,13 @@
 
 use std::time::{Duration, Instant};
 
-use gpud_common::rm::tsg;
+use gpud_common::rm::{sched::DISABLE_CHANNELS, tsg};
 use gpud_tests::{Cgroup, Rig, RmProcess, fakenv::Snapshot};
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// A process of `cgroup` with a client, a device and a channel group on GPU 0, burning CPU.
+/// A process of `cgroup` with a client, a device, a subdevice and a channel group of two
+/// channels on GPU 0 (what CUDA makes), burning CPU.
 struct Tenant {
     p: RmProcess,
     cg: Cgroup,
@@ -40,9 +42,22 @@ fn tenant(rig: &Rig, name: &str) -> Tenant {
     let cg = Cgroup::new(name);
     let mut p = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
     let (client, device) = p.client_device(0);
+    p.handle(&format!("subdevice {client} {device}"));
     let group = p.handle(&format!("channel-group {client} {device}"));
+    for _ in 0..2 {
+        p.handle(&format!("channel {client} {group}"));
+    }
     p.ok("burn");
     Tenant { p, cg, group }
+}
+
+/// The tenant's channels in a snapshot.
+fn channels_of<'a>(
+    s: &'a Snapshot,
+    t: &Tenant,
+) -> impl Iterator<Item = &'a gpud_tests::fakenv::ChannelState> {
+    let pid = t.pid();
+    s.channels.iter().filter(move |c| c.pid == pid)
 }
 
 /// The fake NVML's GPU 0 with these processes, each reporting its CPU share as its SM use.
@@ -228,7 +243,9 @@ fn within(x: f64, target: f64, tol: f64) -> bool {
 #[tokio::test(flavor = "multi_thread")]
 async fn hardware_windows_set_weights_through_each_tenants_own_file_and_are_undone_at_stop() {
     let _serial = SERIAL.lock().await;
-    let Some((mut rig, ts)) = world("compute-hw", "stop", true, &["hw-w1", "hw-w3"]).await else {
+    // As the H200: a group off the runlist runs on, disabled channels stop.
+    let Some((mut rig, ts)) = world("compute-hw", "channels", true, &["hw-w1", "hw-w3"]).await
+    else {
         return;
     };
     set(
@@ -243,14 +260,13 @@ async fn hardware_windows_set_weights_through_each_tenants_own_file_and_are_undo
         &[("compute_weight", zbus::Variant::from(3u32))],
     )
     .await;
-    // The probe (one tenant off the runlist for a second, NVML no longer lists it) finds that
-    // the controls take effect.
-    logged(&rig, "firmware honors channel-group controls").await;
-    // Both groups are switched on and off, through the tenants' own clients: a control through
-    // any other file would have been refused (the fake checks the client's file).
-    let s = groups_until(&rig, "windows on both groups", |s| {
-        ts.iter()
-            .all(|t| group_of(s, t).schedules >= 10 && group_of(s, t).preempts >= 5)
+    // The probe (every tenant held for 600 ms, the device's windows read idle) finds that
+    // disabling the channels stops the work.
+    logged(&rig, "lever=\"FIFO_DISABLE_CHANNELS\"").await;
+    // Both tenants' channels are disabled and enabled, through their own clients: a control
+    // through any other file would have been refused (the fake checks the client's file).
+    let s = groups_until(&rig, "windows on both tenants", |s| {
+        s.control_count(DISABLE_CHANNELS) >= 20
     });
     let refused_before = s.stats.refused;
     std::thread::sleep(Duration::from_secs(1));
@@ -288,14 +304,15 @@ async fn hardware_windows_set_weights_through_each_tenants_own_file_and_are_undo
         "{a:?} {b:?}"
     );
     assert!(a.nr_throttled > 10 && a.throttled_usec > 1_000_000, "{a:?}");
-    // Stopping gpud puts every group back on the runlist and leaves nothing stopped or frozen.
+    // Stopping gpud enables every channel and leaves nothing stopped or frozen.
     rig.stop();
     let s = rig.fake().snapshot();
     for t in &ts {
         assert!(
-            group_of(&s, t).enabled,
-            "{:?} left off the runlist",
-            group_of(&s, t)
+            group_of(&s, t).enabled && channels_of(&s, t).all(|c| c.enabled),
+            "{:?} {:?} left held",
+            group_of(&s, t),
+            channels_of(&s, t).collect::<Vec<_>>()
         );
         assert_ne!(
             gpud_tests::process_state(t.pid()),
@@ -307,6 +324,44 @@ async fn hardware_windows_set_weights_through_each_tenants_own_file_and_are_undo
     }
 }
 
+/// The driver counts channel disables (docs/real-gpu.md, "Hardware controls": on the H200 a
+/// tenant whose channels were disabled twice, when its policy changed mid-window, stayed stopped
+/// through every later enable). Policies changed back and forth must never leave a tenant
+/// stopped: every switch still gives both their shares.
+#[tokio::test(flavor = "multi_thread")]
+async fn policies_changed_mid_window_never_leave_a_tenant_held() {
+    let _serial = SERIAL.lock().await;
+    let Some((rig, ts)) = world("compute-switch", "channels", true, &["sw-a", "sw-b"]).await else {
+        return;
+    };
+    let caps = [("compute_max", 30u32), ("compute_max", 70u32)];
+    let weights = [("compute_weight", 1u32), ("compute_weight", 3u32)];
+    for (round, (policy, targets)) in [(caps, [30.0, 70.0]), (weights, [25.0, 75.0])]
+        .into_iter()
+        .cycle()
+        .take(4)
+        .enumerate()
+    {
+        let (_c, p) = rig.proxy().await;
+        for t in &ts {
+            p.clear_limits(&t.cg.rel, "0", &["compute_max", "compute_weight"])
+                .await
+                .expect("ClearLimits");
+        }
+        for (t, (key, v)) in ts.iter().zip(policy) {
+            set(&rig, t, &[(key, zbus::Variant::from(v))]).await;
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        expect_shares(
+            &rig,
+            &format!("round {round}: {}", policy[0].0),
+            &ts,
+            &targets,
+            4,
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tenant_that_exits_under_control_takes_its_file_with_it() {
     let _serial = SERIAL.lock().await;
@@ -315,9 +370,7 @@ async fn a_tenant_that_exits_under_control_takes_its_file_with_it() {
     };
     set(&rig, &ts[0], &[("compute_max", zbus::Variant::from(40u32))]).await;
     set(&rig, &ts[1], &[("compute_max", zbus::Variant::from(40u32))]).await;
-    groups_until(&rig, "windows", |s| {
-        ts.iter().all(|t| group_of(s, t).schedules >= 10)
-    });
+    groups_until(&rig, "windows", |s| s.control_count(DISABLE_CHANNELS) >= 20);
     // Killed mid-window: the driver frees its clients once the last reference to its file is
     // gone, so gpud must not be holding one.
     let b = ts.remove(1);
@@ -349,7 +402,7 @@ async fn a_cap_alone_holds_in_hardware_and_clearing_it_sets_the_tenant_free() {
         return;
     };
     set(&rig, &ts[0], &[("compute_max", zbus::Variant::from(30u32))]).await;
-    groups_until(&rig, "windows", |s| group_of(s, &ts[0]).schedules >= 10);
+    groups_until(&rig, "windows", |s| s.control_count(DISABLE_CHANNELS) >= 10);
     std::thread::sleep(Duration::from_secs(1));
     expect_shares(
         &rig,
@@ -362,7 +415,9 @@ async fn a_cap_alone_holds_in_hardware_and_clearing_it_sets_the_tenant_free() {
     p.clear_limits(&ts[0].cg.rel, "0", &["compute_max"])
         .await
         .expect("ClearLimits");
-    groups_until(&rig, "back on the runlist", |s| group_of(s, &ts[0]).enabled);
+    groups_until(&rig, "let go", |s| {
+        group_of(s, &ts[0]).enabled && channels_of(s, &ts[0]).all(|c| c.enabled)
+    });
     std::thread::sleep(Duration::from_millis(500));
     let s = shares(&[&ts[0]], Duration::from_secs(2))[0];
     assert!(
@@ -374,17 +429,18 @@ async fn a_cap_alone_holds_in_hardware_and_clearing_it_sets_the_tenant_free() {
 #[tokio::test(flavor = "multi_thread")]
 async fn where_the_firmware_ignores_the_controls_shares_fall_back_to_the_freezer() {
     let _serial = SERIAL.lock().await;
-    // `record`: off the runlist, a tenant runs on; NVML lists it during the probe.
+    // `record`: held with either lever, a tenant runs on; the device's windows stay busy.
     let Some((rig, ts)) = world("compute-ignored", "record", true, &["fb-c30", "fb-c70"]).await
     else {
         return;
     };
     set(&rig, &ts[0], &[("compute_max", zbus::Variant::from(30u32))]).await;
     set(&rig, &ts[1], &[("compute_max", zbus::Variant::from(70u32))]).await;
-    logged(&rig, "firmware ignores channel-group controls").await;
-    // Whatever the probe took off is back on, and the freezer makes the shares.
-    groups_until(&rig, "groups back on", |s| {
-        ts.iter().all(|t| group_of(s, t).enabled)
+    logged(&rig, "no lever stops the GPU's queued work").await;
+    // Whatever the probes held is let go, and the freezer makes the shares.
+    groups_until(&rig, "let go", |s| {
+        ts.iter()
+            .all(|t| group_of(s, t).enabled && channels_of(s, t).all(|c| c.enabled))
     });
     std::thread::sleep(Duration::from_secs(2));
     expect_shares(&rig, "caps 30/70 by the freezer", &ts, &[30.0, 70.0], 8);
@@ -551,7 +607,8 @@ async fn priority_classes_get_their_timeslices_and_refused_controls_fall_back_to
         &[("priority", zbus::Variant::from("best-effort"))],
     )
     .await;
-    // After the probe, both stay on the runlist with a long and a short timeslice.
+    // From the first plan that sees them, with no probe and no hold: a long and a short
+    // timeslice.
     let s = groups_until(&rig, "timeslices", |s| {
         group_of(s, &ts[0]).timeslice_us == 16_384 && group_of(s, &ts[1]).timeslice_us == 128
     });

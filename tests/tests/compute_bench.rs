@@ -107,8 +107,8 @@ async fn run(case: &str, hardware: bool, policies: bool) -> serde_json::Value {
     json!({
         "gpud_cpu_pct_of_one_cpu": (cpu * 100.0).round() / 100.0,
         "schedule_controls_per_s": (schedules as f64 / WINDOW.as_secs_f64()).round(),
-        "verdict": if rig.log_text().contains("firmware honors") { "honors" }
-            else if rig.log_text().contains("firmware ignores") { "ignores" } else { "none" },
+        "verdict": if rig.log_text().contains("the GPU stops queued work") { "honors" }
+            else if rig.log_text().contains("no lever stops") { "ignores" } else { "none" },
     })
 }
 

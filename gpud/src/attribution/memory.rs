@@ -5,11 +5,12 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use gpud_common::{
-    GPU_ALL, GPU_UNKNOWN, LimitValue, OBJ_CHANNEL_GROUP, OBJ_CLIENT, ObjEntry, ObjKey, UsageKey,
+    GPU_ALL, GPU_UNKNOWN, LimitValue, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_SUBDEVICE,
+    ObjEntry, ObjKey, UsageKey,
 };
 use tracing::{debug, info, warn};
 
-use super::{Attribution, AttributionError, ChannelGroup};
+use super::{Attribution, AttributionError, ChannelGroup, RmRef, TenantObjects};
 use crate::probes::{map_entries, remove_key};
 
 /// Name of a GPU key in records: the index, `unknown`, or `all`.
@@ -168,22 +169,38 @@ impl Attribution {
         map_entries(&self.maps.objects)
     }
 
-    /// The live channel groups of the processes in `pids` (one walk of `OBJECTS`; they are
-    /// released with their client like any object below it).
-    pub fn channel_groups(&self, pids: &std::collections::BTreeSet<u32>) -> Vec<ChannelGroup> {
-        let mut groups: Vec<ChannelGroup> = self
-            .objects()
-            .into_iter()
-            .filter(|(_, e)| e.kind == OBJ_CHANNEL_GROUP && pids.contains(&e.tgid))
-            .map(|(k, e)| ChannelGroup {
-                pid: e.tgid,
+    /// The channel groups, channels and subdevices of the processes in `pids` (one walk of
+    /// `OBJECTS`; they are released with their client like any object below it).
+    pub fn tenant_objects(&self, pids: &BTreeSet<u32>) -> BTreeMap<u32, TenantObjects> {
+        let mut out: BTreeMap<u32, TenantObjects> = BTreeMap::new();
+        for (k, e) in self.objects() {
+            if !pids.contains(&e.tgid) {
+                continue;
+            }
+            let r = RmRef {
                 gpu: e.gpu,
                 client: k.client,
                 handle: k.object,
-            })
-            .collect();
-        groups.sort_unstable();
-        groups
+            };
+            let t = out.entry(e.tgid).or_default();
+            match e.kind {
+                OBJ_CHANNEL_GROUP => t.groups.push(ChannelGroup {
+                    pid: e.tgid,
+                    gpu: e.gpu,
+                    client: k.client,
+                    handle: k.object,
+                }),
+                OBJ_CHANNEL => t.channels.push(r),
+                OBJ_SUBDEVICE => t.subdevices.push(r),
+                _ => {}
+            }
+        }
+        for t in out.values_mut() {
+            t.groups.sort_unstable();
+            t.channels.sort_unstable();
+            t.subdevices.sort_unstable();
+        }
+        out
     }
 
     /// Releases `object` of `client` and everything below it that is older than `before`

@@ -85,6 +85,25 @@ pub struct ChannelGroup {
     pub handle: u32,
 }
 
+/// Another RM object of a process that the compute controls address: a channel (what
+/// `FIFO_DISABLE_CHANNELS` lists) or a subdevice (what it is issued on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RmRef {
+    /// RM device instance (the GPU index), or `GPU_UNKNOWN`.
+    pub gpu: u32,
+    pub client: u32,
+    pub handle: u32,
+}
+
+/// What the compute controls need of one process: its channel groups (runlist and timeslice
+/// controls), its channels and its subdevices (holding its work with `FIFO_DISABLE_CHANNELS`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantObjects {
+    pub groups: Vec<ChannelGroup>,
+    pub channels: Vec<RmRef>,
+    pub subdevices: Vec<RmRef>,
+}
+
 /// The attribution state, with the probes it reads (owned here so that one task owns both).
 pub struct Attribution {
     probes: Probes,

@@ -264,6 +264,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
             hardware: config.compute.hardware,
             groups: BTreeMap::new(),
             walked: None,
+            first_seen: BTreeMap::new(),
         }),
         idle: IdleTracker::new((&config.idle).into()),
         idle_signal: config.idle.signal,

@@ -12,12 +12,12 @@ use tracing::{debug, info};
 
 use super::State;
 use crate::{
-    attribution::{Attribution, ChannelGroup},
+    attribution::{Attribution, TenantObjects},
     enforcement::{
         MemoryEnforcement,
         compute::{
             ControlInput,
-            law::{ProcSample, Reading, Tenant},
+            law::{DeviceSample, ProcSample, Reading, Tenant},
         },
     },
     nvml::{CgroupUsage, NvmlView, ProcessSample},
@@ -143,16 +143,21 @@ pub(super) struct ComputeFeed {
     /// Whether hardware controls are on (`compute.hardware`): only then are channel groups
     /// looked up.
     pub hardware: bool,
-    /// Channel groups by tenant process, from the last walk of the objects map (an empty list:
-    /// walked, none found).
-    pub groups: BTreeMap<u32, Vec<ChannelGroup>>,
+    /// Channel groups, channels and subdevices by tenant process, from the last walk of the
+    /// objects map (empty: walked, none found).
+    pub groups: BTreeMap<u32, TenantObjects>,
     pub walked: Option<Instant>,
+    /// When each tenant was first seen: CUDA makes its groups and channels over a second or
+    /// two after NVML lists the process, so young tenants are looked up again sooner.
+    pub first_seen: BTreeMap<u32, Instant>,
 }
 
 /// How often the objects map is walked for new tenants' channel groups, at most.
 const WALK_NEW: Duration = Duration::from_secs(1);
 /// ... and for channel groups created after a tenant was first seen.
 const WALK_ALL: Duration = Duration::from_secs(10);
+/// A tenant seen for less than this is looked up at the pace of new ones.
+const YOUNG: Duration = Duration::from_secs(5);
 
 /// Sends the compute task what the last NVML sample shows: per GPU, every process with its
 /// controlled unit (the deepest cgroup with a compute policy above the process's cgroup, else
@@ -196,7 +201,10 @@ pub(super) fn feed_compute(
                 .compute_policy_for(unit, p.gpu, gpus_of[unit.as_str()].len() as u32)
                 .unwrap_or_default(),
             unit: unit.clone(),
-            hw: feed.groups.get(&p.pid).is_some_and(|g| !g.is_empty()),
+            hw: feed
+                .groups
+                .get(&p.pid)
+                .is_some_and(|g| !g.groups.is_empty()),
         })
         .collect();
     let mut readings: BTreeMap<u32, Reading> = nvml
@@ -207,6 +215,13 @@ pub(super) fn feed_compute(
             let r = Reading {
                 gpu: g.index,
                 clock_us: nvml.clock_us,
+                device: nvml
+                    .device_windows
+                    .get(&g.index)
+                    .into_iter()
+                    .flatten()
+                    .map(|&(timestamp_us, util)| DeviceSample { timestamp_us, util })
+                    .collect(),
                 ..Reading::default()
             };
             (g.index, r)
@@ -243,8 +258,13 @@ pub(super) fn feed_compute(
 /// has not been looked up yet (at most every [`WALK_NEW`]) and every [`WALK_ALL`].
 fn refresh_groups(feed: &mut ComputeFeed, attribution: &Attribution, pids: &BTreeSet<u32>) {
     feed.groups.retain(|pid, _| pids.contains(pid));
+    feed.first_seen.retain(|pid, _| pids.contains(pid));
+    for p in pids {
+        feed.first_seen.entry(*p).or_insert_with(Instant::now);
+    }
     let since = feed.walked.map(|t| t.elapsed());
-    let new = pids.iter().any(|p| !feed.groups.contains_key(p));
+    let new = pids.iter().any(|p| !feed.groups.contains_key(p))
+        || feed.first_seen.values().any(|t| t.elapsed() < YOUNG);
     let due = match since {
         None => true,
         Some(s) => (new && s >= WALK_NEW) || s >= WALK_ALL,
@@ -253,8 +273,9 @@ fn refresh_groups(feed: &mut ComputeFeed, attribution: &Attribution, pids: &BTre
         return;
     }
     feed.walked = Some(Instant::now());
-    feed.groups = pids.iter().map(|p| (*p, Vec::new())).collect();
-    for g in attribution.channel_groups(pids) {
-        feed.groups.entry(g.pid).or_default().push(g);
-    }
+    let mut found = attribution.tenant_objects(pids);
+    feed.groups = pids
+        .iter()
+        .map(|p| (*p, found.remove(p).unwrap_or_default()))
+        .collect();
 }

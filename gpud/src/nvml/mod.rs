@@ -14,6 +14,8 @@
 pub mod sampler;
 pub mod view;
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 pub use sampler::{Sampler, SamplerSettings};
@@ -83,6 +85,9 @@ pub enum Snapshot {
     Available {
         gpus: Vec<GpuInfo>,
         processes: Vec<ProcessSample>,
+        /// Per GPU (not MIG devices), NVML's new device utilization windows: (timestamp µs,
+        /// percent), oldest first; zeros included.
+        device_windows: BTreeMap<u32, Vec<(u64, u32)>>,
         /// The wall clock (µs since the epoch) just after the read: NVML stamps its samples on
         /// this clock.
         clock_us: u64,

@@ -72,6 +72,8 @@ pub struct Sampler {
     /// Per GPU index: the newest utilization sample timestamp already consumed, so no sample is
     /// counted twice.
     last_seen: HashMap<u32, u64>,
+    /// Per GPU, the newest device utilization window taken.
+    device_seen: HashMap<u32, u64>,
 }
 
 impl Sampler {
@@ -79,6 +81,7 @@ impl Sampler {
         Self {
             settings,
             last_seen: HashMap::new(),
+            device_seen: HashMap::new(),
         }
     }
 
@@ -107,6 +110,7 @@ impl Sampler {
             let failure = match self.init() {
                 Ok(nvml) => {
                     self.last_seen.clear();
+                    self.device_seen.clear();
                     match self.session(&nvml, &mut send, &stop) {
                         Ended::Stop => return,
                         Ended::Failed(e) => e,
@@ -134,16 +138,18 @@ impl Sampler {
     ) -> Ended {
         let mut events = xid_event_set(nvml);
         loop {
-            let (gpus, processes) = match sample(nvml, &mut self.last_seen) {
-                Ok(s) => s,
-                Err(e) => return Ended::Failed(e),
-            };
+            let (gpus, processes, device_windows) =
+                match sample(nvml, &mut self.last_seen, &mut self.device_seen) {
+                    Ok(s) => s,
+                    Err(e) => return Ended::Failed(e),
+                };
             let clock_us = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_micros() as u64);
             if !send(Snapshot::Available {
                 gpus,
                 processes,
+                device_windows,
                 clock_us,
             }) {
                 return Ended::Stop;
@@ -323,9 +329,17 @@ fn average_new_samples(
         .collect()
 }
 
-type Sample = (Vec<GpuInfo>, Vec<ProcessSample>);
+type Sample = (
+    Vec<GpuInfo>,
+    Vec<ProcessSample>,
+    BTreeMap<u32, Vec<(u64, u32)>>,
+);
 
-fn sample(n: &Nvml, last_seen: &mut HashMap<u32, u64>) -> Result<Sample, NvmlError> {
+fn sample(
+    n: &Nvml,
+    last_seen: &mut HashMap<u32, u64>,
+    device_seen: &mut HashMap<u32, u64>,
+) -> Result<Sample, NvmlError> {
     let count = call("device count", n.device_count())?;
     if count == 0 {
         return Err(NvmlError::NoGpu);
@@ -337,6 +351,7 @@ fn sample(n: &Nvml, last_seen: &mut HashMap<u32, u64>) -> Result<Sample, NvmlErr
         .unwrap_or_else(|_| "n/a".into());
     let mut gpus = Vec::new();
     let mut processes = Vec::new();
+    let mut device_windows = BTreeMap::new();
     for i in 0..count {
         let d = call("device handle", n.device_by_index(i))?;
         let info = device_info(&d, i, None, &driver, &cuda)?;
@@ -364,6 +379,9 @@ fn sample(n: &Nvml, last_seen: &mut HashMap<u32, u64>) -> Result<Sample, NvmlErr
                     ..ProcessSample::default()
                 },
             );
+        }
+        if !mig_on {
+            device_windows.insert(i, device_utilization(&d, device_seen.entry(i).or_insert(0)));
         }
         let seen = last_seen.get(&i).copied();
         let samples = match d.process_utilization_stats(seen) {
@@ -411,7 +429,32 @@ fn sample(n: &Nvml, last_seen: &mut HashMap<u32, u64>) -> Result<Sample, NvmlErr
         processes = processes.len(),
         "NVML sample"
     );
-    Ok((gpus, processes))
+    Ok((gpus, processes, device_windows))
+}
+
+/// NVML's device utilization windows newer than `*seen` (µs timestamp, percent), oldest first,
+/// advancing `*seen`. What the compute controller's firmware probe reads: unlike the
+/// per-process samples, a window in which nothing ran is listed (0). None where NVML does not
+/// keep them (an older library, a MIG device): the probe then goes by the per-process samples.
+fn device_utilization(d: &nvml_wrapper::Device<'_>, seen: &mut u64) -> Vec<(u64, u32)> {
+    use nvml_wrapper::{enum_wrappers::device::Sampling, enums::device::SampleValue};
+    let Ok(samples) = d.samples(Sampling::GpuUtilization, *seen) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(u64, u32)> = samples
+        .iter()
+        .filter(|s| s.timestamp > *seen)
+        .filter_map(|s| match s.value {
+            SampleValue::U32(v) => Some((s.timestamp, v.min(100))),
+            SampleValue::U64(v) => Some((s.timestamp, v.min(100) as u32)),
+            _ => None,
+        })
+        .collect();
+    out.sort_unstable();
+    if let Some(&(t, _)) = out.last() {
+        *seen = t;
+    }
+    out
 }
 
 #[cfg(test)]

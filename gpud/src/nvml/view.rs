@@ -49,6 +49,8 @@ pub struct NvmlView {
     pub status: String,
     pub gpus: Vec<GpuInfo>,
     pub processes: Vec<ProcessSample>,
+    /// The last read's new device utilization windows per GPU (see [`Snapshot`]).
+    pub device_windows: BTreeMap<u32, Vec<(u64, u32)>>,
     pub updated: Option<Instant>,
     /// The wall clock (µs) of the last read, as the sampler took it.
     pub clock_us: u64,
@@ -81,6 +83,7 @@ impl NvmlView {
             Snapshot::Available {
                 gpus,
                 processes,
+                device_windows,
                 clock_us,
             } => {
                 if !self.available {
@@ -90,6 +93,7 @@ impl NvmlView {
                 self.status = "available".into();
                 self.gpus = gpus;
                 self.processes = processes;
+                self.device_windows = device_windows;
                 self.clock_us = clock_us;
             }
             Snapshot::Xid { uuid, xid } => {
@@ -214,6 +218,7 @@ mod tests {
                 p(3, 1, "/a", 7, None),
                 p(4, 0, "/b", 1, Some(3)),
             ],
+            device_windows: BTreeMap::new(),
             clock_us: 0,
         });
         let by = v.by_cgroup();
@@ -251,6 +256,7 @@ mod tests {
                 gpu(1, Some(0), "MIG-1"),
             ],
             processes: vec![p(10, 0, "/a"), p(20, 1, "/b"), p(21, 1, "/c")],
+            device_windows: BTreeMap::new(),
             clock_us: 0,
         });
         let a = v.on_xid(

@@ -1,4 +1,4 @@
-//! Debug aid: `cargo run --release -p gpusim --example trace -- FILTER [law|old] [honors|ignores]`
+//! Debug aid: `cargo run --release -p gpusim --example trace -- FILTER [law|old] [honors|h200|ignores]`
 //! prints per-second shares of the first matching case (and, for `law`, what it measured).
 use gpud::enforcement::compute::law::LawParams;
 use gpusim::{SEC, bench, law::LawController};

@@ -1,5 +1,6 @@
 //! The compute-share benchmark on the simulated GPU (`cargo xtask bench compute`): the matrix of
-//! policies × kernel durations × queue depths × firmware modes, the latency-critical /
+//! policies × kernel durations × queue depths × firmware modes ([`MODES`]: every control
+//! honored, the H200's, none), the latency-critical /
 //! best-effort pair, and the H100 reproduction; each case run under a controller and judged
 //! against its targets (±3 points; LC p99 ≤ 1.10 × solo; BE ≥ 80 % of the time LC leaves idle).
 //! This module owns the matrix, the judging and the output (a table, or one JSON object per
@@ -154,8 +155,8 @@ pub struct Case {
     pub lc_be: Option<(String, String, Nanos, Nanos)>,
     /// Only reported: not judged (the H100 reproduction).
     pub report_only: bool,
-    /// Outside what the freezer fallback can hold (docs/design.md, "Compute shares"): the
-    /// firmware ignores the controls and a tenant keeps a period's worth of work or more queued
+    /// Outside what the freezer fallback can hold (docs/design.md, "Compute shares"): no
+    /// control the firmware honors stops queued work, and a tenant keeps a period's worth of work or more queued
     /// (no controller outside the process stops work it cannot see), or priority classes are
     /// asked of it (nothing outside the process sees a latency-critical request arrive). Judged
     /// and reported like the others, counted apart.
@@ -470,16 +471,26 @@ pub fn h100_cases() -> Vec<Case> {
     v
 }
 
+/// The firmware modes of the matrix: every control honored; as measured on the H200
+/// (`FIFO_DISABLE_CHANNELS` and timeslices honored, `GPFIFO_SCHEDULE` and `PREEMPT` ignored);
+/// none honored (the freezer fallback).
+pub const MODES: [Firmware; 3] = [Firmware::Honors, Firmware::H200, Firmware::Ignores];
+
+/// Whether shares can be made in hardware in `mode` (some control stops queued work), and so
+/// are judged as the hardware mode's: every 1 s window settled, no bound on queued work.
+pub fn hardware(mode: Firmware) -> bool {
+    mode.stops_queued_work()
+}
+
 /// The cases of a run: the H100 reproduction, then the matrix.
 pub fn cases(quick: bool) -> Vec<Case> {
     let mut v = h100_cases();
     let period = LawParams::default().period;
     for shape in shapes(quick) {
-        for mode in [Firmware::Honors, Firmware::Ignores] {
+        for mode in MODES {
             let queued = shape.kernel * shape.depth as Nanos;
             v.extend(policy_cases(shape, mode).into_iter().map(|mut c| {
-                c.beyond_bound =
-                    mode == Firmware::Ignores && (queued >= period || c.lc_be.is_some());
+                c.beyond_bound = !hardware(mode) && (queued >= period || c.lc_be.is_some());
                 c
             }));
         }
@@ -581,9 +592,12 @@ fn judge(case: &Case, out: &Outcome, solo: &Mutex<BTreeMap<String, f64>>) -> Cas
             }
         })
         .collect();
-    let limit = |c: &ShareCheck| match case.mode {
-        Firmware::Honors => c.settle_limit,
-        Firmware::Ignores => c.settle_limit.max(FALLBACK_WINDOW),
+    let limit = |c: &ShareCheck| {
+        if hardware(case.mode) {
+            c.settle_limit
+        } else {
+            c.settle_limit.max(FALLBACK_WINDOW)
+        }
     };
     let mut pass = case.shares.iter().zip(&tenants).all(|(c, r)| {
         r.rule.holds(r.judged, r.achieved)
@@ -651,9 +665,10 @@ fn judge(case: &Case, out: &Outcome, solo: &Mutex<BTreeMap<String, f64>>) -> Cas
 
 fn settle(out: &Outcome, c: &ShareCheck, target: f64, mode: Firmware) -> Option<Nanos> {
     let rule = c.rule;
-    let window = match mode {
-        Firmware::Honors => SETTLE_WINDOW,
-        Firmware::Ignores => FALLBACK_WINDOW,
+    let window = if hardware(mode) {
+        SETTLE_WINDOW
+    } else {
+        FALLBACK_WINDOW
     };
     out.settle_time(&c.tenant, c.settle_from, c.to, window, |pct| {
         rule.holds(target, pct)

@@ -1,6 +1,7 @@
 //! One GPU's compute engine: channel groups (TSGs, one per tenant process), each with a FIFO of
 //! kernels, scheduled round robin with a timeslice, and the RM controls on a TSG (set-timeslice,
-//! schedule enable/disable, preempt, disable-channels) with their latency and firmware mode.
+//! schedule enable/disable, preempt, disable-channels) with their latencies and whether the
+//! firmware honors each.
 //!
 //! The engine owns its time (`now`), the TSGs' queues and their exact busy time. It does not know
 //! how time advances: a driver calls [`Engine::next_event_time`] and [`Engine::advance_to`] (the
@@ -11,14 +12,49 @@ use std::collections::VecDeque;
 
 use crate::Nanos;
 
-/// Whether the firmware applies the TSG controls (GSP runs the scheduler on Hopper; one public
-/// report says an A100's firmware acknowledged them and changed nothing).
+/// Which TSG controls the firmware acts on (GSP runs the scheduler on Hopper): each one either
+/// takes effect after its latency or is accepted (RM returns OK) and changes nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Honored {
+    /// NVA06C_CTRL_CMD_SET_TIMESLICE.
+    pub timeslice: bool,
+    /// NVA06C_CTRL_CMD_GPFIFO_SCHEDULE.
+    pub schedule: bool,
+    /// NVA06C_CTRL_CMD_PREEMPT.
+    pub preempt: bool,
+    /// NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS.
+    pub disable_channels: bool,
+}
+
+impl Honored {
+    pub const ALL: Self = Self {
+        timeslice: true,
+        schedule: true,
+        preempt: true,
+        disable_channels: true,
+    };
+    pub const NONE: Self = Self {
+        timeslice: false,
+        schedule: false,
+        preempt: false,
+        disable_channels: false,
+    };
+}
+
+/// The firmware's behaviour: which controls take effect (the benchmark's modes, by name).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Firmware {
-    /// Timeslice, schedule enable/disable, preempt and disable-channels take effect.
+    /// Timeslice, schedule enable/disable, preempt and disable-channels all take effect.
     Honors,
-    /// The calls return OK and change nothing.
+    /// The calls return OK and change nothing (one public report says an A100's firmware
+    /// acknowledged them and changed nothing): the freezer fallback's case.
     Ignores,
+    /// As measured on an H200 (2026-11-27, driver 580.159.04, tests/gpu/hw-controls.sh):
+    /// `GPFIFO_SCHEDULE` off and `PREEMPT` accepted and ignored (the tenant ran on at 100 %);
+    /// `FIFO_DISABLE_CHANNELS` stops queued work and `SET_TIMESLICE` takes effect.
+    H200,
+    /// Any other combination.
+    Custom(Honored),
 }
 
 impl Firmware {
@@ -26,7 +62,42 @@ impl Firmware {
         match self {
             Self::Honors => "honors",
             Self::Ignores => "ignores",
+            Self::H200 => "h200",
+            Self::Custom(_) => "custom",
         }
+    }
+
+    /// Which controls take effect.
+    pub fn honored(self) -> Honored {
+        match self {
+            Self::Honors => Honored::ALL,
+            Self::Ignores => Honored::NONE,
+            Self::H200 => Honored {
+                timeslice: true,
+                schedule: false,
+                preempt: false,
+                disable_channels: true,
+            },
+            Self::Custom(h) => h,
+        }
+    }
+
+    /// Whether `control` takes effect.
+    pub fn honors(self, control: Control) -> bool {
+        let h = self.honored();
+        match control {
+            Control::SetTimeslice(_) => h.timeslice,
+            Control::Schedule(_) => h.schedule,
+            Control::Preempt => h.preempt,
+            Control::DisableChannels(_) => h.disable_channels,
+        }
+    }
+
+    /// Whether some control stops a TSG's queued work (disable-channels, or schedule-disable
+    /// with preempt): the firmware a controller can make shares with in hardware.
+    pub fn stops_queued_work(self) -> bool {
+        let h = self.honored();
+        h.disable_channels || (h.schedule && h.preempt)
     }
 }
 
@@ -48,8 +119,14 @@ pub struct EngineParams {
     /// Engine time of a switch between TSGs, in which no kernel progresses.
     pub context_switch: Nanos,
     pub preemption: Preemption,
-    /// From an RM control's return to its effect on the engine.
+    /// From an RM control's return to its effect on the engine (set-timeslice, schedule,
+    /// preempt).
     pub control_latency: Nanos,
+    /// The same for disable-channels (both ways): on the H200 a tenant's 2 ms kernels stopped
+    /// 14–16 ms after the control's issue and came back 13–15 ms after the enable, measured in
+    /// 10 ms bins (which add 10–20 ms to a stop at issue time: the first wholly empty bin ends
+    /// that long after it), of which issuing it took ~1 ms: a few ms of its own.
+    pub disable_channels_latency: Nanos,
     /// Smallest timeslice the hardware takes; smaller requests get it.
     pub min_timeslice: Nanos,
     pub firmware: Firmware,
@@ -62,6 +139,7 @@ impl Default for EngineParams {
             context_switch: 20_000,
             preemption: Preemption::Instruction,
             control_latency: 50_000,
+            disable_channels_latency: 3_000_000,
             min_timeslice: 1_000,
             firmware: Firmware::Honors,
         }
@@ -162,7 +240,8 @@ pub struct Engine {
     /// The TSG that last made kernel progress.
     last_ran: Option<usize>,
     device_busy: Nanos,
-    /// Controls on their way to the engine: (effective at, TSG, control), in issue order.
+    /// Controls on their way to the engine: (effective at, TSG, control), by effective time,
+    /// then in issue order.
     controls: VecDeque<(Nanos, usize, Control)>,
     completions: Vec<Completion>,
 }
@@ -184,6 +263,14 @@ impl Engine {
 
     pub fn params(&self) -> &EngineParams {
         &self.params
+    }
+
+    /// From a control's return to its effect.
+    pub fn latency(&self, control: Control) -> Nanos {
+        match control {
+            Control::DisableChannels(_) => self.params.disable_channels_latency,
+            _ => self.params.control_latency,
+        }
     }
 
     pub fn now(&self) -> Nanos {
@@ -280,7 +367,9 @@ impl Engine {
     }
 
     /// Issues an RM control at the engine's current time: returns what RM returns at once; the
-    /// effect (if the firmware honors it) comes `control_latency` later.
+    /// effect (if the firmware honors that control) comes its latency later ([`Engine::latency`];
+    /// controls take effect in the order of their effect times, those due at one instant in
+    /// issue order).
     pub fn control(&mut self, tsg: TsgId, control: Control) -> RmStatus {
         let Some(t) = self.tsgs.get_mut(tsg.0).filter(|t| t.alive) else {
             return RmStatus::InvalidObjectHandle;
@@ -288,9 +377,10 @@ impl Engine {
         if let Control::SetTimeslice(us) = control {
             t.requested_timeslice = us.saturating_mul(1_000);
         }
-        if self.params.firmware == Firmware::Honors {
-            self.controls
-                .push_back((self.now + self.params.control_latency, tsg.0, control));
+        if self.params.firmware.honors(control) {
+            let at = self.now + self.latency(control);
+            let i = self.controls.partition_point(|c| c.0 <= at);
+            self.controls.insert(i, (at, tsg.0, control));
         }
         RmStatus::Ok
     }
@@ -601,7 +691,11 @@ mod tests {
     #[test]
     fn timeslices_split_the_engine_when_honored_and_not_when_ignored() {
         // 3,000 µs is 2,992 in the register; 1,000 is exact.
-        for (fw, want) in [(Firmware::Honors, 2.992), (Firmware::Ignores, 1.0)] {
+        for (fw, want) in [
+            (Firmware::Honors, 2.992),
+            (Firmware::H200, 2.992),
+            (Firmware::Ignores, 1.0),
+        ] {
             let mut e = engine(|p| p.firmware = fw);
             let (a, b) = (e.add_tsg(1), e.add_tsg(2));
             assert_eq!(e.control(a, Control::SetTimeslice(3_000)), RmStatus::Ok);
@@ -614,17 +708,12 @@ mod tests {
     }
 
     #[test]
-    fn hardware_rounds_timeslices_down_and_up_to_its_minimum() {
-        let e = engine(|p| p.min_timeslice = 100 * US);
-        assert_eq!(e.hardware_timeslice(1_024), 1_024 * US);
-        // 1,000,000 µs = 0b1111_0100_0010_0100_0000: 8 significant bits kept.
-        assert_eq!(e.hardware_timeslice(1_000_000), 999_424 * US);
-        assert_eq!(e.hardware_timeslice(1), 100 * US);
-    }
-
-    #[test]
     fn schedule_disable_stops_queued_work_after_the_control_latency() {
-        for (fw, stops) in [(Firmware::Honors, true), (Firmware::Ignores, false)] {
+        for (fw, stops) in [
+            (Firmware::Honors, true),
+            (Firmware::H200, false),
+            (Firmware::Ignores, false),
+        ] {
             let mut e = engine(|p| p.firmware = fw);
             let a = e.add_tsg(1);
             for _ in 0..100 {
@@ -632,6 +721,7 @@ mod tests {
             }
             e.advance_to(10 * MS);
             assert_eq!(e.control(a, Control::Schedule(false)), RmStatus::Ok);
+            assert_eq!(e.control(a, Control::Preempt), RmStatus::Ok);
             e.advance_to(100 * MS);
             let lat = e.params().control_latency;
             let cs = e.params().context_switch;
@@ -642,9 +732,67 @@ mod tests {
                 e.advance_to(200 * MS);
                 assert_eq!(e.busy(a), 10 * MS + lat - cs + 100 * MS - lat);
             } else {
-                assert_eq!(e.busy(a), 100 * MS - cs);
+                // Accepted, and the queue runs on (a preempted lone TSG is picked again).
+                assert_eq!(e.busy(a), 100 * MS - cs, "{fw:?}");
             }
         }
+    }
+
+    #[test]
+    fn disable_channels_stops_queued_work_after_its_own_latency() {
+        for (fw, stops) in [
+            (Firmware::Honors, true),
+            (Firmware::H200, true),
+            (Firmware::Ignores, false),
+        ] {
+            let mut e = engine(|p| p.firmware = fw);
+            let a = e.add_tsg(1);
+            for _ in 0..100 {
+                e.submit(a, 2 * MS, 0);
+            }
+            e.advance_to(10 * MS);
+            assert_eq!(e.control(a, Control::DisableChannels(true)), RmStatus::Ok);
+            e.advance_to(100 * MS);
+            let lat = e.params().disable_channels_latency;
+            assert_eq!(lat, 3 * MS);
+            let cs = e.params().context_switch;
+            if stops {
+                assert_eq!(e.busy(a), 10 * MS + lat - cs, "{fw:?}");
+                // Nothing queued is lost: it runs again after the same latency.
+                let pending = e.pending(a);
+                e.control(a, Control::DisableChannels(false));
+                e.advance_to(100 * MS + lat - 1);
+                assert_eq!(e.busy(a), 10 * MS + lat - cs);
+                e.advance_to(200 * MS);
+                // Its context is still loaded: no switch.
+                assert_eq!(e.busy(a), 10 * MS + lat - cs + 100 * MS - lat);
+                assert!(e.pending(a) <= pending);
+            } else {
+                assert_eq!(e.busy(a), 100 * MS - cs, "{fw:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn controls_take_effect_in_the_order_of_their_latencies() {
+        // An enable issued before a schedule-disable lands after it (3 ms against 50 µs).
+        let mut e = engine(|_| {});
+        let a = e.add_tsg(1);
+        for _ in 0..100 {
+            e.submit(a, 2 * MS, 0);
+        }
+        e.advance_to(10 * MS);
+        e.control(a, Control::DisableChannels(true));
+        e.advance_to(20 * MS);
+        let at = e.busy(a);
+        e.control(a, Control::DisableChannels(false));
+        e.control(a, Control::Schedule(false));
+        e.advance_to(30 * MS);
+        // Channels back on at 23 ms, but off the runlist since 20.05 ms: still stopped.
+        assert_eq!(e.busy(a), at);
+        e.control(a, Control::Schedule(true));
+        e.advance_to(40 * MS);
+        assert!(e.busy(a) > at);
     }
 
     #[test]

@@ -1,12 +1,15 @@
 //! gpud's control law (`gpud::enforcement::compute::law`) on the simulated GPU: the daemon's
-//! reads of NVML handed to it as the daemon hands them (per GPU, the running processes and the
-//! per-process samples newer than the last read), its commands carried out at their times
-//! through the simulated freezer and the simulated RM controls by an actuator thread that
-//! sleeps to each command's time (as the daemon's, `gpud::enforcement::compute::run`).
+//! reads of NVML handed to it as the daemon hands them (per GPU, the running processes, the
+//! per-process samples and the device-level utilization windows newer than the last read), its
+//! commands carried out at their times through the simulated freezer and the simulated RM
+//! controls by an actuator thread that sleeps to each command's time (as the daemon's,
+//! `gpud::enforcement::compute::run`).
 
 use std::collections::{BTreeMap, VecDeque};
 
-use gpud::enforcement::compute::law::{Command, Law, LawParams, ProcSample, Reading, Tenant};
+use gpud::enforcement::compute::law::{
+    Command, DeviceSample, Law, LawParams, Lever, ProcSample, Reading, Tenant,
+};
 
 use crate::{
     Nanos,
@@ -23,8 +26,10 @@ fn wake(at: Nanos) -> Nanos {
 /// The law driven in virtual time.
 pub struct LawController {
     law: Law,
-    /// Per GPU: the newest sample timestamp read (the sampler's `last_seen`).
+    /// Per GPU: the newest per-process sample timestamp read (the sampler's `last_seen`).
     last_seen: BTreeMap<u32, u64>,
+    /// Per GPU: the newest device-level window read (its own `last_seen`).
+    last_device: BTreeMap<u32, u64>,
     pending: VecDeque<(Nanos, u32, Command)>,
     period_end: Nanos,
 }
@@ -34,6 +39,7 @@ impl LawController {
         Self {
             law: Law::new(params),
             last_seen: BTreeMap::new(),
+            last_device: BTreeMap::new(),
             pending: VecDeque::new(),
             period_end: 0,
         }
@@ -55,11 +61,20 @@ impl LawController {
             };
             match c {
                 Command::Freeze { unit, frozen } => ctx.freeze_cgroup(&unit, frozen),
-                Command::Schedule { pid, enabled } => {
+                Command::Hold { pid, lever, held } => {
                     if let Some(t) = Self::tenant_of(ctx, pid) {
-                        ctx.schedule(t, enabled);
-                        if !enabled {
-                            ctx.preempt(t);
+                        match lever {
+                            // FIFO_DISABLE_CHANNELS on the process's channels.
+                            Lever::Channels => {
+                                ctx.disable_channels(t, held);
+                            }
+                            // GPFIFO_SCHEDULE off, then PREEMPT; back on to let go.
+                            Lever::Runlist => {
+                                ctx.schedule(t, !held);
+                                if held {
+                                    ctx.preempt(t);
+                                }
+                            }
                         }
                     }
                 }
@@ -124,10 +139,24 @@ impl Controller for LawController {
             if let Some(newest) = samples.iter().map(|s| s.timestamp_us).max() {
                 self.last_seen.insert(gpu, newest);
             }
+            let seen = self.last_device.get(&gpu).copied();
+            let device: Vec<DeviceSample> = nvml
+                .utilization_samples(gpu, seen)
+                .unwrap_or_default()
+                .iter()
+                .map(|s| DeviceSample {
+                    timestamp_us: s.timestamp,
+                    util: s.value,
+                })
+                .collect();
+            if let Some(newest) = device.iter().map(|s| s.timestamp_us).max() {
+                self.last_device.insert(gpu, newest);
+            }
             readings.push(Reading {
                 gpu,
                 running,
                 samples,
+                device,
                 // The simulated NVML stamps samples with virtual time.
                 clock_us: now / 1_000,
             });

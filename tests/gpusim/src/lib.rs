@@ -2,13 +2,14 @@
 //! controllers are judged on (issue 17). Never a dependency of the daemon.
 //!
 //! - [`engine`]: one GPU's engine: channel groups (TSGs) with kernel FIFOs, round robin with a
-//!   timeslice, context-switch cost, preemption granularity, the RM controls and a firmware
-//!   that honors or ignores them. Independent of how time advances (`advance_to`,
+//!   timeslice, context-switch cost, preemption granularity, the RM controls and which of them
+//!   the firmware honors (all, none, or the H200's: disable-channels and timeslices only). Independent of how time advances (`advance_to`,
 //!   `next_event_time`, `submit`, `control`).
 //! - [`tenant`]: processes that feed a TSG asynchronously like CUDA (queue depth, blocking
 //!   launches, synchronize): saturating, batched (the H100 matmul loop), latency-critical.
 //! - [`nvml`]: NVML's sampling as the H100 reports it (per-process windows naming whoever held
-//!   the engine, listing only processes that ran; device utilization), or exact for comparison.
+//!   the engine, listing only processes that ran and read above 0; device utilization, every
+//!   window), or exact for comparison.
 //! - [`control`]: what a controller sees (NVML calls, tenants) and does (`cgroup.freeze`, TSG
 //!   controls, wake-ups).
 //! - [`sim`]: the virtual-time driver, the freezer's latencies, the ground truth.
@@ -37,7 +38,7 @@ pub const MS: Nanos = 1_000_000;
 pub const SEC: Nanos = 1_000_000_000;
 
 pub use control::{Controller, Ctx, NoControl, TenantId, TenantInfo};
-pub use engine::{Engine, EngineParams, Firmware, Preemption, RmStatus};
+pub use engine::{Engine, EngineParams, Firmware, Honored, Preemption, RmStatus};
 pub use nvml::{NvmlParams, ProcessSampling};
 pub use scenario::{Outcome, Scenario};
 pub use sim::{FreezerParams, Sim, SimParams};

@@ -1,5 +1,6 @@
-//! NVML's utilization sampling of one GPU, as the driver reports it: per-process samples and
-//! device-level utilization, one window every `sample_period`, kept in a buffer that callers
+//! NVML's utilization sampling of one GPU, as the driver reports it: per-process samples (only
+//! processes that ran, and by default only those reading above 0) and device-level utilization
+//! (every window, 0 included), one window every `sample_period`, kept in a buffer that callers
 //! read with a last-seen timestamp (the shape of `nvmlDeviceGetProcessUtilization` and
 //! `nvmlDeviceGetSamples`, as nvml-wrapper exposes them).
 //!
@@ -18,8 +19,9 @@ use crate::{
 pub enum ProcessSampling {
     /// As the H100 reports it on a time-sliced engine: only processes that ran in the window are
     /// listed; the one that last held the engine at the sample instant reads the window's device
-    /// utilization (capped at 99), the others 0. Two saturating processes read 0 or 98–99 (the
-    /// docs/real-gpu.md observation), while a process alone reads its real utilization.
+    /// utilization (capped at 99), the others 0 (left out where [`NvmlParams::omit_zero`]). Two
+    /// saturating processes read 0 or 98–99 (the docs/real-gpu.md observation), while a process
+    /// alone reads its real utilization.
     Holder,
     /// As [`ProcessSampling::Holder`], but the holder reads 99 whatever the window's
     /// utilization, and nobody holds an idle engine (all listed read 0): the other reading of
@@ -38,6 +40,10 @@ pub struct NvmlParams {
     pub sample_period: Nanos,
     /// Windows the buffers keep.
     pub kept: usize,
+    /// Per-process samples leave out a process whose value is 0 (real NVML does: on the H200
+    /// the per-process samples omitted processes at 0, while the device-level windows list 0
+    /// when idle). Device-level samples are listed every window whatever this says.
+    pub omit_zero: bool,
 }
 
 impl Default for NvmlParams {
@@ -46,6 +52,7 @@ impl Default for NvmlParams {
             sampling: ProcessSampling::Holder,
             sample_period: 166_666_667,
             kept: 100,
+            omit_zero: true,
         }
     }
 }
@@ -149,6 +156,7 @@ impl NvmlModel {
                 },
                 ..ProcessUtilizationSample::default()
             })
+            .filter(|s| s.sm_util > 0 || !self.params.omit_zero)
             .collect();
         self.samples.push_back(list);
         self.device.push_back(UtilizationSample {
@@ -202,5 +210,54 @@ fn newer_than<'a, T: Copy + 'a>(
         Err(NvmlError::NotFound)
     } else {
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MS;
+
+    /// Two saturating TSGs, one window; the samples as `omit_zero` lists them.
+    fn one_window(omit_zero: bool) -> (Vec<ProcessUtilizationSample>, Vec<UtilizationSample>) {
+        let mut e = Engine::new(crate::EngineParams::default());
+        let (a, b) = (e.add_tsg(1), e.add_tsg(2));
+        for _ in 0..200 {
+            e.submit(a, MS, 0);
+            e.submit(b, MS, 0);
+        }
+        let p = NvmlParams {
+            omit_zero,
+            ..NvmlParams::default()
+        };
+        let mut n = NvmlModel::new(p.clone(), p.sample_period);
+        e.advance_to(p.sample_period);
+        n.tick(&e);
+        // Then an idle window: both stopped.
+        e.remove_tsg(a);
+        e.remove_tsg(b);
+        e.advance_to(2 * p.sample_period);
+        n.tick(&e);
+        (
+            n.process_utilization_stats(None).unwrap_or_default(),
+            n.utilization_samples(None).expect("device windows"),
+        )
+    }
+
+    #[test]
+    fn per_process_zeros_are_left_out_and_device_windows_always_listed() {
+        let (procs, device) = one_window(true);
+        // Only the holder, reading the device's 98–99.
+        assert_eq!(procs.len(), 1, "{procs:?}");
+        assert!((97..=99).contains(&procs[0].sm_util), "{procs:?}");
+        // Both windows listed at the device level, the idle one as 0.
+        assert_eq!(device.len(), 2, "{device:?}");
+        assert!(device[0].value >= 97 && device[1].value == 0, "{device:?}");
+        let (procs, device) = one_window(false);
+        let mut v: Vec<u32> = procs.iter().map(|s| s.sm_util).collect();
+        v.sort_unstable();
+        assert_eq!(v.len(), 2, "{procs:?}");
+        assert_eq!(v[0], 0);
+        assert_eq!(device.len(), 2);
     }
 }

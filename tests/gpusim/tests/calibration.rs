@@ -57,7 +57,10 @@ impl Controller for Recorder {
 
 #[test]
 fn two_saturating_tenants_read_0_or_99_about_every_sixth_of_a_second() {
-    let mut sim = Sim::new(SimParams::default(), two(saturating(200 * US, 1024)));
+    // NVML listing the processes that read 0 (both ran in every window), to see the 0s.
+    let mut p = SimParams::default();
+    p.nvml.omit_zero = false;
+    let mut sim = Sim::new(p, two(saturating(200 * US, 1024)));
     let mut rec = Recorder::default();
     sim.run(&mut rec, 20 * SEC);
     // One window every 1/6 s, each listing both (both ran), at one timestamp.
@@ -95,6 +98,73 @@ fn two_saturating_tenants_read_0_or_99_about_every_sixth_of_a_second() {
     assert!((0.3..0.5).contains(&empty), "{empty}");
     // Device-level utilization: ~98 % (1,024 µs slices, 20 µs switches).
     assert!(rec.device[5..].iter().all(|&u| (97..=99).contains(&u)));
+}
+
+#[test]
+fn nvml_leaves_out_zero_samples_and_lists_every_device_window() {
+    // As real NVML (H200, 2026-11-27): per-process samples name only the processes above 0,
+    // device windows come every window, 0 when idle. b stops at 5 s, a at 8.05 s.
+    let specs = vec![
+        TenantSpec::new("a", 101, saturating(200 * US, 1024), Limits::default())
+            .stopping(8 * SEC + 50 * MS),
+        TenantSpec::new("b", 102, saturating(200 * US, 1024), Limits::default()).stopping(5 * SEC),
+    ];
+    struct Both {
+        rec: Recorder,
+        last_device: Option<u64>,
+        device: Vec<(u64, u32)>,
+    }
+    impl Controller for Both {
+        fn on_sample(&mut self, ctx: &mut Ctx<'_>) {
+            self.rec.on_sample(ctx);
+            if let Ok(d) = ctx.nvml().utilization_samples(0, self.last_device) {
+                self.last_device = d.iter().map(|s| s.timestamp).max();
+                self.device.extend(d.iter().map(|s| (s.timestamp, s.value)));
+            }
+        }
+    }
+    let mut sim = Sim::new(SimParams::default(), specs);
+    let mut c = Both {
+        rec: Recorder::default(),
+        last_device: None,
+        device: Vec::new(),
+    };
+    sim.run(&mut c, 10 * SEC);
+    let mut windows: BTreeMap<u64, Vec<(u32, u32)>> = BTreeMap::new();
+    for s in &c.rec.samples {
+        windows
+            .entry(s.timestamp)
+            .or_default()
+            .push((s.pid, s.sm_util));
+    }
+    // Every window with work lists one process, the holder, reading 97–99 (alone: 100, capped);
+    // none after a stopped (nothing ran), the last one a's last 50 ms (30 %).
+    assert!(windows.values().all(|l| l.len() == 1), "{windows:?}");
+    assert!(
+        windows
+            .range(..=8_000_000)
+            .all(|(_, l)| (97..=99).contains(&l[0].1)),
+        "{windows:?}"
+    );
+    let (&last, l) = windows.last_key_value().expect("windows");
+    assert_eq!(last, 8_166_666, "{windows:?}");
+    assert!((29..=31).contains(&l[0].1), "{l:?}");
+    // The device's windows: every one, each once, 0 after both stopped.
+    assert!(c.device.len() >= 58, "{:?}", c.device);
+    assert!(
+        c.device
+            .windows(2)
+            .all(|w| (166_666..=166_667).contains(&(w[1].0 - w[0].0))),
+        "{:?}",
+        c.device
+    );
+    let idle: Vec<u32> = c
+        .device
+        .iter()
+        .filter(|(t, _)| *t > 8_166_667)
+        .map(|(_, v)| *v)
+        .collect();
+    assert!(idle.len() >= 9 && idle.iter().all(|&v| v == 0), "{idle:?}");
 }
 
 #[test]
@@ -184,31 +254,81 @@ fn a_frozen_tenants_queued_work_keeps_running() {
 }
 
 #[test]
-fn schedule_disable_stops_queued_work_only_where_the_firmware_honors_it() {
-    struct HwFreeze;
+fn each_control_stops_queued_work_only_where_the_firmware_honors_it() {
+    // GPFIFO_SCHEDULE off then PREEMPT (the law's runlist lever), or FIFO_DISABLE_CHANNELS (its
+    // channels lever), on a tenant with 1,024 × 2 ms queued, frozen as well (no new work).
+    struct HwFreeze(bool);
     impl Controller for HwFreeze {
         fn start(&mut self, ctx: &mut Ctx<'_>) {
             ctx.wake_at(SEC);
         }
         fn on_sample(&mut self, _ctx: &mut Ctx<'_>) {}
         fn on_wake(&mut self, ctx: &mut Ctx<'_>) {
-            assert_eq!(ctx.schedule(TenantId(0), false), gpusim::RmStatus::Ok);
+            if self.0 {
+                assert_eq!(
+                    ctx.disable_channels(TenantId(0), true),
+                    gpusim::RmStatus::Ok
+                );
+            } else {
+                assert_eq!(ctx.schedule(TenantId(0), false), gpusim::RmStatus::Ok);
+                assert_eq!(ctx.preempt(TenantId(0)), gpusim::RmStatus::Ok);
+            }
             ctx.freeze(TenantId(0), true);
         }
     }
-    for (fw, stopped) in [(Firmware::Honors, true), (Firmware::Ignores, false)] {
+    // The H200 (2026-11-27): the runlist lever accepted and ignored, the channels stopping it.
+    for (fw, channels, stopped) in [
+        (Firmware::Honors, false, true),
+        (Firmware::Honors, true, true),
+        (Firmware::H200, false, false),
+        (Firmware::H200, true, true),
+        (Firmware::Ignores, false, false),
+        (Firmware::Ignores, true, false),
+    ] {
         let mut p = SimParams::default();
         p.engine.firmware = fw;
         let mut sim = Sim::new(p, two(saturating(2 * MS, 1024)));
-        sim.run(&mut HwFreeze, SEC + MS);
+        let mut c = HwFreeze(channels);
+        sim.run(&mut c, SEC);
+        let at_issue = sim.busy(0);
+        // Past either control's latency (50 µs; disable-channels 3 ms).
+        sim.run(&mut c, SEC + 5 * MS);
         let at = sim.busy(0);
-        sim.run(&mut HwFreeze, 2 * SEC);
+        sim.run(&mut c, 2 * SEC);
         let after = sim.busy(0) - at;
         if stopped {
-            assert_eq!(after, 0, "{fw:?}");
+            assert_eq!(after, 0, "{fw:?} channels {channels}");
+            // It ran on for the latency at most (beside a neighbour: part of it).
+            let latency = if channels { 3 * MS } else { 50 * US };
+            assert!(at - at_issue <= latency, "{fw:?}: {}", at - at_issue);
         } else {
             assert!(after > 400 * MS, "{fw:?}: {}", after / MS);
         }
+    }
+}
+
+#[test]
+fn timeslices_of_the_priority_classes_starve_the_short_one_as_on_the_h200() {
+    // The H200 (2026-11-27): a tenant at 128 µs against a neighbour at 16,384 µs fell to 0.5 %.
+    // Two deep queues here: 128 / (128 + 16,384 + two switches) ≈ 0.8 %.
+    struct Slices;
+    impl Controller for Slices {
+        fn start(&mut self, ctx: &mut Ctx<'_>) {
+            ctx.wake_at(MS);
+        }
+        fn on_wake(&mut self, ctx: &mut Ctx<'_>) {
+            ctx.set_timeslice(TenantId(0), 128);
+            ctx.set_timeslice(TenantId(1), 16_384);
+        }
+        fn on_sample(&mut self, _ctx: &mut Ctx<'_>) {}
+    }
+    for fw in [Firmware::Honors, Firmware::H200] {
+        let mut p = SimParams::default();
+        p.engine.firmware = fw;
+        let o =
+            Scenario::new("slices", p, two(saturating(50 * US, 1024)), 10 * SEC).run(&mut Slices);
+        let a = o.share("a", SEC, 10 * SEC);
+        assert!((0.5..1.0).contains(&a), "{fw:?}: {a}");
     }
 }
 

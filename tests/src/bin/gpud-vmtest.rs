@@ -1144,7 +1144,11 @@ fn scheduler_guard(
 
     // gpud's own control, issued through the tenant's file as the compute law does.
     let pid_a = a.pid;
-    let groups = attribution.channel_groups(&[pid_a].into());
+    let groups = attribution
+        .tenant_objects(&[pid_a].into())
+        .remove(&pid_a)
+        .unwrap_or_default()
+        .groups;
     ensure!(groups.len() == 1, "a's channel groups: {groups:?}");
     let mut controls = gpud::enforcement::compute::channel::Controls::new(matcher, Some(held));
     controls

@@ -56,11 +56,20 @@ struct Sched {
     realtime: bool,
 }
 
-/// A channel's state, as `FIFO_DISABLE_CHANNELS` sets it.
+/// A channel's state, as `FIFO_DISABLE_CHANNELS` sets it: the driver counts disables. On the
+/// H200 (docs/real-gpu.md, "Hardware controls") a channel disabled twice stayed stopped through
+/// every later single enable until its group was put on the runlist again (`GPFIFO_SCHEDULE`
+/// enable), so here a disable adds one, an enable takes one away, a group's schedule enable
+/// clears its channels' count, and a channel runs at 0.
 #[derive(Clone, Copy, Debug)]
 struct Chan {
-    /// Not disabled (true at creation).
-    enabled: bool,
+    disables: u32,
+}
+
+impl Chan {
+    fn enabled(self) -> bool {
+        self.disables == 0
+    }
 }
 
 /// What a control needs of the caller beyond a client of its own file (the export row's access
@@ -149,11 +158,15 @@ const DEFAULT_TIMESLICE_US: u64 = 1024;
 /// work running); `Stop` stops the owning process (SIGSTOP) while any of its groups is off, and
 /// continues it when all are back: tests whose tenants burn CPU as their "GPU work" then see the
 /// control take effect, as a context off the runlist makes no progress.
+///
+/// `Channels` is what the H200 showed (docs/real-gpu.md, "Hardware controls"): only disabled
+/// channels stop the process; a group off the runlist is recorded and runs on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) enum Runlist {
     #[default]
     Record,
     Stop,
+    Channels,
 }
 
 #[derive(Debug)]
@@ -369,7 +382,7 @@ impl Rm {
                         group: o.parent,
                         pid: o.pid,
                         gpu: o.gpu,
-                        enabled: ch.enabled,
+                        enabled: ch.enabled(),
                     });
                 }
             }
@@ -736,7 +749,7 @@ impl Rm {
                     interleave: 0,
                     realtime: false,
                 }),
-                channel: matches!(kind, Kind::Channel).then_some(Chan { enabled: true }),
+                channel: matches!(kind, Kind::Channel).then_some(Chan { disables: 0 }),
             },
         );
         self.stats.created += 1;
@@ -936,10 +949,16 @@ impl Rm {
         match p.cmd {
             rm::fb::GET_INFO_V2 => self.fb_info(c, p, obj),
             tsg::GPFIFO_SCHEDULE => match params::<tsg::ScheduleParams>(c, p) {
-                Ok(s) => self.with_group(client, h, |g| {
-                    g.enabled = s.enable != 0;
-                    g.schedules += 1;
-                }),
+                Ok(s) => {
+                    let st = self.with_group(client, h, |g| {
+                        g.enabled = s.enable != 0;
+                        g.schedules += 1;
+                    });
+                    if st == status::NV_OK && s.enable != 0 && s.skip_enable == 0 {
+                        self.enable_group_channels(client, h);
+                    }
+                    st
+                }
                 Err(st) => st,
             },
             tsg::SET_TIMESLICE => match params::<tsg::TimesliceParams>(c, p) {
@@ -1017,6 +1036,18 @@ impl Rm {
         }
     }
 
+    /// A group put on the runlist enables its channels (`GPFIFO_SCHEDULE` without
+    /// `bSkipEnable`), whatever `FIFO_DISABLE_CHANNELS` counted.
+    fn enable_group_channels(&mut self, client: Handle, group: Handle) {
+        if let Some(c) = self.clients.get_mut(&client) {
+            for o in c.objects.values_mut().filter(|o| o.parent == group) {
+                if let Some(ch) = o.channel.as_mut() {
+                    ch.disables = 0;
+                }
+            }
+        }
+    }
+
     /// `FIFO_DISABLE_CHANNELS`: each listed (client, channel) pair is looked up among **all**
     /// clients, whoever owns them, as the driver does (neither the kernel nor, on the H100, the
     /// firmware checks that the clients are the caller's: docs/real-gpu.md), and disabled or
@@ -1054,7 +1085,11 @@ impl Rm {
                 .and_then(|c| c.objects.get_mut(&h))
                 .and_then(|o| o.channel.as_mut())
             {
-                ch.enabled = d.disable == 0;
+                ch.disables = if d.disable == 0 {
+                    ch.disables.saturating_sub(1)
+                } else {
+                    ch.disables + 1
+                };
             }
         }
         status::NV_OK
@@ -1102,19 +1137,21 @@ impl Rm {
 
     /// `Runlist::Stop`: each process with a channel group off the runlist, or a channel
     /// disabled (`FIFO_DISABLE_CHANNELS`, by whichever process), is stopped, the others (that
-    /// this fake stopped) continued.
+    /// this fake stopped) continued; `Runlist::Channels`: only a disabled channel stops it.
     fn apply_runlist(&mut self) {
-        let off: BTreeSet<u32> = if self.runlist == Runlist::Stop {
+        let runlist_stops = self.runlist == Runlist::Stop;
+        let off: BTreeSet<u32> = if self.runlist == Runlist::Record {
+            BTreeSet::new()
+        } else {
             self.clients
                 .values()
                 .flat_map(|c| c.objects.values())
                 .filter(|o| {
-                    o.sched.is_some_and(|s| !s.enabled) || o.channel.is_some_and(|c| !c.enabled)
+                    (runlist_stops && o.sched.is_some_and(|s| !s.enabled))
+                        || o.channel.is_some_and(|c| !c.enabled())
                 })
                 .map(|o| o.pid)
                 .collect()
-        } else {
-            BTreeSet::new()
         };
         for pid in off.difference(&self.stopped) {
             // SAFETY: kill(2) with a pid and a signal number.
@@ -1230,8 +1267,10 @@ impl Rm {
         if let Some(((cmd, st), n)) = self.inject.fail_control {
             s += &format!("fail-control {cmd:#x} {st:#x} {n}\n");
         }
-        if self.runlist == Runlist::Stop {
-            s += "runlist stop\n";
+        match self.runlist {
+            Runlist::Stop => s += "runlist stop\n",
+            Runlist::Channels => s += "runlist channels\n",
+            Runlist::Record => {}
         }
         s
     }
@@ -1268,6 +1307,11 @@ impl Rm {
             }
             ["runlist", "record"] => {
                 self.runlist = Runlist::Record;
+                self.apply_runlist();
+                Ok(())
+            }
+            ["runlist", "channels"] => {
+                self.runlist = Runlist::Channels;
                 self.apply_runlist();
                 Ok(())
             }

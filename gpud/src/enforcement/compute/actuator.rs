@@ -12,14 +12,16 @@ use std::{
 };
 
 use tokio::sync::mpsc::UnboundedSender;
-use tracing::{debug, warn};
+use tracing::{debug, trace, warn};
+
+use gpud_common::GPU_UNKNOWN;
 
 use super::{
     channel::{ControlError, Controls, HeldGroups, on_gpu},
-    law::Command,
+    law::{Command, Lever},
 };
 use crate::{
-    attribution::ChannelGroup,
+    attribution::{ChannelGroup, RmRef, TenantObjects},
     cgroupfs::{Freezer, Holder},
     probes::Matcher,
     report::Chain,
@@ -33,8 +35,8 @@ pub(super) enum Order {
         commands: Vec<(Instant, u32, Command)>,
         replanned: Vec<u32>,
     },
-    /// The tenants' channel groups, by process.
-    Groups(BTreeMap<u32, Vec<ChannelGroup>>),
+    /// The tenants' channel groups, channels and subdevices, by process.
+    Groups(BTreeMap<u32, TenantObjects>),
     /// Do these now, then stop.
     Finish(Vec<Command>),
 }
@@ -69,6 +71,8 @@ impl Actuator {
                     groups: BTreeMap::new(),
                     failed: BTreeSet::new(),
                     off: BTreeSet::new(),
+                    disabled: BTreeMap::new(),
+                    timeslices: BTreeMap::new(),
                     failures,
                 }
                 .run(rx)
@@ -95,13 +99,20 @@ struct Worker {
     /// The one writer of `cgroup.freeze`, shared with the memory enforcement.
     freezer: Freezer,
     controls: Controls,
-    groups: BTreeMap<u32, Vec<ChannelGroup>>,
+    groups: BTreeMap<u32, TenantObjects>,
     /// Processes whose controls failed: reported once, not tried again (except to put their
     /// groups back on the runlist).
     failed: BTreeSet<u32>,
-    /// Processes whose groups were taken off the runlist: their groups are kept until they are
-    /// back on it, whatever the tenants' list says meanwhile.
+    /// Processes whose work is held: their objects are kept until they are let go, whatever the
+    /// tenants' list says meanwhile.
     off: BTreeSet<u32>,
+    /// Per process, the channels this actuator disabled and has not enabled since. The driver
+    /// counts disables (on the H200 a channel disabled twice stayed stopped through every later
+    /// enable until its group was scheduled again), so no channel is disabled twice and only
+    /// these are enabled.
+    disabled: BTreeMap<u32, BTreeSet<RmRef>>,
+    /// Per process, the timeslice last set on its groups: groups seen later get it too.
+    timeslices: BTreeMap<u32, u64>,
     failures: UnboundedSender<Failure>,
 }
 
@@ -130,6 +141,21 @@ impl Worker {
                     }
                 }
                 Ok(Order::Groups(mut groups)) => {
+                    for (pid, o) in &groups {
+                        let before = self.groups.get(pid);
+                        if before.is_none_or(|b| {
+                            (b.groups.len(), b.channels.len(), b.subdevices.len())
+                                != (o.groups.len(), o.channels.len(), o.subdevices.len())
+                        }) {
+                            debug!(
+                                pid,
+                                groups = o.groups.len(),
+                                channels = o.channels.len(),
+                                subdevices = o.subdevices.len(),
+                                "tenant's RM objects"
+                            );
+                        }
+                    }
                     for pid in &self.off {
                         if let Some(g) = self.groups.remove(pid) {
                             groups.entry(*pid).or_insert(g);
@@ -137,7 +163,10 @@ impl Worker {
                     }
                     self.controls.retain(|pid| groups.contains_key(&pid));
                     self.failed.retain(|pid| groups.contains_key(pid));
-                    self.groups = groups;
+                    self.disabled.retain(|pid, _| groups.contains_key(pid));
+                    self.timeslices.retain(|pid, _| groups.contains_key(pid));
+                    let old = std::mem::replace(&mut self.groups, groups);
+                    self.timeslice_new_groups(&old);
                 }
                 Ok(Order::Finish(last)) => {
                     queue.clear();
@@ -170,20 +199,133 @@ impl Worker {
                     debug!(cgroup = %unit, frozen, "{}", Chain(&e));
                 }
             }
-            Command::Schedule { pid, enabled } => {
-                self.on_groups(pid, gpu, enabled, |controls, g| {
-                    controls.schedule(g, enabled)
-                });
-                if enabled {
-                    self.off.remove(&pid);
-                } else {
-                    self.off.insert(pid);
-                }
+            Command::Hold {
+                pid,
+                lever: Lever::Runlist,
+                held,
+            } => {
+                trace!(pid, held, "GPFIFO_SCHEDULE");
+                self.on_groups(pid, gpu, !held, |controls, g| controls.schedule(g, !held));
+                self.mark(pid, held);
+            }
+            Command::Hold {
+                pid,
+                lever: Lever::Channels,
+                held,
+            } => {
+                self.on_channels(pid, gpu, held);
+                self.mark(pid, held);
             }
             Command::Timeslice { pid, us } => {
+                self.timeslices.insert(pid, us);
                 self.on_groups(pid, gpu, false, |controls, g| controls.timeslice(g, us));
             }
         }
+    }
+
+    fn mark(&mut self, pid: u32, held: bool) {
+        if held {
+            self.off.insert(pid);
+        } else {
+            self.off.remove(&pid);
+        }
+    }
+
+    /// A process's groups made after its timeslice was set (CUDA makes its groups one by one;
+    /// the objects map may be read in between) get the timeslice too.
+    fn timeslice_new_groups(&mut self, old: &BTreeMap<u32, TenantObjects>) {
+        let late: Vec<(ChannelGroup, u64)> = self
+            .timeslices
+            .iter()
+            .filter_map(|(pid, us)| Some((self.groups.get(pid)?, old.get(pid), *us)))
+            .flat_map(|(now, before, us)| {
+                now.groups
+                    .iter()
+                    .filter(move |g| before.is_none_or(|b| !b.groups.contains(g)))
+                    .map(move |g| (*g, us))
+            })
+            .collect();
+        for (g, us) in late {
+            if let Err(e) = self.controls.timeslice(&g, us) {
+                debug!(pid = g.pid, group = g.handle, "{}", Chain(&e));
+            }
+        }
+    }
+
+    /// Disables (`held`) the process's channels on `gpu` (all its channels where no GPU is
+    /// named) that this actuator has not disabled yet, or enables those it disabled: one
+    /// `FIFO_DISABLE_CHANNELS` per GPU, on a subdevice of the process's own there.
+    fn on_channels(&mut self, pid: u32, gpu: Option<u32>, held: bool) {
+        if self.failed.contains(&pid) && held {
+            return;
+        }
+        let Some(objects) = self.groups.get(&pid) else {
+            return;
+        };
+        let on = |c: &RmRef| gpu.is_none_or(|gpu| c.gpu == gpu || c.gpu == GPU_UNKNOWN);
+        let mine = self.disabled.get(&pid);
+        let todo: Vec<RmRef> = if held {
+            objects
+                .channels
+                .iter()
+                .filter(|c| on(c) && !mine.is_some_and(|d| d.contains(c)))
+                .copied()
+                .collect()
+        } else {
+            mine.into_iter()
+                .flatten()
+                .filter(|c| on(c))
+                .copied()
+                .collect()
+        };
+        let mut by_gpu: BTreeMap<u32, Vec<RmRef>> = BTreeMap::new();
+        for c in todo {
+            by_gpu.entry(c.gpu).or_default().push(c);
+        }
+        for (on, channels) in by_gpu {
+            // A subdevice of the same GPU (any, where the channels' GPU is not known).
+            let Some(sub) = objects
+                .subdevices
+                .iter()
+                .find(|s| on == GPU_UNKNOWN || s.gpu == on || s.gpu == GPU_UNKNOWN)
+                .copied()
+            else {
+                if held {
+                    self.fail(pid, ControlError::NoSubdevice { pid, gpu: on });
+                }
+                return;
+            };
+            let result = self.controls.disable_channels(pid, sub, &channels, held);
+            trace!(
+                pid,
+                held,
+                channels = channels.len(),
+                subdevice = format_args!("{:#x}/{:#x}", sub.client, sub.handle),
+                ok = result.is_ok(),
+                "FIFO_DISABLE_CHANNELS"
+            );
+            let mine = self.disabled.entry(pid).or_default();
+            match result {
+                Ok(()) if held => mine.extend(channels),
+                Ok(()) => mine.retain(|c| !channels.contains(c)),
+                Err(ControlError::Gone { .. }) => return,
+                Err(e) if !held || e.group_gone() => {
+                    // An enable that failed is not tried again: the group goes back on the
+                    // runlist when the unit is released, which enables its channels.
+                    mine.retain(|c| !channels.contains(c));
+                    debug!(pid, "{}", Chain(&e));
+                }
+                Err(e) => {
+                    self.fail(pid, e);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, pid: u32, error: ControlError) {
+        self.failed.insert(pid);
+        let _ = self.failures.send(Failure { pid, error });
     }
 
     /// Applies `f` to the process's groups (on `gpu`); `restore`: it undoes a control (back on
@@ -198,11 +340,12 @@ impl Worker {
         if self.failed.contains(&pid) && !restore {
             return;
         }
-        let Some(groups) = self.groups.get(&pid) else {
+        let Some(objects) = self.groups.get(&pid) else {
             return;
         };
         let mut gone = Vec::new();
-        for g in groups
+        for g in objects
+            .groups
             .iter()
             .filter(|g| gpu.is_none_or(|gpu| on_gpu(g, gpu)))
         {
@@ -214,14 +357,13 @@ impl Worker {
                     debug!(pid, group = g.handle, "{}", Chain(&error));
                 }
                 Err(error) => {
-                    self.failed.insert(pid);
-                    let _ = self.failures.send(Failure { pid, error });
+                    self.fail(pid, error);
                     return;
                 }
             }
         }
-        if let Some(groups) = self.groups.get_mut(&pid) {
-            groups.retain(|g| !gone.contains(g));
+        if let Some(objects) = self.groups.get_mut(&pid) {
+            objects.groups.retain(|g| !gone.contains(g));
         }
     }
 }

@@ -20,12 +20,16 @@ use std::{
 
 use gpud_common::{
     DeviceKind, GPU_UNKNOWN, ObjKey, nv,
-    rm::{Nvos54, status, tsg},
+    rm::{Nvos54, sched, status, tsg},
 };
 
 use tracing::warn;
 
-use crate::{attribution::ChannelGroup, probes::Matcher, report::Chain};
+use crate::{
+    attribution::{ChannelGroup, RmRef},
+    probes::Matcher,
+    report::Chain,
+};
 
 /// A control that could not be issued, or that the driver refused.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +49,8 @@ pub enum ControlError {
         #[source]
         source: io::Error,
     },
+    #[error("process {pid} has no subdevice on GPU {gpu} to disable its channels on")]
+    NoSubdevice { pid: u32, gpu: u32 },
     #[error("process {pid} has no NVIDIA file that owns RM client {client:#x}")]
     NoFile { pid: u32, client: u32 },
     #[error("the RM control ioctl {cmd:#x} failed")]
@@ -180,6 +186,36 @@ impl Controls {
             // GPU's preemption latency.
             let mut preempt = tsg::PreemptParams::default();
             self.control(g, tsg::PREEMPT, &mut preempt)?;
+        }
+        Ok(())
+    }
+
+    /// Disables (or enables again) a process's channels with `FIFO_DISABLE_CHANNELS`, issued on
+    /// `subdevice` (one of its own) through the file that owns that subdevice's client: the
+    /// driver disables and preempts them, their queued work kept for when they are enabled.
+    pub fn disable_channels(
+        &mut self,
+        pid: u32,
+        subdevice: RmRef,
+        channels: &[RmRef],
+        disable: bool,
+    ) -> Result<(), ControlError> {
+        for chunk in channels.chunks(sched::DISABLE_CHANNELS_MAX) {
+            let mut p = sched::DisableChannelsParams {
+                disable: u8::from(disable),
+                num_channels: chunk.len() as u32,
+                ..Default::default()
+            };
+            for (i, c) in chunk.iter().enumerate() {
+                p.client_list[i] = c.client;
+                p.channel_list[i] = c.handle;
+            }
+            let target = RmObject {
+                pid,
+                client: subdevice.client,
+                object: subdevice.handle,
+            };
+            self.control_on(target, sched::DISABLE_CHANNELS, &mut p)?;
         }
         Ok(())
     }

@@ -27,10 +27,10 @@ use tracing::{debug, info, warn};
 
 use self::{
     actuator::{Actuator, Order},
-    law::{Command, Firmware, Law, LawParams, Nanos, Reading, Tenant},
+    law::{Command, Firmware, Law, LawParams, Lever, Nanos, Reading, Tenant},
 };
 use crate::{
-    attribution::ChannelGroup,
+    attribution::TenantObjects,
     config::Config,
     policy::{DEFAULT_WEIGHT, Limits, Priority},
     probes::Matcher,
@@ -153,8 +153,9 @@ pub struct ControlInput {
     pub readings: Vec<Reading>,
     /// cgroups the memory enforcement froze: never thawed here.
     pub held: BTreeSet<String>,
-    /// The tenants' channel groups by process (empty where hardware controls are off).
-    pub groups: BTreeMap<u32, Vec<ChannelGroup>>,
+    /// The tenants' channel groups, channels and subdevices by process (empty where hardware
+    /// controls are off).
+    pub groups: BTreeMap<u32, TenantObjects>,
 }
 
 /// What the compute task needs from the daemon.
@@ -216,7 +217,7 @@ pub async fn run(settings: Settings, mut links: Links) {
                 for t in &mut tenants {
                     t.hw &= settings.hardware
                         && !no_hw.contains(&t.pid)
-                        && input.groups.get(&t.pid).is_some_and(|g| !g.is_empty());
+                        && input.groups.get(&t.pid).is_some_and(|g| !g.groups.is_empty());
                 }
                 no_hw.retain(|pid| input.groups.contains_key(pid));
                 law.set_held(input.held);
@@ -228,7 +229,11 @@ pub async fn run(settings: Settings, mut links: Links) {
                     let commands = tenants
                         .iter()
                         .filter(|t| t.hw)
-                        .map(|t| (now, t.gpu, Command::Schedule { pid: t.pid, enabled: true }))
+                        .flat_map(|t| {
+                            Lever::ALL.map(|lever| {
+                                (now, t.gpu, Command::Hold { pid: t.pid, lever, held: false })
+                            })
+                        })
                         .collect();
                     actuator.send(Order::Plan {
                         commands,
@@ -283,7 +288,7 @@ pub async fn run(settings: Settings, mut links: Links) {
     actuator.finish(law.release_all());
 }
 
-/// Logs what the probe found out about each GPU's firmware, once per change.
+/// Logs what the probes found out about each GPU's firmware, once per change.
 fn report_verdicts(law: &Law, seen: &mut BTreeMap<u32, Firmware>) {
     for gpu in law.gpus() {
         let Some(f) = law.firmware(gpu) else { continue };
@@ -291,14 +296,17 @@ fn report_verdicts(law: &Law, seen: &mut BTreeMap<u32, Firmware>) {
             continue;
         }
         match f {
-            Firmware::Honors => info!(
+            Firmware::Honors(lever) => info!(
                 gpu,
-                "the firmware honors channel-group controls: compute shares set in hardware"
+                lever = lever.as_str(),
+                "the GPU stops queued work when held with this lever: compute shares set in \
+                 hardware"
             ),
             Firmware::Ignores => warn!(
                 gpu,
-                "the firmware ignores channel-group controls: compute shares by cgroup.freeze \
-                 (shares hold where queued work is shorter than a period)"
+                "no lever stops the GPU's queued work (FIFO_DISABLE_CHANNELS and GPFIFO_SCHEDULE \
+                 ignored): compute shares by cgroup.freeze (shares hold where queued work is \
+                 shorter than a period; priority classes still by timeslices)"
             ),
             Firmware::Probing { .. } | Firmware::Unknown => {}
         }

@@ -49,11 +49,10 @@ pub(super) fn plan_freezer(
         let Some(u) = g.units.get_mut(n) else {
             continue;
         };
-        if u.off || u.unsure {
-            for &pid in &u.pids {
-                out.push((now, Command::Schedule { pid, enabled: true }));
-            }
-            u.off = false;
+        if u.off.is_some() || u.unsure {
+            let mut undo = Vec::new();
+            super::gpu::unhold(u, &mut undo);
+            out.extend(undo.into_iter().map(|c| (now, c)));
         }
         if !slotted.contains(n) {
             // Latency-critical: runs freely; best-effort beside it: frozen for the period.

@@ -3,11 +3,14 @@
 
 use std::collections::BTreeSet;
 
-use super::{Command, Firmware, Gpu, Law, LawParams, Nanos, Unit, targets};
+use super::{
+    Command, Firmware, Gpu, JUDGE_WAIT, Law, LawParams, Lever, Nanos, RETRY, Unit, targets,
+};
 use super::{freezer::plan_freezer, hardware::plan_hardware};
-use crate::policy::Limits;
+use crate::policy::{Limits, Priority};
 
-/// Thaws a unit and puts its groups back on the runlist.
+/// Thaws a unit and lets its held work run again (with the lever that held it; with every
+/// lever where that is not known).
 pub(super) fn release(name: &str, u: &mut Unit, held: &BTreeSet<String>, out: &mut Vec<Command>) {
     if (u.frozen || u.unsure) && !held.contains(name) {
         out.push(Command::Freeze {
@@ -16,12 +19,26 @@ pub(super) fn release(name: &str, u: &mut Unit, held: &BTreeSet<String>, out: &m
         });
         u.frozen = false;
     }
-    if u.off || u.unsure {
+    unhold(u, out);
+}
+
+/// Lets a unit's held work run again: the lever that held it, or every lever when unsure.
+pub(super) fn unhold(u: &mut Unit, out: &mut Vec<Command>) {
+    let levers: Vec<Lever> = match (u.off, u.unsure) {
+        (_, true) => Lever::ALL.to_vec(),
+        (Some(l), false) => vec![l],
+        (None, false) => Vec::new(),
+    };
+    for lever in levers {
         for &pid in &u.pids {
-            out.push(Command::Schedule { pid, enabled: true });
+            out.push(Command::Hold {
+                pid,
+                lever,
+                held: false,
+            });
         }
-        u.off = false;
     }
+    u.off = None;
 }
 
 /// The units of a GPU that are active now, with their policies, in order.
@@ -38,6 +55,48 @@ pub(super) fn active_units(
         .collect()
 }
 
+/// How recent a busy device window must be for a probe to start.
+const BUSY_WITHIN: Nanos = 2_000 * super::MS;
+
+/// A class's timeslice: latency-critical long, best-effort short (µs); `None` for no class.
+fn class_timeslice(p: &LawParams, priority: Option<Priority>) -> Option<u64> {
+    match priority {
+        Some(Priority::LatencyCritical) => Some(p.max_timeslice_us),
+        Some(Priority::BestEffort) => Some(p.min_timeslice_us),
+        _ => None,
+    }
+}
+
+/// Gives every controllable unit with a priority class its class's timeslice, from the first
+/// plan that sees it, active or not; a unit whose class was removed gets the base timeslice
+/// back. Returns the units the timeslices serve (they are neither held nor frozen for shares).
+fn class_timeslices(
+    p: &LawParams,
+    g: &mut Gpu,
+    now: Nanos,
+    out: &mut Vec<(Nanos, Command)>,
+) -> BTreeSet<String> {
+    let mut classed = BTreeSet::new();
+    for (name, u) in g.units.iter_mut().filter(|(_, u)| u.hw) {
+        let want = match class_timeslice(p, u.limits.priority) {
+            Some(us) => {
+                classed.insert(name.clone());
+                us
+            }
+            // Back to the base timeslice after a class (a normal unit's windows set it too).
+            None if u.timeslice.is_some_and(|t| t != p.base_timeslice_us) => p.base_timeslice_us,
+            None => continue,
+        };
+        if u.timeslice != Some(want) {
+            for &pid in &u.pids {
+                out.push((now, Command::Timeslice { pid, us: want }));
+            }
+            u.timeslice = Some(want);
+        }
+    }
+    classed
+}
+
 /// Plans one GPU from `now`; returns how long the plan lasts.
 pub(super) fn plan_gpu(
     p: &LawParams,
@@ -47,19 +106,56 @@ pub(super) fn plan_gpu(
     held: &BTreeSet<String>,
     out: &mut Vec<(Nanos, Command)>,
 ) -> Nanos {
+    // A verdict is checked again after a while (a firmware update, a GPU reset, a wrong one).
+    if matches!(g.firmware, Firmware::Honors(_) | Firmware::Ignores) && now >= g.checked + p.recheck
+    {
+        g.firmware = Firmware::Unknown;
+        g.rejected.clear();
+    }
     // The probe, while it runs, is the whole plan.
-    if let Firmware::Probing { pid, until, .. } = g.firmware {
-        if now < until {
+    if let Firmware::Probing { lever, until, .. } = g.firmware {
+        let all_held = g.units.values().all(|u| u.off == Some(lever));
+        if now < until && all_held {
             return p.period;
         }
-        g.firmware = Firmware::Honors;
-        out.push((now, Command::Schedule { pid, enabled: true }));
-        for u in g.units.values_mut().filter(|u| u.pids.contains(&pid)) {
-            u.off = false;
+        let mut released = Vec::new();
+        for (name, u) in g.units.iter_mut() {
+            release(name, u, held, &mut released);
+        }
+        out.extend(released.into_iter().map(|c| (now, c)));
+        if !all_held {
+            // Someone came or was let go meanwhile: the device's windows tell nothing.
+            g.firmware = Firmware::Unknown;
+            g.checked = now + RETRY;
+        } else if g.probe_quiet || g.device_window_us.is_none() {
+            // An idle window inside the hold, or (NVML without device windows) no held process
+            // was sampled running: the lever holds queued work.
+            g.firmware = Firmware::Honors(lever);
+            g.checked = now;
+        } else if now >= until + JUDGE_WAIT {
+            // No window inside the hold arrived: try again later.
+            g.firmware = Firmware::Unknown;
+            g.checked = now + RETRY;
+        } else {
+            // Released; waiting for the windows of the hold.
+            return p.period;
         }
     }
-    let active: Vec<String> = active.iter().map(|(n, _)| n.clone()).collect();
-    let any_policy = active.iter().any(|n| g.units[n].limits.has_compute());
+    let mut classed = class_timeslices(p, g, now, out);
+    if g.firmware == Firmware::Ignores {
+        // A GPU that ignores every lever may ignore timeslices too: the classes also get the
+        // freezer's rule (best-effort frozen while latency-critical is seen active).
+        classed.clear();
+    }
+    let everyone: Vec<String> = active.iter().map(|(n, _)| n.clone()).collect();
+    let any_policy = everyone.iter().any(|n| g.units[n].limits.has_compute());
+    g.controlled = any_policy;
+    // Classed units run on their timeslices; the rest share by windows or slots.
+    let active: Vec<String> = everyone
+        .iter()
+        .filter(|n| !classed.contains(*n))
+        .cloned()
+        .collect();
     let demands: Vec<(f64, Limits)> = active
         .iter()
         .map(|n| (100.0, g.units[n].limits.clone()))
@@ -67,8 +163,8 @@ pub(super) fn plan_gpu(
     let pairs: Vec<(f64, &Limits)> = demands.iter().map(|(d, l)| (*d, l)).collect();
     let t = targets(&pairs);
     let total: f64 = t.iter().sum();
-    let needs_control = any_policy && (active.len() > 1 || total < 99.5);
-    g.controlled = any_policy;
+    let shared = active.iter().any(|n| g.units[n].limits.has_compute());
+    let needs_control = shared && (active.len() > 1 || total < 99.5);
     // Units not controlled this period run freely.
     let mut released = Vec::new();
     for (name, u) in g.units.iter_mut() {
@@ -93,52 +189,59 @@ pub(super) fn plan_gpu(
         u.target = t[i];
         u.stat.target = t[i];
     }
-    let hw = active.iter().all(|n| g.units[n].hw);
-    if g.firmware == Firmware::Unknown && hw {
-        // Probe with the tenant that was listed last (it has work to show).
-        let probe = active
-            .iter()
-            .filter_map(|n| Some((g.units[n].listed?, n.clone())))
-            .max()
-            .and_then(|(_, n)| g.units[&n].pids.first().copied());
-        if let Some(pid) = probe {
-            let mut released = Vec::new();
-            for (name, u) in g.units.iter_mut() {
-                release(name, u, held, &mut released);
-            }
-            out.extend(released.into_iter().map(|c| (now, c)));
-            g.firmware = Firmware::Probing {
-                pid,
-                since: now,
-                until: now + p.probe,
-            };
-            out.push((
-                now,
-                Command::Schedule {
-                    pid,
-                    enabled: false,
-                },
-            ));
-            for u in g.units.values_mut() {
-                // What the fallback measured so far was not under its own slots.
-                u.slot = None;
-                if u.pids.contains(&pid) {
-                    u.off = true;
-                    u.stopped = Some(now);
-                }
-            }
-            return p.period;
+    let hw = g.units.values().all(|u| u.hw);
+    let probe_due = g.firmware == Firmware::Unknown && now >= g.checked;
+    // Where NVML reads device windows, only a GPU busy of late can show what a lever does (a
+    // lone capped unit's freezer slots leave many windows idle).
+    let busy = g.device_window_us.is_none()
+        || g.device_busy
+            .is_some_and(|b| now.saturating_sub(b) < BUSY_WITHIN);
+    if probe_due
+        && hw
+        && busy
+        && let Some(&lever) = Lever::ALL.iter().find(|l| !g.rejected.contains(l))
+    {
+        // Every process of the GPU held with the lever: the device's own windows then say
+        // whether queued work stopped.
+        let mut released = Vec::new();
+        for (name, u) in g.units.iter_mut() {
+            release(name, u, held, &mut released);
         }
+        out.extend(released.into_iter().map(|c| (now, c)));
+        g.firmware = Firmware::Probing {
+            lever,
+            since: now,
+            until: now + p.probe,
+        };
+        g.probe_quiet = false;
+        for u in g.units.values_mut() {
+            for &pid in &u.pids {
+                out.push((
+                    now,
+                    Command::Hold {
+                        pid,
+                        lever,
+                        held: true,
+                    },
+                ));
+            }
+            // What the fallback measured so far was not under its own slots.
+            u.slot = None;
+            u.off = Some(lever);
+            u.stopped = Some(now);
+        }
+        return p.period;
     }
     g.phase = g
         .phase
         .wrapping_mul(6_364_136_223_846_793_005)
         .wrapping_add(1_442_695_040_888_963_407);
     let offset = (g.phase >> 33) % p.period;
-    if hw && g.firmware == Firmware::Honors {
-        plan_hardware(p, g, &active, now, offset, out);
-        p.period
-    } else {
-        plan_freezer(p, g, &active, now, offset, held, out)
+    match g.firmware {
+        Firmware::Honors(lever) if hw => {
+            plan_hardware(p, g, &active, now, offset, lever, out);
+            p.period
+        }
+        _ => plan_freezer(p, g, &active, now, offset, held, out),
     }
 }

@@ -1,45 +1,32 @@
-//! The law where the firmware honors the channel-group controls: exclusive runlist windows for
-//! normal units, timeslices for the priority classes.
+//! The law where a lever holds queued work: exclusive windows for the units that share by
+//! targets.
 
-use super::{Command, Gpu, LawParams, MS, Nanos, Unit};
-use crate::{
-    enforcement::compute::targets,
-    policy::{Limits, Priority},
-};
+use super::{Command, Gpu, LawParams, Lever, MS, Nanos, Unit, gpu::unhold};
+use crate::{enforcement::compute::targets, policy::Limits};
 
-/// Shares in hardware. Latency-critical and best-effort units stay on the runlist with a long
-/// and a short timeslice: the GPU's round robin hands the engine to a latency-critical request
-/// within one best-effort timeslice, and gives best-effort whatever it leaves. Every other unit
-/// gets an exclusive window of the period in proportion to its target (on the runlist alone; the
-/// others off and preempted), so its share does not depend on how it feeds its queue: a tenant
-/// that keeps one kernel queued yields the engine after each kernel and would get no more than
-/// its neighbours' turns under round robin, whatever its timeslice. Windows shorter than the
-/// period leave the rest idle (caps).
+/// Shares in hardware: every unit gets an exclusive window of the period in proportion to its
+/// target (let run alone; the others held with `lever`, their queued work stopped), so its share
+/// does not depend on how it feeds its queue: a tenant that keeps one kernel queued yields the
+/// engine after each kernel and would get no more than its neighbours' turns under round robin,
+/// whatever its timeslice. Windows shorter than the period leave the rest idle (caps). Units with
+/// a priority class are not here: their timeslices serve them (`super::gpu`).
 pub(super) fn plan_hardware(
     p: &LawParams,
     g: &mut Gpu,
-    active: &[String],
+    slotted: &[String],
     now: Nanos,
     offset: u64,
+    lever: Lever,
     out: &mut Vec<(Nanos, Command)>,
 ) {
-    let classed = |u: &Unit| {
-        matches!(
-            u.limits.priority,
-            Some(Priority::LatencyCritical | Priority::BestEffort)
-        )
-    };
-    let (prio, slotted): (Vec<String>, Vec<String>) =
-        active.iter().cloned().partition(|n| classed(&g.units[n]));
     let on = |u: &mut Unit, out: &mut Vec<(Nanos, Command)>, t: Nanos| {
-        if u.off || u.unsure {
-            for &pid in &u.pids {
-                out.push((t, Command::Schedule { pid, enabled: true }));
-            }
-            u.off = false;
+        if u.off.is_some() || u.unsure {
+            let mut undo = Vec::new();
+            unhold(u, &mut undo);
+            out.extend(undo.into_iter().map(|c| (t, c)));
         }
     };
-    for n in active {
+    for n in slotted {
         let Some(u) = g.units.get_mut(n) else {
             continue;
         };
@@ -53,11 +40,11 @@ pub(super) fn plan_hardware(
             ));
             u.frozen = false;
         }
-        let us = match u.limits.priority {
-            Some(Priority::LatencyCritical) => p.max_timeslice_us,
-            Some(Priority::BestEffort) => p.min_timeslice_us,
-            _ => p.base_timeslice_us,
-        };
+        if u.off.is_some_and(|l| l != lever) {
+            // Held with another lever (a verdict changed): let go first.
+            on(u, out, now);
+        }
+        let us = p.base_timeslice_us;
         if u.timeslice != Some(us) {
             for &pid in &u.pids {
                 out.push((now, Command::Timeslice { pid, us }));
@@ -65,14 +52,7 @@ pub(super) fn plan_hardware(
             u.timeslice = Some(us);
         }
     }
-    for n in &prio {
-        let Some(u) = g.units.get_mut(n) else {
-            continue;
-        };
-        on(u, out, now);
-        u.stat.duty = 100.0;
-    }
-    // Targets among the windowed units alone (the classes have theirs from the round robin).
+    // Targets among the windowed units.
     let windowed: Vec<(f64, Limits)> = slotted
         .iter()
         .map(|n| (100.0, g.units[n].limits.clone()))
@@ -119,28 +99,17 @@ pub(super) fn plan_hardware(
         u.stat.target = t[i];
         u.stat.duty = t[i];
         let first_on = segments[i].first().map(|(s, _)| *s);
+        let hold = |pid, held| Command::Hold { pid, lever, held };
         for &pid in &u.pids {
-            if first_on != Some(now) && (!u.off || u.unsure) {
-                out.push((
-                    now,
-                    Command::Schedule {
-                        pid,
-                        enabled: false,
-                    },
-                ));
+            if first_on != Some(now) && (u.off.is_none() || u.unsure) {
+                out.push((now, hold(pid, true)));
             }
             for &(start, end) in &segments[i] {
-                out.push((start, Command::Schedule { pid, enabled: true }));
-                out.push((
-                    end,
-                    Command::Schedule {
-                        pid,
-                        enabled: false,
-                    },
-                ));
+                out.push((start, hold(pid, false)));
+                out.push((end, hold(pid, true)));
             }
         }
-        u.off = true;
+        u.off = Some(lever);
         u.stopped = Some(now);
         u.stat.nr_throttled += 1;
         let ran: Nanos = segments[i].iter().map(|(s, e)| e - s).sum();

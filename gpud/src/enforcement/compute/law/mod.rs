@@ -17,8 +17,18 @@
 //!   law keeps it from running), and active tenants are taken as saturating;
 //! - NVML's per-process samples name whoever held the engine at the sample: unbiased only where
 //!   the schedule does not alias with the 1/6 s sampling, and coarse; they give the measured
-//!   share that is reported, and tell the firmware's behaviour apart (a probe: a tenant taken
-//!   off the runlist that NVML still lists ran anyway);
+//!   share that is reported. The firmware's behaviour is told apart by what the GPU does: a probe
+//!   holds every tenant of the GPU with one lever ([`Lever`]) and reads NVML's device-level
+//!   utilization windows (zeros included, unlike the per-process samples): a window inside the
+//!   hold that is busy means the lever is ignored, an idle one that it holds queued work. Each
+//!   lever has its own verdict (on the H200, `FIFO_DISABLE_CHANNELS` stops queued work within
+//!   milliseconds while `GPFIFO_SCHEDULE` is ignored), and verdicts are checked again every
+//!   [`LawParams::recheck`];
+//! - priority classes need no activity signal: where a unit's channel groups can be controlled,
+//!   a latency-critical or best-effort unit gets its class's timeslice from the moment its
+//!   groups are seen, whether NVML ever samples it or not (a latency-critical tenant's short
+//!   requests rarely hold the engine at a sample instant), and the GPU's round robin does the
+//!   rest: it is never held or frozen for the class;
 //! - where the firmware ignores the controls, or they cannot be issued, the fallback gives each
 //!   active unit an exclusive slot of a cycle by freezing the others; what a frozen tenant had
 //!   queued drains into the next slot, which cancels out between tenants with like queues, so
@@ -54,8 +64,11 @@ pub struct LawParams {
     /// A tenant NVML has not listed for this long (while it could run) is idle: longer than the
     /// daemon's NVML sampling interval and a window, as the windows arrive that late.
     pub idle_after: Nanos,
-    /// How long the firmware probe keeps one tenant off the runlist.
+    /// How long the firmware probe holds the GPU's tenants with one lever: at least a settle
+    /// time and two of NVML's device windows (1/6–1/5 s), so one whole window lies inside.
     pub probe: Nanos,
+    /// How often a GPU's verdicts are checked again (a probe holds its tenants for `probe`).
+    pub recheck: Nanos,
     /// Timeslice of a tenant with the mean target (µs; twice RM's default, so that switches cost
     /// about 1 % of the GPU).
     pub base_timeslice_us: u64,
@@ -72,7 +85,8 @@ impl Default for LawParams {
             period: 100 * MS,
             thaw_latency: MS,
             idle_after: 600 * MS,
-            probe: 1_000 * MS,
+            probe: 600 * MS,
+            recheck: 300_000 * MS,
             base_timeslice_us: 2048,
             min_timeslice_us: 128,
             max_timeslice_us: 16_384,
@@ -104,6 +118,16 @@ pub struct ProcSample {
     pub sm_util: u32,
 }
 
+/// One of NVML's device-level utilization windows (`nvmlDeviceGetSamples`, GPU utilization):
+/// listed whether anything ran or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceSample {
+    /// NVML's timestamp (µs) of the window's end.
+    pub timestamp_us: u64,
+    /// Percent of the window in which a kernel ran.
+    pub util: u32,
+}
+
 /// What one NVML read of one GPU returned.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Reading {
@@ -112,9 +136,32 @@ pub struct Reading {
     pub running: Vec<u32>,
     /// Samples newer than the previous read's.
     pub samples: Vec<ProcSample>,
+    /// Device-level windows newer than the previous read's (empty where NVML has none).
+    pub device: Vec<DeviceSample>,
     /// NVML's clock (µs, the samples' timestamps) when it was read: places each window on the
     /// law's clock.
     pub clock_us: u64,
+}
+
+/// How a process's queued GPU work is held off the GPU in hardware.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Lever {
+    /// `FIFO_DISABLE_CHANNELS` of its channels (disabled and preempted, queued work kept).
+    Channels,
+    /// `GPFIFO_SCHEDULE` off for its channel groups, then `PREEMPT`.
+    Runlist,
+}
+
+impl Lever {
+    /// In the order they are probed: the one measured to work on Hopper first.
+    pub const ALL: [Lever; 2] = [Lever::Channels, Lever::Runlist];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Channels => "FIFO_DISABLE_CHANNELS",
+            Self::Runlist => "GPFIFO_SCHEDULE + PREEMPT",
+        }
+    }
 }
 
 /// Something to do at a time of the period.
@@ -122,8 +169,8 @@ pub struct Reading {
 pub enum Command {
     /// `cgroup.freeze` of a unit.
     Freeze { unit: String, frozen: bool },
-    /// A process's channel groups on (or off) the runlist; off also preempts them.
-    Schedule { pid: u32, enabled: bool },
+    /// A process's queued work held off the GPU with `lever`, or let run again.
+    Hold { pid: u32, lever: Lever, held: bool },
     /// A process's channel groups' timeslice.
     Timeslice { pid: u32, us: u64 },
 }
@@ -142,17 +189,17 @@ pub struct Plan {
 /// What the law knows of a GPU's firmware.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Firmware {
-    /// Not probed yet.
+    /// Not probed yet (or its verdict is due to be checked again).
     Unknown,
-    /// A tenant is off the runlist until `until`; `since` is when it was taken off.
+    /// Every tenant of the GPU is held with `lever` from `since` until `until`.
     Probing {
-        pid: u32,
+        lever: Lever,
         since: Nanos,
         until: Nanos,
     },
-    /// Controls take effect: shares are set in hardware.
-    Honors,
-    /// Controls are accepted and ignored (or cannot be issued): the freezer fallback.
+    /// This lever stops queued work: shares are set in hardware with it.
+    Honors(Lever),
+    /// No lever stops queued work (or none can be issued): the freezer fallback.
     Ignores,
 }
 
@@ -191,9 +238,10 @@ struct Unit {
     /// overrun measured), and since when.
     slot: Option<f64>,
     trim_at: Nanos,
-    /// Timeslice set on its groups (µs), and whether they are on the runlist / it is frozen.
+    /// Timeslice set on its groups (µs); the lever its work is held with, if it is; whether it
+    /// is frozen.
     timeslice: Option<u64>,
-    off: bool,
+    off: Option<Lever>,
     frozen: bool,
     /// What was planned for it was voided before it all ran: whether it is frozen or off the
     /// runlist is not known, so the next plan issues its first commands whatever they were.
@@ -204,6 +252,20 @@ struct Unit {
 #[derive(Clone, Debug)]
 struct Gpu {
     firmware: Firmware,
+    /// Levers the probes found ignored since the last verdict.
+    rejected: Vec<Lever>,
+    /// When the present verdict was reached (checked again [`LawParams::recheck`] later); while
+    /// unknown, when a probe may start (later after an inconclusive one).
+    checked: Nanos,
+    /// A device window inside the present probe read idle.
+    probe_quiet: bool,
+    /// The verdict changed since the last plan: what was planned is void.
+    replan: bool,
+    /// Newest device window already counted, and the shortest gap seen between two (µs).
+    last_device: u64,
+    device_window_us: Option<u64>,
+    /// When a device window last read the GPU busy (at least twice [`BUSY`]).
+    device_busy: Option<Nanos>,
     units: BTreeMap<String, Unit>,
     /// Newest window already counted.
     last_window: u64,
@@ -227,6 +289,13 @@ impl Default for Gpu {
     fn default() -> Self {
         Self {
             firmware: Firmware::Unknown,
+            rejected: Vec::new(),
+            checked: 0,
+            probe_quiet: false,
+            replan: false,
+            last_device: 0,
+            device_window_us: None,
+            device_busy: None,
             units: BTreeMap::new(),
             last_window: 0,
             window_us: None,
@@ -318,12 +387,6 @@ impl Law {
                 .collect();
             for name in gone {
                 if let Some(mut u) = g.units.remove(&name) {
-                    if let Firmware::Probing { pid, .. } = g.firmware
-                        && u.pids.contains(&pid)
-                    {
-                        // The probe's tenant left before it could tell anything.
-                        g.firmware = Firmware::Unknown;
-                    }
                     release(&name, &mut u, &self.held, &mut g.leaving);
                 }
             }
@@ -377,15 +440,20 @@ impl Law {
                     push_recent(u, at, f64::from(util.min(100)) / 100.0);
                     u.stat.measured = u.share.value * 100.0;
                 }
-                if let Firmware::Probing { pid, since, until } = g.firmware
+                if let Firmware::Probing {
+                    lever,
+                    since,
+                    until,
+                } = g.firmware
                     && at >= since + self.params.probe / 2
                     && at < until
-                    && by_pid.contains_key(&pid)
+                    && by_pid.values().any(|u| *u > 0)
                 {
-                    // It ran while off the runlist: the firmware ignores the controls.
-                    g.firmware = Firmware::Ignores;
+                    // A held process ran: the lever is ignored.
+                    reject(g, lever, now);
                 }
             }
+            judge_device(g, r, now, self.params.probe);
         }
     }
 
@@ -406,7 +474,8 @@ impl Law {
         };
         for (&gpu, g) in self.gpus.iter_mut() {
             let active = active_units(&p, g, now, &self.held);
-            let changed = active != g.planned || !g.leaving.is_empty();
+            let changed = active != g.planned || !g.leaving.is_empty() || g.replan;
+            g.replan = false;
             plan.commands
                 .extend(g.leaving.drain(..).map(|c| (now, gpu, c)));
             if changed && g.next > now {
@@ -468,6 +537,74 @@ impl Law {
     }
 }
 
+/// Device windows a probe may not judge by: the first this long after the hold (the lever's own
+/// latency; on the H200 it stops queued work within 15 ms).
+const SETTLE: Nanos = 50 * MS;
+/// A device window at least this busy (percent) inside a probe means its lever is ignored.
+const BUSY: u32 = 10;
+/// NVML's device window where none has been seen twice yet (µs).
+const DEVICE_WINDOW_US: u64 = 200_000;
+/// How long an inconclusive probe waits for its windows, and before it is tried again.
+const JUDGE_WAIT: Nanos = 1_000 * MS;
+const RETRY: Nanos = 10_000 * MS;
+
+/// Takes NVML's new device windows: a probe's verdict where a window lies inside its hold.
+fn judge_device(g: &mut Gpu, r: &Reading, now: Nanos, probe: Nanos) {
+    let mut new: Vec<DeviceSample> = r
+        .device
+        .iter()
+        .copied()
+        .filter(|s| s.timestamp_us > g.last_device)
+        .collect();
+    new.sort_by_key(|s| s.timestamp_us);
+    for s in new {
+        if g.last_device > 0 {
+            let gap = s.timestamp_us - g.last_device;
+            if gap >= 10_000 {
+                g.device_window_us = Some(g.device_window_us.map_or(gap, |w| w.min(gap)));
+            }
+        }
+        g.last_device = s.timestamp_us;
+        let end = now.saturating_sub(
+            r.clock_us
+                .saturating_sub(s.timestamp_us)
+                .saturating_mul(1_000),
+        );
+        if s.util >= 2 * BUSY {
+            g.device_busy = Some(g.device_busy.map_or(end, |b| b.max(end)));
+        }
+        let start = end.saturating_sub(g.device_window_us.unwrap_or(DEVICE_WINDOW_US) * 1_000);
+        if let Firmware::Probing {
+            lever,
+            since,
+            until,
+        } = g.firmware
+            && start >= since + SETTLE.min(probe / 4)
+            && end <= until
+        {
+            if s.util >= BUSY {
+                reject(g, lever, now);
+            } else {
+                g.probe_quiet = true;
+            }
+        }
+    }
+}
+
+/// The probe found `lever` ignored: the next lever is probed, or the freezer falls back.
+fn reject(g: &mut Gpu, lever: Lever, now: Nanos) {
+    if !g.rejected.contains(&lever) {
+        g.rejected.push(lever);
+    }
+    g.replan = true;
+    g.firmware = if Lever::ALL.iter().all(|l| g.rejected.contains(l)) {
+        g.checked = now;
+        Firmware::Ignores
+    } else {
+        Firmware::Unknown
+    };
+}
+
 /// Keeps a window's reading for the lone-unit correction (the last 256).
 fn push_recent(u: &mut Unit, at: Nanos, x: f64) {
     if u.recent.len() >= 256 {
@@ -505,6 +642,7 @@ mod tests {
                     sm_util: 99,
                 })
                 .collect(),
+            device: Vec::new(),
             clock_us: ts,
         }
     }
@@ -531,36 +669,148 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn the_probe_tells_honoring_firmware_from_ignoring_and_keeps_its_commands_in_order() {
-        for ran_while_off in [false, true] {
-            let mut law = Law::new(LawParams::default());
-            let ts = [tenant(7, "/a", cap(30), true)];
-            law.observe(MS, &ts, &[reading(MS, &[7], &[7])]);
-            let plan = law.plan(MS);
-            // Whatever is released first, the probe's "off" comes last at that instant.
-            assert_eq!(
-                at(&plan, MS).last(),
-                Some(&Command::Schedule {
-                    pid: 7,
-                    enabled: false
-                }),
-                "{plan:?}"
-            );
-            let mut t = MS;
-            while t < 1_200 * MS {
-                t += 100 * MS;
-                let ran: &[u32] = if ran_while_off { &[7] } else { &[] };
-                law.observe(t, &ts, &[reading(t, &[7], ran)]);
-                law.plan(t);
-            }
-            let want = if ran_while_off {
-                Firmware::Ignores
+    /// As [`reading`], with one device window of `util` percent ending at `now`.
+    fn with_device(mut r: Reading, util: u32) -> Reading {
+        r.device.push(DeviceSample {
+            timestamp_us: r.clock_us,
+            util,
+        });
+        r
+    }
+
+    /// Runs one capped tenant under the probes for `until`, in 100 ms samples whose device
+    /// window (200 ms) reads `busy(t, held)` (held: the probe holds it with that lever).
+    fn probe_run(busy: impl Fn(Option<Lever>) -> u32, until: Nanos) -> (Law, Vec<Command>) {
+        let mut law = Law::new(LawParams::default());
+        let ts = [tenant(7, "/a", cap(30), true)];
+        let mut cmds = Vec::new();
+        let mut held: Option<Lever> = None;
+        let mut t = 0;
+        // Windows every 200 ms, NVML read every 100 ms.
+        while t < until {
+            t += 100 * MS;
+            let r = reading(t, &[7], if held.is_some() { &[] } else { &[7] });
+            let r = if (t / (100 * MS)).is_multiple_of(2) {
+                with_device(r, busy(held))
             } else {
-                Firmware::Honors
+                r
             };
-            assert_eq!(law.firmware(0), Some(want));
+            law.observe(t, &ts, &[r]);
+            for (_, _, c) in law.plan(t).commands {
+                if let Command::Hold { lever, held: h, .. } = c {
+                    held = if h {
+                        Some(lever)
+                    } else if held == Some(lever) {
+                        None
+                    } else {
+                        held
+                    };
+                }
+                cmds.push(c);
+            }
         }
+        (law, cmds)
+    }
+
+    #[test]
+    fn the_probes_judge_each_lever_by_the_devices_own_windows() {
+        // Channels stop the GPU's work, the runlist does not: the first probe finds it.
+        let (law, cmds) = probe_run(
+            |h| if h == Some(Lever::Channels) { 0 } else { 99 },
+            3_000 * MS,
+        );
+        assert_eq!(law.firmware(0), Some(Firmware::Honors(Lever::Channels)));
+        assert!(cmds.contains(&Command::Hold {
+            pid: 7,
+            lever: Lever::Channels,
+            held: true
+        }));
+        // Only the runlist works: channels are rejected, then the runlist is found.
+        let (law, _) = probe_run(
+            |h| if h == Some(Lever::Runlist) { 0 } else { 99 },
+            5_000 * MS,
+        );
+        assert_eq!(law.firmware(0), Some(Firmware::Honors(Lever::Runlist)));
+        // Neither: the freezer.
+        let (law, cmds) = probe_run(|_| 99, 5_000 * MS);
+        assert_eq!(law.firmware(0), Some(Firmware::Ignores));
+        assert!(
+            cmds.iter()
+                .any(|c| matches!(c, Command::Freeze { frozen: true, .. }))
+        );
+    }
+
+    #[test]
+    fn a_verdict_is_checked_again_after_a_while() {
+        let p = LawParams::default();
+        let (mut law, _) = probe_run(|_| 99, 5_000 * MS);
+        assert_eq!(law.firmware(0), Some(Firmware::Ignores));
+        let ts = [tenant(7, "/a", cap(30), true)];
+        let t = 5_000 * MS + p.recheck + MS;
+        law.observe(t, &ts, &[with_device(reading(t, &[7], &[7]), 99)]);
+        let plan = law.plan(t);
+        assert!(
+            matches!(law.firmware(0), Some(Firmware::Probing { .. })),
+            "{plan:?}"
+        );
+    }
+
+    #[test]
+    fn without_device_windows_a_held_tenant_nvml_never_lists_is_taken_as_stopped() {
+        let mut law = Law::new(LawParams::default());
+        let ts = [tenant(7, "/a", cap(30), true)];
+        law.observe(MS, &ts, &[reading(MS, &[7], &[7])]);
+        let plan = law.plan(MS);
+        // Whatever is released first, the probe's hold comes last at that instant.
+        assert_eq!(
+            at(&plan, MS).last(),
+            Some(&Command::Hold {
+                pid: 7,
+                lever: Lever::Channels,
+                held: true
+            }),
+            "{plan:?}"
+        );
+        let mut t = MS;
+        while t < 1_200 * MS {
+            t += 100 * MS;
+            law.observe(t, &ts, &[reading(t, &[7], &[])]);
+            law.plan(t);
+        }
+        assert_eq!(law.firmware(0), Some(Firmware::Honors(Lever::Channels)));
+    }
+
+    #[test]
+    fn priority_classes_get_their_timeslices_whether_nvml_samples_them_or_not() {
+        let mut law = Law::new(LawParams::default());
+        let p = LawParams::default();
+        let be = tenant(1, "/be", prio(Priority::BestEffort), true);
+        let lc = tenant(2, "/lc", prio(Priority::LatencyCritical), true);
+        // NVML lists both processes but only ever samples BE (LC's bursts never hold a window).
+        let mut cmds = Vec::new();
+        let mut t = 0;
+        while t < 2_000 * MS {
+            t += 100 * MS;
+            let r = with_device(reading(t, &[1, 2], &[1]), 99);
+            law.observe(t, &[be.clone(), lc.clone()], &[r]);
+            cmds.extend(law.plan(t).commands.into_iter().map(|(_, _, c)| c));
+        }
+        assert!(cmds.contains(&Command::Timeslice {
+            pid: 2,
+            us: p.max_timeslice_us
+        }));
+        assert!(cmds.contains(&Command::Timeslice {
+            pid: 1,
+            us: p.min_timeslice_us
+        }));
+        // Neither is held nor frozen for the classes.
+        assert!(
+            !cmds.iter().any(|c| matches!(
+                c,
+                Command::Hold { held: true, .. } | Command::Freeze { frozen: true, .. }
+            )),
+            "{cmds:?}"
+        );
     }
 
     #[test]
