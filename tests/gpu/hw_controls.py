@@ -3,7 +3,7 @@ stops a tenant's queued GPU work, and what a priority class's timeslices do for 
 latency-critical tenant, measured by the tenants' own progress (tests/gpu/hw_tenant.cu), not
 NVML. Measurement tooling for docs/real-gpu.md, not part of gpud.
 
-  python3 hw_controls.py CARRY_DIR OUT_DIR TENANT_BINARY [controls|lcbe|all]
+  python3 hw_controls.py CARRY_DIR OUT_DIR TENANT_BINARY [controls|lcbe|shares|all]...
 
 controls: for a tenant of each queue shape (sync: 10 kernels then a synchronize; deep: about
 1,024 kernels of ~2 ms kept queued), with a gated neighbour beside it, gpud-hwcontrols applies
@@ -12,7 +12,12 @@ thread logs NVML's device utilization samples and per-process samples (OUT/nvml-
 to check what the firmware probe can see.
 lcbe: an LC tenant (Poisson requests of 3 kernels of ~1 ms at 30 % load, each synchronized) alone,
 then beside a deep-queue BE tenant with the timeslices as CUDA sets them, then with LC's groups
-at 16,384 µs and BE's at 128 µs (set through gpud's Controls): OUT/lcbe.json.
+at 16,384 µs and BE's at 128 µs (set through gpud's Controls), or, where gpud runs (GPUDCTL
+names its gpudctl command line), in cgroups /lc and /be with `priority` latency-critical and
+best-effort set through gpud: OUT/lcbe.json.
+shares (gpud running, GPUDCTL set): two tenants of each queue shape in cgroups /share-a and
+/share-b: unlimited, caps 30 / 70, weights 1 : 3; kernels per second per phase: OUT/shares.json.
+Every kernel does the same work (ITERATIONS from one tenant calibrated alone at the start).
 """
 import json, os, subprocess, sys, threading, time
 
@@ -21,7 +26,10 @@ sys.path.insert(0, HERE)
 import nvsniff  # noqa: E402
 
 C, OUT, TENANT = sys.argv[1], sys.argv[2], sys.argv[3]
-WHAT = sys.argv[4] if len(sys.argv) > 4 else "all"
+WHAT = sys.argv[4:] or ["all"]
+GPUDCTL = os.environ.get("GPUDCTL", "").split()
+CG = next(l.split()[4] for l in open("/proc/self/mountinfo") if l.split(" - ")[1].startswith("cgroup2 "))
+ITERATIONS = {}
 os.makedirs(OUT, exist_ok=True)
 TOOL = os.path.join(C, "gpud-hwcontrols")
 
@@ -33,14 +41,24 @@ def say(**kv):
 class Proc:
     """A tenant under the ioctl sniffer; READY parsed from its output."""
 
-    def __init__(self, name, mode, secs, arg=None, env=None):
+    def __init__(self, name, mode, secs, arg=None, env=None, cgroup=None, kernel_ms=2):
         self.name = name
         self.log = f"/tmp/sniff-{name}.log"
         self.out = open(os.path.join(OUT, f"tenant-{name}.txt"), "w")
         e = dict(os.environ, NVSNIFF_OUT=self.log, LD_PRELOAD=os.path.join(C, "nv-ioctl-sniffer.so"))
+        if kernel_ms in ITERATIONS:
+            e["ITERATIONS"] = str(ITERATIONS[kernel_ms])
+        e["KERNEL_MS"] = str(kernel_ms)
         e.update(env or {})
         args = [TENANT, mode, str(secs)] + ([str(arg)] if arg is not None else [])
-        self.p = subprocess.Popen(args, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        def join():
+            if cgroup:
+                os.makedirs(os.path.join(CG, cgroup.strip("/")), exist_ok=True)
+                with open(os.path.join(CG, cgroup.strip("/"), "cgroup.procs"), "w") as f:
+                    f.write(str(os.getpid()))
+
+        self.p = subprocess.Popen(args, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=join)
         self.ready = None
         self.lines = []
         self.t = threading.Thread(target=self._read, daemon=True)
@@ -165,46 +183,94 @@ def controls(shape):
     nv.close()
 
 
-def latency(path):
-    lat = sorted(float(l.split()[1]) for l in open(path) if l.strip())
+def latency(path, skip=3.0):
+    """Percentiles of the request latencies, leaving out the first `skip` seconds (gpud finds a
+    new tenant's channel groups within about a second and a half)."""
+    rows = [tuple(map(float, l.split())) for l in open(path) if l.strip()]
+    first = min((a for a, _ in rows), default=0)
+    lat = sorted(x for a, x in rows if a >= first + skip)
     if not lat:
         return {}
     q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]
     return {"n": len(lat), "p50_us": q(0.5), "p90_us": q(0.9), "p99_us": q(0.99), "mean_us": sum(lat) / len(lat)}
 
 
+def calibrate():
+    """Iterations per kernel of 2 ms and of 1 ms, timed alone."""
+    for ms in (2, 1):
+        p = Proc(f"calibrate-{ms}ms", "calibrate", 0, kernel_ms=ms).wait_ready()
+        p.finish()
+        ITERATIONS[ms] = int(p.ready["iterations"])
+        ITERATIONS[f"{ms}_us"] = float(p.ready["kernel_us"])
+    say(step="calibrate", iterations=ITERATIONS)
+
+
+def ctl(*args):
+    r = subprocess.run(GPUDCTL + list(args), capture_output=True, text=True, timeout=30)
+    if r.returncode:
+        say(step="gpudctl", args=args, rc=r.returncode, out=r.stdout + r.stderr)
+    return r.stdout
+
+
 def lcbe():
     res = {}
-    lc_env = {"KERNEL_MS": "1", "LC_LOAD": "0.3"}
-    env = dict(lc_env, LC_OUT=os.path.join(OUT, "lc-solo.txt"))
-    lc = Proc("lc-solo", "lc", 15, 3, env).wait_ready()
-    fin = lc.finish()
-    kernel_us = float(lc.ready["kernel_us"])
-    res["lc_solo"] = dict(latency(os.path.join(OUT, "lc-solo.txt")), kernel_us=kernel_us, check=fin["check"])
+    lc_env = {"LC_LOAD": "0.3", "LC_KERNEL_US": str(ITERATIONS["1_us"])}
+
+    def lc(name, cgroup=None):
+        env = dict(lc_env, LC_OUT=os.path.join(OUT, f"{name}.txt"))
+        return Proc(f"lc-{name}", "lc", 15, 3, env, cgroup=cgroup, kernel_ms=1).wait_ready()
+
+    p = lc("solo")
+    fin = p.finish()
+    res["lc_solo"] = dict(latency(os.path.join(OUT, "solo.txt")), check=fin["check"])
     be = Proc("be-solo", "deep", 8, 1024).wait_ready()
     t0 = time.time()
     fin = be.finish()
     res["be_solo"] = {"kernels_per_s": be.rates(t0, time.time()), "check": fin["check"]}
-    for phase, ts in [("lc_be_default", None), ("lc_be_timeslices", (16384, 128))]:
-        be = Proc(f"be-{phase}", "deep", 22, 1024).wait_ready()
-        env = dict(lc_env, LC_OUT=os.path.join(OUT, f"{phase}.txt"))
-        lc = Proc(f"lc-{phase}", "lc", 15, 3, env).wait_ready()
+    # Beside gpud, its scheduler guard would set a timeslice another process raises back to
+    # the allowance: the timeslices are then gpud's own. LCBE_PHASES (e.g. "default gpud
+    # gpud:16"): which, each with BE's kernels in that many waves of shorter blocks.
+    kinds = os.environ.get("LCBE_PHASES", "default gpud" if GPUDCTL else "default timeslices").split()
+    phases = []
+    for k in kinds:
+        kind, _, waves = k.partition(":")
+        how = {"default": None, "gpud": "gpud", "timeslices": (16384, 128)}[kind]
+        phases.append((f"lc_be_{kind}" + (f"_waves{waves}" if waves else ""), how, waves or "1"))
+    for phase, how, waves in phases:
+        cg = (None, None)
+        if how == "gpud":
+            cg = ("/lc", "/be")
+            for c in cg:
+                os.makedirs(os.path.join(CG, c.strip("/")), exist_ok=True)
+            ctl("set", "/lc", "--gpu", "0", "--priority", "latency-critical")
+            ctl("set", "/be", "--gpu", "0", "--priority", "best-effort")
+        b = Proc(f"be-{phase}", "deep", 22, 1024, {"WAVES": waves}, cgroup=cg[1]).wait_ready()
+        time.sleep(2 if how == "gpud" else 0)
+        l = lc(phase, cgroup=cg[0])
         set_out = []
-        if ts:
-            for p, us in [(lc, ts[0]), (be, ts[1])]:
+        if isinstance(how, tuple):
+            for p, us in [(l, how[0]), (b, how[1])]:
                 r = subprocess.run([TOOL, "timeslice", "--tenant", json.dumps(p.spec()), "--us", str(us)],
                                    capture_output=True, text=True, timeout=30)
                 set_out.append((r.returncode, r.stdout.strip(), r.stderr.strip()))
+        elif how == "gpud":
+            time.sleep(1)
+            set_out.append(ctl("--json", "list"))
         t0 = time.time()
-        lfin = lc.finish()
+        lfin = l.finish()
         t1 = time.time()
-        bfin = be.finish()
-        res[phase] = dict(latency(os.path.join(OUT, f"{phase}.txt")), be_kernels_per_s=be.rates(t0, t1),
+        if how == "gpud":
+            set_out.append(ctl("--json", "list"))
+        bfin = b.finish()
+        res[phase] = dict(latency(os.path.join(OUT, f"{phase}.txt")), be_kernels_per_s=b.rates(t0, t1),
                           set=set_out, check=[lfin["check"], bfin["check"]])
+        if how == "gpud":
+            ctl("clear", "/lc", "--gpu", "0")
+            ctl("clear", "/be", "--gpu", "0")
     solo = res["lc_solo"]
-    busy = solo.get("n", 0) * 3 * kernel_us / 1e6 / 15
-    res["lc_busy_fraction"] = busy
-    for phase in ["lc_be_default", "lc_be_timeslices"]:
+    busy = solo.get("n", 0) * 3 * ITERATIONS["1_us"] / 1e6 / (15 - 3)
+    res["lc_busy_fraction"] = round(busy, 3)
+    for phase, _, _ in phases:
         r = res[phase]
         if solo.get("p99_us") and r.get("p99_us"):
             r["p99_vs_solo"] = round(r["p99_us"] / solo["p99_us"], 2)
@@ -215,13 +281,58 @@ def lcbe():
     say(step="lcbe", **res)
 
 
-if WHAT in ("controls", "all"):
+def shares():
+    """Caps 30 / 70 and weights 1 : 3 under gpud, for each queue shape (SHAPES, default
+    "deep sync"), SHARES_ROUNDS rounds of both (default 1)."""
+    res = {}
+    rounds = int(os.environ.get("SHARES_ROUNDS", "1"))
+    policies = [("caps-30-70", ["--compute-max", "30"], ["--compute-max", "70"]),
+                ("weights-1-3", ["--compute-weight", "1"], ["--compute-weight", "3"])]
+    for shape in os.environ.get("SHAPES", "deep sync").split():
+        arg = 1024 if shape == "deep" else None
+        secs = 8 + 16 * 2 * rounds + 6
+        a = Proc(f"share-a-{shape}", shape, secs, arg, cgroup="/share-a").wait_ready()
+        b = Proc(f"share-b-{shape}", shape, secs, arg, cgroup="/share-b").wait_ready()
+        start = time.time()
+        time.sleep(8)
+        phases = [("unlimited", start + 2, time.time())]
+        for r in range(rounds):
+            for name, la, lb in policies:
+                ctl("clear", "/share-a", "--gpu", "0")
+                ctl("clear", "/share-b", "--gpu", "0")
+                ctl("set", "/share-a", "--gpu", "0", *la)
+                ctl("set", "/share-b", "--gpu", "0", *lb)
+                t0 = time.time()
+                time.sleep(16)
+                # The first 4 s of a phase are the law's settling (and the probe).
+                phases.append((name if rounds == 1 else f"{name}-{r + 1}", t0 + 4, time.time()))
+        listing = ctl("--json", "list")
+        ctl("clear", "/share-a", "--gpu", "0")
+        ctl("clear", "/share-b", "--gpu", "0")
+        fa, fb = a.finish(), b.finish()
+        out = {"check": [fa["check"], fb["check"]], "list": listing}
+        for phase, t0, t1 in phases:
+            ra, rb = a.rates(t0, t1), b.rates(t0, t1)
+            out[phase] = {"a": ra, "b": rb, "a_pct": round(100 * ra / (ra + rb), 1) if ra and rb else None}
+        res[shape] = out
+        say(step=f"shares-{shape}", **{k: v for k, v in out.items() if k != "list"})
+    with open(os.path.join(OUT, "shares.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+calibrate()
+if {"controls", "all"} & set(WHAT):
     for shape in ["sync", "deep"]:
         try:
             controls(shape)
         except Exception as e:  # one shape failing must not lose the other's figures
             say(step=f"controls-{shape}", error=repr(e))
-if WHAT in ("lcbe", "all"):
+if {"shares", "all"} & set(WHAT) and GPUDCTL:
+    try:
+        shares()
+    except Exception as e:
+        say(step="shares", error=repr(e))
+if {"lcbe", "all"} & set(WHAT):
     try:
         lcbe()
     except Exception as e:

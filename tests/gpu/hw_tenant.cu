@@ -12,7 +12,11 @@
 //   deep  about ARG (default 1024) kernels kept queued, never synchronized;
 //   gated sync, once the word at `gate` (written by the tool) is 1, until it is 2;
 //   lc    requests of ARG kernels (default 1) at Poisson arrivals making LC_LOAD (0.3) of the GPU
-//         busy alone, each synchronized; each request's latency to LC_OUT (arrival, µs);
+//         busy alone (LC_KERNEL_US: a kernel's time alone, else as timed at start), each
+//         synchronized; each request's latency to LC_OUT (arrival, µs);
+//   calibrate  only the READY line (ITERATIONS for KERNEL_MS alone), then exit.
+// ITERATIONS fixes the work per kernel instead of timing it (tenants started beside others);
+// WAVES spreads it over that many times more, shorter blocks.
 // Prints `READY pid=… progress=0x… gate=0x… kernel_us=…` once calibrated, one JSON line per
 // second (kernels completed), and at the end `CHECK ok|FAILED …`: every completed kernel's
 // results are verified (per-thread results against the CPU for a sample; the sum over all
@@ -140,7 +144,10 @@ int main(int argc, char **argv)
 	int dev = 0, sms = 0;
 	CK(cudaSetDevice(dev));
 	CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-	t.blocks = sms * 8;
+	// WAVES: the same work per kernel in WAVES times as many blocks, each that much shorter
+	// (how long a block runs bounds how soon the GPU can switch away from the kernel).
+	int waves = getenv("WAVES") ? std::max(1, atoi(getenv("WAVES"))) : 1;
+	t.blocks = sms * 8 * waves;
 	size_t threads = (size_t)t.blocks * THREADS;
 	CK(cudaStreamCreateWithFlags(&t.stream, cudaStreamNonBlocking));
 	CK(cudaMalloc((void **)&t.out, threads * sizeof(uint32_t)));
@@ -155,11 +162,16 @@ int main(int argc, char **argv)
 	CK(cudaHostGetDevicePointer((void **)&t.progress_dev, (void *)ph, 0));
 	CK(cudaStreamSynchronize(t.stream));
 
-	// Calibrate: iterations for kernel_ms alone.
-	double ms = time_kernel(t, 20000, 5);
-	uint32_t n = (uint32_t)std::max(1000.0, 20000.0 * kernel_ms / std::max(ms, 1e-3));
-	ms = time_kernel(t, n, 10);
-	n = (uint32_t)std::max(1000.0, n * kernel_ms / std::max(ms, 1e-3));
+	// Calibrate: iterations for kernel_ms alone, unless ITERATIONS fixes them (so that tenants
+	// started beside others do the same work per kernel as one calibrated alone).
+	uint32_t n = getenv("ITERATIONS") ? (uint32_t)(atol(getenv("ITERATIONS")) / waves) : 0;
+	double ms;
+	if (n == 0) {
+		ms = time_kernel(t, 20000, 5);
+		n = (uint32_t)std::max(1000.0, 20000.0 * kernel_ms / std::max(ms, 1e-3));
+		ms = time_kernel(t, n, 10);
+		n = (uint32_t)std::max(1000.0, n * kernel_ms / std::max(ms, 1e-3));
+	}
 	ms = time_kernel(t, n, 20);
 	t.n = n;
 	CK(cudaStreamSynchronize(t.stream));
@@ -189,7 +201,9 @@ int main(int argc, char **argv)
 	});
 
 	double end = now_s() + secs;
-	if (!strcmp(mode, "sync") || !strcmp(mode, "gated")) {
+	if (!strcmp(mode, "calibrate")) {
+		end = 0;
+	} else if (!strcmp(mode, "sync") || !strcmp(mode, "gated")) {
 		bool gated = !strcmp(mode, "gated");
 		while (gated && gate == 0 && now_s() < end)
 			usleep(200);
@@ -209,7 +223,8 @@ int main(int argc, char **argv)
 	} else if (!strcmp(mode, "lc")) {
 		long k = arg > 0 ? arg : 1;
 		double load = getenv("LC_LOAD") ? atof(getenv("LC_LOAD")) : 0.3;
-		double service = k * ms / 1000.0;
+		double kernel_s = getenv("LC_KERNEL_US") ? atof(getenv("LC_KERNEL_US")) / 1e6 : ms / 1000.0;
+		double service = k * kernel_s;
 		std::mt19937_64 rng(12345);
 		std::exponential_distribution<double> gap(load / service);
 		FILE *lat = fopen(getenv("LC_OUT") ? getenv("LC_OUT") : "/dev/null", "w");
