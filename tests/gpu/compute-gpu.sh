@@ -12,19 +12,7 @@ C=$1
 OUT=$2
 . "$(dirname "$0")/common.sh"
 start_bus
-cat >/tmp/gpud.toml <<CONF
-[daemon]
-state_dir = "/tmp/gpud-state-compute"
-[dbus]
-bus = "$BUS"
-[nvml]
-sample_interval_ms = 100
-[compute]
-period_ms = 100
-CONF
-"$C/gpud" --config /tmp/gpud.toml >"$OUT/gpud.log" 2>&1 &
-GPUD=$!
-for _ in $(seq 50); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
+start_compute_gpud
 mkdir -p "$CG/share-a" "$CG/share-b"
 sh -c "echo \$\$ > $CG/share-a/cgroup.procs; RUN_SECS=62 exec python3 $HERE/matmul_loop.py" \
 	>"$OUT/loop-a.jsonl" 2>&1 &

@@ -12,23 +12,9 @@ set -u
 C=$1
 OUT=$2
 . "$(dirname "$0")/common.sh"
-ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
-env -u LD_LIBRARY_PATH nvcc -O2 -arch="sm_${ARCH:-90}" -o /tmp/hw_tenant "$HERE/hw_tenant.cu" || exit 1
+build_tenant || exit 1
 start_bus
-cat >/tmp/gpud.toml <<CONF
-[daemon]
-state_dir = "/tmp/gpud-state-compute"
-log = "${GPUD_LOG:-gpud=debug}"
-[dbus]
-bus = "$BUS"
-[nvml]
-sample_interval_ms = 100
-[compute]
-period_ms = 100
-CONF
-"$C/gpud" --config /tmp/gpud.toml >"$OUT/gpud.log" 2>&1 &
-GPUD=$!
-for _ in $(seq 50); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
+GPUD_LOG=${GPUD_LOG:-gpud=debug} start_compute_gpud
 ctl status >"$OUT/status.txt" 2>&1
 GPUDCTL="$C/gpudctl --bus-address $BUS" PYTHONUNBUFFERED=1 \
 	python3 "$HERE/hw_controls.py" "$C" "$OUT" /tmp/hw_tenant shares lcbe 2>&1 | tee -a "$R"

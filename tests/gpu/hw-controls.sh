@@ -13,8 +13,7 @@ set -u
 C=$1
 OUT=$2
 . "$(dirname "$0")/common.sh"
-ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
-env -u LD_LIBRARY_PATH nvcc -O2 -arch="sm_${ARCH:-90}" -o /tmp/hw_tenant "$HERE/hw_tenant.cu" || exit 1
+build_tenant || exit 1
 dmesg 2>/dev/null | grep -ci xid >/tmp/xid-before || echo 0 >/tmp/xid-before
 PYTHONUNBUFFERED=1 python3 "$HERE/hw_controls.py" "$C" "$OUT" /tmp/hw_tenant "${3:-all}" 2>&1 | tee -a "$R"
 {

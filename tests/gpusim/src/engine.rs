@@ -643,6 +643,17 @@ mod tests {
         Engine::new(p)
     }
 
+    /// One TSG with 100 kernels of 2 ms queued, 10 ms into running them.
+    fn queued(fw: Firmware) -> (Engine, TsgId) {
+        let mut e = engine(|p| p.firmware = fw);
+        let a = e.add_tsg(1);
+        for _ in 0..100 {
+            e.submit(a, 2 * MS, 0);
+        }
+        e.advance_to(10 * MS);
+        (e, a)
+    }
+
     /// Keeps `tsg` `depth` kernels deep until `until`.
     fn run_saturating(e: &mut Engine, tsgs: &[TsgId], kernel: Nanos, until: Nanos) {
         for &t in tsgs {
@@ -714,12 +725,7 @@ mod tests {
             (Firmware::H200, false),
             (Firmware::Ignores, false),
         ] {
-            let mut e = engine(|p| p.firmware = fw);
-            let a = e.add_tsg(1);
-            for _ in 0..100 {
-                e.submit(a, 2 * MS, 0);
-            }
-            e.advance_to(10 * MS);
+            let (mut e, a) = queued(fw);
             assert_eq!(e.control(a, Control::Schedule(false)), RmStatus::Ok);
             assert_eq!(e.control(a, Control::Preempt), RmStatus::Ok);
             e.advance_to(100 * MS);
@@ -745,12 +751,7 @@ mod tests {
             (Firmware::H200, true),
             (Firmware::Ignores, false),
         ] {
-            let mut e = engine(|p| p.firmware = fw);
-            let a = e.add_tsg(1);
-            for _ in 0..100 {
-                e.submit(a, 2 * MS, 0);
-            }
-            e.advance_to(10 * MS);
+            let (mut e, a) = queued(fw);
             assert_eq!(e.control(a, Control::DisableChannels(true)), RmStatus::Ok);
             e.advance_to(100 * MS);
             let lat = e.params().disable_channels_latency;
@@ -776,12 +777,7 @@ mod tests {
     #[test]
     fn controls_take_effect_in_the_order_of_their_latencies() {
         // An enable issued before a schedule-disable lands after it (3 ms against 50 µs).
-        let mut e = engine(|_| {});
-        let a = e.add_tsg(1);
-        for _ in 0..100 {
-            e.submit(a, 2 * MS, 0);
-        }
-        e.advance_to(10 * MS);
+        let (mut e, a) = queued(Firmware::Honors);
         e.control(a, Control::DisableChannels(true));
         e.advance_to(20 * MS);
         let at = e.busy(a);
