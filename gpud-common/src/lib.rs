@@ -607,7 +607,8 @@ pub mod maps {
     /// (the scheduler guard's allowance; the least over a cgroup's ancestry holds).
     pub const SCHED_ALLOW: &str = "SCHED_ALLOW";
     /// Hash [`ObjKey`](crate::ObjKey) → `u32` (1): channel groups the daemon's compute law holds
-    /// off the runlist; the scheduler guard refuses their owners' own `GPFIFO_SCHEDULE` enable.
+    /// off the runlist and channels it holds disabled; the scheduler guard refuses their owners'
+    /// own `GPFIFO_SCHEDULE` and `FIFO_DISABLE_CHANNELS` enables of them.
     pub const HELD_GROUPS: &str = "HELD_GROUPS";
     /// Hash [`GuardKey`](crate::GuardKey) → `u64`: every call the scheduler guard acted on or
     /// reported, by cgroup, command and verdict.
@@ -738,7 +739,8 @@ pub const MAX_LIMITS: u32 = 16_384;
 pub const MAX_PENDING: u32 = 16_384;
 /// Capacity of `SCHED_ALLOW`: cgroups with a timeslice allowance of their own.
 pub const MAX_SCHED_ALLOW: u32 = 4_096;
-/// Capacity of `HELD_GROUPS`: channel groups held off the runlist at once.
+/// Capacity of `HELD_GROUPS`: channel groups held off the runlist and channels held disabled at
+/// once.
 pub const MAX_HELD_GROUPS: u32 = 16_384;
 /// Capacity of `GUARD_COUNTS`: (cgroup, command, verdict) triples counted.
 pub const MAX_GUARD_COUNTS: u32 = 16_384;

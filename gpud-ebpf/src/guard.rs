@@ -88,7 +88,7 @@ pub(crate) fn control<const REWRITE: bool>(
             allowed: 0,
         },
         Rule::Timeslice => timeslice(cfg, c)?,
-        Rule::DisableChannels => foreign_channels(file, c)?,
+        Rule::DisableChannels => channels_rule(file, c)?,
         Rule::Schedule => held_enable(c)?,
     };
     bump_stat(stat::SCHED_GUARDED);
@@ -403,13 +403,16 @@ fn neutralize(nvos54: u64, c: &rm::Nvos54) -> bool {
 }
 
 /// `FIFO_DISABLE_CHANNELS` naming a client that gpud saw made on another control file by
-/// another process. A client gpud never saw made (older than gpud) cannot be told apart and
-/// passes. `None` when every client named is the caller's, or the call is malformed.
+/// another process (a client gpud never saw made, older than gpud, cannot be told apart and
+/// passes), or enabling a channel gpud holds disabled (`HELD_GROUPS`: its owner would escape
+/// the compute law's hold). `None` when every client named is the caller's and no held channel
+/// is enabled, or the call is malformed.
 #[inline(always)]
-fn foreign_channels(file: u64, c: &rm::Nvos54) -> Option<Finding> {
+fn channels_rule(file: u64, c: &rm::Nvos54) -> Option<Finding> {
     if c.params_size as usize != size_of::<sched::DisableChannelsParams>() {
         return None;
     }
+    let disable: u8 = unsafe { user(c.params)? };
     let n: u32 = unsafe { user(c.params + sched::DISABLE_NUM_CHANNELS as u64)? };
     let mut n = n;
     if n > sched::DISABLE_CHANNELS_MAX as u32 {
@@ -417,15 +420,15 @@ fn foreign_channels(file: u64, c: &rm::Nvos54) -> Option<Finding> {
         return None;
     }
     let tgid = current_tgid();
-    let mut at = c.params + sched::DISABLE_CLIENT_LIST as u64;
+    let mut held = None;
+    let mut at = 0u64;
     for _ in 0..sched::DISABLE_CHANNELS_MAX {
         if n == 0 {
             break;
         }
         n -= 1;
         // An unreadable list is the driver's to refuse.
-        let client: u32 = unsafe { user(at)? };
-        at += 4;
+        let client: u32 = unsafe { user(c.params + sched::DISABLE_CLIENT_LIST as u64 + at)? };
         let key = ObjKey {
             client,
             object: client,
@@ -440,6 +443,21 @@ fn foreign_channels(file: u64, c: &rm::Nvos54) -> Option<Finding> {
                 allowed: 0,
             });
         }
+        if disable == 0 && held.is_none() {
+            let channel: u32 = unsafe { user(c.params + sched::DISABLE_CHANNEL_LIST as u64 + at)? };
+            let key = ObjKey {
+                client,
+                object: channel,
+            };
+            if unsafe { HELD_GROUPS.get(key) }.is_some() {
+                held = Some(Finding {
+                    reason: GUARD_REASON_HELD,
+                    asked: channel as u64,
+                    allowed: 0,
+                });
+            }
+        }
+        at += 4;
     }
-    None
+    held
 }

@@ -1203,6 +1203,55 @@ fn scheduler_guard(
     );
     println!("[guard-{tag}] a group gpud holds off stays off");
 
+    // Channels gpud holds disabled (its lever where the firmware ignores the runlist): their
+    // owner's own enable does nothing until gpud enables them; outside the hold it passes.
+    let objs = attribution
+        .tenant_objects(&[pid_a].into())
+        .remove(&pid_a)
+        .unwrap_or_default();
+    ensure!(
+        objs.channels.len() == 1 && objs.subdevices.len() == 1,
+        "a's channels and subdevices: {objs:?}"
+    );
+    let hold = |controls: &mut gpud::enforcement::compute::channel::Controls, on: bool| {
+        controls
+            .disable_channels(pid_a, objs.subdevices[0], &objs.channels, on)
+            .map_err(|e| anyhow::anyhow!("gpud's FIFO_DISABLE_CHANNELS {on}: {e}"))
+    };
+    hold(&mut controls, true)?;
+    ensure!(
+        chan_enabled(&fake, &ia) == Some(false),
+        "gpud's channel hold"
+    );
+    ensure!(
+        a.ask(&format!("enable {} {}", ia[0], ia[2]))? == ok,
+        "a's channel enable while held"
+    );
+    ensure!(
+        chan_enabled(&fake, &ia) == Some(false),
+        "a enabled its channel while held"
+    );
+    let n = drain(&mut attribution);
+    ensure!(
+        seen(&n) == "FIFO_DISABLE_CHANNELS:refused:held-off",
+        "channel hold reports: {n:?}"
+    );
+    hold(&mut controls, false)?;
+    ensure!(
+        chan_enabled(&fake, &ia) == Some(true),
+        "a's channel after the hold"
+    );
+    ensure!(
+        a.ask(&format!("disable {} {}", ia[0], ia[2]))? == ok
+            && a.ask(&format!("enable {} {}", ia[0], ia[2]))? == ok,
+        "a's own disable and enable"
+    );
+    ensure!(
+        drain(&mut attribution).is_empty(),
+        "channel controls outside a hold reported"
+    );
+    println!("[guard-{tag}] channels gpud holds disabled stay disabled");
+
     // audit: everything through, and reported; off: nothing looked at.
     attribution.set_scheduler_guard(gpud::config::GuardMode::Audit)?;
     ensure!(a.ask("ts 1000000")? == ok_got(1_000_000), "audit: 1 s");
@@ -1231,8 +1280,8 @@ fn scheduler_guard(
     ensure!(drain(&mut attribution).is_empty(), "off: reported");
     let stats = attribution.counters()?.stats();
     ensure!(
-        // 3 lowered, 1 foreign list, 5 refusals, 1 held, 3 in audit.
-        stats.get("sched_guarded") == Some(&13),
+        // 3 lowered, 1 foreign list, 5 refusals, 1 held group, 1 held channel, 3 in audit.
+        stats.get("sched_guarded") == Some(&14),
         "kernel stats {stats:?}"
     );
 

@@ -76,9 +76,10 @@ impl ControlError {
     }
 }
 
-/// The channel groups the daemon holds off the runlist, mirrored in the kernel's `HELD_GROUPS`
-/// map: meanwhile the scheduler guard turns their owners' own `GPFIFO_SCHEDULE` enables into
-/// calls that do nothing, so a tenant cannot put itself back during another's window.
+/// The channel groups the daemon holds off the runlist and the channels it holds disabled,
+/// mirrored in the kernel's `HELD_GROUPS` map: meanwhile the scheduler guard turns their owners'
+/// own `GPFIFO_SCHEDULE` and `FIFO_DISABLE_CHANNELS` enables of them into calls that do nothing
+/// (or refuses them), so a tenant cannot let itself run during another's window.
 pub struct HeldGroups {
     map: aya::maps::HashMap<aya::maps::MapData, ObjKey, u32>,
     /// Each held group's process, to forget the groups of processes that are gone.
@@ -105,18 +106,23 @@ impl HeldGroups {
             client: g.client,
             object: g.handle,
         };
+        self.set_key(key, g.pid, held);
+    }
+
+    /// Marks object `key` of process `pid` (a group or a channel) held or not.
+    fn set_key(&mut self, key: ObjKey, pid: u32, held: bool) {
         if !held {
             self.forget(key);
             return;
         }
         match self.map.insert(key, 1, 0) {
             Ok(()) => {
-                self.pids.insert(key, g.pid);
+                self.pids.insert(key, pid);
             }
             Err(e) => warn!(
-                pid = g.pid,
-                group = format_args!("{:#x}", g.handle),
-                "the scheduler guard will not keep this group off the runlist: {}",
+                pid,
+                object = format_args!("{:#x}", key.object),
+                "the scheduler guard will not keep this object held: {}",
                 Chain(&e)
             ),
         }
@@ -216,6 +222,15 @@ impl Controls {
                 object: subdevice.handle,
             };
             self.control_on(target, sched::DISABLE_CHANNELS, &mut p)?;
+            if let Some(held) = &mut self.held {
+                for c in chunk {
+                    let key = ObjKey {
+                        client: c.client,
+                        object: c.handle,
+                    };
+                    held.set_key(key, pid, disable);
+                }
+            }
         }
         Ok(())
     }
