@@ -15,24 +15,27 @@ start_bus() {
 	DBUS=$!
 	sleep 1
 }
-# gpud on the private bus (start_bus first) set up as the compute scripts use it: 100 ms NVML
-# samples and control periods, log filter GPUD_LOG (default gpud=info), its log in OUT/gpud.log,
-# waited for until it answers; GPUD its pid.
+# gpud on the private bus (start_bus first): state in /tmp/gpud-state, log filter GPUD_LOG
+# (default gpud=info), and the TOML sections on standard input added to its configuration; its
+# log in OUT/gpud.log; waited for until it answers. GPUD: its pid.
+start_gpud() {
+	{
+		printf '[daemon]\nstate_dir = "/tmp/gpud-state"\nlog = "%s"\n[dbus]\nbus = "%s"\n' \
+			"${GPUD_LOG:-gpud=info}" "$BUS"
+		cat
+	} >/tmp/gpud.toml
+	"$C/gpud" --config /tmp/gpud.toml >"$OUT/gpud.log" 2>&1 &
+	GPUD=$!
+	for _ in $(seq 50); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
+}
+# start_gpud as the compute checks use it: 100 ms NVML samples and control periods.
 start_compute_gpud() {
-	cat >/tmp/gpud.toml <<CONF
-[daemon]
-state_dir = "/tmp/gpud-state-compute"
-log = "${GPUD_LOG:-gpud=info}"
-[dbus]
-bus = "$BUS"
+	start_gpud <<CONF
 [nvml]
 sample_interval_ms = 100
 [compute]
 period_ms = 100
 CONF
-	"$C/gpud" --config /tmp/gpud.toml >"$OUT/gpud.log" 2>&1 &
-	GPUD=$!
-	for _ in $(seq 50); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
 }
 # tests/gpu/hw_tenant.cu built for this GPU's architecture into /tmp/hw_tenant (with the host's
 # own libraries, not the carried ones).

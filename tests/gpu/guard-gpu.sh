@@ -28,20 +28,13 @@ log "kernel $(uname -r), driver $(head -1 /proc/driver/nvidia/version)"
 mountpoint -q /sys/kernel/security || mount -t securityfs none /sys/kernel/security 2>/dev/null
 log "lockdown: $(cat /sys/kernel/security/lockdown 2>&1); lsm: $(cat /sys/kernel/security/lsm 2>&1)"
 start_bus
-cat >/tmp/gpud.toml <<CONF
-[daemon]
-state_dir = "/tmp/gpud-state"
-[dbus]
-bus = "$BUS"
+start_gpud <<CONF
 [metrics]
 listen = "127.0.0.1:9464"
 [enforcement]
 scheduler_guard = "enforce"
 guard_react_action = "report"
 CONF
-"$C/gpud" --config /tmp/gpud.toml >"$OUT/gpud.log" 2>&1 &
-GPUD=$!
-for _ in $(seq 50); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
 ctl status >>"$R"
 ctl events --json --type SchedulerControlGuarded >/tmp/guard-events.jsonl 2>&1 &
 EV=$!

@@ -18,16 +18,7 @@ log() { echo "== $*" | tee -a "$R"; }
 
 log "kernel $(uname -r), driver $(head -1 /proc/driver/nvidia/version)"
 start_bus
-cat >/tmp/gpud.toml <<CONF
-[daemon]
-state_dir = "/tmp/gpud-state"
-log = "gpud=debug"
-[dbus]
-bus = "$BUS"
-CONF
-"$C/gpud" --config /tmp/gpud.toml >"$OUT/gpud.log" 2>&1 &
-GPUD=$!
-for _ in $(seq 50); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
+GPUD_LOG=gpud=debug start_gpud </dev/null
 ctl status >>"$R"
 
 mkdir -p "$DEMO"

@@ -114,9 +114,9 @@ fn parse_tenant(s: &str) -> Result<Tenant> {
     serde_json::from_str(s).with_context(|| format!("bad tenant {s}"))
 }
 
-/// Reads a `u64` at `addr` in process `pid`.
-fn read_u64(pid: u32, addr: u64) -> std::io::Result<u64> {
-    let mut v = 0u64;
+/// The `u64` at `addr` in process `pid`: read, or (`value`) written and returned.
+fn remote_u64(pid: u32, addr: u64, value: Option<u64>) -> std::io::Result<u64> {
+    let mut v = value.unwrap_or(0);
     let local = libc::iovec {
         iov_base: (&mut v as *mut u64).cast(),
         iov_len: 8,
@@ -125,29 +125,27 @@ fn read_u64(pid: u32, addr: u64) -> std::io::Result<u64> {
         iov_base: addr as *mut libc::c_void,
         iov_len: 8,
     };
+    let pid = pid as libc::pid_t;
     // SAFETY: one local iovec over `v` (8 bytes) and one remote; the kernel checks the remote.
-    let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    let n = unsafe {
+        if value.is_some() {
+            libc::process_vm_writev(pid, &local, 1, &remote, 1, 0)
+        } else {
+            libc::process_vm_readv(pid, &local, 1, &remote, 1, 0)
+        }
+    };
     if n != 8 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(v)
 }
 
+fn read_u64(pid: u32, addr: u64) -> std::io::Result<u64> {
+    remote_u64(pid, addr, None)
+}
+
 fn write_u64(pid: u32, addr: u64, v: u64) -> std::io::Result<()> {
-    let local = libc::iovec {
-        iov_base: (&v as *const u64).cast_mut().cast(),
-        iov_len: 8,
-    };
-    let remote = libc::iovec {
-        iov_base: addr as *mut libc::c_void,
-        iov_len: 8,
-    };
-    // SAFETY: as in `read_u64`, the other way.
-    let n = unsafe { libc::process_vm_writev(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
-    if n != 8 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    remote_u64(pid, addr, Some(v)).map(drop)
 }
 
 struct Run {
