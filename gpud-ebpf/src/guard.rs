@@ -33,11 +33,11 @@ use gpud_common::{
 
 use crate::{
     kernel::current_tgid,
+    ledger::{current_ancestry, user},
     maps::{
         EVENTS, GUARD_BUCKET, GUARD_COUNTS, GUARD_PENDING, HELD_GROUPS, OBJECTS, PENDING,
         RESTORE_SCRATCH, SCHED_ALLOW, bump_stat, send,
     },
-    memory::{current_ancestry, user},
 };
 
 const SIGKILL: u32 = 9;

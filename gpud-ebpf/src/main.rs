@@ -16,9 +16,11 @@
 //! This file holds only the programs, whose names the daemon loads them by
 //! (`gpud_common::programs`); what they share lives in one module per concern:
 //! [`maps`] (every map), [`kernel`] (reading kernel structs, identifying NVIDIA files),
-//! [`counting`] (ioctl counters and the tracked-process filter), [`memory`] (GPU-memory
-//! accounting and limits), [`meminfo`] (the memory view of limited cgroups) and [`guard`] (the
-//! scheduler guard).
+//! [`counting`] (ioctl counters and the tracked-process filter), [`rm`] (the RM calls' entry and
+//! exit sides, routed to the three that follow), [`memory`] (GPU-memory accounting and limits),
+//! [`meminfo`] (the memory view of limited cgroups), [`guard`] (the scheduler guard), and
+//! [`ledger`] (the reads of the accounting those three share). Each of those modules imports
+//! only [`maps`], [`kernel`] and [`ledger`]: no circle.
 //!
 //! Programs that may call `bpf_probe_write_user` (the memory view's and the guard's rewrites)
 //! come in twins, `*_rw`: the verifier refuses the helper under lockdown, and there the plain
@@ -37,9 +39,11 @@
 mod counting;
 mod guard;
 mod kernel;
+mod ledger;
 mod maps;
 mod meminfo;
 mod memory;
+mod rm;
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -59,7 +63,8 @@ use crate::{
         sole_reference,
     },
     maps::{PROCS, bump_stat, config, emit, send},
-    memory::{file_released, release, release_files_at_exit, rm_entry, rm_exit},
+    memory::{file_released, release, release_files_at_exit},
+    rm::{rm_entry, rm_exit},
 };
 
 /// Offsets of the syscall tracepoint records (`common_*` header, `__syscall_nr`, then 8-byte args),

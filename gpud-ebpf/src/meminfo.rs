@@ -20,8 +20,8 @@ use gpud_common::{
 };
 
 use crate::{
+    ledger::{current_ancestry, each_limit, gpu_of, usage, user},
     maps::bump_stat,
-    memory::{current_ancestry, each_limit, gpu_of, usage, user},
 };
 
 /// The smallest limit over the caller's ancestry for `gpu` (and for all GPUs), and the smallest

@@ -1,85 +1,40 @@
 //! GPU-memory accounting and the limits' kernel-side tiers.
 //!
-//! Entry side (ioctl hook): an RM_ALLOC, RM_FREE or VID_HEAP_CONTROL on a control file is noted
-//! in `PENDING`; the `deny` tier also refuses here an allocation that would take a cgroup over a
-//! limit. Return side: the driver has written back `status`, handles and the allocated size, so
-//! successful calls are charged or uncharged. Subtree, client and file releases are announced to
-//! the daemon, which walks `OBJECTS` and releases each object through `gpud_release`.
+//! At an RM call's entry ([`crate::rm`]) the `deny` tier refuses an allocation that would take
+//! a cgroup over a limit ([`over_limit`]). At its return the driver has written back `status`,
+//! handles and the allocated size, so successful calls are charged or uncharged
+//! ([`account_alloc`], [`account_free`], [`account_vidheap`]). Subtree, client and file releases
+//! are announced to the daemon, which walks `OBJECTS` and releases each object through
+//! `gpud_release`.
 
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{
-        bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_get_current_pid_tgid,
-        bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
+        bpf_get_current_cgroup_id, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
         bpf_send_signal,
     },
 };
 use gpud_common::{
-    Ancestry, CFG_SCHED_GUARD, CFG_VIRT_MEMINFO, DeviceKind, EVENT_ALLOC_DENIED,
-    EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, Event, GPU_ALL, GPU_UNKNOWN,
-    LimitValue, MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE,
+    Ancestry, DeviceKind, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, Event, GPU_ALL,
+    GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE,
     OBJ_MEMORY, OBJ_SUBDEVICE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv,
     rm, stat,
 };
 
 use crate::{
-    guard,
     kernel::{ProbeRead, current_tgid, device_kind, read_at, sole_reference},
-    maps::{ANCESTRY, LIMITS, OBJECTS, PENDING, SCRATCH, USAGE, bump_stat, config, send},
-    meminfo,
+    ledger::{current_ancestry, each_limit, gpu_of, usage, user},
+    maps::{ANCESTRY, OBJECTS, USAGE, bump_stat, config, send},
 };
 
-const ENOMEM: i32 = 12;
 const SIGKILL: u32 = 9;
-
-#[inline(always)]
-pub(crate) unsafe fn user<T>(addr: u64) -> Option<T> {
-    unsafe { bpf_probe_read_user(addr as *const T).ok() }
-}
-
-/// The RM call an ioctl makes: escape number, parameter size and user address, unwrapping an
-/// XFER. `None` for commands neither the accounting nor the memory view follows.
-#[inline(always)]
-fn rm_call(cmd: u32, arg: u64) -> Option<(u32, u32, u64)> {
-    let (mut nr, mut size, mut params) = (nv::ioc_nr(cmd), nv::ioc_size(cmd), arg);
-    if nr == nv::NV_ESC_IOCTL_XFER_CMD {
-        if size != nv::NV_IOCTL_XFER_SIZE {
-            return None;
-        }
-        let x: rm::NvIoctlXfer = unsafe { user(arg)? };
-        if x.size > nv::NV_MAX_IOCTL_SIZE || x.cmd > 0xff {
-            return None;
-        }
-        (nr, size, params) = (x.cmd, x.size, x.ptr);
-    }
-    match (nr, size) {
-        (nv::NV_ESC_RM_ALLOC, nv::NVOS21_SIZE | nv::NVOS64_SIZE)
-        | (nv::NV_ESC_RM_FREE, nv::NVOS00_SIZE)
-        | (nv::NV_ESC_RM_VID_HEAP_CONTROL, nv::NVOS32_SIZE)
-        | (nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE) => Some((nr, size, params)),
-        _ => None,
-    }
-}
-
-#[inline(always)]
-pub(crate) fn gpu_of(client: u32, parent: u32) -> u32 {
-    match unsafe {
-        OBJECTS.get(ObjKey {
-            client,
-            object: parent,
-        })
-    } {
-        Some(e) if e.kind == OBJ_DEVICE || e.kind == OBJ_SUBDEVICE => e.gpu,
-        _ => GPU_UNKNOWN,
-    }
-}
 
 /// A video-memory allocation request: client, parent, new handle, bytes. For RM_ALLOC the
 /// bytes are read from the alloc params (requested at entry, allocated at return).
 #[inline(always)]
-fn vidmem_request(nr: u32, size: u32, params: u64) -> Option<(u32, u32, u32, u64)> {
+pub(crate) fn vidmem_request(nr: u32, size: u32, params: u64) -> Option<(u32, u32, u32, u64)> {
     if nr == nv::NV_ESC_RM_ALLOC {
         let head: rm::Nvos21 = unsafe { user(params)? };
         if head.h_class != rm::class::MEMORY_LOCAL_USER {
@@ -117,36 +72,6 @@ fn vidmem_request(nr: u32, size: u32, params: u64) -> Option<(u32, u32, u32, u64
     None
 }
 
-/// The calling task's cgroup and its ancestors, recorded once per cgroup.
-#[inline(always)]
-pub(crate) fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
-    let leaf = unsafe { bpf_get_current_cgroup_id() };
-    if let Some(a) = unsafe { ANCESTRY.get(leaf) } {
-        return Some((leaf, a));
-    }
-    let scratch = SCRATCH.get_ptr_mut(0)?;
-    let a = unsafe { &mut *scratch };
-    a.depth = 0;
-    for level in 0..MAX_CGROUP_DEPTH {
-        let id = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) };
-        if id == 0 {
-            break;
-        }
-        a.ids[level] = id;
-        a.depth = level as u32 + 1;
-        if id == leaf {
-            break;
-        }
-    }
-    if a.depth == 0 {
-        // Deeper than MAX_CGROUP_DEPTH or no cgroup v2: charge the cgroup itself only.
-        a.ids[0] = leaf;
-        a.depth = 1;
-    }
-    let _ = ANCESTRY.insert(leaf, a, 0);
-    unsafe { ANCESTRY.get(leaf) }.map(|a| (leaf, a))
-}
-
 #[inline(always)]
 fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
     let key = UsageKey {
@@ -180,51 +105,10 @@ fn charge(anc: &Ancestry, gpu: u32, delta: u64) {
     }
 }
 
-#[inline(always)]
-pub(crate) fn usage(cgroup_id: u64, gpu: u32) -> u64 {
-    let key = UsageKey {
-        cgroup_id,
-        gpu,
-        _pad: 0,
-    };
-    match USAGE.get_ptr(key) {
-        Some(p) => unsafe { core::ptr::read_volatile(p) },
-        None => 0,
-    }
-}
-
-/// Calls `f(cgroup, GPU key, limit)` for each limit that applies to `gpu` (its own and the
-/// all-GPU one) over `anc`, from the root down, until `f` returns true.
-#[inline(always)]
-pub(crate) fn each_limit(
-    anc: &Ancestry,
-    gpu: u32,
-    mut f: impl FnMut(u64, u32, *mut LimitValue) -> bool,
-) {
-    for i in 0..MAX_CGROUP_DEPTH {
-        if i as u32 >= anc.depth {
-            break;
-        }
-        let id = anc.ids[i];
-        for g in [gpu, GPU_ALL] {
-            let key = UsageKey {
-                cgroup_id: id,
-                gpu: g,
-                _pad: 0,
-            };
-            if let Some(l) = LIMITS.get_ptr_mut(key)
-                && f(id, g, l)
-            {
-                return;
-            }
-        }
-    }
-}
-
 /// The first limit (from the root down) that usage plus `extra` exceeds: the cgroup, the GPU
 /// key of the limit, and the usage it holds now. Bumps that limit's event counter.
 #[inline(always)]
-fn over_limit(anc: &Ancestry, gpu: u32, extra: u64) -> Option<(u64, u32, u64)> {
+pub(crate) fn over_limit(anc: &Ancestry, gpu: u32, extra: u64) -> Option<(u64, u32, u64)> {
     let mut hit = None;
     each_limit(anc, gpu, |id, g, l| {
         let now = usage(id, g);
@@ -297,109 +181,8 @@ pub(crate) fn release(key: &ObjKey, expect: u64) -> bool {
     true
 }
 
-/// Entry side of an ioctl on a control file. Returns the verdict (`-ENOMEM` or `-EPERM` to
-/// refuse). With `REWRITE` (the entry programs that may call `bpf_probe_write_user`) the
-/// scheduler guard may also rewrite a tenant's control.
 #[inline(always)]
-pub(crate) fn rm_entry<const REWRITE: bool>(file: u64, cmd: u32, arg: u64, deny: bool) -> i32 {
-    let Some((nr, size, params)) = rm_call(cmd, arg) else {
-        return 0;
-    };
-    // A memory-info call of a limited cgroup: its reply is rewritten at the exit. Other
-    // controls are not noted at all; only these two escapes look the configuration up.
-    let (mut view_cmd, mut view_gpu) = (0, GPU_UNKNOWN);
-    if nr == nv::NV_ESC_RM_CONTROL {
-        let Some(cfg) = config() else { return 0 };
-        if cfg.flags & (CFG_VIRT_MEMINFO | CFG_SCHED_GUARD) == 0 {
-            return 0;
-        }
-        let Some(c) = (unsafe { user::<rm::Nvos54>(params) }) else {
-            return 0;
-        };
-        if cfg.flags & CFG_SCHED_GUARD != 0
-            && let Some(verdict) = guard::control::<REWRITE>(cfg, file, params, &c, deny)
-        {
-            return verdict;
-        }
-        if cfg.flags & CFG_VIRT_MEMINFO == 0 {
-            return 0;
-        }
-        let Some((c, g)) = meminfo::control_entry(&c) else {
-            return 0;
-        };
-        (view_cmd, view_gpu) = (c, g);
-    } else if nr == nv::NV_ESC_RM_VID_HEAP_CONTROL
-        && config().is_some_and(|c| c.flags & CFG_VIRT_MEMINFO != 0)
-        && let Some((c, g)) = meminfo::vidheap_entry(params)
-    {
-        (view_cmd, view_gpu) = (c, g);
-    }
-    if deny && let Some((client, parent, _, bytes)) = vidmem_request(nr, size, params) {
-        let gpu = gpu_of(client, parent);
-        if let Some((_, anc)) = current_ancestry()
-            && let Some((cg, g, now)) = over_limit(anc, gpu, bytes)
-        {
-            bump_stat(stat::DENIED);
-            send(&Event {
-                kind: EVENT_ALLOC_DENIED,
-                tgid: current_tgid(),
-                cgroup_id: cg,
-                client,
-                object: 0,
-                value: now,
-                bytes,
-                gpu: g,
-                _pad: 0,
-            });
-            return -ENOMEM;
-        }
-    }
-    let pending = Pending {
-        file,
-        params,
-        nr,
-        size,
-        cmd: view_cmd,
-        gpu: view_gpu,
-    };
-    let _ = PENDING.insert(bpf_get_current_pid_tgid(), pending, 0);
-    0
-}
-
-/// Return side: accounts a successful RM call noted at entry; with `REWRITE` (the exit
-/// programs that may call `bpf_probe_write_user`) also gives memory-info replies the caller's
-/// view.
-#[inline(always)]
-pub(crate) fn rm_exit<const REWRITE: bool>(ret: i64) {
-    let id = bpf_get_current_pid_tgid();
-    let Some(p) = (unsafe { PENDING.get(id) }).copied() else {
-        return;
-    };
-    let _ = PENDING.remove(id);
-    if p.nr == nv::NV_ESC_RM_CONTROL && p.cmd == 0 {
-        // Only the guard notes a control with no memory-info command: an undo for the daemon,
-        // whatever the call returned (the driver may have acted before failing).
-        guard::restore_at_exit(id);
-        return;
-    }
-    if ret != 0 {
-        return;
-    }
-    match p.nr {
-        nv::NV_ESC_RM_ALLOC => alloc_done(&p),
-        nv::NV_ESC_RM_FREE => free_done(&p),
-        nv::NV_ESC_RM_CONTROL => {
-            if REWRITE {
-                meminfo::control_done(&p);
-            }
-        }
-        _ if REWRITE && p.cmd != 0 => meminfo::vidheap_done(&p),
-        _ => vidheap_done(&p),
-    }
-}
-
-#[inline(always)]
-fn alloc_done(p: &Pending) {
+pub(crate) fn account_alloc(p: &Pending) {
     let status_off = if p.size == nv::NVOS64_SIZE {
         rm::NVOS64_STATUS
     } else {
@@ -455,7 +238,7 @@ fn alloc_done(p: &Pending) {
         }
         rm::class::MEMORY_LOCAL_USER => {
             if let Some((client, parent, handle, bytes)) = vidmem_request(p.nr, p.size, p.params) {
-                memory_done(client, parent, handle, bytes, p.file);
+                charge_memory(client, parent, handle, bytes, p.file);
             }
         }
         _ => {}
@@ -463,7 +246,7 @@ fn alloc_done(p: &Pending) {
 }
 
 #[inline(always)]
-fn vidheap_done(p: &Pending) {
+pub(crate) fn account_vidheap(p: &Pending) {
     let Some(status) = (unsafe { user::<u32>(p.params + rm::VIDHEAP_STATUS as u64) }) else {
         return;
     };
@@ -492,14 +275,14 @@ fn vidheap_done(p: &Pending) {
         return;
     }
     if let Some((client, parent, handle, bytes)) = vidmem_request(p.nr, p.size, p.params) {
-        memory_done(client, parent, handle, bytes, p.file);
+        charge_memory(client, parent, handle, bytes, p.file);
     }
 }
 
 /// Charges a successful video-memory allocation made through the control file `file` and
 /// applies the `react` tier.
 #[inline(always)]
-fn memory_done(client: u32, parent: u32, handle: u32, bytes: u64, file: u64) {
+fn charge_memory(client: u32, parent: u32, handle: u32, bytes: u64, file: u64) {
     let Some((_, anc)) = current_ancestry() else {
         return;
     };
@@ -541,7 +324,7 @@ fn memory_done(client: u32, parent: u32, handle: u32, bytes: u64, file: u64) {
 }
 
 #[inline(always)]
-fn free_done(p: &Pending) {
+pub(crate) fn account_free(p: &Pending) {
     let Some(args) = (unsafe { user::<rm::Nvos00>(p.params) }) else {
         return;
     };
