@@ -2,18 +2,21 @@
 //! its inputs built from the simulated NVML exactly as the daemon builds them, its periods and
 //! freeze times driven in virtual time, its `cgroup.freeze` writes sent to the simulated freezer.
 //!
-//! What the daemon does between NVML and the controller is mirrored here, not called (it is
-//! private to gpud's sampler and state task); a change there must be mirrored here:
-//! - `gpud/src/nvml/mod.rs`, `sample` and `average_new_samples`: per GPU, the running compute
+//! What the daemon did between NVML and the controller is mirrored here, not called (it was
+//! private to gpud's sampler and state task). The daemon's side as it was when the old controller
+//! was replaced (commit d57c160's parent; the files have moved since):
+//! - `gpud/src/nvml/sampler.rs`, `sample` and `average_new_samples`: per GPU, the running compute
 //!   processes, then `process_utilization_stats(last_seen)` with `NotFound` as "no new sample";
 //!   new samples averaged per pid (integer division), `last_seen` advanced to the newest;
-//! - `gpud/src/nvml/mod.rs`, `NvmlView::by_cgroup`: per (cgroup, GPU) the processes' `sm_util`
+//! - `gpud/src/nvml/view.rs`, `NvmlView::by_cgroup`: per (cgroup, GPU) the processes' `sm_util`
 //!   summed, capped at 100, `sampled` if any process had a new sample;
-//! - `gpud/src/daemon.rs`, `control_input`: each cgroup mapped to its controlled unit (the
+//! - `gpud/src/daemon.rs` of that commit, `control_input` (today's `daemon/views.rs`,
+//!   `feed_compute`, feeds the new law): each cgroup mapped to its controlled unit (the
 //!   deepest cgroup with a compute policy above it, else itself), utilization summed per unit;
 //!   a unit sampled reads its sum (≤ 100), one not sampled reads 0 if the GPU had any new
 //!   sample, else `None`; GPUs where no unit has a compute policy are left out;
-//! - `gpud/src/enforcement/compute.rs` (as it was), `run`: `update` with the newest input (if its `seq`
+//! - `gpud/src/enforcement/compute.rs` of that commit (today's `enforcement/compute/mod.rs`
+//!   runs the law), `run`: `update` with the newest input (if its `seq`
 //!   changed) at the start of each period, then the period's plan; periods back to back, each
 //!   sleep on tokio's timer (1 ms ticks, deadlines rounded up), so a 100 ms period lasts about
 //!   101 ms and drifts against NVML's windows as on a real host.
