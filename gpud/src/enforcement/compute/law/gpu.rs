@@ -3,9 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use super::{
-    Command, Firmware, Gpu, JUDGE_WAIT, Law, LawParams, Lever, Nanos, RETRY, Unit, targets,
-};
+use super::{Command, Firmware, Gpu, Law, LawParams, Lever, Nanos, Unit, probe, targets};
 use super::{freezer::plan_freezer, hardware::plan_hardware};
 use crate::policy::{Limits, Priority};
 
@@ -55,9 +53,6 @@ pub(super) fn active_units(
         .collect()
 }
 
-/// How recent a busy device window must be for a probe to start.
-const BUSY_WITHIN: Nanos = 2_000 * super::MS;
-
 /// A class's timeslice: latency-critical long, best-effort short (µs); `None` for no class.
 fn class_timeslice(p: &LawParams, priority: Option<Priority>) -> Option<u64> {
     match priority {
@@ -106,40 +101,9 @@ pub(super) fn plan_gpu(
     held: &BTreeSet<String>,
     out: &mut Vec<(Nanos, Command)>,
 ) -> Nanos {
-    // A verdict is checked again after a while (a firmware update, a GPU reset, a wrong one).
-    if matches!(g.firmware, Firmware::Honors(_) | Firmware::Ignores) && now >= g.checked + p.recheck
-    {
-        g.firmware = Firmware::Unknown;
-        g.rejected.clear();
-    }
-    // The probe, while it runs, is the whole plan.
-    if let Firmware::Probing { lever, until, .. } = g.firmware {
-        let all_held = g.units.values().all(|u| u.off == Some(lever));
-        if now < until && all_held {
-            return p.period;
-        }
-        let mut released = Vec::new();
-        for (name, u) in g.units.iter_mut() {
-            release(name, u, held, &mut released);
-        }
-        out.extend(released.into_iter().map(|c| (now, c)));
-        if !all_held {
-            // Someone came or was let go meanwhile: the device's windows tell nothing.
-            g.firmware = Firmware::Unknown;
-            g.checked = now + RETRY;
-        } else if g.probe_quiet || g.device_window_us.is_none() {
-            // An idle window inside the hold, or (NVML without device windows) no held process
-            // was sampled running: the lever holds queued work.
-            g.firmware = Firmware::Honors(lever);
-            g.checked = now;
-        } else if now >= until + JUDGE_WAIT {
-            // No window inside the hold arrived: try again later.
-            g.firmware = Firmware::Unknown;
-            g.checked = now + RETRY;
-        } else {
-            // Released; waiting for the windows of the hold.
-            return p.period;
-        }
+    if let Some(lasts) = probe::go_on(p, g, now, held, out) {
+        // The probe, while it runs, is the whole plan.
+        return lasts;
     }
     let mut classed = class_timeslices(p, g, now, out);
     if g.firmware == Firmware::Ignores {
@@ -190,46 +154,7 @@ pub(super) fn plan_gpu(
         u.stat.target = t[i];
     }
     let hw = g.units.values().all(|u| u.hw);
-    let probe_due = g.firmware == Firmware::Unknown && now >= g.checked;
-    // Where NVML reads device windows, only a GPU busy of late can show what a lever does (a
-    // lone capped unit's freezer slots leave many windows idle).
-    let busy = g.device_window_us.is_none()
-        || g.device_busy
-            .is_some_and(|b| now.saturating_sub(b) < BUSY_WITHIN);
-    if probe_due
-        && hw
-        && busy
-        && let Some(&lever) = Lever::ALL.iter().find(|l| !g.rejected.contains(l))
-    {
-        // Every process of the GPU held with the lever: the device's own windows then say
-        // whether queued work stopped.
-        let mut released = Vec::new();
-        for (name, u) in g.units.iter_mut() {
-            release(name, u, held, &mut released);
-        }
-        out.extend(released.into_iter().map(|c| (now, c)));
-        g.firmware = Firmware::Probing {
-            lever,
-            since: now,
-            until: now + p.probe,
-        };
-        g.probe_quiet = false;
-        for u in g.units.values_mut() {
-            for &pid in &u.pids {
-                out.push((
-                    now,
-                    Command::Hold {
-                        pid,
-                        lever,
-                        held: true,
-                    },
-                ));
-            }
-            // What the fallback measured so far was not under its own slots.
-            u.slot = None;
-            u.off = Some(lever);
-            u.stopped = Some(now);
-        }
+    if hw && probe::start(p, g, now, held, out) {
         return p.period;
     }
     g.phase = g

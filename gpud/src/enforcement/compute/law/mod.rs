@@ -42,6 +42,7 @@ use std::collections::{BTreeMap, BTreeSet};
 mod freezer;
 mod gpu;
 mod hardware;
+mod probe;
 
 use gpu::{active_units, plan_gpu, release};
 
@@ -450,10 +451,10 @@ impl Law {
                     && by_pid.values().any(|u| *u > 0)
                 {
                     // A held process ran: the lever is ignored.
-                    reject(g, lever, now);
+                    probe::reject(g, lever, now);
                 }
             }
-            judge_device(g, r, now, self.params.probe);
+            probe::judge_device(g, r, now, self.params.probe);
         }
     }
 
@@ -535,74 +536,6 @@ impl Law {
         }
         out
     }
-}
-
-/// Device windows a probe may not judge by: the first this long after the hold (the lever's own
-/// latency; on the H200 it stops queued work within 15 ms).
-const SETTLE: Nanos = 50 * MS;
-/// A device window at least this busy (percent) inside a probe means its lever is ignored.
-const BUSY: u32 = 10;
-/// NVML's device window where none has been seen twice yet (µs).
-const DEVICE_WINDOW_US: u64 = 200_000;
-/// How long an inconclusive probe waits for its windows, and before it is tried again.
-const JUDGE_WAIT: Nanos = 1_000 * MS;
-const RETRY: Nanos = 10_000 * MS;
-
-/// Takes NVML's new device windows: a probe's verdict where a window lies inside its hold.
-fn judge_device(g: &mut Gpu, r: &Reading, now: Nanos, probe: Nanos) {
-    let mut new: Vec<DeviceSample> = r
-        .device
-        .iter()
-        .copied()
-        .filter(|s| s.timestamp_us > g.last_device)
-        .collect();
-    new.sort_by_key(|s| s.timestamp_us);
-    for s in new {
-        if g.last_device > 0 {
-            let gap = s.timestamp_us - g.last_device;
-            if gap >= 10_000 {
-                g.device_window_us = Some(g.device_window_us.map_or(gap, |w| w.min(gap)));
-            }
-        }
-        g.last_device = s.timestamp_us;
-        let end = now.saturating_sub(
-            r.clock_us
-                .saturating_sub(s.timestamp_us)
-                .saturating_mul(1_000),
-        );
-        if s.util >= 2 * BUSY {
-            g.device_busy = Some(g.device_busy.map_or(end, |b| b.max(end)));
-        }
-        let start = end.saturating_sub(g.device_window_us.unwrap_or(DEVICE_WINDOW_US) * 1_000);
-        if let Firmware::Probing {
-            lever,
-            since,
-            until,
-        } = g.firmware
-            && start >= since + SETTLE.min(probe / 4)
-            && end <= until
-        {
-            if s.util >= BUSY {
-                reject(g, lever, now);
-            } else {
-                g.probe_quiet = true;
-            }
-        }
-    }
-}
-
-/// The probe found `lever` ignored: the next lever is probed, or the freezer falls back.
-fn reject(g: &mut Gpu, lever: Lever, now: Nanos) {
-    if !g.rejected.contains(&lever) {
-        g.rejected.push(lever);
-    }
-    g.replan = true;
-    g.firmware = if Lever::ALL.iter().all(|l| g.rejected.contains(l)) {
-        g.checked = now;
-        Firmware::Ignores
-    } else {
-        Firmware::Unknown
-    };
 }
 
 /// Keeps a window's reading for the lone-unit correction (the last 256).
