@@ -213,20 +213,21 @@ fn timeslices(controls: &mut Controls, t: &Tenant, us: u64) -> Vec<String> {
         .collect()
 }
 
-fn get_timeslice(controls: &mut Controls, t: &Tenant, group: u32) -> Option<u64> {
-    let mut p = tsg::TimesliceParams::default();
-    controls
-        .control_on(
-            RmObject {
+/// Each of the tenant's groups with the timeslice it holds (`None`: it could not be read).
+fn timeslices_now(controls: &mut Controls, t: &Tenant) -> Vec<(u32, Option<u64>)> {
+    t.groups
+        .iter()
+        .map(|&group| {
+            let mut p = tsg::TimesliceParams::default();
+            let o = RmObject {
                 pid: t.pid,
                 client: t.client,
                 object: group,
-            },
-            tsg::GET_TIMESLICE,
-            &mut p,
-        )
-        .ok()
-        .map(|()| p.timeslice_us)
+            };
+            let got = controls.control_on(o, tsg::GET_TIMESLICE, &mut p);
+            (group, got.ok().map(|()| p.timeslice_us))
+        })
+        .collect()
 }
 
 fn emit(v: &Value) {
@@ -319,20 +320,8 @@ fn sequence(
     }
     let shared_from = run.at();
     thread::sleep(SPLIT);
-    let before: Vec<(u32, Option<u64>)> = run
-        .tenant
-        .groups
-        .clone()
-        .into_iter()
-        .map(|g| (g, get_timeslice(&mut run.controls, &run.tenant, g)))
-        .collect();
-    let before_n: Vec<(u32, Option<u64>)> = run
-        .neighbour
-        .groups
-        .clone()
-        .into_iter()
-        .map(|g| (g, get_timeslice(&mut run.controls, &run.neighbour, g)))
-        .collect();
+    let before = timeslices_now(&mut run.controls, &run.tenant);
+    let before_n = timeslices_now(&mut run.controls, &run.neighbour);
     let split_from = run.at();
     errors.extend(timeslices(&mut run.controls, &run.tenant, 128));
     errors.extend(timeslices(&mut run.controls, &run.neighbour, 16_384));

@@ -958,15 +958,7 @@ fn scheduler_guard(
         hook.as_str()
     );
     let _watchdog = inproc::Watchdog::arm(std::time::Duration::from_secs(150));
-    let fake = gpud_tests::fakenv::mount(
-        std::path::Path::new(&format!("/tmp/vm-guard-{tag}")),
-        gpud_tests::fakenv::Options::default(),
-    )
-    .context("mounting the fake NVIDIA device")?;
-    let ctl = fake.ctl();
-    let cgroups = CgroupFs::discover()?;
-    let root = cgroups.root().to_owned();
-    let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
+    let (fake, ctl, cgroups, root, extra) = stage(&format!("/tmp/vm-guard-{tag}"))?;
     let mut probes = start_probes(
         pref,
         tier,

@@ -79,6 +79,15 @@ pub(super) fn reject(g: &mut Gpu, lever: Lever, now: Nanos) {
     };
 }
 
+/// Lets every unit of the GPU run again (before a probe holds them all, and after).
+fn release_all(g: &mut Gpu, held: &BTreeSet<String>, now: Nanos, out: &mut Vec<(Nanos, Command)>) {
+    let mut released = Vec::new();
+    for (name, u) in g.units.iter_mut() {
+        release(name, u, held, &mut released);
+    }
+    out.extend(released.into_iter().map(|c| (now, c)));
+}
+
 /// How recent a busy device window must be for a probe to start.
 const BUSY_WITHIN: Nanos = 2_000 * super::MS;
 
@@ -102,11 +111,7 @@ pub(super) fn go_on(
         if now < until && all_held {
             return Some(p.period);
         }
-        let mut released = Vec::new();
-        for (name, u) in g.units.iter_mut() {
-            release(name, u, held, &mut released);
-        }
-        out.extend(released.into_iter().map(|c| (now, c)));
+        release_all(g, held, now, out);
         if !all_held {
             // Someone came or was let go meanwhile: the device's windows tell nothing.
             g.firmware = Firmware::Unknown;
@@ -149,11 +154,7 @@ pub(super) fn start(
     {
         // Every process of the GPU held with the lever: the device's own windows then say
         // whether queued work stopped.
-        let mut released = Vec::new();
-        for (name, u) in g.units.iter_mut() {
-            release(name, u, held, &mut released);
-        }
-        out.extend(released.into_iter().map(|c| (now, c)));
+        release_all(g, held, now, out);
         g.firmware = Firmware::Probing {
             lever,
             since: now,
