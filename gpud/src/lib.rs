@@ -26,6 +26,7 @@ pub mod config;
 pub mod daemon;
 pub mod enforcement;
 pub mod logging;
+pub mod notice;
 pub mod nvml;
 pub mod policy;
 pub mod privileges;

@@ -29,8 +29,8 @@ use super::{
 };
 use crate::{
     daemon::{DaemonInfo, Handle, View},
-    enforcement::{LimitNotice, guard::GuardNotice},
-    policy::{LimitUpdate, idle::IdleChange},
+    notice::Notice,
+    policy::LimitUpdate,
 };
 
 fn check_len(what: &str, s: &str) -> Result<(), ApiError> {
@@ -369,95 +369,79 @@ impl Manager {
     }
 }
 
-/// Emits one signal per item of `rx` with `emit` until the channel closes: `what` names the
-/// signal in the warnings (items dropped for a slow subscriber, a failed emission).
-async fn publish<T, F, Fut>(
+/// Emits the D-Bus signal of every notice until the bus closes: the manager's on its object, a
+/// GPU's `Xid` on the GPU's. The inventory is the `Gpu1` objects' ([`super::gpu`]); idle changes
+/// are signalled while `idle_signal` holds (`[idle] signal`, live).
+pub async fn publish_notices(
     conn: zbus::Connection,
-    mut rx: tokio::sync::broadcast::Receiver<T>,
-    what: &str,
-    emit: F,
-) where
-    T: Clone,
-    F: Fn(zbus::object_server::SignalEmitter<'static>, T) -> Fut,
-    Fut: std::future::Future<Output = zbus::Result<()>>,
-{
+    mut rx: tokio::sync::broadcast::Receiver<Notice>,
+    idle_signal: watch::Receiver<bool>,
+) {
     use tokio::sync::broadcast::error::RecvError;
     loop {
-        let item = match rx.recv().await {
-            Ok(item) => item,
+        let notice = match rx.recv().await {
+            Ok(n) => n,
             Err(RecvError::Lagged(missed)) => {
-                tracing::warn!(missed, "{what} signals dropped (subscriber too slow)");
+                tracing::warn!(missed, "signals dropped (subscriber too slow)");
                 continue;
             }
             Err(RecvError::Closed) => return,
         };
-        let emitter = match zbus::object_server::SignalEmitter::new(&conn, OBJECT_PATH) {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::warn!("cannot emit {what}: {e}");
-                continue;
-            }
-        };
-        if let Err(e) = emit(emitter, item).await {
-            tracing::warn!("cannot emit {what}: {e}");
+        let name = notice.name();
+        let idle = *idle_signal.borrow();
+        if let Err(e) = emit(&conn, notice, idle).await {
+            tracing::warn!("cannot emit {name}: {e}");
         }
     }
 }
 
-/// Publishes limit notices as `MemoryLimitExceeded` signals until the channel closes.
-pub async fn publish_notices(
-    conn: zbus::Connection,
-    rx: tokio::sync::broadcast::Receiver<LimitNotice>,
-) {
-    publish(conn, rx, "MemoryLimitExceeded", |e, n| async move {
-        Manager::memory_limit_exceeded(
-            &e, &n.cgroup, &n.gpu, n.pid, n.bytes, n.usage, n.max, &n.action,
-        )
-        .await
-    })
-    .await;
-}
-
-/// Publishes the scheduler guard's reports as `SchedulerControlGuarded` signals until the
-/// channel closes.
-pub async fn publish_guard_notices(
-    conn: zbus::Connection,
-    rx: tokio::sync::broadcast::Receiver<GuardNotice>,
-) {
-    publish(conn, rx, "SchedulerControlGuarded", |e, n| async move {
-        Manager::scheduler_control_guarded(
-            &e,
-            &n.cgroup,
-            n.pid,
-            &n.control,
-            &n.action,
-            &n.reason,
-            n.requested,
-            n.allowed,
-        )
-        .await
-    })
-    .await;
-}
-
-/// Publishes `IdleChanged` signals until the channel closes.
-pub async fn publish_idle(
-    conn: zbus::Connection,
-    rx: tokio::sync::broadcast::Receiver<IdleChange>,
-) {
-    publish(conn, rx, "IdleChanged", |e, c| async move {
-        Manager::idle_changed(&e, &c.cgroup, c.gpu, c.idle, c.memory_bytes, c.idle_secs).await
-    })
-    .await;
-}
-
-/// Publishes `ComputeThrottled` signals until the channel closes.
-pub async fn publish_throttled(
-    conn: zbus::Connection,
-    rx: tokio::sync::broadcast::Receiver<String>,
-) {
-    publish(conn, rx, "ComputeThrottled", |e, cgroup| async move {
-        Manager::compute_throttled(&e, &cgroup).await
-    })
-    .await;
+/// One notice's D-Bus shape.
+async fn emit(conn: &zbus::Connection, notice: Notice, idle_signal: bool) -> zbus::Result<()> {
+    let manager = || zbus::object_server::SignalEmitter::new(conn, OBJECT_PATH);
+    match notice {
+        Notice::MemoryLimitExceeded(n) => {
+            Manager::memory_limit_exceeded(
+                &manager()?,
+                &n.cgroup,
+                &n.gpu,
+                n.pid,
+                n.bytes,
+                n.usage,
+                n.max,
+                &n.action,
+            )
+            .await
+        }
+        Notice::SchedulerControlGuarded(n) => {
+            Manager::scheduler_control_guarded(
+                &manager()?,
+                &n.cgroup,
+                n.pid,
+                &n.control,
+                &n.action,
+                &n.reason,
+                n.requested,
+                n.allowed,
+            )
+            .await
+        }
+        Notice::ComputeThrottled(cgroup) => Manager::compute_throttled(&manager()?, &cgroup).await,
+        Notice::IdleChanged(c) if idle_signal => {
+            Manager::idle_changed(
+                &manager()?,
+                &c.cgroup,
+                c.gpu,
+                c.idle,
+                c.memory_bytes,
+                c.idle_secs,
+            )
+            .await
+        }
+        Notice::Xid(e) => {
+            let emitter =
+                zbus::object_server::SignalEmitter::new(conn, gpud_api::gpu_path(e.gpu, u32::MAX))?;
+            super::gpu::Gpu::xid(&emitter, e.xid, e.pid.unwrap_or(0), e.cgroup_id, &e.cgroup).await
+        }
+        Notice::IdleChanged(_) | Notice::Inventory(_) => Ok(()),
+    }
 }

@@ -5,12 +5,12 @@
 
 use std::collections::BTreeSet;
 
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 use zbus::interface;
 
 use gpud_api::{GpuRecord, gpu_path};
 
-use crate::nvml::{AttributedXid, GpuStatus};
+use crate::{daemon::Handle, notice::Notice, nvml::GpuStatus};
 
 pub struct Gpu {
     index: u32,
@@ -95,38 +95,23 @@ impl Gpu {
     ) -> zbus::Result<()>;
 }
 
-/// Emits `Xid` on the GPU's object for every event until the channel closes.
-pub async fn publish_xids(
+/// Keeps the `Gpu1` objects in step with the inventory notices until the bus closes. A
+/// subscriber that fell behind asks the daemon for the inventory instead of waiting for the next
+/// change.
+pub async fn publish_gpus(
     conn: zbus::Connection,
-    mut rx: tokio::sync::broadcast::Receiver<AttributedXid>,
+    mut notices: broadcast::Receiver<Notice>,
+    daemon: Handle,
 ) {
     use tokio::sync::broadcast::error::RecvError;
-    loop {
-        let e = match rx.recv().await {
-            Ok(e) => e,
-            Err(RecvError::Lagged(missed)) => {
-                tracing::warn!(missed, "Xid signals dropped (subscriber too slow)");
-                continue;
-            }
-            Err(RecvError::Closed) => return,
-        };
-        let path = gpu_path(e.gpu, u32::MAX);
-        let emitter = match zbus::object_server::SignalEmitter::new(&conn, path) {
-            Ok(em) => em,
-            Err(err) => {
-                tracing::warn!("cannot emit Xid: {err}");
-                continue;
-            }
-        };
-        let pid = e.pid.unwrap_or(0);
-        if let Err(err) = Gpu::xid(&emitter, e.xid, pid, e.cgroup_id, &e.cgroup).await {
-            tracing::warn!("cannot emit Xid: {err}");
+    let (inventory, rx) = watch::channel(Vec::new());
+    match daemon.list_gpus().await {
+        Ok(gpus) => inventory.send_replace(gpus),
+        Err(e) => {
+            tracing::warn!("cannot read the GPU inventory: {e}");
+            Vec::new()
         }
-    }
-}
-
-/// Keeps the `Gpu1` objects in step with the inventory until the channel closes.
-pub async fn publish_gpus(conn: zbus::Connection, mut rx: watch::Receiver<Vec<GpuStatus>>) {
+    };
     let mut published: BTreeSet<(u32, u32)> = BTreeSet::new();
     loop {
         let want: BTreeSet<(u32, u32)> = rx
@@ -149,8 +134,22 @@ pub async fn publish_gpus(conn: zbus::Connection, mut rx: watch::Receiver<Vec<Gp
             let _ = server.remove::<Gpu, _>(gpu_path(index, mig)).await;
         }
         published = want;
-        if rx.changed().await.is_err() {
-            return;
+        loop {
+            match notices.recv().await {
+                Ok(Notice::Inventory(gpus)) => {
+                    inventory.send_replace(gpus.as_ref().clone());
+                    break;
+                }
+                Ok(_) => {}
+                Err(RecvError::Lagged(_)) => match daemon.list_gpus().await {
+                    Ok(gpus) => {
+                        inventory.send_replace(gpus);
+                        break;
+                    }
+                    Err(e) => tracing::warn!("cannot read the GPU inventory: {e}"),
+                },
+                Err(RecvError::Closed) => return,
+            }
         }
     }
 }

@@ -29,6 +29,7 @@ use super::records::all;
 use crate::{
     daemon::{self, DaemonInfo, Handle},
     enforcement::compute::ComputeStat,
+    notice::NoticeCounts,
     report::Chain,
 };
 
@@ -69,6 +70,8 @@ pub struct Snapshot {
     pub compute: ComputeStats,
     /// Tenants' scheduling controls the guard acted on, by (cgroup, control, action).
     pub guard_counts: crate::enforcement::guard::GuardCounts,
+    /// Notices published since start, by name.
+    pub notices: BTreeMap<&'static str, u64>,
 }
 
 /// Gathers snapshots and renders them.
@@ -76,14 +79,17 @@ pub struct Exporter {
     daemon: Handle,
     info: DaemonInfo,
     started: std::time::SystemTime,
+    notices: NoticeCounts,
 }
 
 impl Exporter {
-    pub fn new(daemon: Handle, info: DaemonInfo) -> Self {
+    /// `notices`: the daemon's notice counts ([`crate::daemon::Running::notice_counts`]).
+    pub fn new(daemon: Handle, info: DaemonInfo, notices: NoticeCounts) -> Self {
         Self {
             daemon,
             info,
             started: std::time::SystemTime::now(),
+            notices,
         }
     }
 
@@ -92,7 +98,9 @@ impl Exporter {
             .await
             .map_err(|_| MetricsError::TimedOut(ASK_TIMEOUT))?
             .map_err(MetricsError::State)?;
-        Ok(Snapshot::from(s))
+        let mut snap = Snapshot::from(s);
+        snap.notices = self.notices.get();
+        Ok(snap)
     }
 
     /// The text of one scrape.
@@ -160,6 +168,7 @@ impl From<daemon::Snapshot> for Snapshot {
             idle: all(s.idle),
             compute: s.compute,
             guard_counts: s.guard_counts,
+            notices: BTreeMap::new(),
         }
     }
 }
@@ -359,6 +368,18 @@ pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime)
         );
         guarded.get_or_create(&l).inc_by(*n);
     }
+    let notices = counters();
+    for (name, n) in &snap.notices {
+        notices
+            .get_or_create(&vec![("notice".to_owned(), (*name).to_owned())])
+            .inc_by(*n);
+    }
+    r.register(
+        "gpud_notices",
+        "Notices published since start (each a D-Bus signal, but Inventory, and a log line), \
+         by name; `missed`: notices the counter fell behind on",
+        notices,
+    );
     r.register(
         "gpud_scheduler_guard",
         "Scheduling controls of the cgroup's processes the guard acted on (denied, refused, \
@@ -520,6 +541,7 @@ mod tests {
                 5,
             )]
             .into(),
+            notices: [("MemoryLimitExceeded", 2)].into(),
             ..Default::default()
         };
         let info = DaemonInfo {
@@ -546,6 +568,7 @@ mod tests {
                 "gpud_scheduler_guard_total{{{labels},control=\"SET_TIMESLICE\",action=\"clamped\"}} 5"
             ),
             "gpud_nvml_available 0".to_owned(),
+            "gpud_notices_total{notice=\"MemoryLimitExceeded\"} 2".to_owned(),
         ] {
             assert!(out.lines().any(|l| l == line), "missing {line} in\n{out}");
         }

@@ -8,16 +8,12 @@ pub mod scan;
 
 use std::collections::HashMap;
 
-use gpud_common::{
-    EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, EVENT_PROC_EXIT,
-    EVENT_PROC_NEW, EVENT_SCHED_GUARD, Event, IoctlCounts, PROC_OPENED, PROC_SCANNED, ProcEntry,
-    stat,
-};
+use gpud_common::{IoctlCounts, PROC_OPENED, PROC_SCANNED, ProcEntry, stat};
 use tracing::{debug, info, warn};
 
 use crate::cgroupfs::{CgroupError, CgroupFs};
 use crate::{
-    probes::{KernelMaps, Matcher, Probes, map_entries},
+    probes::{KernelMaps, Matcher, Probes, events::KernelEvent, map_entries},
     report::Chain,
 };
 pub use counters::KernelCounters;
@@ -381,30 +377,21 @@ impl Attribution {
         }
     }
 
-    /// Reacts to what the probes report: releases the kernel leaves to the daemon; the maps
-    /// already hold the rest. Limit events are the enforcement's (see `enforcement`).
-    pub fn on_kernel_event(&mut self, ev: &Event) {
-        match ev.kind {
-            EVENT_PROC_NEW => {
-                let path = self.cgroups.path_of(ev.cgroup_id);
+    /// Reacts to what the probes report about processes and objects: releases the kernel
+    /// leaves to the daemon; the maps already hold the rest.
+    pub fn on_kernel_event(&mut self, ev: &KernelEvent) {
+        match *ev {
+            KernelEvent::ProcessTracked {
+                pid,
+                cgroup_id,
+                parent,
+            } => match self.cgroups.path_of(cgroup_id) {
                 // The path as text (a journal field), the id where the path is unknown.
-                match path {
-                    Some(p) => debug!(
-                        pid = ev.tgid,
-                        parent = ev.client,
-                        cgroup = %p,
-                        "process attributed"
-                    ),
-                    None => debug!(
-                        pid = ev.tgid,
-                        parent = ev.client,
-                        cgroup_id = ev.cgroup_id,
-                        "process attributed"
-                    ),
-                }
-            }
-            EVENT_PROC_EXIT => {
-                debug!(pid = ev.tgid, "attributed process exited");
+                Some(p) => debug!(pid, parent, cgroup = %p, "process attributed"),
+                None => debug!(pid, parent, cgroup_id, "process attributed"),
+            },
+            KernelEvent::ProcessExited { pid } => {
+                debug!(pid, "attributed process exited");
                 if self.probes.mode() == crate::probes::AttachMode::Tracepoint {
                     self.exits_unchecked += 1;
                     // Under a sustained stream of events the queue may never run empty.
@@ -413,15 +400,20 @@ impl Attribution {
                     }
                 }
             }
-            EVENT_FREE_TREE => {
-                self.release_tree(ev.client, ev.object, ev.value);
+            KernelEvent::TreeFreed {
+                client,
+                object,
+                clock,
+            } => {
+                self.release_tree(client, object, clock);
             }
-            EVENT_FILE_RELEASE => {
-                self.release_file(ev.value, ev.bytes);
+            KernelEvent::FileReleased { file, clock } => {
+                self.release_file(file, clock);
             }
-            // The enforcement reports these.
-            EVENT_LIMIT_CROSSED | EVENT_ALLOC_DENIED | EVENT_SCHED_GUARD => {}
-            other => warn!(kind = other, "unknown kernel event"),
+            // The enforcement's and the guard's.
+            KernelEvent::LimitCrossed(_)
+            | KernelEvent::AllocationDenied(_)
+            | KernelEvent::SchedulerGuarded(_) => {}
         }
     }
 

@@ -104,11 +104,13 @@ async fn main() -> std::process::ExitCode {
     };
     info!(version = gpud::VERSION, config = %source, output = ?log.output, "starting");
     let (admin_group, _) = watch::channel(config.dbus.admin_group.clone());
+    let (idle_signal, _) = watch::channel(config.idle.signal);
     let live = Live {
         source,
         effective,
         log,
         admin_group,
+        idle_signal,
         daemon: None,
     };
     match run(config, args, live).await {
@@ -137,6 +139,8 @@ struct Live {
     effective: toml::Table,
     log: LogHandle,
     admin_group: watch::Sender<String>,
+    /// `[idle] signal`: whether idle changes become D-Bus signals.
+    idle_signal: watch::Sender<bool>,
     /// Set once the daemon runs.
     daemon: Option<Handle>,
 }
@@ -184,6 +188,10 @@ impl Live {
                     Ok(false) => info!(key = %key, "RUST_LOG is set and stays in force"),
                     Err(e) => error!(key = %key, "{}", Chain(&e)),
                 },
+                "idle.signal" => {
+                    self.idle_signal.send_replace(config.idle.signal);
+                    info!(key = %key, signal = config.idle.signal, "idle signal applied");
+                }
                 "dbus.admin_group" => {
                     self.admin_group
                         .send_replace(config.dbus.admin_group.clone());
@@ -217,7 +225,7 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
     for w in gpud::privileges::check(gpud::privileges::effective()?)? {
         warn!("{w}");
     }
-    let (daemon, outputs) = daemon::spawn(&config)?;
+    let daemon = daemon::spawn(&config)?;
     live.daemon = Some(daemon.handle.clone());
     let info = daemon.info.clone();
     // Bound before readiness, so a taken or forbidden address fails the start.
@@ -245,28 +253,21 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
     let publishers = [
         tokio::spawn(gpud::api::dbus::publish_notices(
             conn.clone(),
-            outputs.limit_notices,
+            daemon.notices(),
+            live.idle_signal.subscribe(),
         )),
-        tokio::spawn(gpud::api::dbus::publish_guard_notices(
+        tokio::spawn(gpu::publish_gpus(
             conn.clone(),
-            outputs.guard_notices,
-        )),
-        tokio::spawn(gpu::publish_gpus(conn.clone(), outputs.inventory)),
-        tokio::spawn(gpud::api::dbus::publish_throttled(
-            conn.clone(),
-            outputs.throttled,
-        )),
-        tokio::spawn(gpu::publish_xids(conn.clone(), outputs.xids)),
-        tokio::spawn(gpud::api::dbus::publish_idle(
-            conn.clone(),
-            outputs.idle_changes,
+            daemon.notices(),
+            daemon.handle.clone(),
         )),
     ];
     let metrics = metrics_listener.map(|listener| {
         if let Ok(addr) = listener.local_addr() {
             info!(%addr, "metrics at http://{addr}/metrics");
         }
-        let exporter = metrics::Exporter::new(daemon.handle.clone(), info.clone());
+        let exporter =
+            metrics::Exporter::new(daemon.handle.clone(), info.clone(), daemon.notice_counts());
         tokio::spawn(metrics::serve(
             listener,
             std::sync::Arc::new(exporter),

@@ -16,35 +16,36 @@ mod snapshot;
 mod start;
 mod views;
 
-use std::{collections::BTreeSet, time::Duration};
+use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
 
 use handle::Request;
 pub use handle::{ComputeStats, DaemonError, Handle, NvmlStatus, Snapshot};
-pub use ring::{parse_event, parse_guard_restore};
 pub use snapshot::View;
-pub use start::{DaemonInfo, Outputs, Running, StartError, spawn};
+pub use start::{DaemonInfo, Running, StartError, spawn};
 pub use views::NvmlUsage;
 
 use crate::{
     attribution::{Attribution, scan},
     config::Config,
     enforcement::{
-        GpuCatalog, LimitNotice, MemoryEnforcement,
+        GpuCatalog, MemoryEnforcement,
         compute::{self, law::LawParams},
-        guard::{GuardNotice, SchedulerGuard},
+        guard,
     },
-    nvml::{AttributedXid, GpuStatus, NvmlView, SamplerSettings, Snapshot as NvmlSnapshot},
-    policy::idle::{IdleChange, IdleTracker},
+    notice::{Notice, NoticeBus},
+    nvml::{GpuStatus, NvmlView, SamplerSettings, Snapshot as NvmlSnapshot},
+    policy::idle::IdleTracker,
+    probes::events::KernelEvent,
     report::Chain,
 };
 
 /// Everything the state task reacts to.
 enum Message {
     Request(Request),
-    Kernel(gpud_common::Event),
+    Kernel(KernelEvent),
     /// Result of a `/proc` scan run off the state task.
     Scanned(BTreeSet<u32>),
     /// What the NVML sampler saw.
@@ -55,18 +56,12 @@ enum Message {
     Refresh,
 }
 
-/// Where the state task's news goes: the API's publishers subscribe to these.
+/// Where the state task's news goes.
 struct Senders {
-    /// Limit events, for the `MemoryLimitExceeded` signal.
-    notices: broadcast::Sender<LimitNotice>,
-    /// The scheduler guard's reports, for the `SchedulerControlGuarded` signal.
-    guard_notices: broadcast::Sender<GuardNotice>,
-    /// The GPU inventory, for the `dev.gpud.Gpu1` objects.
-    inventory: watch::Sender<Vec<GpuStatus>>,
-    /// Xid events, for the `Xid` signals.
-    xids: broadcast::Sender<AttributedXid>,
-    /// Idle transitions, for the `IdleChanged` signal.
-    idle_changes: broadcast::Sender<IdleChange>,
+    /// Every notice, for the API's publishers, the metrics and the log.
+    notices: NoticeBus,
+    /// The GPU inventory last published as a notice.
+    inventory: Arc<Vec<GpuStatus>>,
     /// Directories of the cgroups that have limits, for [`removals`].
     limited_dirs: watch::Sender<BTreeSet<std::path::PathBuf>>,
 }
@@ -83,13 +78,10 @@ struct LiveSettings {
 struct State {
     attribution: Attribution,
     memory: MemoryEnforcement,
-    guard: SchedulerGuard,
     nvml: NvmlView,
     /// Inputs of the compute task (`None`: compute shares disabled).
     compute: Option<views::ComputeFeed>,
     idle: IdleTracker,
-    /// Whether idle transitions are signalled (`[idle] signal`).
-    idle_signal: bool,
     outputs: Senders,
     live: LiveSettings,
     /// The driver's own limits (`dmem.max`), where it registers its GPUs with the dmem
@@ -225,7 +217,7 @@ fn sweep_all(state: &mut State) {
     state.attribution.sweep();
     state.attribution.sweep_memory();
     state.memory.sweep(&mut state.attribution);
-    state.guard.sweep(&mut state.attribution);
+    guard::sweep(&mut state.attribution);
     release_free_heap();
 }
 
@@ -303,7 +295,6 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
 /// (`config::LIVE_KEYS`); returns the timers' new intervals.
 fn reconfigure(state: &mut State, config: &Config) -> Intervals {
     state.idle.set_rule((&config.idle).into());
-    state.idle_signal = config.idle.signal;
     if let Some(params) = &state.live.compute {
         params.send_replace(compute::params(config));
     }
@@ -343,15 +334,25 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
     intervals
 }
 
-fn on_kernel_event(state: &mut State, ev: &gpud_common::Event) {
-    state.attribution.on_kernel_event(ev);
-    if let Some(notice) = state.memory.on_event(&mut state.attribution, ev) {
-        // No subscriber (no bus yet) is fine: the event is logged and counted.
-        let _ = state.outputs.notices.send(notice);
-    }
-    if let Some(notice) = state.guard.on_event(&mut state.attribution, ev) {
-        let _ = state.outputs.guard_notices.send(notice);
-    }
+/// Routes a kernel event to its owner: processes and objects to the attribution, limits met to
+/// the memory enforcement, scheduling controls to the guard; their notices to the bus.
+fn on_kernel_event(state: &mut State, ev: &KernelEvent) {
+    let notice = match ev {
+        KernelEvent::LimitCrossed(l) => {
+            Notice::MemoryLimitExceeded(state.memory.on_limit(&mut state.attribution, l, false))
+        }
+        KernelEvent::AllocationDenied(l) => {
+            Notice::MemoryLimitExceeded(state.memory.on_limit(&mut state.attribution, l, true))
+        }
+        KernelEvent::SchedulerGuarded(g) => {
+            Notice::SchedulerControlGuarded(guard::on_event(&mut state.attribution, g))
+        }
+        KernelEvent::ProcessTracked { .. }
+        | KernelEvent::ProcessExited { .. }
+        | KernelEvent::TreeFreed { .. }
+        | KernelEvent::FileReleased { .. } => return state.attribution.on_kernel_event(ev),
+    };
+    state.outputs.notices.send(notice);
 }
 
 fn on_xid(state: &mut State, uuid: String, xid: Option<u64>) {
@@ -361,17 +362,7 @@ fn on_xid(state: &mut State, uuid: String, xid: Option<u64>) {
     let attribution = &mut state.attribution;
     let id_of = |path: &str| attribution.id_of(path).map_or(0, |(_, id)| id);
     let event = state.nvml.on_xid(uuid, xid, now, id_of);
-    warn!(
-        gpu = event.gpu,
-        uuid = %event.uuid,
-        xid = event.xid,
-        pid = event.pid.unwrap_or(0),
-        cgroup = %event.cgroup,
-        pids = ?event.pids,
-        "critical Xid error on the GPU"
-    );
-    // No subscriber (no bus yet) is fine: the event is logged and kept.
-    let _ = state.outputs.xids.send(event);
+    state.outputs.notices.send(Notice::Xid(event));
     publish_inventory(state);
 }
 
@@ -452,19 +443,19 @@ fn sync_dmem(state: &mut State) {
 
 /// The scheduler guard's allowances follow the stored policies' priority classes.
 fn sync_allowances(state: &mut State) {
-    state
-        .guard
-        .sync_allowances(&mut state.attribution, state.memory.policies());
+    guard::sync_allowances(&mut state.attribution, state.memory.policies());
 }
 
-/// Hands the current inventory to the task that publishes the `Gpu1` objects, if it changed.
+/// Publishes the inventory (for the `Gpu1` objects) if it changed.
 fn publish_inventory(state: &mut State) {
     let inventory = state.nvml.inventory();
-    state.outputs.inventory.send_if_modified(|cur| {
-        let changed = *cur != inventory;
-        *cur = inventory;
-        changed
-    });
+    if *state.outputs.inventory != inventory {
+        state.outputs.inventory = Arc::new(inventory);
+        state
+            .outputs
+            .notices
+            .send(Notice::Inventory(state.outputs.inventory.clone()));
+    }
 }
 
 /// Gives the heap's free pages back to the system. A burst of large replies (ListCgroups of

@@ -221,7 +221,7 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         idle: state.idle.list(std::time::Instant::now()),
         memory_info: state.attribution.memory_info(),
         scheduler_guard: state.attribution.scheduler_guard(),
-        guard_counts: state.guard.counts(&mut state.attribution),
+        guard_counts: crate::enforcement::guard::counts(&mut state.attribution),
         cgroups,
     }
 }

@@ -19,12 +19,10 @@ use crate::{
     attribution::{Attribution, AttributionError},
     cgroupfs::{CgroupError, CgroupFs},
     config::Config,
-    enforcement::{
-        GpuCatalog, LimitNotice, MemoryEnforcement, compute,
-        guard::{self, GuardNotice, SchedulerGuard},
-    },
-    nvml::{AttributedXid, GpuStatus, NvmlView, Sampler, SamplerSettings},
-    policy::{LimitStore, PolicyError, idle::IdleChange, idle::IdleTracker},
+    enforcement::{GpuCatalog, MemoryEnforcement, compute, guard},
+    notice::{Notice, NoticeBus, NoticeCounts},
+    nvml::{NvmlView, Sampler, SamplerSettings},
+    policy::{LimitStore, PolicyError, idle::IdleTracker},
     probes::{self, DynamicMajors, Matcher, ProbeError, ProbeSetup, Probes, devices::DeviceError},
 };
 
@@ -75,22 +73,12 @@ impl StartError {
     }
 }
 
-/// What the state task and the controller announce, for the API's publishers.
-pub struct Outputs {
-    pub limit_notices: broadcast::Receiver<LimitNotice>,
-    /// The scheduler guard's reports, for the `SchedulerControlGuarded` signal.
-    pub guard_notices: broadcast::Receiver<GuardNotice>,
-    pub inventory: watch::Receiver<Vec<GpuStatus>>,
-    pub xids: broadcast::Receiver<AttributedXid>,
-    pub idle_changes: broadcast::Receiver<IdleChange>,
-    /// cgroups the compute controller started throttling.
-    pub throttled: broadcast::Receiver<String>,
-}
-
 /// A started daemon: its handle, its facts, and what [`Running::stop`] needs.
 pub struct Running {
     pub handle: Handle,
     pub info: DaemonInfo,
+    notices: NoticeBus,
+    notice_counts: NoticeCounts,
     shutdown: watch::Sender<bool>,
     state: JoinHandle<State>,
     reader: JoinHandle<std::io::Result<()>>,
@@ -99,6 +87,17 @@ pub struct Running {
 }
 
 impl Running {
+    /// A subscriber to the daemon's notices (from now on), for the API's publishers, the
+    /// metrics and the log.
+    pub fn notices(&self) -> broadcast::Receiver<Notice> {
+        self.notices.subscribe()
+    }
+
+    /// The notices published so far, by name, for the metrics.
+    pub fn notice_counts(&self) -> NoticeCounts {
+        self.notice_counts.clone()
+    }
+
     /// Turns true when the daemon stops; for the tasks the API layer runs beside it.
     pub fn shutdown_signal(&self) -> watch::Receiver<bool> {
         self.shutdown.subscribe()
@@ -123,8 +122,8 @@ impl Running {
 }
 
 /// Starts the daemon's core from `config` (inside a tokio runtime): everything but the API, which
-/// serves the returned handle and publishes the outputs.
-pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
+/// serves the returned handle and publishes its notices.
+pub fn spawn(config: &Config) -> Result<Running, StartError> {
     // Before anything is attached: the limits must be loadable and storable.
     LimitStore::check_dir(&config.daemon.state_dir).map_err(StartError::Limits)?;
     let store = LimitStore::load(&config.daemon.state_dir, config.daemon.on_corrupt_state)
@@ -222,8 +221,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     };
     let mut memory = MemoryEnforcement::new(store, tier, config.enforcement.react_action, catalog);
     memory.restore(&mut attribution);
-    let guard = SchedulerGuard::default();
-    guard.sync_allowances(&mut attribution, memory.policies());
+    guard::sync_allowances(&mut attribution, memory.policies());
 
     let compute_on = config.compute.enabled && config.nvml.enabled;
     if compute_on {
@@ -235,12 +233,8 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
             }
         }
     }
-    let (notices, notices_rx) = broadcast::channel(256);
-    let (guard_notices, guard_notices_rx) = broadcast::channel(256);
-    let (inventory, inventory_rx) = watch::channel(Vec::new());
-    let (xids, xids_rx) = broadcast::channel(64);
-    let (idle_changes, idle_rx) = broadcast::channel(64);
-    let (throttled, throttled_rx) = broadcast::channel(256);
+    let notices = NoticeBus::default();
+    let notice_counts = notices.start_log_and_counts();
     // A few seconds of NVML samples: the compute task plans between them, so it is not behind.
     let (control, control_rx) = mpsc::channel(64);
     let (compute_stats, compute_stats_rx) = watch::channel(ComputeStats::default());
@@ -253,7 +247,6 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     let state = State {
         attribution,
         memory,
-        guard,
         nvml: if config.nvml.enabled {
             NvmlView::default()
         } else {
@@ -267,13 +260,9 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
             first_seen: BTreeMap::new(),
         }),
         idle: IdleTracker::new((&config.idle).into()),
-        idle_signal: config.idle.signal,
         outputs: Senders {
-            notices,
-            guard_notices,
-            inventory,
-            xids,
-            idle_changes,
+            notices: notices.clone(),
+            inventory: Default::default(),
             limited_dirs,
         },
         live: LiveSettings {
@@ -295,7 +284,7 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
                 input: control_rx,
                 params: compute_params_rx,
                 stats: compute_stats,
-                throttled,
+                notices: notices.clone(),
                 shutdown: shutdown_rx.clone(),
             },
         ))
@@ -338,21 +327,15 @@ pub fn spawn(config: &Config) -> Result<(Running, Outputs), StartError> {
     let running = Running {
         handle,
         info,
+        notices,
+        notice_counts,
         shutdown,
         state,
         reader,
         controller,
         keep_pinned: config.probes.keep_pinned,
     };
-    let outputs = Outputs {
-        limit_notices: notices_rx,
-        guard_notices: guard_notices_rx,
-        inventory: inventory_rx,
-        xids: xids_rx,
-        idle_changes: idle_rx,
-        throttled: throttled_rx,
-    };
-    Ok((running, outputs))
+    Ok(running)
 }
 
 /// Samples NVML and waits for its Xid events on a thread of its own (its calls block) until

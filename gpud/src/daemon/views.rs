@@ -8,7 +8,7 @@ use std::{
 };
 
 use tokio::sync::mpsc;
-use tracing::{debug, info};
+use tracing::debug;
 
 use super::State;
 use crate::{
@@ -20,6 +20,7 @@ use crate::{
             law::{DeviceSample, ProcSample, Reading, Tenant},
         },
     },
+    notice::Notice,
     nvml::{CgroupUsage, NvmlView, ProcessSample},
     policy::idle::Observation,
 };
@@ -117,23 +118,7 @@ pub(super) fn update_idle(state: &mut State) {
         state.idle.reset(now)
     };
     for c in changes {
-        info!(
-            cgroup = %c.cgroup,
-            gpu = c.gpu,
-            idle = c.idle,
-            memory_bytes = c.memory_bytes,
-            idle_secs = c.idle_secs,
-            "{}",
-            if c.idle {
-                "cgroup holds GPU memory while idle"
-            } else {
-                "cgroup no longer idle"
-            }
-        );
-        if state.idle_signal {
-            // No subscriber (no bus yet) is fine: the change is logged and listed.
-            let _ = state.outputs.idle_changes.send(c);
-        }
+        state.outputs.notices.send(Notice::IdleChanged(c));
     }
 }
 

@@ -11,15 +11,16 @@ pub mod restore;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpud_common::{EVENT_ALLOC_DENIED, EVENT_LIMIT_CROSSED, Event, GPU_ALL};
+use gpud_common::GPU_ALL;
 use tracing::{error, info, warn};
 
 use crate::{
     attribution::{Attribution, AttributionError, memory::gpu_name},
     cgroupfs::CgroupError,
     config::ReactAction,
+    notice::LimitNotice,
     policy::{GpuSelector, LimitStore, LimitUpdate, Limits, PolicyError},
-    probes::Tier,
+    probes::{Tier, events::LimitEvent},
     report::Chain,
 };
 
@@ -50,22 +51,6 @@ pub enum EnforcementError {
         index: u32,
         other: String,
     },
-}
-
-/// A limit event, for the D-Bus `MemoryLimitExceeded` signal.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LimitNotice {
-    /// cgroup whose limit was crossed (path, or `#<id>` if it is gone).
-    pub cgroup: String,
-    pub gpu: String,
-    pub pid: u32,
-    /// Size of the allocation.
-    pub bytes: u64,
-    /// Usage of that cgroup after (react) or before (deny) the allocation.
-    pub usage: u64,
-    pub max: u64,
-    /// `denied`, `killed`, `frozen` or `notified`.
-    pub action: String,
 }
 
 /// The limits set on one (cgroup, GPU selector).
@@ -431,18 +416,21 @@ impl MemoryEnforcement {
         }
     }
 
-    /// Acts on a limit event from the kernel; returns the notice to publish.
-    pub fn on_event(&mut self, attr: &mut Attribution, ev: &Event) -> Option<LimitNotice> {
-        if ev.kind != EVENT_LIMIT_CROSSED && ev.kind != EVENT_ALLOC_DENIED {
-            return None;
-        }
+    /// Acts on an allocation that met a limit (`denied`: the deny tier refused it; else it
+    /// crossed the limit); returns the notice to publish.
+    pub fn on_limit(
+        &mut self,
+        attr: &mut Attribution,
+        ev: &LimitEvent,
+        denied: bool,
+    ) -> LimitNotice {
         let path = attr.path_of(ev.cgroup_id);
         let max = attr
             .kernel_limits()
             .get(&(ev.cgroup_id, ev.gpu))
             .copied()
             .unwrap_or(0);
-        let action = if ev.kind == EVENT_ALLOC_DENIED {
+        let action = if denied {
             "denied"
         } else {
             match self.action {
@@ -463,20 +451,15 @@ impl MemoryEnforcement {
                 },
             }
         };
-        let cgroup = path.unwrap_or_else(|| format!("#{}", ev.cgroup_id));
-        warn!(
-            cgroup = %cgroup, gpu = %gpu_name(ev.gpu), pid = ev.tgid, bytes = ev.bytes,
-            usage = ev.value, max, action, "GPU memory limit exceeded"
-        );
-        Some(LimitNotice {
-            cgroup,
+        LimitNotice {
+            cgroup: path.unwrap_or_else(|| format!("#{}", ev.cgroup_id)),
             gpu: gpu_name(ev.gpu),
-            pid: ev.tgid,
+            pid: ev.pid,
             bytes: ev.bytes,
-            usage: ev.value,
+            usage: ev.usage,
             max,
             action: action.to_owned(),
-        })
+        }
     }
 
     /// Thaws a cgroup this module froze once none of its limits is exceeded any more.

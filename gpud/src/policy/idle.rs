@@ -11,6 +11,8 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
+use crate::notice::IdleChange;
+
 /// The rule (`[idle]` in the configuration).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdleRule {
@@ -40,18 +42,6 @@ pub struct Observation {
     pub memory_bytes: u64,
     /// Its SM utilization there (percent, summed over its processes).
     pub util: u32,
-}
-
-/// A cgroup crossing into idleness (after the minimum time) or out of it (active again, memory
-/// released, or gone).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct IdleChange {
-    pub cgroup: String,
-    pub gpu: u32,
-    pub idle: bool,
-    pub memory_bytes: u64,
-    /// How long it had been idle at the transition.
-    pub idle_secs: u64,
 }
 
 #[derive(Clone, Debug)]

@@ -18,6 +18,7 @@ mod attach;
 pub mod btf;
 pub mod caps;
 pub mod devices;
+pub mod events;
 mod maps;
 mod modify_return;
 mod pin;

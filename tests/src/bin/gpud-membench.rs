@@ -65,7 +65,10 @@ use gpud::{
     config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
     enforcement::MemoryEnforcement,
     policy::LimitStore,
-    probes::{AttachMode, DynamicMajors, Matcher, ProbeSetup, Probes, devices},
+    probes::{
+        AttachMode, DynamicMajors, Matcher, ProbeSetup, Probes, devices,
+        events::{KernelEvent, Record},
+    },
 };
 use gpud_tests::{
     inproc,
@@ -686,9 +689,12 @@ fn main() -> anyhow::Result<()> {
         let events = cg.join("cgroup.events");
         let frozen_at = loop {
             while let Some(item) = ring.next() {
-                if let Some(ev) = gpud::daemon::parse_event(&item) {
-                    attr.on_kernel_event(&ev);
-                    let _ = enforcement.on_event(&mut attr, &ev);
+                match Record::decode(&item) {
+                    Ok(Record::Event(KernelEvent::LimitCrossed(l))) => {
+                        enforcement.on_limit(&mut attr, &l, false);
+                    }
+                    Ok(Record::Event(ev)) => attr.on_kernel_event(&ev),
+                    _ => {}
                 }
             }
             if std::fs::read_to_string(&events)

@@ -15,6 +15,7 @@ use gpud::{
     config::{AttachPreference, DenyHookPreference, ProbesConfig, ReactAction, TierPreference},
     probes::{
         AttachMode, DynamicMajors, Matcher, MemoryInfoState, ProbeSetup, Probes, Tier, devices,
+        events::{KernelEvent, Record},
     },
 };
 use gpud_api::CgroupRecord;
@@ -246,7 +247,7 @@ fn device_in(
 fn pump(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, attribution: &mut Attribution) -> usize {
     let mut n = 0;
     while let Some(item) = ring.next() {
-        if let Some(ev) = gpud::daemon::parse_event(&item) {
+        if let Ok(Record::Event(ev)) = Record::decode(&item) {
             attribution.on_kernel_event(&ev);
             n += 1;
         }
@@ -950,7 +951,7 @@ fn scheduler_guard(
     hook: DenyHookPreference,
     want: AttachMode,
 ) -> anyhow::Result<()> {
-    use gpud::enforcement::guard::{GuardNotice, SchedulerGuard};
+    use gpud::{enforcement::guard, notice::GuardNotice};
     let tag = format!(
         "{}-{}-{}",
         want.as_str(),
@@ -1003,13 +1004,15 @@ fn scheduler_guard(
     let (lc_us, be_us) = (16_384, 128);
     attribution.set_sched_allowance(id_lc, Some(lc_us))?;
     attribution.set_sched_allowance(id_be, Some(be_us))?;
-    let mut guard = SchedulerGuard::default();
     let mut drain = |attribution: &mut Attribution| -> Vec<GuardNotice> {
         let mut out = Vec::new();
         while let Some(item) = ring.next() {
-            if let Some(ev) = gpud::daemon::parse_event(&item) {
-                attribution.on_kernel_event(&ev);
-                out.extend(guard.on_event(attribution, &ev));
+            match Record::decode(&item) {
+                Ok(Record::Event(KernelEvent::SchedulerGuarded(g))) => {
+                    out.push(guard::on_event(attribution, &g));
+                }
+                Ok(Record::Event(ev)) => attribution.on_kernel_event(&ev),
+                _ => {}
             }
         }
         out
@@ -1452,7 +1455,8 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
                         attribution: &mut Attribution|
      -> anyhow::Result<()> {
         while let Some(item) = ring.next() {
-            if let Some(r) = gpud::daemon::parse_guard_restore(&item) {
+            let record = Record::decode(&item);
+            if let Ok(Record::Restore(r)) = record {
                 let restorer = restorer
                     .as_mut()
                     .context("an undo asked of a guard that rewrites")?;
@@ -1463,7 +1467,7 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
                     )
                 })?;
                 undone += 1;
-            } else if let Some(ev) = gpud::daemon::parse_event(&item) {
+            } else if let Ok(Record::Event(ev)) = record {
                 attribution.on_kernel_event(&ev);
             }
         }

@@ -22,8 +22,8 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::{broadcast, mpsc, watch};
-use tracing::{debug, info, warn};
+use tokio::sync::{mpsc, watch};
+use tracing::{info, warn};
 
 use self::{
     actuator::{Actuator, Order},
@@ -32,6 +32,7 @@ use self::{
 use crate::{
     attribution::TenantObjects,
     config::Config,
+    notice::{Notice, NoticeBus},
     policy::{DEFAULT_WEIGHT, Limits, Priority},
     probes::Matcher,
     report::Chain,
@@ -177,8 +178,8 @@ pub struct Links {
     /// New settings on a reload.
     pub params: watch::Receiver<LawParams>,
     pub stats: watch::Sender<BTreeMap<String, ComputeStat>>,
-    /// cgroups that start being throttled.
-    pub throttled: broadcast::Sender<String>,
+    /// Where a cgroup that starts being throttled is announced.
+    pub notices: NoticeBus,
     pub shutdown: watch::Receiver<bool>,
 }
 
@@ -272,8 +273,7 @@ pub async fn run(settings: Settings, mut links: Links) {
         for (unit, s) in &stats {
             let now_throttled = s.duty < 99.9;
             if now_throttled && throttled.insert(unit.clone()) {
-                debug!(cgroup = %unit, "compute throttling started");
-                let _ = links.throttled.send(unit.clone());
+                links.notices.send(Notice::ComputeThrottled(unit.clone()));
             } else if !now_throttled {
                 throttled.remove(unit);
             }

@@ -1,0 +1,196 @@
+//! The daemon's outgoing news on one bus: every [`Notice`] the state task and the compute task
+//! produce is broadcast once, and the D-Bus signals, the metrics' counts, the log (`log`) and
+//! the `Gpu1` objects subscribe to it. A new kind of news is a variant here, its producer, and its D-Bus shape
+//! (api/dbus.rs): nothing is wired by hand in between.
+//!
+//! The payloads are what the signals carry; the producers build them, the subscribers only read.
+
+mod log;
+
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex, PoisonError},
+};
+
+use tokio::sync::broadcast;
+use tracing::{debug, info, warn};
+
+use crate::nvml::{AttributedXid, GpuStatus};
+
+/// Notices a subscriber may fall behind by before it misses some (and is told how many).
+const CAPACITY: usize = 1024;
+
+/// One piece of news.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Notice {
+    /// An allocation crossed a memory limit, or was denied at it.
+    MemoryLimitExceeded(LimitNotice),
+    /// The scheduler guard met a tenant's scheduling control.
+    SchedulerControlGuarded(GuardNotice),
+    /// The compute controller started throttling a cgroup (its path).
+    ComputeThrottled(String),
+    /// A cgroup became idle holding GPU memory, or stopped being so.
+    IdleChanged(IdleChange),
+    /// NVML reported a critical Xid error.
+    Xid(AttributedXid),
+    /// The GPU inventory changed (NVML came, went, or saw other GPUs): the whole new inventory.
+    Inventory(Arc<Vec<GpuStatus>>),
+}
+
+impl Notice {
+    /// The notice's name: its D-Bus signal's member name, and its label in the metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::MemoryLimitExceeded(_) => "MemoryLimitExceeded",
+            Self::SchedulerControlGuarded(_) => "SchedulerControlGuarded",
+            Self::ComputeThrottled(_) => "ComputeThrottled",
+            Self::IdleChanged(_) => "IdleChanged",
+            Self::Xid(_) => "Xid",
+            Self::Inventory(_) => "Inventory",
+        }
+    }
+
+    /// Its log line, at the level the news deserves. The scheduler guard's are rate-limited by
+    /// the log's subscriber, which says how many were `skipped` before this one.
+    fn log(&self, skipped: u64) {
+        match self {
+            Self::MemoryLimitExceeded(n) => warn!(
+                cgroup = %n.cgroup, gpu = %n.gpu, pid = n.pid, bytes = n.bytes, usage = n.usage,
+                max = n.max, action = n.action.as_str(), "GPU memory limit exceeded"
+            ),
+            Self::SchedulerControlGuarded(n) => warn!(
+                cgroup = %n.cgroup, pid = n.pid, control = %n.control,
+                action = n.action.as_str(), reason = n.reason.as_str(),
+                requested = n.requested, allowed = n.allowed,
+                client = format_args!("{:#x}", n.client), skipped,
+                "scheduling control of a tenant {}", n.action
+            ),
+            Self::ComputeThrottled(cgroup) => {
+                debug!(cgroup = %cgroup, "compute throttling started")
+            }
+            Self::IdleChanged(c) => info!(
+                cgroup = %c.cgroup, gpu = c.gpu, idle = c.idle, memory_bytes = c.memory_bytes,
+                idle_secs = c.idle_secs, "{}",
+                if c.idle { "cgroup holds GPU memory while idle" } else { "cgroup no longer idle" }
+            ),
+            Self::Xid(e) => warn!(
+                gpu = e.gpu, uuid = %e.uuid, xid = e.xid, pid = e.pid.unwrap_or(0),
+                cgroup = %e.cgroup, pids = ?e.pids, "critical Xid error on the GPU"
+            ),
+            Self::Inventory(gpus) => debug!(gpus = gpus.len(), "GPU inventory changed"),
+        }
+    }
+}
+
+/// A memory limit met by an allocation, for the `MemoryLimitExceeded` signal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitNotice {
+    /// cgroup whose limit was crossed (path, or `#<id>` if it is gone).
+    pub cgroup: String,
+    pub gpu: String,
+    pub pid: u32,
+    /// Size of the allocation.
+    pub bytes: u64,
+    /// Usage of that cgroup after (react) or before (deny) the allocation.
+    pub usage: u64,
+    pub max: u64,
+    /// `denied`, `killed`, `frozen` or `notified`.
+    pub action: String,
+}
+
+/// One report of the scheduler guard, for the `SchedulerControlGuarded` signal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuardNotice {
+    /// The caller's cgroup (path, or `#<id>` once gone).
+    pub cgroup: String,
+    pub pid: u32,
+    /// The control's driver name (`SET_TIMESLICE`, `FIFO_DISABLE_CHANNELS`, ...).
+    pub control: String,
+    /// `denied`, `refused` (rewritten to fail or to do nothing), `clamped`, `restored` (let
+    /// through and undone after), `killed` (its caller killed, what it did undone), `audited` or
+    /// `unenforced`.
+    pub action: String,
+    /// `forbidden`, `timeslice`, `foreign-client`, `legacy-path`, `flags` or `held-off`.
+    pub reason: String,
+    /// The timeslice asked (µs), or the foreign client named (0 otherwise).
+    pub requested: u64,
+    /// The caller's timeslice allowance (µs; 0 where none is involved).
+    pub allowed: u64,
+    /// The call's RM client (for the log).
+    pub client: u32,
+}
+
+/// A cgroup crossing into idleness (after the minimum time) or out of it (active again, memory
+/// released, or gone), for the `IdleChanged` signal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdleChange {
+    pub cgroup: String,
+    pub gpu: u32,
+    pub idle: bool,
+    pub memory_bytes: u64,
+    /// How long it had been idle at the transition.
+    pub idle_secs: u64,
+}
+
+/// Notices published since start, by name (the metrics' `gpud_notices_total`), counted by a
+/// subscriber of the bus; notices it fell behind on are counted as `missed`.
+#[derive(Clone, Debug, Default)]
+pub struct NoticeCounts(Arc<Mutex<BTreeMap<&'static str, u64>>>);
+
+impl NoticeCounts {
+    /// Counts every notice until the bus closes.
+    async fn follow(self, mut rx: broadcast::Receiver<Notice>) {
+        use broadcast::error::RecvError;
+        loop {
+            let (name, n) = match rx.recv().await {
+                Ok(notice) => (notice.name(), 1),
+                Err(RecvError::Lagged(missed)) => ("missed", missed),
+                Err(RecvError::Closed) => return,
+            };
+            *self
+                .0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(name)
+                .or_default() += n;
+        }
+    }
+
+    pub fn get(&self) -> BTreeMap<&'static str, u64> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// The sending side of the bus, for producers; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct NoticeBus(broadcast::Sender<Notice>);
+
+impl Default for NoticeBus {
+    fn default() -> Self {
+        Self(broadcast::channel(CAPACITY).0)
+    }
+}
+
+impl NoticeBus {
+    /// Publishes a notice. No subscriber (no bus yet, a test) is fine: the notice is dropped.
+    pub fn send(&self, notice: Notice) {
+        let _ = self.0.send(notice);
+    }
+
+    /// A new subscriber: it sees every notice sent from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<Notice> {
+        self.0.subscribe()
+    }
+
+    /// Starts the subscribers that must see every notice from the first (inside a tokio
+    /// runtime, before any producer runs): the log, and the counts it returns.
+    pub fn start_log_and_counts(&self) -> NoticeCounts {
+        tokio::spawn(log::log_notices(self.subscribe()));
+        let counts = NoticeCounts::default();
+        tokio::spawn(counts.clone().follow(self.subscribe()));
+        counts
+    }
+}
