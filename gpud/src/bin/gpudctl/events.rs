@@ -116,11 +116,32 @@ fn decode(msg: &zbus::Message) -> Option<(String, String, Value)> {
         }
         _ => {
             let args: zbus::Structure = body.deserialize().ok()?;
-            let args: Vec<String> = args.fields().iter().map(ToString::to_string).collect();
-            (args.join(" "), json!({"path": path, "args": args}))
+            let line: Vec<String> = args.fields().iter().map(ToString::to_string).collect();
+            let args: Vec<Value> = args.fields().iter().map(json_of).collect();
+            (line.join(" "), json!({"path": path, "args": args}))
         }
     };
     Some((member, line, value))
+}
+
+/// A D-Bus value as JSON: numbers, booleans and strings as themselves, anything else as its
+/// D-Bus text.
+fn json_of(v: &zbus::Variant<'_>) -> Value {
+    use zbus::Variant as V;
+    match v {
+        V::Bool(b) => json!(b),
+        V::U8(n) => json!(n),
+        V::I16(n) => json!(n),
+        V::U16(n) => json!(n),
+        V::I32(n) => json!(n),
+        V::U32(n) => json!(n),
+        V::I64(n) => json!(n),
+        V::U64(n) => json!(n),
+        V::F64(n) => json!(n),
+        V::Str(s) => json!(s.as_str()),
+        V::ObjectPath(p) => json!(p.as_str()),
+        other => json!(other.to_string()),
+    }
 }
 
 pub async fn run(conn: &zbus::Connection, args: EventsArgs, json: bool) -> Result<(), Failure> {
