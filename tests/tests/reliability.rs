@@ -5,7 +5,7 @@
 
 use std::{collections::BTreeMap, path::Path, process::Command, time::Duration};
 
-use gpud_tests::{Cgroup, Rig, RmProcess, TestConfig, eventually, gpud_bin, one_gpu};
+use gpud_tests::{Cgroup, Rig, RmProcess, TestConfig, eventually, gpud_bin, gpudctl_bin, one_gpu};
 use serde_json::json;
 
 const MIB: u64 = 1 << 20;
@@ -457,5 +457,83 @@ async fn event_ring_size_follows_the_configuration() {
     assert!(
         log.contains("keeps its size") && log.contains("pinned_kib=2048"),
         "{log}"
+    );
+}
+
+/// A daemon that falls behind its event ring (stopped while a tracked shell forks a thousand
+/// children: two events each, more than a 64 KiB ring holds) says how many events it lost, at its
+/// next sweep, as a `KernelEventsLost` signal (here through `gpudctl events`, which shows the
+/// arguments of signals it has no line for) and in `events_lost`; nothing stays attributed to
+/// the children.
+#[tokio::test(flavor = "multi_thread")]
+async fn events_lost_while_the_daemon_is_stopped_are_signalled() {
+    let mut rig = Rig::new("rel-lost");
+    let standin = rig.stand_in("standin");
+    rig.start(
+        config(&rig)
+            .extra_paths([&standin])
+            .set("probes.events_ring_kib", 64),
+    )
+    .await;
+    let (_c, proxy) = rig.proxy().await;
+    let mut follower = Command::new(gpudctl_bin())
+        .args(["events", "--json", "-n", "1", "--type", "KernelEventsLost"])
+        .args(["--bus-address", &rig.bus.address])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start gpudctl events");
+    let mut said = String::new();
+    let mut stderr = std::io::BufReader::new(follower.stderr.take().expect("stderr"));
+    std::io::BufRead::read_line(&mut stderr, &mut said).expect("gpudctl events stderr");
+    assert!(said.contains("following"), "gpudctl events said {said:?}");
+
+    rig.signal(libc::SIGSTOP);
+    let forks = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "exec 3<{}; i=0; while [ $i -lt 1000 ]; do /bin/true; i=$((i+1)); done",
+            standin.display()
+        ))
+        .status()
+        .expect("run the forking shell");
+    rig.signal(libc::SIGCONT);
+    assert!(forks.success());
+
+    let out = tokio::task::spawn_blocking(move || follower.wait_with_output())
+        .await
+        .expect("join")
+        .expect("gpudctl events output");
+    let line = String::from_utf8_lossy(&out.stdout);
+    let ev: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or_else(|e| {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+        panic!(
+            "bad line {line:?} ({e}; {}): {said}{rest}\n{}",
+            out.status,
+            rig.log_text()
+        )
+    });
+    assert_eq!(ev["signal"], "KernelEventsLost", "{ev}");
+    let lost = ev["args"][0]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no count in {ev}"));
+    let stats = proxy.get_kernel_stats().await.expect("GetKernelStats");
+    assert!(
+        lost > 0 && lost <= stats["events_lost"],
+        "signalled {lost}, counted {}",
+        stats["events_lost"]
+    );
+    assert!(rig.log_text().contains("kernel events lost"));
+    // The sweeps reconcile what the lost exits would have said.
+    let left = eventually(Duration::from_secs(10), || async {
+        let p = proxy.list_processes().await.ok()?;
+        (p.len() <= 1).then_some(())
+    })
+    .await;
+    assert!(
+        left.is_some(),
+        "children stayed attributed:\n{}",
+        rig.log_text()
     );
 }

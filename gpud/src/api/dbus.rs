@@ -316,6 +316,14 @@ impl Manager {
         cgroup: &str,
     ) -> zbus::Result<()>;
 
+    /// The kernel side could not deliver `lost` events since the last report (its ring buffer
+    /// was full: the daemon stopped or fell behind); the sweeps reconcile what they said.
+    #[zbus(signal)]
+    pub async fn kernel_events_lost(
+        emitter: &zbus::object_server::SignalEmitter<'_>,
+        lost: u64,
+    ) -> zbus::Result<()>;
+
     /// The most recent NVML events (critical Xid errors), oldest first: `(timestamp_us, gpu,
     /// uuid, kind, xid, pid, cgroup_id, cgroup, pids)`.
     async fn list_nvml_events(&self) -> Result<Vec<NvmlEventRecord>, ApiError> {
@@ -442,6 +450,7 @@ async fn emit(conn: &zbus::Connection, notice: Notice, idle_signal: bool) -> zbu
                 zbus::object_server::SignalEmitter::new(conn, gpud_api::gpu_path(e.gpu, u32::MAX))?;
             super::gpu::Gpu::xid(&emitter, e.xid, e.pid.unwrap_or(0), e.cgroup_id, &e.cgroup).await
         }
+        Notice::KernelEventsLost(lost) => Manager::kernel_events_lost(&manager()?, lost).await,
         Notice::IdleChanged(_) | Notice::Inventory(_) => Ok(()),
     }
 }

@@ -208,10 +208,7 @@ async fn run_state(
 fn sweep_all(state: &mut State) {
     let lost = state.attribution.newly_lost_events();
     if lost > 0 {
-        warn!(
-            lost,
-            "kernel events lost (ring buffer full); the sweeps reconcile what they would have said"
-        );
+        state.outputs.notices.send(Notice::KernelEventsLost(lost));
     }
     state.attribution.release_closed_files();
     state.attribution.sweep();

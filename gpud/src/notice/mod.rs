@@ -35,6 +35,9 @@ pub enum Notice {
     Xid(AttributedXid),
     /// The GPU inventory changed (NVML came, went, or saw other GPUs): the whole new inventory.
     Inventory(Arc<Vec<GpuStatus>>),
+    /// The kernel side could not deliver this many events since the last report (its ring was
+    /// full); the sweeps reconcile what they would have said.
+    KernelEventsLost(u64),
 }
 
 impl Notice {
@@ -47,6 +50,7 @@ impl Notice {
             Self::IdleChanged(_) => "IdleChanged",
             Self::Xid(_) => "Xid",
             Self::Inventory(_) => "Inventory",
+            Self::KernelEventsLost(_) => "KernelEventsLost",
         }
     }
 
@@ -78,6 +82,10 @@ impl Notice {
                 cgroup = %e.cgroup, pids = ?e.pids, "critical Xid error on the GPU"
             ),
             Self::Inventory(gpus) => debug!(gpus = gpus.len(), "GPU inventory changed"),
+            Self::KernelEventsLost(lost) => warn!(
+                lost,
+                "kernel events lost (ring buffer full); the sweeps reconcile what they would have said"
+            ),
         }
     }
 }
