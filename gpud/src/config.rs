@@ -140,6 +140,17 @@ pub enum AttachPreference {
     Tracepoint,
 }
 
+impl AttachPreference {
+    /// The configuration's name for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Fentry => "fentry",
+            Self::Tracepoint => "tracepoint",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct ProbesConfig {
@@ -174,6 +185,18 @@ pub enum TierPreference {
     React,
     /// The kernel's `dmem` cgroup controller; start-up fails unless it lists NVIDIA regions.
     Dmem,
+}
+
+impl TierPreference {
+    /// The configuration's name for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Deny => "deny",
+            Self::React => "react",
+            Self::Dmem => "dmem",
+        }
+    }
 }
 
 /// Which pre-driver hook refuses an ioctl (`[enforcement] deny_hook`): the memory deny tier and

@@ -120,6 +120,12 @@ impl TestConfig {
         toml::to_string(&self.table).expect("a TOML table serializes")
     }
 
+    /// The configuration as gpud reads it (for the in-process rig: `gpud::daemon::core::open`).
+    pub fn parsed(&self) -> gpud::config::Config {
+        gpud::config::Config::from_toml(&self.text(), &self.dir.join("gpud.toml"))
+            .unwrap_or_else(|e| panic!("the test configuration is invalid: {e}"))
+    }
+
     /// Writes the file as `gpud.toml` in the directory; its path.
     pub fn write(&self) -> PathBuf {
         self.write_as("gpud.toml")

@@ -177,6 +177,11 @@ impl Attribution {
         &self.matcher
     }
 
+    /// The attached probes, for what they report (mode, tier, capabilities, hooks).
+    pub fn probes(&self) -> &Probes {
+        &self.probes
+    }
+
     pub fn cgroup_root(&self) -> &std::path::Path {
         self.cgroups.root()
     }

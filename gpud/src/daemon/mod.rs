@@ -3,12 +3,15 @@
 //! NVML sampler thread, the `/proc` scans and the timers reach it only as messages, and the API
 //! only through a [`Handle`]. [`spawn`] wires it all up and hands back a [`Running`] daemon.
 //!
+//! - `core`: the kernel stack opened from a configuration, and the routing of kernel events (the
+//!   one rig the VM test and the benchmarks use too);
 //! - `handle`: the typed requests the API may make;
 //! - `snapshot`: the view of the state that readers get without queuing behind its work;
 //! - `views`: joins of the state computed on demand (attribution × NVML, the controller's input);
 //! - `ring`: the event ring buffer's reader;
 //! - `start`: start-up (probes, stored limits, tasks) and orderly stop.
 
+pub mod core;
 mod handle;
 mod removals;
 mod ring;
@@ -28,10 +31,10 @@ pub use start::{DaemonInfo, Running, StartError, spawn};
 pub use views::NvmlUsage;
 
 use crate::{
-    attribution::{Attribution, scan},
+    attribution::scan,
     config::Config,
     enforcement::{
-        GpuCatalog, MemoryEnforcement,
+        GpuCatalog,
         compute::{self, law::LawParams},
         guard,
     },
@@ -76,8 +79,8 @@ struct LiveSettings {
 
 /// Everything the state task owns.
 struct State {
-    attribution: Attribution,
-    memory: MemoryEnforcement,
+    /// The accounting and the memory limits, which kernel events change.
+    core: core::Core,
     nvml: NvmlView,
     /// Inputs of the compute task (`None`: compute shares disabled).
     compute: Option<views::ComputeFeed>,
@@ -164,7 +167,7 @@ async fn run_state(
                     limits_changed(&mut state);
                 }
                 // A view reflects every exit read so far: the files they held are checked first.
-                if (refresh || rx.is_empty()) && state.attribution.check_pending_files() {
+                if (refresh || rx.is_empty()) && state.core.attribution.check_pending_files() {
                     recheck.as_mut().reset(tokio::time::Instant::now() + RECHECK_AFTER_EXIT);
                     recheck_armed = true;
                 }
@@ -175,7 +178,7 @@ async fn run_state(
             () = &mut recheck, if recheck_armed => {
                 recheck_armed = false;
                 views.changing();
-                state.attribution.release_closed_files();
+                state.core.attribution.release_closed_files();
             }
             _ = sweep.tick() => {
                 views.changing();
@@ -184,7 +187,7 @@ async fn run_state(
             }
             _ = rescan.tick(), if intervals.rescan.is_some() => {
                 // Reading every process's fd table is blocking work: do it off this task.
-                let matcher = state.attribution.matcher().clone();
+                let matcher = state.core.attribution.matcher().clone();
                 let tx = tx.clone();
                 tokio::task::spawn_blocking(move || {
                     let found = scan::holders(&matcher);
@@ -206,15 +209,15 @@ async fn run_state(
 /// The periodic reconciliation: lost events reported, exited processes and removed cgroups
 /// forgotten, their memory and limits released.
 fn sweep_all(state: &mut State) {
-    let lost = state.attribution.newly_lost_events();
+    let lost = state.core.attribution.newly_lost_events();
     if lost > 0 {
         state.outputs.notices.send(Notice::KernelEventsLost(lost));
     }
-    state.attribution.release_closed_files();
-    state.attribution.sweep();
-    state.attribution.sweep_memory();
-    state.memory.sweep(&mut state.attribution);
-    guard::sweep(&mut state.attribution);
+    state.core.attribution.release_closed_files();
+    state.core.attribution.sweep();
+    state.core.attribution.sweep_memory();
+    state.core.memory.sweep(&mut state.core.attribution);
+    guard::sweep(&mut state.core.attribution);
     release_free_heap();
 }
 
@@ -225,11 +228,11 @@ fn handle(state: &mut State, msg: Message) -> Option<Intervals> {
         Message::Kernel(ev) => on_kernel_event(state, &ev),
         Message::Nvml(NvmlSnapshot::Xid { uuid, xid }) => on_xid(state, uuid, xid),
         Message::Nvml(snapshot) => on_nvml(state, snapshot),
-        Message::CgroupRemoved => state.memory.sweep(&mut state.attribution),
+        Message::CgroupRemoved => state.core.memory.sweep(&mut state.core.attribution),
         // Answered by the loop before it gets here.
         Message::Refresh => {}
         Message::Scanned(pids) => {
-            let n = state.attribution.track_holders(pids);
+            let n = state.core.attribution.track_holders(pids);
             if n > 0 {
                 info!(
                     processes = n,
@@ -248,8 +251,8 @@ fn reply<T>(to: oneshot::Sender<T>, value: T) {
 
 /// Carries out one change asked through the API (or answers a question the view could not).
 fn answer(state: &mut State, request: Request) -> Option<Intervals> {
-    let attribution = &mut state.attribution;
-    let memory = &mut state.memory;
+    let attribution = &mut state.core.attribution;
+    let memory = &mut state.core.memory;
     match request {
         Request::GetCgroup { path, reply: to } => {
             // Answers reflect every exit read so far.
@@ -304,12 +307,14 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
         });
     }
     if let Err(e) = state
+        .core
         .attribution
         .set_memory_info(config.enforcement.virtualize_memory_info)
     {
         warn!("memory view not changed: {}", Chain(&e));
     }
     if let Err(e) = state
+        .core
         .attribution
         .set_scheduler_guard(config.enforcement.scheduler_guard)
     {
@@ -324,39 +329,25 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
         idle_signal = config.idle.signal,
         compute_period_ms = config.compute.period_ms,
         nvml_sample_interval_ms = config.nvml.sample_interval_ms,
-        memory_view = state.attribution.memory_info(),
-        scheduler_guard = state.attribution.scheduler_guard(),
+        memory_view = state.core.attribution.memory_info(),
+        scheduler_guard = state.core.attribution.scheduler_guard(),
         "live settings applied"
     );
     intervals
 }
 
-/// Routes a kernel event to its owner: processes and objects to the attribution, limits met to
-/// the memory enforcement, scheduling controls to the guard; their notices to the bus.
+/// A kernel event to its owner ([`core::Core::route`]), what it announces to the bus.
 fn on_kernel_event(state: &mut State, ev: &KernelEvent) {
-    let notice = match ev {
-        KernelEvent::LimitCrossed(l) => {
-            Notice::MemoryLimitExceeded(state.memory.on_limit(&mut state.attribution, l, false))
-        }
-        KernelEvent::AllocationDenied(l) => {
-            Notice::MemoryLimitExceeded(state.memory.on_limit(&mut state.attribution, l, true))
-        }
-        KernelEvent::SchedulerGuarded(g) => {
-            Notice::SchedulerControlGuarded(guard::on_event(&mut state.attribution, g))
-        }
-        KernelEvent::ProcessTracked { .. }
-        | KernelEvent::ProcessExited { .. }
-        | KernelEvent::TreeFreed { .. }
-        | KernelEvent::FileReleased { .. } => return state.attribution.on_kernel_event(ev),
-    };
-    state.outputs.notices.send(notice);
+    if let Some(notice) = state.core.route(ev) {
+        state.outputs.notices.send(notice);
+    }
 }
 
 fn on_xid(state: &mut State, uuid: String, xid: Option<u64>) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as u64);
-    let attribution = &mut state.attribution;
+    let attribution = &mut state.core.attribution;
     let id_of = |path: &str| attribution.id_of(path).map_or(0, |(_, id)| id);
     let event = state.nvml.on_xid(uuid, xid, now, id_of);
     state.outputs.notices.send(Notice::Xid(event));
@@ -372,7 +363,12 @@ fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
     );
     state.nvml.apply(snapshot);
     if fresh && let Some(feed) = &mut state.compute {
-        views::feed_compute(feed, &mut state.attribution, &state.nvml, &state.memory);
+        views::feed_compute(
+            feed,
+            &mut state.core.attribution,
+            &state.nvml,
+            &state.core.memory,
+        );
     }
     // Unavailable: no inventory (the Gpu1 objects go away until NVML answers again).
     publish_inventory(state);
@@ -397,14 +393,18 @@ fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
         } else {
             GpuCatalog::Unavailable(state.nvml.status.clone())
         };
-        state.memory.set_catalog(&mut state.attribution, catalog);
+        state
+            .core
+            .memory
+            .set_catalog(&mut state.core.attribution, catalog);
     }
 }
 
 /// Hands the directories of the cgroups that have limits to the removal watcher, if they changed.
 fn publish_limited_dirs(state: &mut State) {
-    let root = state.attribution.cgroup_root().to_owned();
+    let root = state.core.attribution.cgroup_root().to_owned();
     let dirs: BTreeSet<std::path::PathBuf> = state
+        .core
         .memory
         .list()
         .into_iter()
@@ -433,14 +433,14 @@ fn sync_dmem(state: &mut State) {
             .find(|g| g.info.index == gpu && g.info.mig.is_none())
             .and_then(|g| crate::probes::caps::PciAddr::parse(&g.info.pci_bus_id))
     };
-    for e in dmem.sync(state.memory.memory_limits(), pci_of) {
+    for e in dmem.sync(state.core.memory.memory_limits(), pci_of) {
         tracing::error!("the driver's limit is not in force: {}", Chain(&e));
     }
 }
 
 /// The scheduler guard's allowances follow the stored policies' priority classes.
 fn sync_allowances(state: &mut State) {
-    guard::sync_allowances(&mut state.attribution, state.memory.policies());
+    guard::sync_allowances(&mut state.core.attribution, state.core.memory.policies());
 }
 
 /// Publishes the inventory (for the `Gpu1` objects) if it changed.

@@ -198,7 +198,7 @@ impl Publisher {
 
 /// Builds a view of the state.
 fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
-    let cgroups = state.attribution.list();
+    let cgroups = state.core.attribution.list();
     let by_path = cgroups
         .iter()
         .enumerate()
@@ -209,19 +209,19 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         kernel_gen,
         built: Instant::now(),
         by_path,
-        processes: state.attribution.processes(),
-        limits: state.memory.list(),
+        processes: state.core.attribution.processes(),
+        limits: state.core.memory.list(),
         gpus: state.nvml.inventory(),
-        nvml_usage: views::nvml_usage(&mut state.attribution, &state.nvml),
+        nvml_usage: views::nvml_usage(&mut state.core.attribution, &state.nvml),
         nvml: NvmlStatus {
             available: state.nvml.available,
             status: state.nvml.status.clone(),
         },
         nvml_events: state.nvml.events.iter().cloned().collect(),
         idle: state.idle.list(std::time::Instant::now()),
-        memory_info: state.attribution.memory_info(),
-        scheduler_guard: state.attribution.scheduler_guard(),
-        guard_counts: crate::enforcement::guard::counts(&mut state.attribution),
+        memory_info: state.core.attribution.memory_info(),
+        scheduler_guard: state.core.attribution.scheduler_guard(),
+        guard_counts: crate::enforcement::guard::counts(&mut state.core.attribution),
         cgroups,
     }
 }

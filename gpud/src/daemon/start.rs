@@ -1,7 +1,7 @@
-//! Start-up and orderly stop: the stored limits checked, the probes attached (or adopted), the
-//! tables seeded from `/proc`, the limits restored, and the tasks around the state (ring-buffer
-//! reader, NVML sampler, compute controller, state task) started; then, at the end, stopped in
-//! the order that leaves nothing frozen and the probes pinned or detached as configured.
+//! Start-up and orderly stop: the kernel stack opened ([`super::core::open`]), and the tasks
+//! around the state (ring-buffer reader, restorer, NVML sampler, compute controller, state task)
+//! started; then, at the end, stopped in the order that leaves nothing frozen and the probes
+//! pinned or detached as configured.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -11,19 +11,20 @@ use tokio::{
 };
 use tracing::{info, warn};
 
+use super::core::Opened;
 use super::{
     Handle, Intervals, LiveSettings, Message, Senders, State, handle::ComputeStats,
     ring::read_events,
 };
 use crate::{
-    attribution::{Attribution, AttributionError},
-    cgroupfs::{CgroupError, CgroupFs},
+    attribution::AttributionError,
+    cgroupfs::CgroupError,
     config::Config,
-    enforcement::{GpuCatalog, MemoryEnforcement, compute, guard},
+    enforcement::compute,
     notice::{Notice, NoticeBus, NoticeCounts},
     nvml::{NvmlView, Sampler, SamplerSettings},
-    policy::{LimitStore, PolicyError, idle::IdleTracker},
-    probes::{self, DynamicMajors, Matcher, ProbeError, ProbeSetup, Probes, devices::DeviceError},
+    policy::{PolicyError, idle::IdleTracker},
+    probes::{ProbeError, devices::DeviceError},
 };
 
 /// Facts fixed at start-up, reported on D-Bus and in the metrics.
@@ -109,10 +110,7 @@ impl Running {
         let _ = self.shutdown.send(true);
         self.reader.abort();
         match self.state.await {
-            Ok(mut state) => {
-                state.memory.thaw_all(&mut state.attribution);
-                state.attribution.shutdown(self.keep_pinned);
-            }
+            Ok(state) => state.core.close(self.keep_pinned),
             Err(e) => warn!("state task: {e}"),
         }
         if let Some(c) = self.controller {
@@ -124,110 +122,30 @@ impl Running {
 /// Starts the daemon's core from `config` (inside a tokio runtime): everything but the API, which
 /// serves the returned handle and publishes its notices.
 pub fn spawn(config: &Config) -> Result<Running, StartError> {
-    // Before anything is attached: the limits must be loadable and storable.
-    LimitStore::check_dir(&config.daemon.state_dir).map_err(StartError::Limits)?;
-    let store = LimitStore::load(&config.daemon.state_dir, config.daemon.on_corrupt_state)
-        .map_err(StartError::Limits)?;
-    let cgroups = CgroupFs::discover().map_err(StartError::Cgroups)?;
-    let majors = DynamicMajors::read().map_err(StartError::Devices)?;
-    let extra = probes::devices::resolve_extra_paths(&config.devices.extra_paths)
-        .map_err(StartError::Devices)?;
-    for e in &extra {
-        info!(path = %e.path.display(), dev = e.key.dev, ino = e.key.ino, "extra device file");
-    }
-    let mut probes = Probes::start(ProbeSetup {
-        config: &config.probes,
-        majors,
-        extra: &extra,
-        cgroup2_root: cgroups.root(),
-        tier: config.enforcement.tier,
-        react_action: config.enforcement.react_action,
-        virtualize_memory_info: config.enforcement.virtualize_memory_info,
-        scheduler_guard: config.enforcement.scheduler_guard,
-        guard_timeslice_us: guard::allowance(None),
-        deny_hook: config.enforcement.deny_hook,
-        guard_react_action: config.enforcement.guard_react_action,
-    })
-    .map_err(StartError::Probes)?;
-    let events = probes.take_events().map_err(StartError::Probes)?;
-    let held = probes.take_held_groups().map_err(StartError::Probes)?;
-    let tier = probes.tier();
-    let cgroup_root = cgroups.root().to_owned();
-    let freezer = cgroups.freezer();
-    let regions = crate::probes::caps::dmem_nvidia_regions(
-        &cgroup_root,
-        std::path::Path::new(crate::probes::caps::PCI_DEVICES),
-    )
-    .unwrap_or_default();
-    let driver_limits = if regions.is_empty() {
-        "none: no NVIDIA region in dmem.capacity (the dmem controller needs Linux 6.14+, and \
-         NVIDIA's open module registers its GPUs from the 610/615 series)"
-            .to_owned()
-    } else {
-        format!(
-            "dmem: memory_max is also written to dmem.max of {}",
-            regions
-                .iter()
-                .map(|r| r.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )
-    };
-    info!(driver_limits = %driver_limits, "driver-native memory limits");
-    let info = DaemonInfo {
-        version: crate::VERSION.to_owned(),
-        attach_mode: probes.mode().as_str().to_owned(),
-        enforcement_tier: tier.as_str().to_owned(),
-        react_action: format!("{:?}", config.enforcement.react_action).to_lowercase(),
-        kernel_capabilities: probes.caps().as_map(),
-        deny_hook: probes.ladder().in_force.as_str().to_owned(),
-        deny_hook_refusals: probes.ladder().refusals(),
-        driver_limits,
-        cgroup_root: cgroups.root().display().to_string(),
-        probes_resumed: probes.resumed(),
-    };
-    let dmem = (!regions.is_empty())
-        .then(|| crate::enforcement::dmem::DmemLimits::new(&cgroup_root, regions));
-    let matcher = Matcher { majors, extra };
-    let matcher_for_compute = matcher.clone();
-    // Where neither a hook nor a rewrite can stop a tenant's control, the kernel asks for it to
-    // be undone; the restorer does that on its own thread.
-    let restore = if probes.guard().reacts() {
-        match crate::enforcement::restore::Restorer::new(matcher.clone(), probes.base_dir())
-            .map_err(std::io::Error::other)
-            .and_then(crate::enforcement::restore::spawn)
-        {
-            Ok(tx) => Some(tx),
-            Err(e) => {
-                warn!(
-                    "the scheduler guard cannot undo tenants' controls: {}",
-                    crate::report::Chain(&e)
-                );
-                None
-            }
-        }
-    } else {
-        None
-    };
-    let mut attribution =
-        Attribution::new(probes, cgroups, matcher).map_err(StartError::Attribution)?;
-    let found = attribution.scan();
-    attribution.sweep();
-    info!(found, "start-up scan of /proc done");
-    let catalog = if config.nvml.enabled {
-        GpuCatalog::Unavailable("NVML has not answered yet".into())
-    } else {
-        GpuCatalog::Disabled
-    };
-    let mut memory = MemoryEnforcement::new(store, tier, config.enforcement.react_action, catalog);
-    memory.restore(&mut attribution);
-    guard::sync_allowances(&mut attribution, memory.policies());
-
+    let Opened {
+        core,
+        events,
+        held,
+        info,
+        matcher,
+        freezer,
+        cgroup_root,
+        dmem_regions,
+        restorer,
+    } = super::core::open(config)?;
+    let dmem = (!dmem_regions.is_empty())
+        .then(|| crate::enforcement::dmem::DmemLimits::new(&cgroup_root, dmem_regions));
+    // The restorer undoes tenants' controls on its own thread.
+    let restore = restorer.and_then(|r| {
+        crate::enforcement::restore::spawn(r)
+            .inspect_err(|e| warn!("cannot start the scheduler guard's restorer: {e}"))
+            .ok()
+    });
     let compute_on = config.compute.enabled && config.nvml.enabled;
     if compute_on {
         // A crash may have left cgroups frozen mid-period: thaw every cgroup with a compute
         // policy before the controller starts.
-        for (path, _, _) in memory.compute_policies() {
+        for (path, _, _) in core.memory.compute_policies() {
             if crate::cgroupfs::freeze_at(&cgroup_root, &path, false).is_ok() {
                 info!(cgroup = %path, "thawed at start-up");
             }
@@ -245,8 +163,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
     let (limited_dirs, limited_dirs_rx) = watch::channel(BTreeSet::new());
 
     let state = State {
-        attribution,
-        memory,
+        core,
         nvml: if config.nvml.enabled {
             NvmlView::default()
         } else {
@@ -275,7 +192,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
         tokio::spawn(compute::run(
             compute::Settings {
                 freezer,
-                matcher: matcher_for_compute,
+                matcher,
                 params: compute::params(config),
                 hardware: config.compute.hardware,
                 held: Some(compute::channel::HeldGroups::new(held)),
@@ -300,6 +217,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
     ));
     let (views, view_reader) = super::snapshot::channel(
         state
+            .core
             .attribution
             .counters()
             .map_err(StartError::Attribution)?,

@@ -111,7 +111,7 @@ fn idle_observations(attribution: &mut Attribution, nvml: &NvmlView) -> Vec<Obse
 pub(super) fn update_idle(state: &mut State) {
     let now = std::time::Instant::now();
     let changes = if state.nvml.available {
-        let obs = idle_observations(&mut state.attribution, &state.nvml);
+        let obs = idle_observations(&mut state.core.attribution, &state.nvml);
         state.idle.observe(now, std::time::SystemTime::now(), obs)
     } else {
         // Utilization unknown: no cgroup can be called idle.

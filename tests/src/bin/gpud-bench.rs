@@ -30,12 +30,12 @@ use aya::{
 };
 use clap::Parser;
 use gpud::{
-    cgroupfs::CgroupFs,
-    config::{AttachPreference, DenyHookPreference, ProbesConfig, ReactAction, TierPreference},
-    probes::{self, AttachMode, DynamicMajors, ProbeSetup, Probes, devices},
+    config::DenyHookPreference,
+    probes::{self, AttachMode},
+    report::Chain,
 };
 use gpud_common::programs;
-use gpud_tests::inproc;
+use gpud_tests::{TestConfig, inproc};
 use serde_json::{Value, json};
 
 const RM_ALLOC: u32 = 0xc030_462b;
@@ -181,42 +181,34 @@ fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
 }
 
 fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
-    let config = ProbesConfig {
-        attach: match o.mode {
-            AttachMode::Tracepoint => AttachPreference::Tracepoint,
-            AttachMode::Fentry => AttachPreference::Fentry,
-        },
-        bpffs: bpffs.join(format!("gpud-bench-{}", std::process::id())),
-        keep_pinned: false,
-        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
+    // The daemon's own kernel stack (gpud::daemon::core::open), its pins and state apart.
+    let dir = std::env::temp_dir().join(format!("gpud-bench-{}", std::process::id()));
+    let pins = bpffs.join(format!("gpud-bench-{}", std::process::id()));
+    let tier = if o.hook == DenyHookPreference::None {
+        "react"
+    } else {
+        "deny"
     };
-    let cgroups = CgroupFs::discover()?;
-    let extra = devices::resolve_extra_paths(&[standin.to_path_buf()])?;
-    let probes = Probes::start(ProbeSetup {
-        config: &config,
-        majors: DynamicMajors::read()?,
-        extra: &extra,
-        cgroup2_root: cgroups.root(),
-        tier: if o.hook == DenyHookPreference::None {
-            TierPreference::React
-        } else {
-            TierPreference::Deny
-        },
-        react_action: ReactAction::Notify,
-        virtualize_memory_info: true,
-        scheduler_guard: gpud::config::GuardMode::Enforce,
-        guard_timeslice_us: gpud::enforcement::guard::allowance(None),
-        deny_hook: o.hook,
-        guard_react_action: gpud::config::GuardReactAction::Kill,
-    })?;
+    let config = TestConfig::new(&dir)
+        .extra_paths([standin])
+        .nvml_off()
+        .react_action("notify")
+        .set_path("probes.bpffs", &pins)
+        .set("probes.attach", o.mode.as_str())
+        .set("enforcement.tier", tier)
+        .set("enforcement.deny_hook", o.hook.as_str())
+        .parsed();
+    let opened = gpud::daemon::core::open(&config).map_err(|e| anyhow::anyhow!("{}", Chain(&e)))?;
+    let probes = opened.core.attribution.probes();
     anyhow::ensure!(
         probes.ladder().in_force.as_str() == o.hook.as_str(),
         "hook in force: {:?}",
         probes.ladder()
     );
     let r = workloads(o, standin);
-    probes.shutdown(false);
-    let _ = std::fs::remove_dir_all(&config.bpffs);
+    opened.core.close(false);
+    let _ = std::fs::remove_dir_all(&pins);
+    let _ = std::fs::remove_dir_all(&dir);
     r
 }
 

@@ -60,18 +60,14 @@ use std::{
 use anyhow::{Context as _, ensure};
 use clap::Parser;
 use gpud::{
-    attribution::Attribution,
     cgroupfs::CgroupFs,
-    config::{AttachPreference, ProbesConfig, ReactAction, TierPreference},
-    enforcement::MemoryEnforcement,
-    policy::LimitStore,
-    probes::{
-        AttachMode, DynamicMajors, Matcher, ProbeSetup, Probes, devices,
-        events::{KernelEvent, Record},
-    },
+    config::ReactAction,
+    daemon::core::{Core, Opened},
+    probes::AttachMode,
+    report::Chain,
 };
 use gpud_tests::{
-    inproc,
+    TestConfig, inproc,
     rm::{Ctl, Form},
 };
 use serde_json::json;
@@ -344,39 +340,21 @@ fn setup(
     ctl: &Path,
     action: ReactAction,
     tag: &str,
-) -> anyhow::Result<(Attribution, aya::maps::RingBuf<aya::maps::MapData>)> {
-    let cgroups = CgroupFs::discover()?;
-    let root = cgroups.root().to_owned();
-    let extra = devices::resolve_extra_paths(&[ctl.to_owned()])?;
-    let config = ProbesConfig {
-        attach: match o.mode {
-            AttachMode::Tracepoint => AttachPreference::Tracepoint,
-            AttachMode::Fentry => AttachPreference::Fentry,
-        },
-        bpffs: PathBuf::from(format!("/sys/fs/bpf/gpud-membench-{tag}")),
-        keep_pinned: false,
-        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
-    };
-    let mut probes = Probes::start(ProbeSetup {
-        config: &config,
-        majors: DynamicMajors::read()?,
-        extra: &extra,
-        cgroup2_root: &root,
-        tier: TierPreference::React,
-        react_action: action,
-        virtualize_memory_info: true,
-        scheduler_guard: gpud::config::GuardMode::Enforce,
-        guard_timeslice_us: gpud::enforcement::guard::allowance(None),
-        deny_hook: gpud::config::DenyHookPreference::Auto,
-        guard_react_action: gpud::config::GuardReactAction::Kill,
-    })?;
-    ensure!(probes.mode() == o.mode, "attached in {:?}", probes.mode());
-    let ring = probes.take_events()?;
-    let matcher = Matcher {
-        majors: DynamicMajors::read()?,
-        extra,
-    };
-    Ok((Attribution::new(probes, cgroups, matcher)?, ring))
+) -> anyhow::Result<(Core, aya::maps::RingBuf<aya::maps::MapData>)> {
+    // The daemon's own kernel stack (gpud::daemon::core::open), its state and bpffs apart.
+    let dir = std::env::temp_dir().join(format!("gpud-membench-{}-{tag}", std::process::id()));
+    let config = TestConfig::new(&dir)
+        .extra_paths([ctl])
+        .nvml_off()
+        .set("probes.attach", o.mode.as_str())
+        .set("enforcement.tier", "react")
+        .react_action(&format!("{action:?}").to_lowercase())
+        .parsed();
+    let Opened { core, events, .. } =
+        gpud::daemon::core::open(&config).map_err(|e| anyhow::anyhow!("{}", Chain(&e)))?;
+    let mode = core.attribution.probes().mode();
+    ensure!(mode == o.mode, "attached in {mode:?}");
+    Ok((core, events))
 }
 
 /// The memory view's cost per `FB_GET_INFO_V2` call (see the module docs): the phases' ns per
@@ -391,8 +369,8 @@ fn memory_info_cost(
     const CALLS: u64 = 10_000;
     const CYCLES: usize = 3;
     const LIMIT: u64 = 8 << 30;
-    let (mut attr, _ring) = setup(o, ctl, ReactAction::Notify, "view")?;
-    let state = attr.memory_info();
+    let (mut core, _ring) = setup(o, ctl, ReactAction::Notify, "view")?;
+    let state = core.attribution.memory_info();
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
     let (c, dir) = (ctl.to_owned(), cg.to_owned());
@@ -416,7 +394,7 @@ fn memory_info_cost(
         heap.to_string()
     };
     let mut tenant = inproc::fork_serving(setup_tenant, serve)?;
-    let (_, id) = attr.id_of(rel)?;
+    let (_, id) = core.attribution.id_of(rel)?;
     let phases = [
         ("unlimited", false, true),
         ("limited_view_off", true, false),
@@ -427,12 +405,14 @@ fn memory_info_cost(
     for _ in 0..CYCLES {
         for (i, (name, limit, view)) in phases.into_iter().enumerate() {
             if limit {
-                attr.set_kernel_limit(id, gpud_common::GPU_ALL, LIMIT)?;
+                core.attribution
+                    .set_kernel_limit(id, gpud_common::GPU_ALL, LIMIT)?;
             } else {
-                attr.clear_kernel_limit(id, gpud_common::GPU_ALL)?;
+                core.attribution
+                    .clear_kernel_limit(id, gpud_common::GPU_ALL)?;
             }
-            attr.set_memory_info(view)?;
-            if name == "limited_view_on" && attr.memory_info() != "on" {
+            core.attribution.set_memory_info(view)?;
+            if name == "limited_view_on" && core.attribution.memory_info() != "on" {
                 continue;
             }
             let before = prog_stats();
@@ -463,8 +443,9 @@ fn memory_info_cost(
         })
         .collect();
     tenant.release();
-    attr.clear_kernel_limit(id, gpud_common::GPU_ALL)?;
-    attr.shutdown(false);
+    core.attribution
+        .clear_kernel_limit(id, gpud_common::GPU_ALL)?;
+    core.close(false);
     Ok((serde_json::Value::Object(phases), state))
 }
 
@@ -479,9 +460,9 @@ fn scheduler_guard_cost(
     use gpud_common::rm::fb;
     const CALLS: u64 = 10_000;
     const CYCLES: usize = 3;
-    let (mut attr, mut ring) = setup(o, ctl, ReactAction::Notify, "guard")?;
-    attr.set_memory_info(false)?;
-    let state = attr.scheduler_guard();
+    let (mut core, mut ring) = setup(o, ctl, ReactAction::Notify, "guard")?;
+    core.attribution.set_memory_info(false)?;
+    let state = core.attribution.scheduler_guard();
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
     let (c, dir) = (ctl.to_owned(), cg.to_owned());
@@ -524,7 +505,7 @@ fn scheduler_guard_cost(
     let mut per_call: Vec<Vec<f64>> = vec![Vec::new(); phases.len()];
     for _ in 0..CYCLES {
         for (i, (name, what, mode)) in phases.into_iter().enumerate() {
-            attr.set_scheduler_guard(mode)?;
+            core.attribution.set_scheduler_guard(mode)?;
             let before = prog_stats();
             let status = tenant.ask(&format!("{what} {CALLS}"))?;
             let spent: u64 = prog_stats()
@@ -538,7 +519,12 @@ fn scheduler_guard_cost(
             while ring.next().is_some() {}
         }
     }
-    let guarded = attr.counters()?.stats().get("sched_guarded").copied();
+    let guarded = core
+        .attribution
+        .counters()?
+        .stats()
+        .get("sched_guarded")
+        .copied();
     ensure!(
         guarded == Some(CALLS * CYCLES as u64),
         "the guard saw {guarded:?} of {} timeslices",
@@ -550,7 +536,7 @@ fn scheduler_guard_cost(
         .map(|((name, ..), v)| ((*name).to_owned(), json!(median(v))))
         .collect();
     tenant.release();
-    attr.shutdown(false);
+    core.close(false);
     Ok((serde_json::Value::Object(phases), state))
 }
 
@@ -593,7 +579,7 @@ fn main() -> anyhow::Result<()> {
     let mut per_prog: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
     for _ in 0..5 {
         base.push(alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?);
-        let (attr, _ring) = setup(&o, &fake.ctl, ReactAction::Notify, "acct")?;
+        let (core, _ring) = setup(&o, &fake.ctl, ReactAction::Notify, "acct")?;
         let before = prog_stats();
         with.push(alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?);
         for (name, (t, n)) in prog_stats() {
@@ -602,7 +588,7 @@ fn main() -> anyhow::Result<()> {
             e.0 += t.saturating_sub(t0);
             e.1 += n.saturating_sub(n0);
         }
-        attr.shutdown(false);
+        core.close(false);
     }
     drop(stats_fd);
     let (base, with) = (median(base), median(with));
@@ -628,38 +614,35 @@ fn main() -> anyhow::Result<()> {
 
     // Kill: baseline ioctl time without a limit, then with the cgroup already over its limit.
     let shared = Shared::new()?;
-    let (mut attr, _ring) = setup(&o, &fake.ctl, ReactAction::Kill, "kill")?;
-    let (_, id) = attr.id_of(&rel)?;
+    let (mut core, _ring) = setup(&o, &fake.ctl, ReactAction::Kill, "kill")?;
+    let (_, id) = core.attribution.id_of(&rel)?;
     let mut ioctl_ns = Vec::new();
     for _ in 0..o.samples {
         let (_, killed, took) = one_alloc(&fake.ctl, &cg, &shared)?;
         ensure!(!killed, "killed without a limit");
         ioctl_ns.push(took as f64);
     }
-    attr.set_kernel_limit(id, gpud_common::GPU_ALL, MIB)?;
+    core.attribution
+        .set_kernel_limit(id, gpud_common::GPU_ALL, MIB)?;
     let mut kill_ns = Vec::new();
     for _ in 0..o.samples {
         let (total, killed, _) = one_alloc(&fake.ctl, &cg, &shared)?;
         ensure!(killed, "not killed over the limit");
         kill_ns.push(total as f64);
     }
-    attr.clear_kernel_limit(id, gpud_common::GPU_ALL)?;
-    attr.shutdown(false);
+    core.attribution
+        .clear_kernel_limit(id, gpud_common::GPU_ALL)?;
+    core.close(false);
     let ioctl_median = median(ioctl_ns);
     let kill_after: Vec<f64> = kill_ns.iter().map(|t| t - ioctl_median).collect();
 
     // Freeze: the daemon's enforcement code reacts to the ring-buffer event.
-    let (mut attr, mut ring) = setup(&o, &fake.ctl, ReactAction::Freeze, "freeze")?;
-    let mut enforcement = MemoryEnforcement::new(
-        LimitStore::load(&work.join("state"), Default::default())?,
-        gpud::probes::Tier::React,
-        ReactAction::Freeze,
-        gpud::enforcement::GpuCatalog::Disabled,
-    );
-    let (_, id) = attr.id_of(&rel)?;
+    let (mut core, mut ring) = setup(&o, &fake.ctl, ReactAction::Freeze, "freeze")?;
+    let (_, id) = core.attribution.id_of(&rel)?;
     let mut freeze_ns = Vec::new();
     for _ in 0..o.samples {
-        attr.set_kernel_limit(id, gpud_common::GPU_ALL, MIB)?;
+        core.attribution
+            .set_kernel_limit(id, gpud_common::GPU_ALL, MIB)?;
         shared.set(0, 0);
         shared.set(1, 0);
         // SAFETY: the child issues RM calls, writes the shared page and spins until frozen,
@@ -688,15 +671,7 @@ fn main() -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(10);
         let events = cg.join("cgroup.events");
         let frozen_at = loop {
-            while let Some(item) = ring.next() {
-                match Record::decode(&item) {
-                    Ok(Record::Event(KernelEvent::LimitCrossed(l))) => {
-                        enforcement.on_limit(&mut attr, &l, false);
-                    }
-                    Ok(Record::Event(ev)) => attr.on_kernel_event(&ev),
-                    _ => {}
-                }
-            }
+            core.drain(&mut ring, |_| ());
             if std::fs::read_to_string(&events)
                 .map(|t| t.lines().any(|l| l == "frozen 1"))
                 .unwrap_or(false)
@@ -713,9 +688,10 @@ fn main() -> anyhow::Result<()> {
         let mut status = 0;
         // SAFETY: waiting for our own child.
         unsafe { libc::waitpid(pid, &mut status, 0) };
-        attr.clear_kernel_limit(id, gpud_common::GPU_ALL)?;
+        core.attribution
+            .clear_kernel_limit(id, gpud_common::GPU_ALL)?;
     }
-    attr.shutdown(false);
+    core.close(false);
 
     // The memory view: gpud's ioctl programs' time per FB_GET_INFO_V2 call.
     let (view_phases, memory_view) = memory_info_cost(&o, &fake.ctl, &cg, &rel)?;
@@ -724,12 +700,12 @@ fn main() -> anyhow::Result<()> {
     let (guard_phases, guard_state) = scheduler_guard_cost(&o, &fake.ctl, &cg)?;
 
     // The release rule's check of control files, with `holders` files held.
-    let (mut attr, _ring) = setup(&o, &fake.ctl, ReactAction::Notify, "files")?;
+    let (mut core, _ring) = setup(&o, &fake.ctl, ReactAction::Notify, "files")?;
     let holders = spawn_holders(&fake.ctl, &cg, o.holders)?;
     let mut check_ns = Vec::new();
     for _ in 0..5 {
         let t = Instant::now();
-        let released = attr.release_closed_files();
+        let released = core.attribution.release_closed_files();
         check_ns.push(t.elapsed().as_nanos() as f64);
         ensure!(released == 0, "the check released {released} held objects");
     }
@@ -740,7 +716,7 @@ fn main() -> anyhow::Result<()> {
             libc::waitpid(*pid, std::ptr::null_mut(), 0);
         }
     }
-    attr.shutdown(false);
+    core.close(false);
     let check_median = median(check_ns);
 
     drop(fake);

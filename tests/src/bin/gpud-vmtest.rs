@@ -7,21 +7,22 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context as _, bail, ensure};
+use anyhow::{Context as _, anyhow, bail, ensure};
 use clap::Parser;
 use gpud::{
     attribution::Attribution,
-    cgroupfs::CgroupFs,
-    config::{AttachPreference, DenyHookPreference, ProbesConfig, ReactAction, TierPreference},
+    config::{AttachPreference, DenyHookPreference, TierPreference},
+    daemon::core::Opened,
     probes::{
-        AttachMode, DynamicMajors, Matcher, MemoryInfoState, ProbeSetup, Probes, Tier, devices,
+        AttachMode, MemoryInfoState, Probes, Tier,
         events::{KernelEvent, Record},
     },
+    report::Chain,
 };
 use gpud_api::CgroupRecord;
 use gpud_common::{nv, rm::fb};
 use gpud_tests::{
-    class_counts,
+    TestConfig, class_counts,
     inproc::{self, fork_held},
 };
 
@@ -32,28 +33,24 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     let standin = work.join("nvidiactl");
     std::fs::write(&standin, b"")?;
 
-    let cgroups = CgroupFs::discover()?;
-    let root = cgroups.root().to_owned();
-    let majors = DynamicMajors::read()?;
-    let extra = devices::resolve_extra_paths(std::slice::from_ref(&standin))?;
-    let probes = start_probes(
-        pref,
-        TierPreference::React,
-        DenyHookPreference::Auto,
-        format!("/sys/fs/bpf/{tag}"),
-        majors,
-        &extra,
-        &root,
+    let Opened { core, .. } = open_stack(
+        tag,
+        &standin,
+        &[
+            ("probes.attach", pref.as_str()),
+            ("enforcement.tier", "react"),
+        ],
     )
-    .context("starting probes")?;
+    .context("opening gpud's kernel stack")?;
+    let mut attribution = core.attribution;
+    let probes = attribution.probes();
     println!("[{tag}] capabilities: {:?}", probes.caps());
     ensure!(
         probes.mode() == want,
         "attached in {:?}, wanted {want:?}",
         probes.mode()
     );
-    let matcher = Matcher { majors, extra };
-    let mut attribution = Attribution::new(probes, cgroups, matcher)?;
+    let root = attribution.cgroup_root().to_owned();
 
     let cg_a = root.join(format!("vm-{tag}-a"));
     let cg_b = root.join(format!("vm-{tag}-b"));
@@ -146,83 +143,39 @@ fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// gpud's probes as the tests start them: their own bpffs (pins removed at the end), the
-/// `notify` action, the memory view on.
-fn start_probes(
-    attach: AttachPreference,
-    tier: TierPreference,
-    hook: DenyHookPreference,
-    bpffs: impl Into<PathBuf>,
-    majors: DynamicMajors,
-    extra: &[devices::ExtraFile],
-    root: &std::path::Path,
-) -> Result<Probes, gpud::probes::ProbeError> {
-    start_probes_reacting(
-        attach,
-        tier,
-        hook,
-        bpffs,
-        majors,
-        extra,
-        root,
-        ReactAction::Notify,
-    )
+/// gpud's kernel stack as the daemon opens it (`gpud::daemon::core::open`: the one rig), from
+/// the tests' configuration: its state and bpffs under `/tmp/vmtest-stack-<tag>` (an earlier
+/// run's pins and limits removed first; pins removed at the end), `device` as its extra device
+/// file, NVML off, the shipped defaults (memory view on, guard enforcing, guard reaction `kill`)
+/// and `keys` on top.
+fn open_stack(
+    tag: &str,
+    device: &std::path::Path,
+    keys: &[(&str, &str)],
+) -> anyhow::Result<Opened> {
+    let dir = PathBuf::from(format!("/tmp/vmtest-stack-{tag}"));
+    std::fs::create_dir_all(&dir)?;
+    let _ = std::fs::remove_dir_all(Probes::pin_base(&dir.join("bpffs")));
+    let _ = std::fs::remove_dir_all(dir.join("state"));
+    let mut config = TestConfig::new(&dir)
+        .extra_paths([device])
+        .nvml_off()
+        .react_action("notify");
+    for (k, v) in keys {
+        config = config.set(k, *v);
+    }
+    gpud::daemon::core::open(&config.parsed()).map_err(|e| anyhow!("{}", Chain(&e)))
 }
 
-/// [`start_probes`] with the react tier's action.
-#[allow(clippy::too_many_arguments)]
-fn start_probes_reacting(
-    attach: AttachPreference,
-    tier: TierPreference,
-    hook: DenyHookPreference,
-    bpffs: impl Into<PathBuf>,
-    majors: DynamicMajors,
-    extra: &[devices::ExtraFile],
-    root: &std::path::Path,
-    react_action: ReactAction,
-) -> Result<Probes, gpud::probes::ProbeError> {
-    let config = ProbesConfig {
-        attach,
-        bpffs: bpffs.into(),
-        keep_pinned: false,
-        events_ring_kib: gpud_common::EVENTS_BYTES / 1024,
-    };
-    Probes::start(ProbeSetup {
-        config: &config,
-        majors,
-        extra,
-        cgroup2_root: root,
-        tier,
-        react_action,
-        virtualize_memory_info: true,
-        scheduler_guard: gpud::config::GuardMode::Enforce,
-        guard_timeslice_us: gpud::enforcement::guard::allowance(None),
-        deny_hook: hook,
-        guard_react_action: gpud::config::GuardReactAction::Kill,
-    })
-}
-
-/// The fake NVIDIA device mounted at `at`, its control file, the cgroup hierarchy and its root,
-/// and the control file as gpud's extra device file.
-type Stage = (
-    gpud_tests::fakenv::FakeNv,
-    PathBuf,
-    CgroupFs,
-    PathBuf,
-    Vec<devices::ExtraFile>,
-);
-
-fn stage(at: &str) -> anyhow::Result<Stage> {
+/// The fake NVIDIA device mounted at `at`, and its control file.
+fn stage(at: &str) -> anyhow::Result<(gpud_tests::fakenv::FakeNv, PathBuf)> {
     let fake = gpud_tests::fakenv::mount(
         std::path::Path::new(at),
         gpud_tests::fakenv::Options::default(),
     )
     .context("mounting the fake NVIDIA device")?;
     let ctl = fake.ctl();
-    let cgroups = CgroupFs::discover()?;
-    let root = cgroups.root().to_owned();
-    let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
-    Ok((fake, ctl, cgroups, root, extra))
+    Ok((fake, ctl))
 }
 
 /// In a forked child: joins `cgroup`, opens the control device `ctl` and makes a client and
@@ -265,22 +218,27 @@ fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
     // Orphans (the heir below) are re-parented here, so they can be reaped.
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) only sets a flag of this process.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    let (fake, ctl, cgroups, root, extra) = stage(&format!("/tmp/vm-fake-{tag}"))?;
-    let mut probes = start_probes(
-        AttachPreference::Auto,
-        TierPreference::Deny,
-        hook,
-        format!("/sys/fs/bpf/{tag}"),
-        DynamicMajors::read()?,
-        &extra,
-        &root,
+    let (fake, ctl) = stage(&format!("/tmp/vm-fake-{tag}"))?;
+    let Opened {
+        core,
+        events: mut ring,
+        ..
+    } = open_stack(
+        &tag,
+        &ctl,
+        &[
+            ("enforcement.tier", "deny"),
+            ("enforcement.deny_hook", hook.as_str()),
+        ],
     )
     .with_context(|| {
         format!(
-            "starting probes with enforcement.tier = deny, deny_hook = {}",
+            "opening gpud's kernel stack with enforcement.tier = deny, deny_hook = {}",
             hook.as_str()
         )
     })?;
+    let mut attribution = core.attribution;
+    let probes = attribution.probes();
     ensure!(probes.tier() == Tier::Deny, "tier {:?}", probes.tier());
     if hook != DenyHookPreference::Auto {
         ensure!(
@@ -289,12 +247,7 @@ fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
             probes.ladder()
         );
     }
-    let mut ring = probes.take_events()?;
-    let matcher = Matcher {
-        majors: DynamicMajors::read()?,
-        extra,
-    };
-    let mut attribution = Attribution::new(probes, cgroups, matcher)?;
+    let root = attribution.cgroup_root().to_owned();
     let cg = root.join(&tag);
     std::fs::create_dir_all(&cg)?;
     let (_, id) = attribution.id_of(&format!("/{tag}"))?;
@@ -584,19 +537,15 @@ fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
         gpud_tests::fakenv::mount(std::path::Path::new(&format!("/tmp/vm-view-{tag}")), opts)
             .context("mounting the fake NVIDIA device")?;
     let ctl = fake.ctl();
-    let cgroups = CgroupFs::discover()?;
-    let root = cgroups.root().to_owned();
-    let extra = devices::resolve_extra_paths(std::slice::from_ref(&ctl))?;
-    let probes = start_probes(
-        pref,
-        TierPreference::Auto,
-        DenyHookPreference::Auto,
-        format!("/sys/fs/bpf/view-{tag}"),
-        DynamicMajors::read()?,
-        &extra,
-        &root,
+    let Opened { core, .. } = open_stack(
+        &format!("view-{tag}"),
+        &ctl,
+        &[("probes.attach", pref.as_str())],
     )
-    .context("starting probes")?;
+    .context("opening gpud's kernel stack")?;
+    let mut attribution = core.attribution;
+    let root = attribution.cgroup_root().to_owned();
+    let probes = attribution.probes();
     ensure!(probes.mode() == want, "mode {:?}", probes.mode());
     ensure!(
         probes.caps().probe_write_user && *probes.memory_info() == MemoryInfoState::On,
@@ -605,11 +554,6 @@ fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
         probes.caps()
     );
     let deny = probes.tier() == Tier::Deny;
-    let matcher = Matcher {
-        majors: DynamicMajors::read()?,
-        extra,
-    };
-    let mut attribution = Attribution::new(probes, cgroups, matcher)?;
     let parent = format!("/vm-view-{tag}");
     let (pc, pd, sib) = (
         format!("{parent}/c"),
@@ -959,21 +903,29 @@ fn scheduler_guard(
         hook.as_str()
     );
     let _watchdog = inproc::Watchdog::arm(std::time::Duration::from_secs(150));
-    let (fake, ctl, cgroups, root, extra) = stage(&format!("/tmp/vm-guard-{tag}"))?;
-    let mut probes = start_probes(
-        pref,
-        tier,
-        hook,
-        format!("/sys/fs/bpf/guard-{tag}"),
-        DynamicMajors::read()?,
-        &extra,
-        &root,
+    let (fake, ctl) = stage(&format!("/tmp/vm-guard-{tag}"))?;
+    let Opened {
+        core,
+        events: mut ring,
+        held,
+        matcher,
+        ..
+    } = open_stack(
+        &format!("guard-{tag}"),
+        &ctl,
+        &[
+            ("probes.attach", pref.as_str()),
+            ("enforcement.tier", tier.as_str()),
+            ("enforcement.deny_hook", hook.as_str()),
+        ],
     )
-    .context("starting probes")?;
+    .context("opening gpud's kernel stack")?;
+    let mut attribution = core.attribution;
+    let root = attribution.cgroup_root().to_owned();
+    let probes = attribution.probes();
     ensure!(probes.mode() == want, "mode {:?}", probes.mode());
     let deny = probes.tier() == Tier::Deny;
-    let mut ring = probes.take_events()?;
-    let held = gpud::enforcement::compute::channel::HeldGroups::new(probes.take_held_groups()?);
+    let held = gpud::enforcement::compute::channel::HeldGroups::new(held);
     let want_state = if deny {
         "enforce (deny, rewrite)"
     } else {
@@ -984,11 +936,6 @@ fn scheduler_guard(
         "guard {}",
         probes.guard().describe()
     );
-    let matcher = Matcher {
-        majors: DynamicMajors::read()?,
-        extra,
-    };
-    let mut attribution = Attribution::new(probes, cgroups, matcher.clone())?;
     let base = format!("/vm-guard-{tag}");
     let (pa, pb, lc, be) = (
         format!("{base}/a"),
@@ -1409,23 +1356,26 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) only sets a flag of this process.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let tag = format!("matrix-{row}");
-    let (fake, ctl, cgroups, root, extra) = stage(&format!("/tmp/{tag}-fake"))?;
-    // Nothing of an earlier run (a failed one leaves its pins on the host's bpffs mount).
-    let bpffs = PathBuf::from(format!("/tmp/{tag}-bpffs"));
-    let _ = std::fs::remove_dir_all(Probes::pin_base(&bpffs));
-    // As the daemon starts by default: every choice `auto`, the react action `kill`.
-    let mut probes = start_probes_reacting(
-        attach,
-        TierPreference::Auto,
-        DenyHookPreference::Auto,
-        // Its own bpffs, mounted by the probes (the host may have none at /sys/fs/bpf).
-        bpffs,
-        DynamicMajors::read()?,
-        &extra,
-        &root,
-        ReactAction::Kill,
+    let (fake, ctl) = stage(&format!("/tmp/{tag}-fake"))?;
+    // As the daemon starts by default: every choice `auto`, the react action `kill`; its own
+    // bpffs, mounted by the probes (the host may have none at /sys/fs/bpf).
+    let Opened {
+        core,
+        events: mut ring,
+        mut restorer,
+        ..
+    } = open_stack(
+        &tag,
+        &ctl,
+        &[
+            ("probes.attach", attach.as_str()),
+            ("enforcement.react_action", "kill"),
+        ],
     )
-    .context("starting probes with the defaults")?;
+    .context("opening gpud's kernel stack with the defaults")?;
+    let mut attribution = core.attribution;
+    let root = attribution.cgroup_root().to_owned();
+    let probes = attribution.probes();
     let rung = probes.ladder().in_force.as_str();
     let caps = probes.caps().clone();
     let deny = probes.tier() == Tier::Deny;
@@ -1436,20 +1386,13 @@ fn matrix_row(row: &str) -> anyhow::Result<String> {
     for (hook, why) in &probes.ladder().refused {
         println!("[{tag}] {} not used: {why}", hook.as_str());
     }
-    let mut ring = probes.take_events()?;
-    let matcher = Matcher {
-        majors: DynamicMajors::read()?,
-        extra,
-    };
     let reacts = probes.guard().reacts();
-    let pins = probes.base_dir().to_owned();
-    let mut attribution = Attribution::new(probes, cgroups, matcher.clone())?;
     // The daemon's restorer, run here in turn with the ring (the tenants are forked: no threads).
-    let mut restorer = if reacts {
-        Some(gpud::enforcement::restore::Restorer::new(matcher, &pins)?)
-    } else {
-        None
-    };
+    ensure!(
+        restorer.is_some() == reacts,
+        "the guard reacts: {reacts}, a restorer: {}",
+        restorer.is_some()
+    );
     let mut undone = 0;
     let mut pump_all = |ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
                         attribution: &mut Attribution|
@@ -1745,19 +1688,12 @@ fn main() -> std::process::ExitCode {
 }
 
 fn check_lsm_probe() -> anyhow::Result<()> {
-    let cgroups = CgroupFs::discover()?;
-    let probes = start_probes(
-        AttachPreference::Auto,
-        TierPreference::React,
-        DenyHookPreference::Auto,
-        "/sys/fs/bpf/caps",
-        DynamicMajors::default(),
-        &[],
-        cgroups.root(),
-    )?;
-    let caps = probes.caps().clone();
-    let mode = probes.mode();
-    probes.shutdown(false);
+    let standin = PathBuf::from("/tmp/vmtest-caps-standin");
+    std::fs::write(&standin, b"")?;
+    let Opened { core, .. } = open_stack("caps", &standin, &[("enforcement.tier", "react")])?;
+    let caps = core.attribution.probes().caps().clone();
+    let mode = core.attribution.probes().mode();
+    core.close(false);
     if !(caps.fentry && caps.bpf_lsm && caps.tracepoint) {
         bail!("expected fentry, bpf_lsm and tracepoint on this kernel: {caps:?}");
     }

@@ -1,0 +1,213 @@
+//! The kernel stack the daemon stands on, opened from a configuration in one place: the stored
+//! limits checked and loaded, the cgroup hierarchy and the device files found, the probes attached
+//! (or adopted), the tables seeded from `/proc`, the limits restored into the kernel and the
+//! guard's allowances set. [`open`] is what the daemon's start-up runs, and what the VM test and
+//! the benchmarks run instead of a copy of it; [`Core::route`] is the state task's routing of
+//! kernel events, and [`Core::drain`] the same for a caller without a state task.
+
+use std::path::PathBuf;
+
+use aya::maps::{MapData, RingBuf};
+use tracing::{info, warn};
+
+use super::{DaemonInfo, StartError};
+use crate::{
+    attribution::Attribution,
+    cgroupfs::{CgroupFs, Freezer},
+    config::Config,
+    enforcement::{GpuCatalog, MemoryEnforcement, guard, restore::Restorer},
+    notice::Notice,
+    policy::LimitStore,
+    probes::{
+        self, DynamicMajors, Matcher, ProbeSetup, Probes,
+        caps::DmemRegion,
+        events::{KernelEvent, Record},
+    },
+    report::Chain,
+};
+
+/// The state that kernel events change: the accounting and the memory limits.
+pub struct Core {
+    pub attribution: Attribution,
+    pub memory: MemoryEnforcement,
+}
+
+/// An opened kernel stack: the core, and what its other users take from it.
+pub struct Opened {
+    pub core: Core,
+    /// The probes' event ring (its reader's).
+    pub events: RingBuf<MapData>,
+    /// The kernel's map of channel groups gpud holds off (the compute actuator's).
+    pub held: aya::maps::HashMap<MapData, gpud_common::ObjKey, u32>,
+    /// Facts for D-Bus and the metrics.
+    pub info: DaemonInfo,
+    /// The device files gpud watches (the compute actuator and the restorer match files by it).
+    pub matcher: Matcher,
+    /// The one writer of `cgroup.freeze`, for the compute actuator (the memory enforcement
+    /// freezes through the attribution's cgroups, which share it).
+    pub freezer: Freezer,
+    pub cgroup_root: PathBuf,
+    /// NVIDIA's regions in the dmem controller (empty where the kernel or driver has none).
+    pub dmem_regions: Vec<DmemRegion>,
+    /// Where the kernel can neither refuse nor rewrite a tenant's control: what undoes it.
+    pub restorer: Option<Restorer>,
+}
+
+/// Opens the kernel stack `config` describes (see the module docs).
+pub fn open(config: &Config) -> Result<Opened, StartError> {
+    // Before anything is attached: the limits must be loadable and storable.
+    LimitStore::check_dir(&config.daemon.state_dir).map_err(StartError::Limits)?;
+    let store = LimitStore::load(&config.daemon.state_dir, config.daemon.on_corrupt_state)
+        .map_err(StartError::Limits)?;
+    let cgroups = CgroupFs::discover().map_err(StartError::Cgroups)?;
+    let majors = DynamicMajors::read().map_err(StartError::Devices)?;
+    let extra = probes::devices::resolve_extra_paths(&config.devices.extra_paths)
+        .map_err(StartError::Devices)?;
+    for e in &extra {
+        info!(path = %e.path.display(), dev = e.key.dev, ino = e.key.ino, "extra device file");
+    }
+    let mut probes = Probes::start(ProbeSetup {
+        config: &config.probes,
+        majors,
+        extra: &extra,
+        cgroup2_root: cgroups.root(),
+        tier: config.enforcement.tier,
+        react_action: config.enforcement.react_action,
+        virtualize_memory_info: config.enforcement.virtualize_memory_info,
+        scheduler_guard: config.enforcement.scheduler_guard,
+        guard_timeslice_us: guard::allowance(None),
+        deny_hook: config.enforcement.deny_hook,
+        guard_react_action: config.enforcement.guard_react_action,
+    })
+    .map_err(StartError::Probes)?;
+    let events = probes.take_events().map_err(StartError::Probes)?;
+    let held = probes.take_held_groups().map_err(StartError::Probes)?;
+    let tier = probes.tier();
+    let cgroup_root = cgroups.root().to_owned();
+    let freezer = cgroups.freezer();
+    let dmem_regions = probes::caps::dmem_nvidia_regions(
+        &cgroup_root,
+        std::path::Path::new(probes::caps::PCI_DEVICES),
+    )
+    .unwrap_or_default();
+    let driver_limits = if dmem_regions.is_empty() {
+        "none: no NVIDIA region in dmem.capacity (the dmem controller needs Linux 6.14+, and \
+         NVIDIA's open module registers its GPUs from the 610/615 series)"
+            .to_owned()
+    } else {
+        format!(
+            "dmem: memory_max is also written to dmem.max of {}",
+            dmem_regions
+                .iter()
+                .map(|r| r.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
+    info!(driver_limits = %driver_limits, "driver-native memory limits");
+    let info = DaemonInfo {
+        version: crate::VERSION.to_owned(),
+        attach_mode: probes.mode().as_str().to_owned(),
+        enforcement_tier: tier.as_str().to_owned(),
+        react_action: format!("{:?}", config.enforcement.react_action).to_lowercase(),
+        kernel_capabilities: probes.caps().as_map(),
+        deny_hook: probes.ladder().in_force.as_str().to_owned(),
+        deny_hook_refusals: probes.ladder().refusals(),
+        driver_limits,
+        cgroup_root: cgroups.root().display().to_string(),
+        probes_resumed: probes.resumed(),
+    };
+    let matcher = Matcher { majors, extra };
+    // Where neither a hook nor a rewrite can stop a tenant's control, the kernel asks for it to
+    // be undone.
+    let restorer = if probes.guard().reacts() {
+        Restorer::new(matcher.clone(), probes.base_dir())
+            .inspect_err(|e| {
+                warn!(
+                    "the scheduler guard cannot undo tenants' controls: {}",
+                    Chain(e)
+                )
+            })
+            .ok()
+    } else {
+        None
+    };
+    let mut attribution =
+        Attribution::new(probes, cgroups, matcher.clone()).map_err(StartError::Attribution)?;
+    let found = attribution.scan();
+    attribution.sweep();
+    info!(found, "start-up scan of /proc done");
+    let catalog = if config.nvml.enabled {
+        GpuCatalog::Unavailable("NVML has not answered yet".into())
+    } else {
+        GpuCatalog::Disabled
+    };
+    let mut memory = MemoryEnforcement::new(store, tier, config.enforcement.react_action, catalog);
+    memory.restore(&mut attribution);
+    guard::sync_allowances(&mut attribution, memory.policies());
+    Ok(Opened {
+        core: Core {
+            attribution,
+            memory,
+        },
+        events,
+        held,
+        info,
+        matcher,
+        freezer,
+        cgroup_root,
+        dmem_regions,
+        restorer,
+    })
+}
+
+impl Core {
+    /// Hands a kernel event to its one owner: processes and objects to the attribution, limits
+    /// met to the memory enforcement, scheduling controls to the guard. Returns what to announce.
+    pub fn route(&mut self, ev: &KernelEvent) -> Option<Notice> {
+        Some(match ev {
+            KernelEvent::LimitCrossed(l) => {
+                Notice::MemoryLimitExceeded(self.memory.on_limit(&mut self.attribution, l, false))
+            }
+            KernelEvent::AllocationDenied(l) => {
+                Notice::MemoryLimitExceeded(self.memory.on_limit(&mut self.attribution, l, true))
+            }
+            KernelEvent::SchedulerGuarded(g) => {
+                Notice::SchedulerControlGuarded(guard::on_event(&mut self.attribution, g))
+            }
+            KernelEvent::ProcessTracked { .. }
+            | KernelEvent::ProcessExited { .. }
+            | KernelEvent::TreeFreed { .. }
+            | KernelEvent::FileReleased { .. } => {
+                self.attribution.on_kernel_event(ev);
+                return None;
+            }
+        })
+    }
+
+    /// Reads every record waiting in `ring`: events routed ([`Self::route`]), undo requests
+    /// handed to `restore`. Returns the notices, in order. For callers without a state task (the
+    /// daemon reads its ring asynchronously, `ring.rs`).
+    pub fn drain(
+        &mut self,
+        ring: &mut RingBuf<MapData>,
+        mut restore: impl FnMut(gpud_common::GuardRestore),
+    ) -> Vec<Notice> {
+        let mut out = Vec::new();
+        while let Some(item) = ring.next() {
+            match Record::decode(&item) {
+                Ok(Record::Event(ev)) => out.extend(self.route(&ev)),
+                Ok(Record::Restore(r)) => restore(*r),
+                Err(e) => warn!(len = item.len(), "ring-buffer record dropped: {e}"),
+            }
+        }
+        out
+    }
+
+    /// An orderly close: what the memory enforcement froze is thawed, the probes pinned or
+    /// detached.
+    pub fn close(mut self, keep_pinned: bool) {
+        self.memory.thaw_all(&mut self.attribution);
+        self.attribution.shutdown(keep_pinned);
+    }
+}
