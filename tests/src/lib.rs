@@ -25,7 +25,10 @@ pub use gpud_api::{
 };
 
 pub use config::TestConfig;
+/// The fake NVML's scenario types, for typed scenarios ([`write_nvml_scenario`]).
+pub use nvidia_ml_fake::scenario;
 pub use rig::Rig;
+use scenario::{Process, Scenario};
 
 mod config;
 pub mod containerd;
@@ -816,53 +819,30 @@ pub fn install_fake_nvml(lib_dir: &Path) -> PathBuf {
     dst
 }
 
-/// A fake-NVML scenario of one 80 GiB GPU named `name` (UUID
-/// `GPU-00000000-1111-2222-3333-444444444444`, bus 00000000:00:06.0, driver 580.159.04, CUDA
-/// 13.0) with `processes` (`[{ "pid": …, "gpu": 0, "memory": … }, …]`; tests/fake-nvml says
-/// what else a scenario may hold).
-pub fn one_gpu(name: &str, processes: serde_json::Value) -> serde_json::Value {
-    serde_json::json!({
-        "driver_version": "580.159.04",
-        "cuda_version": 13000,
-        "gpus": [{ "uuid": "GPU-00000000-1111-2222-3333-444444444444", "name": name,
-                   "pci_bus_id": "00000000:00:06.0", "memory_total": 80u64 << 30 }],
-        "processes": processes,
-    })
-}
-
-/// A fake NVML scenario of `n` idle GPUs: index `i` has UUID `GPU-00000000-0000-0000-0000-<i>`
-/// (12 hex digits).
-pub fn gpus(n: u32) -> serde_json::Value {
-    let gpus: Vec<serde_json::Value> = (0..n)
-        .map(|i| {
-            serde_json::json!({
-                "uuid": format!("GPU-00000000-0000-0000-0000-{i:012x}"),
-                "name": "Fake H100", "pci_bus_id": format!("00000000:{:02x}:00.0", 6 + i),
-                "memory_total": 80u64 << 30,
-            })
-        })
-        .collect();
-    serde_json::json!({
-        "driver_version": "580.159.04", "cuda_version": 13000,
-        "gpus": gpus, "processes": [],
-    })
-}
-
-/// [`gpus`] with these processes, (pid, GPU index), each holding 1 GiB; with no `sm_util` given,
-/// each reports its CPU share as its SM utilization (the fake NVML's simulated GPU users).
-pub fn gpus_with(n: u32, processes: &[(u32, u32)]) -> serde_json::Value {
-    let mut s = gpus(n);
-    s["processes"] = processes
-        .iter()
-        .map(|(pid, gpu)| serde_json::json!({ "pid": pid, "gpu": gpu, "memory": 1u64 << 30 }))
-        .collect();
+/// A fake-NVML scenario of one test GPU (`scenario::Gpu::test(0)`) named `name`, with
+/// `processes`.
+pub fn one_gpu(name: &str, processes: impl IntoIterator<Item = Process>) -> Scenario {
+    let mut s = Scenario::gpus(1).with(processes);
+    s.gpus[0].name = name.to_owned();
     s
 }
 
+/// [`Scenario::gpus`] with these processes, (pid, GPU index), each holding 1 GiB; with no
+/// `sm_util` given, each reports its CPU share as its SM utilization (the fake NVML's simulated
+/// GPU users).
+pub fn gpus_with(n: u32, processes: &[(u32, u32)]) -> Scenario {
+    Scenario::gpus(n).with(
+        processes
+            .iter()
+            .map(|&(pid, gpu)| Process::on(pid, gpu, 1 << 30)),
+    )
+}
+
 /// Writes the fake NVML's scenario beside it (write then rename: never read half-written).
-pub fn write_nvml_scenario(lib_dir: &Path, v: &serde_json::Value) {
+pub fn write_nvml_scenario(lib_dir: &Path, scenario: &Scenario) {
     std::fs::create_dir_all(lib_dir).expect("lib dir");
     let tmp = lib_dir.join("fake-nvml.json.tmp");
-    std::fs::write(&tmp, v.to_string()).expect("scenario");
+    let text = serde_json::to_string(scenario).expect("a scenario serializes");
+    std::fs::write(&tmp, text).expect("scenario");
     std::fs::rename(&tmp, lib_dir.join("fake-nvml.json")).expect("scenario");
 }

@@ -87,12 +87,12 @@ impl Rig {
         self
     }
 
-    /// The fake NVML reporting `n` idle GPUs (indexes 0..n, UUIDs from [`crate::gpus`]): gpud
+    /// The fake NVML reporting `n` idle test GPUs (`scenario::Scenario::gpus`): gpud
     /// checks per-GPU limit selectors against NVML's inventory, so tests that set them need it.
     /// After [`Rig::start`], [`Rig::wait_for_gpus`] waits for gpud to have read it.
     pub fn fake_gpus(self, n: u32) -> Self {
         let rig = self.fake_nvml();
-        rig.nvml_scenario(&crate::gpus(n));
+        rig.nvml_scenario(&crate::scenario::Scenario::gpus(n));
         rig
     }
 
@@ -137,7 +137,7 @@ impl Rig {
 
     /// Replaces the fake NVML's scenario (GPUs, processes, failures; see tests/fake-nvml). The
     /// daemon sees it at its next sample.
-    pub fn nvml_scenario(&self, scenario: &serde_json::Value) {
+    pub fn nvml_scenario(&self, scenario: &crate::scenario::Scenario) {
         write_nvml_scenario(self.nvml_dir(), scenario);
     }
 

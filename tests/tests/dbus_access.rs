@@ -17,7 +17,6 @@ use gpud_tests::{
     BUS_NAME, Bus, Cgroup, Daemon, MANAGER_INTERFACE, MUTATING_METHODS, OBJECT_PATH, Rig,
     TestGroup, eventually, gpudctl_bin, one_gpu, shipped_bus_policy,
 };
-use serde_json::json;
 use zbus::{Structure, Variant};
 
 const NOBODY: u32 = 65534;
@@ -28,7 +27,7 @@ async fn started(tag: &str, bus: Bus, admin_group: &str, nvml: bool) -> Rig {
     let mut rig = Rig::on_bus(tag, bus);
     if nvml {
         rig = rig.fake_nvml();
-        rig.nvml_scenario(&one_gpu("Fake H100", json!([])));
+        rig.nvml_scenario(&one_gpu("Fake H100", []));
     }
     rig.start(rig.config().set("dbus.admin_group", admin_group))
         .await;
@@ -720,10 +719,7 @@ async fn ambiguous_limits_and_unchecked_gpus_are_refused_and_change_nothing() {
     let state = rig.path().join("state");
     let cg = Cgroup::new("ambiguous");
     let (conn, p) = rig.proxy().await;
-    let uuid = one_gpu("x", json!([]))["gpus"][0]["uuid"]
-        .as_str()
-        .expect("uuid")
-        .to_owned();
+    let uuid = gpud_tests::scenario::uuid(0);
     p.set_limits(
         &cg.rel,
         "0",
@@ -801,10 +797,7 @@ async fn ambiguous_limits_and_unchecked_gpus_are_refused_and_change_nothing() {
 async fn a_limit_set_by_uuid_survives_a_restart_and_is_in_force_once_nvml_answers() {
     let mut rig = started("uuid-restart", Bus::start(), "", true).await;
     let cg = Cgroup::new("uuid-restart");
-    let uuid = one_gpu("x", json!([]))["gpus"][0]["uuid"]
-        .as_str()
-        .expect("uuid")
-        .to_owned();
+    let uuid = gpud_tests::scenario::uuid(0);
     let (_c, p) = rig.proxy().await;
     p.set_limits(
         &cg.rel,

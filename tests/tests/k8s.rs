@@ -7,8 +7,9 @@
 use std::{collections::BTreeMap, path::Path, time::Duration};
 
 use gpud::runtime::nri::api::nri::{self, ContainerState};
+use gpud_tests::scenario::{Event, Gpu, Scenario, uuid};
 use gpud_tests::{
-    Bus, Cgroup, Daemon, TempDir, eventually,
+    Cgroup, Rig, eventually,
     kubelet::{DevicePluginProcess, PluginEndpoint, TestKubelet, admit},
     runtime::{NriPlugin, Sleeper, TestRuntime, container, ctx, pod},
 };
@@ -19,90 +20,66 @@ const WAIT: Duration = Duration::from_secs(20);
 const MEMORY: &str = "gpud.dev/gpu-memory";
 const COMPUTE: &str = "gpud.dev/gpu-compute";
 
-fn uuid(i: u32) -> String {
-    format!("GPU-0000000{i}-1111-2222-3333-444444444444")
+/// `n` test GPUs (`scenario::Gpu::test`) of `gib` GiB; `extra(i, gpu)` changes GPU `i`
+/// (topology).
+fn scenario(n: u32, gib: u64, extra: impl Fn(u32, &mut Gpu)) -> Scenario {
+    let mut s = Scenario::gpus(n);
+    for (i, g) in (0..).zip(&mut s.gpus) {
+        g.memory_total = gib * GIB;
+        extra(i, g);
+    }
+    s
 }
 
-/// `n` GPUs of `gib` GiB; `extra(i)` adds keys to GPU `i` (topology).
-fn scenario(n: u32, gib: u64, extra: impl Fn(u32) -> serde_json::Value) -> serde_json::Value {
-    let gpus: Vec<serde_json::Value> = (0..n)
-        .map(|i| {
-            let mut g = json!({
-                "uuid": uuid(i), "name": "Fake H100",
-                "pci_bus_id": format!("00000000:0{}:00.0", i + 1),
-                "memory_total": gib * GIB,
-            });
-            if let (Some(g), serde_json::Value::Object(e)) = (g.as_object_mut(), extra(i)) {
-                g.extend(e);
-            }
-            g
-        })
-        .collect();
-    json!({ "driver_version": "580.159.04", "cuda_version": 13000, "gpus": gpus })
-}
-
-/// gpud, the fake NVML, a test kubelet and the device plugin on one "node".
+/// gpud (on the rig, with the fake NVML), a test kubelet and the device plugin on one "node".
 struct Node {
-    dir: TempDir,
-    lib: std::path::PathBuf,
-    bus: Bus,
-    daemon: Daemon,
+    rig: Rig,
     kubelet: TestKubelet,
     plugin: DevicePluginProcess,
     starts: u32,
 }
 
 impl Node {
-    async fn start(tag: &str, scenario: &serde_json::Value) -> Self {
-        let dir = TempDir::new(tag);
-        let lib_dir = dir.path().join("lib");
-        let lib = gpud_tests::install_fake_nvml(&lib_dir);
-        gpud_tests::write_nvml_scenario(&lib_dir, scenario);
-        let config = dir.path().join("gpud.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[daemon]\nstate_dir = \"{}\"\nlog = \"gpud=debug\"\n[probes]\nbpffs = \"{}\"\nkeep_pinned = false\n\
-                 [attribution]\nsweep_interval_secs = 3600\nrescan_interval_secs = 0\n\
-                 [nvml]\nlibrary_path = \"{}\"\nsample_interval_ms = 100\nretry_interval_secs = 1\n",
-                dir.path().join("state").display(),
-                dir.path().join("bpffs").display(),
-                lib.display()
-            ),
+    async fn start(tag: &str, scenario: &Scenario) -> Self {
+        let mut rig = Rig::new(tag).fake_nvml();
+        rig.nvml_scenario(scenario);
+        rig.start(
+            rig.config()
+                .set("attribution.sweep_interval_secs", 3600)
+                .set("nvml.sample_interval_ms", 100)
+                .set("nvml.retry_interval_secs", 1),
         )
-        .expect("config");
-        let bus = Bus::start();
-        let daemon = Daemon::start(&config, &bus.address).await;
-        let kubelet = TestKubelet::start(&dir.path().join("device-plugins"));
-        let plugin = Self::plugin(&dir, &bus, &lib, 0);
+        .await;
+        let kubelet = TestKubelet::start(&rig.path().join("device-plugins"));
+        let plugin = Self::plugin(&rig, 0);
         Self {
-            dir,
-            lib,
-            bus,
-            daemon,
+            rig,
             kubelet,
             plugin,
             starts: 1,
         }
     }
 
-    fn plugin(dir: &TempDir, bus: &Bus, lib: &Path, n: u32) -> DevicePluginProcess {
-        let lib = lib.display().to_string();
+    fn plugin(rig: &Rig, n: u32) -> DevicePluginProcess {
+        let lib = rig
+            .nvml_dir()
+            .join("libnvidia-ml.so.1")
+            .display()
+            .to_string();
         DevicePluginProcess::start(
-            &bus.address,
-            &dir.path().join("device-plugins"),
+            &rig.bus.address,
+            &rig.path().join("device-plugins"),
             &["--nvml-library", &lib],
-            &dir.path().join(format!("gpud-k8s-{n}.log")),
+            &rig.path().join(format!("gpud-k8s-{n}.log")),
         )
     }
 
     fn restart_plugin(&mut self) -> Option<i32> {
         let code = self.plugin.stop();
-        self.plugin = Self::plugin(&self.dir, &self.bus, &self.lib, self.starts);
+        self.plugin = Self::plugin(&self.rig, self.starts);
         self.starts += 1;
         code
     }
-
     /// Both registrations (memory, compute), checked against the API's rules, and the kubelet's
     /// connections to them.
     async fn endpoints(&mut self) -> Vec<PluginEndpoint> {
@@ -134,7 +111,7 @@ impl Node {
     }
 
     async fn limits(&self, cgroup: &str) -> BTreeMap<String, BTreeMap<String, u64>> {
-        self.daemon.limits(cgroup).await
+        self.rig.limits(cgroup).await
     }
 }
 
@@ -154,7 +131,7 @@ fn per_gpu(ids: &[String]) -> BTreeMap<String, usize> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_asking_8_units_and_30_percent_gets_them_on_one_gpu_enforced_by_gpud() {
-    let mut node = Node::start("k8s-e2e", &scenario(2, 16, |_| json!({}))).await;
+    let mut node = Node::start("k8s-e2e", &scenario(2, 16, |_, _| ())).await;
     let mut eps = node.endpoints().await;
     eps[0].devices_where(WAIT, |d| healthy(d) == 32).await;
     eps[1].devices_where(WAIT, |d| healthy(d) == 200).await;
@@ -181,15 +158,15 @@ async fn a_pod_asking_8_units_and_30_percent_gets_them_on_one_gpu_enforced_by_gp
 
     // The runtime creates and starts the container with those annotations: the NRI plugin sets
     // them in gpud.
-    let rt = TestRuntime::bind(node.dir.path());
+    let rt = TestRuntime::bind(node.rig.path());
     let nri_plugin = NriPlugin::start(
         &[
             "--socket",
             &rt.socket.display().to_string(),
             "--bus-address",
-            &node.bus.address,
+            &node.rig.bus.address,
         ],
-        &node.dir.path().join("nri.log"),
+        &node.rig.path().join("nri.log"),
     );
     let session = rt.accept(WAIT).await;
     session
@@ -239,7 +216,7 @@ async fn a_pod_asking_8_units_and_30_percent_gets_them_on_one_gpu_enforced_by_gp
         node.limits(&cg.rel).await,
         nri_plugin.log_text()
     );
-    let (_conn, proxy) = node.daemon.proxy().await;
+    let (_conn, proxy) = node.rig.proxy().await;
     let rec = proxy.get_cgroup(&cg.rel).await.expect("GetCgroup");
     assert_eq!(
         rec.memory_max.values().copied().collect::<Vec<_>>(),
@@ -281,7 +258,7 @@ async fn a_pod_asking_8_units_and_30_percent_gets_them_on_one_gpu_enforced_by_gp
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kubelet_restart_reregisters_and_xids_make_a_gpu_unhealthy() {
-    let mut node = Node::start("k8s-restart", &scenario(2, 4, |_| json!({}))).await;
+    let mut node = Node::start("k8s-restart", &scenario(2, 4, |_, _| ())).await;
     let mut eps = node.endpoints().await;
     eps[0].devices_where(WAIT, |d| healthy(d) == 8).await;
 
@@ -293,9 +270,9 @@ async fn kubelet_restart_reregisters_and_xids_make_a_gpu_unhealthy() {
 
     // An application's Xid (43) on GPU 0 leaves it healthy; Xid 79 (fell off the bus) on GPU 1
     // makes its units unhealthy in the stream.
-    let mut sc = scenario(2, 4, |_| json!({}));
-    sc["events"] = json!([{ "gpu": 0, "xid": 43 }, { "gpu": 1, "xid": 79 }]);
-    gpud_tests::write_nvml_scenario(&node.dir.path().join("lib"), &sc);
+    let mut sc = scenario(2, 4, |_, _| ());
+    sc.events = vec![Event::xid(0, 43), Event::xid(1, 79)];
+    node.rig.nvml_scenario(&sc);
     let gpu1 = uuid(1);
     let d = eps[1].devices_where(WAIT, |d| healthy(d) == 100).await;
     assert!(
@@ -320,10 +297,10 @@ async fn kubelet_restart_reregisters_and_xids_make_a_gpu_unhealthy() {
 #[tokio::test(flavor = "multi_thread")]
 async fn requests_that_cannot_fit_fail_clearly_and_multi_gpu_requests_follow_nvlink() {
     // GPUs 0 and 1 behind one PCIe switch, 2 and 3 joined by two NVLinks, nodes 0 and 1.
-    let sc = scenario(4, 8, |i| match i {
-        0 | 1 => json!({ "pci_switch": "sw0", "numa_node": 0 }),
-        2 => json!({ "numa_node": 1, "nvlinks": [3, 3] }),
-        _ => json!({ "numa_node": 1, "nvlinks": [2, 2] }),
+    let sc = scenario(4, 8, |i, g| match i {
+        0 | 1 => g.pci_switch = Some("sw0".to_owned()),
+        2 => (g.numa_node, g.nvlinks) = (1, Some(vec![3, 3])),
+        _ => (g.numa_node, g.nvlinks) = (1, Some(vec![2, 2])),
     });
     let mut node = Node::start("k8s-fit", &sc).await;
     let mut eps = node.endpoints().await;
@@ -443,7 +420,7 @@ async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_
         dra::{self as pb, dra_plugin_client::DraPluginClient},
         pluginregistration::{self as reg, registration_client::RegistrationClient},
     };
-    let node = Node::start("k8s-dra", &scenario(1, 16, |_| json!({}))).await;
+    let node = Node::start("k8s-dra", &scenario(1, 16, |_, _| ())).await;
     let gpu = uuid(0);
     let claim = json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
@@ -453,14 +430,14 @@ async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_
               "consumedCapacity": { "memory": "8Gi", "compute": "30" } } ] } } },
     });
     let (api, mut slices) = fake_api_server(claim).await;
-    let d = node.dir.path();
+    let d = node.rig.path();
     let log = d.join("dra.log");
     let child = std::process::Command::new(gpud_tests::bin_dir().join("gpud-k8s"))
         .args([
             "--log",
             "debug",
             "--bus-address",
-            &node.bus.address,
+            &node.rig.bus.address,
             "dra",
             "--node-name",
             "node1",

@@ -9,30 +9,28 @@ use std::{
 
 use gpud_tests::{
     Cgroup, Daemon, Gpu1Proxy, NvmlUsageRecord, Rig, eventually, gpudctl_bin, install_fake_nvml,
+    scenario::{Event, Fail, Gpu, Kind, Mig, Process, Scenario},
     write_nvml_scenario,
 };
-use serde_json::json;
 
 const MIB: u64 = 1 << 20;
 
-fn two_gpus(processes: serde_json::Value) -> serde_json::Value {
-    json!({
-        "driver_version": "580.159.04",
-        "cuda_version": 13000,
-        "gpus": [
-            { "uuid": "GPU-00000000-1111-2222-3333-444444444444", "name": "Fake H100",
-              "pci_bus_id": "00000000:00:06.0", "memory_total": 80u64 << 30 },
-            { "uuid": "GPU-55555555-6666-7777-8888-999999999999", "name": "Fake A100",
-              "pci_bus_id": "00000000:00:07.0", "memory_total": 40u64 << 30, "compute_mode": 3,
-              "mig": [
-                { "uuid": "MIG-aaaaaaaa-0000-0000-0000-000000000001", "name": "Fake A100 MIG 3g.20gb",
-                  "memory_total": 20u64 << 30 },
-                { "uuid": "MIG-aaaaaaaa-0000-0000-0000-000000000002", "name": "Fake A100 MIG 3g.20gb",
-                  "memory_total": 20u64 << 30 }
-              ] }
-        ],
-        "processes": processes,
-    })
+/// Test GPU 0, and an A100 in MIG mode with two MIG devices as GPU 1; with `processes`.
+fn two_gpus(processes: impl IntoIterator<Item = Process>) -> Scenario {
+    let mig = |n: u32| Mig {
+        uuid: format!("MIG-aaaaaaaa-0000-0000-0000-00000000000{n}"),
+        name: "Fake A100 MIG 3g.20gb".to_owned(),
+        memory_total: 20 << 30,
+    };
+    let mut s = Scenario::gpus(2).with(processes);
+    s.gpus[1] = Gpu {
+        name: "Fake A100".to_owned(),
+        memory_total: 40 << 30,
+        compute_mode: 3,
+        mig: Some(vec![mig(1), mig(2)]),
+        ..Gpu::test(1)
+    };
+    s
 }
 
 /// A process in `cg` running `script` under sh.
@@ -93,13 +91,20 @@ async fn inventory_and_per_cgroup_usage_follow_real_processes_and_freezing() {
     let on_mig = spawn_in(&mig_cg, "sleep 600");
     // `both`: listed as a compute and as a graphics process, with its whole usage in each list.
     // On the MIG device NVML samples no per-process utilization.
-    let procs = json!([
-        { "pid": busy.id(), "gpu": 0, "memory": 1024 * MIB },
-        { "pid": idle.id(), "gpu": 0, "memory": 512 * MIB },
-        { "pid": fixed.id(), "gpu": 0, "memory": 256 * MIB, "sm_util": 40, "enc_util": 7,
-          "kind": "both" },
-        { "pid": on_mig.id(), "gpu": 1, "mig": 1, "memory": 3 * 1024 * MIB },
-    ]);
+    let procs = [
+        Process::on(busy.id(), 0, 1024 * MIB),
+        Process::on(idle.id(), 0, 512 * MIB),
+        Process {
+            sm_util: Some(40),
+            enc_util: 7,
+            kind: Kind::Both,
+            ..Process::on(fixed.id(), 0, 256 * MIB)
+        },
+        Process {
+            mig: Some(1),
+            ..Process::on(on_mig.id(), 1, 3 * 1024 * MIB)
+        },
+    ];
     let _kill = Kill(vec![busy, idle, fixed, on_mig]);
     rig.nvml_scenario(&two_gpus(procs));
     rig.start(rig.config()).await;
@@ -267,7 +272,7 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
     let lib_dir = rig.path().join("lib");
     rig.start(rig.config().nvml(&lib_dir.join("libnvidia-ml.so.1")))
         .await;
-    let scenario = |v: &serde_json::Value| write_nvml_scenario(&lib_dir, v);
+    let scenario = |v: &Scenario| write_nvml_scenario(&lib_dir, v);
 
     // No library: the daemon serves D-Bus and says why.
     let (avail, why) = nvml_status(&rig).await;
@@ -282,7 +287,7 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
     assert!(status.contains("cannot load NVML"), "{status}");
 
     // The library appears: recovered within the retry interval.
-    scenario(&two_gpus(json!([])));
+    scenario(&two_gpus([]));
     install_fake_nvml(&lib_dir);
     let up = eventually(Duration::from_secs(10), || async {
         nvml_status(&rig).await.0.then_some(())
@@ -293,8 +298,7 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
     assert_eq!(p.list_gpus().await.expect("ListGpus").len(), 4);
 
     // An NVML call fails (GPU lost): unavailable with the reason, and back once it answers.
-    let mut s = two_gpus(json!([]));
-    s["fail"] = json!({ "nvmlDeviceGetComputeRunningProcesses_v3": 15 });
+    let s = two_gpus([]).failing("nvmlDeviceGetComputeRunningProcesses_v3", Fail::Always(15));
     scenario(&s);
     let down = eventually(Duration::from_secs(10), || async {
         let (a, why) = nvml_status(&rig).await;
@@ -303,7 +307,7 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
     .await;
     assert!(down.is_some(), "failure not reported:\n{}", rig.log_text());
     assert!(p.list_gpus().await.is_ok(), "the daemon still answers");
-    scenario(&two_gpus(json!([])));
+    scenario(&two_gpus([]));
     let back = eventually(Duration::from_secs(10), || async {
         nvml_status(&rig).await.0.then_some(())
     })
@@ -311,8 +315,8 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
     assert!(back.is_some(), "not recovered after the failure");
 
     // A critical Xid error on GPU 1 is counted there.
-    let mut s = two_gpus(json!([]));
-    s["xid"] = json!([{ "gpu": 1, "xid": 79 }]);
+    let mut s = two_gpus([]);
+    s.events = vec![Event::xid(1, 79)];
     scenario(&s);
     let xid = eventually(Duration::from_secs(10), || async {
         let gpus = p.list_gpus().await.ok()?;
@@ -326,8 +330,14 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
 
     // A transient failure (the 3rd device count after this scenario fails, once): NVML is
     // reported unavailable with the failing call, then re-initialized and back by itself.
-    let mut s = two_gpus(json!([]));
-    s["fail"] = json!({ "nvmlDeviceGetCount_v2": { "code": 15, "after": 2, "times": 1 } });
+    let s = two_gpus([]).failing(
+        "nvmlDeviceGetCount_v2",
+        Fail::Counted {
+            code: 15,
+            after: 2,
+            times: Some(1),
+        },
+    );
     scenario(&s);
     let lost = eventually(Duration::from_secs(10), || async {
         let (a, why) = nvml_status(&rig).await;
@@ -350,8 +360,14 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
 async fn driver_not_loaded_at_start_is_reported_until_initialization_succeeds() {
     let mut rig = Rig::new("nvml-init").fake_nvml();
     // The first three initializations fail as without a loaded driver; the fourth succeeds.
-    let mut s = two_gpus(json!([]));
-    s["fail"] = json!({ "nvmlInit_v2": { "code": 9, "times": 3 } });
+    let s = two_gpus([]).failing(
+        "nvmlInit_v2",
+        Fail::Counted {
+            code: 9,
+            after: 0,
+            times: Some(3),
+        },
+    );
     rig.nvml_scenario(&s);
     rig.start(rig.config()).await;
     let said = eventually(Duration::from_secs(5), || async {
@@ -393,11 +409,15 @@ async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
     let b = spawn_in(&b_cg, "sleep 600");
     let (solo_pid, a_pid, b_pid) = (solo.id(), a.id(), b.id());
     let _kill = Kill(vec![solo, a, b]);
-    let procs = json!([
-        { "pid": solo_pid, "gpu": 0, "memory": 64 * MIB },
-        { "pid": a_pid, "gpu": 1, "mig": 0, "memory": 64 * MIB },
-        { "pid": b_pid, "gpu": 1, "mig": 1, "memory": 64 * MIB },
-    ]);
+    let on_mig = |pid, mig| Process {
+        mig: Some(mig),
+        ..Process::on(pid, 1, 64 * MIB)
+    };
+    let procs = [
+        Process::on(solo_pid, 0, 64 * MIB),
+        on_mig(a_pid, 0),
+        on_mig(b_pid, 1),
+    ];
     rig.nvml_scenario(&two_gpus(procs.clone()));
     rig.start(rig.config()).await;
     let (conn, p) = rig.proxy().await;
@@ -418,7 +438,10 @@ async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
     let mut signals = gpu0.receive_xid().await.expect("subscribe to Xid");
 
     let mut s = two_gpus(procs.clone());
-    s["events"] = json!([{ "id": 1, "gpu": 0, "xid": 79 }]);
+    s.events = vec![Event {
+        id: Some(1),
+        ..Event::xid(0, 79)
+    }];
     rig.nvml_scenario(&s);
     let sig = tokio::time::timeout(Duration::from_secs(10), signals.next())
         .await
@@ -432,7 +455,10 @@ async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
     );
 
     // On a GPU with two processes (one per MIG device) the event names neither.
-    s["events"] = json!([{ "id": 1, "gpu": 0, "xid": 79 }, { "id": 2, "gpu": 1, "xid": 43 }]);
+    s.events.push(Event {
+        id: Some(2),
+        ..Event::xid(1, 43)
+    });
     rig.nvml_scenario(&s);
     let both = eventually(Duration::from_secs(10), || async {
         let ev = p.list_nvml_events().await.ok()?;

@@ -13,9 +13,10 @@ use std::{
 };
 
 use gpud_tests::{
-    Cgroup, Rig, RmProcess, TestConfig, eventually, gpudctl_bin, one_gpu, spawn_in_cgroup,
+    Cgroup, Rig, RmProcess, TestConfig, eventually, gpudctl_bin, one_gpu, scenario::Process,
+    spawn_in_cgroup,
 };
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -41,11 +42,8 @@ fn config(rig: &Rig, port: u16, min_idle_secs: i64) -> TestConfig {
 
 /// NVML's view: these processes on one 80 GiB GPU, each with its memory.
 fn scenario(rig: &Rig, procs: &[(u32, u64)]) {
-    let processes: Vec<_> = procs
-        .iter()
-        .map(|(pid, mem)| json!({ "pid": pid, "gpu": 0, "memory": mem }))
-        .collect();
-    rig.nvml_scenario(&one_gpu("Simulated GPU", processes.into()));
+    let processes = procs.iter().map(|&(pid, mem)| Process::on(pid, 0, mem));
+    rig.nvml_scenario(&one_gpu("Simulated GPU", processes));
 }
 
 struct Scrape {

@@ -5,8 +5,10 @@
 
 use std::{collections::BTreeMap, path::Path, process::Command, time::Duration};
 
-use gpud_tests::{Cgroup, Rig, RmProcess, TestConfig, eventually, gpud_bin, gpudctl_bin, one_gpu};
-use serde_json::json;
+use gpud_tests::{
+    Cgroup, Rig, RmProcess, TestConfig, eventually, gpud_bin, gpudctl_bin, one_gpu,
+    scenario::{Fail, Process},
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -341,15 +343,13 @@ async fn nvml_failing_mid_run_stops_compute_control_cleanly_and_memory_limits_st
     let throttled_cg = Cgroup::new("rel-nvml-burn");
     let mut burner = gpud_tests::spawn_in_cgroup(&throttled_cg, "while :; do :; done");
     let scenario = |fail: bool| {
-        let mut v = one_gpu(
-            "Simulated GPU",
-            json!([{ "pid": burner.id(), "gpu": 0, "memory": 1u64 << 30 }]),
-        );
+        let v = one_gpu("Simulated GPU", [Process::on(burner.id(), 0, 1 << 30)]);
         if fail {
             // GPU lost (NVML_ERROR_GPU_IS_LOST) on every process query.
-            v["fail"] = json!({ "nvmlDeviceGetComputeRunningProcesses_v3": 15 });
+            v.failing("nvmlDeviceGetComputeRunningProcesses_v3", Fail::Always(15))
+        } else {
+            v
         }
-        v
     };
     rig.nvml_scenario(&scenario(false));
     let config = config(&rig)

@@ -146,6 +146,8 @@
 //! `fake-nvml-device-samples.log` (`returned` empty for `NOT_FOUND`).
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
+pub mod scenario;
+
 use std::{
     collections::{HashMap, HashSet, VecDeque},
     ffi::{CStr, c_char, c_uint, c_ulonglong},
@@ -155,13 +157,14 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
+use scenario::{Gpu, Kind, Mig, Process, Scenario};
+
 use nvml_wrapper_sys::bindings::{
     nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlEventTypeXidCriticalError, nvmlMemory_v2_t,
     nvmlPciInfo_t, nvmlProcessInfo_t, nvmlProcessUtilizationSample_t, nvmlReturn_t, nvmlSample_t,
     nvmlSamplingType_enum_NVML_GPU_UTILIZATION_SAMPLES, nvmlSamplingType_t,
     nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT, nvmlValueType_t,
 };
-use serde::Deserialize;
 
 const SUCCESS: nvmlReturn_t = 0;
 const UNINITIALIZED: nvmlReturn_t = 1;
@@ -182,130 +185,6 @@ const TOPOLOGY_INTERNAL: u32 = 0;
 const TOPOLOGY_SINGLE: u32 = 10;
 const TOPOLOGY_NODE: u32 = 40;
 const TOPOLOGY_SYSTEM: u32 = 50;
-
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Mig {
-    uuid: String,
-    name: String,
-    memory_total: u64,
-}
-
-fn yes() -> bool {
-    true
-}
-
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Gpu {
-    uuid: String,
-    name: String,
-    pci_bus_id: String,
-    memory_total: u64,
-    #[serde(default)]
-    compute_mode: u32,
-    #[serde(default)]
-    mig: Option<Vec<Mig>>,
-    #[serde(default = "yes")]
-    process_utilization: bool,
-    #[serde(default = "yes")]
-    xid_events: bool,
-    /// NUMA node of the GPU's PCIe root (`nvmlDeviceGetNumaNodeId`; the common ancestor of two
-    /// GPUs on one node is `NODE`, on two nodes `SYSTEM`).
-    #[serde(default)]
-    numa_node: u32,
-    /// GPUs naming the same PCIe switch have the common ancestor `SINGLE`.
-    #[serde(default)]
-    pci_switch: Option<String>,
-    /// NVLinks: the peer GPU (index) of each active link, one entry per link. Absent: the GPU
-    /// has no NVLink (`NOT_SUPPORTED`); links past the list are inactive.
-    #[serde(default)]
-    nvlinks: Option<Vec<u32>>,
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum Kind {
-    #[default]
-    Compute,
-    Graphics,
-    Both,
-}
-
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Process {
-    pid: u32,
-    gpu: u32,
-    #[serde(default)]
-    mig: Option<u32>,
-    #[serde(default)]
-    memory: u64,
-    #[serde(default)]
-    kind: Kind,
-    /// Fixed utilization; absent: simulated from the process's CPU time.
-    #[serde(default)]
-    sm_util: Option<u32>,
-    #[serde(default)]
-    enc_util: u32,
-    #[serde(default)]
-    dec_util: u32,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Event {
-    #[serde(default)]
-    id: Option<u64>,
-    gpu: u32,
-    xid: u64,
-}
-
-/// When a function fails: always, or a number of calls after a number of successes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-enum Fail {
-    Always(u32),
-    Counted {
-        code: u32,
-        #[serde(default)]
-        after: u64,
-        #[serde(default)]
-        times: Option<u64>,
-    },
-}
-
-impl Fail {
-    /// The code the `n`-th call (1-based) returns, if it fails.
-    fn code_for_call(self, n: u64) -> Option<u32> {
-        match self {
-            Fail::Always(code) => Some(code),
-            Fail::Counted { code, after, times } => {
-                (n > after && times.is_none_or(|t| n <= after.saturating_add(t))).then_some(code)
-            }
-        }
-    }
-}
-
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Scenario {
-    #[serde(default)]
-    driver_version: String,
-    #[serde(default)]
-    cuda_version: i32,
-    #[serde(default)]
-    init_error: Option<u32>,
-    #[serde(default)]
-    gpus: Vec<Gpu>,
-    #[serde(default)]
-    processes: Vec<Process>,
-    /// Also accepted as `xid`.
-    #[serde(default, alias = "xid")]
-    events: Vec<Event>,
-    #[serde(default)]
-    fail: HashMap<String, Fail>,
-}
 
 /// What the simulated GPU remembers of one process.
 #[derive(Debug, Default)]
@@ -1396,6 +1275,7 @@ pub extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> nvmlReturn_t {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scenario::Fail;
 
     /// Held by the tests that measure this process's CPU time, so one's busy loop does not show
     /// in another's idle window.
