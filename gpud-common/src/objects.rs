@@ -1,0 +1,60 @@
+//! The `OBJECTS` map's keys and entries (RM clients, devices, subdevices, memory, channel groups
+//! and channels, with their GPU and their maker's control file), and the GPU keys of `USAGE` and
+//! `LIMITS`.
+
+/// GPU index meaning "the allocation's parent device is not known" (charged, reported apart).
+pub const GPU_UNKNOWN: u32 = 0xffff_fffe;
+/// GPU index of the all-GPUs total kept beside each per-GPU usage, and of all-GPU limits.
+pub const GPU_ALL: u32 = 0xffff_ffff;
+
+/// `ObjEntry::kind`: an RM client (`NV01_ROOT_CLIENT`), keyed by its own handle.
+pub const OBJ_CLIENT: u32 = 1;
+/// `ObjEntry::kind`: a device (`NV01_DEVICE_0`), which names the GPU of what is allocated below.
+pub const OBJ_DEVICE: u32 = 2;
+/// `ObjEntry::kind`: a subdevice (`NV20_SUBDEVICE_0`), one GPU of a device.
+pub const OBJ_SUBDEVICE: u32 = 3;
+/// `ObjEntry::kind`: video memory (`NV01_MEMORY_LOCAL_USER`), the only kind that is charged.
+pub const OBJ_MEMORY: u32 = 4;
+/// `ObjEntry::kind`: a channel group (`KEPLER_CHANNEL_GROUP_A`): what the compute controller
+/// takes on and off the runlist for its process.
+pub const OBJ_CHANNEL_GROUP: u32 = 5;
+/// `ObjEntry::kind`: a GPFIFO channel (`VOLTA_CHANNEL_GPFIFO_A` and later), parent its channel
+/// group: what the compute controller disables (`FIFO_DISABLE_CHANNELS`) to hold its process's
+/// queued work off the GPU, where the firmware ignores runlist controls.
+pub const OBJ_CHANNEL: u32 = 6;
+
+/// Key of the `OBJECTS` map: RM handles are unique only within their client.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjKey {
+    /// The client handle (`hRoot` of the RM call).
+    pub client: u32,
+    /// The object's handle within that client (the client's own handle for a client).
+    pub object: u32,
+}
+
+/// Value of the `OBJECTS` map: an RM object the accounting follows (clients, devices,
+/// subdevices, video memory).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ObjEntry {
+    /// `OBJ_*`.
+    pub kind: u32,
+    /// Parent handle in the same client (the client itself for devices).
+    pub parent: u32,
+    /// RM device instance (`NV0080_ALLOC_PARAMETERS.deviceId`), or `GPU_UNKNOWN`.
+    pub gpu: u32,
+    /// Process that allocated it.
+    pub tgid: u32,
+    /// cgroup charged (memory) or of the allocating task.
+    pub cgroup_id: u64,
+    /// Bytes charged (memory objects; the size the driver wrote back).
+    pub bytes: u64,
+    /// Address of the control `struct file` the object was made through (for a client, the
+    /// file that owns it). The driver frees every object made through a file when its last
+    /// reference goes, so this alone decides that release.
+    pub file: u64,
+    /// `bpf_ktime_get_ns()` at creation: the daemon releases an object only if it still has
+    /// this serial, and only objects older than the event that released their tree.
+    pub serial: u64,
+}
