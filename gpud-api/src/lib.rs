@@ -6,10 +6,15 @@
 //! shared by the daemon (which serves them) and every client (`gpudctl`, the NRI plugin, the OCI
 //! hook, the Kubernetes plugin). It knows nothing of the daemon's internals; the daemon converts
 //! its own types into these records at its API edge. docs/dbus-api.md documents every member.
+//!
+//! [`limits`] is the limit schema (names on D-Bus and in annotations, value types and ranges,
+//! parsing, rendering, GPU selectors, the `a{sv}` dictionary): the one definition the daemon's
+//! policy, its D-Bus handler, gpudctl, the container-runtime integration and gpud-k8s share.
 
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod limits;
 pub mod model;
 pub mod proxy;
 
