@@ -103,11 +103,6 @@ async fn runc_container_gets_the_annotated_limits_and_loses_them_on_delete() {
         hook_log.contains(&format!("GPU shares set on {cg} (GPU all, 0)")),
         "{hook_log}"
     );
-    // Every limit, compute shares included, went to gpud.
-    assert!(
-        !hook_log.contains("not supported by this gpud"),
-        "{hook_log}"
-    );
     let record: serde_json::Value =
         serde_json::from_str(&read(&records.join("c1.json"))).expect("hook record");
     assert_eq!(record["cgroup"], cg.as_str());

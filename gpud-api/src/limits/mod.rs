@@ -106,6 +106,12 @@ impl LimitKind {
         Self::Priority,
     ];
 
+    /// Every kind, in the order the API lists them: what a client iterates over rather than a
+    /// list of its own.
+    pub fn iter() -> impl Iterator<Item = LimitKind> {
+        Self::ALL.into_iter()
+    }
+
     /// The name in the D-Bus API: a key of `SetLimits`' and `ListLimits`' dictionaries, a name
     /// `ClearLimits` takes.
     pub const fn dbus_name(self) -> &'static str {

@@ -127,7 +127,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let shutdown = shutdown_signal().await?;
     match args.command {
         Command::DevicePlugin(a) => {
-            let memory_unit = gpud::policy::parse_quantity(&a.memory_unit)
+            let memory_unit = gpud_api::limits::parse_quantity(&a.memory_unit)
                 .map_err(|e| anyhow::anyhow!("--memory-unit {:?}: {e}", a.memory_unit))?;
             let config = device_plugin::Config {
                 plugin_dir: a.plugin_dir,
@@ -145,7 +145,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
         Command::Dra(a) => {
             use gpud_k8s::dra;
-            let memory_unit = gpud::policy::parse_quantity(&a.memory_unit)
+            let memory_unit = gpud_api::limits::parse_quantity(&a.memory_unit)
                 .map_err(|e| anyhow::anyhow!("--memory-unit {:?}: {e}", a.memory_unit))?;
             let api = match &a.api_server {
                 None => dra::ApiServer::in_cluster()?,

@@ -3,7 +3,7 @@
 
 use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
 
-use gpud_api::{LimitRecord, Manager1Proxy, connect_builder};
+use gpud_api::{LimitRecord, Manager1Proxy, connect_builder, limits::LimitKind};
 use tokio::sync::{Mutex, RwLock, watch};
 
 use crate::{
@@ -92,9 +92,9 @@ pub fn taken_units(
         let units = match r {
             Resource::Memory => l
                 .limits
-                .get("memory_max")
+                .get(LimitKind::MemoryMax.dbus_name())
                 .map(|b| b.div_ceil(inventory.memory_unit.max(1))),
-            Resource::Compute => l.limits.get("compute_max").copied(),
+            Resource::Compute => l.limits.get(LimitKind::ComputeMax.dbus_name()).copied(),
         };
         if let Some(u) = units {
             let e = out.entry(slot.uuid.clone()).or_insert(0u32);

@@ -10,10 +10,8 @@ use std::{
 };
 
 use futures_util::{Stream, StreamExt as _};
-use gpud::{
-    policy::GpuSelector,
-    runtime::annotations::{self, LimitKind, LimitValue, Shares},
-};
+use gpud::runtime::annotations::{self, Shares};
+use gpud_api::limits::{GpuSelector, LimitKind, LimitValue};
 use tokio::sync::watch;
 use tokio_stream::wrappers::WatchStream;
 use tonic::{Request, Response, Status};

@@ -16,10 +16,8 @@ mod apiserver;
 
 use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 
-use gpud::{
-    policy::{GpuSelector, parse_quantity},
-    runtime::annotations::{self, LimitKind, LimitValue, Shares},
-};
+use gpud::runtime::annotations::{self, Shares};
+use gpud_api::limits::{GpuSelector, LimitKind, LimitValue, parse_quantity};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
@@ -193,7 +191,8 @@ pub fn prepare_claim(
             limits.insert(LimitKind::MemoryMax, LimitValue::Number(bytes));
         }
         if let Some(q) = consumed["compute"].as_str() {
-            let pct = annotations::parse_value(LimitKind::ComputeMax, q)
+            let pct = LimitKind::ComputeMax
+                .parse(q)
                 .map_err(|e| bad(format!("compute {q:?}: {e}")))?;
             limits.insert(LimitKind::ComputeMax, pct);
         }

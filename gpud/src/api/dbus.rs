@@ -18,11 +18,11 @@ use zbus::interface;
 
 use gpud_api::{
     CgroupRecord, ComputeRecord, GpuRecord, IdleRecord, LimitRecord, NvmlEventRecord,
-    NvmlUsageRecord, OBJECT_PATH, ProcessRecord,
+    NvmlUsageRecord, OBJECT_PATH, ProcessRecord, limits::LimitDict,
 };
 
 use super::{
-    args::{LimitArgs, MAX_ARG_LEN},
+    args::MAX_ARG_LEN,
     authz::Authorizer,
     error::ApiError,
     records::{all, compute_record},
@@ -160,23 +160,27 @@ impl Manager {
     }
 
     /// Sets limits on a cgroup (path relative to the cgroup v2 root) for one GPU (`all`, an
-    /// index, or a UUID). `limits`: `memory_max` → bytes (t, or a quantity string such as
-    /// "8Gi"). Persisted; in force in the kernel when the call returns.
+    /// index, or a UUID). `limits`: names and values of gpud-api's limit schema, decoded into
+    /// typed values as the message is read (e.g. `memory_max` → bytes as t, or a quantity string
+    /// such as "8Gi"). Persisted; in force in the kernel when the call returns.
     async fn set_limits(
         &self,
         #[zbus(connection)] conn: &zbus::Connection,
         #[zbus(header)] header: zbus::message::Header<'_>,
         cgroup: &str,
         gpu: &str,
-        limits: LimitArgs,
+        limits: LimitDict,
     ) -> Result<(), ApiError> {
         self.authz.check(conn, &header).await?;
         check_len("cgroup", cgroup)?;
         check_len("gpu", gpu)?;
         crate::cgroupfs::CgroupFs::normalize(cgroup)
             .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
-        let update = LimitUpdate::from_named(limits.0.iter().map(|(k, v)| (k, v)))
-            .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
+        let update = LimitUpdate::from(
+            limits
+                .into_result()
+                .map_err(|e| ApiError::InvalidArgument(e.to_string()))?,
+        );
         Ok(self.daemon.set_limits(cgroup, gpu, update).await?)
     }
 

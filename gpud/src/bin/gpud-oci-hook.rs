@@ -149,12 +149,6 @@ async fn main() -> ExitCode {
 fn report(log: &Log, outcome: &Outcome) {
     match outcome {
         Outcome::Applied { cgroup, applied } => {
-            if !applied.unsupported.is_empty() {
-                log.line(&format!(
-                    "not supported by this gpud, not applied: {}",
-                    applied.unsupported.join(", ")
-                ));
-            }
             if !applied.gpus.is_empty() {
                 log.line(&format!(
                     "GPU shares set on {cgroup} (GPU {})",

@@ -270,7 +270,7 @@ impl MemoryEnforcement {
         gpu: &str,
         update: LimitUpdate,
     ) -> Result<(), EnforcementError> {
-        let gpu: GpuSelector = gpu.parse()?;
+        let gpu: GpuSelector = gpu.parse().map_err(PolicyError::from)?;
         let key = self.checked_key(&gpu)?;
         let (path, id) = attr.id_of(cgroup)?;
         self.check_one_selector_per_gpu(&path, &gpu, key)?;
@@ -321,7 +321,7 @@ impl MemoryEnforcement {
         gpu: &str,
         names: &[String],
     ) -> Result<(), EnforcementError> {
-        let gpu: GpuSelector = gpu.parse()?;
+        let gpu: GpuSelector = gpu.parse().map_err(PolicyError::from)?;
         let mut probe = Limits::default();
         if let Some(bad) = names.iter().find(|n| !probe.clear(n)) {
             return Err(PolicyError::UnknownLimit(bad.chars().take(80).collect()).into());

@@ -1,5 +1,7 @@
-//! The annotation schema by which containers ask for GPU shares (documented in
-//! docs/runtime-integration.md), and its parser.
+//! The annotations by which containers ask for GPU shares (documented in
+//! docs/runtime-integration.md): their keys, levels and precedence, parsed and rendered on
+//! gpud-api's limit schema ([`gpud_api::limits`]: the limits, their annotation names, value
+//! types, ranges and text forms are the schema's).
 //!
 //! Keys, each with an optional GPU suffix (`.0`, `.GPU-<uuid>`, `.MIG-<uuid>`; none: the limit
 //! applies to the sum over all GPUs, gpud's `all`):
@@ -24,7 +26,7 @@
 
 use std::{collections::BTreeMap, collections::HashMap};
 
-use crate::policy::{GpuSelector, MAX_BYTES, parse_quantity};
+pub use gpud_api::limits::{GpuSelector, LimitKind, LimitValue, Priority};
 
 /// The domain of gpud's annotation keys.
 pub const DOMAIN: &str = "gpud.dev";
@@ -66,69 +68,11 @@ pub enum AnnotationError {
     },
 }
 
-/// One kind of limit an annotation can set.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum LimitKind {
-    MemoryMax,
-    ComputeMax,
-    ComputeMin,
-    ComputeWeight,
-    Priority,
-}
-
-impl LimitKind {
-    pub const ALL: [LimitKind; 5] = [
-        Self::MemoryMax,
-        Self::ComputeMax,
-        Self::ComputeMin,
-        Self::ComputeWeight,
-        Self::Priority,
-    ];
-
-    /// The annotation name (after `gpud.dev/`).
-    pub fn annotation(self) -> &'static str {
-        match self {
-            Self::MemoryMax => "memory-max",
-            Self::ComputeMax => "compute-max",
-            Self::ComputeMin => "compute-min",
-            Self::ComputeWeight => "compute-weight",
-            Self::Priority => "priority",
-        }
-    }
-
-    /// The limit's name in gpud's `SetLimits` dictionary.
-    pub fn dbus_name(self) -> &'static str {
-        match self {
-            Self::MemoryMax => "memory_max",
-            Self::ComputeMax => "compute_max",
-            Self::ComputeMin => "compute_min",
-            Self::ComputeWeight => "compute_weight",
-            Self::Priority => "priority",
-        }
-    }
-
-    fn from_annotation(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.annotation() == name)
-    }
-}
-
 fn known_keys() -> String {
-    LimitKind::ALL
-        .iter()
+    LimitKind::iter()
         .map(|k| format!("{PREFIX}{}[.GPU]", k.annotation()))
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-/// Priority classes of compute shares: the policy's own type.
-pub use crate::policy::Priority;
-
-/// A validated limit value.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LimitValue {
-    /// Bytes, percent or weight.
-    Number(u64),
-    Priority(Priority),
 }
 
 /// The shares asked for, by GPU (`all` or one GPU) and limit.
@@ -218,40 +162,13 @@ fn parse_one(key: &str, value: &str) -> Result<Option<Entry>, AnnotationError> {
     }))
 }
 
-/// Validates one value of a limit.
-pub fn parse_value(kind: LimitKind, value: &str) -> Result<LimitValue, String> {
+/// One annotation's value: at most [`MAX_VALUE_LEN`] bytes, then the schema's text form of the
+/// limit (a quantity, a whole number in range, a priority's name).
+fn parse_value(kind: LimitKind, value: &str) -> Result<LimitValue, String> {
     if value.len() > MAX_VALUE_LEN {
         return Err(format!("longer than {MAX_VALUE_LEN} bytes"));
     }
-    let v = value.trim();
-    match kind {
-        LimitKind::MemoryMax => {
-            let n = parse_quantity(v)?;
-            if n == 0 {
-                return Err("0 bytes: leave the annotation out for no limit".into());
-            }
-            if n > MAX_BYTES {
-                return Err(format!("{n} bytes is more than gpud accepts ({MAX_BYTES})"));
-            }
-            Ok(LimitValue::Number(n))
-        }
-        LimitKind::ComputeMax | LimitKind::ComputeMin => {
-            integer_in(v, 1, 100, "a percentage").map(LimitValue::Number)
-        }
-        LimitKind::ComputeWeight => integer_in(v, 1, 10_000, "a weight").map(LimitValue::Number),
-        LimitKind::Priority => v.parse().map(LimitValue::Priority),
-    }
-}
-
-fn integer_in(v: &str, lo: u64, hi: u64, what: &str) -> Result<u64, String> {
-    let range = || format!("expected {what}, an integer from {lo} to {hi}");
-    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(range());
-    }
-    match v.parse::<u64>() {
-        Ok(n) if (lo..=hi).contains(&n) => Ok(n),
-        _ => Err(range()),
-    }
+    kind.parse(value).map_err(|e| e.to_string())
 }
 
 /// The shares of one container, from the pod's annotations, the container's name (for
@@ -328,24 +245,13 @@ pub fn render(shares: &Shares) -> BTreeMap<String, String> {
             other => format!(".{other}"),
         };
         for (kind, value) in limits {
-            let text = match (kind, value) {
-                (LimitKind::MemoryMax, LimitValue::Number(n)) => render_bytes(*n),
-                (_, LimitValue::Number(n)) => n.to_string(),
-                (_, LimitValue::Priority(p)) => p.as_str().to_owned(),
-            };
-            out.insert(format!("{PREFIX}{}{suffix}", kind.annotation()), text);
+            out.insert(
+                format!("{PREFIX}{}{suffix}", kind.annotation()),
+                kind.render(value),
+            );
         }
     }
     out
-}
-
-/// Bytes with the largest binary suffix that divides them exactly, else plain bytes.
-fn render_bytes(n: u64) -> String {
-    const UNITS: [(u32, &str); 4] = [(40, "Ti"), (30, "Gi"), (20, "Mi"), (10, "Ki")];
-    UNITS
-        .iter()
-        .find(|(shift, _)| n != 0 && n.trailing_zeros() >= *shift)
-        .map_or_else(|| n.to_string(), |(shift, u)| format!("{}{u}", n >> shift))
 }
 
 fn check_min_max(
@@ -441,7 +347,7 @@ mod tests {
             ("gpud.dev/memory-max",      "-1",         &["not a byte quantity"]),
             ("gpud.dev/memory-max",      "1.5Gi",      &["unknown suffix"]),
             ("gpud.dev/memory-max",      "lots",       &["not a byte quantity"]),
-            ("gpud.dev/memory-max",      "2000000Ti",  &["more than gpud accepts"]),
+            ("gpud.dev/memory-max",      "2000000Ti",  &["larger than gpud accepts"]),
             ("gpud.dev/memory-max",      "99999999999999999999", &["too large"]),
             ("gpud.dev/memory-max",      "17179869184Ti", &["too large"]),
             ("gpud.dev/memory-max",      &long,        &["longer than 256 bytes"]),
@@ -458,17 +364,17 @@ mod tests {
             ("gpud.dev/Memory-Max",      "1Gi",        &["unknown gpud annotation"]),
             ("a.b.gpud.dev/memory-max",  "1Gi",        &["a.b.gpud.dev/memory-max", "unknown gpud annotation"]),
             ("x.container.gpud.dev/cpu", "1",          &["x.container.gpud.dev/cpu", "unknown gpud annotation"]),
-            ("gpud.dev/compute-max",     "0",          &["gpud.dev/compute-max", "1 to 100"]),
-            ("gpud.dev/compute-max",     "101",        &["1 to 100"]),
-            ("gpud.dev/compute-max",     "30%",        &["1 to 100"]),
-            ("gpud.dev/compute-max",     "-5",         &["1 to 100"]),
-            ("gpud.dev/compute-max",     "",           &["1 to 100"]),
-            ("gpud.dev/compute-max",     "99999999999999999999999", &["1 to 100"]),
-            ("gpud.dev/compute-min",     "0",          &["gpud.dev/compute-min", "1 to 100"]),
-            ("gpud.dev/compute-min",     "1000",       &["1 to 100"]),
-            ("gpud.dev/compute-weight",  "0",          &["gpud.dev/compute-weight", "1 to 10000"]),
-            ("gpud.dev/compute-weight",  "10001",      &["1 to 10000"]),
-            ("gpud.dev/compute-weight",  "1.5",        &["1 to 10000"]),
+            ("gpud.dev/compute-max",     "0",          &["gpud.dev/compute-max", "outside 1..=100"]),
+            ("gpud.dev/compute-max",     "101",        &["outside 1..=100"]),
+            ("gpud.dev/compute-max",     "30%",        &["not a whole number (compute_max is 1..=100)"]),
+            ("gpud.dev/compute-max",     "-5",         &["outside 1..=100"]),
+            ("gpud.dev/compute-max",     "",           &["not a whole number"]),
+            ("gpud.dev/compute-max",     "99999999999999999999999", &["outside 1..=100"]),
+            ("gpud.dev/compute-min",     "0",          &["gpud.dev/compute-min", "outside 1..=100"]),
+            ("gpud.dev/compute-min",     "1000",       &["outside 1..=100"]),
+            ("gpud.dev/compute-weight",  "0",          &["gpud.dev/compute-weight", "outside 1..=10000"]),
+            ("gpud.dev/compute-weight",  "10001",      &["outside 1..=10000"]),
+            ("gpud.dev/compute-weight",  "1.5",        &["not a whole number (compute_weight is 1..=10000)"]),
             ("gpud.dev/priority",        "high",       &["gpud.dev/priority", "is not a priority (latency-critical, normal, best-effort)"]),
             ("gpud.dev/priority",        "Normal",     &["is not a priority (latency-critical, normal, best-effort)"]),
             ("gpud.dev/priority",        "",           &["is not a priority (latency-critical, normal, best-effort)"]),
@@ -667,19 +573,7 @@ mod tests {
                 if let Ok(shares) = resolve(pod, own, name.as_deref()) {
                     for limits in shares.gpus.values() {
                         for (kind, value) in limits {
-                            match (kind, value) {
-                                (LimitKind::MemoryMax, LimitValue::Number(n)) => {
-                                    prop_assert!((1..=MAX_BYTES).contains(n))
-                                }
-                                (LimitKind::ComputeMax | LimitKind::ComputeMin, LimitValue::Number(n)) => {
-                                    prop_assert!((1..=100).contains(n))
-                                }
-                                (LimitKind::ComputeWeight, LimitValue::Number(n)) => {
-                                    prop_assert!((1..=10_000).contains(n))
-                                }
-                                (LimitKind::Priority, LimitValue::Priority(_)) => {}
-                                other => prop_assert!(false, "{other:?}"),
-                            }
+                            prop_assert!(kind.check(value).is_ok(), "{kind}: {value:?}");
                         }
                     }
                     // What was accepted renders to annotations that mean the same.
@@ -698,29 +592,18 @@ mod fuzz {
 
     use super::*;
 
-    const KINDS: [LimitKind; 5] = [
-        LimitKind::MemoryMax,
-        LimitKind::ComputeMax,
-        LimitKind::ComputeMin,
-        LimitKind::ComputeWeight,
-        LimitKind::Priority,
-    ];
-
     proptest! {
-        /// Any value of any limit is in range or a message; nothing panics.
+        /// Any value of any limit is in the limit's range or a message; nothing panics.
         #[test]
-        fn any_value_is_in_range_or_refused(k in 0usize..KINDS.len(), value in prop_oneof![
+        fn any_value_is_in_range_or_refused(k in 0usize..LimitKind::iter().count(), value in prop_oneof![
             "(?s).{0,300}",
             "[ ]?[0-9]{0,22}(Ki|Mi|Gi|Ti|k|M|G|T|%)?[ ]?",
         ]) {
-            match (KINDS[k], parse_value(KINDS[k], &value)) {
-                (LimitKind::MemoryMax, Ok(LimitValue::Number(n))) => prop_assert!((1..=MAX_BYTES).contains(&n)),
-                (LimitKind::ComputeMax | LimitKind::ComputeMin, Ok(LimitValue::Number(n))) => {
-                    prop_assert!((1..=100).contains(&n))
-                }
-                (LimitKind::ComputeWeight, Ok(LimitValue::Number(n))) => prop_assert!((1..=10_000).contains(&n)),
-                (LimitKind::Priority, Ok(LimitValue::Priority(_))) | (_, Err(_)) => {}
-                other => prop_assert!(false, "{other:?}"),
+            let Some(kind) = LimitKind::iter().nth(k) else {
+                return Err(TestCaseError::fail("no such kind"));
+            };
+            if let Ok(v) = parse_value(kind, &value) {
+                prop_assert!(kind.check(&v).is_ok(), "{kind} {value:?}: {v:?}");
             }
         }
 

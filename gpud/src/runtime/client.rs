@@ -3,52 +3,14 @@
 
 use std::{collections::BTreeMap, time::Duration};
 
-use super::{
-    RuntimeError,
-    annotations::{LimitKind, LimitValue, Shares},
-};
-use gpud_api::{Manager1Proxy, connect_builder, error::names};
-
-/// The limits this gpud accepts in `SetLimits`; any other would be parsed and validated but not
-/// sent, and reported as not supported (kept for limits a newer annotation schema may add).
-pub const DAEMON_LIMITS: &[LimitKind] = &LimitKind::ALL;
-
-/// Whether gpud accepts this limit in `SetLimits`.
-pub fn supported_by_daemon(kind: LimitKind) -> bool {
-    DAEMON_LIMITS.contains(&kind)
-}
-
-/// The `a{sv}` dictionary for one GPU's limits, and the limits left out (not supported).
-pub fn dictionary(
-    limits: &BTreeMap<LimitKind, LimitValue>,
-) -> (
-    BTreeMap<&'static str, zbus::Variant<'static>>,
-    Vec<LimitKind>,
-) {
-    let mut dict = BTreeMap::new();
-    let mut left_out = Vec::new();
-    for (kind, value) in limits {
-        if !supported_by_daemon(*kind) {
-            left_out.push(*kind);
-            continue;
-        }
-        let v = match value {
-            LimitValue::Number(n) => zbus::Variant::from(*n),
-            LimitValue::Priority(p) => zbus::Variant::from(p.as_str()),
-        };
-        dict.insert(kind.dbus_name(), v);
-    }
-    (dict, left_out)
-}
+use super::{RuntimeError, annotations::Shares};
+use gpud_api::{Manager1Proxy, connect_builder, error::names, limits::to_dict};
 
 /// What [`Client::apply`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Applied {
     /// GPUs (`all`, an index or a UUID, as gpud names them) that got limits.
     pub gpus: Vec<String>,
-    /// Annotations that were valid but not applied because this gpud does not support them,
-    /// e.g. `gpud.dev/compute-max` (GPU `all`).
-    pub unsupported: Vec<String>,
 }
 
 /// A connection to gpud.
@@ -120,19 +82,7 @@ impl Client {
         let mut applied = Applied::default();
         for (gpu, limits) in &shares.gpus {
             let gpu = gpu.to_string();
-            let (dict, left_out) = dictionary(limits);
-            for kind in left_out {
-                let suffix = if gpu == "all" {
-                    String::new()
-                } else {
-                    format!(".{gpu}")
-                };
-                applied.unsupported.push(format!(
-                    "{}{}{suffix}",
-                    super::annotations::PREFIX,
-                    kind.annotation()
-                ));
-            }
+            let dict = to_dict(limits.iter().map(|(k, v)| (*k, v)));
             if dict.is_empty() {
                 continue;
             }
@@ -179,37 +129,5 @@ impl Client {
             .filter(|l| l.cgroup == cgroup)
             .map(|l| (l.gpu, l.limits))
             .collect())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::runtime::annotations::Priority;
-
-    #[test]
-    fn every_limit_is_sent_with_the_daemons_names_and_types() {
-        let limits = BTreeMap::from([
-            (LimitKind::MemoryMax, LimitValue::Number(1 << 30)),
-            (LimitKind::ComputeMax, LimitValue::Number(30)),
-            (
-                LimitKind::Priority,
-                LimitValue::Priority(Priority::BestEffort),
-            ),
-        ]);
-        let (dict, left_out) = dictionary(&limits);
-        assert_eq!(
-            dict.keys().copied().collect::<Vec<_>>(),
-            ["compute_max", "memory_max", "priority"]
-        );
-        assert_eq!(
-            dict.get("memory_max"),
-            Some(&zbus::Variant::from(1u64 << 30))
-        );
-        assert_eq!(
-            dict.get("priority"),
-            Some(&zbus::Variant::from("best-effort"))
-        );
-        assert!(left_out.is_empty());
     }
 }

@@ -5,6 +5,7 @@
 //! caller is not allowed (refused by the bus policy or by gpud).
 
 mod events;
+mod limits;
 mod top;
 
 use std::process::ExitCode;
@@ -48,21 +49,9 @@ enum Command {
         /// GPU: `all` (the sum over GPUs), an index, or a UUID.
         #[arg(long, default_value = "all")]
         gpu: String,
-        /// GPU-memory maximum: bytes or a quantity such as 512Mi, 8Gi.
-        #[arg(long, value_name = "BYTES")]
-        memory_max: Option<String>,
-        /// Cap in percent of one GPU's time (1-100).
-        #[arg(long, value_name = "PERCENT")]
-        compute_max: Option<u32>,
-        /// Share of contended GPU time (1-10000, default 100).
-        #[arg(long, value_name = "WEIGHT")]
-        compute_weight: Option<u32>,
-        /// Guaranteed percent of one GPU's time (1-100).
-        #[arg(long, value_name = "PERCENT")]
-        compute_min: Option<u32>,
-        /// latency-critical, normal or best-effort.
-        #[arg(long)]
-        priority: Option<String>,
+        // One flag per limit of gpud-api's schema: --memory-max, --compute-max, ….
+        #[command(flatten)]
+        limits: limits::LimitFlags,
     },
     /// Clears limits of a cgroup (all of them unless names are given).
     Clear {
@@ -209,34 +198,14 @@ async fn run(args: Args) -> Result<(), Failure> {
         Command::Set {
             cgroup,
             gpu,
-            memory_max,
-            compute_max,
-            compute_weight,
-            compute_min,
-            priority,
+            limits,
         } => {
-            let mut limits = std::collections::BTreeMap::new();
-            if let Some(m) = &memory_max {
-                limits.insert("memory_max", zbus::Variant::from(m.as_str()));
-            }
-            for (k, v) in [
-                ("compute_max", compute_max),
-                ("compute_weight", compute_weight),
-                ("compute_min", compute_min),
-            ] {
-                if let Some(v) = v {
-                    limits.insert(k, zbus::Variant::from(v));
-                }
-            }
-            if let Some(p) = &priority {
-                limits.insert("priority", zbus::Variant::from(p.as_str()));
-            }
-            if limits.is_empty() {
+            if limits.0.is_empty() {
                 eprintln!("gpudctl: set needs at least one limit (see gpudctl set --help)");
                 return Err(Failure::Usage);
             }
             proxy
-                .set_limits(&cgroup, &gpu, limits)
+                .set_limits(&cgroup, &gpu, limits.0.to_dict())
                 .await
                 .map_err(daemon_err)?;
             Ok(())
@@ -254,7 +223,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             if args.json {
                 println!("{}", to_json(&limits));
             } else {
-                print_limits(&limits);
+                limits::print_limits(&limits);
             }
             Ok(())
         }
@@ -590,37 +559,5 @@ pub(crate) fn human(b: u64) -> String {
         format!("{b} B")
     } else {
         format!("{v:.1} {}", UNITS[u])
-    }
-}
-
-/// `gpudctl limits` as text: every limit kind set, the cgroup column as wide as its longest path
-/// (Kubernetes paths run past 100 characters).
-fn print_limits(limits: &[gpud_api::LimitRecord]) {
-    let width = limits
-        .iter()
-        .map(|l| l.cgroup.len())
-        .max()
-        .unwrap_or(0)
-        .max("CGROUP".len());
-    println!("{:<width$}  {:<12} LIMITS", "CGROUP", "GPU");
-    for l in limits {
-        let shown: Vec<String> = l
-            .limits
-            .iter()
-            .map(|(name, v)| match name.as_str() {
-                "memory_max" => format!("{name}={}", human(*v)),
-                "priority" => format!(
-                    "{name}={}",
-                    match v {
-                        0 => "latency-critical",
-                        2 => "best-effort",
-                        _ => "normal",
-                    }
-                ),
-                "compute_max" | "compute_min" => format!("{name}={v}%"),
-                _ => format!("{name}={v}"),
-            })
-            .collect();
-        println!("{:<width$}  {:<12} {}", l.cgroup, l.gpu, shown.join(" "));
     }
 }

@@ -248,13 +248,6 @@ impl Handler {
                 return Err(e);
             }
         };
-        if !applied.unsupported.is_empty() {
-            info!(
-                container = %describe(pod, c),
-                "not supported by this gpud, not applied: {}",
-                applied.unsupported.join(", ")
-            );
-        }
         if !applied.gpus.is_empty() {
             info!(
                 container = %describe(pod, c),
