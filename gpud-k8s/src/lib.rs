@@ -1,6 +1,7 @@
-//! gpud-k8s: the Kubernetes side of gpud, as a client of gpud's D-Bus API (gpud-api) and of its
-//! runtime path (the `gpud.dev/…` annotations the NRI plugin and the OCI hook apply). Nothing in
-//! gpud's daemon depends on this crate.
+//! gpud-k8s: the Kubernetes side of gpud, as a client of gpud's D-Bus API and its limit schema
+//! (gpud-api) and of its runtime path (gpud-runtime: the `gpud.dev/…` annotations the NRI plugin
+//! and the OCI hook apply). It links nothing of the daemon, and nothing in the daemon depends on
+//! this crate.
 //!
 //! - [`device_plugin`]: the kubelet device plugin (API v1beta1) for `gpud.dev/gpu-memory` and
 //!   `gpud.dev/gpu-compute`: inventory and health from gpud ([`inventory`]), placement on one GPU

@@ -5,8 +5,8 @@
 //! driver's own view: inventory, per-process memory and utilization) → [`policy`] (limits, their
 //! validation and persistence; the idle rule) → [`enforcement`] (memory limits into the kernel,
 //! actions on crossings; the compute controller) → [`daemon`] (the one task that owns state, and
-//! its typed [`daemon::Handle`]) → [`api`] (D-Bus and metrics). [`runtime`] is the client side
-//! for container runtimes (NRI plugin, OCI hook).
+//! its typed [`daemon::Handle`]) → [`api`] (D-Bus and metrics). The client side for container
+//! runtimes (NRI plugin, OCI hook) is the crate gpud-runtime, a client of gpud-api like gpudctl.
 //!
 //! # Dependency flow
 //!
@@ -15,9 +15,9 @@
 //! `policy`, `nvml` and `attribution`; `attribution` uses `probes`. Nothing below `api` knows
 //! D-Bus, and nothing below `daemon` knows the state task's messages. Leaves that anyone may use:
 //! [`config`] (the TOML schema), [`cgroupfs`] (cgroup paths, ids and the freezer), [`report`]
-//! (errors printed at the edges), [`logging`], [`privileges`]. [`runtime`] uses only the leaves,
-//! [`policy`]'s value types and gpud-api: the hooks and the NRI plugin link no eBPF code path.
-//! The kernel/user ABI is gpud-common's; the D-Bus ABI is gpud-api's.
+//! (errors printed at the edges), [`logging`], [`privileges`]. The kernel/user ABI is
+//! gpud-common's; the D-Bus ABI, the limit schema included (names, value types, parsing), is
+//! gpud-api's.
 
 pub mod api;
 pub mod attribution;
@@ -32,7 +32,6 @@ pub mod policy;
 pub mod privileges;
 pub mod probes;
 pub mod report;
-pub mod runtime;
 
 /// Version reported on D-Bus and by `--version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

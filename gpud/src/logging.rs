@@ -129,27 +129,6 @@ fn parse_journal_stream(s: &str) -> Option<(libc::dev_t, libc::ino_t)> {
     Some((dev.parse().ok()?, ino.parse().ok()?))
 }
 
-/// Logging for the small companion binaries (the NRI plugin, the OCI hook, the Kubernetes
-/// plugin): text on stderr with `filter`, colours only on a terminal (a runtime or a service
-/// manager captures their stderr), times unless `time` is false.
-pub fn init_companion(filter: &str, time: bool) {
-    let filter = EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new("info"));
-    let layer = fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    let _ = if time {
-        tracing_subscriber::registry()
-            .with(filter)
-            .with(layer)
-            .try_init()
-    } else {
-        tracing_subscriber::registry()
-            .with(filter)
-            .with(layer.without_time())
-            .try_init()
-    };
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use gpud::runtime::nri::{
+use gpud_runtime::nri::{
     api::{nri, nri_ttrpc},
     mux::{self, Mux},
 };
@@ -540,7 +540,7 @@ impl NriPlugin {
             .args(args)
             .arg("--log")
             .arg("gpud=debug,gpud_nri=debug")
-            .env_remove(gpud::runtime::nri::PLUGIN_SOCKET_ENV)
+            .env_remove(gpud_runtime::nri::PLUGIN_SOCKET_ENV)
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()

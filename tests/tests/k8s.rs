@@ -6,7 +6,7 @@
 
 use std::{collections::BTreeMap, path::Path, time::Duration};
 
-use gpud::runtime::nri::api::nri::{self, ContainerState};
+use gpud_runtime::nri::api::nri::{self, ContainerState};
 use gpud_tests::scenario::{Event, Gpu, Scenario, uuid};
 use gpud_tests::{
     Cgroup, Rig, eventually,

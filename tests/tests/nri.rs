@@ -16,7 +16,7 @@ use std::{
     time::Duration,
 };
 
-use gpud::runtime::nri::{
+use gpud_runtime::nri::{
     api::nri::{self, ContainerState},
     mux,
 };

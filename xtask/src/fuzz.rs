@@ -2,10 +2,10 @@
 //! more cases than `cargo test` gives them, then the corrupted-RM-call run against the real
 //! daemon with more rounds.
 //!
-//! The targets live in test modules named `fuzz` (gpud's library: ring-buffer records,
-//! `/proc/devices`, mountinfo, the configuration, quantities, GPU selectors, limit values,
-//! annotations; gpud-common's `tests/fuzz.rs`: the ABI offsets the probes read), so the filter
-//! `fuzz::` selects them. The kernel-side RM decoder is fuzzed through the real probes by
+//! The targets live in test modules named `fuzz` (gpud-api's limit schema: quantities, GPU
+//! selectors, limit values, D-Bus limit dictionaries; gpud-runtime's annotations; gpud's library:
+//! ring-buffer records, `/proc/devices`, mountinfo, the configuration; gpud-common's
+//! `tests/fuzz.rs`: the ABI offsets the probes read), so the filter `fuzz::` selects them. The kernel-side RM decoder is fuzzed through the real probes by
 //! `gpud-rm fuzz` in tests/tests/memory.rs, each round of calls checked against the fake
 //! driver's ground truth.
 
@@ -24,12 +24,16 @@ pub fn run(cases: u32, rm_rounds: u64) -> anyhow::Result<()> {
     }
     let cases = cases.to_string();
     println!("fuzz: property targets, {cases} cases each");
-    run_cmd(
-        "fuzz: gpud library targets",
-        cargo()
-            .args(["test", "-p", "gpud", "--lib", "--", "fuzz::"])
-            .env("PROPTEST_CASES", &cases),
-    )?;
+    // The limit schema (quantities, GPU selectors, values, D-Bus dictionaries), the annotations,
+    // and the daemon's own decoders (ring-buffer records, /proc text, the configuration).
+    for package in ["gpud-api", "gpud-runtime", "gpud"] {
+        run_cmd(
+            &format!("fuzz: {package} library targets"),
+            cargo()
+                .args(["test", "-p", package, "--lib", "--", "fuzz::"])
+                .env("PROPTEST_CASES", &cases),
+        )?;
+    }
     run_cmd(
         "fuzz: gpud-common ABI targets",
         cargo()

@@ -29,7 +29,18 @@ use sha2::{Digest as _, Sha256};
 
 use crate::util::{cargo, root, run as run_cmd};
 
-const BINARIES: &[&str] = &["gpud", "gpudctl", "gpud-oci-hook", "gpud-nri", "gpud-k8s"];
+/// The installed binaries, each with the package that builds it: the daemon and its CLI (`gpud`),
+/// the container-runtime side (`gpud-runtime`), the Kubernetes plugins (`gpud-k8s`).
+const PACKAGES: &[(&str, &[&str])] = &[
+    ("gpud", &["gpud", "gpudctl"]),
+    ("gpud-runtime", &["gpud-oci-hook", "gpud-nri"]),
+    ("gpud-k8s", &["gpud-k8s"]),
+];
+
+/// Every installed binary.
+fn binaries() -> impl Iterator<Item = &'static str> {
+    PACKAGES.iter().flat_map(|(_, bins)| bins.iter().copied())
+}
 const UNIT_PATH: &str = "etc/systemd/system/gpud.service";
 const DBUS_POLICY_PATH: &str = "usr/share/dbus-1/system.d/dev.gpud.Daemon1.conf";
 const CONFIG_PATH: &str = "etc/gpud/gpud.toml";
@@ -152,10 +163,12 @@ fn hook_text(layout: &Layout, text: &str) -> anyhow::Result<String> {
 /// Builds the release binaries and returns their directory.
 fn build_release() -> anyhow::Result<PathBuf> {
     let mut cmd = cargo();
-    // gpud-k8s is its own crate (the Kubernetes plugins); the rest are gpud's.
-    cmd.args(["build", "--release", "-p", "gpud", "-p", "gpud-k8s"]);
-    for b in BINARIES {
-        cmd.args(["--bin", b]);
+    cmd.args(["build", "--release"]);
+    for (package, bins) in PACKAGES {
+        cmd.args(["-p", package]);
+        for b in *bins {
+            cmd.args(["--bin", b]);
+        }
     }
     run_cmd("cargo build --release (gpud binaries)", &mut cmd)?;
     Ok(root().join("target/release"))
@@ -197,7 +210,7 @@ pub fn install(layout: &Layout, bin_dir: Option<&Path>) -> anyhow::Result<()> {
         dirs: previous.dirs.clone(),
         ..Manifest::default()
     };
-    for b in BINARIES {
+    for b in binaries() {
         let src = bin_dir.join(b);
         let bytes = std::fs::read(&src).with_context(|| format!("reading {}", src.display()))?;
         put(layout, &mut manifest, &layout.bin(b), &bytes, 0o755)?;
@@ -441,10 +454,10 @@ mod tests {
     /// The workspace's built binaries (debug: `cargo xtask test` builds them first).
     fn built() -> PathBuf {
         let dir = root().join("target/debug");
-        for b in BINARIES {
+        for b in binaries() {
             assert!(
                 dir.join(b).is_file(),
-                "{} missing: cargo build -p gpud -p gpud-k8s --bins first",
+                "{} missing: cargo build -p gpud -p gpud-runtime -p gpud-k8s --bins first",
                 dir.join(b).display()
             );
         }

@@ -69,11 +69,14 @@ fn clippy_ebpf() -> anyhow::Result<()> {
 }
 
 fn build() -> anyhow::Result<()> {
-    build_test_binaries("cargo build (gpud, gpud-tests binaries, fake NVML library)")
+    build_test_binaries(
+        "cargo build (gpud, gpud-runtime, gpud-k8s, gpud-tests binaries, fake NVML library)",
+    )
 }
 
-/// Builds what the integration tests start from target/debug (gpud, gpudctl, gpud-k8s, the
-/// fixtures) and the fake NVML library they load into the daemon; also used by `fuzz` and `soak`.
+/// Builds what the integration tests start from target/debug (gpud, gpudctl, gpud-nri,
+/// gpud-oci-hook, gpud-k8s, the fixtures) and the fake NVML library they load into the daemon;
+/// also used by `fuzz` and `soak`.
 pub fn build_test_binaries(what: &str) -> anyhow::Result<()> {
     run_cmd(
         what,
@@ -81,6 +84,8 @@ pub fn build_test_binaries(what: &str) -> anyhow::Result<()> {
             "build",
             "--package",
             "gpud",
+            "--package",
+            "gpud-runtime",
             "--package",
             "gpud-k8s",
             "--package",

@@ -182,7 +182,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    gpud::logging::init_companion(&args.log, true);
+    gpud_runtime::logging::init_companion(&args.log, true);
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -10,8 +10,8 @@ use std::{
 };
 
 use futures_util::{Stream, StreamExt as _};
-use gpud::runtime::annotations::{self, Shares};
 use gpud_api::limits::{GpuSelector, LimitKind, LimitValue};
+use gpud_runtime::annotations::{self, Shares};
 use tokio::sync::watch;
 use tokio_stream::wrappers::WatchStream;
 use tonic::{Request, Response, Status};

@@ -16,8 +16,8 @@ mod apiserver;
 
 use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 
-use gpud::runtime::annotations::{self, Shares};
 use gpud_api::limits::{GpuSelector, LimitKind, LimitValue, parse_quantity};
+use gpud_runtime::annotations::{self, Shares};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::NriError;
-use crate::runtime::{FailMode, FailPolicy};
+use crate::{FailMode, FailPolicy};
 
 /// Settings the runtime may hand over in `Configure`: the plugin's file in the runtime's NRI
 /// configuration directory (containerd's `plugin_config_path`, `/etc/nri/conf.d` by default,

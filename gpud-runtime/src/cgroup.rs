@@ -5,9 +5,14 @@
 //!
 //! Paths read from `/proc` are relative to the reader's cgroup namespace: the hook and the plugin
 //! run in the host's, like gpud.
+//!
+//! The few cgroup facts the runtime side needs are kept here (the daemon's own cgroup module is
+//! the daemon's): where the hierarchy is mounted, a process's cgroup, and the normal form of a
+//! path as gpud's D-Bus API takes it.
+
+use std::path::{Component, Path, PathBuf};
 
 use super::RuntimeError;
-use crate::cgroupfs::CgroupFs;
 
 /// The cgroup of process `pid`. Refuses the root cgroup: a limit there would apply to the whole
 /// machine, and a container is never meant to run in it.
@@ -15,7 +20,7 @@ pub fn of_pid(pid: u32) -> Result<String, RuntimeError> {
     if pid == 0 {
         return Err(RuntimeError::Cgroup("no container process (pid 0)".into()));
     }
-    let raw = CgroupFs::path_of_pid(pid).ok_or_else(|| {
+    let raw = path_of_pid(pid).ok_or_else(|| {
         RuntimeError::Cgroup(format!(
             "cannot read the cgroup v2 path of pid {pid} from /proc/{pid}/cgroup (process gone, \
              or no cgroup v2 hierarchy)"
@@ -90,14 +95,93 @@ pub fn expand_slice(slice: &str) -> Result<String, String> {
 
 /// Normalizes and refuses the root.
 fn container_cgroup(raw: &str, what: &str) -> Result<String, RuntimeError> {
-    let path =
-        CgroupFs::normalize(raw).map_err(|e| RuntimeError::Cgroup(format!("{what}: {e}")))?;
+    let path = normalize(raw).map_err(|e| RuntimeError::Cgroup(format!("{what}: {e}")))?;
     if path == "/" {
         return Err(RuntimeError::Cgroup(format!(
             "{what} is in the root cgroup; refusing to set limits on the whole machine"
         )));
     }
     Ok(path)
+}
+
+/// Cgroup v2 path of a process, from `/proc/<pid>/cgroup`; `None` if the process is gone.
+pub fn path_of_pid(pid: u32) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    path_in_proc_cgroup(&text)
+}
+
+/// The cgroup v2 path in the text of a `/proc/<pid>/cgroup` file: its `0::` line (hybrid
+/// hierarchies list v1 controllers first), without the ` (deleted)` the kernel appends for a
+/// removed cgroup.
+fn path_in_proc_cgroup(text: &str) -> Option<String> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(|p| p.trim_end_matches(" (deleted)").to_owned())
+}
+
+/// A cgroup path ("/", "/a/b" or "a/b") in the normal form gpud's API takes ("/a/b"), or why it
+/// is none: anything that could leave the hierarchy is refused.
+pub fn normalize(path: &str) -> Result<String, String> {
+    let invalid = |reason: &str| {
+        let shown: String = path.chars().take(256).collect();
+        format!("invalid cgroup path {shown:?}: {reason}")
+    };
+    if path.is_empty() {
+        return Err(invalid("empty"));
+    }
+    if path.len() > 4096 {
+        return Err(invalid("longer than 4096 bytes"));
+    }
+    if path.contains('\0') {
+        return Err(invalid("contains a NUL byte"));
+    }
+    let mut parts = Vec::new();
+    for c in Path::new(path).components() {
+        match c {
+            Component::RootDir => {}
+            Component::Normal(n) => parts.push(n.to_string_lossy().into_owned()),
+            Component::CurDir | Component::ParentDir | Component::Prefix(_) => {
+                return Err(invalid("`.` and `..` are not allowed"));
+            }
+        }
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
+/// Where the cgroup v2 hierarchy is mounted, from `/proc/self/mountinfo` (never assumed to be
+/// `/sys/fs/cgroup`); `None` without one.
+pub fn root() -> Option<PathBuf> {
+    cgroup2_mount_from(&std::fs::read_to_string("/proc/self/mountinfo").ok()?)
+}
+
+/// The cgroup2 mount point in a mountinfo text (proc(5): the mount point is the 5th field, the
+/// filesystem type follows the " - " separator; space, tab, newline and backslash are escaped as
+/// `\ooo`).
+fn cgroup2_mount_from(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (pre, post) = line.split_once(" - ")?;
+        if post.split_whitespace().next()? != "cgroup2" {
+            return None;
+        }
+        let escaped = pre.split_whitespace().nth(4)?.as_bytes();
+        let mut out = Vec::with_capacity(escaped.len());
+        let mut i = 0;
+        while i < escaped.len() {
+            if escaped[i] == b'\\'
+                && let Some(digits) = escaped.get(i + 1..i + 4)
+                && digits.iter().all(|d| (b'0'..=b'7').contains(d))
+                && let Ok(v) =
+                    u8::try_from(digits.iter().fold(0u32, |v, d| v * 8 + u32::from(d - b'0')))
+            {
+                out.push(v);
+                i += 4;
+            } else {
+                out.push(escaped[i]);
+                i += 1;
+            }
+        }
+        Some(PathBuf::from(String::from_utf8_lossy(&out).into_owned()))
+    })
 }
 
 #[cfg(test)]
@@ -143,12 +227,34 @@ mod tests {
     fn own_process() {
         // This test's own cgroup, unless it runs in the root cgroup (then refused).
         let pid = std::process::id();
-        match CgroupFs::path_of_pid(pid).as_deref() {
+        match path_of_pid(pid).as_deref() {
             Some("/") => assert!(of_pid(pid).is_err()),
-            Some(p) => assert_eq!(of_pid(pid).ok(), CgroupFs::normalize(p).ok()),
+            Some(p) => assert_eq!(of_pid(pid).ok(), normalize(p).ok()),
             None => assert!(of_pid(pid).is_err()),
         }
         assert!(of_pid(0).is_err());
         assert!(of_pid(u32::MAX).is_err(), "no such process");
+    }
+
+    #[test]
+    fn proc_cgroup_and_mountinfo_texts() {
+        assert_eq!(
+            path_in_proc_cgroup("12:cpu:/x\n0::/a/b (deleted)\n").as_deref(),
+            Some("/a/b")
+        );
+        assert_eq!(path_in_proc_cgroup("12:cpu:/x\n"), None);
+        let unified = "30 1 0:26 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
+        let escaped = "31 1 0:27 / /my\\040cg rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(
+            cgroup2_mount_from(&format!("{unified}{escaped}")),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
+        assert_eq!(cgroup2_mount_from(escaped), Some(PathBuf::from("/my cg")));
+        assert_eq!(
+            cgroup2_mount_from("1 2 0:1 / /x rw - ext4 /dev/sda rw"),
+            None
+        );
+        assert_eq!(normalize("a//b/").as_deref(), Ok("/a/b"));
+        assert!(normalize("/a/../b").is_err());
     }
 }

@@ -16,10 +16,10 @@ use std::{
 };
 
 use clap::{Parser, ValueEnum};
-use gpud::report::Chain;
-use gpud::runtime::{
+use gpud_runtime::{
     FailMode, FailPolicy, RuntimeError,
     oci::{self, HookConfig, Outcome},
+    report::Chain,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -112,7 +112,7 @@ fn stage_name(s: Stage) -> &'static str {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    gpud::logging::init_companion("warn", false);
+    gpud_runtime::logging::init_companion("warn", false);
     let policy = FailPolicy {
         on_invalid: args.on_invalid,
         on_unreachable: args.on_unreachable,

@@ -1,8 +1,10 @@
-//! Container-runtime integration: containers ask for GPU shares with annotations
-//! ([`annotations`]); the OCI hook (`gpud-oci-hook`, [`oci`]) and the NRI plugin (`gpud-nri`,
-//! [`nri`]) find the container's cgroup ([`cgroup`]) and set the shares through gpud's D-Bus API
-//! ([`client`]), and clear them when the container goes. docs/runtime-integration.md is the
-//! operator's guide.
+//! gpud-runtime: gpud's container-runtime side, a client of gpud's D-Bus API (gpud-api) that
+//! links nothing of the daemon (no eBPF, no NVML). Containers ask for GPU shares with
+//! annotations ([`annotations`], on gpud-api's limit schema); the OCI hook (`gpud-oci-hook`,
+//! [`oci`]) and the NRI plugin (`gpud-nri`, [`nri`]) find the container's cgroup ([`cgroup`])
+//! and set the shares through gpud's D-Bus API ([`client`]), and clear them when the container
+//! goes. gpud-k8s produces the same annotations ([`annotations::render`]) and logs like the two
+//! binaries ([`logging`]). docs/runtime-integration.md is the operator's guide.
 //!
 //! What happens when something goes wrong is the operator's choice ([`FailPolicy`]): an invalid
 //! request (a malformed annotation, a limit gpud refuses, a cgroup that cannot be found) fails
@@ -12,8 +14,10 @@
 pub mod annotations;
 pub mod cgroup;
 pub mod client;
+pub mod logging;
 pub mod nri;
 pub mod oci;
+pub mod report;
 
 pub use annotations::AnnotationError;
 

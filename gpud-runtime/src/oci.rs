@@ -162,7 +162,7 @@ fn load(dir: &Path, id: &str) -> Result<Option<Record>, RuntimeError> {
 /// their limits when it saw the cgroup removed, so only the file is left. Best effort, at every
 /// hook run. Returns how many were removed.
 pub fn prune_records(dir: &Path) -> usize {
-    let Ok(root) = crate::cgroupfs::CgroupFs::discover() else {
+    let Some(root) = super::cgroup::root() else {
         return 0;
     };
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -179,7 +179,7 @@ pub fn prune_records(dir: &Path) -> usize {
         else {
             continue;
         };
-        let cgroup = root.root().join(record.cgroup.trim_start_matches('/'));
+        let cgroup = root.join(record.cgroup.trim_start_matches('/'));
         if !cgroup.exists() && std::fs::remove_file(&path).is_ok() {
             tracing::info!(
                 container = %record.id,

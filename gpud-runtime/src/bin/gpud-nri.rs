@@ -12,7 +12,7 @@ use std::{os::fd::FromRawFd as _, path::PathBuf, process::ExitCode, time::Durati
 
 use anyhow::Context as _;
 use clap::Parser;
-use gpud::runtime::{
+use gpud_runtime::{
     FailMode, FailPolicy,
     nri::{self, Ending, Handler, PluginConfig},
 };
@@ -108,7 +108,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    gpud::logging::init_companion(&args.log, true);
+    gpud_runtime::logging::init_companion(&args.log, true);
     match run(args).await {
         Ok(code) => code,
         Err(e) => {
