@@ -2,11 +2,12 @@
 //!
 //! The data path, in module order: [`probes`] (eBPF load/attach/pin, kernel capabilities) →
 //! [`attribution`] (cgroups, processes and GPU memory behind the counters) → [`nvml`] (the
-//! driver's own view: inventory, per-process memory and utilization) → [`policy`] (limits, their
-//! validation and persistence; the idle rule) → [`enforcement`] (memory limits into the kernel,
-//! actions on crossings; the compute controller) → [`daemon`] (the one task that owns state, and
-//! its typed [`daemon::Handle`]) → [`api`] (D-Bus and metrics). The client side for container
-//! runtimes (NRI plugin, OCI hook) is the crate gpud-runtime, a client of gpud-api like gpudctl.
+//! driver's own view: inventory, per-process memory and utilization) → [`policy`] (the limits in
+//! force, on gpud-api's limit schema, and their persistence; the idle rule) → [`enforcement`]
+//! (memory limits into the kernel, actions on crossings; the compute controller) → [`daemon`]
+//! (the one task that owns state, and its typed [`daemon::Handle`]) → [`api`] (D-Bus and
+//! metrics). The client side for container runtimes (NRI plugin, OCI hook) is the crate
+//! gpud-runtime, a client of gpud-api like gpudctl.
 //!
 //! # Dependency flow
 //!

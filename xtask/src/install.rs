@@ -1,6 +1,7 @@
 //! `cargo xtask install` and `cargo xtask uninstall`: gpud as a system service.
 //!
-//! Install builds the release binaries and puts, under `DESTDIR` (default: none, the real root):
+//! Install builds the release binaries ([`PACKAGES`]: the daemon's crate, gpud-runtime, gpud-k8s)
+//! and puts, under `DESTDIR` (default: none, the real root):
 //!
 //! | what | where |
 //! | --- | --- |

@@ -4,7 +4,7 @@
 //!
 //! Protocol: one unix-socket connection, multiplexed ([`mux`]) into two ttrpc connections; the
 //! plugin serves NRI's `Plugin` service on one and calls the runtime's `Runtime` service on the
-//! other ([`api`], generated from `gpud/proto/nri.proto`). The plugin calls `RegisterPlugin`;
+//! other ([`api`], generated from `gpud-runtime/proto/nri.proto`). The plugin calls `RegisterPlugin`;
 //! the runtime answers with `Configure` (the plugin subscribes to events) and `Synchronize`
 //! (every existing pod and container), then sends the subscribed events.
 //!
