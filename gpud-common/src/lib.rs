@@ -330,7 +330,7 @@ pub struct UsageKey {
 /// allocation is charged to its cgroup and every ancestor, per GPU and to `GPU_ALL`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct LimitValue {
+pub struct KernelLimit {
     /// Maximum bytes.
     pub max: u64,
     /// Allocations that crossed this limit (`react`) or were refused by it (`deny`), like
@@ -397,7 +397,7 @@ pub mod maps {
     pub const OBJECTS: &str = "OBJECTS";
     /// Hash [`UsageKey`](crate::UsageKey) → bytes of video memory charged.
     pub const USAGE: &str = "USAGE";
-    /// Hash [`UsageKey`](crate::UsageKey) → [`LimitValue`](crate::LimitValue).
+    /// Hash [`UsageKey`](crate::UsageKey) → [`KernelLimit`](crate::KernelLimit).
     pub const LIMITS: &str = "LIMITS";
     /// Hash cgroup id → [`Ancestry`](crate::Ancestry).
     pub const ANCESTRY: &str = "ANCESTRY";
@@ -559,7 +559,7 @@ mod pod {
     unsafe impl aya::Pod for super::ObjKey {}
     unsafe impl aya::Pod for super::ObjEntry {}
     unsafe impl aya::Pod for super::UsageKey {}
-    unsafe impl aya::Pod for super::LimitValue {}
+    unsafe impl aya::Pod for super::KernelLimit {}
     unsafe impl aya::Pod for super::Ancestry {}
     unsafe impl aya::Pod for super::Pending {}
     unsafe impl aya::Pod for super::GuardKey {}

@@ -7,7 +7,7 @@ use aya_ebpf::helpers::{
     bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_probe_read_user,
 };
 use gpud_common::{
-    Ancestry, GPU_ALL, GPU_UNKNOWN, LimitValue, MAX_CGROUP_DEPTH, OBJ_DEVICE, OBJ_SUBDEVICE,
+    Ancestry, GPU_ALL, GPU_UNKNOWN, KernelLimit, MAX_CGROUP_DEPTH, OBJ_DEVICE, OBJ_SUBDEVICE,
     ObjKey, UsageKey,
 };
 
@@ -80,7 +80,7 @@ pub(crate) fn usage(cgroup_id: u64, gpu: u32) -> u64 {
 pub(crate) fn each_limit(
     anc: &Ancestry,
     gpu: u32,
-    mut f: impl FnMut(u64, u32, *mut LimitValue) -> bool,
+    mut f: impl FnMut(u64, u32, *mut KernelLimit) -> bool,
 ) {
     for i in 0..MAX_CGROUP_DEPTH {
         if i as u32 >= anc.depth {

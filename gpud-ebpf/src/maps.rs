@@ -10,7 +10,7 @@ use aya_ebpf::{
 };
 use gpud_common::{
     Ancestry, CFG_READY, EVENTS_BYTES, Event, FileKey, GuardBucket, GuardKey, GuardRestore,
-    IoctlCounts, LimitValue, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS,
+    IoctlCounts, KernelLimit, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS,
     MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PENDING, MAX_PROCS, MAX_SCHED_ALLOW, MAX_USAGE,
     ObjEntry, ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
 };
@@ -48,7 +48,7 @@ pub(crate) static USAGE: HashMap<UsageKey, u64> = HashMap::pinned(MAX_USAGE, 0);
 
 /// Limits set by the daemon, keyed like `USAGE`.
 #[map]
-pub(crate) static LIMITS: HashMap<UsageKey, LimitValue> = HashMap::pinned(MAX_LIMITS, 0);
+pub(crate) static LIMITS: HashMap<UsageKey, KernelLimit> = HashMap::pinned(MAX_LIMITS, 0);
 
 /// Ancestor chain of each charged cgroup (see `gpud_common::Ancestry`).
 #[map]

@@ -341,17 +341,18 @@ pub enum Holder {
 
 /// The one writer of `cgroup.freeze`: a cgroup is frozen while any holder wants it, so the
 /// compute law thawing a slot never undoes a memory freeze (and releasing a memory freeze leaves
-/// a cgroup frozen that the law holds). The holders' wishes and the write are one step under a
+/// a cgroup frozen that the law froze). The holders' wishes and the write are one step under a
 /// lock: the state task and the compute actuator's thread both write through it, and neither can
 /// slip a write between the other's decision and its write.
 #[derive(Clone, Debug)]
 pub struct Freezer {
     root: PathBuf,
-    held: std::sync::Arc<std::sync::Mutex<Held>>,
+    wishes: std::sync::Arc<std::sync::Mutex<Wishes>>,
 }
 
+/// Which cgroups each holder wants frozen.
 #[derive(Debug, Default)]
-struct Held {
+struct Wishes {
     memory: std::collections::BTreeSet<String>,
     compute: std::collections::BTreeSet<String>,
 }
@@ -360,18 +361,18 @@ impl Freezer {
     pub fn new(root: &Path) -> Self {
         Self {
             root: root.to_owned(),
-            held: Default::default(),
+            wishes: Default::default(),
         }
     }
 
     /// `holder` wants the cgroup at `path` frozen, or no longer; writes what all holders want.
     pub fn set(&self, holder: Holder, path: &str, frozen: bool) -> Result<(), CgroupError> {
         // A panic elsewhere while holding the lock leaves plain sets: still usable.
-        let mut guard = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        let held = &mut *guard;
+        let mut guard = self.wishes.lock().unwrap_or_else(|e| e.into_inner());
+        let wishes = &mut *guard;
         let (mine, other) = match holder {
-            Holder::Memory => (&mut held.memory, &held.compute),
-            Holder::Compute => (&mut held.compute, &held.memory),
+            Holder::Memory => (&mut wishes.memory, &wishes.compute),
+            Holder::Compute => (&mut wishes.compute, &wishes.memory),
         };
         if frozen {
             mine.insert(path.to_owned());

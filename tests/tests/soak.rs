@@ -27,7 +27,7 @@ use std::{
 
 use aya::maps::{Map, MapData};
 use gpud_common::{
-    Ancestry, IoctlCounts, LimitValue, ObjEntry, ObjKey, Pending, ProcEntry, UsageKey, maps,
+    Ancestry, IoctlCounts, KernelLimit, ObjEntry, ObjKey, Pending, ProcEntry, UsageKey, maps,
 };
 use gpud_tests::{
     Cgroup, Daemon, Manager1Proxy, Rig, RmProcess,
@@ -159,7 +159,7 @@ fn map_entries(base: &Path) -> BTreeMap<&'static str, usize> {
         (maps::PENDING, entries::<u64, Pending>(base, maps::PENDING)),
         (
             maps::LIMITS,
-            entries::<UsageKey, LimitValue>(base, maps::LIMITS),
+            entries::<UsageKey, KernelLimit>(base, maps::LIMITS),
         ),
         (maps::PROCS, entries::<u32, ProcEntry>(base, maps::PROCS)),
         (

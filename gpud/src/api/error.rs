@@ -26,7 +26,9 @@ impl From<EnforcementError> for ApiError {
         let text = Chain(&e).to_string();
         match e {
             EnforcementError::Attribution(a) => a.into(),
-            EnforcementError::Policy(PolicyError::Write { .. }) => Self::Failed(text),
+            EnforcementError::Policy(PolicyError::Write { .. }) | EnforcementError::Setting(_) => {
+                Self::Failed(text)
+            }
             EnforcementError::InventoryUnavailable { .. } => Self::Unavailable(text),
             EnforcementError::Policy(_)
             | EnforcementError::UnknownGpu(..)

@@ -28,7 +28,6 @@ use gpud_api::{CgroupRecord, GpuRecord, IdleRecord, NvmlUsageRecord, container_i
 use super::records::all;
 use crate::{
     daemon::{self, DaemonInfo, Handle},
-    enforcement::compute::ComputeStat,
     notice::NoticeCounts,
     report::Chain,
 };
@@ -56,18 +55,17 @@ pub enum MetricsError {
 }
 
 type Labels = Vec<(String, String)>;
-type ComputeStats = BTreeMap<String, ComputeStat>;
 
 /// Everything one scrape shows, as records.
 #[derive(Debug, Default)]
-pub struct Snapshot {
+pub struct Scrape {
     pub cgroups: Vec<CgroupRecord>,
     pub nvml_usage: Vec<NvmlUsageRecord>,
     pub nvml_available: bool,
     pub gpus: Vec<GpuRecord>,
     pub kernel_stats: BTreeMap<String, u64>,
     pub idle: Vec<IdleRecord>,
-    pub compute: ComputeStats,
+    pub compute: daemon::ComputeStats,
     /// Tenants' scheduling controls the guard acted on, by (cgroup, control, action).
     pub guard_counts: crate::enforcement::guard::GuardCounts,
     /// Notices published since start, by name.
@@ -93,12 +91,12 @@ impl Exporter {
         }
     }
 
-    async fn snapshot(&self) -> Result<Snapshot, MetricsError> {
+    async fn snapshot(&self) -> Result<Scrape, MetricsError> {
         let s = tokio::time::timeout(ASK_TIMEOUT, self.daemon.snapshot())
             .await
             .map_err(|_| MetricsError::TimedOut(ASK_TIMEOUT))?
             .map_err(MetricsError::State)?;
-        let mut snap = Snapshot::from(s);
+        let mut snap = Scrape::from(s);
         snap.notices = self.notices.get();
         Ok(snap)
     }
@@ -157,8 +155,8 @@ impl Exporter {
     }
 }
 
-impl From<daemon::Snapshot> for Snapshot {
-    fn from(s: daemon::Snapshot) -> Self {
+impl From<daemon::Figures> for Scrape {
+    fn from(s: daemon::Figures) -> Self {
         Self {
             cgroups: all(s.cgroups),
             nvml_usage: all(s.nvml_usage),
@@ -261,7 +259,7 @@ fn int(v: u64) -> i64 {
 }
 
 /// The registry for one snapshot.
-pub fn build(snap: &Snapshot, info: &DaemonInfo, started: std::time::SystemTime) -> Registry {
+pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -> Registry {
     let mut r = Registry::default();
 
     r.register(
@@ -521,7 +519,7 @@ mod tests {
 
     #[test]
     fn one_snapshot_renders_every_family() {
-        let snap = Snapshot {
+        let snap = Scrape {
             cgroups: vec![CgroupRecord {
                 id: 9,
                 path: format!("/system.slice/docker-{ID}.scope"),

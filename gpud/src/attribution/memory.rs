@@ -5,13 +5,13 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use gpud_common::{
-    GPU_ALL, GPU_UNKNOWN, LimitValue, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_SUBDEVICE,
-    ObjEntry, ObjKey, UsageKey,
+    GPU_ALL, GPU_UNKNOWN, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_SUBDEVICE, ObjEntry,
+    ObjKey, UsageKey,
 };
 use tracing::{debug, info, warn};
 
-use super::{Attribution, AttributionError, ChannelGroup, RmRef, TenantObjects};
-use crate::probes::{map_entries, remove_key};
+use super::{Attribution, ChannelGroup, RmRef, TenantObjects};
+use crate::probes::map_entries;
 
 /// Name of a GPU key in records: the index, `unknown`, or `all`.
 pub fn gpu_name(gpu: u32) -> String {
@@ -92,77 +92,6 @@ impl Attribution {
                 0,
             )
             .unwrap_or(0)
-    }
-
-    /// Sets (or, with `None`, removes) the scheduler guard's timeslice allowance of a cgroup.
-    pub fn set_sched_allowance(
-        &mut self,
-        cgroup_id: u64,
-        us: Option<u64>,
-    ) -> Result<(), AttributionError> {
-        match us {
-            Some(us) => self.maps.sched_allow.insert(cgroup_id, us, 0)?,
-            None => remove_key(&mut self.maps.sched_allow, &cgroup_id)?,
-        }
-        Ok(())
-    }
-
-    /// The calls the scheduler guard acted on, by cgroup, command and verdict.
-    pub fn guard_counts(&self) -> Vec<(gpud_common::GuardKey, u64)> {
-        map_entries(&self.maps.guard_counts)
-    }
-
-    /// Drops counts of the guard (of cgroups that are gone).
-    pub fn forget_guard_counts(&mut self, keys: &[gpud_common::GuardKey]) {
-        for k in keys {
-            if let Err(e) = remove_key(&mut self.maps.guard_counts, k) {
-                warn!(
-                    "cannot drop a removed cgroup's guard counts: {}",
-                    crate::report::Chain(&e)
-                );
-            }
-        }
-    }
-
-    /// The scheduler guard's allowances in the kernel map, by cgroup id.
-    pub fn sched_allowances(&self) -> BTreeMap<u64, u64> {
-        map_entries(&self.maps.sched_allow).into_iter().collect()
-    }
-
-    /// Sets a limit in the kernel map, keeping its event counter.
-    pub fn set_kernel_limit(
-        &mut self,
-        cgroup_id: u64,
-        gpu: u32,
-        max: u64,
-    ) -> Result<(), AttributionError> {
-        let key = UsageKey {
-            cgroup_id,
-            gpu,
-            _pad: 0,
-        };
-        let events = self.maps.limits.get(&key, 0).map(|l| l.events).unwrap_or(0);
-        self.maps
-            .limits
-            .insert(key, LimitValue { max, events }, 0)?;
-        Ok(())
-    }
-
-    pub fn clear_kernel_limit(&mut self, cgroup_id: u64, gpu: u32) -> Result<(), AttributionError> {
-        let key = UsageKey {
-            cgroup_id,
-            gpu,
-            _pad: 0,
-        };
-        Ok(remove_key(&mut self.maps.limits, &key)?)
-    }
-
-    /// Kernel limits in force: (cgroup id, GPU key) → max.
-    pub fn kernel_limits(&self) -> HashMap<(u64, u32), u64> {
-        map_entries(&self.maps.limits)
-            .into_iter()
-            .map(|(k, l)| ((k.cgroup_id, k.gpu), l.max))
-            .collect()
     }
 
     fn objects(&self) -> Vec<(ObjKey, ObjEntry)> {

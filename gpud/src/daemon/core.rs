@@ -19,17 +19,19 @@ use crate::{
     notice::Notice,
     policy::LimitStore,
     probes::{
-        self, DynamicMajors, Matcher, ProbeSetup, Probes,
+        self, DynamicMajors, KernelSettings, Matcher, ProbeSetup, Probes,
         caps::DmemRegion,
         events::{KernelEvent, Record},
     },
     report::Chain,
 };
 
-/// The state that kernel events change: the accounting and the memory limits.
+/// The state that kernel events change: the accounting, the memory limits, and the one writer
+/// of the kernel's settings.
 pub struct Core {
     pub attribution: Attribution,
     pub memory: MemoryEnforcement,
+    pub settings: KernelSettings,
 }
 
 /// An opened kernel stack: the core, and what its other users take from it.
@@ -81,6 +83,7 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
     })
     .map_err(StartError::Probes)?;
     let events = probes.take_events().map_err(StartError::Probes)?;
+    let mut settings = probes.take_settings().map_err(StartError::Probes)?;
     let held = probes.take_held_groups().map_err(StartError::Probes)?;
     let tier = probes.tier();
     let cgroup_root = cgroups.root().to_owned();
@@ -143,12 +146,13 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
         GpuCatalog::Disabled
     };
     let mut memory = MemoryEnforcement::new(store, tier, config.enforcement.react_action, catalog);
-    memory.restore(&mut attribution);
-    guard::sync_allowances(&mut attribution, memory.policies());
+    memory.restore(&mut attribution, &mut settings);
+    guard::sync_allowances(&mut attribution, &mut settings, memory.policies());
     Ok(Opened {
         core: Core {
             attribution,
             memory,
+            settings,
         },
         events,
         held,
@@ -166,12 +170,18 @@ impl Core {
     /// met to the memory enforcement, scheduling controls to the guard. Returns what to announce.
     pub fn route(&mut self, ev: &KernelEvent) -> Option<Notice> {
         Some(match ev {
-            KernelEvent::LimitCrossed(l) => {
-                Notice::MemoryLimitExceeded(self.memory.on_limit(&mut self.attribution, l, false))
-            }
-            KernelEvent::AllocationDenied(l) => {
-                Notice::MemoryLimitExceeded(self.memory.on_limit(&mut self.attribution, l, true))
-            }
+            KernelEvent::LimitCrossed(l) => Notice::MemoryLimitExceeded(self.memory.on_limit(
+                &mut self.attribution,
+                &self.settings,
+                l,
+                false,
+            )),
+            KernelEvent::AllocationDenied(l) => Notice::MemoryLimitExceeded(self.memory.on_limit(
+                &mut self.attribution,
+                &self.settings,
+                l,
+                true,
+            )),
             KernelEvent::SchedulerGuarded(g) => {
                 Notice::SchedulerControlGuarded(guard::on_event(&mut self.attribution, g))
             }

@@ -8,8 +8,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::{
     Message,
-    snapshot::{Reader, View},
-    views::NvmlUsage,
+    joins::NvmlUsage,
+    view::{Reader, View},
 };
 use crate::{
     attribution::{AttributionError, CgroupView, ProcessView},
@@ -44,7 +44,7 @@ pub struct NvmlStatus {
 
 /// Everything one metrics scrape shows, from one view of the state task.
 #[derive(Clone, Debug, Default)]
-pub struct Snapshot {
+pub struct Figures {
     pub cgroups: Vec<CgroupView>,
     pub nvml_usage: Vec<NvmlUsage>,
     pub nvml_available: bool,
@@ -212,9 +212,9 @@ impl Handle {
     }
 
     /// What a metrics scrape shows, all from one moment of the state task.
-    pub async fn snapshot(&self) -> Result<Snapshot, DaemonError> {
+    pub async fn snapshot(&self) -> Result<Figures, DaemonError> {
         let view = self.view().await?;
-        Ok(Snapshot {
+        Ok(Figures {
             cgroups: view.cgroups.clone(),
             nvml_usage: view.nvml_usage.clone(),
             nvml_available: view.nvml.available,

@@ -6,18 +6,19 @@
 //! - `core`: the kernel stack opened from a configuration, and the routing of kernel events (the
 //!   one rig the VM test and the benchmarks use too);
 //! - `handle`: the typed requests the API may make;
-//! - `snapshot`: the view of the state that readers get without queuing behind its work;
-//! - `views`: joins of the state computed on demand (attribution × NVML, the controller's input);
+//! - `view`: the published [`View`] of the state that readers get without queuing behind its
+//!   work;
+//! - `joins`: joins of the state computed on demand (attribution × NVML, the controller's input);
 //! - `ring`: the event ring buffer's reader;
 //! - `start`: start-up (probes, stored limits, tasks) and orderly stop.
 
 pub mod core;
 mod handle;
+mod joins;
 mod removals;
 mod ring;
-mod snapshot;
 mod start;
-mod views;
+mod view;
 
 use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
@@ -25,10 +26,10 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
 
 use handle::Request;
-pub use handle::{ComputeStats, DaemonError, Handle, NvmlStatus, Snapshot};
-pub use snapshot::View;
+pub use handle::{ComputeStats, DaemonError, Figures, Handle, NvmlStatus};
+pub use joins::NvmlUsage;
 pub use start::{DaemonInfo, Running, StartError, spawn};
-pub use views::NvmlUsage;
+pub use view::View;
 
 use crate::{
     attribution::scan,
@@ -39,7 +40,7 @@ use crate::{
         guard,
     },
     notice::{Notice, NoticeBus},
-    nvml::{GpuStatus, NvmlView, SamplerSettings, Snapshot as NvmlSnapshot},
+    nvml::{GpuStatus, NvmlView, SamplerSettings, Update as NvmlUpdate},
     policy::idle::IdleTracker,
     probes::events::KernelEvent,
     report::Chain,
@@ -52,10 +53,10 @@ enum Message {
     /// Result of a `/proc` scan run off the state task.
     Scanned(BTreeSet<u32>),
     /// What the NVML sampler saw.
-    Nvml(NvmlSnapshot),
+    Nvml(NvmlUpdate),
     /// A cgroup with limits was removed ([`removals`]).
     CgroupRemoved,
-    /// A reader found the published view stale ([`snapshot`]).
+    /// A reader found the published view stale ([`view`]).
     Refresh,
 }
 
@@ -83,7 +84,7 @@ struct State {
     core: core::Core,
     nvml: NvmlView,
     /// Inputs of the compute task (`None`: compute shares disabled).
-    compute: Option<views::ComputeFeed>,
+    compute: Option<joins::ComputeFeed>,
     idle: IdleTracker,
     outputs: Senders,
     live: LiveSettings,
@@ -126,7 +127,7 @@ fn timer(every: Duration) -> tokio::time::Interval {
 /// here so that they stop when this task hangs.
 async fn run_state(
     mut state: State,
-    views: snapshot::Publisher,
+    view: view::Publisher,
     mut intervals: Intervals,
     watchdog: Option<Duration>,
     tx: mpsc::Sender<Message>,
@@ -152,7 +153,7 @@ async fn run_state(
                 let Some(msg) = msg else { break };
                 let refresh = matches!(msg, Message::Refresh);
                 if !refresh {
-                    views.changing();
+                    view.changing();
                 }
                 // SetLimits, ClearLimits and a reload follow their changes through before they
                 // answer (`answer`); a removal changes limits too. Kernel events come by the
@@ -172,16 +173,16 @@ async fn run_state(
                     recheck_armed = true;
                 }
                 if refresh {
-                    views.refresh(&mut state);
+                    view.refresh(&mut state);
                 }
             }
             () = &mut recheck, if recheck_armed => {
                 recheck_armed = false;
-                views.changing();
+                view.changing();
                 state.core.attribution.release_closed_files();
             }
             _ = sweep.tick() => {
-                views.changing();
+                view.changing();
                 sweep_all(&mut state);
                 limits_changed(&mut state);
             }
@@ -217,7 +218,7 @@ fn sweep_all(state: &mut State) {
     state.core.attribution.sweep();
     state.core.attribution.sweep_memory();
     state.core.memory.sweep(&mut state.core.attribution);
-    guard::sweep(&mut state.core.attribution);
+    guard::sweep(&mut state.core.attribution, &mut state.core.settings);
     release_free_heap();
 }
 
@@ -226,8 +227,8 @@ fn handle(state: &mut State, msg: Message) -> Option<Intervals> {
     match msg {
         Message::Request(request) => return answer(state, request),
         Message::Kernel(ev) => on_kernel_event(state, &ev),
-        Message::Nvml(NvmlSnapshot::Xid { uuid, xid }) => on_xid(state, uuid, xid),
-        Message::Nvml(snapshot) => on_nvml(state, snapshot),
+        Message::Nvml(NvmlUpdate::Xid { uuid, xid }) => on_xid(state, uuid, xid),
+        Message::Nvml(update) => on_nvml(state, update),
         Message::CgroupRemoved => state.core.memory.sweep(&mut state.core.attribution),
         // Answered by the loop before it gets here.
         Message::Refresh => {}
@@ -253,6 +254,7 @@ fn reply<T>(to: oneshot::Sender<T>, value: T) {
 fn answer(state: &mut State, request: Request) -> Option<Intervals> {
     let attribution = &mut state.core.attribution;
     let memory = &mut state.core.memory;
+    let settings = &mut state.core.settings;
     match request {
         Request::GetCgroup { path, reply: to } => {
             // Answers reflect every exit read so far.
@@ -267,7 +269,7 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             update,
             reply: to,
         } => {
-            let done = memory.set(attribution, &cgroup, &gpu, update);
+            let done = memory.set(attribution, settings, &cgroup, &gpu, update);
             limits_changed(state);
             reply(to, done);
         }
@@ -277,7 +279,7 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             names,
             reply: to,
         } => {
-            let done = memory.clear(attribution, &cgroup, &gpu, &names);
+            let done = memory.clear(attribution, settings, &cgroup, &gpu, &names);
             limits_changed(state);
             reply(to, done);
         }
@@ -356,14 +358,14 @@ fn on_xid(state: &mut State, uuid: String, xid: Option<u64>) {
 
 /// A new NVML sample (or NVML going away): the controller's input, the inventory, the idle rule,
 /// the GPU catalog for limit selectors, and the release of objects NVML no longer reports.
-fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
+fn on_nvml(state: &mut State, update: NvmlUpdate) {
     let fresh = matches!(
-        snapshot,
-        NvmlSnapshot::Available { .. } | NvmlSnapshot::Unavailable(_)
+        update,
+        NvmlUpdate::Available { .. } | NvmlUpdate::Unavailable(_)
     );
-    state.nvml.apply(snapshot);
+    state.nvml.apply(update);
     if fresh && let Some(feed) = &mut state.compute {
-        views::feed_compute(
+        joins::feed_compute(
             feed,
             &mut state.core.attribution,
             &state.nvml,
@@ -377,7 +379,7 @@ fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
         sync_dmem(state);
     }
     if fresh {
-        views::update_idle(state);
+        joins::update_idle(state);
     }
     if fresh {
         let catalog = if state.nvml.available {
@@ -393,10 +395,9 @@ fn on_nvml(state: &mut State, snapshot: NvmlSnapshot) {
         } else {
             GpuCatalog::Unavailable(state.nvml.status.clone())
         };
-        state
-            .core
-            .memory
-            .set_catalog(&mut state.core.attribution, catalog);
+        let core = &mut state.core;
+        core.memory
+            .set_catalog(&mut core.attribution, &mut core.settings, catalog);
     }
 }
 
@@ -440,7 +441,12 @@ fn sync_dmem(state: &mut State) {
 
 /// The scheduler guard's allowances follow the stored policies' priority classes.
 fn sync_allowances(state: &mut State) {
-    guard::sync_allowances(&mut state.core.attribution, state.core.memory.policies());
+    let core = &mut state.core;
+    guard::sync_allowances(
+        &mut core.attribution,
+        &mut core.settings,
+        core.memory.policies(),
+    );
 }
 
 /// Publishes the inventory (for the `Gpu1` objects) if it changed.

@@ -169,7 +169,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
         } else {
             NvmlView::disabled()
         },
-        compute: compute_on.then(|| super::views::ComputeFeed {
+        compute: compute_on.then(|| super::joins::ComputeFeed {
             tx: control,
             hardware: config.compute.hardware,
             groups: BTreeMap::new(),
@@ -215,7 +215,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
         tx.clone(),
         shutdown_rx.clone(),
     ));
-    let (views, view_reader) = super::snapshot::channel(
+    let (views, view_reader) = super::view::channel(
         state
             .core
             .attribution

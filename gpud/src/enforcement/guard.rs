@@ -14,7 +14,10 @@ use crate::{
     attribution::Attribution,
     notice::GuardNotice,
     policy::{Limits, Priority},
-    probes::events::{GuardAction, GuardEvent},
+    probes::{
+        KernelSettings,
+        events::{GuardAction, GuardEvent},
+    },
     report::Chain,
 };
 
@@ -47,6 +50,7 @@ pub fn control_name(cmd: u32) -> String {
 /// than the default's. Called after every change of the stored policies.
 pub fn sync_allowances<'a>(
     attr: &mut Attribution,
+    settings: &mut KernelSettings,
     policies: impl IntoIterator<Item = (&'a str, &'a Limits)>,
 ) {
     let default = allowance(None);
@@ -62,9 +66,9 @@ pub fn sync_allowances<'a>(
             *slot = (*slot).min(us);
         }
     }
-    let have = attr.sched_allowances();
-    let apply = |attr: &mut Attribution, id: u64, us: Option<u64>| {
-        if let Err(e) = attr.set_sched_allowance(id, us) {
+    let have = settings.sched_allowances();
+    let mut apply = |id: u64, us: Option<u64>| {
+        if let Err(e) = settings.set_sched_allowance(id, us) {
             error!(
                 cgroup_id = id,
                 "cannot set the timeslice allowance: {}",
@@ -74,11 +78,11 @@ pub fn sync_allowances<'a>(
     };
     for (&id, &us) in &want {
         if have.get(&id) != Some(&us) {
-            apply(attr, id, Some(us));
+            apply(id, Some(us));
         }
     }
     for id in have.keys().filter(|id| !want.contains_key(id)) {
-        apply(attr, *id, None);
+        apply(*id, None);
     }
 }
 
@@ -101,9 +105,9 @@ pub fn on_event(attr: &mut Attribution, ev: &GuardEvent) -> GuardNotice {
 }
 
 /// Calls acted on so far, by (cgroup, control, action), from the kernel's counts.
-pub fn counts(attr: &mut Attribution) -> GuardCounts {
+pub fn counts(attr: &mut Attribution, settings: &KernelSettings) -> GuardCounts {
     let mut out = GuardCounts::new();
-    for (k, n) in attr.guard_counts() {
+    for (k, n) in settings.guard_counts() {
         let cgroup = attr
             .path_of(k.cgroup_id)
             .unwrap_or_else(|| format!("#{}", k.cgroup_id));
@@ -115,14 +119,14 @@ pub fn counts(attr: &mut Attribution) -> GuardCounts {
 }
 
 /// Forgets the counts of cgroups that were removed.
-pub fn sweep(attr: &mut Attribution) {
-    let dead: Vec<_> = attr
+pub fn sweep(attr: &mut Attribution, settings: &mut KernelSettings) {
+    let dead: Vec<_> = settings
         .guard_counts()
         .into_iter()
         .map(|(k, _)| k)
         .filter(|k| attr.path_of(k.cgroup_id).is_none())
         .collect();
-    attr.forget_guard_counts(&dead);
+    settings.forget_guard_counts(&dead);
 }
 
 #[cfg(test)]

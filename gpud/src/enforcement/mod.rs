@@ -20,7 +20,7 @@ use crate::{
     config::ReactAction,
     notice::LimitNotice,
     policy::{GpuSelector, LimitStore, LimitUpdate, Limits, PolicyError},
-    probes::{Tier, events::LimitEvent},
+    probes::{KernelSettings, SettingError, Tier, events::LimitEvent},
     report::Chain,
 };
 
@@ -30,6 +30,8 @@ pub enum EnforcementError {
     Attribution(#[from] AttributionError),
     #[error(transparent)]
     Policy(#[from] PolicyError),
+    #[error(transparent)]
+    Setting(#[from] SettingError),
     #[error("unknown GPU {0}: {1}")]
     UnknownGpu(String, String),
     /// NVML has not answered (yet, or any more): the selector cannot be checked now.
@@ -103,11 +105,16 @@ impl MemoryEnforcement {
 
     /// A new inventory (or NVML going away). A known one puts the stored limits that waited for
     /// it (UUID selectors restored before NVML answered) in force.
-    pub fn set_catalog(&mut self, attr: &mut Attribution, catalog: GpuCatalog) {
+    pub fn set_catalog(
+        &mut self,
+        attr: &mut Attribution,
+        settings: &mut KernelSettings,
+        catalog: GpuCatalog,
+    ) {
         let known = matches!(catalog, GpuCatalog::Known(_)) && catalog != self.catalog;
         self.catalog = catalog;
         if known {
-            self.apply_pending(attr);
+            self.apply_pending(attr, settings);
         }
     }
 
@@ -186,7 +193,7 @@ impl MemoryEnforcement {
 
     /// Puts stored limits that are in force nowhere yet (UUID selectors restored before NVML
     /// answered) in force, now that the inventory resolves them.
-    fn apply_pending(&mut self, attr: &mut Attribution) {
+    fn apply_pending(&mut self, attr: &mut Attribution, settings: &mut KernelSettings) {
         let pending: Vec<(String, GpuSelector, u64)> = self
             .store
             .iter()
@@ -203,7 +210,8 @@ impl MemoryEnforcement {
             };
             let applied = attr
                 .id_of(&cgroup)
-                .and_then(|(_, id)| attr.set_kernel_limit(id, key, max));
+                .map_err(EnforcementError::from)
+                .and_then(|(_, id)| Ok(settings.set_limit(id, key, max)?));
             match applied {
                 Ok(()) => {
                     info!(cgroup = %cgroup, gpu = %gpu, index = key, memory_max = max, "stored limit in force");
@@ -218,7 +226,7 @@ impl MemoryEnforcement {
 
     /// Re-applies the stored limits at start: the kernel maps get exactly the stored set; limits
     /// of cgroups that no longer exist are dropped with a log line.
-    pub fn restore(&mut self, attr: &mut Attribution) {
+    pub fn restore(&mut self, attr: &mut Attribution, settings: &mut KernelSettings) {
         let mut keep = BTreeMap::new();
         let mut wanted = BTreeSet::new();
         for ((cgroup, gpu), limits) in self.store.entries().clone() {
@@ -232,7 +240,7 @@ impl MemoryEnforcement {
             // A UUID waits for NVML to resolve it (`apply_pending`): kept, not dropped.
             match (self.stored_key(&cgroup, &gpu), limits.memory_max) {
                 (Some(key), Some(max)) => {
-                    if let Err(e) = attr.set_kernel_limit(id, key, max) {
+                    if let Err(e) = settings.set_limit(id, key, max) {
                         error!(cgroup = %cgroup, "cannot apply stored limit: {}", Chain(&e));
                         continue;
                     }
@@ -247,9 +255,9 @@ impl MemoryEnforcement {
             keep.insert((cgroup, gpu), limits);
         }
         // Pinned maps may hold limits the store no longer has (changed while down).
-        for (id, key) in attr.kernel_limits().into_keys() {
+        for (id, key) in settings.limits().into_keys() {
             if !wanted.contains(&(id, key)) {
-                let _ = attr.clear_kernel_limit(id, key);
+                let _ = settings.clear_limit(id, key);
             }
         }
         let n = keep.len();
@@ -266,6 +274,7 @@ impl MemoryEnforcement {
     pub fn set(
         &mut self,
         attr: &mut Attribution,
+        settings: &mut KernelSettings,
         cgroup: &str,
         gpu: &str,
         update: LimitUpdate,
@@ -305,10 +314,10 @@ impl MemoryEnforcement {
         }
         self.store.replace(entries)?;
         if let Some(max) = limits.memory_max {
-            attr.set_kernel_limit(id, key, max)?;
+            settings.set_limit(id, key, max)?;
             self.applied.insert((path.clone(), gpu.clone()), key);
             info!(cgroup = %path, gpu = %gpu, memory_max = max, "limit set");
-            self.maybe_thaw(attr, &path, id);
+            self.maybe_thaw(attr, settings, &path, id);
         }
         Ok(())
     }
@@ -317,6 +326,7 @@ impl MemoryEnforcement {
     pub fn clear(
         &mut self,
         attr: &mut Attribution,
+        settings: &mut KernelSettings,
         cgroup: &str,
         gpu: &str,
         names: &[String],
@@ -352,11 +362,11 @@ impl MemoryEnforcement {
         if memory_left.is_none() {
             self.applied.remove(&(path.clone(), gpu.clone()));
             if let Some(key) = key {
-                attr.clear_kernel_limit(id, key)?;
+                settings.clear_limit(id, key)?;
             }
         }
         info!(cgroup = %path, gpu = %gpu, "limit cleared");
-        self.maybe_thaw(attr, &path, id);
+        self.maybe_thaw(attr, settings, &path, id);
         Ok(())
     }
 
@@ -421,12 +431,13 @@ impl MemoryEnforcement {
     pub fn on_limit(
         &mut self,
         attr: &mut Attribution,
+        settings: &KernelSettings,
         ev: &LimitEvent,
         denied: bool,
     ) -> LimitNotice {
         let path = attr.path_of(ev.cgroup_id);
-        let max = attr
-            .kernel_limits()
+        let max = settings
+            .limits()
             .get(&(ev.cgroup_id, ev.gpu))
             .copied()
             .unwrap_or(0);
@@ -463,11 +474,17 @@ impl MemoryEnforcement {
     }
 
     /// Thaws a cgroup this module froze once none of its limits is exceeded any more.
-    fn maybe_thaw(&mut self, attr: &mut Attribution, path: &str, id: u64) {
+    fn maybe_thaw(
+        &mut self,
+        attr: &mut Attribution,
+        settings: &KernelSettings,
+        path: &str,
+        id: u64,
+    ) {
         if !self.frozen.contains(path) {
             return;
         }
-        let limits = attr.kernel_limits();
+        let limits = settings.limits();
         let over = limits
             .iter()
             .any(|((cg, gpu), max)| *cg == id && attr.usage_of(id, *gpu) > *max);

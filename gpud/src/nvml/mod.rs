@@ -1,5 +1,5 @@
 //! NVML: the driver's own view of GPUs and of the processes using them, read with nvml-wrapper on
-//! a sampler thread (NVML calls block) and handed to the state task as [`Snapshot`]s. This module
+//! a sampler thread (NVML calls block) and handed to the state task as [`Update`]s. This module
 //! owns the NVML library handle, the per-GPU last-seen utilization timestamps, the Xid event set
 //! and the retry schedule ([`Sampler`]); the state task owns what the snapshots say
 //! ([`NvmlView`]: inventory, per-process samples, per-cgroup aggregates, recent events).
@@ -80,7 +80,7 @@ pub struct ProcessSample {
 
 /// What the sampler saw.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Snapshot {
+pub enum Update {
     Unavailable(String),
     Available {
         gpus: Vec<GpuInfo>,

@@ -1,6 +1,6 @@
 //! The sampler thread's side of NVML: owns the library handle, the per-GPU last-seen utilization
 //! timestamps, the Xid event set and the retry schedule, and sends what it reads to the state task
-//! as [`Snapshot`]s. Its settings are live: a reload's new intervals apply from the next wait.
+//! as [`Update`]s. Its settings are live: a reload's new intervals apply from the next wait.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -16,7 +16,7 @@ use nvml_wrapper::{
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
-use super::{GpuInfo, NvmlError, ProcessSample, Snapshot};
+use super::{GpuInfo, NvmlError, ProcessSample, Update};
 use crate::{cgroupfs::CgroupFs, report::Chain};
 
 fn call<T>(what: &'static str, r: Result<T, WrapperError>) -> Result<T, NvmlError> {
@@ -105,7 +105,7 @@ impl Sampler {
     /// (again every `retry_interval` while that fails), samples every `sample_interval`, and
     /// waits for Xid events in between. A failing call ends the session: NVML is shut down and
     /// initialized afresh after `retry_interval`.
-    pub fn run(mut self, mut send: impl FnMut(Snapshot) -> bool, stop: impl Fn() -> bool) {
+    pub fn run(mut self, mut send: impl FnMut(Update) -> bool, stop: impl Fn() -> bool) {
         while !stop() {
             let failure = match self.init() {
                 Ok(nvml) => {
@@ -120,7 +120,7 @@ impl Sampler {
                 Err(e) => e,
             };
             // The reason is status text at the API edge: with its causes.
-            if !send(Snapshot::Unavailable(Chain(&failure).to_string())) {
+            if !send(Update::Unavailable(Chain(&failure).to_string())) {
                 return;
             }
             let retry = self.settings.borrow().retry_interval;
@@ -133,7 +133,7 @@ impl Sampler {
     fn session(
         &mut self,
         nvml: &Nvml,
-        send: &mut impl FnMut(Snapshot) -> bool,
+        send: &mut impl FnMut(Update) -> bool,
         stop: &impl Fn() -> bool,
     ) -> Ended {
         let mut events = xid_event_set(nvml);
@@ -146,7 +146,7 @@ impl Sampler {
             let clock_us = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_micros() as u64);
-            if !send(Snapshot::Available {
+            if !send(Update::Available {
                 gpus,
                 processes,
                 device_windows,
@@ -170,7 +170,7 @@ impl Sampler {
                 };
                 match set.wait(slice.as_millis().max(1) as u32) {
                     Ok(ev) => {
-                        let xid = Snapshot::Xid {
+                        let xid = Update::Xid {
                             uuid: ev.device.uuid().unwrap_or_default(),
                             xid: match ev.event_data {
                                 Some(XidError::Value(v)) => Some(v),

@@ -8,7 +8,7 @@ use std::{
 
 use tracing::{info, warn};
 
-use super::{GpuInfo, ProcessSample, Snapshot};
+use super::{GpuInfo, ProcessSample, Update};
 
 /// How many events [`NvmlView`] keeps.
 pub const EVENTS_KEPT: usize = 64;
@@ -49,7 +49,7 @@ pub struct NvmlView {
     pub status: String,
     pub gpus: Vec<GpuInfo>,
     pub processes: Vec<ProcessSample>,
-    /// The last read's new device utilization windows per GPU (see [`Snapshot`]).
+    /// The last read's new device utilization windows per GPU (see [`Update`]).
     pub device_windows: BTreeMap<u32, Vec<(u64, u32)>>,
     pub updated: Option<Instant>,
     /// The wall clock (µs) of the last read, as the sampler took it.
@@ -68,9 +68,9 @@ impl NvmlView {
         }
     }
 
-    pub fn apply(&mut self, s: Snapshot) {
+    pub fn apply(&mut self, s: Update) {
         match s {
-            Snapshot::Unavailable(reason) => {
+            Update::Unavailable(reason) => {
                 if self.available || self.status != reason {
                     warn!("NVML unavailable: {reason}");
                 }
@@ -80,7 +80,7 @@ impl NvmlView {
                 self.gpus.clear();
                 self.processes.clear();
             }
-            Snapshot::Available {
+            Update::Available {
                 gpus,
                 processes,
                 device_windows,
@@ -96,7 +96,7 @@ impl NvmlView {
                 self.device_windows = device_windows;
                 self.clock_us = clock_us;
             }
-            Snapshot::Xid { uuid, xid } => {
+            Update::Xid { uuid, xid } => {
                 let now = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_micros() as u64);
@@ -210,7 +210,7 @@ mod tests {
             ..ProcessSample::default()
         };
         let mut v = NvmlView::default();
-        v.apply(Snapshot::Available {
+        v.apply(Update::Available {
             gpus: vec![],
             processes: vec![
                 p(1, 0, "/a", 10, Some(70)),
@@ -229,7 +229,7 @@ mod tests {
         );
         assert_eq!(by[&("/a".to_owned(), 1)].sm_util, 0);
         assert_eq!(by[&("/b".to_owned(), 0)].memory_bytes, 1);
-        v.apply(Snapshot::Unavailable("gone".into()));
+        v.apply(Update::Unavailable("gone".into()));
         assert!(!v.available && v.by_cgroup().is_empty() && v.status == "gone");
         assert!(v.gpus.is_empty());
     }
@@ -249,7 +249,7 @@ mod tests {
             uuid: uuid.into(),
             ..GpuInfo::default()
         };
-        v.apply(Snapshot::Available {
+        v.apply(Update::Available {
             gpus: vec![
                 gpu(0, None, "GPU-0"),
                 gpu(1, None, "GPU-1"),
@@ -282,7 +282,7 @@ mod tests {
             BTreeMap::from([("GPU-0".into(), 1), ("MIG-1".into(), 1)])
         );
         for i in 0..EVENTS_KEPT {
-            v.apply(Snapshot::Xid {
+            v.apply(Update::Xid {
                 uuid: "GPU-0".into(),
                 xid: Some(i as u64),
             });

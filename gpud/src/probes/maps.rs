@@ -7,7 +7,7 @@ use aya::{
 };
 use gpud_common::{
     Ancestry, CFG_EXIT_RELEASE, CFG_HAS_EXTRA_FILES, CFG_READY, CFG_VIRT_MEMINFO, DeviceKind,
-    FileKey, IoctlCounts, LimitValue, ObjEntry, ObjKey, ProbeConfig, ProcEntry, REACT_FREEZE,
+    FileKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProbeConfig, ProcEntry, REACT_FREEZE,
     REACT_KILL, REACT_NOTIFY, UsageKey, maps,
 };
 use tracing::debug;
@@ -15,19 +15,17 @@ use tracing::debug;
 use super::{AttachMode, DynamicMajors, ExtraFile, ProbeError};
 use crate::{config::ReactAction, report::Chain};
 
-/// The maps the state owner reads and updates.
+/// The accounting maps the attribution reads and updates (the settings are
+/// [`super::KernelSettings`]'s).
 pub struct KernelMaps {
     pub procs: HashMap<MapData, u32, ProcEntry>,
     pub cgroups: HashMap<MapData, u64, IoctlCounts>,
     pub stats: PerCpuArray<MapData, u64>,
     pub objects: HashMap<MapData, ObjKey, ObjEntry>,
     pub usage: HashMap<MapData, UsageKey, u64>,
-    pub limits: HashMap<MapData, UsageKey, LimitValue>,
+    /// The memory limits, read back for the views: written only by [`super::KernelSettings`].
+    pub limits: HashMap<MapData, UsageKey, KernelLimit>,
     pub ancestry: HashMap<MapData, u64, Ancestry>,
-    /// The scheduler guard's timeslice allowances (µs) by cgroup id.
-    pub sched_allow: HashMap<MapData, u64, u64>,
-    /// The calls the scheduler guard acted on, by cgroup, command and verdict.
-    pub guard_counts: HashMap<MapData, gpud_common::GuardKey, u64>,
 }
 
 /// Entries per `BPF_MAP_LOOKUP_BATCH` call: far more than a hash bucket ever holds (a bucket

@@ -22,6 +22,7 @@ pub mod events;
 mod maps;
 mod modify_return;
 mod pin;
+mod settings;
 
 use std::path::{Path, PathBuf};
 
@@ -38,6 +39,7 @@ pub use caps::KernelCaps;
 pub use devices::{DynamicMajors, ExtraFile, Matcher};
 pub use maps::{KernelMaps, map_entries, remove_key};
 pub use pin::{BPF_FS_MAGIC, TRACEFS, TRACEFS_MAGIC, ensure_mounted};
+pub use settings::{KernelSettings, SettingError};
 
 use crate::{
     config::{
@@ -615,7 +617,7 @@ impl Probes {
         maps::take(&mut self.ebpf, map_names::HELD_GROUPS)
     }
 
-    /// Takes the counter maps (for the state owner).
+    /// Takes the accounting maps (for the attribution), and a read handle on the limits.
     pub fn take_maps(&mut self) -> Result<KernelMaps, ProbeError> {
         Ok(KernelMaps {
             procs: maps::take(&mut self.ebpf, map_names::PROCS)?,
@@ -623,8 +625,15 @@ impl Probes {
             stats: maps::take(&mut self.ebpf, map_names::STATS)?,
             objects: maps::take(&mut self.ebpf, map_names::OBJECTS)?,
             usage: maps::take(&mut self.ebpf, map_names::USAGE)?,
-            limits: maps::take(&mut self.ebpf, map_names::LIMITS)?,
+            limits: settings::limits_reader(&self.base_dir)?,
             ancestry: maps::take(&mut self.ebpf, map_names::ANCESTRY)?,
+        })
+    }
+
+    /// Takes the maps of the settings the daemon writes (for the state task's one writer).
+    pub fn take_settings(&mut self) -> Result<KernelSettings, ProbeError> {
+        Ok(KernelSettings {
+            limits: maps::take(&mut self.ebpf, map_names::LIMITS)?,
             sched_allow: maps::take(&mut self.ebpf, map_names::SCHED_ALLOW)?,
             guard_counts: maps::take(&mut self.ebpf, map_names::GUARD_COUNTS)?,
         })

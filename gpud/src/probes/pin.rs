@@ -7,7 +7,7 @@ use std::{
 };
 
 use gpud_common::{
-    ABI_VERSION, Ancestry, FileKey, IoctlCounts, LimitValue, ObjEntry, ObjKey, Pending,
+    ABI_VERSION, Ancestry, FileKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, Pending,
     ProbeConfig, ProcEntry, UsageKey, maps,
 };
 use tracing::{info, warn};
@@ -65,7 +65,11 @@ pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 16] {
     [
         (maps::OBJECTS, size_of::<ObjKey>(), size_of::<ObjEntry>()),
         (maps::USAGE, size_of::<UsageKey>(), size_of::<u64>()),
-        (maps::LIMITS, size_of::<UsageKey>(), size_of::<LimitValue>()),
+        (
+            maps::LIMITS,
+            size_of::<UsageKey>(),
+            size_of::<KernelLimit>(),
+        ),
         (maps::ANCESTRY, size_of::<u64>(), size_of::<Ancestry>()),
         (maps::PENDING, size_of::<u64>(), size_of::<Pending>()),
         (maps::CONFIG, size_of::<u32>(), size_of::<ProbeConfig>()),

@@ -428,9 +428,9 @@ fn pinned_limit(bpffs: &Path, cgroup_id: u64) -> Option<u64> {
         )
     };
     let v = map.lookup(bytes, libbpf_rs::MapFlags::ANY).ok()??;
-    (v.len() >= size_of::<gpud_common::LimitValue>()).then(|| {
-        // SAFETY: the length was checked; LimitValue is plain data.
-        unsafe { std::ptr::read_unaligned(v.as_ptr().cast::<gpud_common::LimitValue>()) }.max
+    (v.len() >= size_of::<gpud_common::KernelLimit>()).then(|| {
+        // SAFETY: the length was checked; KernelLimit is plain data.
+        unsafe { std::ptr::read_unaligned(v.as_ptr().cast::<gpud_common::KernelLimit>()) }.max
     })
 }
 

@@ -153,7 +153,7 @@ pub struct ControlInput {
     /// One per GPU, every GPU (one without processes too: its units are gone).
     pub readings: Vec<Reading>,
     /// cgroups the memory enforcement froze: never thawed here.
-    pub held: BTreeSet<String>,
+    pub memory_frozen: BTreeSet<String>,
     /// The tenants' channel groups, channels and subdevices by process (empty where hardware
     /// controls are off).
     pub groups: BTreeMap<u32, TenantObjects>,
@@ -221,7 +221,7 @@ pub async fn run(settings: Settings, mut links: Links) {
                         && input.groups.get(&t.pid).is_some_and(|g| !g.groups.is_empty());
                 }
                 no_hw.retain(|pid| input.groups.contains_key(pid));
-                law.set_held(input.held);
+                law.set_memory_frozen(input.memory_frozen);
                 law.observe(nanos(input.at), &tenants, &input.readings);
                 actuator.send(Order::Groups(input.groups));
                 if !recovered {

@@ -22,14 +22,14 @@ pub(super) fn plan_freezer(
     active: &[String],
     now: Nanos,
     offset: u64,
-    held: &BTreeSet<String>,
+    memory_frozen: &BTreeSet<String>,
     out: &mut Vec<(Nanos, Command)>,
 ) -> Nanos {
     let lc_active = active
         .iter()
         .any(|n| g.units[n].limits.priority == Some(Priority::LatencyCritical));
     let freeze = |out: &mut Vec<(Nanos, Command)>, t: Nanos, n: &str, frozen: bool| {
-        if !held.contains(n) {
+        if !memory_frozen.contains(n) {
             out.push((
                 t,
                 Command::Freeze {

@@ -9,8 +9,13 @@ use crate::policy::{Limits, Priority};
 
 /// Thaws a unit and lets its held work run again (with the lever that held it; with every
 /// lever where that is not known).
-pub(super) fn release(name: &str, u: &mut Unit, held: &BTreeSet<String>, out: &mut Vec<Command>) {
-    if (u.frozen || u.unsure) && !held.contains(name) {
+pub(super) fn release(
+    name: &str,
+    u: &mut Unit,
+    memory_frozen: &BTreeSet<String>,
+    out: &mut Vec<Command>,
+) {
+    if (u.frozen || u.unsure) && !memory_frozen.contains(name) {
         out.push(Command::Freeze {
             unit: name.to_owned(),
             frozen: false,
@@ -44,11 +49,11 @@ pub(super) fn active_units(
     p: &LawParams,
     g: &Gpu,
     now: Nanos,
-    held: &BTreeSet<String>,
+    memory_frozen: &BTreeSet<String>,
 ) -> Vec<(String, Limits)> {
     g.units
         .iter()
-        .filter(|(n, u)| !held.contains(*n) && Law::active(p, u, now))
+        .filter(|(n, u)| !memory_frozen.contains(*n) && Law::active(p, u, now))
         .map(|(n, u)| (n.clone(), u.limits.clone()))
         .collect()
 }
@@ -98,10 +103,10 @@ pub(super) fn plan_gpu(
     g: &mut Gpu,
     now: Nanos,
     active: &[(String, Limits)],
-    held: &BTreeSet<String>,
+    memory_frozen: &BTreeSet<String>,
     out: &mut Vec<(Nanos, Command)>,
 ) -> Nanos {
-    if let Some(lasts) = probe::go_on(p, g, now, held, out) {
+    if let Some(lasts) = probe::go_on(p, g, now, memory_frozen, out) {
         // The probe, while it runs, is the whole plan.
         return lasts;
     }
@@ -133,7 +138,7 @@ pub(super) fn plan_gpu(
     let mut released = Vec::new();
     for (name, u) in g.units.iter_mut() {
         if !needs_control || !active.contains(name) {
-            release(name, u, held, &mut released);
+            release(name, u, memory_frozen, &mut released);
             u.stat.duty = 100.0;
             u.stat.target = 0.0;
         }
@@ -154,7 +159,7 @@ pub(super) fn plan_gpu(
         u.stat.target = t[i];
     }
     let hw = g.units.values().all(|u| u.hw);
-    if hw && probe::start(p, g, now, held, out) {
+    if hw && probe::start(p, g, now, memory_frozen, out) {
         return p.period;
     }
     g.phase = g
@@ -167,6 +172,6 @@ pub(super) fn plan_gpu(
             plan_hardware(p, g, &active, now, offset, lever, out);
             p.period
         }
-        _ => plan_freezer(p, g, &active, now, offset, held, out),
+        _ => plan_freezer(p, g, &active, now, offset, memory_frozen, out),
     }
 }

@@ -315,7 +315,7 @@ pub struct Law {
     params: LawParams,
     gpus: BTreeMap<u32, Gpu>,
     /// Units the memory enforcement froze: left alone.
-    held: BTreeSet<String>,
+    memory_frozen: BTreeSet<String>,
 }
 
 impl Law {
@@ -323,7 +323,7 @@ impl Law {
         Self {
             params,
             gpus: BTreeMap::new(),
-            held: BTreeSet::new(),
+            memory_frozen: BTreeSet::new(),
         }
     }
 
@@ -347,8 +347,8 @@ impl Law {
     }
 
     /// Units another owner froze (the memory limits' `freeze` action): never thawed here.
-    pub fn set_held(&mut self, held: BTreeSet<String>) {
-        self.held = held;
+    pub fn set_memory_frozen(&mut self, units: BTreeSet<String>) {
+        self.memory_frozen = units;
     }
 
     /// Takes one NVML read per GPU and the tenants the daemon knows at `now`.
@@ -388,7 +388,7 @@ impl Law {
                 .collect();
             for name in gone {
                 if let Some(mut u) = g.units.remove(&name) {
-                    release(&name, &mut u, &self.held, &mut g.leaving);
+                    release(&name, &mut u, &self.memory_frozen, &mut g.leaving);
                 }
             }
             for (name, (pids, limits, hw)) in seen {
@@ -474,7 +474,7 @@ impl Law {
             ..Plan::default()
         };
         for (&gpu, g) in self.gpus.iter_mut() {
-            let active = active_units(&p, g, now, &self.held);
+            let active = active_units(&p, g, now, &self.memory_frozen);
             let changed = active != g.planned || !g.leaving.is_empty() || g.replan;
             g.replan = false;
             plan.commands
@@ -494,7 +494,7 @@ impl Law {
             }
             if changed || g.next <= now {
                 let mut out = Vec::new();
-                g.next = now + plan_gpu(&p, g, now, &active, &self.held, &mut out);
+                g.next = now + plan_gpu(&p, g, now, &active, &self.memory_frozen, &mut out);
                 for u in g.units.values_mut() {
                     u.unsure = false;
                 }
@@ -531,7 +531,7 @@ impl Law {
         let mut out = Vec::new();
         for g in self.gpus.values_mut() {
             for (name, u) in g.units.iter_mut() {
-                release(name, u, &self.held, &mut out);
+                release(name, u, &self.memory_frozen, &mut out);
             }
         }
         out
@@ -800,7 +800,7 @@ mod tests {
             tenant(1, "/a", cap(30), false),
             tenant(2, "/b", cap(70), false),
         ];
-        law.set_held(BTreeSet::from(["/b".to_owned()]));
+        law.set_memory_frozen(BTreeSet::from(["/b".to_owned()]));
         law.observe(MS, &ts, &[reading(MS, &[1, 2], &[1, 2])]);
         let mut cmds = law.plan(MS).commands;
         cmds.extend(law.release_all().into_iter().map(|c| (0, 0, c)));

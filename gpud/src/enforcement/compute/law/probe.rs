@@ -80,10 +80,15 @@ pub(super) fn reject(g: &mut Gpu, lever: Lever, now: Nanos) {
 }
 
 /// Lets every unit of the GPU run again (before a probe holds them all, and after).
-fn release_all(g: &mut Gpu, held: &BTreeSet<String>, now: Nanos, out: &mut Vec<(Nanos, Command)>) {
+fn release_all(
+    g: &mut Gpu,
+    memory_frozen: &BTreeSet<String>,
+    now: Nanos,
+    out: &mut Vec<(Nanos, Command)>,
+) {
     let mut released = Vec::new();
     for (name, u) in g.units.iter_mut() {
-        release(name, u, held, &mut released);
+        release(name, u, memory_frozen, &mut released);
     }
     out.extend(released.into_iter().map(|c| (now, c)));
 }
@@ -97,7 +102,7 @@ pub(super) fn go_on(
     p: &LawParams,
     g: &mut Gpu,
     now: Nanos,
-    held: &BTreeSet<String>,
+    memory_frozen: &BTreeSet<String>,
     out: &mut Vec<(Nanos, Command)>,
 ) -> Option<Nanos> {
     // A verdict is checked again after a while (a firmware update, a GPU reset, a wrong one).
@@ -111,7 +116,7 @@ pub(super) fn go_on(
         if now < until && all_held {
             return Some(p.period);
         }
-        release_all(g, held, now, out);
+        release_all(g, memory_frozen, now, out);
         if !all_held {
             // Someone came or was let go meanwhile: the device's windows tell nothing.
             g.firmware = Firmware::Unknown;
@@ -139,7 +144,7 @@ pub(super) fn start(
     p: &LawParams,
     g: &mut Gpu,
     now: Nanos,
-    held: &BTreeSet<String>,
+    memory_frozen: &BTreeSet<String>,
     out: &mut Vec<(Nanos, Command)>,
 ) -> bool {
     let probe_due = g.firmware == Firmware::Unknown && now >= g.checked;
@@ -154,7 +159,7 @@ pub(super) fn start(
     {
         // Every process of the GPU held with the lever: the device's own windows then say
         // whether queued work stopped.
-        release_all(g, held, now, out);
+        release_all(g, memory_frozen, now, out);
         g.firmware = Firmware::Probing {
             lever,
             since: now,

@@ -27,7 +27,7 @@ use std::{
 
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::{DaemonError, Message, NvmlStatus, State, handle::Request, views};
+use super::{DaemonError, Message, NvmlStatus, State, handle::Request, joins};
 use crate::{
     attribution::{AttributionError, CgroupView, KernelCounters, MemoryView, ProcessView},
     cgroupfs::{CgroupFs, id_at},
@@ -53,7 +53,7 @@ pub struct View {
     pub limits: Vec<LimitEntry>,
     /// GPUs and MIG devices as NVML last reported them.
     pub gpus: Vec<GpuStatus>,
-    pub nvml_usage: Vec<views::NvmlUsage>,
+    pub nvml_usage: Vec<joins::NvmlUsage>,
     pub nvml: NvmlStatus,
     /// The most recent Xid events, oldest first.
     pub nvml_events: Vec<AttributedXid>,
@@ -212,7 +212,7 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         processes: state.core.attribution.processes(),
         limits: state.core.memory.list(),
         gpus: state.nvml.inventory(),
-        nvml_usage: views::nvml_usage(&mut state.core.attribution, &state.nvml),
+        nvml_usage: joins::nvml_usage(&mut state.core.attribution, &state.nvml),
         nvml: NvmlStatus {
             available: state.nvml.available,
             status: state.nvml.status.clone(),
@@ -221,7 +221,10 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         idle: state.idle.list(std::time::Instant::now()),
         memory_info: state.core.attribution.memory_info(),
         scheduler_guard: state.core.attribution.scheduler_guard(),
-        guard_counts: crate::enforcement::guard::counts(&mut state.core.attribution),
+        guard_counts: crate::enforcement::guard::counts(
+            &mut state.core.attribution,
+            &state.core.settings,
+        ),
         cgroups,
     }
 }

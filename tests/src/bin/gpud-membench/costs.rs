@@ -1,0 +1,185 @@
+//! The costs of the memory view (per `FB_GET_INFO_V2` call) and of the scheduler guard (per
+//! guarded control), each phase through gpud's own kernel stack.
+
+#[allow(unused_imports)]
+use super::*;
+
+/// The memory view's cost per `FB_GET_INFO_V2` call (see the module docs): the phases' ns per
+/// call of gpud's ioctl programs, and the view's state.
+pub(super) fn memory_info_cost(
+    o: &Opts,
+    ctl: &Path,
+    cg: &Path,
+    rel: &str,
+) -> anyhow::Result<(serde_json::Value, String)> {
+    use gpud_common::rm::fb;
+    const CALLS: u64 = 10_000;
+    const CYCLES: usize = 3;
+    const LIMIT: u64 = 8 << 30;
+    let (mut core, _ring) = setup(o, ctl, ReactAction::Notify, "view")?;
+    let state = core.attribution.memory_info();
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("enabling BPF run-time statistics")?;
+    let (c, dir) = (ctl.to_owned(), cg.to_owned());
+    let setup_tenant = move || inproc::rm_tenant(&c, &dir);
+    // `calls N`: N queries; replies with the last HEAP_SIZE read (KiB).
+    let serve = |s: &mut (std::fs::File, [u32; 3]), req: &str| -> String {
+        let rm = Ctl::new(&s.0);
+        let n: u64 = req
+            .strip_prefix("calls ")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        let mut heap = 0;
+        for _ in 0..n {
+            let (_, pairs) = rm.fb_info_v2(
+                s.1[0],
+                s.1[2],
+                &[fb::HEAP_FREE, fb::HEAP_SIZE, fb::FB_TAX_SIZE_KB],
+            );
+            heap = pairs.get(1).map_or(0, |p| p.1);
+        }
+        heap.to_string()
+    };
+    let mut tenant = inproc::fork_serving(setup_tenant, serve)?;
+    let (_, id) = core.attribution.id_of(rel)?;
+    let phases = [
+        ("unlimited", false, true),
+        ("limited_view_off", true, false),
+        ("limited_view_on", true, true),
+    ];
+    // The phases alternate, CYCLES times; the median of each counts.
+    let mut per_call: Vec<Vec<f64>> = vec![Vec::new(); phases.len()];
+    for _ in 0..CYCLES {
+        for (i, (name, limit, view)) in phases.into_iter().enumerate() {
+            if limit {
+                core.settings.set_limit(id, gpud_common::GPU_ALL, LIMIT)?;
+            } else {
+                core.settings.clear_limit(id, gpud_common::GPU_ALL)?;
+            }
+            core.attribution.set_memory_info(view)?;
+            if name == "limited_view_on" && core.attribution.memory_info() != "on" {
+                continue;
+            }
+            let before = prog_stats();
+            let heap: u64 = tenant.ask(&format!("calls {CALLS}"))?.parse()?;
+            let spent: u64 = prog_stats()
+                .into_iter()
+                .filter(|(k, _)| k.contains("_ioc"))
+                .map(|(k, (t, _))| t.saturating_sub(before.get(&k).map_or(0, |b| b.0)))
+                .sum();
+            let rewritten = heap == LIMIT >> 10;
+            ensure!(
+                rewritten == (name == "limited_view_on"),
+                "{name}: the process read a heap of {heap} KiB"
+            );
+            per_call[i].push(spent as f64 / CALLS as f64);
+        }
+    }
+    let phases: serde_json::Map<String, serde_json::Value> = phases
+        .iter()
+        .zip(per_call)
+        .map(|((name, ..), v)| {
+            let value = if v.is_empty() {
+                serde_json::Value::Null
+            } else {
+                json!(median(v))
+            };
+            ((*name).to_owned(), value)
+        })
+        .collect();
+    tenant.release();
+    core.settings.clear_limit(id, gpud_common::GPU_ALL)?;
+    core.close(false);
+    Ok((serde_json::Value::Object(phases), state))
+}
+
+/// The scheduler guard's cost per call (see the module docs): the phases' ns per call of gpud's
+/// ioctl programs, and the guard's state.
+pub(super) fn scheduler_guard_cost(
+    o: &Opts,
+    ctl: &Path,
+    cg: &Path,
+) -> anyhow::Result<(serde_json::Value, String)> {
+    use gpud::config::GuardMode;
+    use gpud_common::rm::fb;
+    const CALLS: u64 = 10_000;
+    const CYCLES: usize = 3;
+    let (mut core, mut ring) = setup(o, ctl, ReactAction::Notify, "guard")?;
+    core.attribution.set_memory_info(false)?;
+    let state = core.attribution.scheduler_guard();
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("enabling BPF run-time statistics")?;
+    let (c, dir) = (ctl.to_owned(), cg.to_owned());
+    let setup_tenant = move || {
+        let (f, [client, dev, sub]) = inproc::rm_tenant(&c, &dir)?;
+        let g = Ctl::new(&f).alloc_channel_group(client, dev);
+        if !g.ok() {
+            return Err(format!("channel group: {g:?}"));
+        }
+        Ok((f, [client, sub, g.handle]))
+    };
+    // `fbinfo N` or `timeslice N`: N calls; replies with the last RM status.
+    let serve = |s: &mut (std::fs::File, [u32; 3]), req: &str| -> String {
+        let rm = Ctl::new(&s.0);
+        let [client, sub, group] = s.1;
+        let (what, n) = req.split_once(' ').unwrap_or((req, "0"));
+        let n: u64 = n.parse().unwrap_or(0);
+        let mut status = u32::MAX;
+        for _ in 0..n {
+            status = if what == "fbinfo" {
+                rm.fb_info_v2(
+                    client,
+                    sub,
+                    &[fb::HEAP_FREE, fb::HEAP_SIZE, fb::FB_TAX_SIZE_KB],
+                )
+                .0
+                .status
+            } else {
+                rm.set_timeslice(client, group, 1_000_000).status
+            };
+        }
+        status.to_string()
+    };
+    let mut tenant = inproc::fork_serving(setup_tenant, serve)?;
+    let phases = [
+        ("ordinary_guard_off", "fbinfo", GuardMode::Off),
+        ("ordinary_guard_on", "fbinfo", GuardMode::Enforce),
+        ("set_timeslice_guarded", "timeslice", GuardMode::Enforce),
+    ];
+    let mut per_call: Vec<Vec<f64>> = vec![Vec::new(); phases.len()];
+    for _ in 0..CYCLES {
+        for (i, (name, what, mode)) in phases.into_iter().enumerate() {
+            core.attribution.set_scheduler_guard(mode)?;
+            let before = prog_stats();
+            let status = tenant.ask(&format!("{what} {CALLS}"))?;
+            let spent: u64 = prog_stats()
+                .into_iter()
+                .filter(|(k, _)| k.contains("_ioc"))
+                .map(|(k, (t, _))| t.saturating_sub(before.get(&k).map_or(0, |b| b.0)))
+                .sum();
+            ensure!(status == "0", "{name}: the driver answered status {status}");
+            per_call[i].push(spent as f64 / CALLS as f64);
+            // The guard's reports of this phase, read so the ring never fills.
+            while ring.next().is_some() {}
+        }
+    }
+    let guarded = core
+        .attribution
+        .counters()?
+        .stats()
+        .get("sched_guarded")
+        .copied();
+    ensure!(
+        guarded == Some(CALLS * CYCLES as u64),
+        "the guard saw {guarded:?} of {} timeslices",
+        CALLS * CYCLES as u64
+    );
+    let phases: serde_json::Map<String, serde_json::Value> = phases
+        .iter()
+        .zip(per_call)
+        .map(|((name, ..), v)| ((*name).to_owned(), json!(median(v))))
+        .collect();
+    tenant.release();
+    core.close(false);
+    Ok((serde_json::Value::Object(phases), state))
+}

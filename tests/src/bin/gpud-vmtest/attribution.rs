@@ -1,0 +1,121 @@
+//! The attribution checks in each attach mode: ioctl counts by class and processes per cgroup, from real children in real cgroups, through gpud's own probes and attribution.
+
+#[allow(unused_imports)]
+use super::*;
+
+pub(super) fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Result<()> {
+    let tag = want.as_str();
+    let work = PathBuf::from(format!("/tmp/vmtest-{tag}"));
+    std::fs::create_dir_all(&work)?;
+    let standin = work.join("nvidiactl");
+    std::fs::write(&standin, b"")?;
+
+    let Opened { core, .. } = open_stack(
+        tag,
+        &standin,
+        &[
+            ("probes.attach", pref.as_str()),
+            ("enforcement.tier", "react"),
+        ],
+    )
+    .context("opening gpud's kernel stack")?;
+    let mut attribution = core.attribution;
+    let probes = attribution.probes();
+    println!("[{tag}] capabilities: {:?}", probes.caps());
+    ensure!(
+        probes.mode() == want,
+        "attached in {:?}, wanted {want:?}",
+        probes.mode()
+    );
+    let root = attribution.cgroup_root().to_owned();
+
+    let cg_a = root.join(format!("vm-{tag}-a"));
+    let cg_b = root.join(format!("vm-{tag}-b"));
+    std::fs::create_dir_all(&cg_a)?;
+    std::fs::create_dir_all(&cg_b)?;
+    let rel = |p: &PathBuf| format!("/{}", p.file_name().unwrap_or_default().to_string_lossy());
+
+    let s = standin.clone();
+    let a = cg_a.clone();
+    let held = fork_held(move || {
+        if let Err(e) = inproc::join_cgroup(&a) {
+            return format!("join: {e}");
+        }
+        let f = match std::fs::File::open(&s) {
+            Ok(f) => f,
+            Err(e) => return format!("open: {e}"),
+        };
+        let fd = inproc::fd(&f);
+        inproc::issue(fd, 0xc030_462b, 5);
+        inproc::issue(fd, 0xc010_4629, 3);
+        inproc::issue(fd, 0xc020_462a, 2);
+        inproc::issue(fd, 0xc0b8_464a, 1);
+        inproc::issue(fd, nv::nv_iowr(nv::NV_ESC_RM_ALLOC, 36), 1);
+        inproc::issue_xfer(fd, nv::NV_ESC_RM_ALLOC, 48, 2);
+        if let Ok(null) = std::fs::File::open("/dev/null") {
+            inproc::issue(inproc::fd(&null), 0xc030_462b, 4);
+        }
+        "ok".into()
+    })?;
+    ensure!(held.report == "ok", "child A: {}", held.report);
+    let want_a = class_counts(&[
+        ("alloc", 7),
+        ("free", 3),
+        ("control", 2),
+        ("vid_heap", 1),
+        ("other", 1),
+    ]);
+    let ra = CgroupRecord::from(attribution.get(&rel(&cg_a))?);
+    ensure!(
+        ra.ioctls == want_a,
+        "A counts {:?} != {want_a:?}",
+        ra.ioctls
+    );
+    ensure!(
+        ra.pids == vec![held.pid],
+        "A pids {:?} != [{}]",
+        ra.pids,
+        held.pid
+    );
+
+    let s = standin.clone();
+    let b = cg_b.clone();
+    let report = inproc::in_child(move || {
+        if inproc::join_cgroup(&b).is_err() {
+            return "join".into();
+        }
+        match std::fs::File::open(&s) {
+            Ok(f) => inproc::issue(inproc::fd(&f), 0xc020_462b, 2),
+            Err(e) => return format!("open: {e}"),
+        }
+        "ok".into()
+    })?;
+    ensure!(report == "ok", "child B: {report}");
+    let rb = CgroupRecord::from(attribution.get(&rel(&cg_b))?);
+    ensure!(
+        rb.ioctls == class_counts(&[("alloc", 2)]),
+        "B counts {:?}",
+        rb.ioctls
+    );
+    ensure!(rb.pids.is_empty(), "B exited but pids {:?}", rb.pids);
+
+    held.release();
+    let ra = CgroupRecord::from(attribution.get(&rel(&cg_a))?);
+    ensure!(ra.pids.is_empty(), "A exited but pids {:?}", ra.pids);
+    ensure!(
+        ra.ioctls == want_a,
+        "A counts changed after exit: {:?}",
+        ra.ioctls
+    );
+    let listed: Vec<String> = attribution.list().into_iter().map(|r| r.path).collect();
+    ensure!(
+        listed.contains(&rel(&cg_a)) && listed.contains(&rel(&cg_b)),
+        "list {listed:?}"
+    );
+
+    attribution.shutdown(false);
+    let _ = std::fs::remove_dir(&cg_a);
+    let _ = std::fs::remove_dir(&cg_b);
+    println!("[{tag}] attribution checks passed");
+    Ok(())
+}

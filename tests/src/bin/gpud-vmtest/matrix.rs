@@ -1,0 +1,305 @@
+//! The kernel matrix: one row per way a kernel is booted (Debian, Ubuntu's LSM list, Secure Boot's lockdown, tracepoints only, the host), what gpud picks there and what holds; and the check that `auto` picks fentry where BPF-LSM loads.
+
+#[allow(unused_imports)]
+use super::*;
+
+/// What each row of the kernel matrix must show (xtask boots the VM once per row with the
+/// row's kernel command line; `host` runs on the machine itself): the hook, the memory tier, what
+/// the guard does to a tenant's 1 s timeslice, and whether the memory view runs.
+pub(super) const MATRIX: &[(&str, &str)] = &[
+    // Debian's kernel with `bpf` in lsm=: BPF-LSM.
+    ("debian", "rung=lsm memory=deny guard=clamp view=yes"),
+    // Ubuntu's default LSM list (no `bpf`): BPF-LSM programs never run; fmod_ret does.
+    ("ubuntu", "rung=fmod_ret memory=deny guard=clamp view=yes"),
+    // The same under Secure Boot's lockdown=integrity: no bpf_probe_write_user, so no view and
+    // no rewrite; the hook still refuses.
+    (
+        "ubuntu-secure-boot",
+        "rung=fmod_ret memory=deny guard=deny view=no",
+    ),
+    // Tracepoints only (`probes.attach = "tracepoint"`, as on a kernel without BPF trampolines)
+    // under Secure Boot's lockdown: the lent GPU machines. The JIT off does not take trampolines
+    // away on x86-64 (measured: fentry and BPF-LSM still load and run with
+    // net.core.bpf_jit_enable=0, the trampoline is emitted by the arch code and calls the
+    // interpreter), so the attach preference stands in for it.
+    (
+        "tracepoint-only",
+        "rung=none memory=react guard=restore view=no",
+    ),
+    // The machine the tests run on: what it must show follows from what its kernel offers
+    // (`host_expectation`); on this project's CI host (tracepoints only, under lockdown)
+    // `rung=none memory=react guard=restore view=no`.
+    ("host", ""),
+];
+
+/// What the host row must show, from what its kernel accepted: the strongest hook it loads, deny
+/// with a hook, react without; the guard refuses (a hook, no rewrite), clamps (a rewrite) or
+/// reacts and restores (neither); the view where the rewrite is allowed.
+pub(super) fn host_expectation(caps: &gpud::probes::KernelCaps) -> String {
+    let rung = if caps.bpf_lsm {
+        "lsm"
+    } else if caps.fmod_ret {
+        "fmod_ret"
+    } else {
+        "none"
+    };
+    let hook = rung != "none";
+    let guard = match (hook, caps.probe_write_user) {
+        (_, true) => "clamp",
+        (true, false) => "deny",
+        (false, false) => "restore",
+    };
+    format!(
+        "rung={rung} memory={} guard={guard} view={}",
+        if hook { "deny" } else { "react" },
+        if caps.probe_write_user { "yes" } else { "no" }
+    )
+}
+
+/// One row of the kernel matrix: what gpud picks on this kernel and what holds, as the line
+/// `kernel-matrix: <row>: rung=… memory=… guard=… view=…`; fails where the row's expectation
+/// ([`MATRIX`]) does not hold, or memory goes over its limit by a byte (deny rows), or the
+/// crossing process lives on (react rows).
+pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
+    use gpud_tests::rm::{Ctl, Form};
+    const MIB: u64 = 1 << 20;
+    let want = MATRIX
+        .iter()
+        .find(|(r, _)| *r == row)
+        .map(|(_, w)| *w)
+        .with_context(|| format!("no matrix row {row:?}"))?;
+    let attach = if row == "tracepoint-only" {
+        AttachPreference::Tracepoint
+    } else {
+        AttachPreference::Auto
+    };
+    let _watchdog = inproc::Watchdog::arm(std::time::Duration::from_secs(120));
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) only sets a flag of this process.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    let tag = format!("matrix-{row}");
+    let (fake, ctl) = stage(&format!("/tmp/{tag}-fake"))?;
+    // As the daemon starts by default: every choice `auto`, the react action `kill`; its own
+    // bpffs, mounted by the probes (the host may have none at /sys/fs/bpf).
+    let Opened {
+        core,
+        events: mut ring,
+        mut restorer,
+        ..
+    } = open_stack(
+        &tag,
+        &ctl,
+        &[
+            ("probes.attach", attach.as_str()),
+            ("enforcement.react_action", "kill"),
+        ],
+    )
+    .context("opening gpud's kernel stack with the defaults")?;
+    let mut attribution = core.attribution;
+    let mut settings = core.settings;
+    let root = attribution.cgroup_root().to_owned();
+    let probes = attribution.probes();
+    let rung = probes.ladder().in_force.as_str();
+    let caps = probes.caps().clone();
+    let deny = probes.tier() == Tier::Deny;
+    let view = match probes.memory_info() {
+        gpud::probes::MemoryInfoState::Unavailable(why) => format!("no ({why})"),
+        _ => "yes".to_owned(),
+    };
+    for (hook, why) in &probes.ladder().refused {
+        println!("[{tag}] {} not used: {why}", hook.as_str());
+    }
+    let reacts = probes.guard().reacts();
+    // The daemon's restorer, run here in turn with the ring (the tenants are forked: no threads).
+    ensure!(
+        restorer.is_some() == reacts,
+        "the guard reacts: {reacts}, a restorer: {}",
+        restorer.is_some()
+    );
+    let mut undone = 0;
+    let mut pump_all = |ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+                        attribution: &mut Attribution|
+     -> anyhow::Result<()> {
+        while let Some(item) = ring.next() {
+            let record = Record::decode(&item);
+            if let Ok(Record::Restore(r)) = record {
+                let restorer = restorer
+                    .as_mut()
+                    .context("an undo asked of a guard that rewrites")?;
+                restorer.apply(&r).with_context(|| {
+                    format!(
+                        "undoing a tenant's control (pid {}, verdict {:#x}, object {:#x})",
+                        r.tgid, r.verdict, r.object
+                    )
+                })?;
+                undone += 1;
+            } else if let Ok(Record::Event(ev)) = record {
+                attribution.on_kernel_event(&ev);
+            }
+        }
+        Ok(())
+    };
+    let cg = root.join(&tag);
+    std::fs::create_dir_all(&cg)?;
+    let (_, id) = attribution.id_of(&format!("/{tag}"))?;
+    settings.set_limit(id, gpud_common::GPU_ALL, 8 * MIB)?;
+
+    // Memory: 4 MiB, then 6 MiB that would take the cgroup to 10 over a limit of 8, then 2 MiB
+    // that fits (the driver, and the fake, round to 2 MiB pages).
+    let (c, dir) = (ctl.clone(), cg.clone());
+    let held = inproc::fork_held(move || {
+        let (f, client, dev) = match device_in(&c, &dir) {
+            Ok(t) => t,
+            Err(e) => return e,
+        };
+        let rm = Ctl::new(&f);
+        let first = rm.alloc_vidmem(client, dev, 4 * MIB, Form::Nvos64);
+        let second = rm.alloc_vidmem(client, dev, 6 * MIB, Form::Nvos21);
+        // Reached only if the crossing call returned to this process.
+        let after = rm.alloc_vidmem(client, dev, 2 * MIB, Form::Nvos64);
+        std::mem::forget(f);
+        format!(
+            "first={} second={}/{} after={}",
+            first.ok(),
+            second.ret,
+            second.errno,
+            after.ok()
+        )
+    })?;
+    let memory = if deny {
+        let expect = format!("first=true second=-1/{} after=true", libc::ENOMEM);
+        ensure!(
+            held.report == expect,
+            "child: {} (wanted {expect})",
+            held.report
+        );
+        let used = fake.snapshot().used_total();
+        ensure!(
+            used == 6 * MIB,
+            "the driver holds {used} bytes for the cgroup (limit 8 MiB, 0 over)"
+        );
+        held.release();
+        "deny"
+    } else {
+        // The kill is sent from the probe before the crossing call returns: the child never
+        // reports, and dies of SIGKILL.
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(held.pid as i32, &mut status, 0) };
+        ensure!(
+            held.report.is_empty(),
+            "the crossing process went on: {}",
+            held.report
+        );
+        ensure!(
+            libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL,
+            "the crossing process was not killed (status {status:#x})"
+        );
+        drop(held);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            pump_all(&mut ring, &mut attribution)?;
+            attribution.release_closed_files();
+            if attribution.memory_of(id).current.get("all") == Some(&0) {
+                break;
+            }
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "the killed process's memory is still charged: {:?}",
+                attribution.memory_of(id)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        "react"
+    };
+
+    // The guard: a tenant asks for a 1 s timeslice; what is in force 5 ms later.
+    let allowance = gpud::enforcement::guard::allowance(None);
+    let mut a = guard_tenant(&ctl, &cg)?;
+    let mut b = guard_tenant(&ctl, &cg)?;
+    let set = a.ask("ts 1000000")?;
+    pump_all(&mut ring, &mut attribution)?;
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let later: u64 = a.ask("get")?.parse().context("GET_TIMESLICE")?;
+    let guard = if set.starts_with(&format!("errno={} ", libc::EPERM)) {
+        "deny"
+    } else if set.ends_with(&format!(" got={allowance}")) {
+        "clamp"
+    } else if later == allowance {
+        "restore"
+    } else {
+        "report"
+    };
+    ensure!(
+        guard == "report" || later <= allowance,
+        "a timeslice of {later} µs in force 5 ms after a {guard} (allowance {allowance})"
+    );
+    // A neighbour's channels: disabled by a tenant naming them, and whether they stay so.
+    let ib: Vec<String> = b.ask("ids")?.split(' ').map(str::to_owned).collect();
+    // Killed before it answers where the guard reacts with `kill`.
+    let r = a
+        .ask(&format!("disable {} {}", ib[0], ib[2]))
+        .unwrap_or_else(|e| format!("no answer: {e}"));
+    pump_all(&mut ring, &mut attribution)?;
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let enabled = fake
+        .snapshot()
+        .channels
+        .iter()
+        .find(|c| format!("{:#x}", c.handle) == ib[2] && format!("{:#x}", c.client) == ib[0])
+        .map(|c| c.enabled);
+    let neighbour = match enabled {
+        Some(true) => "kept",
+        Some(false) => "left disabled",
+        None => "gone",
+    };
+    println!("[{tag}] a neighbour's channels after a foreign disable ({r}): {neighbour}");
+    if reacts {
+        // Under the default react action the caller of the foreign disable was killed.
+        let caller_gone = a.ask("get").is_err();
+        println!("[{tag}] the foreign disable's caller killed: {caller_gone}; undone: {undone}");
+        ensure!(caller_gone, "the caller of a foreign disable lives on");
+    }
+    drop((a, b));
+    attribution.shutdown(false);
+    drop(fake);
+    let _ = std::fs::remove_dir(&cg);
+
+    let line = format!("rung={rung} memory={memory} guard={guard} view={view}");
+    let derived;
+    let want = if want.is_empty() {
+        derived = host_expectation(&caps);
+        derived.as_str()
+    } else {
+        want
+    };
+    let expected_view = want.rsplit_once("view=").map_or("", |(_, v)| v);
+    let (got_head, got_view) = line.rsplit_once(" view=").unwrap_or((&line, ""));
+    let (want_head, _) = want.rsplit_once(" view=").unwrap_or((want, ""));
+    ensure!(
+        got_head == want_head && got_view.starts_with(expected_view),
+        "kernel-matrix: {row}: {line} (wanted {want})"
+    );
+    // Where a hook or the rewrite acts, a neighbour's channels are never left disabled.
+    ensure!(
+        guard == "report" || neighbour == "kept",
+        "a neighbour's channels were {neighbour} on a row whose guard acts ({guard})"
+    );
+    Ok(format!("kernel-matrix: {row}: {line}"))
+}
+
+pub(super) fn check_lsm_probe() -> anyhow::Result<()> {
+    let standin = PathBuf::from("/tmp/vmtest-caps-standin");
+    std::fs::write(&standin, b"")?;
+    let Opened { core, .. } = open_stack("caps", &standin, &[("enforcement.tier", "react")])?;
+    let caps = core.attribution.probes().caps().clone();
+    let mode = core.attribution.probes().mode();
+    core.close(false);
+    if !(caps.fentry && caps.bpf_lsm && caps.tracepoint) {
+        bail!("expected fentry, bpf_lsm and tracepoint on this kernel: {caps:?}");
+    }
+    ensure!(
+        mode == AttachMode::Fentry,
+        "auto chose {mode:?} although fentry loads"
+    );
+    Ok(())
+}
