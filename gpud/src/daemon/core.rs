@@ -5,26 +5,73 @@
 //! the benchmarks run instead of a copy of it; [`Core::route`] is the state task's routing of
 //! kernel events, and [`Core::drain`] the same for a caller without a state task.
 
-use std::path::PathBuf;
+use std::{collections::BTreeMap, path::PathBuf};
 
 use aya::maps::{MapData, RingBuf};
 use tracing::{info, warn};
 
-use super::{DaemonInfo, StartError};
 use crate::{
-    attribution::Attribution,
-    cgroupfs::{CgroupFs, Freezer},
+    attribution::{Attribution, AttributionError},
+    cgroupfs::{CgroupError, CgroupFs, Freezer},
     config::Config,
     enforcement::{GpuCatalog, MemoryEnforcement, guard, restore::Restorer},
     notice::Notice,
-    policy::LimitStore,
+    policy::{LimitStore, PolicyError},
     probes::{
-        self, DynamicMajors, KernelSettings, Matcher, ProbeSetup, Probes,
+        self, DynamicMajors, KernelSettings, Matcher, ProbeError, ProbeSetup, Probes,
         caps::DmemRegion,
+        devices::DeviceError,
         events::{KernelEvent, Record},
     },
     report::Chain,
 };
+
+/// Facts fixed at start-up, reported on D-Bus and in the metrics.
+#[derive(Clone, Debug)]
+pub struct DaemonInfo {
+    pub version: String,
+    pub attach_mode: String,
+    /// GPU-memory enforcement tier in force: `deny`, `react` or `dmem`.
+    pub enforcement_tier: String,
+    /// What the react tier does: `kill`, `freeze` or `notify`.
+    pub react_action: String,
+    pub kernel_capabilities: BTreeMap<String, bool>,
+    /// The pre-driver hook in force: `lsm`, `fmod_ret` or `none`.
+    pub deny_hook: String,
+    /// Why each hook above the one in force is not used, by hook name.
+    pub deny_hook_refusals: BTreeMap<String, String>,
+    /// The driver's own limits: `dmem: …` with its regions, or `none: …` and why.
+    pub driver_limits: String,
+    pub cgroup_root: String,
+    pub probes_resumed: bool,
+}
+
+/// Why the daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The state directory or the stored limits need a person (exit status 78).
+    #[error(transparent)]
+    Limits(PolicyError),
+    #[error("cannot locate the cgroup v2 hierarchy")]
+    Cgroups(#[source] CgroupError),
+    #[error("cannot identify the NVIDIA device files")]
+    Devices(#[source] DeviceError),
+    #[error("cannot start the eBPF probes")]
+    Probes(#[source] ProbeError),
+    #[error("cannot read the probes' maps")]
+    Attribution(#[source] AttributionError),
+}
+
+impl StartError {
+    /// Whether a person must act before a restart can help (a corrupt or unusable state
+    /// directory), like a configuration error.
+    pub fn needs_a_person(&self) -> bool {
+        matches!(
+            self,
+            Self::Limits(PolicyError::CorruptState { .. } | PolicyError::StateDir { .. })
+        )
+    }
+}
 
 /// The state that kernel events change: the accounting, the memory limits, and the one writer
 /// of the kernel's settings.

@@ -7,40 +7,17 @@ use std::{collections::BTreeMap, sync::Arc};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::{
-    Message,
     joins::NvmlUsage,
+    messages::{ComputeStats, DaemonError, Message, NvmlStatus, Request},
     view::{Reader, View},
 };
 use crate::{
-    attribution::{AttributionError, CgroupView, ProcessView},
+    attribution::{CgroupView, ProcessView},
     config::Config,
-    enforcement::{EnforcementError, LimitEntry, compute::ComputeStat},
+    enforcement::LimitEntry,
     nvml::{AttributedXid, GpuStatus},
     policy::{LimitUpdate, idle::IdleEntry},
 };
-
-/// Per cgroup path, what the compute controller does.
-pub type ComputeStats = BTreeMap<String, ComputeStat>;
-
-/// Why a request to the state task failed.
-#[derive(Debug, thiserror::Error)]
-pub enum DaemonError {
-    /// The state task is gone (the daemon is stopping).
-    #[error("the daemon is shutting down")]
-    Stopped,
-    #[error(transparent)]
-    Attribution(#[from] AttributionError),
-    #[error(transparent)]
-    Enforcement(#[from] EnforcementError),
-}
-
-/// Whether NVML answers, and why not.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NvmlStatus {
-    pub available: bool,
-    /// `available`, or the reason it is not (library missing, no GPU, the failing call).
-    pub status: String,
-}
 
 /// Everything one metrics scrape shows, from one view of the state task.
 #[derive(Clone, Debug, Default)]
@@ -54,30 +31,6 @@ pub struct Figures {
     pub compute: ComputeStats,
     /// Tenants' scheduling controls the guard acted on, by (cgroup, control, action).
     pub guard_counts: crate::enforcement::guard::GuardCounts,
-}
-
-/// Changes for the state task, each with its reply channel (reads go to the published
-/// [`View`], but for one cgroup when that is stale).
-pub(super) enum Request {
-    /// One cgroup, when the view is stale (a whole new view costs far more).
-    GetCgroup {
-        path: String,
-        reply: oneshot::Sender<Result<CgroupView, AttributionError>>,
-    },
-    SetLimits {
-        cgroup: String,
-        gpu: String,
-        update: LimitUpdate,
-        reply: oneshot::Sender<Result<(), EnforcementError>>,
-    },
-    ClearLimits {
-        cgroup: String,
-        gpu: String,
-        names: Vec<String>,
-        reply: oneshot::Sender<Result<(), EnforcementError>>,
-    },
-    /// A reloaded configuration: each owner applies its live keys.
-    Reconfigure(Box<Config>, oneshot::Sender<()>),
 }
 
 /// The state task's handle: cheap to clone, one per API object.

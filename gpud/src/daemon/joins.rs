@@ -10,7 +10,6 @@ use std::{
 use tokio::sync::mpsc;
 use tracing::debug;
 
-use super::State;
 use crate::{
     attribution::{Attribution, TenantObjects},
     enforcement::{
@@ -20,7 +19,6 @@ use crate::{
             law::{DeviceSample, ProcSample, Reading, Tenant},
         },
     },
-    notice::Notice,
     nvml::{CgroupUsage, NvmlView, ProcessSample},
     policy::idle::Observation,
 };
@@ -65,7 +63,10 @@ pub(super) fn nvml_usage(attribution: &mut Attribution, nvml: &NvmlView) -> Vec<
 /// NVML-reported processes, per GPU index, with the larger of the probes' and NVML's memory
 /// figure and NVML's utilization. A process without a utilization sample since the previous one
 /// did not run on the GPU: it counts as 0 %.
-fn idle_observations(attribution: &mut Attribution, nvml: &NvmlView) -> Vec<Observation> {
+pub(super) fn idle_observations(
+    attribution: &mut Attribution,
+    nvml: &NvmlView,
+) -> Vec<Observation> {
     let mut seen: BTreeMap<(String, u32), Observation> = BTreeMap::new();
     for c in attribution.list() {
         if c.pids.is_empty() {
@@ -105,21 +106,6 @@ fn idle_observations(attribution: &mut Attribution, nvml: &NvmlView) -> Vec<Obse
         o.util = if u.sampled { u.sm_util } else { 0 };
     }
     seen.into_values().collect()
-}
-
-/// Runs the idle rule on the current figures and forwards its transitions.
-pub(super) fn update_idle(state: &mut State) {
-    let now = std::time::Instant::now();
-    let changes = if state.nvml.available {
-        let obs = idle_observations(&mut state.core.attribution, &state.nvml);
-        state.idle.observe(now, std::time::SystemTime::now(), obs)
-    } else {
-        // Utilization unknown: no cgroup can be called idle.
-        state.idle.reset(now)
-    };
-    for c in changes {
-        state.outputs.notices.send(Notice::IdleChanged(c));
-    }
 }
 
 /// What the state task keeps to feed the compute task.

@@ -17,7 +17,7 @@ use inotify::{EventMask, Inotify, WatchDescriptor, WatchMask};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, warn};
 
-use super::Message;
+use super::messages::Message;
 
 /// Runs until shutdown: watches the parent of every directory in `dirs` and tells the state
 /// task when one of those directories is removed.

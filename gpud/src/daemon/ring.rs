@@ -5,7 +5,7 @@ use aya::maps::{MapData, RingBuf};
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracing::warn;
 
-use super::Message;
+use super::messages::Message;
 use crate::probes::events::Record;
 
 /// Forwards ring-buffer records to the state task until the channel closes.

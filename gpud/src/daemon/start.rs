@@ -11,68 +11,21 @@ use tokio::{
 };
 use tracing::{info, warn};
 
-use super::core::Opened;
 use super::{
-    Handle, Intervals, LiveSettings, Message, Senders, State, handle::ComputeStats,
+    core::{DaemonInfo, Opened, StartError},
+    handle::Handle,
+    messages::{ComputeStats, Message},
     ring::read_events,
+    state::{Intervals, LiveSettings, Senders, State},
+    task::run_state,
 };
 use crate::{
-    attribution::AttributionError,
-    cgroupfs::CgroupError,
     config::Config,
     enforcement::compute,
     notice::{Notice, NoticeBus, NoticeCounts},
     nvml::{NvmlView, Sampler, SamplerSettings},
-    policy::{PolicyError, idle::IdleTracker},
-    probes::{ProbeError, devices::DeviceError},
+    policy::idle::IdleTracker,
 };
-
-/// Facts fixed at start-up, reported on D-Bus and in the metrics.
-#[derive(Clone, Debug)]
-pub struct DaemonInfo {
-    pub version: String,
-    pub attach_mode: String,
-    /// GPU-memory enforcement tier in force: `deny`, `react` or `dmem`.
-    pub enforcement_tier: String,
-    /// What the react tier does: `kill`, `freeze` or `notify`.
-    pub react_action: String,
-    pub kernel_capabilities: BTreeMap<String, bool>,
-    /// The pre-driver hook in force: `lsm`, `fmod_ret` or `none`.
-    pub deny_hook: String,
-    /// Why each hook above the one in force is not used, by hook name.
-    pub deny_hook_refusals: BTreeMap<String, String>,
-    /// The driver's own limits: `dmem: …` with its regions, or `none: …` and why.
-    pub driver_limits: String,
-    pub cgroup_root: String,
-    pub probes_resumed: bool,
-}
-
-/// Why the daemon could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    /// The state directory or the stored limits need a person (exit status 78).
-    #[error(transparent)]
-    Limits(PolicyError),
-    #[error("cannot locate the cgroup v2 hierarchy")]
-    Cgroups(#[source] CgroupError),
-    #[error("cannot identify the NVIDIA device files")]
-    Devices(#[source] DeviceError),
-    #[error("cannot start the eBPF probes")]
-    Probes(#[source] ProbeError),
-    #[error("cannot read the probes' maps")]
-    Attribution(#[source] AttributionError),
-}
-
-impl StartError {
-    /// Whether a person must act before a restart can help (a corrupt or unusable state
-    /// directory), like a configuration error.
-    pub fn needs_a_person(&self) -> bool {
-        matches!(
-            self,
-            Self::Limits(PolicyError::CorruptState { .. } | PolicyError::StateDir { .. })
-        )
-    }
-}
 
 /// A started daemon: its handle, its facts, and what [`Running::stop`] needs.
 pub struct Running {
@@ -229,7 +182,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
         view_reader,
         compute_on.then_some(compute_stats_rx),
     );
-    let state = tokio::spawn(super::run_state(
+    let state = tokio::spawn(run_state(
         state,
         views,
         Intervals::of(config),

@@ -27,7 +27,11 @@ use std::{
 
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::{DaemonError, Message, NvmlStatus, State, handle::Request, joins};
+use super::{
+    joins,
+    messages::{DaemonError, Message, NvmlStatus, Request},
+    state::State,
+};
 use crate::{
     attribution::{AttributionError, CgroupView, KernelCounters, MemoryView, ProcessView},
     cgroupfs::{CgroupFs, id_at},
