@@ -13,10 +13,12 @@
 
 #![warn(missing_docs)]
 
+pub mod cgroup_path;
 pub mod error;
 pub mod limits;
 pub mod model;
 pub mod proxy;
+pub mod report;
 
 pub use error::ApiError;
 pub use model::{

@@ -10,7 +10,7 @@
 //! the daemon's): where the hierarchy is mounted, a process's cgroup, and the normal form of a
 //! path as gpud's D-Bus API takes it.
 
-use std::path::{Component, Path, PathBuf};
+use std::path::PathBuf;
 
 use super::RuntimeError;
 
@@ -120,32 +120,9 @@ fn path_in_proc_cgroup(text: &str) -> Option<String> {
 }
 
 /// A cgroup path ("/", "/a/b" or "a/b") in the normal form gpud's API takes ("/a/b"), or why it
-/// is none: anything that could leave the hierarchy is refused.
+/// is none (gpud-api's rule: anything that could leave the hierarchy is refused).
 pub fn normalize(path: &str) -> Result<String, String> {
-    let invalid = |reason: &str| {
-        let shown: String = path.chars().take(256).collect();
-        format!("invalid cgroup path {shown:?}: {reason}")
-    };
-    if path.is_empty() {
-        return Err(invalid("empty"));
-    }
-    if path.len() > 4096 {
-        return Err(invalid("longer than 4096 bytes"));
-    }
-    if path.contains('\0') {
-        return Err(invalid("contains a NUL byte"));
-    }
-    let mut parts = Vec::new();
-    for c in Path::new(path).components() {
-        match c {
-            Component::RootDir => {}
-            Component::Normal(n) => parts.push(n.to_string_lossy().into_owned()),
-            Component::CurDir | Component::ParentDir | Component::Prefix(_) => {
-                return Err(invalid("`.` and `..` are not allowed"));
-            }
-        }
-    }
-    Ok(format!("/{}", parts.join("/")))
+    gpud_api::cgroup_path::normalize(path).map_err(|e| e.to_string())
 }
 
 /// Where the cgroup v2 hierarchy is mounted, from `/proc/self/mountinfo` (never assumed to be

@@ -1,23 +1,7 @@
 //! How errors are printed at the edges (the hook's message, the plugin's log and ttrpc status):
-//! an error's Display says what failed and its cause is only its source, so an error printed
-//! with [`Chain`] shows every cause exactly once.
+//! gpud-api's [`Chain`], which shows every cause of an error exactly once.
 
-use std::fmt;
-
-/// An error and its causes: `what failed: why: deeper cause`.
-pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
-
-impl fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut cause = self.0.source();
-        while let Some(e) = cause {
-            write!(f, ": {e}")?;
-            cause = e.source();
-        }
-        Ok(())
-    }
-}
+pub use gpud_api::report::Chain;
 
 #[cfg(test)]
 mod tests {

@@ -7,7 +7,7 @@
 use std::{
     collections::HashMap,
     os::{fd::AsRawFd, unix::fs::MetadataExt},
-    path::{Component, Path, PathBuf},
+    path::{Path, PathBuf},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -123,30 +123,10 @@ impl CgroupFs {
     /// Validates a cgroup path given by a client ("/", "/a/b" or "a/b") and returns its
     /// normal form ("/a/b"). Rejects anything that could leave the hierarchy.
     pub fn normalize(path: &str) -> Result<String, CgroupError> {
-        let invalid = |reason| CgroupError::InvalidPath {
-            path: path.chars().take(256).collect(),
-            reason,
-        };
-        if path.is_empty() {
-            return Err(invalid("empty"));
-        }
-        if path.len() > 4096 {
-            return Err(invalid("longer than 4096 bytes"));
-        }
-        if path.contains('\0') {
-            return Err(invalid("contains a NUL byte"));
-        }
-        let mut parts = Vec::new();
-        for c in Path::new(path).components() {
-            match c {
-                Component::RootDir => {}
-                Component::Normal(n) => parts.push(n.to_string_lossy().into_owned()),
-                Component::CurDir | Component::ParentDir | Component::Prefix(_) => {
-                    return Err(invalid("`.` and `..` are not allowed"));
-                }
-            }
-        }
-        Ok(format!("/{}", parts.join("/")))
+        gpud_api::cgroup_path::normalize(path).map_err(|e| CgroupError::InvalidPath {
+            path: e.path,
+            reason: e.reason,
+        })
     }
 
     /// The id of the cgroup at `path` (relative to the root, already normalized).

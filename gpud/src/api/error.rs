@@ -29,11 +29,10 @@ impl From<EnforcementError> for ApiError {
             EnforcementError::Policy(PolicyError::Write { .. }) | EnforcementError::Setting(_) => {
                 Self::Failed(text)
             }
-            EnforcementError::InventoryUnavailable { .. } => Self::Unavailable(text),
-            EnforcementError::Policy(_)
-            | EnforcementError::UnknownGpu(..)
-            | EnforcementError::NoInventory { .. }
-            | EnforcementError::SameGpu { .. } => Self::InvalidArgument(text),
+            EnforcementError::Policy(PolicyError::InventoryUnavailable { .. }) => {
+                Self::Unavailable(text)
+            }
+            EnforcementError::Policy(_) => Self::InvalidArgument(text),
         }
     }
 }

@@ -12,8 +12,9 @@ use gpud_common::{IOCTL_CLASS_NAMES, IoctlCounts};
 use crate::{
     attribution::{CgroupView, ProcessView},
     daemon::NvmlUsage,
-    enforcement::{LimitEntry, compute::ComputeStat},
+    enforcement::compute::ComputeStat,
     nvml::{AttributedXid, GpuStatus},
+    policy::LimitEntry,
     policy::idle::IdleEntry,
 };
 

@@ -14,9 +14,9 @@ use crate::{
     attribution::{Attribution, AttributionError},
     cgroupfs::{CgroupError, CgroupFs, Freezer},
     config::Config,
-    enforcement::{GpuCatalog, MemoryEnforcement, guard, restore::Restorer},
+    enforcement::{MemoryEnforcement, guard, restore::Restorer},
     notice::Notice,
-    policy::{LimitStore, PolicyError},
+    policy::{GpuCatalog, LimitStore, PolicyError, PolicyStore},
     probes::{
         self, DynamicMajors, KernelSettings, Matcher, ProbeError, ProbeSetup, Probes,
         caps::DmemRegion,
@@ -73,10 +73,11 @@ impl StartError {
     }
 }
 
-/// The state that kernel events change: the accounting, the memory limits, and the one writer
-/// of the kernel's settings.
+/// The state that kernel events change and the API's changes go through: the accounting, the
+/// stored policies, the memory limits put in force, and the one writer of the kernel's settings.
 pub struct Core {
     pub attribution: Attribution,
+    pub policies: PolicyStore,
     pub memory: MemoryEnforcement,
     pub settings: KernelSettings,
 }
@@ -192,12 +193,14 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
     } else {
         GpuCatalog::Disabled
     };
-    let mut memory = MemoryEnforcement::new(store, tier, config.enforcement.react_action, catalog);
-    memory.restore(&mut attribution, &mut settings);
-    guard::sync_allowances(&mut attribution, &mut settings, memory.policies());
+    let mut policies = PolicyStore::new(store, catalog);
+    let mut memory = MemoryEnforcement::new(tier, config.enforcement.react_action);
+    memory.restore(&mut attribution, &mut settings, &mut policies);
+    guard::sync_allowances(&mut attribution, &mut settings, policies.policies());
     Ok(Opened {
         core: Core {
             attribution,
+            policies,
             memory,
             settings,
         },

@@ -14,9 +14,8 @@ use super::{
 use crate::{
     attribution::{CgroupView, ProcessView},
     config::Config,
-    enforcement::LimitEntry,
     nvml::{AttributedXid, GpuStatus},
-    policy::{LimitUpdate, idle::IdleEntry},
+    policy::{LimitEntry, LimitUpdate, idle::IdleEntry},
 };
 
 /// Everything one metrics scrape shows, from one view of the state task.

@@ -20,7 +20,7 @@ use crate::{
         },
     },
     nvml::{CgroupUsage, NvmlView, ProcessSample},
-    policy::idle::Observation,
+    policy::{PolicyStore, idle::Observation},
 };
 
 /// NVML's figures for one cgroup on one GPU beside the memory the probes charged to it.
@@ -138,8 +138,9 @@ pub(super) fn feed_compute(
     attribution: &mut Attribution,
     nvml: &NvmlView,
     memory: &MemoryEnforcement,
+    store: &PolicyStore,
 ) {
-    let policies = memory.compute_policies();
+    let policies = store.compute_policies();
     let unit_of = |path: &str| -> String {
         policies
             .iter()
@@ -168,7 +169,7 @@ pub(super) fn feed_compute(
         .map(|(p, unit)| Tenant {
             pid: p.pid,
             gpu: p.gpu,
-            limits: memory
+            limits: store
                 .compute_policy_for(unit, p.gpu, gpus_of[unit.as_str()].len() as u32)
                 .unwrap_or_default(),
             unit: unit.clone(),

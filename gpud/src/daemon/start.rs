@@ -75,21 +75,12 @@ impl Running {
 /// Starts the daemon's core from `config` (inside a tokio runtime): everything but the API, which
 /// serves the returned handle and publishes its notices.
 pub fn spawn(config: &Config) -> Result<Running, StartError> {
-    let Opened {
-        core,
-        events,
-        held,
-        info,
-        matcher,
-        freezer,
-        cgroup_root,
-        dmem_regions,
-        restorer,
-    } = super::core::open(config)?;
-    let dmem = (!dmem_regions.is_empty())
-        .then(|| crate::enforcement::dmem::DmemLimits::new(&cgroup_root, dmem_regions));
+    let opened: Opened = super::core::open(config)?;
+    let (core, cgroup_root) = (opened.core, opened.cgroup_root);
+    let dmem = (!opened.dmem_regions.is_empty())
+        .then(|| crate::enforcement::dmem::DmemLimits::new(&cgroup_root, opened.dmem_regions));
     // The restorer undoes tenants' controls on its own thread.
-    let restore = restorer.and_then(|r| {
+    let restore = opened.restorer.and_then(|r| {
         crate::enforcement::restore::spawn(r)
             .inspect_err(|e| warn!("cannot start the scheduler guard's restorer: {e}"))
             .ok()
@@ -98,7 +89,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
     if compute_on {
         // A crash may have left cgroups frozen mid-period: thaw every cgroup with a compute
         // policy before the controller starts.
-        for (path, _, _) in core.memory.compute_policies() {
+        for (path, _, _) in core.policies.compute_policies() {
             if crate::cgroupfs::freeze_at(&cgroup_root, &path, false).is_ok() {
                 info!(cgroup = %path, "thawed at start-up");
             }
@@ -144,11 +135,11 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
     let controller = compute_on.then(|| {
         tokio::spawn(compute::run(
             compute::Settings {
-                freezer,
-                matcher,
+                freezer: opened.freezer,
+                matcher: opened.matcher,
                 params: compute::params(config),
                 hardware: config.compute.hardware,
-                held: Some(compute::channel::HeldGroups::new(held)),
+                held: Some(compute::channel::HeldGroups::new(opened.held)),
             },
             compute::Links {
                 input: control_rx,
@@ -162,7 +153,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
     if config.nvml.enabled {
         spawn_nvml_sampler(sampler_rx, tx.clone(), shutdown_rx.clone());
     }
-    let reader = tokio::spawn(read_events(events, tx.clone(), restore));
+    let reader = tokio::spawn(read_events(opened.events, tx.clone(), restore));
     tokio::spawn(super::removals::run(
         limited_dirs_rx,
         tx.clone(),
@@ -197,7 +188,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
     ));
     let running = Running {
         handle,
-        info,
+        info: opened.info,
         notices,
         notice_counts,
         shutdown,

@@ -16,9 +16,10 @@ use super::{
 use crate::{
     attribution::scan,
     config::Config,
-    enforcement::{GpuCatalog, compute, guard},
+    enforcement::{compute, guard},
     notice::Notice,
     nvml::{SamplerSettings, Update as NvmlUpdate},
+    policy::GpuCatalog,
     probes::events::KernelEvent,
     report::Chain,
 };
@@ -128,7 +129,8 @@ fn sweep_all(state: &mut State) {
     state.core.attribution.release_closed_files();
     state.core.attribution.sweep();
     state.core.attribution.sweep_memory();
-    state.core.memory.sweep(&mut state.core.attribution);
+    let core = &mut state.core;
+    core.memory.sweep(&mut core.attribution, &mut core.policies);
     guard::sweep(&mut state.core.attribution, &mut state.core.settings);
     release_free_heap();
 }
@@ -140,7 +142,10 @@ fn handle(state: &mut State, msg: Message) -> Option<Intervals> {
         Message::Kernel(ev) => on_kernel_event(state, &ev),
         Message::Nvml(NvmlUpdate::Xid { uuid, xid }) => on_xid(state, uuid, xid),
         Message::Nvml(update) => on_nvml(state, update),
-        Message::CgroupRemoved => state.core.memory.sweep(&mut state.core.attribution),
+        Message::CgroupRemoved => {
+            let core = &mut state.core;
+            core.memory.sweep(&mut core.attribution, &mut core.policies);
+        }
         // Answered by the loop before it gets here.
         Message::Refresh => {}
         Message::Scanned(pids) => {
@@ -166,6 +171,7 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
     let attribution = &mut state.core.attribution;
     let memory = &mut state.core.memory;
     let settings = &mut state.core.settings;
+    let policies = &mut state.core.policies;
     match request {
         Request::GetCgroup { path, reply: to } => {
             // Answers reflect every exit read so far.
@@ -180,7 +186,7 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             update,
             reply: to,
         } => {
-            let done = memory.set(attribution, settings, &cgroup, &gpu, update);
+            let done = memory.set(attribution, settings, policies, &cgroup, &gpu, update);
             limits_changed(state);
             reply(to, done);
         }
@@ -190,7 +196,7 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             names,
             reply: to,
         } => {
-            let done = memory.clear(attribution, settings, &cgroup, &gpu, &names);
+            let done = memory.clear(attribution, settings, policies, &cgroup, &gpu, &names);
             limits_changed(state);
             reply(to, done);
         }
@@ -281,6 +287,7 @@ fn on_nvml(state: &mut State, update: NvmlUpdate) {
             &mut state.core.attribution,
             &state.nvml,
             &state.core.memory,
+            &state.core.policies,
         );
     }
     // Unavailable: no inventory (the Gpu1 objects go away until NVML answers again).
@@ -307,8 +314,12 @@ fn on_nvml(state: &mut State, update: NvmlUpdate) {
             GpuCatalog::Unavailable(state.nvml.status.clone())
         };
         let core = &mut state.core;
-        core.memory
-            .set_catalog(&mut core.attribution, &mut core.settings, catalog);
+        core.memory.set_catalog(
+            &mut core.attribution,
+            &mut core.settings,
+            &mut core.policies,
+            catalog,
+        );
     }
 }
 
@@ -317,7 +328,7 @@ fn publish_limited_dirs(state: &mut State) {
     let root = state.core.attribution.cgroup_root().to_owned();
     let dirs: BTreeSet<std::path::PathBuf> = state
         .core
-        .memory
+        .policies
         .list()
         .into_iter()
         .map(|l| root.join(l.cgroup.trim_start_matches('/')))
@@ -345,7 +356,10 @@ fn sync_dmem(state: &mut State) {
             .find(|g| g.info.index == gpu && g.info.mig.is_none())
             .and_then(|g| crate::probes::caps::PciAddr::parse(&g.info.pci_bus_id))
     };
-    for e in dmem.sync(state.core.memory.memory_limits(), pci_of) {
+    for e in dmem.sync(
+        state.core.memory.memory_limits(&state.core.policies),
+        pci_of,
+    ) {
         tracing::error!("the driver's limit is not in force: {}", Chain(&e));
     }
 }
@@ -356,7 +370,7 @@ fn sync_allowances(state: &mut State) {
     guard::sync_allowances(
         &mut core.attribution,
         &mut core.settings,
-        core.memory.policies(),
+        core.policies.policies(),
     );
 }
 

@@ -35,9 +35,9 @@ use super::{
 use crate::{
     attribution::{AttributionError, CgroupView, KernelCounters, MemoryView, ProcessView},
     cgroupfs::{CgroupFs, id_at},
-    enforcement::{LimitEntry, guard::GuardCounts},
+    enforcement::guard::GuardCounts,
     nvml::{AttributedXid, GpuStatus},
-    policy::idle::IdleEntry,
+    policy::{LimitEntry, idle::IdleEntry},
 };
 
 /// What the state task owns, at one moment.
@@ -214,7 +214,7 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         built: Instant::now(),
         by_path,
         processes: state.core.attribution.processes(),
-        limits: state.core.memory.list(),
+        limits: state.core.policies.list(),
         gpus: state.nvml.inventory(),
         nvml_usage: joins::nvml_usage(&mut state.core.attribution, &state.nvml),
         nvml: NvmlStatus {

@@ -7,6 +7,7 @@
 //! keeps what is in force ([`Limits`], one per cgroup and GPU) and stores it ([`LimitStore`]).
 
 pub mod idle;
+mod policies;
 mod store;
 
 use std::{collections::BTreeMap, path::PathBuf};
@@ -15,6 +16,7 @@ use gpud_api::limits::{InvalidGpu, LimitKind, LimitSet, LimitValue, dbus_names};
 use serde::{Deserialize, Serialize};
 
 pub use gpud_api::limits::{GpuSelector, Priority};
+pub use policies::{GpuCatalog, LimitEntry, PolicyStore};
 pub use store::{LimitStore, StoredLimit};
 
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +27,27 @@ pub enum PolicyError {
     UnknownLimit(String),
     #[error("limit {name}: {reason}")]
     InvalidValue { name: String, reason: String },
+    #[error("unknown GPU {0}: {1}")]
+    UnknownGpu(String, String),
+    /// NVML has not answered (yet, or any more): the selector cannot be checked now.
+    #[error("GPU {selector} cannot be checked now: NVML is unavailable ({reason}); try again")]
+    InventoryUnavailable { selector: String, reason: String },
+    /// NVML is off by configuration: per-GPU selectors cannot be checked at all.
+    #[error(
+        "GPU {selector} cannot be checked: NVML is disabled ([nvml] enabled = false); per-GPU \
+         limits need it, use `all`"
+    )]
+    NoInventory { selector: String },
+    /// One card under two selectors (an index and a UUID) on one cgroup: which limit holds?
+    #[error(
+        "GPU {selector} is GPU {index}, which this cgroup already has limits for as `{other}`: \
+         change them through `{other}`, or clear those first"
+    )]
+    SameGpu {
+        selector: String,
+        index: u32,
+        other: String,
+    },
     #[error("cannot write {path}")]
     Write {
         path: PathBuf,
