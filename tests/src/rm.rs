@@ -5,6 +5,9 @@
 //! ([`gpud_common::rm`]), commands are `_IOWR('F', nr, size)` ([`nv::nv_iowr`]), and every call
 //! reports what the driver reports — the `ioctl()` return value (with errno), the RM status in
 //! the struct, and the handle and size RM wrote back — without judging them.
+//!
+//! Here: the calling convention, allocations and frees; `control` has the RM controls on a
+//! [`Ctl`], `plain` the structs as bytes ([`Plain`]).
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
@@ -12,6 +15,11 @@ use gpud_common::{
     nv,
     rm::{self, Handle},
 };
+
+pub use plain::{Plain, bytes_of, bytes_of_mut, from_bytes, get_u32, get_u64, put_u32, put_u64};
+
+mod control;
+mod plain;
 
 /// RM classes: gpud-common's ([`gpud_common::rm::class`]) and the few more the tests' fake
 /// allocates.
@@ -48,68 +56,6 @@ pub mod nvos54_flags {
     pub const LOCK_BYPASS: u32 = 0x2;
     /// `NVOS54_FLAGS_FINN_SERIALIZED`.
     pub const FINN_SERIALIZED: u32 = 0x4;
-}
-
-/// Structs that may be viewed as bytes and made from any bytes: `#[repr(C)]`, `Copy`, every
-/// byte belongs to a field (the ABI structs spell out their padding), every bit pattern valid.
-///
-/// # Safety
-/// Implement only for types meeting the above.
-pub unsafe trait Plain: Copy + Default {}
-
-// SAFETY: each is #[repr(C)] with explicit padding fields and integer members only.
-unsafe impl Plain for rm::Nvos00 {}
-unsafe impl Plain for rm::Nvos21 {}
-unsafe impl Plain for rm::Nvos64 {}
-unsafe impl Plain for rm::Nvos32 {}
-unsafe impl Plain for rm::MemoryAllocationParams {}
-unsafe impl Plain for rm::Nv0080AllocParams {}
-unsafe impl Plain for rm::Nv2080AllocParams {}
-unsafe impl Plain for rm::NvIoctlXfer {}
-unsafe impl Plain for rm::Nvos54 {}
-unsafe impl Plain for rm::fb::GetInfoV2Params {}
-unsafe impl Plain for rm::tsg::ScheduleParams {}
-unsafe impl Plain for rm::tsg::TimesliceParams {}
-unsafe impl Plain for rm::tsg::PreemptParams {}
-unsafe impl Plain for rm::sched::DisableChannelsParams {}
-unsafe impl Plain for rm::sched::InterleaveParams {}
-unsafe impl Plain for rm::sched::RealtimeParams {}
-
-/// The bytes of `v`.
-pub fn bytes_of<T: Plain>(v: &T) -> &[u8] {
-    // SAFETY: `Plain` guarantees every byte is initialized.
-    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }
-}
-
-/// The bytes of `v`, writable.
-pub fn bytes_of_mut<T: Plain>(v: &mut T) -> &mut [u8] {
-    // SAFETY: `Plain` guarantees any bit pattern is a valid `T`.
-    unsafe { std::slice::from_raw_parts_mut((v as *mut T).cast::<u8>(), size_of::<T>()) }
-}
-
-/// A `T` from the first bytes of `b`; missing bytes read as zero.
-pub fn from_bytes<T: Plain>(b: &[u8]) -> T {
-    let mut v = T::default();
-    let dst = bytes_of_mut(&mut v);
-    let n = dst.len().min(b.len());
-    dst[..n].copy_from_slice(&b[..n]);
-    v
-}
-
-pub fn get_u32(b: &[u8], off: usize) -> u32 {
-    u32::from_ne_bytes(b[off..off + 4].try_into().expect("4 bytes"))
-}
-
-pub fn get_u64(b: &[u8], off: usize) -> u64 {
-    u64::from_ne_bytes(b[off..off + 8].try_into().expect("8 bytes"))
-}
-
-pub fn put_u32(b: &mut [u8], off: usize, v: u32) {
-    b[off..off + 4].copy_from_slice(&v.to_ne_bytes());
-}
-
-pub fn put_u64(b: &mut [u8], off: usize, v: u64) {
-    b[off..off + 8].copy_from_slice(&v.to_ne_bytes());
 }
 
 /// How a memory allocation is issued.
@@ -394,140 +340,6 @@ impl<'f> Ctl<'f> {
         // SAFETY: no params.
         let r = unsafe { self.alloc(&a) };
         if r.ok() { Ok(r.handle) } else { Err(r) }
-    }
-
-    /// `NVA06C_CTRL_CMD_SET_TIMESLICE` of `us` microseconds on channel group `tsg`.
-    pub fn set_timeslice(&self, client: Handle, tsg: Handle, us: u64) -> Reply {
-        let mut p = rm::tsg::TimesliceParams { timeslice_us: us };
-        self.control(client, tsg, rm::tsg::SET_TIMESLICE, &mut p)
-    }
-
-    /// `NVA06C_CTRL_CMD_GET_TIMESLICE` on channel group `tsg`: the reply and the timeslice (µs)
-    /// the parameters hold after the call (0 where the driver wrote nothing).
-    pub fn get_timeslice(&self, client: Handle, tsg: Handle) -> (Reply, u64) {
-        let mut p = rm::tsg::TimesliceParams::default();
-        let r = self.control(client, tsg, rm::tsg::GET_TIMESLICE, &mut p);
-        (r, p.timeslice_us)
-    }
-
-    /// `NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS` on `subdevice`: disables (or enables) the
-    /// channels named by `pairs` of (client, channel) handles, whichever client they belong
-    /// to. `numChannels` is `pairs.len()`; the lists hold the first
-    /// [`DISABLE_CHANNELS_MAX`](rm::sched::DISABLE_CHANNELS_MAX).
-    pub fn disable_channels(
-        &self,
-        client: Handle,
-        subdevice: Handle,
-        disable: bool,
-        pairs: &[(Handle, Handle)],
-    ) -> Reply {
-        let mut p = rm::sched::DisableChannelsParams {
-            disable: disable.into(),
-            num_channels: pairs.len() as u32,
-            ..Default::default()
-        };
-        for (i, &(c, h)) in pairs
-            .iter()
-            .take(rm::sched::DISABLE_CHANNELS_MAX)
-            .enumerate()
-        {
-            p.client_list[i] = c;
-            p.channel_list[i] = h;
-        }
-        self.control(client, subdevice, rm::sched::DISABLE_CHANNELS, &mut p)
-    }
-
-    /// Any RM control `cmd` on `object`, with the bytes of `params` as its parameters
-    /// (`paramsSize` their length; an empty slice is a null pointer and size 0): the scheduling
-    /// controls of [`rm::sched`] whatever their struct, or a size the driver refuses.
-    pub fn sched_control(
-        &self,
-        client: Handle,
-        object: Handle,
-        cmd: u32,
-        params: &mut [u8],
-    ) -> Reply {
-        let ptr = if params.is_empty() {
-            std::ptr::null_mut()
-        } else {
-            params.as_mut_ptr()
-        };
-        // SAFETY: `ptr` is null with size 0, or `params`, live and exactly that long.
-        unsafe { self.control_raw(client, object, cmd, ptr, params.len() as u32) }
-    }
-
-    /// `NV_ESC_RM_CONTROL` with `p` as it stands (any `flags`, `cmd`, pointer and size): the
-    /// reply, with the status RM wrote back into `p` as well.
-    ///
-    /// # Safety
-    /// `p.params` must be null or valid for reads and writes of `p.params_size` bytes.
-    pub unsafe fn control_nvos54(&self, p: &mut rm::Nvos54) -> Reply {
-        let (ret, errno) = self.escape(nv::NV_ESC_RM_CONTROL, p, false);
-        Reply {
-            ret,
-            errno,
-            status: p.status,
-            handle: p.h_object,
-            size: 0,
-        }
-    }
-
-    /// `NV_ESC_RM_CONTROL` `cmd` on `object` of `client`, with `params` as its parameters.
-    pub fn control<P: Plain>(
-        &self,
-        client: Handle,
-        object: Handle,
-        cmd: u32,
-        params: &mut P,
-    ) -> Reply {
-        let ptr = bytes_of_mut(params).as_mut_ptr();
-        // SAFETY: `params` is a live `P`, exactly the size declared.
-        unsafe { self.control_raw(client, object, cmd, ptr, size_of::<P>() as u32) }
-    }
-
-    /// `NV_ESC_RM_CONTROL` with `size` bytes at `params` declared as the parameters, whatever
-    /// they hold (for the malformed calls of the tests).
-    ///
-    /// # Safety
-    /// `params` must be valid for reads and writes of `size` bytes.
-    pub unsafe fn control_raw(
-        &self,
-        client: Handle,
-        object: Handle,
-        cmd: u32,
-        params: *mut u8,
-        size: u32,
-    ) -> Reply {
-        let mut p = rm::Nvos54 {
-            h_client: client,
-            h_object: object,
-            cmd,
-            flags: 0,
-            params: params as u64,
-            params_size: size,
-            status: 0,
-        };
-        // SAFETY: as the caller guarantees for `params`.
-        unsafe { self.control_nvos54(&mut p) }
-    }
-
-    /// `FB_GET_INFO_V2` on `subdevice` for `indices`: the reply and the (index, value) pairs
-    /// as they read after the call.
-    pub fn fb_info_v2(
-        &self,
-        client: Handle,
-        subdevice: Handle,
-        indices: &[u32],
-    ) -> (Reply, Vec<(u32, u32)>) {
-        use rm::fb;
-        let mut p = fb::GetInfoV2Params::default();
-        let n = indices.len().min(fb::MAX_LIST_SIZE);
-        p.list_size = n as u32;
-        for (e, i) in p.list.iter_mut().zip(indices) {
-            e.index = *i;
-        }
-        let r = self.control(client, subdevice, fb::GET_INFO_V2, &mut p);
-        (r, p.list[..n].iter().map(|e| (e.index, e.data)).collect())
     }
 
     /// `NV_ESC_RM_VID_HEAP_CONTROL` `NVOS32_FUNCTION_INFO` on `parent`: the reply, and the heap
