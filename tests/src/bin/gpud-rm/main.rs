@@ -52,10 +52,7 @@
 use std::{
     fs::File,
     io::Write as _,
-    os::{
-        fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
-        unix::net::{UnixListener, UnixStream},
-    },
+    os::unix::net::UnixListener,
     path::{Path, PathBuf},
 };
 
@@ -66,6 +63,14 @@ use gpud_tests::{
     rm::{Ctl, Form, MemRequest, Reply},
 };
 use serde_json::{Value, json};
+
+use fd::{recv_fd, redup, send_fd};
+use fork::{fork, handoff};
+use fuzz::fuzz;
+
+mod fd;
+mod fork;
+mod fuzz;
 
 struct State {
     path: Option<PathBuf>,
@@ -391,224 +396,6 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
         })
     })();
     Some(r.unwrap_or_else(err))
-}
-
-/// `fuzz CLIENT DEVICE SEED N`: N RM calls built from valid ones (an NVOS21/NVOS64 allocation
-/// of video memory under DEVICE, a VID_HEAP_CONTROL, a free) with random corruptions: classes,
-/// handles, sizes, flags, parameter pointers (garbage or null), ioctl sizes, XFER wrapping, random
-/// bytes. Deterministic for a seed. Answers how many calls the driver accepted.
-fn fuzz(ctl: &Ctl<'_>, client: u32, device: u32, seed: u64, n: u64) -> Value {
-    use gpud_common::rm::{self as r, MemoryAllocationParams, Nvos00, Nvos32, Nvos64};
-    let mut next = gpud_tests::rm::xorshift(seed);
-    let mut accepted = 0u64;
-    let mut handles: Vec<u32> = Vec::new();
-    for _ in 0..n {
-        let mut params = MemoryAllocationParams {
-            size: (next() % (8 << 20)) + 1,
-            ..Default::default()
-        };
-        if next().is_multiple_of(8) {
-            params.flags = next() as u32;
-        }
-        if next().is_multiple_of(8) {
-            params.attr = next() as u32;
-        }
-        let pick = next() % 10;
-        let mut buf = [0u8; 256];
-        let (nr, size) = match pick {
-            0..=5 => {
-                let mut a = Nvos64 {
-                    h_root: if next().is_multiple_of(10) {
-                        next() as u32
-                    } else {
-                        client
-                    },
-                    h_object_parent: if next().is_multiple_of(10) {
-                        next() as u32
-                    } else {
-                        device
-                    },
-                    h_class: match next() % 6 {
-                        0 => r::class::MEMORY_VIRTUAL,
-                        1 => next() as u32,
-                        _ => r::class::MEMORY_LOCAL_USER,
-                    },
-                    // Garbage pointers are in the kernel half, which no user mapping covers: the
-                    // driver's copy fails (EFAULT) and nothing in this process is written.
-                    p_alloc_parms: match next() % 10 {
-                        0 => 0,
-                        1 => next() | 1 << 63,
-                        _ => (&mut params as *mut MemoryAllocationParams) as u64,
-                    },
-                    flags: if next().is_multiple_of(10) {
-                        next() as u32
-                    } else {
-                        0
-                    },
-                    ..Default::default()
-                };
-                a.status = next() as u32; // an OUT field: garbage on the way in
-                buf[..48].copy_from_slice(gpud_tests::rm::bytes_of(&a));
-                let size = match next() % 6 {
-                    0 => 32,
-                    1 => (next() % 64) as u32,
-                    _ => 48,
-                };
-                (nv::NV_ESC_RM_ALLOC, size)
-            }
-            6 | 7 => {
-                let mut v = Nvos32 {
-                    h_root: client,
-                    h_object_parent: device,
-                    function: [2, 3, 6, 14, next() as u32][(next() % 5) as usize],
-                    ..Default::default()
-                };
-                for b in v.data.iter_mut() {
-                    if next().is_multiple_of(4) {
-                        *b = next() as u8;
-                    }
-                }
-                buf[..184].copy_from_slice(gpud_tests::rm::bytes_of(&v));
-                (nv::NV_ESC_RM_VID_HEAP_CONTROL, 184)
-            }
-            8 => {
-                let obj = match handles.last() {
-                    Some(h) if next().is_multiple_of(2) => *h,
-                    _ => next() as u32,
-                };
-                let f = Nvos00 {
-                    h_root: client,
-                    h_object_parent: 0,
-                    h_object_old: obj,
-                    status: 0,
-                };
-                buf[..16].copy_from_slice(gpud_tests::rm::bytes_of(&f));
-                (nv::NV_ESC_RM_FREE, 16)
-            }
-            _ => {
-                for b in buf.iter_mut() {
-                    *b = next() as u8;
-                }
-                // pAllocParms and pRightsRequested: kernel-half garbage, as above.
-                buf[16..24].copy_from_slice(&(next() | 1 << 63).to_le_bytes());
-                buf[24..32].copy_from_slice(&(next() | 1 << 63).to_le_bytes());
-                (nv::NV_ESC_RM_ALLOC, 48)
-            }
-        };
-        let (ret, _) = if next().is_multiple_of(4) {
-            let mut x = r::NvIoctlXfer {
-                cmd: nr,
-                size,
-                ptr: buf.as_mut_ptr() as u64,
-            };
-            let cmd = nv::nv_iowr(nv::NV_ESC_IOCTL_XFER_CMD, nv::NV_IOCTL_XFER_SIZE);
-            // SAFETY: `x` and `buf` (256 bytes, more than any size used here) live across the
-            // call; the only other pointers are `params` (live) or kernel-half garbage.
-            unsafe { ctl.raw(cmd, (&mut x as *mut r::NvIoctlXfer).cast()) }
-        } else {
-            // SAFETY: as above; `size` never exceeds `buf`.
-            unsafe { ctl.raw(nv::nv_iowr(nr, size), buf.as_mut_ptr()) }
-        };
-        if ret == 0 {
-            accepted += 1;
-            if nr == nv::NV_ESC_RM_ALLOC && size == 48 {
-                handles.push(u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]));
-            }
-        }
-    }
-    json!({ "ok": true, "calls": n, "accepted": accepted })
-}
-
-/// `dup2(fd, n)` onto the first free descriptor from 100, then closes `fd`: the same open
-/// file description under another number.
-fn redup(f: File) -> std::io::Result<(File, i32)> {
-    let mut target = 100;
-    // SAFETY: probing descriptor numbers with fcntl(F_GETFD) only reads the table.
-    while unsafe { libc::fcntl(target, libc::F_GETFD) } != -1 {
-        target += 1;
-    }
-    // SAFETY: `target` is free; dup2 makes it refer to `f`'s open file description.
-    if unsafe { libc::dup2(f.as_raw_fd(), target) } == -1 {
-        return Err(std::io::Error::last_os_error());
-    }
-    drop(f);
-    // SAFETY: `target` was just made ours by dup2.
-    Ok((unsafe { File::from_raw_fd(target) }, target))
-}
-
-/// Sends `f`'s descriptor over a new connection to `path` (SCM_RIGHTS).
-fn send_fd(path: &Path, f: &File) -> std::io::Result<()> {
-    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
-    let stream = UnixStream::connect(path)?;
-    let fds = [f.as_raw_fd()];
-    sendmsg::<()>(
-        stream.as_raw_fd(),
-        &[std::io::IoSlice::new(b"f")],
-        &[ControlMessage::ScmRights(&fds)],
-        MsgFlags::empty(),
-        None,
-    )?;
-    Ok(())
-}
-
-/// Accepts one connection on `l` and returns the descriptor sent over it.
-fn recv_fd(l: &UnixListener) -> std::io::Result<File> {
-    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
-    let (stream, _) = l.accept()?;
-    let mut byte = [0u8; 1];
-    let mut iov = [std::io::IoSliceMut::new(&mut byte)];
-    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-    let msg = recvmsg::<()>(
-        stream.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::MSG_CMSG_CLOEXEC,
-    )?;
-    for c in msg.cmsgs()? {
-        if let ControlMessageOwned::ScmRights(fds) = c
-            && let Some(&fd) = fds.first()
-        {
-            // SAFETY: the kernel installed `fd` in this process for us.
-            return Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }));
-        }
-    }
-    Err(std::io::Error::other("no descriptor in the message"))
-}
-
-/// Forks; the child takes over the script, the parent leaves at once without closing anything
-/// itself (as the first half of a daemon's double fork).
-fn handoff() -> Value {
-    let parent = std::process::id();
-    let _ = std::io::stdout().flush();
-    // SAFETY: this process is single-threaded here (`parallel` joins its threads).
-    match unsafe { libc::fork() } {
-        -1 => err(format!("fork: {}", std::io::Error::last_os_error())),
-        0 => json!({ "ok": true, "pid": std::process::id(), "parent": parent }),
-        // SAFETY: leaves at once; the child answers for both.
-        _ => unsafe { libc::_exit(0) },
-    }
-}
-
-/// Forks; the child answers and returns to the command loop, the parent waits for it and
-/// reports.
-fn fork() -> Value {
-    let _ = std::io::stdout().flush();
-    // SAFETY: this process is single-threaded here (`parallel` joins its threads).
-    match unsafe { libc::fork() } {
-        -1 => err(format!("fork: {}", std::io::Error::last_os_error())),
-        0 => json!({ "ok": true, "pid": std::process::id() }),
-        child => {
-            let mut status = 0;
-            // SAFETY: waiting for our own child.
-            unsafe { libc::waitpid(child, &mut status, 0) };
-            let code = if libc::WIFEXITED(status) {
-                libc::WEXITSTATUS(status)
-            } else {
-                128 + libc::WTERMSIG(status)
-            };
-            json!({ "ok": true, "reaped": child, "code": code })
-        }
-    }
 }
 
 /// Issues RM calls on a control device as standard input tells it (see the module docs).

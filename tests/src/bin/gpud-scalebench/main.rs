@@ -35,19 +35,24 @@
 
 use std::{
     collections::BTreeMap,
-    io::{BufRead, BufReader, Write},
+    io::Write,
     path::{Path, PathBuf},
-    process::{Child, ChildStdin, Command, Stdio},
     time::{Duration, Instant},
 };
-
-use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
 use gpud_api::BUS_NAME;
 use gpud_tests::{Cgroup, Manager1Proxy, Rig, connect_builder};
 use serde_json::{Value, json};
+
+use dbus::{bus_ceiling, dbus_clients, listing_parts, replay};
+use figures::{CpuSplit, cpu_over, dist, usage};
+use load::{Holder, cgroup_id, forker, pinned_limit, run_forker};
+
+mod dbus;
+mod figures;
+mod load;
 
 /// RM_ALLOC as CUDA encodes it: a matched, classified ioctl.
 const RM_ALLOC: &str = "0xc030462b";
@@ -89,49 +94,6 @@ enum Sub {
     /// The replaying service of [`bus_ceiling`], in a process of its own.
     #[command(hide = true)]
     Replay { bus: String, path: String },
-}
-
-/// p50, p99, max of microsecond samples.
-fn dist(mut v: Vec<f64>) -> Value {
-    if v.is_empty() {
-        return json!(null);
-    }
-    v.sort_by(f64::total_cmp);
-    let q = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
-    json!({"n": v.len(), "p50": q(0.5), "p99": q(0.99), "max": v[v.len() - 1]})
-}
-
-/// CPU time (user + system, seconds) and RSS/HWM (KiB) of `pid`.
-fn usage(pid: u32) -> anyhow::Result<(f64, u64, u64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name (which may contain spaces) closing parenthesis.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = (f.get(11).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0)
-        + f.get(12).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0))
-        // SAFETY: sysconf has no preconditions.
-        / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib = |key: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.split_whitespace().next()?.parse().ok())
-            .unwrap_or(0)
-    };
-    Ok((ticks, kib("VmRSS:"), kib("VmHWM:")))
-}
-
-/// Daemon CPU (percent of one core) over `window`, and its RSS/HWM at the end.
-fn cpu_over(pid: u32, window: Duration) -> anyhow::Result<Value> {
-    let (c0, _, _) = usage(pid)?;
-    let t = Instant::now();
-    std::thread::sleep(window);
-    let (c1, rss, hwm) = usage(pid)?;
-    Ok(json!({
-        "cpu_percent": (c1 - c0) / t.elapsed().as_secs_f64() * 100.0,
-        "rss_kib": rss, "hwm_kib": hwm, "window_s": window.as_secs_f64(),
-    }))
 }
 
 /// The goals (issue "performance at scale"), each with its limit, the figure measured and
@@ -216,190 +178,6 @@ fn targets(report: &serde_json::Map<String, Value>) -> Value {
     Value::Object(out)
 }
 
-/// A service on the same bus that answers the bench's four calls with replies it holds ready
-/// (the very records gpud returned), doing nothing else.
-struct Replay {
-    cgroups: Arc<Vec<gpud_api::CgroupRecord>>,
-    one: gpud_api::CgroupRecord,
-    limits: Arc<Vec<gpud_api::LimitRecord>>,
-}
-
-#[zbus::interface(name = "dev.gpud.Manager1")]
-impl Replay {
-    #[zbus(property)]
-    async fn version(&self) -> String {
-        "replay".into()
-    }
-
-    async fn list_cgroups(&self) -> Arc<Vec<gpud_api::CgroupRecord>> {
-        self.cgroups.clone()
-    }
-
-    async fn get_cgroup(&self, _path: &str) -> gpud_api::CgroupRecord {
-        self.one.clone()
-    }
-
-    async fn list_limits(&self) -> Arc<Vec<gpud_api::LimitRecord>> {
-        self.limits.clone()
-    }
-}
-
-/// The name [`bus_ceiling`]'s replaying service owns.
-const REPLAY_NAME: &str = "dev.gpud.ScalebenchReplay";
-
-/// The replaying service: takes gpud's replies once, serves them until killed ("READY" on
-/// stdout once it owns its name).
-async fn replay(bus: &str, path: &str) -> anyhow::Result<()> {
-    let gpud = connect_builder(bus).build().await?;
-    let proxy = Manager1Proxy::new(&gpud).await?;
-    let service = Replay {
-        cgroups: Arc::new(proxy.list_cgroups().await?),
-        one: proxy.get_cgroup(path).await?,
-        limits: Arc::new(proxy.list_limits().await?),
-    };
-    let _service = connect_builder(bus)
-        .name(REPLAY_NAME)
-        .serve_at(gpud_api::OBJECT_PATH, service)
-        .build()
-        .await?;
-    println!("READY");
-    std::future::pending::<()>().await;
-    Ok(())
-}
-
-/// The same clients and mix back to back against [`Replay`] in a process of its own: what the
-/// bus daemon and the clients allow on this machine with gpud's work taken away (the ceiling
-/// for `dbus_us`). `cpu_percent.daemon` is the replaying process's.
-async fn bus_ceiling(bus: &str, bus_pid: u32, paths: &[String], o: &Opts) -> anyhow::Result<Value> {
-    let mut child = Command::new(std::env::current_exe()?)
-        .args(["replay", bus, &paths[0]])
-        .stdout(Stdio::piped())
-        .spawn()?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().context("replay stdout")?).read_line(&mut line)?;
-    if line.trim() != "READY" {
-        let _ = child.kill();
-        bail!("the replaying service did not start: {line:?}");
-    }
-    let cpu = CpuSplit::start(child.id(), bus_pid)?;
-    let run = dbus_clients(bus, REPLAY_NAME, paths, o.clients, o.seconds, None).await;
-    let cpu = cpu.end();
-    let _ = child.kill();
-    let _ = child.wait();
-    let mut out = run?;
-    out["cpu_percent"] = cpu?;
-    Ok(out)
-}
-
-/// One client calling `ListCgroups` 200 times in a row, nothing else running: the round trip
-/// up to the reply's arrival (the daemon's work, the bus daemon's copy and checks, both sockets)
-/// apart from the client's decoding of the reply into records, which is the client's own cost.
-async fn listing_parts(conn: &zbus::Connection) -> anyhow::Result<Value> {
-    let (mut trip, mut decode) = (Vec::new(), Vec::new());
-    let mut bytes = 0;
-    for _ in 0..200 {
-        let t = Instant::now();
-        let reply = conn
-            .call_method(
-                Some(gpud_api::BUS_NAME),
-                gpud_api::OBJECT_PATH,
-                Some(gpud_api::MANAGER_INTERFACE),
-                "ListCgroups",
-                &(),
-            )
-            .await?;
-        trip.push(t.elapsed().as_secs_f64() * 1e6);
-        let t = Instant::now();
-        let records: Vec<gpud_api::CgroupRecord> = reply.body().deserialize()?;
-        decode.push(t.elapsed().as_secs_f64() * 1e6);
-        bytes = reply.data().len();
-        std::hint::black_box(records);
-    }
-    Ok(json!({"round_trip": dist(trip), "client_decode": dist(decode), "reply_bytes": bytes}))
-}
-
-/// Where the CPU went during a D-Bus run (percent of one core each): the daemon, the bus daemon,
-/// and this process (the clients: their calls, replies' deserialization, bookkeeping). The
-/// machine's total is 100 per CPU; what is left of it was idle or other processes'.
-struct CpuSplit {
-    pids: [(&'static str, u32); 3],
-    start: [f64; 3],
-    at: Instant,
-}
-
-impl CpuSplit {
-    fn start(daemon: u32, bus: u32) -> anyhow::Result<Self> {
-        let pids = [
-            ("daemon", daemon),
-            ("bus", bus),
-            ("clients", std::process::id()),
-        ];
-        let mut start = [0.0; 3];
-        for (i, (_, pid)) in pids.iter().enumerate() {
-            start[i] = usage(*pid)?.0;
-        }
-        Ok(Self {
-            pids,
-            start,
-            at: Instant::now(),
-        })
-    }
-
-    fn end(self) -> anyhow::Result<Value> {
-        let secs = self.at.elapsed().as_secs_f64();
-        let mut out = serde_json::Map::new();
-        for (i, (name, pid)) in self.pids.iter().enumerate() {
-            let used = usage(*pid)?.0 - self.start[i];
-            out.insert((*name).into(), json!(used / secs * 100.0));
-        }
-        Ok(Value::Object(out))
-    }
-}
-
-/// A held `gpud-ioctl` in a cgroup; each line written to it re-issues its ioctls.
-struct Holder {
-    child: Child,
-    stdin: ChildStdin,
-    out: BufReader<std::process::ChildStdout>,
-}
-
-impl Holder {
-    fn spawn(cg: &Path, file: &Path, per_line: u64) -> anyhow::Result<Self> {
-        let mut child = Command::new(exe_dir().join("gpud-ioctl"))
-            .arg("--cgroup")
-            .arg(cg)
-            .arg("--file")
-            .arg(file)
-            .args(["--ioctl", &format!("{RM_ALLOC}:{per_line}"), "--hold"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("spawn gpud-ioctl")?;
-        let stdin = child.stdin.take().context("stdin")?;
-        let out = BufReader::new(child.stdout.take().context("stdout")?);
-        let mut h = Self { child, stdin, out };
-        h.done()?;
-        Ok(h)
-    }
-
-    /// Waits for its `DONE` line.
-    fn done(&mut self) -> anyhow::Result<()> {
-        let mut line = String::new();
-        self.out.read_line(&mut line)?;
-        if !line.starts_with("DONE") {
-            bail!("gpud-ioctl said {line:?}");
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Holder {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// The directory of this binary, where cargo put the daemon and the fixtures of the same build.
 fn exe_dir() -> PathBuf {
     std::env::current_exe()
@@ -408,166 +186,8 @@ fn exe_dir() -> PathBuf {
         .unwrap_or_default()
 }
 
-fn pinned_limit(bpffs: &Path, cgroup_id: u64) -> Option<u64> {
-    use libbpf_rs::MapCore as _;
-    let path = bpffs
-        .join("gpud")
-        .join(format!("v{}", gpud_common::ABI_VERSION))
-        .join(gpud_common::maps::LIMITS);
-    let map = libbpf_rs::MapHandle::from_pinned_path(path).ok()?;
-    let key = gpud_common::UsageKey {
-        cgroup_id,
-        gpu: gpud_common::GPU_ALL,
-        ..Default::default()
-    };
-    // SAFETY: UsageKey is repr(C) plain data; the slice covers exactly its bytes.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(
-            (&key as *const gpud_common::UsageKey).cast::<u8>(),
-            size_of::<gpud_common::UsageKey>(),
-        )
-    };
-    let v = map.lookup(bytes, libbpf_rs::MapFlags::ANY).ok()??;
-    (v.len() >= size_of::<gpud_common::KernelLimit>()).then(|| {
-        // SAFETY: the length was checked; KernelLimit is plain data.
-        unsafe { std::ptr::read_unaligned(v.as_ptr().cast::<gpud_common::KernelLimit>()) }.max
-    })
-}
-
-fn cgroup_id(dir: &Path) -> anyhow::Result<u64> {
-    use std::os::unix::fs::MetadataExt as _;
-    Ok(std::fs::metadata(dir)?.ino())
-}
-
-/// `forker FILE N`: opens FILE (a tracked device file), issues one ioctl, then forks N children
-/// that exit at once (a PROC_NEW and a PROC_EXIT event each); prints the seconds it took.
-fn forker(file: &str, n: u64) -> anyhow::Result<()> {
-    use std::os::fd::AsRawFd as _;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(file)?;
-    let mut buf = [0u8; 48];
-    // SAFETY: ioctl on our own descriptor with a buffer of the size the command encodes.
-    unsafe { libc::ioctl(f.as_raw_fd(), 0xc030462b_u32 as _, buf.as_mut_ptr()) };
-    let t = Instant::now();
-    for _ in 0..n {
-        // SAFETY: the child only calls _exit, which is async-signal-safe.
-        match unsafe { libc::fork() } {
-            0 => unsafe { libc::_exit(0) },
-            pid if pid > 0 => {
-                let mut status = 0;
-                // SAFETY: reaping our own child.
-                unsafe { libc::waitpid(pid, &mut status, 0) };
-            }
-            _ => bail!("fork failed: {}", std::io::Error::last_os_error()),
-        }
-    }
-    println!("{}", t.elapsed().as_secs_f64());
-    Ok(())
-}
-
-fn run_forker(cg: &Path, file: &Path, n: u64) -> anyhow::Result<f64> {
-    let me = std::env::current_exe()?;
-    let cg = cg.to_owned();
-    let mut cmd = Command::new(me);
-    cmd.arg("forker").arg(file).arg(n.to_string());
-    // SAFETY: only writes its own pid into cgroup.procs between fork and exec.
-    unsafe {
-        use std::os::unix::process::CommandExt as _;
-        cmd.pre_exec(move || std::fs::write(cg.join("cgroup.procs"), "0"));
-    }
-    let out = cmd.output()?;
-    String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .context("forker output")
-}
-
 async fn stats(p: &Manager1Proxy<'_>) -> anyhow::Result<BTreeMap<String, u64>> {
     Ok(p.get_kernel_stats().await?)
-}
-
-/// `clients` connections calling `ListCgroups`, `GetCgroup`, `ListLimits` and a property `Get`
-/// in turn for `seconds`: back to back (`pace` None: the daemon's and bus's throughput, latency
-/// is then queueing behind the other clients), or each once per `pace`, starts spread over one
-/// period (latency at a stated load). Per-method p50/p99/max in µs and the calls per second.
-async fn dbus_clients(
-    bus: &str,
-    service: &'static str,
-    paths: &[String],
-    clients: usize,
-    seconds: u64,
-    pace: Option<Duration>,
-) -> anyhow::Result<Value> {
-    let deadline = Instant::now() + Duration::from_secs(seconds);
-    let mut tasks = Vec::new();
-    for c in 0..clients {
-        let bus = bus.to_owned();
-        let paths = paths.to_vec();
-        tasks.push(tokio::spawn(async move {
-            let conn = connect_builder(&bus).build().await?;
-            let p = Manager1Proxy::builder(&conn)
-                .destination(service)
-                .cache_properties(zbus::proxy::CacheProperties::No)
-                .build()
-                .await?;
-            let mut tick = pace.map(|period| {
-                let offset = period.mul_f64(c as f64 / clients as f64);
-                let mut t = tokio::time::interval_at(tokio::time::Instant::now() + offset, period);
-                t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                t
-            });
-            let mut lat: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
-            let mut k = c;
-            while Instant::now() < deadline {
-                if let Some(t) = tick.as_mut() {
-                    t.tick().await;
-                }
-                let t = Instant::now();
-                let name = match k % 4 {
-                    0 => {
-                        p.list_cgroups().await?;
-                        "ListCgroups"
-                    }
-                    1 => {
-                        p.get_cgroup(&paths[k % paths.len()]).await?;
-                        "GetCgroup"
-                    }
-                    2 => {
-                        p.list_limits().await?;
-                        "ListLimits"
-                    }
-                    _ => {
-                        p.version().await?;
-                        "Get(Version)"
-                    }
-                };
-                lat.entry(name)
-                    .or_default()
-                    .push(t.elapsed().as_secs_f64() * 1e6);
-                k += 1;
-            }
-            anyhow::Ok(lat)
-        }));
-    }
-    let mut all: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
-    for t in tasks {
-        for (k, v) in t.await?? {
-            all.entry(k).or_default().extend(v);
-        }
-    }
-    let calls: usize = all.values().map(Vec::len).sum();
-    let mut out = serde_json::Map::new();
-    out.insert(
-        "all".into(),
-        dist(all.values().flatten().copied().collect()),
-    );
-    for (k, v) in all {
-        out.insert(k.into(), dist(v));
-    }
-    out.insert("calls_per_s".into(), json!(calls as f64 / seconds as f64));
-    Ok(Value::Object(out))
 }
 
 fn main() -> anyhow::Result<()> {
