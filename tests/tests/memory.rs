@@ -255,6 +255,10 @@ async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persis
     assert_eq!(args.bytes, 8 * MIB);
     assert_eq!(args.max, 16 * MIB);
     assert_eq!(args.action, "killed");
+    // B's charge goes when its file is released (the kernel reports the release, the daemon
+    // walks the objects): the signal comes at the crossing, before that, so A's next allocation
+    // waits for the uncharge (on a busy machine it lags the signal).
+    rig.expect_memory(&parent.rel, &[("all", 10 * MIB)]).await;
     // A is alive and still allocates within the limit.
     pa.ok(&format!("alloc {c} {d} {} nvos64", 2 * MIB));
     let r = rig.expect_memory(&parent.rel, &[("all", 12 * MIB)]).await;
