@@ -41,11 +41,8 @@ pub(super) fn scheduler_guard(
         ],
     )
     .context("opening gpud's kernel stack")?;
-    let mut attribution = core.attribution;
-    let mut settings = core.settings;
-    let root = attribution.cgroup_root().to_owned();
+    let (mut attribution, mut settings, root) = parts(core, Some(want))?;
     let probes = attribution.probes();
-    ensure!(probes.mode() == want, "mode {:?}", probes.mode());
     let deny = probes.tier() == Tier::Deny;
     let held = gpud::enforcement::compute::channel::HeldGroups::new(held);
     let want_state = if deny {
@@ -139,22 +136,26 @@ pub(super) fn scheduler_guard(
             .find(|c| format!("{:#x}", c.handle) == ids[2] && format!("{:#x}", c.client) == ids[0])
             .map(|c| c.enabled)
     };
+    // `t` disables the channel `ids` names (the driver takes it), the fake device shows it
+    // disabled, and `t` enables it again; `what` names the step in errors.
+    let disable_and_enable = |t: &mut inproc::Serving, ids: &[String], what: &str| {
+        let r = t.ask(&format!("disable {} {}", ids[0], ids[2]))?;
+        ensure!(r == "errno=0 status=0x0", "{what}: disable: {r}");
+        ensure!(
+            chan_enabled(&fake, ids) == Some(false),
+            "{what}: the channel is still enabled"
+        );
+        let r = t.ask(&format!("enable {} {}", ids[0], ids[2]))?;
+        ensure!(r == "errno=0 status=0x0", "{what}: enable: {r}");
+        anyhow::Ok(())
+    };
     let r = a.ask(&format!("disable {} {}", ib[0], ib[2]))?;
     ensure!(r == refused, "a disables b's channel: {r}");
     ensure!(
         chan_enabled(&fake, &ib) == Some(true),
         "b's channel was disabled"
     );
-    let r = a.ask(&format!("disable {} {}", ia[0], ia[2]))?;
-    ensure!(r == "errno=0 status=0x0", "a disables its own channel: {r}");
-    ensure!(
-        chan_enabled(&fake, &ia) == Some(false),
-        "a's channel still enabled"
-    );
-    ensure!(
-        a.ask(&format!("enable {} {}", ia[0], ia[2]))? == "errno=0 status=0x0",
-        "a enables its own channel"
-    );
+    disable_and_enable(&mut a, &ia, "a's own channel")?;
     let n = drain(&mut attribution);
     ensure!(
         seen(&n)
@@ -319,19 +320,7 @@ pub(super) fn scheduler_guard(
     // audit: everything through, and reported; off: nothing looked at.
     attribution.set_scheduler_guard(gpud::config::GuardMode::Audit)?;
     ensure!(a.ask("ts 1000000")? == ok_got(1_000_000), "audit: 1 s");
-    let r = a.ask(&format!("disable {} {}", ib[0], ib[2]))?;
-    ensure!(
-        r == "errno=0 status=0x0",
-        "audit: a disables b's channel: {r}"
-    );
-    ensure!(
-        chan_enabled(&fake, &ib) == Some(false),
-        "audit: b's channel still enabled"
-    );
-    ensure!(
-        a.ask(&format!("enable {} {}", ib[0], ib[2]))? == "errno=0 status=0x0",
-        "audit: a enables b's channel again"
-    );
+    disable_and_enable(&mut a, &ib, "audit: a disables b's channel")?;
     let n = drain(&mut attribution);
     ensure!(
         seen(&n)

@@ -60,6 +60,43 @@ fn open_stack(
     gpud::daemon::core::open(&config.parsed()).map_err(|e| anyhow!("{}", Chain(&e)))
 }
 
+/// An opened core as the checks use it: the attribution, the settings' one writer and the cgroup
+/// root; fails unless the probes attached in `want` (where one is wanted).
+fn parts(
+    core: gpud::daemon::core::Core,
+    want: Option<AttachMode>,
+) -> anyhow::Result<(Attribution, gpud::probes::KernelSettings, PathBuf)> {
+    let mode = core.attribution.probes().mode();
+    if let Some(want) = want {
+        ensure!(mode == want, "attached in {mode:?}, wanted {want:?}");
+    }
+    let root = core.attribution.cgroup_root().to_owned();
+    Ok((core.attribution, core.settings, root))
+}
+
+/// Waits (10 s at most) until the cgroup `id` holds no GPU memory, running `pump` (the ring's
+/// records handed to the attribution) between looks; `what` names the wait in the error.
+fn wait_uncharged(
+    attribution: &mut Attribution,
+    id: u64,
+    what: &str,
+    mut pump: impl FnMut(&mut Attribution) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        pump(attribution)?;
+        if attribution.memory_of(id).current.get("all") == Some(&0) {
+            return Ok(());
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "{what}: {:?}",
+            attribution.memory_of(id)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 /// The fake NVIDIA device mounted at `at`, and its control file.
 fn stage(at: &str) -> anyhow::Result<(gpud_tests::fakenv::FakeNv, PathBuf)> {
     let fake = gpud_tests::fakenv::mount(
@@ -69,6 +106,22 @@ fn stage(at: &str) -> anyhow::Result<(gpud_tests::fakenv::FakeNv, PathBuf)> {
     .context("mounting the fake NVIDIA device")?;
     let ctl = fake.ctl();
     Ok((fake, ctl))
+}
+
+/// In a forked child: [`device_in`], then each allocation of `steps` (bytes, form) in turn on
+/// device 0; the file (the caller decides how long it lives) and each call's reply.
+fn allocs_in(
+    ctl: &std::path::Path,
+    cgroup: &std::path::Path,
+    steps: &[(u64, gpud_tests::rm::Form)],
+) -> Result<(std::fs::File, Vec<gpud_tests::rm::Reply>), String> {
+    let (f, client, dev) = device_in(ctl, cgroup)?;
+    let rm = gpud_tests::rm::Ctl::new(&f);
+    let replies = steps
+        .iter()
+        .map(|&(size, form)| rm.alloc_vidmem(client, dev, size, form))
+        .collect();
+    Ok((f, replies))
 }
 
 /// In a forked child: joins `cgroup`, opens the control device `ctl` and makes a client and

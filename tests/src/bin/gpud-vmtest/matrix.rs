@@ -61,7 +61,7 @@ pub(super) fn host_expectation(caps: &gpud::probes::KernelCaps) -> String {
 /// ([`MATRIX`]) does not hold, or memory goes over its limit by a byte (deny rows), or the
 /// crossing process lives on (react rows).
 pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
-    use gpud_tests::rm::{Ctl, Form};
+    use gpud_tests::rm::Form;
     const MIB: u64 = 1 << 20;
     let want = MATRIX
         .iter()
@@ -94,9 +94,7 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
         ],
     )
     .context("opening gpud's kernel stack with the defaults")?;
-    let mut attribution = core.attribution;
-    let mut settings = core.settings;
-    let root = attribution.cgroup_root().to_owned();
+    let (mut attribution, mut settings, root) = parts(core, None)?;
     let probes = attribution.probes();
     let rung = probes.ladder().in_force.as_str();
     let caps = probes.caps().clone();
@@ -147,16 +145,18 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
     // that fits (the driver, and the fake, round to 2 MiB pages).
     let (c, dir) = (ctl.clone(), cg.clone());
     let held = inproc::fork_held(move || {
-        let (f, client, dev) = match device_in(&c, &dir) {
+        // The third is reached only if the crossing call returned to this process.
+        let steps = [
+            (4 * MIB, Form::Nvos64),
+            (6 * MIB, Form::Nvos21),
+            (2 * MIB, Form::Nvos64),
+        ];
+        let (f, r) = match allocs_in(&c, &dir, &steps) {
             Ok(t) => t,
             Err(e) => return e,
         };
-        let rm = Ctl::new(&f);
-        let first = rm.alloc_vidmem(client, dev, 4 * MIB, Form::Nvos64);
-        let second = rm.alloc_vidmem(client, dev, 6 * MIB, Form::Nvos21);
-        // Reached only if the crossing call returned to this process.
-        let after = rm.alloc_vidmem(client, dev, 2 * MIB, Form::Nvos64);
         std::mem::forget(f);
+        let (first, second, after) = (&r[0], &r[1], &r[2]);
         format!(
             "first={} second={}/{} after={}",
             first.ok(),
@@ -195,20 +195,16 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
             "the crossing process was not killed (status {status:#x})"
         );
         drop(held);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            pump_all(&mut ring, &mut attribution)?;
-            attribution.release_closed_files();
-            if attribution.memory_of(id).current.get("all") == Some(&0) {
-                break;
-            }
-            ensure!(
-                std::time::Instant::now() < deadline,
-                "the killed process's memory is still charged: {:?}",
-                attribution.memory_of(id)
-            );
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
+        wait_uncharged(
+            &mut attribution,
+            id,
+            "the killed process's memory is still charged",
+            |a| {
+                pump_all(&mut ring, a)?;
+                a.release_closed_files();
+                Ok(())
+            },
+        )?;
         "react"
     };
 

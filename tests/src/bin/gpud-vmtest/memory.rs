@@ -52,16 +52,18 @@ pub(super) fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
     let c = ctl.clone();
     let dir = cg.clone();
     let held = fork_held(move || {
-        use gpud_tests::rm::{Ctl, Form};
-        let (f, client, dev) = match device_in(&c, &dir) {
+        use gpud_tests::rm::Form;
+        let steps = [
+            (4 * MIB, Form::Nvos64),
+            (6 * MIB, Form::Nvos21),
+            (6 * MIB, Form::Xfer64),
+            (2 * MIB, Form::VidHeap),
+        ];
+        let (f, r) = match allocs_in(&c, &dir, &steps) {
             Ok(t) => t,
             Err(e) => return e,
         };
-        let rm = Ctl::new(&f);
-        let first = rm.alloc_vidmem(client, dev, 4 * MIB, Form::Nvos64);
-        let denied = rm.alloc_vidmem(client, dev, 6 * MIB, Form::Nvos21);
-        let xfer_denied = rm.alloc_vidmem(client, dev, 6 * MIB, Form::Xfer64);
-        let fits = rm.alloc_vidmem(client, dev, 2 * MIB, Form::VidHeap);
+        let (first, denied, xfer_denied, fits) = (&r[0], &r[1], &r[2], &r[3]);
         let out = format!(
             "first={} denied={}/{} xfer={}/{} fits={}",
             first.ok(),
@@ -142,19 +144,15 @@ pub(super) fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
         "the check did not find the file released: {released} released, {:?}",
         attribution.memory_of(id)
     );
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        pump(&mut ring, &mut attribution);
-        if attribution.memory_of(id).current.get("all") == Some(&0) {
-            break;
-        }
-        ensure!(
-            std::time::Instant::now() < deadline,
-            "memory not released after the file closed: {:?}",
-            attribution.memory_of(id)
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    wait_uncharged(
+        &mut attribution,
+        id,
+        "memory not released after the file closed",
+        |a| {
+            pump(&mut ring, a);
+            Ok(())
+        },
+    )?;
     attribution.shutdown(false);
     drop(fake);
     let _ = std::fs::remove_dir(&cg);

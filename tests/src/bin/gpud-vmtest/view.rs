@@ -183,11 +183,8 @@ pub(super) fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::R
         &[("probes.attach", pref.as_str())],
     )
     .context("opening gpud's kernel stack")?;
-    let mut attribution = core.attribution;
-    let mut settings = core.settings;
-    let root = attribution.cgroup_root().to_owned();
+    let (mut attribution, mut settings, root) = parts(core, Some(want))?;
     let probes = attribution.probes();
-    ensure!(probes.mode() == want, "mode {:?}", probes.mode());
     ensure!(
         probes.caps().probe_write_user && *probes.memory_info() == MemoryInfoState::On,
         "memory view {:?} (caps {:?})",
