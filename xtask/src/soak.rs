@@ -1,4 +1,4 @@
-//! `cargo xtask soak --minutes N`: the churn soak (tests/tests/soak.rs) for N minutes instead of
+//! `cargo xtask soak --minutes N`: the churn soak (tests/tests/soak/) for N minutes instead of
 //! the short run `cargo test` gives it. It starts the real gpud on a private bus with the fake
 //! NVIDIA device, churns cgroups, processes and limits, and checks usage against the fake
 //! driver and every kernel map and daemon table for leaks; it prints a summary line
