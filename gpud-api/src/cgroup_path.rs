@@ -1,9 +1,9 @@
 //! Cgroup paths as the API takes them: relative to the cgroup v2 root, in the normal form
 //! `/a/b` ("/", "/a/b/" and "a//b" are accepted and normalized), and nothing that could leave the
 //! hierarchy. The daemon checks every path argument with it; clients normalize with it before
-//! they ask.
+//! they ask. Also where the hierarchy is mounted, from a mountinfo text.
 
-use std::path::{Component, Path};
+use std::path::{Component, Path, PathBuf};
 
 /// Why a cgroup path is refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -42,6 +42,44 @@ pub fn normalize(path: &str) -> Result<String, InvalidCgroupPath> {
         }
     }
     Ok(format!("/{}", parts.join("/")))
+}
+
+/// Finds the cgroup2 mount point in a mountinfo text (fields per proc(5): the mount point is the
+/// 5th field; the filesystem type follows the " - " separator).
+pub fn cgroup2_mount_from(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (pre, post) = line.split_once(" - ")?;
+        let fstype = post.split_whitespace().next()?;
+        if fstype != "cgroup2" {
+            return None;
+        }
+        let mount_point = pre.split_whitespace().nth(4)?;
+        Some(PathBuf::from(unescape_mountinfo(mount_point)))
+    })
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        // Octal digits are ASCII: checking bytes (not slicing `s`) cannot split a character.
+        if b[i] == b'\\'
+            && let Some(digits) = b.get(i + 1..i + 4)
+            && digits.iter().all(|d| (b'0'..=b'7').contains(d))
+        {
+            let v = digits.iter().fold(0u32, |v, d| v * 8 + u32::from(d - b'0'));
+            if let Ok(v) = u8::try_from(v) {
+                out.push(v);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]

@@ -12,6 +12,8 @@
 
 use std::path::PathBuf;
 
+use gpud_api::cgroup_path::cgroup2_mount_from;
+
 use super::RuntimeError;
 
 /// The cgroup of process `pid`. Refuses the root cgroup: a limit there would apply to the whole
@@ -129,36 +131,6 @@ pub fn normalize(path: &str) -> Result<String, String> {
 /// `/sys/fs/cgroup`); `None` without one.
 pub fn root() -> Option<PathBuf> {
     cgroup2_mount_from(&std::fs::read_to_string("/proc/self/mountinfo").ok()?)
-}
-
-/// The cgroup2 mount point in a mountinfo text (proc(5): the mount point is the 5th field, the
-/// filesystem type follows the " - " separator; space, tab, newline and backslash are escaped as
-/// `\ooo`).
-fn cgroup2_mount_from(mountinfo: &str) -> Option<PathBuf> {
-    mountinfo.lines().find_map(|line| {
-        let (pre, post) = line.split_once(" - ")?;
-        if post.split_whitespace().next()? != "cgroup2" {
-            return None;
-        }
-        let escaped = pre.split_whitespace().nth(4)?.as_bytes();
-        let mut out = Vec::with_capacity(escaped.len());
-        let mut i = 0;
-        while i < escaped.len() {
-            if escaped[i] == b'\\'
-                && let Some(digits) = escaped.get(i + 1..i + 4)
-                && digits.iter().all(|d| (b'0'..=b'7').contains(d))
-                && let Ok(v) =
-                    u8::try_from(digits.iter().fold(0u32, |v, d| v * 8 + u32::from(d - b'0')))
-            {
-                out.push(v);
-                i += 4;
-            } else {
-                out.push(escaped[i]);
-                i += 1;
-            }
-        }
-        Some(PathBuf::from(String::from_utf8_lossy(&out).into_owned()))
-    })
 }
 
 #[cfg(test)]

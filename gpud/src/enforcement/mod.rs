@@ -60,10 +60,7 @@ impl MemoryEnforcement {
 
     /// The kernel key of a stored entry: where it was applied, else what its selector names now.
     fn key_of(&self, policies: &PolicyStore, cgroup: &str, gpu: &GpuSelector) -> Option<u32> {
-        self.applied
-            .get(&(cgroup.to_owned(), gpu.clone()))
-            .copied()
-            .or_else(|| policies.resolve(gpu))
+        policies.key_in(&self.applied, cgroup, gpu)
     }
 
     /// A new inventory (or NVML going away). A known one puts the stored limits that waited for
@@ -178,25 +175,7 @@ impl MemoryEnforcement {
         let gpu: GpuSelector = gpu.parse().map_err(PolicyError::from)?;
         let key = policies.checked_key(&gpu)?;
         let (path, id) = attr.id_of(cgroup)?;
-        let limits = {
-            let applied = &self.applied;
-            let key_of = |c: &str, g: &GpuSelector| {
-                applied
-                    .get(&(c.to_owned(), g.clone()))
-                    .copied()
-                    .or_else(|| policies.resolve(g))
-            };
-            // `key_of` reads the store as it is before the change.
-            let before: Vec<((String, GpuSelector), Option<u32>)> = policies
-                .entries()
-                .keys()
-                .map(|(c, g)| ((c.clone(), g.clone()), key_of(c, g)))
-                .collect();
-            let keys: BTreeMap<_, _> = before.into_iter().collect();
-            policies.set(&path, &gpu, key, update, |c, g| {
-                keys.get(&(c.to_owned(), g.clone())).copied().flatten()
-            })?
-        };
+        let limits = policies.set(&path, &gpu, key, update, &self.applied)?;
         if let Some(max) = limits.memory_max {
             settings.set_limit(id, key, max)?;
             self.applied.insert((path.clone(), gpu.clone()), key);

@@ -96,18 +96,34 @@ impl PolicyStore {
         }
     }
 
+    /// The GPU key a stored entry names: where `in_force` says it was put in force, whatever
+    /// NVML says by then, else what its selector resolves to now.
+    pub fn key_in(
+        &self,
+        in_force: &BTreeMap<(String, GpuSelector), u32>,
+        cgroup: &str,
+        gpu: &GpuSelector,
+    ) -> Option<u32> {
+        in_force
+            .get(&(cgroup.to_owned(), gpu.clone()))
+            .copied()
+            .or_else(|| self.resolve(gpu))
+    }
+
     /// Sets limits on (cgroup `path`, `gpu`), validated and persisted: a second selector for a
-    /// card this cgroup has limits for (`key_of` says what each stored entry names, an index and
-    /// a UUID naming one GPU) is refused, as are guarantees over 100 % of a GPU and a guarantee
-    /// above its cap. Returns the limits now stored there. Nothing changes on error.
+    /// card this cgroup has limits for (an index and a UUID naming one GPU: what an entry names
+    /// is where `in_force` says it was put in force, else what its selector resolves to) is
+    /// refused, as are guarantees over 100 % of a GPU and a guarantee above its cap. Returns the
+    /// limits now stored there. Nothing changes on error.
     pub fn set(
         &mut self,
         path: &str,
         gpu: &GpuSelector,
         key: u32,
         update: LimitUpdate,
-        key_of: impl Fn(&str, &GpuSelector) -> Option<u32>,
+        in_force: &BTreeMap<(String, GpuSelector), u32>,
     ) -> Result<Limits, PolicyError> {
+        let key_of = |c: &str, g: &GpuSelector| self.key_in(in_force, c, g);
         if key != GPU_ALL
             && let Some(((_, other), _)) = self
                 .store
