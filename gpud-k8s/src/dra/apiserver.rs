@@ -8,6 +8,30 @@ use serde_json::Value;
 
 use super::DraError;
 
+/// One RBAC rule: the API group, the resource and the verbs the DRA plugin uses on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rule {
+    pub group: &'static str,
+    pub resource: &'static str,
+    pub verbs: &'static [&'static str],
+}
+
+/// Every API-server call the DRA plugin makes, as RBAC rules: the ClusterRole in
+/// deploy/kubernetes and the list in docs/kubernetes.md grant exactly these (tests check both
+/// and the calls a test API server sees).
+pub const RBAC: &[Rule] = &[
+    Rule {
+        group: "resource.k8s.io",
+        resource: "resourceclaims",
+        verbs: &["get"],
+    },
+    Rule {
+        group: "resource.k8s.io",
+        resource: "resourceslices",
+        verbs: &["create", "get", "update"],
+    },
+];
+
 /// Where the service account's credentials are mounted in a pod.
 const SERVICE_ACCOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 

@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
-pub use apiserver::ApiServer;
+pub use apiserver::{ApiServer, RBAC, Rule};
 
 use crate::{
     api::{
