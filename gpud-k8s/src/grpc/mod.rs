@@ -1,11 +1,14 @@
 //! gRPC over unix sockets, as the kubelet speaks it: a tonic server on a listening socket that
-//! stops when told, and a client channel to a socket path.
+//! stops when told and takes the kubelet's `:authority` ([`authority`]), and a client channel to
+//! a socket path.
+
+pub mod authority;
 
 use std::{future::Future, path::Path};
 
 use hyper_util::rt::TokioIo;
 use tokio::net::{UnixListener, UnixStream};
-use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::{StreamExt as _, wrappers::UnixListenerStream};
 use tonic::transport::{Channel, Endpoint, Uri};
 
 /// A channel to the gRPC server on the unix socket `path` (connected on first use; each
@@ -31,13 +34,18 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     UnixListener::bind(path)
 }
 
-/// Serves `router` on `listener` until `stop` completes.
+/// Serves `router` on `listener` until `stop` completes. Each connection is read through
+/// [`authority::Rewriting::server`], so a grpc-go client that dials the socket by path (the
+/// kubelet's plugin watcher and DRA manager) is served instead of reset.
 pub async fn serve(
     router: tonic::transport::server::Router,
     listener: UnixListener,
     stop: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     router
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop)
+        .serve_with_incoming_shutdown(
+            UnixListenerStream::new(listener).map(|c| c.map(authority::Rewriting::server)),
+            stop,
+        )
         .await
 }
