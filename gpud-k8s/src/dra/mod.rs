@@ -13,6 +13,7 @@
 //!   NodeUnprepareResources removes the spec (the hook's poststop cleared the limits).
 
 mod apiserver;
+mod registration;
 
 use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 
@@ -27,10 +28,7 @@ pub use apiserver::{ApiServer, RBAC, Rule};
 use crate::{
     api::{
         dra::{self as pb, dra_plugin_server::DraPlugin, dra_plugin_server::DraPluginServer},
-        pluginregistration::{
-            self as reg,
-            registration_server::{Registration, RegistrationServer},
-        },
+        pluginregistration as reg,
     },
     device_plugin::{Gpud, VISIBLE_DEVICES_ENV},
     grpc,
@@ -349,33 +347,6 @@ impl DraPlugin for DraService {
     }
 }
 
-struct RegistrationService {
-    info: reg::PluginInfo,
-}
-
-#[tonic::async_trait]
-impl Registration for RegistrationService {
-    async fn get_info(
-        &self,
-        _: Request<reg::InfoRequest>,
-    ) -> Result<Response<reg::PluginInfo>, Status> {
-        Ok(Response::new(self.info.clone()))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: Request<reg::RegistrationStatus>,
-    ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
-        let s = request.get_ref();
-        if s.plugin_registered {
-            tracing::info!("registered with the kubelet ({SERVICE_VERSION})");
-        } else {
-            tracing::error!("the kubelet refused the registration: {}", s.error);
-        }
-        Ok(Response::new(reg::RegistrationStatusResponse {}))
-    }
-}
-
 /// Runs the DRA plugin until `shutdown`: publishes the ResourceSlice, serves registration and
 /// the DRA service. Sockets are removed on the way out; CDI specs of prepared claims stay (the
 /// kubelet unprepares them).
@@ -417,26 +388,29 @@ pub async fn run(
     let router =
         tonic::transport::Server::builder().add_service(DraPluginServer::new(DraService(state)));
     let dra_task = tokio::spawn(grpc::serve(router, dra, wait(stopped.clone())));
-    let regl = grpc::bind(&reg_sock).map_err(io(&reg_sock))?;
     let info = reg::PluginInfo {
         r#type: "DRAPlugin".into(),
         name: config.driver.clone(),
         endpoint: dra_sock.display().to_string(),
         supported_versions: vec![SERVICE_VERSION.into()],
     };
-    let router = tonic::transport::Server::builder()
-        .add_service(RegistrationServer::new(RegistrationService { info }));
-    let reg_task = tokio::spawn(grpc::serve(router, regl, wait(stopped)));
-    shutdown.await;
+    let mut reg_task = tokio::spawn(registration::serve(info, reg_sock, stopped));
+    // A registration socket that cannot be served ends the plugin: the kubelet would never
+    // find it.
+    let ended = tokio::select! {
+        () = shutdown => None,
+        r = &mut reg_task => Some(r),
+    };
     let _ = stop.send(true);
-    for t in [dra_task, reg_task] {
-        if let Ok(Err(e)) = t.await {
-            tracing::warn!("gRPC server: {e}");
-        }
+    if let Ok(Err(e)) = dra_task.await {
+        tracing::warn!("gRPC server: {e}");
     }
-    for p in [&dra_sock, &reg_sock] {
-        let _ = std::fs::remove_file(p);
-    }
+    let _ = std::fs::remove_file(&dra_sock);
+    let registration = match ended {
+        Some(r) => r,
+        None => reg_task.await,
+    };
+    registration.map_err(|e| DraError::Task(e.to_string()))??;
     Ok(())
 }
 

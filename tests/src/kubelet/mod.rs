@@ -6,6 +6,9 @@
 //! resources as the kubelet does (annotations and CDI devices together; of two values of one
 //! environment variable, the first).
 
+pub mod grpc_go;
+pub mod plugins;
+
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     path::{Path, PathBuf},
@@ -130,8 +133,15 @@ pub struct PluginEndpoint {
 impl PluginEndpoint {
     /// Dials the plugin's socket and opens ListAndWatch.
     pub async fn connect(dir: &Path, registration: dp::RegisterRequest) -> Self {
-        let mut client =
-            DevicePluginClient::new(grpc::unix_channel(&dir.join(&registration.endpoint)));
+        // The device manager's dial: grpc-go, blocking for 10 s, `WithAuthority("localhost")`.
+        let channel = grpc_go::dial(
+            &dir.join(&registration.endpoint),
+            grpc_go::Authority::Localhost,
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("dial the device plugin");
+        let mut client = DevicePluginClient::new(channel);
         let mut stream = client
             .list_and_watch(dp::Empty {})
             .await

@@ -4,6 +4,8 @@
 //! NVML (tests/fake-nvml) as the node's GPUs. The Allocate answer's annotations go through the
 //! real `gpud-nri` over the NRI test runtime to gpud, which enforces them on a real cgroup.
 
+mod dra;
+
 use std::{collections::BTreeMap, path::Path, time::Duration};
 
 use gpud_runtime::nri::api::nri::{self, ContainerState};
@@ -350,9 +352,9 @@ async fn requests_that_cannot_fit_fail_clearly_and_multi_gpu_requests_follow_nvl
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
 }
 
-/// A stand-in API server on loopback: serves one ResourceClaim, records posted ResourceSlices.
+/// A stand-in API server on loopback: serves ResourceClaims, records posted ResourceSlices.
 async fn fake_api_server(
-    claim: serde_json::Value,
+    claims: Vec<serde_json::Value>,
 ) -> (
     String,
     tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
@@ -363,11 +365,17 @@ async fn fake_api_server(
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let claim_path = format!(
-        "/apis/resource.k8s.io/v1/namespaces/{}/resourceclaims/{}",
-        claim["metadata"]["namespace"].as_str().unwrap_or(""),
-        claim["metadata"]["name"].as_str().unwrap_or("")
-    );
+    let claims: BTreeMap<String, serde_json::Value> = claims
+        .into_iter()
+        .map(|claim| {
+            let path = format!(
+                "/apis/resource.k8s.io/v1/namespaces/{}/resourceclaims/{}",
+                claim["metadata"]["namespace"].as_str().unwrap_or(""),
+                claim["metadata"]["name"].as_str().unwrap_or("")
+            );
+            (path, claim)
+        })
+        .collect();
     tokio::spawn(async move {
         while let Ok((conn, _)) = listener.accept().await {
             let (r, mut w) = conn.into_split();
@@ -396,7 +404,7 @@ async fn fake_api_server(
             let mut body = vec![0u8; len];
             let _ = r.read_exact(&mut body).await;
             let (status, out) = match (method.as_str(), path.as_str()) {
-                ("GET", p) if p == claim_path => ("200 OK", claim.to_string()),
+                ("GET", p) if claims.contains_key(p) => ("200 OK", claims[p].to_string()),
                 ("POST", "/apis/resource.k8s.io/v1/resourceslices") => {
                     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
                     let _ = tx.send(v.clone());
@@ -429,7 +437,7 @@ async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_
             { "request": "gpu", "driver": "gpu.gpud.dev", "pool": "node1", "device": "gpu-0",
               "consumedCapacity": { "memory": "8Gi", "compute": "30" } } ] } } },
     });
-    let (api, mut slices) = fake_api_server(claim).await;
+    let (api, mut slices) = fake_api_server(vec![claim]).await;
     let d = node.rig.path();
     let log = d.join("dra.log");
     let child = std::process::Command::new(gpud_tests::bin_dir().join("gpud-k8s"))

@@ -1,0 +1,328 @@
+//! The DRA driver against the kubelet as it really speaks: its plugin watcher and DRA manager
+//! (gpud_tests::kubelet::plugins) dial with grpc-go's defaults, so every request carries the
+//! socket path as `:authority`, as from a real kubelet.
+
+use std::{path::Path, time::Duration};
+
+use gpud_k8s::api::{
+    dra as pb,
+    pluginregistration::{
+        self as reg,
+        registration_server::{Registration, RegistrationServer},
+    },
+};
+use gpud_tests::{
+    Cgroup, TempDir, kubelet::plugins::PluginWatcher, runtime::Sleeper, scenario::uuid,
+};
+use serde_json::{Value, json};
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Request, Response, Status};
+
+use super::{Node, WAIT, eight_gib_and_thirty_percent_on, fake_api_server, scenario};
+
+const DRIVER: &str = "gpu.gpud.dev";
+
+/// A registration service as any tonic server would answer it.
+struct Plain;
+
+#[tonic::async_trait]
+impl Registration for Plain {
+    async fn get_info(
+        &self,
+        _: Request<reg::InfoRequest>,
+    ) -> Result<Response<reg::PluginInfo>, Status> {
+        Ok(Response::new(reg::PluginInfo {
+            r#type: "DRAPlugin".into(),
+            name: DRIVER.into(),
+            endpoint: "/nonexistent/dra.sock".into(),
+            supported_versions: vec!["v1.DRAPlugin".into()],
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        _: Request<reg::RegistrationStatus>,
+    ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
+        Ok(Response::new(reg::RegistrationStatusResponse {}))
+    }
+}
+
+/// The failure a real kubelet showed, reproduced: tonic served as is resets grpc-go's GetInfo
+/// (PROTOCOL_ERROR, a malformed `:authority`), and the kubelet never registers the driver; the
+/// same service through gpud-k8s's server is registered.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_kubelets_grpc_go_registration_is_reset_by_plain_tonic_and_served_by_gpud_k8s() {
+    let dir = TempDir::new("k8s-grpc-go");
+    let plain_dir = dir.path().join("plain");
+    std::fs::create_dir_all(&plain_dir).expect("dir");
+    let sock = plain_dir.join(format!("{DRIVER}-reg.sock"));
+    let listener = gpud_k8s::grpc::bind(&sock).expect("bind");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(Plain))
+            .serve_with_incoming(UnixListenerStream::new(listener)),
+    );
+    let watcher = PluginWatcher::start(&plain_dir);
+    let log = watcher
+        .wait_registered(DRIVER, Duration::from_secs(3))
+        .await
+        .expect_err("plain tonic must not register");
+    // The real kubelet's log line, word for word.
+    let want = format!(
+        "RegisterPlugin error -- failed to get plugin info using RPC GetInfo at socket {}, err: rpc error: code = Internal desc = stream terminated by RST_STREAM with error code: PROTOCOL_ERROR",
+        sock.display()
+    );
+    assert_eq!(log.lines().next(), Some(want.as_str()), "{log}");
+    // Retried with the kubelet's backoff: 0.5 s, then 1 s, so 2 or 3 tries in 3 s.
+    assert!((2..=3).contains(&log.lines().count()), "{log}");
+
+    let fixed_dir = dir.path().join("fixed");
+    std::fs::create_dir_all(&fixed_dir).expect("dir");
+    let listener =
+        gpud_k8s::grpc::bind(&fixed_dir.join(format!("{DRIVER}-reg.sock"))).expect("bind");
+    let router = tonic::transport::Server::builder().add_service(RegistrationServer::new(Plain));
+    tokio::spawn(gpud_k8s::grpc::serve(
+        router,
+        listener,
+        std::future::pending(),
+    ));
+    let watcher = PluginWatcher::start(&fixed_dir);
+    let r = watcher
+        .wait_registered(DRIVER, WAIT)
+        .await
+        .expect("registered");
+    assert_eq!(
+        (r.service, r.endpoint.to_str()),
+        ("v1.DRAPlugin", Some("/nonexistent/dra.sock"))
+    );
+    assert!(watcher.log().is_empty(), "{:?}", watcher.log());
+}
+
+fn claim(uid: &str, name: &str, device: &str) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": { "namespace": "default", "name": name, "uid": uid },
+        "status": { "allocation": { "devices": { "results": [
+            { "request": "gpu", "driver": DRIVER, "pool": "node1", "device": device,
+              "consumedCapacity": { "memory": "8Gi", "compute": "30" } } ] } } },
+    })
+}
+
+fn pb_claim(uid: &str, name: &str) -> pb::Claim {
+    pb::Claim {
+        namespace: "default".into(),
+        uid: uid.into(),
+        name: name.into(),
+    }
+}
+
+/// `gpud-k8s dra` for `node`, killed on drop.
+struct DraProcess(std::process::Child, std::path::PathBuf);
+
+impl DraProcess {
+    fn start(node: &Node, api: &str) -> Self {
+        let d = node.rig.path();
+        let log = d.join("dra.log");
+        let child = std::process::Command::new(gpud_tests::bin_dir().join("gpud-k8s"))
+            .args(["--log", "debug", "--bus-address", &node.rig.bus.address])
+            .args(["dra", "--node-name", "node1"])
+            .arg("--registry-dir")
+            .arg(d.join("registry"))
+            .arg("--plugin-dir")
+            .arg(d.join("plugins"))
+            .arg("--cdi-dir")
+            .arg(d.join("cdi"))
+            .arg("--oci-hook")
+            .arg(gpud_tests::bin_dir().join("gpud-oci-hook"))
+            .args(["--api-server", api])
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("start gpud-k8s dra");
+        Self(child, log)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.1).unwrap_or_default()
+    }
+}
+
+impl Drop for DraProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// What the runtime does with a prepared claim's CDI spec: the GPU in the environment and the
+/// hooks run with the container's state, here for a process in `cg`.
+struct Container {
+    cg: Cgroup,
+    _sleeper: Sleeper,
+    state: Value,
+    hooks: Vec<Value>,
+    env: Vec<Value>,
+}
+
+impl Container {
+    fn from_spec(spec: &Path, tag: &str, d: &Path) -> Self {
+        let spec: Value =
+            serde_json::from_slice(&std::fs::read(spec).expect("CDI spec")).expect("CDI JSON");
+        let edits = &spec["devices"][0]["containerEdits"];
+        let cg = Cgroup::new(tag);
+        let sleeper = Sleeper::start_in(&cg.dir);
+        let state = json!({ "ociVersion": "1.0.2", "id": tag, "status": "creating",
+            "pid": sleeper.pid, "bundle": d.display().to_string(), "annotations": {} });
+        Self {
+            cg,
+            _sleeper: sleeper,
+            state,
+            hooks: edits["hooks"].as_array().cloned().unwrap_or_default(),
+            env: edits["env"].as_array().cloned().unwrap_or_default(),
+        }
+    }
+
+    /// Runs the spec's hook for `stage` (createRuntime, poststop) as runc does.
+    fn run(&self, stage: &str, records: &Path) {
+        let hook = self
+            .hooks
+            .iter()
+            .find(|h| h["hookName"] == stage)
+            .unwrap_or_else(|| panic!("no {stage} hook in {:?}", self.hooks));
+        let args: Vec<&str> = hook["args"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .skip(1)
+            .filter_map(Value::as_str)
+            .collect();
+        let mut child = std::process::Command::new(hook["path"].as_str().unwrap_or(""))
+            .args(&args)
+            .env("GPUD_HOOK_RECORD_DIR", records)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("hook");
+        if let Some(mut i) = child.stdin.take() {
+            use std::io::Write as _;
+            let _ = i.write_all(self.state.to_string().as_bytes());
+        }
+        assert!(
+            child.wait().expect("hook exit").success(),
+            "{stage} hook failed"
+        );
+    }
+}
+
+/// Item 5 of issue 32 on the faithful kubelet: two claims on two GPUs get exactly their limits,
+/// unprepare clears them and the spec, a kubelet restart and a removed registration socket are
+/// survived, and a claim whose GPU left the inventory is refused clearly.
+#[tokio::test(flavor = "multi_thread")]
+async fn dra_claims_through_the_kubelets_grpc_go_get_their_limits_and_survive_restarts() {
+    let mut node = Node::start("k8s-dra-kubelet", &scenario(2, 16, |_, _| ())).await;
+    let (api, _slices) = fake_api_server(vec![
+        claim("uid-1", "train", "gpu-0"),
+        claim("uid-2", "serve", "gpu-1"),
+    ])
+    .await;
+    let dra = DraProcess::start(&node, &api);
+    let d = node.rig.path().to_owned();
+    let records = d.join("hook-records");
+    let mut kubelet = PluginWatcher::start(&d.join("registry"));
+    let r = kubelet
+        .wait_registered(DRIVER, WAIT)
+        .await
+        .unwrap_or_else(|log| panic!("not registered:\n{log}\n{}", dra.log()));
+    assert_eq!(r.endpoint, d.join("plugins/dra.sock"));
+    assert!(kubelet.log().is_empty(), "{:?}", kubelet.log());
+
+    // Two claims, as the scheduler allocated them: one on each GPU.
+    let resp = kubelet
+        .prepare(
+            DRIVER,
+            vec![pb_claim("uid-1", "train"), pb_claim("uid-2", "serve")],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", dra.log()));
+    for (uid, dev) in [("uid-1", "gpu-0"), ("uid-2", "gpu-1")] {
+        let r = &resp.claims[uid];
+        assert_eq!(r.error, "", "{}", dra.log());
+        assert_eq!(r.devices[0].device_name, dev);
+        assert_eq!(
+            r.devices[0].cdi_device_ids,
+            [format!("gpud.dev/claim={uid}-{dev}")]
+        );
+    }
+    let spec = |uid: &str| d.join(format!("cdi/gpud.dev-claim_{uid}.json"));
+    let train = Container::from_spec(&spec("uid-1"), "dra-train", &d);
+    let serve = Container::from_spec(&spec("uid-2"), "dra-serve", &d);
+    assert_eq!(train.env[0], format!("NVIDIA_VISIBLE_DEVICES={}", uuid(0)));
+    assert_eq!(serve.env[0], format!("NVIDIA_VISIBLE_DEVICES={}", uuid(1)));
+    train.run("createRuntime", &records);
+    serve.run("createRuntime", &records);
+    assert_eq!(
+        node.limits(&train.cg.rel).await,
+        eight_gib_and_thirty_percent_on(&uuid(0))
+    );
+    assert_eq!(
+        node.limits(&serve.cg.rel).await,
+        eight_gib_and_thirty_percent_on(&uuid(1))
+    );
+
+    // The pod ends: the runtime's poststop, then the kubelet's unprepare.
+    train.run("poststop", &records);
+    let resp = kubelet
+        .unprepare(DRIVER, vec![pb_claim("uid-1", "train")])
+        .await
+        .expect("NodeUnprepareResources");
+    assert_eq!(resp.claims["uid-1"].error, "");
+    assert!(node.limits(&train.cg.rel).await.is_empty());
+    assert!(!spec("uid-1").exists());
+    assert_eq!(
+        node.limits(&serve.cg.rel).await,
+        eight_gib_and_thirty_percent_on(&uuid(1))
+    );
+
+    // The kubelet restarts and finds the socket again; then the socket is removed (a cleared
+    // plugins_registry) and gpud-k8s serves it anew.
+    kubelet.restart();
+    kubelet
+        .wait_registered(DRIVER, WAIT)
+        .await
+        .expect("registered after a restart");
+    let reg_sock = d.join(format!("registry/{DRIVER}-reg.sock"));
+    std::fs::remove_file(&reg_sock).expect("remove the registration socket");
+    kubelet.restart();
+    kubelet
+        .wait_registered(DRIVER, WAIT)
+        .await
+        .unwrap_or_else(|log| {
+            panic!(
+                "not registered after the socket went:\n{log}\n{}",
+                dra.log()
+            )
+        });
+    assert!(dra.log().contains("serving it again"), "{}", dra.log());
+    let resp = kubelet
+        .prepare(DRIVER, vec![pb_claim("uid-1", "train")])
+        .await
+        .expect("NodePrepareResources after the restarts");
+    assert_eq!(resp.claims["uid-1"].error, "");
+
+    // GPU 1 leaves (gpud restarts without it): its claim is refused, naming the device.
+    let mut one = scenario(1, 16, |_, _| ());
+    one.gpus.truncate(1);
+    node.rig.nvml_scenario(&one);
+    node.rig.restart().await;
+    let resp = kubelet
+        .prepare(DRIVER, vec![pb_claim("uid-2", "serve")])
+        .await
+        .expect("NodePrepareResources");
+    let e = &resp.claims["uid-2"].error;
+    assert!(e.contains("gpu-1") && e.contains("not on this node"), "{e}");
+
+    // A driver the kubelet does not know fails as the kubelet says it.
+    let e = kubelet
+        .prepare("other.example.com", vec![pb_claim("uid-1", "train")])
+        .await
+        .expect_err("unknown driver");
+    assert_eq!(e, "DRA driver other.example.com is not registered");
+}
