@@ -87,6 +87,8 @@ impl HeaderBlocks {
             input: Vec::new(),
             open: None,
             decoder: Decoder::new(),
+            // A 4 KiB dynamic table: HTTP/2's initial SETTINGS_HEADER_TABLE_SIZE, which tonic's
+            // server keeps, so the server's decoder always has room for what this one indexes.
             encoder: Encoder::new(),
         }
     }
