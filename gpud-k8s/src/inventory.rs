@@ -34,7 +34,7 @@ pub struct Slot {
     pub mig: Option<u32>,
     pub memory_total: u64,
     /// Why it is unhealthy; `None`: healthy.
-    pub unhealthy: Option<String>,
+    pub unhealthy: Option<Unhealthy>,
     /// NUMA node of the GPU, where known (reported to the kubelet's topology manager).
     pub numa_node: Option<u32>,
 }
@@ -42,6 +42,42 @@ pub struct Slot {
 impl Slot {
     pub fn healthy(&self) -> bool {
         self.unhealthy.is_none()
+    }
+}
+
+/// Why a slot is unhealthy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unhealthy {
+    /// A critical Xid gpud reported for the GPU (the first one seen).
+    Xid(u64),
+    /// The GPU left gpud's inventory.
+    Gone,
+    /// gpud's NVML is unavailable.
+    NvmlUnavailable,
+    /// gpud does not answer (why).
+    GpudUnreachable(String),
+}
+
+impl Unhealthy {
+    /// A short CamelCase reason (a valid label value), e.g. for a DRA device taint.
+    pub fn reason(&self) -> String {
+        match self {
+            Self::Xid(x) => format!("Xid{x}"),
+            Self::Gone => "NotInInventory".into(),
+            Self::NvmlUnavailable => "NVMLUnavailable".into(),
+            Self::GpudUnreachable(_) => "GpudUnreachable".into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Unhealthy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Xid(x) => write!(f, "critical Xid {x} reported by gpud"),
+            Self::Gone => f.write_str("no longer in gpud's inventory"),
+            Self::NvmlUnavailable => f.write_str("gpud's NVML is unavailable"),
+            Self::GpudUnreachable(why) => write!(f, "gpud unreachable: {why}"),
+        }
     }
 }
 
@@ -138,9 +174,9 @@ impl Inventory {
     }
 
     /// Marks every slot unhealthy for `why` (gpud unreachable, NVML unavailable).
-    pub fn all_unhealthy(&mut self, why: &str) {
+    pub fn all_unhealthy(&mut self, why: &Unhealthy) {
         for s in &mut self.slots {
-            s.unhealthy.get_or_insert_with(|| why.to_owned());
+            s.unhealthy.get_or_insert_with(|| why.clone());
         }
     }
 }
@@ -186,19 +222,19 @@ impl HealthTracker {
             // An Xid named on the parent GPU affects all its MIG devices.
             let xid = self.xid.get(&s.uuid).or_else(|| self.xid.get(&s.parent));
             if let Some(x) = xid {
-                s.unhealthy = Some(format!("critical Xid {x} reported by gpud"));
+                s.unhealthy = Some(Unhealthy::Xid(*x));
             }
         }
         // GPUs that vanished stay listed, unhealthy: units allocated on them remain counted.
         for old in &self.last.slots {
             if inv.slot(&old.uuid).is_none() {
                 let mut gone = old.clone();
-                gone.unhealthy = Some("no longer in gpud's inventory".into());
+                gone.unhealthy = Some(Unhealthy::Gone);
                 inv.slots.push(gone);
             }
         }
         if !nvml_available {
-            inv.all_unhealthy("gpud's NVML is unavailable");
+            inv.all_unhealthy(&Unhealthy::NvmlUnavailable);
         }
         self.last = inv.clone();
         inv
@@ -208,7 +244,7 @@ impl HealthTracker {
     pub fn unreachable(&mut self, why: &str) -> Inventory {
         let mut inv = self.last.clone();
         for s in &mut inv.slots {
-            s.unhealthy = Some(format!("gpud unreachable: {why}"));
+            s.unhealthy = Some(Unhealthy::GpudUnreachable(why.to_owned()));
         }
         inv
     }
@@ -281,9 +317,10 @@ mod tests {
             "Xid 43 is the application's"
         );
         let inv = t.update(&recs, true, &[xid("GPU-b", 79)], &none);
+        assert_eq!(inv.slots[1].unhealthy, Some(Unhealthy::Xid(79)));
         assert_eq!(
-            inv.slots[1].unhealthy.as_deref(),
-            Some("critical Xid 79 reported by gpud")
+            inv.slots[1].unhealthy.as_ref().map(ToString::to_string),
+            Some("critical Xid 79 reported by gpud".to_owned())
         );
         assert!(inv.slots[0].healthy());
         // gpud's event list moved on: still unhealthy.
@@ -295,9 +332,7 @@ mod tests {
         assert!(inv.slots.iter().all(|s| !s.healthy()));
         let inv = t.unreachable("no bus");
         assert!(inv.slots.iter().all(|s| {
-            s.unhealthy
-                .as_deref()
-                .is_some_and(|u| u.starts_with("gpud unreachable"))
+            matches!(&s.unhealthy, Some(Unhealthy::GpudUnreachable(w)) if w == "no bus")
         }));
         let inv = t.update(&recs, false, &[], &none);
         assert!(inv.slots.iter().all(|s| !s.healthy()), "NVML unavailable");

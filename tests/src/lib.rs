@@ -29,6 +29,7 @@ pub use nvml::{gpus_with, install_fake_nvml, one_gpu, write_nvml_scenario};
 pub use paths::{TempDir, bin_dir, gpud_bin, gpudctl_bin};
 pub use rig::Rig;
 
+pub mod apiserver;
 mod bus;
 mod cgroup;
 mod config;

@@ -65,15 +65,21 @@ struct DraArgs {
     /// Granularity of the memory capacity: bytes or a quantity.
     #[arg(long, default_value = "1Gi")]
     memory_unit: String,
-    /// API server URL (default: the cluster this pod runs in).
-    #[arg(long, env = "GPUD_K8S_API_SERVER")]
-    api_server: Option<String>,
-    /// Bearer token file for --api-server.
+    /// kubeconfig of the API server (its current context). Default: $KUBECONFIG,
+    /// ~/.kube/config, then the pod's service account.
     #[arg(long)]
-    token_file: Option<PathBuf>,
-    /// CA bundle (PEM) for --api-server.
-    #[arg(long)]
-    ca_file: Option<PathBuf>,
+    kubeconfig: Option<PathBuf>,
+    /// How unhealthy GPUs appear in the ResourceSlice: left out (`off`), or listed with a
+    /// `gpu.gpud.dev/unhealthy` taint of that effect (needs the DRADeviceTaints gate, on by
+    /// default from Kubernetes 1.36).
+    #[arg(long, value_enum, default_value = "off")]
+    device_taints: gpud_k8s::dra::DeviceTaints,
+    /// How often gpud's inventory and GPU health are read, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    health_interval_ms: u64,
+    /// Xid errors that leave a GPU healthy (comma-separated; application errors by default).
+    #[arg(long, value_delimiter = ',', default_values_t = gpud_k8s::inventory::APPLICATION_XIDS.to_vec())]
+    ignore_xid: Vec<u64>,
     /// Bound of each call to gpud, in milliseconds.
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
@@ -147,20 +153,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             use gpud_k8s::dra;
             let memory_unit = gpud_api::limits::parse_quantity(&a.memory_unit)
                 .map_err(|e| anyhow::anyhow!("--memory-unit {:?}: {e}", a.memory_unit))?;
-            let api = match &a.api_server {
-                None => dra::ApiServer::in_cluster()?,
-                Some(url) => {
-                    let read = |p: &PathBuf| {
-                        std::fs::read(p).with_context(|| format!("reading {}", p.display()))
-                    };
-                    let token = match &a.token_file {
-                        Some(p) => Some(String::from_utf8_lossy(&read(p)?).trim().to_owned()),
-                        None => None,
-                    };
-                    let ca = a.ca_file.as_ref().map(read).transpose()?;
-                    dra::ApiServer::new(url, token, ca.as_deref())?
-                }
-            };
+            let api = dra::ApiServer::connect(a.kubeconfig.as_deref()).await?;
             let config = dra::Config {
                 plugin_dir: a
                     .plugin_dir
@@ -172,6 +165,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 bus: args.bus_address,
                 oci_hook: a.oci_hook,
                 timeout: Duration::from_millis(a.timeout_ms.max(1)),
+                health_interval: Duration::from_millis(a.health_interval_ms.max(1)),
+                ignored_xids: a.ignore_xid,
+                device_taints: a.device_taints,
             };
             dra::run(config, api, memory_unit, shutdown).await?;
         }

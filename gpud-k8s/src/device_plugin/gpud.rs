@@ -110,13 +110,22 @@ pub struct View {
     pub topology: Arc<RwLock<Topology>>,
 }
 
-/// Refreshes the inventory from gpud every `interval` (and the topology from NVML whenever the
-/// set of GPUs changes) until `stop` is set. Returns the receiving side at once.
+/// Where the refresh task reads the GPU topology from.
+#[derive(Clone, Debug)]
+pub enum TopologySource {
+    /// Not read (the DRA plugin: the scheduler places claims).
+    None,
+    /// NVML: this libnvidia-ml, or the system's.
+    Nvml(Option<PathBuf>),
+}
+
+/// Refreshes the inventory from gpud every `interval` (and the topology whenever the set of GPUs
+/// changes) until `stop` is set. Returns the receiving side at once.
 pub fn spawn_refresh(
     gpud: Arc<Gpud>,
     mut tracker: HealthTracker,
     memory_unit: u64,
-    nvml_library: Option<PathBuf>,
+    topology_source: TopologySource,
     interval: Duration,
     mut stop: watch::Receiver<bool>,
 ) -> View {
@@ -125,6 +134,7 @@ pub fn spawn_refresh(
     let topo = topology.clone();
     tokio::spawn(async move {
         let mut topology_of: Vec<String> = Vec::new();
+        let mut announced = false;
         loop {
             let snapshot = async {
                 let gpus = gpud
@@ -149,8 +159,11 @@ pub fn spawn_refresh(
                         .map(|g| g.uuid.clone())
                         .collect();
                     parents.sort();
-                    if parents != topology_of && !parents.is_empty() {
-                        let lib = nvml_library.clone();
+                    if let TopologySource::Nvml(lib) = &topology_source
+                        && parents != topology_of
+                        && !parents.is_empty()
+                    {
+                        let lib = lib.clone();
                         match tokio::task::spawn_blocking(move || Topology::read(lib.as_deref()))
                             .await
                         {
@@ -173,8 +186,11 @@ pub fn spawn_refresh(
                     tracker.unreachable(&e)
                 }
             };
+            // The first round is always announced: receivers wait for it rather than take the
+            // empty placeholder for gpud's answer.
+            let was_announced = std::mem::replace(&mut announced, true);
             tx.send_if_modified(|cur| {
-                if **cur == inv {
+                if **cur == inv && was_announced {
                     return false;
                 }
                 for s in &inv.slots {

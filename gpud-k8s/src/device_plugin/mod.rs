@@ -15,7 +15,7 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 use futures_util::StreamExt as _;
 use tokio::sync::{RwLock, watch};
 
-pub use self::gpud::{Gpud, taken_units};
+pub use self::gpud::{Gpud, TopologySource, View, spawn_refresh, taken_units};
 pub use service::{Pairing, ResourcePlugin, VISIBLE_DEVICES_ENV, options, shares_of};
 
 use crate::{
@@ -139,11 +139,11 @@ pub async fn run(
 
     let (stop_all, stop_rx) = watch::channel(false);
     let gpud = Arc::new(Gpud::new(&config.bus, config.timeout));
-    let view = gpud::spawn_refresh(
+    let view = spawn_refresh(
         gpud.clone(),
         HealthTracker::new(config.memory_unit, config.ignored_xids.iter().copied()),
         config.memory_unit,
-        config.nvml_library.clone(),
+        TopologySource::Nvml(config.nvml_library.clone()),
         config.health_interval,
         stop_rx,
     );

@@ -1,12 +1,15 @@
-//! The few API-server calls the DRA plugin makes (read a ResourceClaim, create or replace the
-//! node's ResourceSlice), as plain REST with the pod's service-account token. Blocking (ureq);
-//! callers run them on tokio's blocking pool.
+//! The DRA plugin's API-server calls, through kube-rs with the resource.k8s.io/v1 types: read a
+//! ResourceClaim (typed get), and create or replace the node's ResourceSlice. [`RBAC`] declares
+//! every call; [`ApiError`] says which call failed and what the API server answered.
 
 use std::{path::Path, time::Duration};
 
-use serde_json::Value;
-
-use super::DraError;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::{
+    Api, Client,
+    api::PostParams,
+    config::{KubeConfigOptions, Kubeconfig},
+};
 
 /// One RBAC rule: the API group, the resource and the verbs the DRA plugin uses on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,146 +35,146 @@ pub const RBAC: &[Rule] = &[
     },
 ];
 
-/// Where the service account's credentials are mounted in a pod.
-const SERVICE_ACCOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+/// Bound of one API-server request (the plugin makes no long-running ones such as watches).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// An API server: its base URL and the bearer token.
+/// An API-server call that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// No usable kubeconfig or in-cluster service account.
+    #[error("API server configuration: {0}")]
+    Config(String),
+    /// The object does not exist (HTTP 404, reason NotFound).
+    #[error("{object} not found ({verb}: {message})")]
+    NotFound {
+        verb: &'static str,
+        object: String,
+        message: String,
+    },
+    /// The API server refused the call (its `metav1.Status`).
+    #[error("{verb} {object}: {reason} ({code}): {message}")]
+    Status {
+        verb: &'static str,
+        object: String,
+        code: u16,
+        reason: String,
+        message: String,
+    },
+    /// The call did not get an answer (connection, TLS, timeout, a body that is not the type).
+    #[error("{verb} {object}: {source}")]
+    Request {
+        verb: &'static str,
+        object: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl ApiError {
+    fn of(verb: &'static str, object: String, e: kube::Error) -> Self {
+        match e {
+            kube::Error::Api(s) if s.code == 404 => Self::NotFound {
+                verb,
+                object,
+                message: s.message,
+            },
+            kube::Error::Api(s) => Self::Status {
+                verb,
+                object,
+                code: s.code,
+                reason: s.reason,
+                message: s.message,
+            },
+            source => Self::Request {
+                verb,
+                object,
+                source,
+            },
+        }
+    }
+
+    /// The HTTP status the API server answered, if it answered.
+    pub fn code(&self) -> Option<u16> {
+        match self {
+            Self::NotFound { .. } => Some(404),
+            Self::Status { code, .. } => Some(*code),
+            Self::Config(_) | Self::Request { .. } => None,
+        }
+    }
+}
+
+/// A client of the cluster's API server.
+#[derive(Clone)]
 pub struct ApiServer {
-    base: String,
-    token: Option<String>,
-    agent: ureq::Agent,
+    client: Client,
 }
 
 impl ApiServer {
-    /// `base` (e.g. `https://10.0.0.1:443`), a bearer token, and the CA bundle (PEM) that signed
-    /// the server's certificate (default: the public roots).
-    pub fn new(base: &str, token: Option<String>, ca_pem: Option<&[u8]>) -> Result<Self, DraError> {
-        let mut tls = ureq::tls::TlsConfig::builder();
-        if let Some(pem) = ca_pem {
-            let certs: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(pem)
-                .filter_map(|item| match item {
-                    Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
-                    _ => None,
-                })
-                .collect();
-            if certs.is_empty() {
-                return Err(DraError::Config(
-                    "the CA bundle holds no certificate".into(),
-                ));
+    /// The API server of `kubeconfig` (its current context), or else as kube-rs infers it:
+    /// `$KUBECONFIG`, `~/.kube/config`, then the pod's service account (in-cluster).
+    pub async fn connect(kubeconfig: Option<&Path>) -> Result<Self, ApiError> {
+        let mut config = match kubeconfig {
+            Some(path) => {
+                let kc = Kubeconfig::read_from(path)
+                    .map_err(|e| ApiError::Config(format!("{}: {e}", path.display())))?;
+                kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                    .await
+                    .map_err(|e| ApiError::Config(format!("{}: {e}", path.display())))?
             }
-            tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(&certs));
+            None => kube::Config::infer()
+                .await
+                .map_err(|e| ApiError::Config(e.to_string()))?,
+        };
+        config.read_timeout = Some(REQUEST_TIMEOUT);
+        config.write_timeout = Some(REQUEST_TIMEOUT);
+        // The timeout counts from each request, not from when its pooled connection went idle.
+        config.reset_reader_on_write = true;
+        // Retried by kube-rs: 429, 503, 504 (an API server restarting or throttling).
+        config.default_retry = true;
+        let client = Client::try_from(config).map_err(|e| ApiError::Config(e.to_string()))?;
+        Ok(Self { client })
+    }
+
+    /// The ResourceClaim `namespace/name` (`get resourceclaims`).
+    pub async fn claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ApiError> {
+        Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
+            .get(name)
+            .await
+            .map_err(|e| ApiError::of("get", format!("claim {namespace}/{name}"), e))
+    }
+
+    /// The ResourceSlice `name` (`get resourceslices`); `None` if there is none.
+    pub async fn slice(&self, name: &str) -> Result<Option<ResourceSlice>, ApiError> {
+        let api = Api::<ResourceSlice>::all(self.client.clone());
+        match api.get(name).await {
+            Ok(s) => Ok(Some(s)),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(None),
+            Err(e) => Err(ApiError::of("get", format!("ResourceSlice {name}"), e)),
         }
-        let agent = ureq::Agent::config_builder()
-            .tls_config(tls.build())
-            .timeout_global(Some(Duration::from_secs(10)))
-            .http_status_as_error(false)
-            .build()
-            .into();
-        Ok(Self {
-            base: base.trim_end_matches('/').to_owned(),
-            token,
-            agent,
-        })
     }
 
-    /// The API server of the cluster this pod runs in (`KUBERNETES_SERVICE_HOST`/`_PORT`, the
-    /// mounted service-account token and CA).
-    pub fn in_cluster() -> Result<Self, DraError> {
-        let host = std::env::var("KUBERNETES_SERVICE_HOST").map_err(|_| {
-            DraError::Config(
-                "not in a pod: KUBERNETES_SERVICE_HOST is unset; pass --api-server".into(),
-            )
-        })?;
-        let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
-        let host = if host.contains(':') {
-            format!("[{host}]")
-        } else {
-            host
-        };
-        let dir = Path::new(SERVICE_ACCOUNT);
-        let read = |name: &str| {
-            let p = dir.join(name);
-            std::fs::read(&p).map_err(|source| DraError::Io { path: p, source })
-        };
-        let token = String::from_utf8_lossy(&read("token")?).trim().to_owned();
-        Self::new(
-            &format!("https://{host}:{port}"),
-            Some(token),
-            Some(&read("ca.crt")?),
-        )
+    /// Creates `slice` (`create resourceslices`); the stored object comes back.
+    pub async fn create_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
+        Api::<ResourceSlice>::all(self.client.clone())
+            .create(&PostParams::default(), slice)
+            .await
+            .map_err(|e| ApiError::of("create", slice_name(slice), e))
     }
 
-    fn request(
-        &self,
-        method: &str,
-        path: &str,
-        body: Option<&Value>,
-    ) -> Result<(u16, Value), DraError> {
-        let url = format!("{}{path}", self.base);
-        let err = |e: ureq::Error| DraError::Api {
-            call: format!("{method} {path}"),
-            reason: e.to_string(),
-        };
-        let auth = self.token.as_ref().map(|t| format!("Bearer {t}"));
-        let mut resp = match (method, body) {
-            ("GET", _) => {
-                let mut r = self.agent.get(&url).header("Accept", "application/json");
-                if let Some(a) = &auth {
-                    r = r.header("Authorization", a);
-                }
-                r.call().map_err(err)?
-            }
-            (m, b) => {
-                let mut r = match m {
-                    "PUT" => self.agent.put(&url),
-                    _ => self.agent.post(&url),
-                }
-                .header("Accept", "application/json");
-                if let Some(a) = &auth {
-                    r = r.header("Authorization", a);
-                }
-                r.send_json(b.cloned().unwrap_or(Value::Null))
-                    .map_err(err)?
-            }
-        };
-        let status = resp.status().as_u16();
-        let v = resp.body_mut().read_json::<Value>().unwrap_or(Value::Null);
-        Ok((status, v))
+    /// Replaces the slice of `slice`'s name (`update resourceslices`), conditional on its
+    /// `metadata.resourceVersion` (409 Conflict when another write came first).
+    pub async fn replace_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
+        let name = slice.metadata.name.clone().unwrap_or_default();
+        Api::<ResourceSlice>::all(self.client.clone())
+            .replace(&name, &PostParams::default(), slice)
+            .await
+            .map_err(|e| ApiError::of("update", slice_name(slice), e))
     }
+}
 
-    fn check(call: String, (status, v): (u16, Value)) -> Result<Value, DraError> {
-        if (200..300).contains(&status) {
-            return Ok(v);
-        }
-        let msg = v["message"].as_str().unwrap_or("").to_owned();
-        Err(DraError::Api {
-            call,
-            reason: format!("HTTP {status} {msg}"),
-        })
-    }
-
-    /// `GET …/namespaces/NS/resourceclaims/NAME` (resource.k8s.io/v1).
-    pub fn claim(&self, namespace: &str, name: &str) -> Result<Value, DraError> {
-        let path = format!("/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}");
-        Self::check(format!("GET {path}"), self.request("GET", &path, None)?)
-    }
-
-    /// Creates the ResourceSlice, or replaces the one of that name.
-    pub fn apply_slice(&self, slice: &Value) -> Result<(), DraError> {
-        let coll = "/apis/resource.k8s.io/v1/resourceslices";
-        let name = slice["metadata"]["name"].as_str().unwrap_or_default();
-        let (status, v) = self.request("POST", coll, Some(slice))?;
-        if status != 409 {
-            return Self::check(format!("POST {coll}"), (status, v)).map(|_| ());
-        }
-        let path = format!("{coll}/{name}");
-        let current = Self::check(format!("GET {path}"), self.request("GET", &path, None)?)?;
-        let mut slice = slice.clone();
-        slice["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"].clone();
-        Self::check(
-            format!("PUT {path}"),
-            self.request("PUT", &path, Some(&slice))?,
-        )
-        .map(|_| ())
-    }
+fn slice_name(s: &ResourceSlice) -> String {
+    format!(
+        "ResourceSlice {}",
+        s.metadata.name.as_deref().unwrap_or_default()
+    )
 }

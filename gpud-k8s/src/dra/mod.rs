@@ -1,9 +1,11 @@
 //! The DRA kubelet plugin (Dynamic Resource Allocation, resource.k8s.io/v1, kubelet API
 //! `v1.DRAPlugin`, Kubernetes 1.34+), driver `gpu.gpud.dev`.
 //!
-//! - It publishes the node's ResourceSlice: one device per GPU or MIG device (from gpud's
-//!   `ListGpus`), with `memory` and `compute` as consumable capacity (`allowMultipleAllocations`,
-//!   Kubernetes' DRAConsumableCapacity), so the scheduler itself fits fractional claims per GPU.
+//! - It publishes the node's ResourceSlice ([`slice`]): one device per GPU or MIG device (from
+//!   gpud's `ListGpus`), with `memory` and `compute` as consumable capacity
+//!   (`allowMultipleAllocations`, Kubernetes' DRAConsumableCapacity), so the scheduler itself fits
+//!   fractional claims per GPU; republished whenever gpud's inventory or a GPU's health changes.
+//! - It talks to the API server through kube-rs ([`apiserver`]: the calls, declared as [`RBAC`]).
 //! - It registers with the kubelet's plugin watcher (`pluginregistration.v1`: a socket in
 //!   `plugins_registry/`) and serves NodePrepareResources/NodeUnprepareResources.
 //! - NodePrepareResources reads the claim's allocation from the API server and turns each device's
@@ -12,27 +14,30 @@
 //!   the GPU (`NVIDIA_VISIBLE_DEVICES`) and gpud's OCI hook with the annotations as arguments.
 //!   NodeUnprepareResources removes the spec (the hook's poststop cleared the limits).
 
-mod apiserver;
+pub mod apiserver;
 mod registration;
+pub mod slice;
 
 use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 
 use gpud_api::limits::{GpuSelector, LimitKind, LimitValue, parse_quantity};
 use gpud_runtime::annotations::{self, Shares};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
-pub use apiserver::{ApiServer, RBAC, Rule};
+pub use apiserver::{ApiError, ApiServer, RBAC, Rule};
+pub use slice::{DeviceTaints, device_name, resource_slice};
 
 use crate::{
     api::{
         dra::{self as pb, dra_plugin_server::DraPlugin, dra_plugin_server::DraPluginServer},
         pluginregistration as reg,
     },
-    device_plugin::{Gpud, VISIBLE_DEVICES_ENV},
+    device_plugin::{Gpud, TopologySource, VISIBLE_DEVICES_ENV, spawn_refresh},
     grpc,
-    inventory::{Inventory, Slot},
+    inventory::{HealthTracker, Inventory},
 };
 
 /// The driver name (DeviceClass selectors, ResourceSlices, CDI kind `gpud.dev/claim`).
@@ -53,14 +58,14 @@ pub enum DraError {
         #[source]
         source: std::io::Error,
     },
-    #[error("API server, {call}: {reason}")]
-    Api { call: String, reason: String },
+    #[error(transparent)]
+    Api(#[from] ApiError),
     #[error("claim {claim}: {reason}")]
     Claim { claim: String, reason: String },
     #[error("gpud: {0}")]
     Gpud(String),
-    /// A blocking API-server call could not run to its end.
-    #[error("API server call aborted: {0}")]
+    /// A task of the plugin could not run to its end.
+    #[error("task aborted: {0}")]
     Task(String),
 }
 
@@ -78,63 +83,14 @@ pub struct Config {
     pub bus: String,
     /// The OCI hook the CDI specs run.
     pub oci_hook: PathBuf,
+    /// Bound of each call to gpud.
     pub timeout: Duration,
-}
-
-/// The ResourceSlice of the node: a device per slot with its memory and compute capacity.
-pub fn resource_slice(inv: &Inventory, driver: &str, node: &str, generation: u64) -> Value {
-    let unit = inv.memory_unit;
-    let devices: Vec<Value> = inv
-        .slots
-        .iter()
-        .filter(|s| s.healthy())
-        .map(|s| {
-            json!({
-                "name": device_name(s),
-                "allowMultipleAllocations": true,
-                "attributes": {
-                    "uuid": { "string": s.uuid },
-                    "index": { "int": s.index },
-                    "mig": { "bool": s.mig.is_some() },
-                },
-                "capacity": {
-                    "memory": {
-                        "value": (s.memory_total / unit * unit).to_string(),
-                        "requestPolicy": {
-                            "default": unit.to_string(),
-                            "validRange": { "min": unit.to_string(), "step": unit.to_string() },
-                        },
-                    },
-                    "compute": {
-                        "value": "100",
-                        "requestPolicy": {
-                            "default": "100",
-                            "validRange": { "min": "1", "max": "100", "step": "1" },
-                        },
-                    },
-                },
-            })
-        })
-        .collect();
-    json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": { "name": format!("{node}-{driver}") },
-        "spec": {
-            "driver": driver,
-            "nodeName": node,
-            "pool": { "name": node, "generation": generation, "resourceSliceCount": 1 },
-            "devices": devices,
-        },
-    })
-}
-
-/// A slot's DRA device name (a DNS label): `gpu-<index>`, `gpu-<index>-mig-<n>`.
-pub fn device_name(s: &Slot) -> String {
-    match s.mig {
-        None => format!("gpu-{}", s.index),
-        Some(m) => format!("gpu-{}-mig-{m}", s.index),
-    }
+    /// How often gpud's inventory and GPU health are read (the slice follows them).
+    pub health_interval: Duration,
+    /// Xid errors that leave a GPU healthy.
+    pub ignored_xids: Vec<u64>,
+    /// How unhealthy devices appear in the slice.
+    pub device_taints: DeviceTaints,
 }
 
 /// One allocated device of a claim, with the shares its consumed capacity asks.
@@ -146,49 +102,55 @@ pub struct Prepared {
     pub shares: Shares,
 }
 
-/// The devices of `claim` (a resource.k8s.io/v1 ResourceClaim) allocated by this driver on
-/// this node, with their shares. A device allocated without consumed capacity is the whole GPU:
-/// no limit.
+/// The devices of `claim` allocated by this driver on this node, with their shares. A device
+/// allocated without consumed capacity is the whole GPU: no limit.
 pub fn prepare_claim(
-    claim: &Value,
+    claim: &ResourceClaim,
     uid: &str,
     cfg_driver: &str,
     node: &str,
     inv: &Inventory,
 ) -> Result<Vec<Prepared>, DraError> {
+    let meta = &claim.metadata;
     let name = format!(
         "{}/{}",
-        claim["metadata"]["namespace"].as_str().unwrap_or(""),
-        claim["metadata"]["name"].as_str().unwrap_or("")
+        meta.namespace.as_deref().unwrap_or_default(),
+        meta.name.as_deref().unwrap_or_default()
     );
     let bad = |reason: String| DraError::Claim {
         claim: name.clone(),
         reason,
     };
-    if claim["metadata"]["uid"].as_str() != Some(uid) {
+    if meta.uid.as_deref() != Some(uid) {
         return Err(bad(format!("UID is not {uid}: the claim was replaced")));
     }
-    let results = claim["status"]["allocation"]["devices"]["results"]
-        .as_array()
+    let results = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .map(|d| d.results.as_deref().unwrap_or_default())
         .ok_or_else(|| bad("not allocated".into()))?;
     let mut out = Vec::new();
     for r in results {
-        if r["driver"].as_str() != Some(cfg_driver) || r["pool"].as_str() != Some(node) {
+        if r.driver != cfg_driver || r.pool != node {
             continue;
         }
-        let device = r["device"].as_str().unwrap_or_default();
+        let device = r.device.as_str();
         let slot = inv
             .slots
             .iter()
             .find(|s| device_name(s) == device)
             .ok_or_else(|| bad(format!("device {device:?} is not on this node")))?;
         let mut limits = std::collections::BTreeMap::new();
-        let consumed = &r["consumedCapacity"];
-        if let Some(q) = consumed["memory"].as_str() {
+        let consumed = r.consumed_capacity.as_ref();
+        if let Some(q) = consumed.and_then(|c| c.get("memory")) {
+            let q = &q.0;
             let bytes = parse_quantity(q).map_err(|e| bad(format!("memory {q:?}: {e}")))?;
             limits.insert(LimitKind::MemoryMax, LimitValue::Number(bytes));
         }
-        if let Some(q) = consumed["compute"].as_str() {
+        if let Some(q) = consumed.and_then(|c| c.get("compute")) {
+            let q = &q.0;
             let pct = LimitKind::ComputeMax
                 .parse(q)
                 .map_err(|e| bad(format!("compute {q:?}: {e}")))?;
@@ -201,7 +163,7 @@ pub fn prepare_claim(
                 .insert(GpuSelector::Uuid(slot.uuid.clone()), limits);
         }
         out.push(Prepared {
-            request: r["request"].as_str().unwrap_or_default().to_owned(),
+            request: r.request.clone(),
             device: device.to_owned(),
             uuid: slot.uuid.clone(),
             shares,
@@ -249,8 +211,8 @@ fn cdi_path(cfg: &Config, uid: &str) -> PathBuf {
 /// What the services share.
 struct State {
     config: Config,
-    api: Arc<ApiServer>,
-    gpud: Gpud,
+    api: ApiServer,
+    gpud: Arc<Gpud>,
     memory_unit: u64,
 }
 
@@ -265,11 +227,7 @@ impl State {
     }
 
     async fn prepare(&self, claim: &pb::Claim) -> Result<Vec<pb::Device>, DraError> {
-        let api = self.api.clone();
-        let (ns, name) = (claim.namespace.clone(), claim.name.clone());
-        let obj = tokio::task::spawn_blocking(move || api.claim(&ns, &name))
-            .await
-            .map_err(|e| DraError::Task(e.to_string()))??;
+        let obj = self.api.claim(&claim.namespace, &claim.name).await?;
         let inv = self.inventory().await?;
         let prepared = prepare_claim(
             &obj,
@@ -347,9 +305,10 @@ impl DraPlugin for DraService {
     }
 }
 
-/// Runs the DRA plugin until `shutdown`: publishes the ResourceSlice, serves registration and
-/// the DRA service. Sockets are removed on the way out; CDI specs of prepared claims stay (the
-/// kubelet unprepares them).
+/// Runs the DRA plugin until `shutdown`: keeps the ResourceSlice in step with gpud, serves
+/// registration and the DRA service. Sockets are removed on the way out; CDI specs of prepared
+/// claims stay (the kubelet unprepares them), and so does the slice (the kubelet removes the
+/// slices of a driver that stays unregistered).
 pub async fn run(
     config: Config,
     api: ApiServer,
@@ -360,19 +319,29 @@ pub async fn run(
         let p = p.to_owned();
         move |source| DraError::Io { path: p, source }
     };
+    let gpud = Arc::new(Gpud::new(&config.bus, config.timeout));
     let state = Arc::new(State {
-        gpud: Gpud::new(&config.bus, config.timeout),
-        api: Arc::new(api),
+        gpud: gpud.clone(),
+        api: api.clone(),
         memory_unit,
         config: config.clone(),
     });
-    let inv = state.inventory().await?;
-    let slice = resource_slice(&inv, &config.driver, &config.node_name, 1);
-    let api = state.api.clone();
-    tokio::task::spawn_blocking(move || api.apply_slice(&slice))
-        .await
-        .map_err(|e| DraError::Task(e.to_string()))??;
-    tracing::info!("ResourceSlice published: {} devices", inv.slots.len());
+    let (stop, stopped) = watch::channel(false);
+    let view = spawn_refresh(
+        gpud,
+        HealthTracker::new(memory_unit, config.ignored_xids.iter().copied()),
+        memory_unit,
+        TopologySource::None,
+        config.health_interval,
+        stopped.clone(),
+    );
+    let publisher = slice::Publisher::new(api, &config.driver, &config.node_name);
+    let slice_task = tokio::spawn(slice::follow(
+        publisher,
+        view.inventory,
+        config.device_taints,
+        stopped.clone(),
+    ));
 
     std::fs::create_dir_all(&config.plugin_dir).map_err(io(&config.plugin_dir))?;
     std::fs::create_dir_all(&config.registry_dir).map_err(io(&config.registry_dir))?;
@@ -380,7 +349,6 @@ pub async fn run(
     let reg_sock = config
         .registry_dir
         .join(format!("{}-reg.sock", config.driver));
-    let (stop, stopped) = watch::channel(false);
     let wait = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
@@ -405,6 +373,7 @@ pub async fn run(
     if let Ok(Err(e)) = dra_task.await {
         tracing::warn!("gRPC server: {e}");
     }
+    let _ = slice_task.await;
     let _ = std::fs::remove_file(&dra_sock);
     let registration = match ended {
         Some(r) => r,
@@ -431,20 +400,12 @@ mod tests {
         Inventory::from_records(&[g], 1 << 30)
     }
 
-    fn claim(results: Value) -> Value {
-        json!({ "metadata": { "namespace": "ns", "name": "c", "uid": "u1" },
-                "status": { "allocation": { "devices": { "results": results } } } })
-    }
-
-    #[test]
-    fn slices_offer_memory_and_compute_as_consumable_capacity() {
-        let s = resource_slice(&inv(), DRIVER, "node1", 3);
-        let d = &s["spec"]["devices"][0];
-        assert_eq!(d["name"], "gpu-0");
-        assert_eq!(d["allowMultipleAllocations"], true);
-        assert_eq!(d["capacity"]["memory"]["value"], (16u64 << 30).to_string());
-        assert_eq!(d["capacity"]["compute"]["value"], "100");
-        assert_eq!(s["spec"]["pool"]["generation"], 3);
+    fn claim(results: Value) -> ResourceClaim {
+        let v = json!({ "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": { "namespace": "ns", "name": "c", "uid": "u1" },
+                "spec": {},
+                "status": { "allocation": { "devices": { "results": results } } } });
+        serde_json::from_value(v).expect("a ResourceClaim")
     }
 
     #[test]

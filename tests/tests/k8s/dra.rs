@@ -12,13 +12,14 @@ use gpud_k8s::api::{
     },
 };
 use gpud_tests::{
-    Cgroup, TempDir, kubelet::plugins::PluginWatcher, runtime::Sleeper, scenario::uuid,
+    Cgroup, TempDir, apiserver::TestApiServer, kubelet::plugins::PluginWatcher, runtime::Sleeper,
+    scenario::uuid,
 };
 use serde_json::{Value, json};
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
-use super::{Node, WAIT, eight_gib_and_thirty_percent_on, fake_api_server, scenario};
+use super::{Node, WAIT, eight_gib_and_thirty_percent_on, scenario};
 
 const DRIVER: &str = "gpu.gpud.dev";
 
@@ -102,6 +103,8 @@ fn claim(uid: &str, name: &str, device: &str) -> Value {
     json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": { "namespace": "default", "name": name, "uid": uid },
+        "spec": { "devices": { "requests": [{ "name": "gpu",
+            "exactly": { "deviceClassName": "gpud-gpu" } }] } },
         "status": { "allocation": { "devices": { "results": [
             { "request": "gpu", "driver": DRIVER, "pool": "node1", "device": device,
               "consumedCapacity": { "memory": "8Gi", "compute": "30" } } ] } } },
@@ -120,7 +123,7 @@ fn pb_claim(uid: &str, name: &str) -> pb::Claim {
 struct DraProcess(std::process::Child, std::path::PathBuf);
 
 impl DraProcess {
-    fn start(node: &Node, api: &str) -> Self {
+    fn start(node: &Node, kubeconfig: &Path) -> Self {
         let d = node.rig.path();
         let log = d.join("dra.log");
         let child = std::process::Command::new(gpud_tests::bin_dir().join("gpud-k8s"))
@@ -134,7 +137,8 @@ impl DraProcess {
             .arg(d.join("cdi"))
             .arg("--oci-hook")
             .arg(gpud_tests::bin_dir().join("gpud-oci-hook"))
-            .args(["--api-server", api])
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
             .stderr(std::fs::File::create(&log).expect("log"))
             .spawn()
             .expect("start gpud-k8s dra");
@@ -218,12 +222,12 @@ impl Container {
 #[tokio::test(flavor = "multi_thread")]
 async fn dra_claims_through_the_kubelets_grpc_go_get_their_limits_and_survive_restarts() {
     let mut node = Node::start("k8s-dra-kubelet", &scenario(2, 16, |_, _| ())).await;
-    let (api, _slices) = fake_api_server(vec![
-        claim("uid-1", "train", "gpu-0"),
-        claim("uid-2", "serve", "gpu-1"),
-    ])
-    .await;
-    let dra = DraProcess::start(&node, &api);
+    let api = TestApiServer::start("dra-kubelet-token").await;
+    api.put(claim("uid-1", "train", "gpu-0"));
+    api.put(claim("uid-2", "serve", "gpu-1"));
+    let kubeconfig = node.rig.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig);
+    let dra = DraProcess::start(&node, &kubeconfig);
     let d = node.rig.path().to_owned();
     let records = d.join("hook-records");
     let mut kubelet = PluginWatcher::start(&d.join("registry"));

@@ -11,7 +11,9 @@ use std::{collections::BTreeMap, path::Path, time::Duration};
 use gpud_runtime::nri::api::nri::{self, ContainerState};
 use gpud_tests::scenario::{Event, Gpu, Scenario, uuid};
 use gpud_tests::{
-    Cgroup, Rig, eventually,
+    Cgroup, Rig,
+    apiserver::TestApiServer,
+    eventually,
     kubelet::{DevicePluginProcess, PluginEndpoint, TestKubelet, admit},
     runtime::{NriPlugin, Sleeper, TestRuntime, container, ctx, pod},
 };
@@ -352,76 +354,6 @@ async fn requests_that_cannot_fit_fail_clearly_and_multi_gpu_requests_follow_nvl
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
 }
 
-/// A stand-in API server on loopback: serves ResourceClaims, records posted ResourceSlices.
-async fn fake_api_server(
-    claims: Vec<serde_json::Value>,
-) -> (
-    String,
-    tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
-) {
-    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let claims: BTreeMap<String, serde_json::Value> = claims
-        .into_iter()
-        .map(|claim| {
-            let path = format!(
-                "/apis/resource.k8s.io/v1/namespaces/{}/resourceclaims/{}",
-                claim["metadata"]["namespace"].as_str().unwrap_or(""),
-                claim["metadata"]["name"].as_str().unwrap_or("")
-            );
-            (path, claim)
-        })
-        .collect();
-    tokio::spawn(async move {
-        while let Ok((conn, _)) = listener.accept().await {
-            let (r, mut w) = conn.into_split();
-            let mut r = BufReader::new(r);
-            let mut line = String::new();
-            if r.read_line(&mut line).await.is_err() {
-                continue;
-            }
-            let mut parts = line.split_whitespace();
-            let (method, path) = (
-                parts.next().unwrap_or("").to_owned(),
-                parts.next().unwrap_or("").to_owned(),
-            );
-            let mut len = 0usize;
-            loop {
-                let mut h = String::new();
-                if r.read_line(&mut h).await.unwrap_or(0) == 0 || h.trim().is_empty() {
-                    break;
-                }
-                if let Some((k, v)) = h.split_once(':')
-                    && k.eq_ignore_ascii_case("content-length")
-                {
-                    len = v.trim().parse().unwrap_or(0);
-                }
-            }
-            let mut body = vec![0u8; len];
-            let _ = r.read_exact(&mut body).await;
-            let (status, out) = match (method.as_str(), path.as_str()) {
-                ("GET", p) if claims.contains_key(p) => ("200 OK", claims[p].to_string()),
-                ("POST", "/apis/resource.k8s.io/v1/resourceslices") => {
-                    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-                    let _ = tx.send(v.clone());
-                    ("201 Created", v.to_string())
-                }
-                _ => ("404 Not Found", r#"{"message":"not found"}"#.to_owned()),
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{out}",
-                out.len()
-            );
-            let _ = w.write_all(resp.as_bytes()).await;
-        }
-    });
-    (format!("http://{addr}"), rx)
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_limits() {
     use gpud_k8s::api::{
@@ -433,12 +365,17 @@ async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_
     let claim = json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": { "namespace": "default", "name": "train-gpu", "uid": "uid-1" },
+        "spec": { "devices": { "requests": [{ "name": "gpu",
+            "exactly": { "deviceClassName": "gpud-gpu" } }] } },
         "status": { "allocation": { "devices": { "results": [
             { "request": "gpu", "driver": "gpu.gpud.dev", "pool": "node1", "device": "gpu-0",
               "consumedCapacity": { "memory": "8Gi", "compute": "30" } } ] } } },
     });
-    let (api, mut slices) = fake_api_server(vec![claim]).await;
+    let api = TestApiServer::start("dra-token").await;
+    api.put(claim);
     let d = node.rig.path();
+    let kubeconfig = d.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig);
     let log = d.join("dra.log");
     let child = std::process::Command::new(gpud_tests::bin_dir().join("gpud-k8s"))
         .args([
@@ -458,7 +395,9 @@ async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_
         .arg(d.join("cdi"))
         .arg("--oci-hook")
         .arg(gpud_tests::bin_dir().join("gpud-oci-hook"))
-        .args(["--api-server", &api])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["--health-interval-ms", "200"])
         .stderr(std::fs::File::create(&log).expect("log"))
         .spawn()
         .expect("start gpud-k8s dra");
@@ -473,11 +412,9 @@ async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_
     let logs = || std::fs::read_to_string(&log).unwrap_or_default();
 
     // The ResourceSlice: one device with memory and compute as consumable capacity.
-    let slice = tokio::time::timeout(WAIT, slices.recv())
-        .await
-        .ok()
-        .flatten();
+    let slice = eventually(WAIT, || async { api.object("resourceslices", "", SLICE) }).await;
     let slice = slice.unwrap_or_else(|| panic!("no ResourceSlice:\n{}", logs()));
+    assert_eq!(slice["spec"]["pool"]["generation"], 1);
     let dev = &slice["spec"]["devices"][0];
     assert_eq!(
         (
@@ -585,7 +522,12 @@ async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_
         .await
         .expect("NodePrepareResources")
         .into_inner();
-    assert!(resp.claims["uid-2"].error.contains("404"), "{resp:?}");
+    assert!(
+        resp.claims["uid-2"]
+            .error
+            .starts_with("claim default/nope not found"),
+        "{resp:?}"
+    );
     let resp = dra
         .node_unprepare_resources(pb::NodeUnprepareResourcesRequest { claims: vec![c] })
         .await
@@ -593,6 +535,44 @@ async fn dra_plugin_registers_publishes_capacity_and_prepares_a_claim_into_gpud_
         .into_inner();
     assert_eq!(resp.claims["uid-1"].error, "");
     assert!(!spec_path.exists());
+
+    // The GPU fails (Xid 79): the slice is republished, a generation on, without it.
+    let mut sc = scenario(1, 16, |_, _| ());
+    sc.events = vec![Event::xid(0, 79)];
+    node.rig.nvml_scenario(&sc);
+    let slice = eventually(WAIT, || async {
+        api.object("resourceslices", "", SLICE)
+            .filter(|s| s["spec"]["pool"]["generation"] == 2)
+    })
+    .await
+    .unwrap_or_else(|| panic!("not republished:\n{}", logs()));
+    assert_eq!(device_names(&slice), Vec::<String>::new(), "{slice}");
+
+    // The calls the plugin made are exactly what its RBAC rules grant.
+    assert_rbac_is_exact(&api);
+}
+
+/// The node's ResourceSlice in these tests.
+const SLICE: &str = "node1-gpu.gpud.dev";
+
+/// The (group, resource, verb) of every request `api` saw are granted by `gpud_k8s::dra::RBAC`,
+/// and every verb RBAC grants was used.
+fn assert_rbac_is_exact(api: &TestApiServer) {
+    let granted: std::collections::BTreeSet<(String, String, String)> = gpud_k8s::dra::RBAC
+        .iter()
+        .flat_map(|r| {
+            r.verbs
+                .iter()
+                .map(|v| (r.group.to_owned(), r.resource.to_owned(), (*v).to_owned()))
+        })
+        .collect();
+    let seen = api.verbs_seen();
+    assert!(
+        api.requests().iter().all(|r| !r.resource.is_empty()),
+        "requests outside the resources: {:?}",
+        api.requests()
+    );
+    assert_eq!(seen, granted, "seen (left) and granted (right) differ");
 }
 
 /// The limits the claims and allocations of these tests ask for on `gpu`: 8 GiB and 30 %.
@@ -604,4 +584,145 @@ fn eight_gib_and_thirty_percent_on(gpu: &str) -> BTreeMap<String, BTreeMap<Strin
             ("compute_max".to_owned(), 30),
         ]),
     )])
+}
+
+/// The device names of a ResourceSlice.
+fn device_names(slice: &serde_json::Value) -> Vec<String> {
+    slice["spec"]["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d["name"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// `gpud-k8s dra` for node1 of `rig`, with the API server of `kubeconfig`; killed when dropped.
+struct DraProcess {
+    child: std::process::Child,
+    log: std::path::PathBuf,
+}
+
+impl DraProcess {
+    fn start(rig: &Rig, kubeconfig: &Path, extra: &[&str], n: u32) -> Self {
+        let d = rig.path();
+        let log = d.join(format!("dra-{n}.log"));
+        let child = std::process::Command::new(gpud_tests::bin_dir().join("gpud-k8s"))
+            .args(["--log", "debug", "--bus-address", &rig.bus.address])
+            .args(["dra", "--node-name", "node1", "--health-interval-ms", "200"])
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--registry-dir")
+            .arg(d.join("registry"))
+            .arg("--plugin-dir")
+            .arg(d.join("plugins"))
+            .arg("--cdi-dir")
+            .arg(d.join("cdi"))
+            .args(extra)
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("start gpud-k8s dra");
+        Self { child, log }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM; the exit code.
+    fn stop(&mut self) -> Option<i32> {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap_or(0));
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        self.child.wait().ok().and_then(|s| s.code())
+    }
+}
+
+impl Drop for DraProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dra_slice_follows_gpu_health_and_inventory_with_a_new_generation_each_time() {
+    let node = Node::start("k8s-dra-health", &scenario(2, 16, |_, _| ())).await;
+    let api = TestApiServer::start("health-token").await;
+    let kubeconfig = node.rig.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig);
+    let mut plugin = DraProcess::start(&node.rig, &kubeconfig, &[], 0);
+    let at = |generation: i64| {
+        let api = &api;
+        async move {
+            eventually(WAIT, || async {
+                api.object("resourceslices", "", SLICE)
+                    .filter(|s| s["spec"]["pool"]["generation"] == generation)
+            })
+            .await
+        }
+    };
+    let s = at(1).await;
+    let s = s.unwrap_or_else(|| panic!("no slice:\n{}", plugin.log_text()));
+    assert_eq!(device_names(&s), ["gpu-0", "gpu-1"]);
+
+    // Another client writes the slice: the plugin's next replace carries a stale resourceVersion
+    // (409 Conflict), so it reads the slice again and replaces that.
+    let mut other = s.clone();
+    other["metadata"]["labels"] = json!({ "touched-by": "test" });
+    api.put(other);
+
+    // GPU 1 leaves gpud's inventory: the next generation lists GPU 0 only.
+    node.rig.nvml_scenario(&scenario(1, 16, |_, _| ()));
+    let s = at(2).await;
+    let s = s.unwrap_or_else(|| panic!("GPU 1 still listed:\n{}", plugin.log_text()));
+    assert_eq!(device_names(&s), ["gpu-0"]);
+    let updates: Vec<u16> = api
+        .requests()
+        .iter()
+        .filter(|r| r.verb == "update")
+        .map(|r| r.code)
+        .collect();
+    assert_eq!(updates, [409, 200], "{:?}", api.requests());
+
+    // It comes back.
+    node.rig.nvml_scenario(&scenario(2, 16, |_, _| ()));
+    let s = at(3).await;
+    let s = s.unwrap_or_else(|| panic!("GPU 1 not back:\n{}", plugin.log_text()));
+    assert_eq!(device_names(&s), ["gpu-0", "gpu-1"]);
+
+    // An application's Xid (43) changes nothing; Xid 79 on GPU 0 takes it out of the slice.
+    let mut sc = scenario(2, 16, |_, _| ());
+    sc.events = vec![Event::xid(1, 43), Event::xid(0, 79)];
+    node.rig.nvml_scenario(&sc);
+    let s = at(4).await;
+    let s = s.unwrap_or_else(|| panic!("GPU 0 still listed:\n{}", plugin.log_text()));
+    assert_eq!(device_names(&s), ["gpu-1"]);
+
+    // Restarted with device taints (clusters with DRADeviceTaints): the slice goes on from the
+    // stored generation and lists GPU 0 again, tainted with why.
+    assert_eq!(plugin.stop(), Some(0), "{}", plugin.log_text());
+    let plugin = DraProcess::start(
+        &node.rig,
+        &kubeconfig,
+        &["--device-taints", "no-execute"],
+        1,
+    );
+    let s = at(5).await;
+    let s = s.unwrap_or_else(|| panic!("not republished:\n{}", plugin.log_text()));
+    assert_eq!(device_names(&s), ["gpu-0", "gpu-1"]);
+    let taints = &s["spec"]["devices"][0]["taints"];
+    assert_eq!(
+        (
+            taints[0]["key"].as_str(),
+            taints[0]["value"].as_str(),
+            taints[0]["effect"].as_str()
+        ),
+        (
+            Some("gpu.gpud.dev/unhealthy"),
+            Some("Xid79"),
+            Some("NoExecute")
+        ),
+        "{s}"
+    );
+    assert_eq!(taints.as_array().map(Vec::len), Some(1));
+    assert!(s["spec"]["devices"][1]["taints"].is_null(), "{s}");
 }
