@@ -726,3 +726,158 @@ async fn dra_slice_follows_gpu_health_and_inventory_with_a_new_generation_each_t
     assert_eq!(taints.as_array().map(Vec::len), Some(1));
     assert!(s["spec"]["devices"][1]["taints"].is_null(), "{s}");
 }
+
+/// The test API server answers as kube-apiserver does for what it serves: checked with plain
+/// HTTP, so a lenient server cannot make the DRA tests pass.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_test_api_server_refuses_what_kube_apiserver_refuses() {
+    let api = TestApiServer::start("secret").await;
+    let url = api.url.clone();
+    let run = tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let call = |method: &str, path: &str, body: Option<&serde_json::Value>, token: &str| {
+            let u = format!("{url}{path}");
+            let auth = format!("Bearer {token}");
+            let resp = match (method, body) {
+                ("GET", _) => agent.get(&u).header("Authorization", &auth).call(),
+                ("PUT", Some(b)) => agent
+                    .put(&u)
+                    .header("Authorization", &auth)
+                    .header("Content-Type", "application/json")
+                    .send(b.to_string()),
+                (_, b) => agent
+                    .post(&u)
+                    .header("Authorization", &auth)
+                    .header("Content-Type", "application/json")
+                    .send(b.map(ToString::to_string).unwrap_or_default()),
+            };
+            let mut resp = resp.expect("an answer");
+            let text = resp.body_mut().read_to_string().unwrap_or_default();
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+            (resp.status().as_u16(), v)
+        };
+        let ok = |method: &str, path: &str, body: Option<&serde_json::Value>| {
+            call(method, path, body, "secret")
+        };
+        let status = |(code, v): (u16, serde_json::Value)| {
+            assert_eq!(v["kind"], "Status", "{v}");
+            (code, v["reason"].as_str().unwrap_or_default().to_owned())
+        };
+        let coll = "/apis/resource.k8s.io/v1/resourceslices";
+        let item = format!("{coll}/s1");
+        let slice = json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": { "name": "s1" },
+            "spec": { "driver": "gpu.gpud.dev", "nodeName": "n1",
+                      "pool": { "name": "n1", "generation": 1, "resourceSliceCount": 1 },
+                      "devices": [{ "name": "gpu-0", "capacity": { "memory": { "value": "16Gi" } } }] },
+        });
+        let with = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut s = slice.clone();
+            f(&mut s);
+            s
+        };
+
+        assert_eq!(
+            status(call("GET", &item, None, "wrong")),
+            (401, "Unauthorized".into())
+        );
+        assert_eq!(status(ok("GET", &item, None)), (404, "NotFound".into()));
+        let bad_version = with(&|s| s["apiVersion"] = "resource.k8s.io/v1beta1".into());
+        let bad_kind = with(&|s| s["kind"] = "ResourceClaim".into());
+        for bad in [&bad_version, &bad_kind] {
+            assert_eq!(
+                status(ok("POST", coll, Some(bad))),
+                (400, "BadRequest".into())
+            );
+        }
+        let unnamed = with(&|s| s["metadata"] = json!({}));
+        assert_eq!(
+            status(ok("POST", coll, Some(&unnamed))),
+            (422, "Invalid".into())
+        );
+        let bad_device = with(&|s| s["spec"]["devices"][0]["name"] = "GPU_0".into());
+        let (code, v) = ok("POST", coll, Some(&bad_device));
+        assert_eq!(
+            (code, v["details"]["causes"][0]["field"].as_str()),
+            (422, Some("spec.devices[0].name"))
+        );
+        let bad_taint = with(&|s| {
+            s["spec"]["devices"][0]["taints"] =
+                json!([{ "key": "k", "effect": "PreferNoSchedule" }])
+        });
+        assert_eq!(
+            status(ok("POST", coll, Some(&bad_taint))),
+            (422, "Invalid".into())
+        );
+        let (code, created) = ok("POST", coll, Some(&slice));
+        assert_eq!(code, 201, "{created}");
+        let rv = created["metadata"]["resourceVersion"].clone();
+        assert!(rv.is_string() && created["metadata"]["uid"].is_string());
+        assert_eq!(
+            status(ok("POST", coll, Some(&slice))),
+            (409, "AlreadyExists".into())
+        );
+        let with_rv = with(&|s| s["metadata"]["resourceVersion"] = rv.clone());
+        assert_eq!(status(ok("POST", coll, Some(&with_rv))).0, 500);
+
+        // Updates: conditional on the resourceVersion, the name and immutable fields kept.
+        let next = with(&|s| {
+            s["metadata"]["resourceVersion"] = rv.clone();
+            s["spec"]["pool"]["generation"] = 2.into();
+        });
+        let (code, updated) = ok("PUT", &item, Some(&next));
+        assert_eq!(code, 200, "{updated}");
+        assert_ne!(updated["metadata"]["resourceVersion"], rv);
+        assert_eq!(updated["metadata"]["generation"], 2);
+        assert_eq!(
+            status(ok("PUT", &item, Some(&next))),
+            (409, "Conflict".into()),
+            "a stale resourceVersion"
+        );
+        let fresh = updated["metadata"]["resourceVersion"].clone();
+        let moved = with(&|s| {
+            s["metadata"]["resourceVersion"] = fresh.clone();
+            s["spec"]["driver"] = "other.dev".into();
+        });
+        assert_eq!(
+            status(ok("PUT", &item, Some(&moved))),
+            (422, "Invalid".into())
+        );
+        assert_eq!(
+            status(ok("PUT", &format!("{coll}/s2"), Some(&slice))),
+            (400, "BadRequest".into()),
+            "the name differs from the URL's"
+        );
+        let gone = with(&|s| s["metadata"]["name"] = "s3".into());
+        assert_eq!(
+            status(ok("PUT", &format!("{coll}/s3"), Some(&gone))),
+            (404, "NotFound".into())
+        );
+        assert_eq!(
+            status(ok("GET", &format!("{coll}?watch=true"), None)).0,
+            405
+        );
+        assert_eq!(
+            status(ok(
+                "GET",
+                "/apis/resource.k8s.io/v1/namespaces/default/resourceslices",
+                None
+            )),
+            (404, "NotFound".into()),
+            "ResourceSlices are cluster-scoped"
+        );
+    });
+    run.await.expect("the checks");
+    let verbs: std::collections::BTreeSet<String> =
+        api.verbs_seen().into_iter().map(|(_, _, v)| v).collect();
+    assert_eq!(
+        verbs,
+        ["create", "get", "update", "watch"]
+            .map(str::to_owned)
+            .into()
+    );
+}
