@@ -12,8 +12,8 @@ use gpud_k8s::api::{
     },
 };
 use gpud_tests::{
-    Cgroup, TempDir, apiserver::TestApiServer, kubelet::plugins::PluginWatcher, runtime::Sleeper,
-    scenario::uuid,
+    Cgroup, Rig, TempDir, apiserver::TestApiServer, kubelet::plugins::PluginWatcher,
+    runtime::Sleeper, scenario::uuid,
 };
 use serde_json::{Value, json};
 use tokio_stream::wrappers::UnixListenerStream;
@@ -21,7 +21,7 @@ use tonic::{Request, Response, Status};
 
 use super::{Node, WAIT, eight_gib_and_thirty_percent_on, scenario};
 
-const DRIVER: &str = "gpu.gpud.dev";
+pub(super) const DRIVER: &str = "gpu.gpud.dev";
 
 /// A registration service as any tonic server would answer it.
 struct Plain;
@@ -111,7 +111,7 @@ fn claim(uid: &str, name: &str, device: &str) -> Value {
     })
 }
 
-fn pb_claim(uid: &str, name: &str) -> pb::Claim {
+pub(super) fn pb_claim(uid: &str, name: &str) -> pb::Claim {
     pb::Claim {
         namespace: "default".into(),
         uid: uid.into(),
@@ -119,16 +119,21 @@ fn pb_claim(uid: &str, name: &str) -> pb::Claim {
     }
 }
 
-/// `gpud-k8s dra` for `node`, killed on drop.
-struct DraProcess(std::process::Child, std::path::PathBuf);
+/// `gpud-k8s dra` for node1 of `rig`, with the API server of `kubeconfig`; killed when dropped.
+pub(super) struct DraProcess {
+    child: std::process::Child,
+    log: std::path::PathBuf,
+}
 
 impl DraProcess {
-    fn start(node: &Node, kubeconfig: &Path) -> Self {
-        let d = node.rig.path();
-        let log = d.join("dra.log");
+    pub(super) fn start(rig: &Rig, kubeconfig: &Path, extra: &[&str], n: u32) -> Self {
+        let d = rig.path();
+        let log = d.join(format!("dra-{n}.log"));
         let child = std::process::Command::new(gpud_tests::bin_dir().join("gpud-k8s"))
-            .args(["--log", "debug", "--bus-address", &node.rig.bus.address])
-            .args(["dra", "--node-name", "node1"])
+            .args(["--log", "debug", "--bus-address", &rig.bus.address])
+            .args(["dra", "--node-name", "node1", "--health-interval-ms", "200"])
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
             .arg("--registry-dir")
             .arg(d.join("registry"))
             .arg("--plugin-dir")
@@ -137,38 +142,44 @@ impl DraProcess {
             .arg(d.join("cdi"))
             .arg("--oci-hook")
             .arg(gpud_tests::bin_dir().join("gpud-oci-hook"))
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
+            .args(extra)
             .stderr(std::fs::File::create(&log).expect("log"))
             .spawn()
             .expect("start gpud-k8s dra");
-        Self(child, log)
+        Self { child, log }
     }
 
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.1).unwrap_or_default()
+    pub(super) fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM; the exit code.
+    pub(super) fn stop(&mut self) -> Option<i32> {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap_or(0));
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        self.child.wait().ok().and_then(|s| s.code())
     }
 }
 
 impl Drop for DraProcess {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
 /// What the runtime does with a prepared claim's CDI spec: the GPU in the environment and the
 /// hooks run with the container's state, here for a process in `cg`.
-struct Container {
+pub(super) struct Container {
     cg: Cgroup,
     _sleeper: Sleeper,
     state: Value,
-    hooks: Vec<Value>,
-    env: Vec<Value>,
+    pub(super) hooks: Vec<Value>,
+    pub(super) env: Vec<Value>,
 }
 
 impl Container {
-    fn from_spec(spec: &Path, tag: &str, d: &Path) -> Self {
+    pub(super) fn from_spec(spec: &Path, tag: &str, d: &Path) -> Self {
         let spec: Value =
             serde_json::from_slice(&std::fs::read(spec).expect("CDI spec")).expect("CDI JSON");
         let edits = &spec["devices"][0]["containerEdits"];
@@ -227,14 +238,14 @@ async fn dra_claims_through_the_kubelets_grpc_go_get_their_limits_and_survive_re
     api.put(claim("uid-2", "serve", "gpu-1"));
     let kubeconfig = node.rig.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig);
-    let dra = DraProcess::start(&node, &kubeconfig);
+    let dra = DraProcess::start(&node.rig, &kubeconfig, &[], 0);
     let d = node.rig.path().to_owned();
     let records = d.join("hook-records");
     let mut kubelet = PluginWatcher::start(&d.join("registry"));
     let r = kubelet
         .wait_registered(DRIVER, WAIT)
         .await
-        .unwrap_or_else(|log| panic!("not registered:\n{log}\n{}", dra.log()));
+        .unwrap_or_else(|log| panic!("not registered:\n{log}\n{}", dra.log_text()));
     assert_eq!(r.endpoint, d.join("plugins/dra.sock"));
     assert!(kubelet.log().is_empty(), "{:?}", kubelet.log());
 
@@ -245,10 +256,10 @@ async fn dra_claims_through_the_kubelets_grpc_go_get_their_limits_and_survive_re
             vec![pb_claim("uid-1", "train"), pb_claim("uid-2", "serve")],
         )
         .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", dra.log()));
+        .unwrap_or_else(|e| panic!("{e}\n{}", dra.log_text()));
     for (uid, dev) in [("uid-1", "gpu-0"), ("uid-2", "gpu-1")] {
         let r = &resp.claims[uid];
-        assert_eq!(r.error, "", "{}", dra.log());
+        assert_eq!(r.error, "", "{}", dra.log_text());
         assert_eq!(r.devices[0].device_name, dev);
         assert_eq!(
             r.devices[0].cdi_device_ids,
@@ -301,10 +312,14 @@ async fn dra_claims_through_the_kubelets_grpc_go_get_their_limits_and_survive_re
         .unwrap_or_else(|log| {
             panic!(
                 "not registered after the socket went:\n{log}\n{}",
-                dra.log()
+                dra.log_text()
             )
         });
-    assert!(dra.log().contains("serving it again"), "{}", dra.log());
+    assert!(
+        dra.log_text().contains("serving it again"),
+        "{}",
+        dra.log_text()
+    );
     let resp = kubelet
         .prepare(DRIVER, vec![pb_claim("uid-1", "train")])
         .await
