@@ -127,15 +127,11 @@ pub async fn run(
     };
     let dir = config.plugin_dir.clone();
     // Watched before anything else, so a kubelet restart during start-up is not missed.
-    let inotify = inotify::Inotify::init().map_err(io(&dir))?;
-    inotify
-        .watches()
-        .add(
-            &dir,
-            inotify::WatchMask::CREATE | inotify::WatchMask::MOVED_TO,
-        )
-        .map_err(io(&dir))?;
-    let mut events = inotify.into_event_stream([0u8; 4096]).map_err(io(&dir))?;
+    let mut events = grpc::watch_dir(
+        &dir,
+        inotify::WatchMask::CREATE | inotify::WatchMask::MOVED_TO,
+    )
+    .map_err(io(&dir))?;
 
     let (stop_all, stop_rx) = watch::channel(false);
     let gpud = Arc::new(Gpud::new(&config.bus, config.timeout));

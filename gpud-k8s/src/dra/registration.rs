@@ -62,15 +62,11 @@ pub async fn serve(
         .to_owned();
     let name = socket.file_name().map(ToOwned::to_owned);
     // Watched before the first bind, so no removal goes unseen.
-    let inotify = inotify::Inotify::init().map_err(io(&dir))?;
-    inotify
-        .watches()
-        .add(
-            &dir,
-            inotify::WatchMask::DELETE | inotify::WatchMask::MOVED_FROM,
-        )
-        .map_err(io(&dir))?;
-    let mut events = inotify.into_event_stream([0u8; 4096]).map_err(io(&dir))?;
+    let mut events = grpc::watch_dir(
+        &dir,
+        inotify::WatchMask::DELETE | inotify::WatchMask::MOVED_FROM,
+    )
+    .map_err(io(&dir))?;
     loop {
         let listener = grpc::bind(&socket).map_err(io(&socket))?;
         let router = tonic::transport::Server::builder().add_service(RegistrationServer::new(

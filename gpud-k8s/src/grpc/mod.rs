@@ -24,6 +24,16 @@ pub fn unix_channel(path: &Path) -> Channel {
     ))
 }
 
+/// Names appearing in or leaving the kubelet's socket directory `dir` (`mask`), as a stream.
+pub fn watch_dir(
+    dir: &Path,
+    mask: inotify::WatchMask,
+) -> std::io::Result<inotify::EventStream<[u8; 4096]>> {
+    let inotify = inotify::Inotify::init()?;
+    inotify.watches().add(dir, mask)?;
+    inotify.into_event_stream([0u8; 4096])
+}
+
 /// Binds `path` (removing a stale socket file first) for a gRPC server.
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     match std::fs::remove_file(path) {
