@@ -162,7 +162,7 @@ fn hook_text(layout: &Layout, text: &str) -> anyhow::Result<String> {
 }
 
 /// Builds the release binaries and returns their directory.
-fn build_release() -> anyhow::Result<PathBuf> {
+pub fn build_release() -> anyhow::Result<PathBuf> {
     let mut cmd = cargo();
     cmd.args(["build", "--release"]);
     for (package, bins) in PACKAGES {

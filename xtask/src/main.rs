@@ -4,6 +4,7 @@
 mod bench;
 mod fuzz;
 mod install;
+mod package;
 mod run;
 mod setup;
 mod soak;
@@ -84,6 +85,16 @@ enum Task {
         #[command(flatten)]
         layout: LayoutArgs,
     },
+    /// Build what operators install, from the release binaries, into target/package/: `deb`
+    /// (cargo-deb) or `image` (Debian minbase + the binaries, an OCI archive; no registry).
+    Package {
+        #[command(subcommand)]
+        what: PackageWhat,
+        /// Then check it as `cargo xtask test` does (the .deb: installed, run and purged on
+        /// this machine; the image: loaded and run by Podman). Needs root.
+        #[arg(long, global = true)]
+        check: bool,
+    },
     /// Only the kernel matrix of `test` (VM rows and this host), each row as one line.
     Matrix,
     /// Boot the Debian-kernel VM and run BINARY ARGS… inside it: `cargo xtask vm -- BINARY ARGS…`.
@@ -115,6 +126,17 @@ enum BenchWhat {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+}
+
+/// What `package` builds.
+#[derive(Subcommand)]
+enum PackageWhat {
+    /// The Debian package: binaries, unit, D-Bus policy, config (conffile), hooks.d, sysusers,
+    /// NRI unit and example; enabled on install, stopped on removal.
+    Deb,
+    /// The image for the Kubernetes side (gpud-k8s, gpud-nri, gpud): localhost/gpud:VERSION as
+    /// an OCI archive, for `podman load` or `ctr images import`.
+    Image,
 }
 
 /// Where `install` and `uninstall` work.
@@ -163,6 +185,12 @@ fn main() -> ExitCode {
         Task::Soak { minutes } => soak::run(std::time::Duration::from_secs(minutes * 60)),
         Task::Install { layout, bin_dir } => install::install(&layout.layout(), bin_dir.as_deref()),
         Task::Uninstall { layout } => install::uninstall(&layout.layout()),
+        Task::Package { what, check } => setup::run().and_then(|()| match (what, check) {
+            (PackageWhat::Deb, false) => package::deb().map(drop),
+            (PackageWhat::Image, false) => package::image().map(drop),
+            (PackageWhat::Deb, true) => package::test_deb(),
+            (PackageWhat::Image, true) => package::test_image(),
+        }),
         // The console is echoed as it comes.
         Task::Matrix => test::matrix_only(),
         Task::Vm {

@@ -86,6 +86,21 @@ const PACKAGES: &[(&str, Probe, &str)] = &[
         "the OCI hook's tests under the real Podman (hooks.d)",
     ),
     ("cpio", Probe::Dpkg, "packing the VM's initramfs"),
+    (
+        "dpkg-dev",
+        Probe::Command("dpkg-shlibdeps"),
+        "cargo-deb computes the package's library dependencies with dpkg-shlibdeps",
+    ),
+    (
+        "debootstrap",
+        Probe::Dpkg,
+        "the image's Debian root filesystem (`cargo xtask package image`)",
+    ),
+    (
+        "init-system-helpers",
+        Probe::Command("deb-systemd-helper"),
+        "the package's maintainer scripts enable and stop the unit with it",
+    ),
 ];
 
 /// The bpf-linker release the eBPF build uses; its LLVM major must be the nightly's (22).
@@ -276,6 +291,10 @@ fn bpf_linker(installed: &mut Vec<String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The Debian archive: containerd's trixie packages, the image's root filesystem
+/// (`package image`).
+pub const DEBIAN_MIRROR: &str = "http://deb.debian.org/debian";
+
 /// Where containerd 1.7 is unpacked for the NRI test (tests/src/containerd.rs reads it there).
 const CONTAINERD_PREFIX: &str = "/opt/gpud-test/containerd";
 /// The private apt state that fetches it: its own sources, lists and cache.
@@ -330,7 +349,7 @@ fn containerd(installed: &mut Vec<String>) -> anyhow::Result<()> {
     std::fs::write(
         &sources,
         format!(
-            "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: {CONTAINERD_SUITE}\n\
+            "Types: deb\nURIs: {DEBIAN_MIRROR}\nSuites: {CONTAINERD_SUITE}\n\
              Components: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
         ),
     )
@@ -399,6 +418,51 @@ fn containerd(installed: &mut Vec<String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The cargo-deb release `package deb` uses (its maintainer-script snippets are debhelper's).
+const CARGO_DEB: &str = "cargo-deb@3.8.0";
+const CARGO_DEB_VERSION_PREFIX: &str = "3.8.";
+
+/// What `cargo deb --version` prints, if it runs.
+fn cargo_deb_version() -> Option<String> {
+    cargo()
+        .args(["deb", "--version"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+}
+
+/// Installs cargo-deb unless that release is there.
+fn cargo_deb(installed: &mut Vec<String>) -> anyhow::Result<()> {
+    let found = cargo_deb_version();
+    if found
+        .as_deref()
+        .and_then(|v| v.split_whitespace().last())
+        .is_some_and(|v| v.starts_with(CARGO_DEB_VERSION_PREFIX))
+    {
+        return Ok(());
+    }
+    let log = log_path("cargo-deb");
+    println!(
+        "setup: building {CARGO_DEB} (found: {}; log in {})",
+        found.as_deref().unwrap_or("none"),
+        log.display()
+    );
+    run_logged(
+        &format!("setup: cargo-deb: `cargo install {CARGO_DEB}`"),
+        cargo().args(["install", CARGO_DEB, "--locked"]),
+        &log,
+        "can crates.io be reached?",
+    )?;
+    if cargo_deb_version().is_none() {
+        bail!(
+            "setup: cargo-deb: installed, but `cargo deb --version` fails: is ~/.cargo/bin on PATH?"
+        );
+    }
+    installed.push(CARGO_DEB.to_owned());
+    Ok(())
+}
+
 /// Runs every step and prints one summary line; fails on the first failing step.
 pub fn run() -> anyhow::Result<()> {
     let mut installed = Vec::new();
@@ -406,6 +470,7 @@ pub fn run() -> anyhow::Result<()> {
     containerd(&mut installed)?;
     rustup_components(&mut installed)?;
     bpf_linker(&mut installed)?;
+    cargo_deb(&mut installed)?;
     if installed.is_empty() {
         println!("setup: ok (all present)");
     } else {

@@ -1,6 +1,8 @@
 //! `cargo xtask test`: every test, from nothing, as root. Setup, lints (fmt, clippy on the
 //! workspace, clippy on the eBPF crate with nightly), the unit and real-kernel integration tests
-//! (real cgroups, real dbus-daemon), then the VM tests on a kernel with fentry and BPF-LSM.
+//! (real cgroups, real dbus-daemon), the packages (the .deb installed, run and purged on this
+//! machine; the image loaded and run by Podman), then the VM tests on a kernel with fentry and
+//! BPF-LSM.
 //!
 //! Every step runs even when an earlier one failed (except after a failed setup), so one run shows
 //! every problem. The output ends with a summary and a plain `N passed, N failed` line.
@@ -212,6 +214,14 @@ fn steps(vm_tests: bool, lint: bool) -> Vec<Step> {
     steps.push(Step {
         name: "cargo test",
         run: unit_and_integration,
+    });
+    steps.push(Step {
+        name: "package: .deb cycle",
+        run: crate::package::test_deb,
+    });
+    steps.push(Step {
+        name: "package: image",
+        run: crate::package::test_image,
     });
     if vm_tests {
         steps.push(Step {
