@@ -695,9 +695,8 @@ pub fn test_image() -> anyhow::Result<()> {
             &format!("podman run {}", args.join(" ")),
             podman
                 .command()
-                .args(["run", "--rm", "--network", "none", "--cgroups", "disabled"])
-                .arg("--runtime")
-                .arg("/usr/sbin/runc")
+                .args(["run", "--rm", "--network", "none"])
+                .args(["--runtime", "runc", "--cgroup-parent", TEST_CGROUP_PARENT])
                 .args([
                     "--ulimit",
                     "nofile=1024:1024",
@@ -708,18 +707,23 @@ pub fn test_image() -> anyhow::Result<()> {
                 .args(args),
         )
     };
-    let version = run(&["gpud-k8s", "--version"])?;
-    if version.trim() != format!("gpud-k8s {VERSION}") {
-        bail!("gpud-k8s --version in the image: {version:?}");
-    }
-    let help = run(&["gpud-nri", "--help"])?;
-    if !help.contains("NRI plugin") {
-        bail!("gpud-nri --help in the image: {help}");
-    }
-    let gpud = run(&["gpud", "--version"])?;
-    if gpud.trim() != format!("gpud {VERSION}") {
-        bail!("gpud --version in the image: {gpud:?}");
-    }
+    let ran = (|| {
+        let version = run(&["gpud-k8s", "--version"])?;
+        if version.trim() != format!("gpud-k8s {VERSION}") {
+            bail!("gpud-k8s --version in the image: {version:?}");
+        }
+        let help = run(&["gpud-nri", "--help"])?;
+        if !help.contains("NRI plugin") {
+            bail!("gpud-nri --help in the image: {help}");
+        }
+        let gpud = run(&["gpud", "--version"])?;
+        if gpud.trim() != format!("gpud {VERSION}") {
+            bail!("gpud --version in the image: {gpud:?}");
+        }
+        Ok(())
+    })();
+    remove_cgroups(TEST_CGROUP_PARENT);
+    ran?;
     let images = manifest_images()?;
     if images.is_empty() || images.iter().any(|(_, i)| *i != name) {
         bail!("the manifests run other images than {name}: {images:?}");
@@ -733,6 +737,53 @@ pub fn test_image() -> anyhow::Result<()> {
         human(size.parse().unwrap_or(0))
     );
     Ok(())
+}
+
+/// The cgroup the image test's containers run under (runc and Podman's cgroupfs manager leave
+/// its directories behind; [`remove_cgroups`] removes them).
+const TEST_CGROUP_PARENT: &str = "/gpud-xtask-image";
+
+/// Removes the cgroup directories under `parent` in every hierarchy mounted under /sys/fs/cgroup
+/// (v1 controllers and the v2 tree of a hybrid host, or a pure v2 host's), waiting up to 10 s for
+/// the last processes in them (conmon) to exit.
+fn remove_cgroups(parent: &str) {
+    for _ in 0..100 {
+        if !try_remove_cgroups(parent) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("package test: cgroup directories under {parent} are still in use; left them");
+}
+
+/// One round of [`remove_cgroups`]; whether any directory is left.
+fn try_remove_cgroups(parent: &str) -> bool {
+    let mut left = false;
+    let rel = parent.trim_start_matches('/');
+    let mut tops = vec![Path::new("/sys/fs/cgroup").join(rel)];
+    if let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") {
+        tops.extend(entries.filter_map(Result::ok).map(|e| e.path().join(rel)));
+    }
+    for top in tops.into_iter().filter(|t| t.is_dir()) {
+        // Deepest first: a cgroup directory can only be removed once it has no children.
+        let mut dirs = vec![top.clone()];
+        let mut i = 0;
+        while i < dirs.len() {
+            if let Ok(entries) = std::fs::read_dir(&dirs[i]) {
+                dirs.extend(
+                    entries
+                        .filter_map(Result::ok)
+                        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                        .map(|e| e.path()),
+                );
+            }
+            i += 1;
+        }
+        for d in dirs.iter().rev() {
+            left |= std::fs::remove_dir(d).is_err();
+        }
+    }
+    left
 }
 
 /// (file, image) of every container of every workload in deploy/kubernetes (examples apart:
