@@ -59,8 +59,9 @@ struct DraArgs {
     /// Where CDI specs of prepared claims go.
     #[arg(long, default_value = "/var/run/cdi")]
     cdi_dir: PathBuf,
-    /// gpud's OCI hook as the runtime finds it on the host.
-    #[arg(long, default_value = "/usr/local/bin/gpud-oci-hook")]
+    /// gpud's OCI hook as the runtime finds it on the host (the Debian package's path; a
+    /// `cargo xtask install` puts it in PREFIX/bin, /usr/local/bin by default).
+    #[arg(long, default_value = "/usr/bin/gpud-oci-hook")]
     oci_hook: PathBuf,
     /// Granularity of the memory capacity: bytes or a quantity.
     #[arg(long, default_value = "1Gi")]
