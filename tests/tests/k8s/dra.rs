@@ -99,15 +99,23 @@ async fn the_kubelets_grpc_go_registration_is_reset_by_plain_tonic_and_served_by
     assert!(watcher.log().is_empty(), "{:?}", watcher.log());
 }
 
-fn claim(uid: &str, name: &str, device: &str) -> Value {
+/// A claim made from the example template docs/kubernetes.md gives
+/// (deploy/kubernetes/examples/resourceclaimtemplate.yaml), allocated as the scheduler would:
+/// `device` of node1's pool, with the capacity the template requests consumed.
+pub(super) fn claim(uid: &str, name: &str, device: &str) -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/kubernetes/examples/resourceclaimtemplate.yaml");
+    let text = std::fs::read_to_string(&path).expect("the example claim template");
+    let template: Value = serde_saphyr::from_str(&text).expect("YAML");
+    let spec = template["spec"]["spec"].clone();
+    let request = &spec["devices"]["requests"][0];
     json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": { "namespace": "default", "name": name, "uid": uid },
-        "spec": { "devices": { "requests": [{ "name": "gpu",
-            "exactly": { "deviceClassName": "gpud-gpu" } }] } },
         "status": { "allocation": { "devices": { "results": [
-            { "request": "gpu", "driver": DRIVER, "pool": "node1", "device": device,
-              "consumedCapacity": { "memory": "8Gi", "compute": "30" } } ] } } },
+            { "request": request["name"], "driver": DRIVER, "pool": "node1", "device": device,
+              "consumedCapacity": request["exactly"]["capacity"]["requests"] } ] } } },
+        "spec": spec,
     })
 }
 

@@ -11,22 +11,14 @@ use gpud_tests::{
     scenario::{Event, uuid},
 };
 
-use super::dra::{Container, DRIVER, DraProcess, pb_claim};
+use super::dra::{Container, DRIVER, DraProcess, claim, pb_claim};
 use super::{Node, WAIT, scenario};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn dra_plugin_publishes_capacity_registers_prepares_and_calls_only_what_its_rbac_grants() {
     let node = Node::start("k8s-dra", &scenario(1, 16, |_, _| ())).await;
     let gpu = uuid(0);
-    let claim = json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": { "namespace": "default", "name": "train-gpu", "uid": "uid-1" },
-        "spec": { "devices": { "requests": [{ "name": "gpu",
-            "exactly": { "deviceClassName": "gpud-gpu" } }] } },
-        "status": { "allocation": { "devices": { "results": [
-            { "request": "gpu", "driver": "gpu.gpud.dev", "pool": "node1", "device": "gpu-0",
-              "consumedCapacity": { "memory": "8Gi", "compute": "30" } } ] } } },
-    });
+    let claim = claim("uid-1", "train-gpu", "gpu-0");
     let api = TestApiServer::start("dra-token").await;
     api.put(claim);
     let d = node.rig.path();

@@ -117,6 +117,19 @@ impl Node {
     }
 }
 
+/// What deploy/kubernetes/examples/pod.yaml's container asks of `resource`.
+fn example_pod_limit(resource: &str) -> usize {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/kubernetes/examples/pod.yaml");
+    let text = std::fs::read_to_string(&path).expect("the example pod");
+    let pod: serde_json::Value = serde_saphyr::from_str(&text).expect("YAML");
+    let limit = &pod["spec"]["containers"][0]["resources"]["limits"][resource];
+    limit
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{resource} in {}: {limit}", path.display()))
+}
+
 fn healthy(d: &[gpud_k8s::api::deviceplugin::Device]) -> usize {
     d.iter().filter(|x| x.health == "Healthy").count()
 }
@@ -138,10 +151,17 @@ async fn a_pod_asking_8_units_and_30_percent_gets_them_on_one_gpu_enforced_by_gp
     eps[0].devices_where(WAIT, |d| healthy(d) == 32).await;
     eps[1].devices_where(WAIT, |d| healthy(d) == 200).await;
 
-    // The container asks for gpud.dev/gpu-memory: 8 and gpud.dev/gpu-compute: 30.
-    let a = admit(&mut eps, &[(0, 8), (1, 30)])
-        .await
-        .expect("admission");
+    // The container of the example pod docs/kubernetes.md gives: gpud.dev/gpu-memory: 8 and
+    // gpud.dev/gpu-compute: 30.
+    let a = admit(
+        &mut eps,
+        &[
+            (0, example_pod_limit(MEMORY)),
+            (1, example_pod_limit(COMPUTE)),
+        ],
+    )
+    .await
+    .expect("admission");
     let gpu = per_gpu(&a.units[MEMORY]);
     assert_eq!(gpu.len(), 1, "one GPU: {a:?}");
     let (gpu, _) = gpu.into_iter().next().unwrap_or_default();
