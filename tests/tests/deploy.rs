@@ -314,13 +314,8 @@ fn the_dra_cluster_role_grants_exactly_the_calls_of_the_dra_driver() {
             }
         }
     }
-    let called: Grants = gpud_k8s::dra::RBAC
-        .iter()
-        .flat_map(|r| {
-            r.verbs
-                .iter()
-                .map(|v| (r.group.to_owned(), r.resource.to_owned(), (*v).to_owned()))
-        })
+    let called: Grants = gpud_k8s::dra::rbac_grants()
+        .map(|(g, r, v)| (g.to_owned(), r.to_owned(), v.to_owned()))
         .collect();
     assert!(!called.is_empty());
     assert_eq!(granted, called, "ClusterRole vs gpud_k8s::dra::RBAC");

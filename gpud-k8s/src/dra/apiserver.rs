@@ -35,6 +35,12 @@ pub const RBAC: &[Rule] = &[
     },
 ];
 
+/// Every (group, resource, verb) [`RBAC`] grants.
+pub fn rbac_grants() -> impl Iterator<Item = (&'static str, &'static str, &'static str)> {
+    RBAC.iter()
+        .flat_map(|r| r.verbs.iter().map(move |v| (r.group, r.resource, *v)))
+}
+
 /// Bound of one API-server request (the plugin makes no long-running ones such as watches).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 

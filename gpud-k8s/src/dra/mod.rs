@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
-pub use apiserver::{ApiError, ApiServer, RBAC, Rule};
+pub use apiserver::{ApiError, ApiServer, RBAC, Rule, rbac_grants};
 pub use slice::{DeviceTaints, device_name, resource_slice};
 
 use crate::{

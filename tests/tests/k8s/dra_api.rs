@@ -109,14 +109,10 @@ const SLICE: &str = "node1-gpu.gpud.dev";
 /// The (group, resource, verb) of every request `api` saw are granted by `gpud_k8s::dra::RBAC`,
 /// and every verb RBAC grants was used.
 fn assert_rbac_is_exact(api: &TestApiServer) {
-    let granted: std::collections::BTreeSet<(String, String, String)> = gpud_k8s::dra::RBAC
-        .iter()
-        .flat_map(|r| {
-            r.verbs
-                .iter()
-                .map(|v| (r.group.to_owned(), r.resource.to_owned(), (*v).to_owned()))
-        })
-        .collect();
+    let granted: std::collections::BTreeSet<(String, String, String)> =
+        gpud_k8s::dra::rbac_grants()
+            .map(|(g, r, v)| (g.to_owned(), r.to_owned(), v.to_owned()))
+            .collect();
     let seen = api.verbs_seen();
     assert!(
         api.requests().iter().all(|r| !r.resource.is_empty()),
