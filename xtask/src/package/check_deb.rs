@@ -56,6 +56,11 @@ pub fn test_deb() -> anyhow::Result<()> {
         bail!("the package does not depend on dbus:\n{info}");
     }
 
+    // A host where gpud was never installed: what a from-source install or a test run left in
+    // the package's own paths is set aside (and put back at the end), so that the purge's
+    // removal of gpud's state is checked against a clean start and touches nothing that was
+    // there before.
+    let _aside = Aside::new(&["/etc/gpud", "/var/lib/gpud", "/var/log/gpud-oci-hook.log"])?;
     let before = snapshot()?;
     let installed = dpkg(&["--install", &deb.display().to_string()])?;
     println!("package test: dpkg -i:\n{}", installed.trim_end());
@@ -403,5 +408,57 @@ impl Drop for TermOnDrop<'_> {
         }
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// Paths moved out of the way for the test and moved back when dropped.
+struct Aside {
+    dir: PathBuf,
+    moved: Vec<(PathBuf, PathBuf)>,
+}
+
+impl Aside {
+    fn new(paths: &[&str]) -> anyhow::Result<Self> {
+        let dir = PathBuf::from(format!("/var/tmp/gpud-xtask-aside-{}", std::process::id()));
+        let mut aside = Self {
+            dir: dir.clone(),
+            moved: Vec::new(),
+        };
+        for p in paths.iter().map(Path::new) {
+            if p.symlink_metadata().is_err() {
+                continue;
+            }
+            let to = dir.join(p.strip_prefix("/").unwrap_or(p));
+            if let Some(parent) = to.parent() {
+                std::fs::create_dir_all(parent)
+                    .with_context(|| format!("creating {}", parent.display()))?;
+            }
+            std::fs::rename(p, &to)
+                .with_context(|| format!("moving {} aside to {}", p.display(), to.display()))?;
+            println!("package test: {} set aside for the test", p.display());
+            aside.moved.push((p.to_owned(), to));
+        }
+        Ok(aside)
+    }
+}
+
+impl Drop for Aside {
+    fn drop(&mut self) {
+        let mut all_back = true;
+        for (p, to) in self.moved.drain(..).rev() {
+            // What the test left there (a failed purge) makes way for what was there before.
+            let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
+            if let Err(e) = std::fs::rename(&to, &p) {
+                all_back = false;
+                eprintln!(
+                    "package test: could not put {} back from {}: {e}",
+                    p.display(),
+                    to.display()
+                );
+            }
+        }
+        if all_back {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
