@@ -35,6 +35,8 @@ const PADDED: u8 = 0x8;
 const PRIORITY: u8 = 0x20;
 /// The frame size every HTTP/2 peer takes (SETTINGS_MAX_FRAME_SIZE's initial value).
 const MAX_FRAME: usize = 16_384;
+/// The largest header block gathered (a kubelet's are a few hundred bytes).
+const MAX_BLOCK: usize = 1 << 20;
 
 /// What the server gets instead of an authority it would refuse.
 pub const LOCALHOST: &[u8] = b"localhost";
@@ -66,6 +68,8 @@ pub struct HeaderBlocks {
     /// Preface bytes still to pass on unchanged.
     preface: usize,
     input: Vec<u8>,
+    /// Payload bytes of a frame that is not a header block, still to pass on unchanged.
+    passing: usize,
     open: Option<Block>,
     decoder: Decoder<'static>,
     encoder: Encoder<'static>,
@@ -85,6 +89,7 @@ impl HeaderBlocks {
             map,
             preface: PREFACE.len(),
             input: Vec::new(),
+            passing: 0,
             open: None,
             decoder: Decoder::new(),
             // A 4 KiB dynamic table: HTTP/2's initial SETTINGS_HEADER_TABLE_SIZE, which tonic's
@@ -93,38 +98,66 @@ impl HeaderBlocks {
         }
     }
 
-    /// Takes bytes the client sent and appends to `out` what the server is to get: whole frames
-    /// only; a frame's start waits for its end.
+    /// Takes bytes the client sent and appends to `out` what the server is to get. Other frames
+    /// pass as they come; a header block waits for its last frame.
     pub fn feed(&mut self, bytes: &[u8], out: &mut Vec<u8>) -> Result<(), RewriteError> {
         self.input.extend_from_slice(bytes);
         let input = std::mem::take(&mut self.input);
         let mut at = self.preface.min(input.len());
         out.extend_from_slice(&input[..at]);
         self.preface -= at;
-        while let Some(head) = input.get(at..at + FRAME_HEADER) {
+        loop {
+            let n = self.passing.min(input.len() - at);
+            out.extend_from_slice(&input[at..at + n]);
+            (at, self.passing) = (at + n, self.passing - n);
+            if self.passing > 0 {
+                break;
+            }
+            let Some(head) = input.get(at..at + FRAME_HEADER) else {
+                break;
+            };
             let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let (kind, flags) = (head[3], head[4]);
+            let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+            if kind != HEADERS && kind != CONTINUATION && self.open.is_none() {
+                out.extend_from_slice(head);
+                (at, self.passing) = (at + FRAME_HEADER, len);
+                continue;
+            }
+            if len > MAX_FRAME {
+                // Larger than SETTINGS_MAX_FRAME_SIZE allows (tonic's server keeps 16 KiB).
+                return Err(RewriteError::Frame {
+                    stream,
+                    reason: "a header frame over 16 KiB",
+                });
+            }
             let Some(payload) = input.get(at + FRAME_HEADER..at + FRAME_HEADER + len) else {
                 break;
             };
-            let (kind, flags) = (head[3], head[4]);
-            let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
             match (kind, self.open.take()) {
                 (HEADERS, None) => {
                     let block = Self::headers(stream, flags, payload)?;
                     self.gathered(block, flags, out)?;
                 }
-                (CONTINUATION, Some(mut block)) if block.stream == stream => {
+                (CONTINUATION, Some(mut block))
+                    if block.stream == stream && block.fragment.len() + len <= MAX_BLOCK =>
+                {
                     block.fragment.extend_from_slice(payload);
                     self.gathered(block, flags, out)?;
                 }
-                (_, Some(_)) | (CONTINUATION, None) => {
+                (CONTINUATION, Some(_)) if len > 0 => {
+                    return Err(RewriteError::Frame {
+                        stream,
+                        reason: "a header block on another stream or over 1 MiB",
+                    });
+                }
+                _ => {
                     // RFC 9113 §6.10: nothing may come between a block's frames.
                     return Err(RewriteError::Frame {
                         stream,
                         reason: "a header block interrupted or continued without a start",
                     });
                 }
-                (_, None) => out.extend_from_slice(&input[at..at + FRAME_HEADER + len]),
             }
             at += FRAME_HEADER + len;
         }
@@ -575,6 +608,26 @@ mod tests {
         let mut blocks = HeaderBlocks::new(Box::new(acceptable_authority));
         let e = blocks.feed(&bytes, &mut Vec::new()).expect_err("bad index");
         assert!(matches!(e, RewriteError::Hpack { stream: 3, .. }), "{e}");
+    }
+
+    #[test]
+    fn other_frames_pass_as_they_come_and_oversized_header_frames_are_errors() {
+        let mut blocks = HeaderBlocks::new(Box::new(acceptable_authority));
+        let mut out = Vec::new();
+        let mut bytes = PREFACE.to_vec();
+        write_frame(&mut bytes, 0x0, 0, 1, &[]);
+        // A DATA frame of 100 000 bytes, declared before any of it arrives.
+        bytes[PREFACE.len()..PREFACE.len() + 3].copy_from_slice(&100_000u32.to_be_bytes()[1..]);
+        blocks.feed(&bytes, &mut out).expect("feeds");
+        assert_eq!(out, bytes, "the frame's header passes before its payload");
+        blocks.feed(&[7; 60_000], &mut out).expect("feeds");
+        assert_eq!(out.len(), bytes.len() + 60_000);
+        blocks.feed(&[7; 40_000], &mut out).expect("feeds");
+        let mut next = Vec::new();
+        write_frame(&mut next, HEADERS, END_HEADERS, 3, &[&[0; MAX_FRAME + 1]]);
+        let e = blocks.feed(&next, &mut out).expect_err("too large");
+        assert!(matches!(e, RewriteError::Frame { stream: 3, .. }), "{e}");
+        assert_eq!(out.len(), bytes.len() + 100_000);
     }
 
     proptest! {
