@@ -419,8 +419,11 @@ async fn invalid_config_is_refused_with_a_clear_error() {
     let missing = rig.path().join("missing.toml");
     std::fs::write(
         &cfg,
+        // The state directory in the rig: the default (/var/lib/gpud) is made before the device
+        // paths are opened, and a test leaves nothing on the host.
         format!(
-            "[devices]\nextra_paths = [{:?}]\n",
+            "[daemon]\nstate_dir = {:?}\n[devices]\nextra_paths = [{:?}]\n",
+            rig.path().join("state").display().to_string(),
             missing.display().to_string()
         ),
     )
