@@ -7,6 +7,9 @@ use tracing::info;
 
 use super::{Handler, NriError, RETRY_EVERY, api::nri, api::nri_ttrpc, mux};
 
+/// How long the plugin lets its Shutdown reply go out before it closes the connection itself.
+const SHUTDOWN_REPLY: Duration = Duration::from_millis(500);
+
 /// Why [`serve`] returned.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Ending {
@@ -94,6 +97,12 @@ where
         () = handler.shutdown_requested() => Ending::Shutdown,
         why = mux.closed() => Ending::Disconnected(why.to_string()),
     };
+    if matches!(ending, Ending::Shutdown) {
+        // The Shutdown reply is still on its way out when the handler asks to end: closing the
+        // connection now could cut it (the runtime sees an early EOF). The runtime closes the
+        // connection once answered; wait for that, a short while at most.
+        let _ = tokio::time::timeout(SHUTDOWN_REPLY, mux.closed()).await;
+    }
     retries.abort();
     let _ = server.shutdown().await;
     mux.shutdown();
