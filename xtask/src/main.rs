@@ -126,6 +126,9 @@ enum BenchWhat {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The smoke run `cargo xtask test` makes: every benchmark once, briefly, from the debug
+    /// build; fails when one does not complete or leaves a figure out.
+    Smoke,
 }
 
 /// What `package` builds.
@@ -180,6 +183,10 @@ fn main() -> ExitCode {
             what: Some(BenchWhat::Compute { args }),
             ..
         } => bench::compute(&args),
+        Task::Bench {
+            no_vm,
+            what: Some(BenchWhat::Smoke),
+        } => bench::smoke(!no_vm),
         Task::Bench { no_vm, what: None } => bench::run(!no_vm),
         Task::Fuzz { cases, rm_rounds } => fuzz::run(cases, rm_rounds),
         Task::Soak { minutes } => soak::run(std::time::Duration::from_secs(minutes * 60)),

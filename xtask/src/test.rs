@@ -1,8 +1,9 @@
 //! `cargo xtask test`: every test, from nothing, as root. Setup, lints (fmt, clippy on the
 //! workspace, clippy on the eBPF crate with nightly), the unit and real-kernel integration tests
-//! (real cgroups, real dbus-daemon), the packages (the .deb installed, run and purged on this
-//! machine; the image loaded and run by Podman), then the VM tests on a kernel with fentry and
-//! BPF-LSM.
+//! (real cgroups, real dbus-daemon), a smoke run of every benchmark (they must complete and
+//! report every figure), the packages (the .deb installed, run and purged on this machine; the
+//! image loaded and run by Podman), then the VM tests on a kernel with fentry and BPF-LSM and the
+//! benchmarks' smoke run there.
 //!
 //! Every step runs even when an earlier one failed (except after a failed setup), so one run shows
 //! every problem. The output ends with a summary and a plain `N passed, N failed` line.
@@ -216,6 +217,10 @@ fn steps(vm_tests: bool, lint: bool) -> Vec<Step> {
         run: unit_and_integration,
     });
     steps.push(Step {
+        name: "benchmarks (smoke)",
+        run: crate::bench::smoke_host,
+    });
+    steps.push(Step {
         name: "package: .deb cycle",
         run: crate::package::test_deb,
     });
@@ -231,6 +236,10 @@ fn steps(vm_tests: bool, lint: bool) -> Vec<Step> {
         steps.push(Step {
             name: "kernel matrix",
             run: kernel_matrix,
+        });
+        steps.push(Step {
+            name: "benchmarks (smoke, VM)",
+            run: crate::bench::smoke_vm,
         });
     }
     steps

@@ -1,4 +1,4 @@
-//! `gpud-bench --mode tracepoint|fentry [--hook none|lsm|fmod_ret] [--calls N] [--rounds R]
+//! `gpud-bench --mode tracepoint|fentry [--hook none|lsm|fmod_ret[,…]] [--calls N] [--rounds R]
 //! [--cycles C]`: the added cost per syscall of
 //! gpud's probes, measured in one run (run by `cargo xtask bench`; method in docs/benchmarks.md).
 //!
@@ -16,7 +16,7 @@
 //! - `matched_ioctl`: ioctls on a stand-in control device (listed as an extra device file) by a
 //!   process that opened it, so gpud walks, identifies, classifies and counts each one.
 //!
-//! Prints one line `BENCH JSON: {...}`.
+//! Prints one line `BENCH JSON: {...}` per hook named (several hooks share one boot of the VM).
 
 use std::{
     path::{Path, PathBuf},
@@ -58,8 +58,9 @@ struct Opts {
     cycles: usize,
     /// The pre-driver hook in gpud's phase: `none` (the react tier: fentry or tracepoint
     /// programs only), `lsm` or `fmod_ret` (the deny tier through that hook; fentry mode).
-    #[arg(long, default_value = "none", value_parser = hook)]
-    hook: DenyHookPreference,
+    /// Several, comma-separated, are measured one after another, a result line each.
+    #[arg(long, default_value = "none", value_parser = hook, value_delimiter = ',')]
+    hook: Vec<DenyHookPreference>,
 }
 
 fn hook(s: &str) -> Result<DenyHookPreference, String> {
@@ -71,26 +72,38 @@ fn hook(s: &str) -> Result<DenyHookPreference, String> {
     }
 }
 
-/// Fastest ns per call of `f(n)` over `rounds`, measured in a fresh child process.
-fn measure(rounds: usize, calls: u64, f: impl Fn(u64)) -> anyhow::Result<f64> {
+/// Fastest ns per call of `f(n)` over `rounds`, measured in a fresh child process. `f` fails
+/// when its workload cannot run (its file cannot be opened): the benchmark then fails instead of
+/// timing a loop that does nothing.
+fn measure(
+    name: &str,
+    rounds: usize,
+    calls: u64,
+    f: impl Fn(u64) -> std::io::Result<()>,
+) -> anyhow::Result<f64> {
     let report = inproc::in_child(move || {
         pin_to_cpu(0);
-        f(calls / 10); // warm-up
-        let mut samples: Vec<f64> = (0..rounds)
-            .map(|_| {
-                let t = Instant::now();
-                f(calls);
-                t.elapsed().as_nanos() as f64 / calls as f64
-            })
-            .collect();
+        if let Err(e) = f(calls / 10) {
+            return format!("error: {e}");
+        }
+        let mut samples = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let t = Instant::now();
+            if let Err(e) = f(calls) {
+                return format!("error: {e}");
+            }
+            samples.push(t.elapsed().as_nanos() as f64 / calls as f64);
+        }
         samples.sort_by(f64::total_cmp);
         // The fastest round: the least disturbed by the rest of the machine (interrupts,
         // emulator housekeeping under qemu); each phase gets the same treatment.
-        samples[0].to_string()
+        samples
+            .first()
+            .map_or_else(|| "error: no rounds".to_owned(), f64::to_string)
     })?;
     report
         .parse()
-        .with_context(|| format!("child reported {report:?}"))
+        .with_context(|| format!("workload {name}: the child reported {report:?}"))
 }
 
 /// Pins the calling process to one CPU, so every phase is measured on the same core.
@@ -103,28 +116,31 @@ fn pin_to_cpu(cpu: usize) {
     }
 }
 
+/// `n` ioctls `cmd` on a freshly opened `path`.
+fn ioctls_on(path: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
+    let f = std::fs::File::open(path)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    inproc::issue(inproc::fd(&f), cmd, n);
+    Ok(())
+}
+
 fn workloads(o: &Opts, standin: &Path) -> anyhow::Result<Value> {
-    let s = standin.to_path_buf();
-    let unrelated = measure(o.rounds, o.calls, |n| {
-        if let Ok(f) = std::fs::File::open("/dev/null") {
-            inproc::issue(inproc::fd(&f), libc::TCGETS as u32, n);
-        }
+    let null = Path::new("/dev/null");
+    let unrelated = measure("unrelated_ioctl", o.rounds, o.calls, |n| {
+        ioctls_on(null, libc::TCGETS as u32, n)
     })?;
-    let unrelated_nv = measure(o.rounds, o.calls, |n| {
-        if let Ok(f) = std::fs::File::open("/dev/null") {
-            inproc::issue(inproc::fd(&f), RM_ALLOC, n);
-        }
+    let unrelated_nv = measure("unrelated_nv_ioctl", o.rounds, o.calls, |n| {
+        ioctls_on(null, RM_ALLOC, n)
     })?;
-    let getppid = measure(o.rounds, o.calls, |n| {
+    let getppid = measure("getppid", o.rounds, o.calls, |n| {
         for _ in 0..n {
             // SAFETY: a syscall without arguments.
             unsafe { libc::syscall(libc::SYS_getppid) };
         }
+        Ok(())
     })?;
-    let matched = measure(o.rounds, o.calls, move |n| {
-        if let Ok(f) = std::fs::File::open(&s) {
-            inproc::issue(inproc::fd(&f), RM_ALLOC, n);
-        }
+    let matched = measure("matched_ioctl", o.rounds, o.calls, |n| {
+        ioctls_on(standin, RM_ALLOC, n)
     })?;
     Ok(json!({
         "unrelated_ioctl": unrelated,
@@ -180,11 +196,18 @@ fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
     r
 }
 
-fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
-    // The daemon's own kernel stack (gpud::daemon::core::open), its pins and state apart.
-    let dir = std::env::temp_dir().join(format!("gpud-bench-{}", std::process::id()));
+fn gpud_phase(
+    o: &Opts,
+    hook: DenyHookPreference,
+    standin: &Path,
+    bpffs: &Path,
+) -> anyhow::Result<Value> {
+    // The daemon's own kernel stack (gpud::daemon::core::open), its pins and state apart: a
+    // directory of its own, removed after the phase (not the one holding the stand-in, which
+    // the next cycles still use).
+    let dir = std::env::temp_dir().join(format!("gpud-bench-{}-daemon", std::process::id()));
     let pins = bpffs.join(format!("gpud-bench-{}", std::process::id()));
-    let tier = if o.hook == DenyHookPreference::None {
+    let tier = if hook == DenyHookPreference::None {
         "react"
     } else {
         "deny"
@@ -196,12 +219,12 @@ fn gpud_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
         .set_path("probes.bpffs", &pins)
         .set("probes.attach", o.mode.as_str())
         .set("enforcement.tier", tier)
-        .set("enforcement.deny_hook", o.hook.as_str())
+        .set("enforcement.deny_hook", hook.as_str())
         .parsed();
     let opened = gpud::daemon::core::open(&config).map_err(|e| anyhow::anyhow!("{}", Chain(&e)))?;
     let probes = opened.core.attribution.probes();
     anyhow::ensure!(
-        probes.ladder().in_force.as_str() == o.hook.as_str(),
+        probes.ladder().in_force.as_str() == hook.as_str(),
         "hook in force: {:?}",
         probes.ladder()
     );
@@ -245,17 +268,33 @@ fn main() -> anyhow::Result<()> {
     // may not have it mounted).
     probes::ensure_mounted(Path::new(probes::TRACEFS), "tracefs", probes::TRACEFS_MAGIC)?;
     inproc::refuse_foreign_probes()?;
+    let results: anyhow::Result<Vec<Value>> = o
+        .hook
+        .iter()
+        .map(|&hook| one_hook(&o, hook, &standin, &bpffs))
+        .collect();
+    let _ = std::fs::remove_dir_all(&work);
+    for result in results? {
+        println!("BENCH JSON: {result}");
+    }
+    Ok(())
+}
 
+/// The three phases, alternated `o.cycles` times, with `hook` in gpud's phase.
+fn one_hook(
+    o: &Opts,
+    hook: DenyHookPreference,
+    standin: &Path,
+    bpffs: &Path,
+) -> anyhow::Result<Value> {
     // Phases alternate, and differences are taken within each cycle (phases minutes apart
     // would otherwise compare different states of a shared machine); medians over cycles.
     let (mut detached, mut noop, mut attached) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..o.cycles {
-        detached.push(workloads(&o, &standin)?);
-        noop.push(noop_phase(&o, &standin, &bpffs)?);
-        attached.push(gpud_phase(&o, &standin, &bpffs)?);
+        detached.push(workloads(o, standin)?);
+        noop.push(noop_phase(o, standin, bpffs)?);
+        attached.push(gpud_phase(o, hook, standin, bpffs)?);
     }
-    let _ = std::fs::remove_dir_all(&work);
-
     let v = |phase: &Value, k: &str| phase[k].as_f64().unwrap_or(f64::NAN);
     let per_cycle = |f: &dyn Fn(usize, &str) -> f64| {
         let mut out = serde_json::Map::new();
@@ -274,9 +313,9 @@ fn main() -> anyhow::Result<()> {
     let noop_added = per_cycle(&|c, k| v(&noop[c], k) - v(&detached[c], k));
     let ratio = per_cycle(&|c, k| v(&attached[c], k) / v(&detached[c], k));
     let (detached, noop, attached) = (median_of(&detached), median_of(&noop), median_of(&attached));
-    let result = json!({
+    Ok(json!({
         "mode": o.mode.as_str(),
-        "hook": o.hook.as_str(),
+        "hook": hook.as_str(),
         "kernel": kernel_release(),
         "calls_per_round": o.calls,
         "rounds": o.rounds,
@@ -290,7 +329,5 @@ fn main() -> anyhow::Result<()> {
         "added_ns_vs_noop_program": over_noop,
         "noop_program_added_ns": noop_added,
         "ratio_vs_detached": ratio,
-    });
-    println!("BENCH JSON: {result}");
-    Ok(())
+    }))
 }

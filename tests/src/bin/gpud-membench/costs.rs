@@ -13,7 +13,7 @@ pub(super) fn memory_info_cost(
     rel: &str,
 ) -> anyhow::Result<(serde_json::Value, String)> {
     use gpud_common::rm::fb;
-    const CALLS: u64 = 10_000;
+    let calls = o.calls;
     const CYCLES: usize = 3;
     const LIMIT: u64 = 8 << 30;
     let (mut core, _ring) = setup(o, ctl, ReactAction::Notify, "view")?;
@@ -61,7 +61,7 @@ pub(super) fn memory_info_cost(
                 continue;
             }
             let before = prog_stats();
-            let heap: u64 = tenant.ask(&format!("calls {CALLS}"))?.parse()?;
+            let heap: u64 = tenant.ask(&format!("calls {calls}"))?.parse()?;
             let spent: u64 = prog_stats()
                 .into_iter()
                 .filter(|(k, _)| k.contains("_ioc"))
@@ -72,7 +72,7 @@ pub(super) fn memory_info_cost(
                 rewritten == (name == "limited_view_on"),
                 "{name}: the process read a heap of {heap} KiB"
             );
-            per_call[i].push(spent as f64 / CALLS as f64);
+            per_call[i].push(spent as f64 / calls as f64);
         }
     }
     let phases: serde_json::Map<String, serde_json::Value> = phases
@@ -102,7 +102,7 @@ pub(super) fn scheduler_guard_cost(
 ) -> anyhow::Result<(serde_json::Value, String)> {
     use gpud::config::GuardMode;
     use gpud_common::rm::fb;
-    const CALLS: u64 = 10_000;
+    let calls = o.calls;
     const CYCLES: usize = 3;
     let (mut core, mut ring) = setup(o, ctl, ReactAction::Notify, "guard")?;
     core.attribution.set_memory_info(false)?;
@@ -151,14 +151,14 @@ pub(super) fn scheduler_guard_cost(
         for (i, (name, what, mode)) in phases.into_iter().enumerate() {
             core.attribution.set_scheduler_guard(mode)?;
             let before = prog_stats();
-            let status = tenant.ask(&format!("{what} {CALLS}"))?;
+            let status = tenant.ask(&format!("{what} {calls}"))?;
             let spent: u64 = prog_stats()
                 .into_iter()
                 .filter(|(k, _)| k.contains("_ioc"))
                 .map(|(k, (t, _))| t.saturating_sub(before.get(&k).map_or(0, |b| b.0)))
                 .sum();
             ensure!(status == "0", "{name}: the driver answered status {status}");
-            per_call[i].push(spent as f64 / CALLS as f64);
+            per_call[i].push(spent as f64 / calls as f64);
             // The guard's reports of this phase, read so the ring never fills.
             while ring.next().is_some() {}
         }
@@ -170,9 +170,9 @@ pub(super) fn scheduler_guard_cost(
         .get("sched_guarded")
         .copied();
     ensure!(
-        guarded == Some(CALLS * CYCLES as u64),
+        guarded == Some(calls * CYCLES as u64),
         "the guard saw {guarded:?} of {} timeslices",
-        CALLS * CYCLES as u64
+        calls * CYCLES as u64
     );
     let phases: serde_json::Map<String, serde_json::Value> = phases
         .iter()

@@ -32,14 +32,14 @@
 //!   of 5, and per file.
 //!
 //! - `memory_info_ns_per_call`: the in-container memory view: a process in the cgroup issues
-//!   `FB_GET_INFO_V2` as `cuMemGetInfo` does (HEAP_FREE, HEAP_SIZE, FB_TAX), 10,000 times per
+//!   `FB_GET_INFO_V2` as `cuMemGetInfo` does (HEAP_FREE, HEAP_SIZE, FB_TAX), `--calls` times per
 //!   phase, the three phases alternated 3 times (median per phase), and the kernel's run-time
 //!   statistics of gpud's ioctl programs give their time per call: no limit (`unlimited`), a limit with the view off (`limited_view_off`: the command
 //!   is compared, nothing noted) and on (`limited_view_on`: noted at entry, the reply rewritten
 //!   at the exit; only where the kernel allows `bpf_probe_write_user`, else `null`, the reason
 //!   in `memory_view`). Each phase also checks what the process read.
 //!
-//! - `scheduler_guard_ns_per_call`: the scheduler guard's cost, measured the same way (10,000
+//! - `scheduler_guard_ns_per_call`: the scheduler guard's cost, measured the same way (`--calls`
 //!   calls per phase, three phases alternated 3 times, median), with the memory view off: an
 //!   ordinary RM control (`FB_GET_INFO_V2`) with the guard `off` (`ordinary_guard_off`: the
 //!   configuration's flags are read, nothing else) and `enforce` (`ordinary_guard_on`: the
@@ -95,6 +95,9 @@ struct Opts {
     /// Samples of the kill and freeze latencies.
     #[arg(long, default_value_t = 15)]
     samples: usize,
+    /// Calls per phase of the memory view's and the scheduler guard's costs.
+    #[arg(long, default_value_t = 10_000)]
+    calls: u64,
     /// Processes holding a control file each while the check of control files is timed.
     #[arg(long, default_value_t = 1000)]
     holders: usize,
