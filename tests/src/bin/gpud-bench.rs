@@ -101,6 +101,9 @@ fn measure(
             .first()
             .map_or_else(|| "error: no rounds".to_owned(), f64::to_string)
     })?;
+    if let Some(error) = report.strip_prefix("error: ") {
+        anyhow::bail!("workload {name}: {error}");
+    }
     report
         .parse()
         .with_context(|| format!("workload {name}: the child reported {report:?}"))
