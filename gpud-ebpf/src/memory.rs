@@ -30,29 +30,73 @@ use crate::{
 };
 
 const SIGKILL: u32 = 9;
+const EEXIST: i32 = 17;
+
+/// An RM_ALLOC's parameters, from one read of the caller's struct: the head both forms share,
+/// `status`, and NVOS64's `flags` (0 for NVOS21). One read instead of one per field: each
+/// `bpf_probe_read_user` costs tens of ns (hardened usercopy checks included).
+pub(crate) struct AllocArgs {
+    pub(crate) head: rm::Nvos21,
+    pub(crate) status: u32,
+    pub(crate) flags: u32,
+}
+
+#[inline(always)]
+pub(crate) fn alloc_args(size: u32, params: u64) -> Option<AllocArgs> {
+    if size == nv::NVOS64_SIZE {
+        let a: rm::Nvos64 = unsafe { user(params)? };
+        return Some(AllocArgs {
+            head: rm::Nvos21 {
+                h_root: a.h_root,
+                h_object_parent: a.h_object_parent,
+                h_object_new: a.h_object_new,
+                h_class: a.h_class,
+                p_alloc_parms: a.p_alloc_parms,
+                params_size: a.params_size,
+                status: a.status,
+            },
+            status: a.status,
+            flags: a.flags,
+        });
+    }
+    let head: rm::Nvos21 = unsafe { user(params)? };
+    Some(AllocArgs {
+        status: head.status,
+        flags: 0,
+        head,
+    })
+}
+
+/// A video-memory RM_ALLOC: client, parent, new handle, bytes (read from the alloc params:
+/// requested at entry, allocated at return).
+#[inline(always)]
+fn vidmem_alloc(a: &AllocArgs) -> Option<(u32, u32, u32, u64)> {
+    if a.head.h_class != rm::class::MEMORY_LOCAL_USER {
+        return None;
+    }
+    if a.flags & rm::NVOS64_FLAGS_FINN_SERIALIZED != 0 {
+        bump_stat(stat::UNREADABLE);
+        return None;
+    }
+    let Some(bytes) = (unsafe { user::<u64>(a.head.p_alloc_parms + rm::MEM_PARAMS_SIZE as u64) })
+    else {
+        bump_stat(stat::UNREADABLE);
+        return None;
+    };
+    Some((
+        a.head.h_root,
+        a.head.h_object_parent,
+        a.head.h_object_new,
+        bytes,
+    ))
+}
 
 /// A video-memory allocation request: client, parent, new handle, bytes. For RM_ALLOC the
 /// bytes are read from the alloc params (requested at entry, allocated at return).
 #[inline(always)]
 pub(crate) fn vidmem_request(nr: u32, size: u32, params: u64) -> Option<(u32, u32, u32, u64)> {
     if nr == nv::NV_ESC_RM_ALLOC {
-        let head: rm::Nvos21 = unsafe { user(params)? };
-        if head.h_class != rm::class::MEMORY_LOCAL_USER {
-            return None;
-        }
-        if size == nv::NVOS64_SIZE {
-            let flags: u32 = unsafe { user(params + rm::NVOS64_FLAGS as u64)? };
-            if flags & rm::NVOS64_FLAGS_FINN_SERIALIZED != 0 {
-                bump_stat(stat::UNREADABLE);
-                return None;
-            }
-        }
-        let Some(bytes) = (unsafe { user::<u64>(head.p_alloc_parms + rm::MEM_PARAMS_SIZE as u64) })
-        else {
-            bump_stat(stat::UNREADABLE);
-            return None;
-        };
-        return Some((head.h_root, head.h_object_parent, head.h_object_new, bytes));
+        return vidmem_alloc(&alloc_args(size, params)?);
     }
     if nr == nv::NV_ESC_RM_VID_HEAP_CONTROL {
         let function: u32 = unsafe { user(params + rm::VIDHEAP_FUNCTION as u64)? };
@@ -135,7 +179,9 @@ fn serial_now() -> u64 {
 /// Records an object made through the control file `file`. Every object carries its file, not
 /// only its client: the driver frees everything made through a file when the file's last
 /// reference goes, so an object is released by its own file even where its client's record is
-/// gone or was never seen (the release rule, docs/design.md).
+/// gone or was never seen (the release rule, docs/design.md). A stale entry under the key (a free
+/// missed while nothing was attached) is released first; the insert tells, so the common case
+/// costs no lookup of its own.
 #[inline(always)]
 fn track_object(key: ObjKey, kind: u32, parent: u32, gpu: u32, bytes: u64, file: u64) -> bool {
     let entry = ObjEntry {
@@ -148,11 +194,18 @@ fn track_object(key: ObjKey, kind: u32, parent: u32, gpu: u32, bytes: u64, file:
         file,
         serial: serial_now(),
     };
-    if OBJECTS.insert(key, entry, 0).is_err() {
+    let inserted = match OBJECTS.insert(key, entry, BPF_NOEXIST as u64) {
+        Ok(()) => true,
+        Err(e) if e == -EEXIST => {
+            release(&key, 0);
+            OBJECTS.insert(key, entry, 0).is_ok()
+        }
+        Err(_) => false,
+    };
+    if !inserted {
         bump_stat(stat::OBJECTS_FULL);
-        return false;
     }
-    true
+    inserted
 }
 
 /// Removes `key` if it still holds the object `expect` (any, when 0) and uncharges its bytes;
@@ -165,6 +218,12 @@ pub(crate) fn release(key: &ObjKey, expect: u64) -> bool {
     if expect != 0 && e.serial != expect {
         return false;
     }
+    release_entry(key, &e)
+}
+
+/// [`release`] of an entry the caller has read as `e`.
+#[inline(always)]
+fn release_entry(key: &ObjKey, e: &ObjEntry) -> bool {
     if OBJECTS.remove(key).is_err() {
         return false;
     }
@@ -183,20 +242,13 @@ pub(crate) fn release(key: &ObjKey, expect: u64) -> bool {
 
 #[inline(always)]
 pub(crate) fn account_alloc(p: &Pending) {
-    let status_off = if p.size == nv::NVOS64_SIZE {
-        rm::NVOS64_STATUS
-    } else {
-        rm::NVOS21_STATUS
-    };
-    let Some(status) = (unsafe { user::<u32>(p.params + status_off as u64) }) else {
+    let Some(args) = alloc_args(p.size, p.params) else {
         return;
     };
-    if status != rm::status::NV_OK {
+    if args.status != rm::status::NV_OK {
         return;
     }
-    let Some(head) = (unsafe { user::<rm::Nvos21>(p.params) }) else {
-        return;
-    };
+    let head = &args.head;
     let key = ObjKey {
         client: head.h_root,
         object: head.h_object_new,
@@ -237,7 +289,7 @@ pub(crate) fn account_alloc(p: &Pending) {
             track_object(key, OBJ_CHANNEL, head.h_object_parent, gpu, 0, p.file);
         }
         rm::class::MEMORY_LOCAL_USER => {
-            if let Some((client, parent, handle, bytes)) = vidmem_request(p.nr, p.size, p.params) {
+            if let Some((client, parent, handle, bytes)) = vidmem_alloc(&args) {
                 charge_memory(client, parent, handle, bytes, p.file);
             }
         }
@@ -294,8 +346,6 @@ fn charge_memory(client: u32, parent: u32, handle: u32, bytes: u64, file: u64) {
         client,
         object: handle,
     };
-    // A stale entry under this key (a free missed while nothing was attached) goes first.
-    release(&key, 0);
     charge(anc, gpu, bytes);
     if !track_object(key, OBJ_MEMORY, parent, gpu, bytes, file) {
         charge(anc, gpu, bytes.wrapping_neg());
@@ -335,15 +385,17 @@ pub(crate) fn account_free(p: &Pending) {
         client: args.h_root,
         object: args.h_object_old,
     };
-    let kind = match unsafe { OBJECTS.get(key) } {
-        Some(e) => e.kind,
+    // Memory is released here; anything else may have objects below it, which the daemon
+    // releases on the event.
+    match (unsafe { OBJECTS.get(key) }).copied() {
+        Some(e) if e.kind == OBJ_MEMORY => {
+            release_entry(&key, &e);
+            return;
+        }
+        Some(_) => {}
         // A client is keyed by its own handle; other unknown handles own nothing we charged.
-        None if args.h_object_old == args.h_root => OBJ_CLIENT,
+        None if args.h_object_old == args.h_root => {}
         None => return,
-    };
-    if kind == OBJ_MEMORY {
-        release(&key, 0);
-        return;
     }
     send(&Event {
         kind: EVENT_FREE_TREE,
