@@ -14,7 +14,10 @@
 //!   is found at its first call);
 //! - `getppid`: a cheap non-ioctl syscall (the host-wide tax of syscall tracepoints);
 //! - `matched_ioctl`: ioctls on a stand-in control device (listed as an extra device file) by a
-//!   process that opened it, so gpud walks, identifies, classifies and counts each one.
+//!   process that opened it, so gpud walks, identifies, classifies and counts each one;
+//! - `compat_matched_ioctl`: the same ioctls as a 32-bit process makes them (the compat entry,
+//!   `int 0x80`, with the buffer below 4 GiB), from this 64-bit process: what gpud adds to the
+//!   ioctls of 32-bit callers (x86-64; `null` where the kernel has no IA32 emulation).
 //!
 //! Prints one line `BENCH JSON: {...}` per hook named (several hooks share one boot of the VM).
 
@@ -127,6 +130,58 @@ fn ioctls_on(path: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
     Ok(())
 }
 
+/// `n` 32-bit ioctls `cmd` on a freshly opened `path`, through the compat entry (`int 0x80`, as a
+/// 32-bit process enters the kernel), with a buffer below 4 GiB as such a process has.
+#[cfg(target_arch = "x86_64")]
+fn compat_ioctls_on(path: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
+    /// `ioctl` in the i386 system call table.
+    const NR_IOCTL_32: u32 = 54;
+    let f = std::fs::File::open(path)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    // SAFETY: an anonymous private mapping of one page, below 4 GiB.
+    let buf = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_32BIT,
+            -1,
+            0,
+        )
+    };
+    if buf == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    let (fd, arg) = (inproc::fd(&f) as u64, buf as u64);
+    let mut result = Ok(());
+    for _ in 0..n {
+        let mut ret = NR_IOCTL_32;
+        // SAFETY: the i386 ioctl(fd, cmd, arg) on our own descriptor and page. rbx, which
+        // LLVM reserves, carries the first argument and is swapped back; the compat entry
+        // may clear r8-r11.
+        unsafe {
+            std::arch::asm!(
+                "xchg {fd}, rbx",
+                "int 0x80",
+                "xchg {fd}, rbx",
+                fd = inout(reg) fd => _,
+                inout("eax") ret,
+                in("ecx") cmd,
+                in("edx") arg as u32,
+                out("r8") _, out("r9") _, out("r10") _, out("r11") _,
+            );
+        }
+        // -ENOSYS: no IA32 emulation in this kernel.
+        if ret as i32 == -libc::ENOSYS {
+            result = Err(std::io::Error::from_raw_os_error(libc::ENOSYS));
+            break;
+        }
+    }
+    // SAFETY: the mapping made above.
+    unsafe { libc::munmap(buf, 4096) };
+    result
+}
+
 fn workloads(o: &Opts, standin: &Path) -> anyhow::Result<Value> {
     let null = Path::new("/dev/null");
     let unrelated = measure("unrelated_ioctl", o.rounds, o.calls, |n| {
@@ -145,11 +200,18 @@ fn workloads(o: &Opts, standin: &Path) -> anyhow::Result<Value> {
     let matched = measure("matched_ioctl", o.rounds, o.calls, |n| {
         ioctls_on(standin, RM_ALLOC, n)
     })?;
+    #[cfg(target_arch = "x86_64")]
+    let compat = measure("compat_matched_ioctl", o.rounds, o.calls, |n| {
+        compat_ioctls_on(standin, RM_ALLOC, n)
+    })?;
+    #[cfg(not(target_arch = "x86_64"))]
+    let compat = f64::NAN;
     Ok(json!({
         "unrelated_ioctl": unrelated,
         "unrelated_nv_ioctl": unrelated_nv,
         "getppid": getppid,
         "matched_ioctl": matched,
+        "compat_matched_ioctl": compat,
     }))
 }
 
@@ -238,11 +300,12 @@ fn gpud_phase(
     r
 }
 
-const KEYS: [&str; 4] = [
+const KEYS: [&str; 5] = [
     "unrelated_ioctl",
     "unrelated_nv_ioctl",
     "getppid",
     "matched_ioctl",
+    "compat_matched_ioctl",
 ];
 
 /// Per-workload median over the cycles.

@@ -183,3 +183,97 @@ pub(super) fn scheduler_guard_cost(
     core.close(false);
     Ok((serde_json::Value::Object(phases), state))
 }
+
+/// Where an alloc+free pair's time goes (see the module docs): gpud's programs' run time per
+/// call, allocations and frees apart, each program apart; and what the calls sent through the
+/// ring and cost gpud's state code to handle.
+pub(super) fn pair_breakdown(o: &Opts, ctl: &Path, cg: &Path) -> anyhow::Result<serde_json::Value> {
+    const CYCLES: usize = 3;
+    let n = o.pairs * o.rounds as u64;
+    let (mut core, mut ring) = setup(o, ctl, ReactAction::Notify, "pair")?;
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("enabling BPF run-time statistics")?;
+    let (c, dir) = (ctl.to_owned(), cg.to_owned());
+    let setup_tenant = move || inproc::rm_tenant(&c, &dir).map(|(f, h)| (f, h, Vec::new()));
+    // `alloc N`: N allocations of 2 MiB, kept; `free`: frees them. Replies with the count done.
+    let serve = |s: &mut (std::fs::File, [u32; 3], Vec<u32>), req: &str| -> String {
+        let rm = Ctl::new(&s.0);
+        let [client, device, _] = s.1;
+        if let Some(k) = req
+            .strip_prefix("alloc ")
+            .and_then(|k| k.parse::<u64>().ok())
+        {
+            for _ in 0..k {
+                let a = rm.alloc_vidmem(client, device, 2 * MIB, Form::Nvos64);
+                if !a.ok() {
+                    return format!("alloc: {a:?}");
+                }
+                s.2.push(a.handle);
+            }
+            return s.2.len().to_string();
+        }
+        let mut freed = 0;
+        for h in s.2.drain(..) {
+            freed += usize::from(rm.free(client, h).ok());
+        }
+        freed.to_string()
+    };
+    let mut tenant = inproc::fork_serving(setup_tenant, serve)?;
+    // Per phase (alloc, free): program → ns per call of each cycle; notices and drain time.
+    let mut per_prog: [std::collections::BTreeMap<String, Vec<f64>>; 2] = Default::default();
+    let mut notices = [0usize; 2];
+    let mut drain_ns = [0u128; 2];
+    for _ in 0..CYCLES {
+        for (i, request) in [format!("alloc {n}"), "free".to_owned()].iter().enumerate() {
+            core.drain(&mut ring, |_| ());
+            let before = prog_stats();
+            let done = tenant.ask(request)?;
+            ensure!(
+                done == n.to_string(),
+                "{request}: the tenant replied {done:?}"
+            );
+            for (name, (t, _)) in prog_stats() {
+                let spent = t.saturating_sub(before.get(&name).map_or(0, |b| b.0));
+                if name.contains("_ioc") && spent > 0 {
+                    per_prog[i]
+                        .entry(name)
+                        .or_default()
+                        .push(spent as f64 / n as f64);
+                }
+            }
+            let t = Instant::now();
+            notices[i] += core.drain(&mut ring, |_| ()).len();
+            drain_ns[i] += t.elapsed().as_nanos();
+        }
+    }
+    tenant.release();
+    core.close(false);
+    let calls = (n * CYCLES as u64) as f64;
+    let phase = |i: usize| {
+        let programs: serde_json::Map<String, serde_json::Value> = per_prog[i]
+            .iter()
+            .map(|(k, v)| (k.clone(), json!(median(v.clone()))))
+            .collect();
+        let total: f64 = per_prog[i].values().map(|v| median(v.clone())).sum();
+        json!({
+            "programs_ns_per_call": programs,
+            "programs_total_ns_per_call": total,
+            "ring_notices_per_call": notices[i] as f64 / calls,
+            "state_code_ns_per_call": drain_ns[i] as f64 / calls,
+        })
+    };
+    let (alloc, free) = (phase(0), phase(1));
+    let per_pair = alloc["programs_total_ns_per_call"]
+        .as_f64()
+        .unwrap_or(f64::NAN)
+        + free["programs_total_ns_per_call"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
+    Ok(json!({
+        "calls_per_phase": n,
+        "cycles": CYCLES,
+        "alloc": alloc,
+        "free": free,
+        "programs_ns_per_pair": per_pair,
+    }))
+}

@@ -17,6 +17,11 @@
 //!   processes' ioctls during the run are in the sum too, so it is an upper bound), with the
 //!   per-program ns per run beside it (averaged over every run on the host, matched or not). The
 //!   hook's dispatch cost is not in it (see the `matched_ioctl` figures of `gpud-bench`).
+//! - `pair_breakdown`: where a pair's time goes: a process in the cgroup makes N = pairs × rounds
+//!   allocations (2 MiB, NVOS64, kept), then frees them, three times; the kernel's run-time
+//!   statistics of each of gpud's ioctl programs over each phase, per call (median of the three;
+//!   the entry and the return program apart), the ring-buffer records the calls sent (as the
+//!   notices gpud's state code made of them) and that code's time handling them, per call.
 //! - `kill_ns`: a process whose cgroup is over its limit allocates; from just before its ioctl to
 //!   its reaping by the parent (it is killed inside the ioctl's return path), minus the median
 //!   time of the same ioctl without a limit: the time the kill adds after the ioctl's work.
@@ -74,7 +79,7 @@ use gpud_tests::{
 };
 use serde_json::json;
 
-use costs::{memory_info_cost, scheduler_guard_cost};
+use costs::{memory_info_cost, pair_breakdown, scheduler_guard_cost};
 
 const MIB: u64 = 1 << 20;
 
@@ -513,6 +518,9 @@ fn main() -> anyhow::Result<()> {
     }
     core.close(false);
 
+    // Where a pair's time goes: allocations and frees apart, program by program.
+    let breakdown = pair_breakdown(&o, &fake.ctl, &cg)?;
+
     // The memory view: gpud's ioctl programs' time per FB_GET_INFO_V2 call.
     let (view_phases, memory_view) = memory_info_cost(&o, &fake.ctl, &cg, &rel)?;
 
@@ -542,7 +550,7 @@ fn main() -> anyhow::Result<()> {
     drop(fake);
     let _ = std::fs::remove_dir(&cg);
     // Each setup's bpffs directory (its pins went with its probes).
-    for tag in ["acct", "kill", "freeze", "view", "guard", "files"] {
+    for tag in ["acct", "kill", "freeze", "pair", "view", "guard", "files"] {
         let _ = std::fs::remove_dir(format!("/sys/fs/bpf/gpud-membench-{tag}"));
     }
     let _ = std::fs::remove_dir_all(&work);
@@ -555,6 +563,7 @@ fn main() -> anyhow::Result<()> {
         "alloc_free_ns": { "without_probes": base, "with_probes": with, "added": with - base },
         "probe_ns_per_pair": probe_total as f64 / pairs_run,
         "programs": per_prog_json,
+        "pair_breakdown": breakdown,
         "kill_ns": {
             "ioctl_alone_median": ioctl_median,
             "added_p50": percentile(kill_after.clone(), 0.5),

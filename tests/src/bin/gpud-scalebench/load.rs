@@ -1,6 +1,6 @@
 //! The load a run puts on gpud and what it reads back from the kernel: held `gpud-ioctl`
-//! processes in cgroups ([`Holder`]), the forking event generator ([`forker`]), and the
-//! pinned `LIMITS` map's value for a cgroup.
+//! processes in cgroups ([`Holder`]), the forking event generator ([`forker`]), the open/close
+//! flood ([`opener`]), and the pinned `LIMITS` map's value for a cgroup.
 
 use std::{
     io::{BufRead, BufReader},
@@ -116,17 +116,77 @@ pub(crate) fn forker(file: &str, n: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn run_forker(cg: &Path, file: &Path, n: u64) -> anyhow::Result<f64> {
+/// This binary with `args`, started in the cgroup `cg`.
+fn in_cgroup(cg: &Path, args: &[&std::ffi::OsStr]) -> anyhow::Result<Command> {
     let me = std::env::current_exe()?;
     let cg = cg.to_owned();
     let mut cmd = Command::new(me);
-    cmd.arg("forker").arg(file).arg(n.to_string());
+    cmd.args(args);
     // SAFETY: only writes its own pid into cgroup.procs between fork and exec.
     unsafe {
         use std::os::unix::process::CommandExt as _;
         cmd.pre_exec(move || std::fs::write(cg.join("cgroup.procs"), "0"));
     }
-    let out = cmd.output()?;
+    Ok(cmd)
+}
+
+/// `opener FILE`: opens and closes FILE (a control device file) as fast as it can until its
+/// standard input closes, then prints the opens per second. Each open of a control file and
+/// each close of its last descriptor is an event for gpud (the file's objects are released).
+pub(crate) fn opener(file: &str) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let t = Instant::now();
+    let mut opens = 0u64;
+    loop {
+        for _ in 0..256 {
+            drop(
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(file)?,
+            );
+        }
+        opens += 256;
+        let mut pfd = libc::pollfd {
+            fd: std::io::stdin().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polls one descriptor of ours without waiting.
+        if unsafe { libc::poll(&mut pfd, 1, 0) } != 0 {
+            break;
+        }
+    }
+    println!("{}", opens as f64 / t.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// An [`opener`] flooding gpud from the cgroup `cg` until [`Flood::stop`].
+pub(crate) struct Flood(Child);
+
+impl Flood {
+    pub(crate) fn start(cg: &Path, file: &Path) -> anyhow::Result<Self> {
+        let child = in_cgroup(cg, &["opener".as_ref(), file.as_os_str()])?
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("spawn the opener")?;
+        Ok(Self(child))
+    }
+
+    /// Stops it; the opens per second it made.
+    pub(crate) fn stop(mut self) -> anyhow::Result<f64> {
+        drop(self.0.stdin.take());
+        let mut line = String::new();
+        BufReader::new(self.0.stdout.take().context("stdout")?).read_line(&mut line)?;
+        let _ = self.0.wait();
+        line.trim().parse().context("opener output")
+    }
+}
+
+pub(crate) fn run_forker(cg: &Path, file: &Path, n: u64) -> anyhow::Result<f64> {
+    let n = n.to_string();
+    let out = in_cgroup(cg, &["forker".as_ref(), file.as_os_str(), n.as_ref()])?.output()?;
     String::from_utf8_lossy(&out.stdout)
         .trim()
         .parse()

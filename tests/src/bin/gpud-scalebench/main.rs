@@ -10,6 +10,9 @@
 //!   `GetCgroup` (polled back to back);
 //! - `limit_change_us`: from calling `SetLimits` to the value being in the kernel's pinned
 //!   `LIMITS` map (what the probes enforce), polled back to back;
+//! - `limit_change_flood_us`: the same while a process in another cgroup opens and closes the
+//!   control device as fast as it can (two kernel events per open for gpud to handle; its rate
+//!   in `opens_per_s`);
 //! - `dbus_us`: with `--cgroups` attributed cgroups (each with a live process) and `--clients`
 //!   concurrent connections calling `ListCgroups`, `GetCgroup`, `ListLimits` and a property `Get`
 //!   in turn for `--seconds`, back to back: per-method p50/p99/max and calls/s (throughput; with
@@ -48,7 +51,7 @@ use serde_json::{Value, json};
 
 use dbus::{bus_ceiling, dbus_clients, listing_parts, replay};
 use figures::{CpuSplit, cpu_over, dist, usage};
-use load::{Holder, cgroup_id, forker, pinned_limit, run_forker};
+use load::{Flood, Holder, cgroup_id, forker, opener, pinned_limit, run_forker};
 
 mod dbus;
 mod figures;
@@ -94,6 +97,9 @@ enum Sub {
     /// Its own event generator (see [`forker`]).
     #[command(hide = true)]
     Forker { file: String, n: u64 },
+    /// Opens and closes FILE until standard input closes (see [`opener`]).
+    #[command(hide = true)]
+    Opener { file: String },
     /// The replaying service of [`bus_ceiling`], in a process of its own.
     #[command(hide = true)]
     Replay { bus: String, path: String },
@@ -189,6 +195,32 @@ fn exe_dir() -> PathBuf {
         .unwrap_or_default()
 }
 
+/// `trials` limit changes on `cg` through `SetLimits`: from the call to the new `memory_max` in
+/// the pinned kernel `LIMITS` map, polled back to back, in µs. Clears the limit after.
+async fn limit_changes(
+    proxy: &Manager1Proxy<'_>,
+    bpffs: &Path,
+    cg: &Cgroup,
+    trials: usize,
+) -> anyhow::Result<Vec<f64>> {
+    let id = cgroup_id(&cg.dir)?;
+    let mut lim = Vec::with_capacity(trials);
+    for i in 0..trials as u64 {
+        let want = (64 << 20) + i * 4096;
+        let limits = BTreeMap::from([("memory_max", zbus::Variant::from(want))]);
+        let t0 = Instant::now();
+        proxy.set_limits(&cg.rel, "all", limits).await?;
+        while pinned_limit(bpffs, id) != Some(want) {
+            if t0.elapsed() > Duration::from_secs(5) {
+                bail!("limit {want} never reached the kernel map");
+            }
+        }
+        lim.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    proxy.clear_limits(&cg.rel, "all", &[]).await?;
+    Ok(lim)
+}
+
 async fn stats(p: &Manager1Proxy<'_>) -> anyhow::Result<BTreeMap<String, u64>> {
     Ok(p.get_kernel_stats().await?)
 }
@@ -197,6 +229,7 @@ fn main() -> anyhow::Result<()> {
     let mut o = Opts::parse();
     match &o.command {
         Some(Sub::Forker { file, n }) => return forker(file, *n),
+        Some(Sub::Opener { file }) => return opener(file),
         Some(Sub::Replay { bus, path }) => {
             return tokio::runtime::Runtime::new()?.block_on(replay(bus, path));
         }
@@ -266,22 +299,23 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
 
     eprintln!("scalebench: limit-change latency ({} trials)", o.trials);
     let lim_cg = Cgroup::new("sb-limit");
-    let id = cgroup_id(&lim_cg.dir)?;
-    let mut lim = Vec::new();
-    for i in 0..o.trials as u64 {
-        let want = (64 << 20) + i * 4096;
-        let limits = BTreeMap::from([("memory_max", zbus::Variant::from(want))]);
-        let t0 = Instant::now();
-        proxy.set_limits(&lim_cg.rel, "all", limits).await?;
-        while pinned_limit(&bpffs, id) != Some(want) {
-            if t0.elapsed() > Duration::from_secs(5) {
-                bail!("limit {want} never reached the kernel map");
-            }
-        }
-        lim.push(t0.elapsed().as_secs_f64() * 1e6);
-    }
-    proxy.clear_limits(&lim_cg.rel, "all", &[]).await?;
+    let lim = limit_changes(&proxy, &bpffs, &lim_cg, o.trials).await?;
     report.insert("limit_change_us".into(), dist(lim));
+    eprintln!(
+        "scalebench: limit-change latency under an open/close flood ({} trials)",
+        o.trials
+    );
+    let flood_cg = Cgroup::new("sb-flood");
+    let flood = Flood::start(&flood_cg.dir, &standin)?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lim = limit_changes(&proxy, &bpffs, &lim_cg, o.trials).await;
+    let opens_per_s = flood.stop()?;
+    let mut flooded = dist(lim?);
+    if let Value::Object(m) = &mut flooded {
+        m.insert("opens_per_s".into(), json!(opens_per_s));
+    }
+    report.insert("limit_change_flood_us".into(), flooded);
+    drop(flood_cg);
 
     eprintln!("scalebench: {} cgroups with a live process each", o.cgroups);
     // Per line, each holder issues this many ioctls: the load loop writes lines.
