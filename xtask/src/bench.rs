@@ -21,42 +21,48 @@ const MARK: &str = "BENCH JSON: ";
 /// Software emulation is some 50 times slower than the host.
 const VM_TIMEOUT: Duration = Duration::from_secs(900);
 
-/// A benchmark binary's run: the arguments of the full run (`cargo xtask bench`) and of the
-/// smoke run (`cargo xtask test`).
+/// A benchmark binary's run: the arguments of both runs, then those of the full run (`cargo xtask
+/// bench`) or of the smoke run (`cargo xtask test`).
 struct Run {
     /// What it measures, for the progress lines.
     what: &'static str,
     /// The binary, built from gpud-tests.
     bin: &'static str,
+    args: &'static [&'static str],
     full: &'static [&'static str],
     smoke: &'static [&'static str],
 }
+
+impl Run {
+    fn args(&self, smoke: bool) -> Vec<&'static str> {
+        let extra = if smoke { self.smoke } else { self.full };
+        self.args.iter().chain(extra).copied().collect()
+    }
+}
+
+/// gpud-bench's smoke run: a few calls, one round; two cycles on the host, so that what one
+/// cycle leaves for the next (the stand-in device) is exercised.
+const BENCH_SMOKE_HOST: &[&str] = &["--calls", "2000", "--rounds", "2", "--cycles", "2"];
+const BENCH_SMOKE_VM: &[&str] = &["--calls", "500", "--rounds", "1", "--cycles", "1"];
+/// Fewer calls in the VM than on the host, same method: compare ratios between modes there, not
+/// absolute times.
+const BENCH_FULL_VM: &[&str] = &["--calls", "20000", "--rounds", "5"];
 
 /// What runs on the host.
 const HOST: [Run; 3] = [
     Run {
         what: "probe overhead per syscall, host, tracepoint mode",
         bin: "gpud-bench",
-        full: &["--mode", "tracepoint"],
-        // Two cycles: state left by one cycle for the next (the stand-in device) is exercised.
-        smoke: &[
-            "--mode",
-            "tracepoint",
-            "--calls",
-            "2000",
-            "--rounds",
-            "2",
-            "--cycles",
-            "2",
-        ],
+        args: &["--mode", "tracepoint"],
+        full: &[],
+        smoke: BENCH_SMOKE_HOST,
     },
     Run {
         what: "GPU-memory accounting and enforcement, host, tracepoint mode",
         bin: "gpud-membench",
-        full: &["--mode", "tracepoint"],
+        args: &["--mode", "tracepoint"],
+        full: &[],
         smoke: &[
-            "--mode",
-            "tracepoint",
             "--pairs",
             "20",
             "--rounds",
@@ -72,6 +78,7 @@ const HOST: [Run; 3] = [
     Run {
         what: "gpud at scale: attribution, limit changes, D-Bus under load, events",
         bin: "gpud-scalebench",
+        args: &[],
         full: &[],
         smoke: &[
             "--cgroups",
@@ -92,66 +99,27 @@ const HOST: [Run; 3] = [
 
 /// What runs in the VM (qemu TCG, the Debian kernel): the react tier in both modes, the deny
 /// tier through each pre-driver hook (one boot for the fentry hooks), and the memory benchmark.
-/// Fewer calls than on the host, same method: compare ratios between modes there, not absolute
-/// times.
 const VM: [Run; 3] = [
     Run {
         what: "probe overhead, VM, fentry mode, hooks none, lsm, fmod_ret",
         bin: "gpud-bench",
-        full: &[
-            "--mode",
-            "fentry",
-            "--hook",
-            "none,lsm,fmod_ret",
-            "--calls",
-            "20000",
-            "--rounds",
-            "5",
-        ],
-        smoke: &[
-            "--mode",
-            "fentry",
-            "--hook",
-            "none,lsm,fmod_ret",
-            "--calls",
-            "500",
-            "--rounds",
-            "1",
-            "--cycles",
-            "1",
-        ],
+        args: &["--mode", "fentry", "--hook", "none,lsm,fmod_ret"],
+        full: BENCH_FULL_VM,
+        smoke: BENCH_SMOKE_VM,
     },
     Run {
         what: "probe overhead, VM, tracepoint mode",
         bin: "gpud-bench",
-        full: &["--mode", "tracepoint", "--calls", "20000", "--rounds", "5"],
-        smoke: &[
-            "--mode",
-            "tracepoint",
-            "--calls",
-            "500",
-            "--rounds",
-            "1",
-            "--cycles",
-            "1",
-        ],
+        args: &["--mode", "tracepoint"],
+        full: BENCH_FULL_VM,
+        smoke: BENCH_SMOKE_VM,
     },
     Run {
         what: "GPU-memory accounting and enforcement, VM, fentry mode",
         bin: "gpud-membench",
-        full: &[
-            "--mode",
-            "fentry",
-            "--pairs",
-            "100",
-            "--rounds",
-            "3",
-            "--holders",
-            "100",
-        ],
+        args: &["--mode", "fentry"],
+        full: &["--pairs", "100", "--rounds", "3", "--holders", "100"],
         smoke: &[
-            "--mode",
-            "fentry",
             "--pairs",
             "10",
             "--rounds",
@@ -358,7 +326,7 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
     )?;
     let mut results = Vec::new();
     for run in &HOST {
-        for r in on_host("release", run, run.full)? {
+        for r in on_host("release", run, &run.args(false))? {
             results.push(json!({"where": "host", "bench": run.bin, "result": r}));
         }
     }
@@ -368,7 +336,7 @@ pub fn run(vm: bool) -> anyhow::Result<()> {
     }
     if vm {
         for run in &VM {
-            for r in in_vm("release", run, run.full)? {
+            for r in in_vm("release", run, &run.args(false))? {
                 results.push(json!({"where": "vm", "bench": run.bin, "result": r}));
             }
         }
@@ -396,7 +364,7 @@ fn show(bin: &str, results: &[Value]) {
 /// `gpusim-bench`.
 pub fn smoke_host() -> anyhow::Result<()> {
     for run in &HOST {
-        show(run.bin, &on_host("debug", run, run.smoke)?);
+        show(run.bin, &on_host("debug", run, &run.args(true))?);
     }
     println!("bench: gpud's cost controlling 10 tenants on 2 GPUs (2 s windows)");
     show("compute_bench", &compute_daemon_cost(false, Some(2))?);
@@ -434,22 +402,11 @@ pub fn smoke(vm: bool) -> anyhow::Result<()> {
 const SIM_CASE: &str = "caps-30-70";
 
 /// The VM's part of the smoke stage: gpud-bench in fentry mode with each pre-driver hook and in
-/// tracepoint mode, and gpud-membench in fentry mode, from the debug build.
+/// tracepoint mode, and gpud-membench in fentry mode, from the debug build (the test's build
+/// step, or [`smoke`]'s, made them).
 pub fn smoke_vm() -> anyhow::Result<()> {
-    run_cmd(
-        "cargo build -p gpud-tests (the benchmarks)",
-        cargo().args([
-            "build",
-            "-p",
-            "gpud-tests",
-            "--bin",
-            "gpud-bench",
-            "--bin",
-            "gpud-membench",
-        ]),
-    )?;
     for run in &VM {
-        show(run.bin, &in_vm("debug", run, run.smoke)?);
+        show(run.bin, &in_vm("debug", run, &run.args(true))?);
     }
     Ok(())
 }
