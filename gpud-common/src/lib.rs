@@ -355,8 +355,8 @@ pub struct Ancestry {
     pub ids: [u64; MAX_CGROUP_DEPTH],
 }
 
-/// Value of the `PENDING` map (keyed by `pid_tgid`): an RM call seen at the ioctl's entry whose
-/// result the exit side reads.
+/// An RM call seen at the ioctl's entry whose result the exit side reads, kept per thread in the
+/// task-storage map `CALLS` (never read by the daemon).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Pending {
@@ -401,8 +401,6 @@ pub mod maps {
     pub const LIMITS: &str = "LIMITS";
     /// Hash cgroup id → [`Ancestry`](crate::Ancestry).
     pub const ANCESTRY: &str = "ANCESTRY";
-    /// LRU hash `pid_tgid` → [`Pending`](crate::Pending): RM calls between entry and return.
-    pub const PENDING: &str = "PENDING";
     /// Hash cgroup id → the longest timeslice (µs) its tenants may set on their channel groups
     /// (the scheduler guard's allowance; the least over a cgroup's ancestry holds).
     pub const SCHED_ALLOW: &str = "SCHED_ALLOW";
@@ -417,7 +415,7 @@ pub mod maps {
     pub const GUARD_BUCKET: &str = "GUARD_BUCKET";
 
     /// Every pinned map: the daemon checks each one's layout before adopting its pin.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 15] = [
         CONFIG,
         EXTRA_FILES,
         PROCS,
@@ -429,7 +427,6 @@ pub mod maps {
         USAGE,
         LIMITS,
         ANCESTRY,
-        PENDING,
         SCHED_ALLOW,
         HELD_GROUPS,
         GUARD_COUNTS,
@@ -535,8 +532,6 @@ pub const MAX_OBJECTS: u32 = 262_144;
 pub const MAX_USAGE: u32 = 65_536;
 /// Capacity of `LIMITS`.
 pub const MAX_LIMITS: u32 = 16_384;
-/// Capacity of `PENDING`: RM calls in flight at once (an LRU, so stale entries age out).
-pub const MAX_PENDING: u32 = 16_384;
 /// Capacity of `SCHED_ALLOW`: cgroups with a timeslice allowance of their own.
 pub const MAX_SCHED_ALLOW: u32 = 4_096;
 /// Capacity of `HELD_GROUPS`: channel groups held off the runlist and channels held disabled at

@@ -35,8 +35,8 @@ use crate::{
     kernel::current_tgid,
     ledger::{current_ancestry, user},
     maps::{
-        EVENTS, GUARD_BUCKET, GUARD_COUNTS, GUARD_PENDING, HELD_GROUPS, OBJECTS, PENDING,
-        RESTORE_SCRATCH, SCHED_ALLOW, bump_stat, send,
+        EVENTS, GUARD_BUCKET, GUARD_COUNTS, GUARD_PENDING, HELD_GROUPS, OBJECTS, RESTORE_SCRATCH,
+        SCHED_ALLOW, bump_stat, note_call, send,
     },
 };
 
@@ -235,7 +235,7 @@ fn note_restore(
         cmd: 0,
         gpu: GPU_UNKNOWN,
     };
-    PENDING.insert(id, pending, 0).is_ok()
+    note_call(pending)
 }
 
 /// Copies one of the disable-channels lists from user memory at `at`.

@@ -11,8 +11,8 @@ use aya_ebpf::{
 use gpud_common::{
     Ancestry, CFG_READY, EVENTS_BYTES, Event, FileKey, GuardBucket, GuardKey, GuardRestore,
     IoctlCounts, KernelLimit, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS,
-    MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PENDING, MAX_PROCS, MAX_SCHED_ALLOW, MAX_USAGE,
-    ObjEntry, ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
+    MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PROCS, MAX_SCHED_ALLOW, MAX_USAGE, ObjEntry,
+    ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
 };
 
 #[map]
@@ -53,11 +53,6 @@ pub(crate) static LIMITS: HashMap<UsageKey, KernelLimit> = HashMap::pinned(MAX_L
 /// Ancestor chain of each charged cgroup (see `gpud_common::Ancestry`).
 #[map]
 pub(crate) static ANCESTRY: HashMap<u64, Ancestry> = HashMap::pinned(MAX_CGROUPS, 0);
-
-/// RM calls between their ioctl's entry and return, by `pid_tgid`. LRU: an entry orphaned by a
-/// thread killed inside the ioctl ages out.
-#[map]
-pub(crate) static PENDING: LruHashMap<u64, Pending> = LruHashMap::pinned(MAX_PENDING, 0);
 
 /// The scheduler guard's timeslice allowance (µs) of cgroups whose policy sets one.
 #[map]
@@ -123,5 +118,93 @@ pub(crate) fn emit(kind: u32, tgid: u32, cgroup_id: u64) {
 pub(crate) fn send(ev: &Event) {
     if EVENTS.output::<Event>(ev, 0).is_err() {
         bump_stat(stat::EVENTS_LOST);
+    }
+}
+
+/// A per-task map (`BPF_MAP_TYPE_TASK_STORAGE`) as a BTF map definition: the kernel keeps the
+/// value in the task itself, so getting it is a pointer fetch, not a hash operation.
+#[repr(C)]
+pub(crate) struct TaskStorage<T> {
+    r#type: *const [i32; aya_ebpf::bindings::bpf_map_type::BPF_MAP_TYPE_TASK_STORAGE as usize],
+    key: *const i32,
+    value: *const T,
+    max_entries: *const [i32; 0],
+    map_flags: *const [i32; aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize],
+}
+
+// SAFETY: placeholder pointers the loader reads from BTF; never dereferenced.
+unsafe impl<T> Sync for TaskStorage<T> {}
+
+impl<T> TaskStorage<T> {
+    pub(crate) const fn new() -> Self {
+        Self {
+            r#type: core::ptr::null(),
+            key: core::ptr::null(),
+            value: core::ptr::null(),
+            max_entries: core::ptr::null(),
+            map_flags: core::ptr::null(),
+        }
+    }
+
+    /// The calling task's value; created (zeroed) when `create`.
+    #[inline(always)]
+    pub(crate) fn current(&self, create: bool) -> Option<*mut T> {
+        let flags = if create {
+            aya_ebpf::bindings::BPF_LOCAL_STORAGE_GET_F_CREATE as u64
+        } else {
+            0
+        };
+        let p = unsafe {
+            aya_ebpf::helpers::generated::bpf_task_storage_get(
+                core::ptr::from_ref(self).cast_mut().cast(),
+                aya_ebpf::helpers::generated::bpf_get_current_task_btf().cast(),
+                core::ptr::null_mut(),
+                flags,
+            )
+        };
+        (!p.is_null()).then_some(p.cast::<T>())
+    }
+}
+
+/// The RM call a thread has in flight, noted at its ioctl's entry for the return side; `live` 0
+/// once taken. Per task, not in a hash keyed by `pid_tgid`: a pointer fetch instead of an
+/// insert, a lookup and a delete per call (the largest share of an allocation's cost in
+/// tracepoint mode, docs/benchmarks.md), nothing a tenant's threads can fill, and freed with the
+/// thread. Not pinned: a call in flight while the daemon replaces its programs is the only loss.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct CallSlot {
+    pub(crate) pending: Pending,
+    pub(crate) live: u64,
+}
+
+#[aya_ebpf::macros::btf_map]
+pub(crate) static CALLS: TaskStorage<CallSlot> = TaskStorage::new();
+
+/// Notes the calling thread's RM call for its return side.
+#[inline(always)]
+pub(crate) fn note_call(pending: Pending) -> bool {
+    match CALLS.current(true) {
+        Some(slot) => {
+            unsafe {
+                (*slot).pending = pending;
+                (*slot).live = 1;
+            }
+            true
+        }
+        None => false,
+    }
+}
+
+/// Takes the calling thread's noted RM call, if any.
+#[inline(always)]
+pub(crate) fn take_call() -> Option<Pending> {
+    let slot = CALLS.current(false)?;
+    unsafe {
+        if (*slot).live == 0 {
+            return None;
+        }
+        (*slot).live = 0;
+        Some((*slot).pending)
     }
 }

@@ -2,7 +2,7 @@
 //! reads that limit as the GPU's memory size.
 //!
 //! Entry side: a memory-info call (`FB_GET_INFO_V2` by RM control, `VID_HEAP_CONTROL` INFO) of a
-//! limited cgroup is noted in `PENDING` with its command and GPU; nothing else is noted, so
+//! limited cgroup is noted in `CALLS` with its command and GPU; nothing else is noted, so
 //! other controls and unlimited cgroups pay one comparison. Return side (only in the exit
 //! programs that may call `bpf_probe_write_user`): once the driver answered `NV_OK`, each size in
 //! the reply is lowered to the smallest limit above the caller and each free figure to the

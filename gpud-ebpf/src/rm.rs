@@ -12,7 +12,7 @@ use crate::{
     guard,
     kernel::current_tgid,
     ledger::{current_ancestry, gpu_of, user},
-    maps::{PENDING, bump_stat, config, send},
+    maps::{bump_stat, config, note_call, send, take_call},
     meminfo,
     memory::{account_alloc, account_free, account_vidheap, over_limit, vidmem_request},
 };
@@ -108,7 +108,7 @@ pub(crate) fn rm_entry<const REWRITE: bool>(file: u64, cmd: u32, arg: u64, deny:
         cmd: view_cmd,
         gpu: view_gpu,
     };
-    let _ = PENDING.insert(bpf_get_current_pid_tgid(), pending, 0);
+    note_call(pending);
     0
 }
 
@@ -117,11 +117,10 @@ pub(crate) fn rm_entry<const REWRITE: bool>(file: u64, cmd: u32, arg: u64, deny:
 /// view.
 #[inline(always)]
 pub(crate) fn rm_exit<const REWRITE: bool>(ret: i64) {
-    let id = bpf_get_current_pid_tgid();
-    let Some(p) = (unsafe { PENDING.get(id) }).copied() else {
+    let Some(p) = take_call() else {
         return;
     };
-    let _ = PENDING.remove(id);
+    let id = bpf_get_current_pid_tgid();
     if p.nr == nv::NV_ESC_RM_CONTROL && p.cmd == 0 {
         // Only the guard notes a control with no memory-info command: an undo for the daemon,
         // whatever the call returned (the driver may have acted before failing).

@@ -94,7 +94,9 @@ fn map_fd(name: &str, map: &Map) -> Result<i32, ModifyReturnError> {
         | Map::Stack(m)
         | Map::LpmTrie(m)
         | Map::ProgramArray(m)
-        | Map::PerfEventArray(m) => m,
+        | Map::PerfEventArray(m)
+        // Task storage (`CALLS`), which aya loads without a type of its own.
+        | Map::Unsupported(m) => m,
         _ => return Err(ModifyReturnError::MapType(name.to_owned())),
     };
     Ok(data.fd().as_fd().as_raw_fd())

@@ -7,8 +7,8 @@ use std::{
 };
 
 use gpud_common::{
-    ABI_VERSION, Ancestry, FileKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, Pending,
-    ProbeConfig, ProcEntry, UsageKey, maps,
+    ABI_VERSION, Ancestry, FileKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProbeConfig,
+    ProcEntry, UsageKey, maps,
 };
 use tracing::{info, warn};
 
@@ -60,7 +60,7 @@ pub fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), Probe
 }
 
 /// Key and value sizes of every pinned map, as this build defines them.
-pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 16] {
+pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 15] {
     use std::mem::size_of;
     [
         (maps::OBJECTS, size_of::<ObjKey>(), size_of::<ObjEntry>()),
@@ -71,7 +71,6 @@ pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 16] {
             size_of::<KernelLimit>(),
         ),
         (maps::ANCESTRY, size_of::<u64>(), size_of::<Ancestry>()),
-        (maps::PENDING, size_of::<u64>(), size_of::<Pending>()),
         (maps::CONFIG, size_of::<u32>(), size_of::<ProbeConfig>()),
         (maps::EXTRA_FILES, size_of::<FileKey>(), size_of::<u32>()),
         (maps::PROCS, size_of::<u32>(), size_of::<ProcEntry>()),
@@ -108,10 +107,21 @@ pub(super) fn warn_if_pinned_ring_differs(base_dir: &Path, want: u32) {
     }
 }
 
+/// `PENDING`, the hash of RM calls in flight, became per-task storage (`CALLS`, not pinned).
+const RETIRED_MAPS: [&str; 1] = ["PENDING"];
+
 /// Pinned maps whose key or value size differs from this build's (an ABI change without a
 /// version bump) would be read with the wrong layout: detach and remove them all, and start from
 /// empty maps, rather than count into garbage.
 pub(super) fn remove_if_foreign_layout(base_dir: &Path) -> Result<(), ProbeError> {
+    // Maps earlier builds of this ABI pinned and this one no longer has: nothing uses them.
+    for retired in RETIRED_MAPS {
+        let path = base_dir.join(retired);
+        if path.exists() {
+            info!(map = retired, dir = %base_dir.display(), "removing the pin of a retired map");
+            std::fs::remove_file(&path).map_err(io_err("remove", &path))?;
+        }
+    }
     for (name, key, value) in expected_layouts() {
         let path = base_dir.join(name);
         if !path.exists() {

@@ -227,6 +227,7 @@ fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
     let btf = aya::Btf::from_sys_fs()?;
     let mut ebpf = EbpfLoader::new()
         .btf(Some(&btf))
+        .allow_unsupported_maps()
         .default_map_pin_directory(&pins)
         .load(probes::ebpf_object())?;
     match o.mode {

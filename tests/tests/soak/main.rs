@@ -9,7 +9,7 @@
 //!
 //! At every checkpoint the per-cgroup and per-GPU figures must equal the fake driver's ground
 //! truth; at the end, after every process and cgroup is gone and the daemon's sweep ran, every
-//! accounting map in the daemon's bpffs (OBJECTS, USAGE, ANCESTRY, PENDING, LIMITS, PROCS,
+//! accounting map in the daemon's bpffs (OBJECTS, USAGE, ANCESTRY, LIMITS, PROCS,
 //! CGROUPS) must be empty and ListProcesses / ListCgroups must track nothing.
 //!
 //! `cargo test` runs it twice for 30 s each: on an otherwise idle machine, and with every CPU
@@ -30,7 +30,7 @@ use std::{
 
 use aya::maps::{Map, MapData};
 use gpud_common::{
-    Ancestry, IoctlCounts, KernelLimit, ObjEntry, ObjKey, Pending, ProcEntry, UsageKey, maps,
+    Ancestry, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProcEntry, UsageKey, maps,
 };
 use gpud_tests::{
     Cgroup, Daemon, Manager1Proxy, Rig, RmProcess,

@@ -67,11 +67,7 @@ pub(crate) struct Counts {
 /// The entries of a pinned map.
 pub(crate) fn pinned<K: aya::Pod, V: aya::Pod>(base: &Path, name: &str) -> Vec<(K, V)> {
     let data = MapData::from_pin(base.join(name)).unwrap_or_else(|e| panic!("open {name}: {e}"));
-    let map = if name == maps::PENDING {
-        Map::LruHashMap(data)
-    } else {
-        Map::HashMap(data)
-    };
+    let map = Map::HashMap(data);
     let m = aya::maps::HashMap::<_, K, V>::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"));
     m.iter().filter_map(Result::ok).collect()
 }
@@ -116,7 +112,6 @@ pub(crate) fn map_entries(base: &Path) -> BTreeMap<&'static str, usize> {
             maps::ANCESTRY,
             entries::<u64, Ancestry>(base, maps::ANCESTRY),
         ),
-        (maps::PENDING, entries::<u64, Pending>(base, maps::PENDING)),
         (
             maps::LIMITS,
             entries::<UsageKey, KernelLimit>(base, maps::LIMITS),
