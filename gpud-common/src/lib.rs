@@ -356,7 +356,7 @@ pub struct Ancestry {
 }
 
 /// An RM call seen at the ioctl's entry whose result the exit side reads, kept per thread in the
-/// task-storage map `CALLS` (never read by the daemon).
+/// task-storage map `CALLS` (never read by the daemon; `nr` 0 there: no call in flight).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Pending {

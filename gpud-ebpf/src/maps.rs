@@ -166,30 +166,21 @@ impl<T> TaskStorage<T> {
     }
 }
 
-/// The RM call a thread has in flight, noted at its ioctl's entry for the return side; `live` 0
-/// once taken. Per task, not in a hash keyed by `pid_tgid`: a pointer fetch instead of an
-/// insert, a lookup and a delete per call (the largest share of an allocation's cost in
-/// tracepoint mode, docs/benchmarks.md), nothing a tenant's threads can fill, and freed with the
-/// thread. Not pinned: a call in flight while the daemon replaces its programs is the only loss.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct CallSlot {
-    pub(crate) pending: Pending,
-    pub(crate) live: u64,
-}
-
+/// The RM call a thread has in flight, noted at its ioctl's entry for the return side (`nr` 0:
+/// none; every escape noted is non-zero). Per task, not in a hash keyed by `pid_tgid`: a pointer
+/// fetch instead of an insert, a lookup and a delete per call (the largest share of an
+/// allocation's cost in tracepoint mode, docs/benchmarks.md), nothing a tenant's threads can
+/// fill, and freed with the thread. Not pinned: a call in flight while the daemon replaces its
+/// programs is the only loss.
 #[aya_ebpf::macros::btf_map]
-pub(crate) static CALLS: TaskStorage<CallSlot> = TaskStorage::new();
+pub(crate) static CALLS: TaskStorage<Pending> = TaskStorage::new();
 
 /// Notes the calling thread's RM call for its return side.
 #[inline(always)]
 pub(crate) fn note_call(pending: Pending) -> bool {
     match CALLS.current(true) {
         Some(slot) => {
-            unsafe {
-                (*slot).pending = pending;
-                (*slot).live = 1;
-            }
+            unsafe { *slot = pending };
             true
         }
         None => false,
@@ -201,10 +192,11 @@ pub(crate) fn note_call(pending: Pending) -> bool {
 pub(crate) fn take_call() -> Option<Pending> {
     let slot = CALLS.current(false)?;
     unsafe {
-        if (*slot).live == 0 {
+        if (*slot).nr == 0 {
             return None;
         }
-        (*slot).live = 0;
-        Some((*slot).pending)
+        let p = *slot;
+        (*slot).nr = 0;
+        Some(p)
     }
 }

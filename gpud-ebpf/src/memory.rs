@@ -32,12 +32,11 @@ use crate::{
 const SIGKILL: u32 = 9;
 const EEXIST: i32 = 17;
 
-/// An RM_ALLOC's parameters, from one read of the caller's struct: the head both forms share,
-/// `status`, and NVOS64's `flags` (0 for NVOS21). One read instead of one per field: each
-/// `bpf_probe_read_user` costs tens of ns (hardened usercopy checks included).
+/// An RM_ALLOC's parameters, from one read of the caller's struct: NVOS21's fields (NVOS64's
+/// `status` in `head.status`) and NVOS64's `flags` (0 for NVOS21). One read instead of one per
+/// field: each `bpf_probe_read_user` costs tens of ns (hardened usercopy checks included).
 pub(crate) struct AllocArgs {
     pub(crate) head: rm::Nvos21,
-    pub(crate) status: u32,
     pub(crate) flags: u32,
 }
 
@@ -55,16 +54,11 @@ pub(crate) fn alloc_args(size: u32, params: u64) -> Option<AllocArgs> {
                 params_size: a.params_size,
                 status: a.status,
             },
-            status: a.status,
             flags: a.flags,
         });
     }
     let head: rm::Nvos21 = unsafe { user(params)? };
-    Some(AllocArgs {
-        status: head.status,
-        flags: 0,
-        head,
-    })
+    Some(AllocArgs { head, flags: 0 })
 }
 
 /// A video-memory RM_ALLOC: client, parent, new handle, bytes (read from the alloc params:
@@ -245,7 +239,7 @@ pub(crate) fn account_alloc(p: &Pending) {
     let Some(args) = alloc_args(p.size, p.params) else {
         return;
     };
-    if args.status != rm::status::NV_OK {
+    if args.head.status != rm::status::NV_OK {
         return;
     }
     let head = &args.head;

@@ -122,10 +122,15 @@ fn pin_to_cpu(cpu: usize) {
     }
 }
 
+/// `path` opened for reading; an error names it.
+fn open_named(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::File::open(path)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))
+}
+
 /// `n` ioctls `cmd` on a freshly opened `path`.
 fn ioctls_on(path: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
-    let f = std::fs::File::open(path)
-        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    let f = open_named(path)?;
     inproc::issue(inproc::fd(&f), cmd, n);
     Ok(())
 }
@@ -136,8 +141,7 @@ fn ioctls_on(path: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
 fn compat_ioctls_on(path: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
     /// `ioctl` in the i386 system call table.
     const NR_IOCTL_32: u32 = 54;
-    let f = std::fs::File::open(path)
-        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    let f = open_named(path)?;
     // SAFETY: an anonymous private mapping of one page, below 4 GiB.
     let buf = unsafe {
         libc::mmap(
