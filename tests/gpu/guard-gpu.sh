@@ -10,7 +10,7 @@
 # it), the same on the legacy path (bit 15), and disables the victim's channels for 4 s (refused
 # where gpud may refuse or rewrite: the victim's products per second then do not fall). Where
 # the kernel allows neither a pre-driver hook nor bpf_probe_write_user (tracepoints only under
-# lockdown: the lent machines), gpud reacts and restores: the timeslice is set back to the
+# lockdown: the GPU cloud VMs), gpud reacts and restores: the timeslice is set back to the
 # allowance right after the call and the victim's channels enabled again (its rate recovers within
 # milliseconds); guard_react_action = "report" here so the tenant survives its foreign disable and
 # the script goes on (the default "kill" would end it there). `SchedulerGuard`, the events

@@ -26,7 +26,7 @@
 //! window while its channels were disabled. This fake gives one sample per call instead
 //! ("Device utilization" below).
 //!
-//! **Not checked on hardware yet**: MIG devices and their handles (the lent H100 was not in MIG
+//! **Not checked on hardware yet**: MIG devices and their handles (the H100 cloud VM was not in MIG
 //! mode), graphics and compute-and-graphics processes, Xid events through
 //! `nvmlEventSetWait_v2`, every failure code (`fail`, `init_error`: GPU lost, driver not loaded,
 //! transient errors), `NOT_SUPPORTED` per-process utilization, the exact sample semantics

@@ -43,7 +43,7 @@ impl Scenario {
 
 impl Gpu {
     /// Test GPU `index`: an 80 GiB "Fake H100" named by [`uuid`], PCI device `0x06 + index` on
-    /// bus 0 (as the lent H100's `00000000:00:06.0`),
+    /// bus 0 (as the H100 cloud VM's `00000000:00:06.0`),
     /// with per-process utilization and Xid events, no MIG, no NVLink.
     pub fn test(index: u32) -> Self {
         Self {

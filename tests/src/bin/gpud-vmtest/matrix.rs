@@ -18,7 +18,7 @@ pub(super) const MATRIX: &[(&str, &str)] = &[
         "rung=fmod_ret memory=deny guard=deny view=no",
     ),
     // Tracepoints only (`probes.attach = "tracepoint"`, as on a kernel without BPF trampolines)
-    // under Secure Boot's lockdown: the lent GPU machines. The JIT off does not take trampolines
+    // under Secure Boot's lockdown: the GPU cloud VMs (Firecracker guests). The JIT off does not take trampolines
     // away on x86-64 (measured: fentry and BPF-LSM still load and run with
     // net.core.bpf_jit_enable=0, the trampoline is emitted by the arch code and calls the
     // interpreter), so the attach preference stands in for it.
