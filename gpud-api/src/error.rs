@@ -16,9 +16,6 @@ pub enum ApiError {
     Failed(String),
     /// The caller may not call this method (it changes state: root and the admin group only).
     AccessDenied(String),
-    /// The daemon cannot check the request now (e.g. NVML has not answered, so a GPU selector
-    /// cannot be resolved); nothing changed, and the same call may succeed later.
-    Unavailable(String),
 }
 
 /// The full D-Bus names of the errors, for clients that match on `zbus::Error::MethodError`.
@@ -31,8 +28,8 @@ pub mod names {
     pub const FAILED: &str = "dev.gpud.Error.Failed";
     /// [`super::ApiError::AccessDenied`].
     pub const ACCESS_DENIED: &str = "dev.gpud.Error.AccessDenied";
-    /// [`super::ApiError::Unavailable`].
-    pub const UNAVAILABLE: &str = "dev.gpud.Error.Unavailable";
+    /// The prefix of every error the daemon itself answers with.
+    pub const PREFIX: &str = "dev.gpud.Error.";
 }
 
 #[cfg(test)]
@@ -51,9 +48,9 @@ mod tests {
             ),
             (ApiError::Failed(String::new()), names::FAILED),
             (ApiError::AccessDenied(String::new()), names::ACCESS_DENIED),
-            (ApiError::Unavailable(String::new()), names::UNAVAILABLE),
         ] {
             assert_eq!(e.name().as_str(), name);
+            assert!(name.starts_with(names::PREFIX));
         }
     }
 }

@@ -22,7 +22,7 @@ pub mod report;
 
 pub use error::ApiError;
 pub use model::{
-    CgroupRecord, ComputeRecord, GpuRecord, IdleRecord, LimitRecord, NvmlEventRecord,
+    CgroupRecord, ComputeRecord, GpuRecord, IdleRecord, LimitRecord, LimitState, NvmlEventRecord,
     NvmlUsageRecord, ProcessRecord,
 };
 pub use proxy::{Gpu1Proxy, Manager1Proxy, connect_builder};

@@ -27,7 +27,7 @@ pub struct CgroupRecord {
     pub memory_events: u64,
 }
 
-/// A limit as listed by `ListLimits`: signature `(ssa{sv})`.
+/// A limit as listed by `ListLimits`: signature `(ssa{st}ss)`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Type)]
 pub struct LimitRecord {
     /// Path relative to the cgroup v2 root.
@@ -37,6 +37,68 @@ pub struct LimitRecord {
     /// Every limit set, by name: `memory_max` (bytes), `compute_max`, `compute_min` (percent),
     /// `compute_weight`, `priority` (0 latency-critical, 1 normal, 2 best-effort).
     pub limits: BTreeMap<String, u64>,
+    /// [`LimitState::IN_FORCE`] or [`LimitState::PENDING`].
+    pub state: String,
+    /// Why a pending limit waits (empty when in force).
+    pub note: String,
+}
+
+impl LimitRecord {
+    /// The state as sent.
+    pub fn limit_state(&self) -> LimitState {
+        LimitState::from_wire(&self.state, &self.note)
+    }
+}
+
+/// Whether a stored limit is in force: `SetLimits`' answer `(state, note)` and
+/// [`LimitRecord`]'s last two fields.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LimitState {
+    /// Enforced now (memory in the kernel; compute shares and priority classes by the controller
+    /// and the scheduler guard).
+    InForce,
+    /// Stored, enforced nowhere yet: the GPU it names is not known now (a UUID while NVML has not
+    /// answered, an index or UUID NVML does not report, a card the cgroup limits under another
+    /// selector). Put in force as soon as that changes; why it waits.
+    Pending(String),
+}
+
+impl LimitState {
+    /// The state of a limit in force.
+    pub const IN_FORCE: &str = "in-force";
+    /// The state of a pending limit.
+    pub const PENDING: &str = "pending";
+
+    /// `(state, note)` as sent on the bus.
+    pub fn to_wire(&self) -> (String, String) {
+        match self {
+            Self::InForce => (Self::IN_FORCE.to_owned(), String::new()),
+            Self::Pending(why) => (Self::PENDING.to_owned(), why.clone()),
+        }
+    }
+
+    /// Reads `(state, note)`; any state other than [`Self::IN_FORCE`] is pending.
+    pub fn from_wire(state: &str, note: &str) -> Self {
+        if state == Self::IN_FORCE {
+            Self::InForce
+        } else {
+            Self::Pending(note.to_owned())
+        }
+    }
+
+    /// Stored but in force nowhere yet.
+    pub fn is_pending(&self) -> bool {
+        matches!(self, Self::Pending(_))
+    }
+}
+
+impl std::fmt::Display for LimitState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::InForce => f.write_str(Self::IN_FORCE),
+            Self::Pending(why) => write!(f, "{}: {why}", Self::PENDING),
+        }
+    }
 }
 
 /// One attributed process: signature `(utsa{st})`.

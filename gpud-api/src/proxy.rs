@@ -56,7 +56,7 @@ pub trait Manager1 {
         cgroup: &str,
         gpu: &str,
         limits: BTreeMap<&str, zbus::Variant<'_>>,
-    ) -> zbus::Result<()>;
+    ) -> zbus::Result<(String, String)>;
     fn clear_limits(&self, cgroup: &str, gpu: &str, names: &[&str]) -> zbus::Result<()>;
     fn list_limits(&self) -> zbus::Result<Vec<LimitRecord>>;
     // Not cached by the proxy: the daemon sends no change signal for these.

@@ -4,13 +4,17 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use super::{RuntimeError, annotations::Shares};
-use gpud_api::{Manager1Proxy, connect_builder, error::names, limits::to_dict};
+use gpud_api::{LimitState, Manager1Proxy, connect_builder, error::names, limits::to_dict};
 
-/// What [`Client::apply`] did.
+/// What [`Client::apply`] set.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Applied {
-    /// GPUs (`all`, an index or a UUID, as gpud names them) that got limits.
+    /// GPUs (`all`, an index or a UUID, as gpud names them) that got limits, in force or
+    /// pending.
     pub gpus: Vec<String>,
+    /// Of those, the ones gpud stored as pending (their GPU not known to it yet: a UUID while
+    /// NVML has not answered), with why; gpud puts them in force once it knows the GPU.
+    pub pending: Vec<(String, String)>,
 }
 
 /// A connection to gpud.
@@ -20,12 +24,13 @@ pub struct Client {
     timeout: Duration,
 }
 
-/// gpud's refusals of the request itself; any other error (`Unavailable`, `Failed`, the bus's
-/// own) says gpud could not answer now.
+/// gpud's own answers (`dev.gpud.Error.*`) refuse the request, except `Failed` (it could not
+/// complete it, e.g. while shutting down); anything else (the bus's errors: no daemon on it, the
+/// bus policy) says gpud could not be asked.
 fn classify(call: &str, e: zbus::Error) -> RuntimeError {
     match e {
         zbus::Error::MethodError(name, message, _)
-            if name.as_str() == names::INVALID_ARGUMENT || name.as_str() == names::NOT_FOUND =>
+            if name.as_str().starts_with(names::PREFIX) && name.as_str() != names::FAILED =>
         {
             RuntimeError::Refused {
                 call: call.to_owned(),
@@ -76,10 +81,19 @@ impl Client {
         }
     }
 
-    /// Sets `shares` on `cgroup`, one `SetLimits` per GPU. On an error the GPUs already set are
-    /// cleared again (best effort), so a failed apply leaves nothing behind.
-    pub async fn apply(&self, cgroup: &str, shares: &Shares) -> Result<Applied, RuntimeError> {
+    /// Sets `shares` on `cgroup`, one `SetLimits` per GPU. A GPU whose limits gpud refuses does
+    /// not cost the others theirs: the rest are still set, and nothing set is undone (the
+    /// caller's failure policy decides about the container; limits left on a cgroup that goes
+    /// are dropped with it). An unreachable gpud stops the round at once (each call would wait
+    /// out the timeout). Returns what was set, and the error if any: the unreachable one, else
+    /// the first refusal.
+    pub async fn apply(
+        &self,
+        cgroup: &str,
+        shares: &Shares,
+    ) -> (Applied, Result<(), RuntimeError>) {
         let mut applied = Applied::default();
+        let mut refused = None;
         for (gpu, limits) in &shares.gpus {
             let gpu = gpu.to_string();
             let dict = to_dict(limits.iter().map(|(k, v)| (*k, v)));
@@ -87,18 +101,23 @@ impl Client {
                 continue;
             }
             let call = format!("SetLimits({cgroup}, {gpu})");
-            if let Err(e) = self
+            match self
                 .bounded(&call, self.proxy.set_limits(cgroup, &gpu, dict))
                 .await
             {
-                if let Err(undo) = self.clear(cgroup, &applied.gpus).await {
-                    tracing::warn!("cannot undo the limits set before the failure: {undo}");
+                Ok((state, note)) => {
+                    if let LimitState::Pending(why) = LimitState::from_wire(&state, &note) {
+                        applied.pending.push((gpu.clone(), why));
+                    }
+                    applied.gpus.push(gpu);
                 }
-                return Err(e);
+                Err(e @ RuntimeError::Unreachable { .. }) => return (applied, Err(e)),
+                Err(e) => {
+                    refused.get_or_insert(e);
+                }
             }
-            applied.gpus.push(gpu);
         }
-        Ok(applied)
+        (applied, refused.map_or(Ok(()), Err))
     }
 
     /// Clears every limit of `cgroup` on each of `gpus`. A cgroup with nothing to clear (gone,

@@ -29,15 +29,16 @@ pub enum RuntimeError {
     /// The container's cgroup cannot be determined or is not one to limit.
     #[error("container cgroup: {0}")]
     Cgroup(String),
-    /// gpud answered `dev.gpud.Error.InvalidArgument` or `NotFound`.
+    /// gpud answered with one of its errors (`dev.gpud.Error.InvalidArgument`, `NotFound`, …)
+    /// other than `Failed`: it refused the request.
     #[error("gpud refused {call}: {name}: {message}")]
     Refused {
         call: String,
         name: String,
         message: String,
     },
-    /// No answer from gpud: no bus, no daemon on it, a timeout, `dev.gpud.Error.Failed` or
-    /// `Unavailable` (it cannot check the request now).
+    /// No answer from gpud: no bus, no daemon on it, a timeout, the bus's own errors, or
+    /// `dev.gpud.Error.Failed` (it could not complete the request, e.g. while shutting down).
     #[error("gpud unreachable ({call}): {reason}")]
     Unreachable { call: String, reason: String },
     /// The runtime handed over something unusable (e.g. an OCI state that does not parse).

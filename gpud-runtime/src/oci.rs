@@ -219,7 +219,8 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
         .ok_or_else(|| RuntimeError::Input("the OCI state has no container pid".into()))?;
     let cgroup = super::cgroup::of_pid(pid)?;
     let client = Client::connect(&cfg.bus, cfg.timeout).await?;
-    let applied = client.apply(&cgroup, &shares).await?;
+    let (applied, result) = client.apply(&cgroup, &shares).await;
+    // Recorded whatever failed: poststop clears what was set.
     if !applied.gpus.is_empty() {
         let record = Record {
             id: id.to_owned(),
@@ -234,6 +235,7 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
             );
         }
     }
+    result?;
     Ok(Outcome::Applied { cgroup, applied })
 }
 

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 // gpud's D-Bus client side (the gpud-api crate), named here once: the tests import these from
 // the harness.
 pub use gpud_api::{
-    BUS_NAME, CgroupRecord, Gpu1Proxy, MANAGER_INTERFACE, MUTATING_METHODS, Manager1Proxy,
-    NvmlUsageRecord, OBJECT_PATH, connect_builder,
+    BUS_NAME, CgroupRecord, Gpu1Proxy, LimitState, MANAGER_INTERFACE, MUTATING_METHODS,
+    Manager1Proxy, NvmlUsageRecord, OBJECT_PATH, connect_builder,
 };
 
 pub use bus::{Bus, TestGroup, shipped_bus_policy};

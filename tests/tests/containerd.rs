@@ -24,8 +24,13 @@ const GIB: u64 = 1 << 30;
 type Cri = cri::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>;
 const WAIT: Duration = Duration::from_secs(10);
 
-/// A pod in the host's network namespace (no CNI) whose cgroups go under `cgroup_parent`.
-fn pod_config(name: &str, cgroup_parent: &str) -> cri::PodSandboxConfig {
+/// A pod in the host's network namespace (no CNI) whose cgroups go under `cgroup_parent`, with
+/// pod annotations.
+fn pod_config(
+    name: &str,
+    cgroup_parent: &str,
+    annotations: &[(&str, &str)],
+) -> cri::PodSandboxConfig {
     cri::PodSandboxConfig {
         metadata: Some(cri::PodSandboxMetadata {
             name: name.to_owned(),
@@ -36,7 +41,10 @@ fn pod_config(name: &str, cgroup_parent: &str) -> cri::PodSandboxConfig {
         hostname: String::new(),
         log_directory: String::new(),
         labels: HashMap::new(),
-        annotations: HashMap::new(),
+        annotations: annotations
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
         linux: Some(cri::LinuxPodSandboxConfig {
             cgroup_parent: cgroup_parent.to_owned(),
             security_context: Some(cri::LinuxSandboxSecurityContext {
@@ -115,7 +123,17 @@ async fn run_pod(
     name: &str,
     cgroup_parent: &str,
 ) -> (String, cri::PodSandboxConfig) {
-    let pod = pod_config(name, cgroup_parent);
+    run_annotated_pod(cri, name, cgroup_parent, &[]).await
+}
+
+/// [`run_pod`] with pod annotations.
+async fn run_annotated_pod(
+    cri: &mut Cri,
+    name: &str,
+    cgroup_parent: &str,
+    annotations: &[(&str, &str)],
+) -> (String, cri::PodSandboxConfig) {
+    let pod = pod_config(name, cgroup_parent, annotations);
     let id = cri
         .run_pod_sandbox(cri::RunPodSandboxRequest {
             config: Some(pod.clone()),
@@ -310,5 +328,130 @@ async fn containerd_container_started_before_the_plugin_gets_its_limits_when_it_
 
     stop_and_remove(&mut cri, &id).await;
     expect_limits(&rig, &cg, &BTreeMap::new(), &plugin, &containerd).await;
+    remove_pod(&mut cri, &pod).await;
+}
+
+/// The memory limits in force in the kernel for `cg` (`GetCgroup`'s `memory_max`), by GPU key.
+async fn in_force(rig: &Rig, cg: &str) -> BTreeMap<String, u64> {
+    let (_c, p) = rig.proxy().await;
+    p.get_cgroup(cg)
+        .await
+        .map(|r| r.memory_max)
+        .unwrap_or_default()
+}
+
+/// The example pod of docs/runtime-integration.md ("A pod"), plus a limit on the second GPU by
+/// UUID, started while gpud's NVML library is not there yet (as at boot, before the driver's
+/// library is installed or answers): every limit that needs no NVML is in force at once (all GPUs,
+/// GPU 0 by index, the container-scoped compute cap and priority classes); the UUID-keyed one is
+/// stored and pending, and in force once NVML appears and names the GPU. Nothing is rolled back
+/// because one GPU's limit waits.
+#[tokio::test(flavor = "multi_thread")]
+async fn containerd_pod_gets_every_limit_it_can_while_nvml_is_not_answering() {
+    let mut rig = Rig::new("containerd-nonvml");
+    let lib_dir = rig.path().join("nvml");
+    rig.start(
+        rig.config()
+            .nvml(&lib_dir.join("libnvidia-ml.so.1"))
+            .set("attribution.sweep_interval_secs", 3600),
+    )
+    .await;
+    let parent = Cgroup::new("containerd-nonvml");
+    let containerd = Containerd::start(rig.path(), &parent.rel);
+    let plugin = plugin(&rig, &containerd).await;
+    let mut cri = containerd.cri();
+
+    let second = gpud_tests::scenario::uuid(1);
+    let by_uuid = format!("gpud.dev/memory-max.{second}");
+    let pod = run_annotated_pod(
+        &mut cri,
+        "train-and-serve",
+        &parent.rel,
+        &[
+            ("gpud.dev/memory-max", "16Gi"),
+            ("gpud.dev/memory-max.0", "8Gi"),
+            (&by_uuid, "2Gi"),
+            ("serve.container.gpud.dev/memory-max", "4Gi"),
+            ("serve.container.gpud.dev/priority", "latency-critical"),
+            ("train.container.gpud.dev/compute-max", "70"),
+            ("train.container.gpud.dev/priority", "best-effort"),
+        ],
+    )
+    .await;
+    let mut cgroups = BTreeMap::new();
+    for name in ["train", "serve"] {
+        let id = create(&mut cri, &pod, name, &[])
+            .await
+            .unwrap_or_else(|e| panic!("CreateContainer {name}: {e}\n{}", plugin.log_text()));
+        cgroups.insert(name, (id.clone(), start(&mut cri, &id, &parent.rel).await));
+    }
+    let limits = |all: &[(&str, u64)]| {
+        BTreeMap::from([
+            (
+                "all".to_owned(),
+                all.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect(),
+            ),
+            (
+                "0".to_owned(),
+                BTreeMap::from([("memory_max".to_owned(), 8 * GIB)]),
+            ),
+            (
+                second.clone(),
+                BTreeMap::from([("memory_max".to_owned(), 2 * GIB)]),
+            ),
+        ])
+    };
+    // Priority as listed: 0 latency-critical, 2 best-effort.
+    let train = limits(&[
+        ("memory_max", 16 * GIB),
+        ("compute_max", 70),
+        ("priority", 2),
+    ]);
+    let serve = limits(&[("memory_max", 4 * GIB), ("priority", 0)]);
+    let (train_cg, serve_cg) = (&cgroups["train"].1, &cgroups["serve"].1);
+    expect_limits(&rig, train_cg, &train, &plugin, &containerd).await;
+    expect_limits(&rig, serve_cg, &serve, &plugin, &containerd).await;
+    assert!(
+        !plugin.log_text().contains("without GPU shares"),
+        "{}",
+        plugin.log_text()
+    );
+    // In the kernel now: all GPUs and GPU 0; GPU 1 (the UUID) waits for NVML.
+    for (cg, all) in [(train_cg, 16 * GIB), (serve_cg, 4 * GIB)] {
+        assert_eq!(
+            in_force(&rig, cg).await,
+            BTreeMap::from([("all".to_owned(), all), ("0".to_owned(), 8 * GIB)]),
+            "{cg}\n{}",
+            rig.log_text()
+        );
+    }
+
+    // NVML appears (the library installed, two GPUs): the UUID names GPU 1, in force there.
+    gpud_tests::install_fake_nvml(&lib_dir);
+    gpud_tests::write_nvml_scenario(&lib_dir, &gpud_tests::scenario::Scenario::gpus(2));
+    rig.wait_for_gpus(2).await;
+    for (cg, all) in [(train_cg, 16 * GIB), (serve_cg, 4 * GIB)] {
+        let want = BTreeMap::from([
+            ("all".to_owned(), all),
+            ("0".to_owned(), 8 * GIB),
+            ("1".to_owned(), 2 * GIB),
+        ]);
+        let got = eventually(WAIT, || async {
+            (in_force(&rig, cg).await == want).then_some(())
+        })
+        .await;
+        assert!(
+            got.is_some(),
+            "{cg}: {:?}\n{}",
+            in_force(&rig, cg).await,
+            rig.log_text()
+        );
+    }
+
+    for name in ["train", "serve"] {
+        stop_and_remove(&mut cri, &cgroups[name].0).await;
+    }
+    expect_limits(&rig, train_cg, &BTreeMap::new(), &plugin, &containerd).await;
+    expect_limits(&rig, serve_cg, &BTreeMap::new(), &plugin, &containerd).await;
     remove_pod(&mut cri, &pod).await;
 }

@@ -766,22 +766,34 @@ async fn ambiguous_limits_and_unchecked_gpus_are_refused_and_change_nothing() {
         assert_eq!(snapshot(&rig, &state).await, before, "{what} changed state");
     }
 
-    // NVML off by configuration: a per-GPU selector cannot be checked at all.
+    // NVML off by configuration: a UUID can never be resolved, so it is refused; an index is
+    // the driver's numbering, which the kernel side keys memory by: in force without NVML.
     let mut off = Rig::new("ambiguous-nonvml");
     off.start(off.config().nvml_off()).await;
     let (_c, p) = off.proxy().await;
     let e = p
         .set_limits(
             &cg.rel,
-            "0",
+            &gpud_tests::scenario::uuid(0),
             BTreeMap::from([("memory_max", Variant::from("1Gi"))]),
         )
         .await
-        .expect_err("GPU 0 without NVML");
+        .expect_err("a UUID without NVML");
     let (name, msg) = error_name(&e).expect("a D-Bus error");
     assert_eq!(name, INVALID, "{msg}");
     assert!(msg.contains("NVML is disabled"), "{msg}");
     assert!(p.list_limits().await.expect("ListLimits").is_empty());
+    let (state, note) = p
+        .set_limits(
+            &cg.rel,
+            "0",
+            BTreeMap::from([("memory_max", Variant::from("1Gi"))]),
+        )
+        .await
+        .expect("GPU 0 by index needs no inventory");
+    assert_eq!((state.as_str(), note.as_str()), ("in-force", ""));
+    let r = p.get_cgroup(&cg.rel).await.expect("GetCgroup");
+    assert_eq!(r.memory_max.get("0"), Some(&(1 << 30)));
     p.set_limits(
         &cg.rel,
         "all",

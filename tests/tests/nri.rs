@@ -655,3 +655,48 @@ async fn the_plugin_speaks_nri_on_the_wire() {
         bad.log_text()
     );
 }
+
+/// One GPU's limit that gpud refuses (a UUID NVML does not report) never costs the container
+/// its other limits: with `--on-invalid open` the container runs with them; closed (the
+/// default) it fails, and what was set is still cleared when the runtime removes it.
+#[rstest]
+#[case::closed_by_default(None)]
+#[case::open_on_request(Some("open"))]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_gpu_limit_never_drops_the_containers_other_limits(#[case] mode: Option<&str>) {
+    let label = mode.unwrap_or("default");
+    let (rig, rt) = started(&format!("nri-partial-{label}")).await;
+    let extra: Vec<&str> = mode.map(|m| vec!["--on-invalid", m]).unwrap_or_default();
+    let plugin = start_plugin(rig.path(), &rt.socket, &rig.bus.address, &extra);
+    let session = rt.accept(WAIT).await;
+    session.configure().await.expect("Configure");
+    let parent = Cgroup::new(&format!("nripart-{label}"));
+    let p = pod("pod1", "web", &[("gpud.dev/memory-max", "4Gi")]);
+    let unknown = "GPU-deadbeef-0000-0000-0000-000000000000";
+    let by_unknown = format!("gpud.dev/memory-max.{unknown}");
+    let c = container(
+        "c",
+        &p,
+        "c",
+        ContainerState::CONTAINER_CREATED,
+        0,
+        &parent.rel,
+        &[("gpud.dev/memory-max.1", "1Gi"), (&by_unknown, "2Gi")],
+    );
+    let r = session.start(&p, &c).await;
+    if mode == Some("open") {
+        r.expect("open: the container starts");
+    } else {
+        let (code, msg) = status_of(&r.expect_err("closed: the container fails"));
+        assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
+        assert!(msg.contains("no GPU with this UUID"), "{msg}");
+    }
+    expect_limits(&rig, &plugin, &parent.rel, &[("1", GIB), ("all", 4 * GIB)]).await;
+    assert!(
+        plugin.log_text().contains(unknown),
+        "the refusal names the GPU:\n{}",
+        plugin.log_text()
+    );
+    session.remove(&p, &c).await.expect("RemoveContainer");
+    expect_limits(&rig, &plugin, &parent.rel, &[]).await;
+}

@@ -8,7 +8,8 @@ use std::{
 };
 
 use gpud_tests::{
-    Cgroup, Daemon, Gpu1Proxy, NvmlUsageRecord, Rig, eventually, gpudctl_bin, install_fake_nvml,
+    Cgroup, Daemon, Gpu1Proxy, LimitState, NvmlUsageRecord, Rig, eventually, gpudctl_bin,
+    install_fake_nvml,
     scenario::{Event, Fail, Gpu, Kind, Mig, Process, Scenario},
     write_nvml_scenario,
 };
@@ -498,5 +499,161 @@ async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
     assert!(
         status.contains("Xid 79") && status.contains(&format!("pid {solo_pid} in {}", solo_cg.rel)),
         "{status}"
+    );
+}
+
+/// `GetCgroup`'s `memory_max` of `cg`: the memory limits in force in the kernel, by GPU key.
+async fn in_force(d: &Daemon, cg: &Cgroup) -> std::collections::BTreeMap<String, u64> {
+    let (_c, p) = d.proxy().await;
+    p.get_cgroup(&cg.rel)
+        .await
+        .map(|r| r.memory_max)
+        .unwrap_or_default()
+}
+
+/// `ListLimits`' state of (cg, gpu): `in-force`, or `pending` and why.
+async fn state_of(d: &Daemon, cg: &Cgroup, gpu: &str) -> Option<LimitState> {
+    let (_c, p) = d.proxy().await;
+    p.list_limits()
+        .await
+        .expect("ListLimits")
+        .into_iter()
+        .find(|l| l.cgroup == cg.rel && l.gpu == gpu)
+        .map(|l| l.limit_state())
+}
+
+/// Limits set while NVML does not answer: by index (GPU 0, and GPU 3 that turns out not to
+/// exist) in force at once, by UUID stored and pending with why; NVML answering puts the UUID
+/// in force on the GPU it names and takes GPU 3 out of force (kept aside, never moved onto
+/// another GPU); NVML failing again changes nothing in force; a restart of gpud with NVML
+/// answering late keeps the UUID's limit in the kernel the whole time.
+#[tokio::test(flavor = "multi_thread")]
+async fn limits_set_while_nvml_is_down_are_in_force_or_pending_and_follow_nvml() {
+    let mut rig = Rig::new("nvml-pending");
+    let lib_dir = rig.path().join("lib");
+    let lib = lib_dir.join("libnvidia-ml.so.1");
+    // Pins kept at exit, as in production: a restarted daemon resumes the kernel's state.
+    rig.start(rig.config().nvml(&lib).keep_pinned(true)).await;
+    let cg = Cgroup::new("nvml-pending");
+    let uuid1 = gpud_tests::scenario::uuid(1);
+    let (_c, p) = rig.proxy().await;
+    let set = |gpu: &str, v: &str| {
+        let p = p.clone();
+        let (cg, gpu, v) = (cg.rel.clone(), gpu.to_owned(), v.to_owned());
+        async move {
+            p.set_limits(
+                &cg,
+                &gpu,
+                std::collections::BTreeMap::from([("memory_max", zbus::Variant::from(v.as_str()))]),
+            )
+            .await
+            .map(|(s, n)| LimitState::from_wire(&s, &n))
+        }
+    };
+    let in_force_now = |pairs: &[(&str, u64)]| {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), *v * MIB))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+
+    assert_eq!(
+        set("0", "512Mi").await.expect("by index"),
+        LimitState::InForce
+    );
+    assert_eq!(
+        set("3", "64Mi")
+            .await
+            .expect("an index NVML will not report"),
+        LimitState::InForce
+    );
+    let pending = set(&uuid1, "256Mi").await.expect("by UUID: stored");
+    assert!(
+        matches!(&pending, LimitState::Pending(why) if why.contains("NVML is unavailable")),
+        "{pending:?}"
+    );
+    assert_eq!(
+        in_force(&rig, &cg).await,
+        in_force_now(&[("0", 512), ("3", 64)])
+    );
+    assert_eq!(state_of(&rig, &cg, &uuid1).await, Some(pending.clone()));
+    let listed = gpudctl(&rig.bus.address, &["limits"]);
+    assert!(
+        listed.contains("pending") && listed.contains("NVML is unavailable"),
+        "{listed}"
+    );
+
+    // NVML answers with two GPUs: the UUID is GPU 1, in force there; GPU 3 does not exist.
+    write_nvml_scenario(&lib_dir, &Scenario::gpus(2));
+    install_fake_nvml(&lib_dir);
+    rig.wait_for_gpus(2).await;
+    let settled = eventually(Duration::from_secs(10), || async {
+        (in_force(&rig, &cg).await == in_force_now(&[("0", 512), ("1", 256)])).then_some(())
+    })
+    .await;
+    assert!(
+        settled.is_some(),
+        "{:?}\n{}",
+        in_force(&rig, &cg).await,
+        rig.log_text()
+    );
+    assert_eq!(state_of(&rig, &cg, &uuid1).await, Some(LimitState::InForce));
+    let aside = state_of(&rig, &cg, "3").await;
+    assert!(
+        matches!(&aside, Some(LimitState::Pending(why)) if why.contains("no GPU 3")),
+        "{aside:?}"
+    );
+    assert!(rig.log_text().contains("kept aside"), "{}", rig.log_text());
+    // With NVML answering, an unknown GPU is refused outright.
+    let refused = set("5", "1Gi").await.expect_err("GPU 5 does not exist");
+    assert!(
+        refused.to_string().contains("no GPU with this index"),
+        "{refused}"
+    );
+
+    // NVML fails: nothing in force changes.
+    write_nvml_scenario(
+        &lib_dir,
+        &Scenario::gpus(2).failing("nvmlDeviceGetComputeRunningProcesses_v3", Fail::Always(15)),
+    );
+    let down = eventually(Duration::from_secs(10), || async {
+        (!nvml_status(&rig).await.0).then_some(())
+    })
+    .await;
+    assert!(down.is_some(), "NVML never failed:\n{}", rig.log_text());
+    assert_eq!(
+        in_force(&rig, &cg).await,
+        in_force_now(&[("0", 512), ("1", 256)])
+    );
+    assert_eq!(state_of(&rig, &cg, &uuid1).await, Some(LimitState::InForce));
+
+    // A restart with the library gone: the UUID's limit stays in the kernel, where the previous
+    // daemon put it, before NVML answers; then NVML answers 3 s late and it is still there.
+    std::fs::remove_file(&lib).expect("remove the library");
+    write_nvml_scenario(&lib_dir, &Scenario::gpus(2));
+    drop(p);
+    rig.restart().await;
+    assert!(!nvml_status(&rig).await.0, "NVML must not answer yet");
+    let restarted = in_force(&rig, &cg).await;
+    assert_eq!(
+        restarted.get("1"),
+        Some(&(256 * MIB)),
+        "the UUID's limit left the kernel at the restart: {restarted:?}\n{}",
+        rig.log_text()
+    );
+    assert_eq!(state_of(&rig, &cg, &uuid1).await, Some(LimitState::InForce));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(in_force(&rig, &cg).await.get("1"), Some(&(256 * MIB)));
+    install_fake_nvml(&lib_dir);
+    rig.wait_for_gpus(2).await;
+    let settled = eventually(Duration::from_secs(10), || async {
+        (in_force(&rig, &cg).await == in_force_now(&[("0", 512), ("1", 256)])).then_some(())
+    })
+    .await;
+    assert!(
+        settled.is_some(),
+        "{:?}\n{}",
+        in_force(&rig, &cg).await,
+        rig.log_text()
     );
 }

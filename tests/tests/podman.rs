@@ -190,3 +190,99 @@ async fn podman_refuses_a_container_with_an_invalid_annotation_and_leaves_nothin
     let listed = proxy.list_limits().await.expect("ListLimits");
     assert!(listed.is_empty(), "limits left behind: {listed:?}");
 }
+
+/// The memory limits in force in the kernel for `cg` (`GetCgroup`'s `memory_max`), by GPU key.
+async fn in_force(rig: &Rig, cg: &str) -> BTreeMap<String, u64> {
+    let (_c, p) = rig.proxy().await;
+    p.get_cgroup(cg)
+        .await
+        .map(|r| r.memory_max)
+        .unwrap_or_default()
+}
+
+/// gpud started before its NVML library is there: a container naming GPU 0 by index and GPU 1
+/// by UUID starts with the all-GPU and the index-keyed limits in force at once and the UUID-keyed
+/// one stored; once the library appears and NVML names GPU 1, that one is in force too. A limit
+/// that waits never costs the container its other limits.
+#[tokio::test(flavor = "multi_thread")]
+async fn podman_container_gets_every_limit_it_can_while_nvml_is_not_answering() {
+    let mut rig = Rig::new("podman-nonvml");
+    let lib_dir = rig.path().join("nvml");
+    rig.start(config(&rig).nvml(&lib_dir.join("libnvidia-ml.so.1")))
+        .await;
+    let dir = rig.path();
+    let parent = Cgroup::new("podman-nonvml");
+    let podman = Podman::new(dir, &parent.rel);
+    let (records, log) = (dir.join("records"), dir.join("hook.log"));
+    let args = hook_args(&rig.bus.address, &records, &log);
+    podman.install_gpud_hooks(&args.iter().map(String::as_str).collect::<Vec<_>>());
+
+    let second = gpud_tests::scenario::uuid(1);
+    let by_uuid = format!("gpud.dev/memory-max.{second}");
+    let out = podman.run(
+        "early",
+        &[
+            ("gpud.dev/memory-max", "16Gi"),
+            ("gpud.dev/memory-max.0", "8Gi"),
+            (&by_uuid, "2Gi"),
+        ],
+        &[],
+        &["sleep", "600"],
+    );
+    assert!(
+        out.status.success(),
+        "podman run: {}\nhook log:\n{}",
+        text(&out),
+        read(&log)
+    );
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let cg = format!("{}/libpod-{id}", parent.rel);
+    let memory = |gib: u64| BTreeMap::from([("memory_max".to_owned(), gib * GIB)]);
+    let want = BTreeMap::from([
+        ("all".to_owned(), memory(16)),
+        ("0".to_owned(), memory(8)),
+        (second.clone(), memory(2)),
+    ]);
+    assert_eq!(
+        rig.limits(&cg).await,
+        want,
+        "hook log:\n{}\n{}",
+        read(&log),
+        rig.log_text()
+    );
+    assert_eq!(
+        in_force(&rig, &cg).await,
+        BTreeMap::from([("all".to_owned(), 16 * GIB), ("0".to_owned(), 8 * GIB)]),
+        "{}",
+        rig.log_text()
+    );
+
+    gpud_tests::install_fake_nvml(&lib_dir);
+    gpud_tests::write_nvml_scenario(&lib_dir, &gpud_tests::scenario::Scenario::gpus(2));
+    rig.wait_for_gpus(2).await;
+    let all_three = BTreeMap::from([
+        ("all".to_owned(), 16 * GIB),
+        ("0".to_owned(), 8 * GIB),
+        ("1".to_owned(), 2 * GIB),
+    ]);
+    let got = eventually(Duration::from_secs(10), || async {
+        (in_force(&rig, &cg).await == all_three).then_some(())
+    })
+    .await;
+    assert!(
+        got.is_some(),
+        "{:?}\n{}",
+        in_force(&rig, &cg).await,
+        rig.log_text()
+    );
+
+    // The hook's record names every GPU it set, the pending one too: poststop clears them all.
+    let out = podman.rm("early");
+    assert!(out.status.success(), "podman rm: {}", text(&out));
+    assert!(
+        rig.limits(&cg).await.is_empty(),
+        "still limited after podman rm:\n{}\n{}",
+        read(&log),
+        rig.log_text()
+    );
+}

@@ -240,6 +240,8 @@ mod tests {
             cgroup: "/x".into(),
             gpu: gpu.into(),
             limits: pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect(),
+            state: gpud_api::LimitState::IN_FORCE.into(),
+            note: String::new(),
         };
         let limits = vec![
             limit("GPU-a", &[("memory_max", 8 * gib), ("compute_max", 30)]),

@@ -155,6 +155,9 @@ fn report(log: &Log, outcome: &Outcome) {
                     applied.gpus.join(", ")
                 ));
             }
+            for (gpu, why) in &applied.pending {
+                log.line(&format!("GPU {gpu}: stored, pending: {why}"));
+            }
         }
         Outcome::Cleared { cgroup, gpus } => {
             log.line(&format!(

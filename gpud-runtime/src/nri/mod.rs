@@ -241,13 +241,7 @@ impl Handler {
         }
         let cgroup = Self::cgroup_of(c)?;
         let client = self.client().await?;
-        let applied = match client.apply(&cgroup, &shares).await {
-            Ok(a) => a,
-            Err(e) => {
-                self.on_error(&e).await;
-                return Err(e);
-            }
-        };
+        let (applied, result) = client.apply(&cgroup, &shares).await;
         if !applied.gpus.is_empty() {
             info!(
                 container = %describe(pod, c),
@@ -255,13 +249,25 @@ impl Handler {
                 gpus = %applied.gpus.join(","),
                 "GPU shares set"
             );
-            self.inner.tracked.lock().await.insert(
-                c.id.clone(),
-                Tracked {
-                    cgroup,
-                    gpus: applied.gpus,
-                },
-            );
+            for (gpu, why) in &applied.pending {
+                info!(container = %describe(pod, c), gpu = %gpu, "stored, pending: {why}");
+            }
+            // Tracked whatever failed, so that removal clears what was set (a retry adds to it).
+            let mut tracked = self.inner.tracked.lock().await;
+            let t = tracked.entry(c.id.clone()).or_insert_with(|| Tracked {
+                cgroup: cgroup.clone(),
+                gpus: Vec::new(),
+            });
+            t.cgroup = cgroup;
+            for gpu in applied.gpus {
+                if !t.gpus.contains(&gpu) {
+                    t.gpus.push(gpu);
+                }
+            }
+        }
+        if let Err(e) = result {
+            self.on_error(&e).await;
+            return Err(e);
         }
         Ok(true)
     }

@@ -25,7 +25,7 @@ use super::{
     args::MAX_ARG_LEN,
     authz::Authorizer,
     error::ApiError,
-    records::{all, compute_record},
+    records::{all, compute_record, limit_record},
 };
 use crate::{
     daemon::{DaemonInfo, Handle, View},
@@ -162,7 +162,9 @@ impl Manager {
     /// Sets limits on a cgroup (path relative to the cgroup v2 root) for one GPU (`all`, an
     /// index, or a UUID). `limits`: names and values of gpud-api's limit schema, decoded into
     /// typed values as the message is read (e.g. `memory_max` → bytes as t, or a quantity string
-    /// such as "8Gi"). Persisted; in force in the kernel when the call returns.
+    /// such as "8Gi"). Persisted; in force in the kernel when the call returns, or pending while
+    /// NVML cannot name the GPU (a UUID before NVML answers). Answers the entry's state and, when
+    /// pending, why (`ListLimits`' last two fields).
     async fn set_limits(
         &self,
         #[zbus(connection)] conn: &zbus::Connection,
@@ -170,7 +172,7 @@ impl Manager {
         cgroup: &str,
         gpu: &str,
         limits: LimitDict,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(String, String), ApiError> {
         self.authz.check(conn, &header).await?;
         check_len("cgroup", cgroup)?;
         check_len("gpu", gpu)?;
@@ -181,7 +183,7 @@ impl Manager {
                 .into_result()
                 .map_err(|e| ApiError::InvalidArgument(e.to_string()))?,
         );
-        Ok(self.daemon.set_limits(cgroup, gpu, update).await?)
+        Ok(self.daemon.set_limits(cgroup, gpu, update).await?.to_wire())
     }
 
     /// Clears the named limits (all of them when `names` is empty) of a cgroup on one GPU.
@@ -210,9 +212,15 @@ impl Manager {
         Ok(self.daemon.clear_limits(cgroup, gpu, names).await?)
     }
 
-    /// Every limit in force, ordered by cgroup and GPU.
+    /// Every stored limit and its state, ordered by cgroup and GPU.
     async fn list_limits(&self) -> Result<Vec<LimitRecord>, ApiError> {
-        Ok(all(self.daemon.list_limits().await?))
+        Ok(self
+            .daemon
+            .list_limits()
+            .await?
+            .into_iter()
+            .map(limit_record)
+            .collect())
     }
 
     /// An allocation took `cgroup` over its `memory_max` on `gpu` (react tier; `action` is

@@ -29,9 +29,6 @@ impl From<EnforcementError> for ApiError {
             EnforcementError::Policy(PolicyError::Write { .. }) | EnforcementError::Setting(_) => {
                 Self::Failed(text)
             }
-            EnforcementError::Policy(PolicyError::InventoryUnavailable { .. }) => {
-                Self::Unavailable(text)
-            }
             EnforcementError::Policy(_) => Self::InvalidArgument(text),
         }
     }

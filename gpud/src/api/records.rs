@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use gpud_api::{
-    CgroupRecord, ComputeRecord, GpuRecord, IdleRecord, LimitRecord, NvmlEventRecord,
+    CgroupRecord, ComputeRecord, GpuRecord, IdleRecord, LimitRecord, LimitState, NvmlEventRecord,
     NvmlUsageRecord, ProcessRecord,
 };
 use gpud_common::{IOCTL_CLASS_NAMES, IoctlCounts};
@@ -52,13 +52,15 @@ impl From<ProcessView> for ProcessRecord {
     }
 }
 
-impl From<LimitEntry> for LimitRecord {
-    fn from(l: LimitEntry) -> Self {
-        Self {
-            cgroup: l.cgroup,
-            gpu: l.gpu.to_string(),
-            limits: l.limits.named(),
-        }
+/// A stored limit and its state as `ListLimits` lists it.
+pub fn limit_record((l, state): (LimitEntry, LimitState)) -> LimitRecord {
+    let (state, note) = state.to_wire();
+    LimitRecord {
+        cgroup: l.cgroup,
+        gpu: l.gpu.to_string(),
+        limits: l.limits.named(),
+        state,
+        note,
     }
 }
 

@@ -17,6 +17,7 @@ use crate::{
     nvml::{AttributedXid, GpuStatus},
     policy::{LimitEntry, LimitUpdate, idle::IdleEntry},
 };
+use gpud_api::LimitState;
 
 /// Everything one metrics scrape shows, from one view of the state task.
 #[derive(Clone, Debug, Default)]
@@ -88,13 +89,14 @@ impl Handle {
         Ok(self.reader.kernel_stats())
     }
 
-    /// Sets limits on a cgroup for one GPU selector; persisted and in force when it returns.
+    /// Sets limits on a cgroup for one GPU selector; persisted and in force when it returns,
+    /// or pending (the state says why) while NVML cannot name the GPU.
     pub async fn set_limits(
         &self,
         cgroup: &str,
         gpu: &str,
         update: LimitUpdate,
-    ) -> Result<(), DaemonError> {
+    ) -> Result<LimitState, DaemonError> {
         let (cgroup, gpu) = (cgroup.to_owned(), gpu.to_owned());
         Ok(self
             .ask(|reply| Request::SetLimits {
@@ -124,8 +126,8 @@ impl Handle {
             .await??)
     }
 
-    /// Every limit in force, ordered by cgroup and GPU.
-    pub async fn list_limits(&self) -> Result<Vec<LimitEntry>, DaemonError> {
+    /// Every stored limit and its state, ordered by cgroup and GPU.
+    pub async fn list_limits(&self) -> Result<Vec<(LimitEntry, LimitState)>, DaemonError> {
         Ok(self.view().await?.limits.clone())
     }
 

@@ -63,7 +63,7 @@ pub(super) enum Request {
         cgroup: String,
         gpu: String,
         update: LimitUpdate,
-        reply: oneshot::Sender<Result<(), EnforcementError>>,
+        reply: oneshot::Sender<Result<gpud_api::LimitState, EnforcementError>>,
     },
     ClearLimits {
         cgroup: String,

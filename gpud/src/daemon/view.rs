@@ -27,6 +27,8 @@ use std::{
 
 use tokio::sync::{mpsc, oneshot, watch};
 
+use gpud_api::LimitState;
+
 use super::{
     joins,
     messages::{DaemonError, Message, NvmlStatus, Request},
@@ -54,7 +56,8 @@ pub struct View {
     /// Every live attributed process, ordered by pid.
     pub processes: Vec<ProcessView>,
     /// Every limit in force, ordered by cgroup and GPU.
-    pub limits: Vec<LimitEntry>,
+    /// Every stored limit and whether it is in force.
+    pub limits: Vec<(LimitEntry, LimitState)>,
     /// GPUs and MIG devices as NVML last reported them.
     pub gpus: Vec<GpuStatus>,
     pub nvml_usage: Vec<joins::NvmlUsage>,
@@ -214,7 +217,7 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         built: Instant::now(),
         by_path,
         processes: state.core.attribution.processes(),
-        limits: state.core.policies.list(),
+        limits: state.core.memory.list(&state.core.policies),
         gpus: state.nvml.inventory(),
         nvml_usage: joins::nvml_usage(&mut state.core.attribution, &state.nvml),
         nvml: NvmlStatus {

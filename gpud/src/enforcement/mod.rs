@@ -12,6 +12,8 @@ pub mod restore;
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use gpud_api::LimitState;
+use gpud_common::GPU_ALL;
 use tracing::{error, info, warn};
 
 use crate::{
@@ -19,7 +21,7 @@ use crate::{
     cgroupfs::CgroupError,
     config::ReactAction,
     notice::LimitNotice,
-    policy::{GpuCatalog, GpuSelector, LimitUpdate, PolicyError, PolicyStore},
+    policy::{GpuCatalog, GpuSelector, LimitEntry, LimitUpdate, PolicyError, PolicyStore},
     probes::{KernelSettings, SettingError, Tier, events::LimitEvent},
     report::Chain,
 };
@@ -42,9 +44,10 @@ pub struct MemoryEnforcement {
     /// cgroups this module froze (react `freeze`), thawed when their limit is raised or cleared.
     frozen: BTreeSet<String>,
     /// The kernel key (GPU index or `GPU_ALL`) each stored entry's memory limit is in force
-    /// under. A UUID entry restored before NVML answered is stored but in force nowhere until
-    /// the inventory resolves it; clearing an entry uses the key it was applied under, whatever
-    /// NVML says by then.
+    /// under. An entry whose GPU is not known (a UUID set while NVML has not answered, an index
+    /// NVML does not report) is stored but in force nowhere until the inventory names it
+    /// ([`Self::reconcile`]); NVML going away leaves every entry where it is. Clearing an entry
+    /// uses the key it was applied under, whatever NVML says by then.
     applied: BTreeMap<(String, GpuSelector), u32>,
 }
 
@@ -63,8 +66,9 @@ impl MemoryEnforcement {
         policies.key_in(&self.applied, cgroup, gpu)
     }
 
-    /// A new inventory (or NVML going away). A known one puts the stored limits that waited for
-    /// it (UUID selectors restored before NVML answered) in force.
+    /// A new inventory (or NVML going away). A known one moves every stored memory limit to
+    /// the GPU its selector names now ([`Self::reconcile`]); NVML going away changes nothing in
+    /// the kernel (what is in force stays in force).
     pub fn set_catalog(
         &mut self,
         attr: &mut Attribution,
@@ -73,46 +77,121 @@ impl MemoryEnforcement {
         catalog: GpuCatalog,
     ) {
         if policies.set_catalog(catalog) {
-            self.apply_pending(attr, settings, policies);
+            self.reconcile(attr, settings, policies);
         }
     }
 
-    /// Puts stored limits that are in force nowhere yet (UUID selectors restored before NVML
-    /// answered) in force, now that the inventory resolves them.
-    fn apply_pending(
+    /// Puts each stored memory limit in force under the GPU key its selector names now, per a
+    /// known inventory: a UUID that waited for NVML goes in force; an index NVML does not
+    /// report is taken out of force and kept aside (never applied to another GPU); a selector
+    /// naming a card the cgroup already limits under another selector is kept aside. All moves
+    /// out come before the moves in, so two entries trading GPUs do not collide.
+    fn reconcile(
         &mut self,
         attr: &mut Attribution,
         settings: &mut KernelSettings,
         policies: &PolicyStore,
     ) {
-        let pending: Vec<(String, GpuSelector, u64)> = policies
-            .entries()
-            .iter()
-            .filter(|(k, _)| !self.applied.contains_key(*k))
-            .filter_map(|((c, g), l)| Some((c.clone(), g.clone(), l.memory_max?)))
-            .collect();
-        for (cgroup, gpu, max) in pending {
-            let Some(key) = policies.resolve(&gpu) else {
-                warn!(
-                    cgroup = %cgroup, gpu = %gpu,
-                    "stored limit names a GPU NVML does not report; kept, in force nowhere"
-                );
+        let mut moves = Vec::new();
+        for ((cgroup, gpu), l) in policies.entries() {
+            let Some(max) = l.memory_max else { continue };
+            let key = (cgroup.clone(), gpu.clone());
+            let now = self.applied.get(&key).copied();
+            let want = match policies.key_now(gpu) {
+                Ok(k) => Some(k),
+                Err(why) => {
+                    warn!(cgroup = %cgroup, gpu = %gpu, "stored limit kept aside, in force nowhere: {why}");
+                    None
+                }
+            };
+            if want != now {
+                moves.push((key, max, now, want));
+            }
+        }
+        let mut ids = BTreeMap::new();
+        for ((cgroup, gpu), _, now, _) in &moves {
+            let id = match attr.id_of(cgroup) {
+                Ok((_, id)) => id,
+                Err(e) => {
+                    warn!(cgroup = %cgroup, gpu = %gpu, "cannot move stored limit: {}", Chain(&e));
+                    continue;
+                }
+            };
+            ids.insert((cgroup.clone(), gpu.clone()), id);
+            if let Some(old) = now {
+                if let Err(e) = settings.clear_limit(id, *old) {
+                    error!(cgroup = %cgroup, gpu = %gpu, "cannot take limit out of force: {}", Chain(&e));
+                }
+                self.applied.remove(&(cgroup.clone(), gpu.clone()));
+            }
+        }
+        for (key, max, _, want) in moves {
+            let (Some(want), Some(&id)) = (want, ids.get(&key)) else {
                 continue;
             };
-            let applied = attr
-                .id_of(&cgroup)
-                .map_err(EnforcementError::from)
-                .and_then(|(_, id)| Ok(settings.set_limit(id, key, max)?));
-            match applied {
+            if let Some(((_, other), _)) = self
+                .applied
+                .iter()
+                .find(|((c, g), k)| *c == key.0 && *g != key.1 && **k == want && want != GPU_ALL)
+            {
+                warn!(
+                    cgroup = %key.0, gpu = %key.1, index = want,
+                    "stored limit kept aside: this cgroup limits GPU {want} as `{other}`"
+                );
+                continue;
+            }
+            match settings.set_limit(id, want, max) {
                 Ok(()) => {
-                    info!(cgroup = %cgroup, gpu = %gpu, index = key, memory_max = max, "stored limit in force");
-                    self.applied.insert((cgroup, gpu), key);
+                    info!(cgroup = %key.0, gpu = %key.1, index = want, memory_max = max, "stored limit in force");
+                    self.applied.insert(key, want);
                 }
                 Err(e) => {
-                    error!(cgroup = %cgroup, gpu = %gpu, "cannot apply stored limit: {}", Chain(&e))
+                    error!(cgroup = %key.0, gpu = %key.1, "cannot apply stored limit: {}", Chain(&e))
                 }
             }
         }
+    }
+
+    /// Whether a stored entry is in force, or why it waits.
+    pub fn state_of(&self, policies: &PolicyStore, cgroup: &str, gpu: &GpuSelector) -> LimitState {
+        let key = (cgroup.to_owned(), gpu.clone());
+        if self.applied.contains_key(&key) {
+            return LimitState::InForce;
+        }
+        let want = match policies.key_now(gpu) {
+            Ok(want) => want,
+            Err(why) => return LimitState::Pending(why),
+        };
+        if policies
+            .get(cgroup, gpu)
+            .and_then(|l| l.memory_max)
+            .is_none()
+        {
+            // Compute shares and priority classes follow the selector as it resolves now.
+            return LimitState::InForce;
+        }
+        match self
+            .applied
+            .iter()
+            .find(|((c, g), k)| c == cgroup && g != gpu && **k == want)
+        {
+            Some(((_, other), _)) => {
+                LimitState::Pending(format!("this cgroup limits GPU {want} as `{other}`"))
+            }
+            None => LimitState::Pending("not in the kernel's map (see the daemon's log)".into()),
+        }
+    }
+
+    /// Every stored entry and its state, ordered by cgroup and GPU.
+    pub fn list(&self, policies: &PolicyStore) -> Vec<(LimitEntry, LimitState)> {
+        policies
+            .list()
+            .into_iter()
+            .map(|e| {
+                let state = self.state_of(policies, &e.cgroup, &e.gpu);
+                (e, state)
+            })
+            .collect()
     }
 
     /// Re-applies the stored limits at start: the kernel maps get exactly the stored set; limits
@@ -123,8 +202,10 @@ impl MemoryEnforcement {
         settings: &mut KernelSettings,
         policies: &mut PolicyStore,
     ) {
+        let pinned: BTreeMap<(u64, u32), u64> = settings.limits().into_iter().collect();
         let mut keep = BTreeMap::new();
         let mut wanted = BTreeSet::new();
+        let mut waiting = Vec::new();
         for ((cgroup, gpu), limits) in policies.entries().clone() {
             let id = match attr.id_of(&cgroup) {
                 Ok((_, id)) => id,
@@ -133,7 +214,6 @@ impl MemoryEnforcement {
                     continue;
                 }
             };
-            // A UUID waits for NVML to resolve it (`apply_pending`): kept, not dropped.
             match (self.key_of(policies, &cgroup, &gpu), limits.memory_max) {
                 (Some(key), Some(max)) => {
                     if let Err(e) = settings.set_limit(id, key, max) {
@@ -143,15 +223,32 @@ impl MemoryEnforcement {
                     wanted.insert((id, key));
                     self.applied.insert((cgroup.clone(), gpu.clone()), key);
                 }
-                (None, Some(_)) => {
-                    info!(cgroup = %cgroup, gpu = %gpu, "stored limit waits for NVML to resolve its GPU");
-                }
+                (None, Some(max)) => waiting.push((cgroup.clone(), gpu.clone(), id, max)),
                 (_, None) => {}
             }
             keep.insert((cgroup, gpu), limits);
         }
+        // A UUID NVML cannot name yet stays in force where the previous daemon put it: the
+        // pinned map's entry of this cgroup with the same value on a GPU no other entry holds
+        // (entries with one value are alike wherever they sit). `reconcile` moves it, if need
+        // be, once NVML answers.
+        for (cgroup, gpu, id, max) in waiting {
+            let held = pinned.iter().find(|((cg, key), m)| {
+                *cg == id && **m == max && *key != GPU_ALL && !wanted.contains(&(id, *key))
+            });
+            match held {
+                Some(((_, key), _)) => {
+                    info!(cgroup = %cgroup, gpu = %gpu, index = key, "stored limit stays in force where it was until NVML names its GPU");
+                    wanted.insert((id, *key));
+                    self.applied.insert((cgroup, gpu), *key);
+                }
+                None => {
+                    info!(cgroup = %cgroup, gpu = %gpu, "stored limit waits for NVML to name its GPU");
+                }
+            }
+        }
         // Pinned maps may hold limits the store no longer has (changed while down).
-        for (id, key) in settings.limits().into_keys() {
+        for (id, key) in pinned.into_keys() {
             if !wanted.contains(&(id, key)) {
                 let _ = settings.clear_limit(id, key);
             }
@@ -162,7 +259,9 @@ impl MemoryEnforcement {
     }
 
     /// Sets limits on (cgroup, GPU): validated and persisted by the policy store, the memory
-    /// limit in the kernel before it returns. Nothing changes on error.
+    /// limit in the kernel before it returns where the GPU is known (an index or `all` always;
+    /// a UUID once NVML names it: until then the entry is stored and pending). Nothing changes
+    /// on error. Returns the entry's state.
     pub fn set(
         &mut self,
         attr: &mut Attribution,
@@ -171,18 +270,26 @@ impl MemoryEnforcement {
         cgroup: &str,
         gpu: &str,
         update: LimitUpdate,
-    ) -> Result<(), EnforcementError> {
+    ) -> Result<LimitState, EnforcementError> {
         let gpu: GpuSelector = gpu.parse().map_err(PolicyError::from)?;
-        let key = policies.checked_key(&gpu)?;
+        let checked = policies.checked_key(&gpu)?;
         let (path, id) = attr.id_of(cgroup)?;
+        // An entry in force keeps its GPU while NVML cannot name it.
+        let key = checked.or_else(|| self.applied.get(&(path.clone(), gpu.clone())).copied());
         let limits = policies.set(&path, &gpu, key, update, &self.applied)?;
-        if let Some(max) = limits.memory_max {
-            settings.set_limit(id, key, max)?;
-            self.applied.insert((path.clone(), gpu.clone()), key);
-            info!(cgroup = %path, gpu = %gpu, memory_max = max, "limit set");
-            self.maybe_thaw(attr, settings, &path, id);
+        match (limits.memory_max, key) {
+            (Some(max), Some(key)) => {
+                settings.set_limit(id, key, max)?;
+                self.applied.insert((path.clone(), gpu.clone()), key);
+                info!(cgroup = %path, gpu = %gpu, memory_max = max, "limit set");
+                self.maybe_thaw(attr, settings, &path, id);
+            }
+            (Some(max), None) => {
+                info!(cgroup = %path, gpu = %gpu, memory_max = max, "limit stored; in force once NVML names its GPU");
+            }
+            (None, _) => {}
         }
-        Ok(())
+        Ok(self.state_of(policies, &path, &gpu))
     }
 
     /// Clears the named limits (all when `names` is empty) on (cgroup, GPU).

@@ -29,13 +29,10 @@ pub enum PolicyError {
     InvalidValue { name: String, reason: String },
     #[error("unknown GPU {0}: {1}")]
     UnknownGpu(String, String),
-    /// NVML has not answered (yet, or any more): the selector cannot be checked now.
-    #[error("GPU {selector} cannot be checked now: NVML is unavailable ({reason}); try again")]
-    InventoryUnavailable { selector: String, reason: String },
-    /// NVML is off by configuration: per-GPU selectors cannot be checked at all.
+    /// NVML is off by configuration: a UUID can never be resolved to a GPU.
     #[error(
-        "GPU {selector} cannot be checked: NVML is disabled ([nvml] enabled = false); per-GPU \
-         limits need it, use `all`"
+        "GPU {selector} cannot be resolved: NVML is disabled ([nvml] enabled = false); a limit \
+         by UUID needs it, use the GPU's index or `all`"
     )]
     NoInventory { selector: String },
     /// One card under two selectors (an index and a UUID) on one cgroup: which limit holds?

@@ -47,7 +47,7 @@ impl PolicyStore {
     }
 
     /// A new inventory (or NVML going away); true when it is a known one that differs from the
-    /// last (stored UUID selectors may resolve now).
+    /// last (stored selectors may name other GPUs, or GPUs at all, now).
     pub fn set_catalog(&mut self, catalog: GpuCatalog) -> bool {
         let known = matches!(catalog, GpuCatalog::Known(_)) && catalog != self.catalog;
         self.catalog = catalog;
@@ -55,45 +55,64 @@ impl PolicyStore {
     }
 
     /// The GPU key (index or `GPU_ALL`) of a selector for a new limit, checked against the
-    /// inventory. Without one a per-GPU selector cannot be checked, so it is refused (`all`
-    /// needs none).
-    pub fn checked_key(&self, gpu: &GpuSelector) -> Result<u32, PolicyError> {
+    /// inventory where there is one: `None` when the limit is to wait for NVML (a UUID while
+    /// NVML has not answered). An index needs no NVML: the kernel side keys memory by the
+    /// device the driver numbers, so it is taken as given until NVML can check it ([`Self::key_now`]).
+    /// A selector NVML does not report, and a UUID with NVML off by configuration (nothing
+    /// could ever resolve it), are refused.
+    pub fn checked_key(&self, gpu: &GpuSelector) -> Result<Option<u32>, PolicyError> {
         let selector = || gpu.to_string();
         match (gpu, &self.catalog) {
-            (GpuSelector::All, _) => Ok(GPU_ALL),
-            (_, GpuCatalog::Disabled) => Err(PolicyError::NoInventory {
-                selector: selector(),
-            }),
-            (_, GpuCatalog::Unavailable(reason)) => Err(PolicyError::InventoryUnavailable {
-                selector: selector(),
-                reason: reason.clone(),
-            }),
+            (GpuSelector::All, _) => Ok(Some(GPU_ALL)),
             (GpuSelector::Index(i), GpuCatalog::Known(c)) => c
                 .iter()
                 .find(|(idx, _)| idx == i)
-                .map(|(idx, _)| *idx)
+                .map(|(idx, _)| Some(*idx))
                 .ok_or_else(|| {
                     PolicyError::UnknownGpu(selector(), "no GPU with this index".into())
                 }),
+            (GpuSelector::Index(i), _) => Ok(Some(*i)),
+            (GpuSelector::Uuid(_), GpuCatalog::Disabled) => Err(PolicyError::NoInventory {
+                selector: selector(),
+            }),
+            (GpuSelector::Uuid(_), GpuCatalog::Unavailable(_)) => Ok(None),
             (GpuSelector::Uuid(u), GpuCatalog::Known(c)) => c
                 .iter()
                 .find(|(_, uuid)| uuid.eq_ignore_ascii_case(u))
-                .map(|(idx, _)| *idx)
+                .map(|(idx, _)| Some(*idx))
                 .ok_or_else(|| PolicyError::UnknownGpu(selector(), "no GPU with this UUID".into())),
         }
     }
 
-    /// The GPU key a stored selector names now: a UUID only through a known inventory.
-    pub fn resolve(&self, gpu: &GpuSelector) -> Option<u32> {
+    /// The GPU key a stored selector names now, or why it names none: a UUID only through a
+    /// known inventory; an index as given until NVML answers, then only if NVML reports it
+    /// (a limit is never moved onto another GPU).
+    pub fn key_now(&self, gpu: &GpuSelector) -> Result<u32, String> {
         match (gpu, &self.catalog) {
-            (GpuSelector::All, _) => Some(GPU_ALL),
-            (GpuSelector::Index(i), _) => Some(*i),
+            (GpuSelector::All, _) => Ok(GPU_ALL),
+            (GpuSelector::Index(i), GpuCatalog::Known(c)) => c
+                .iter()
+                .find(|(idx, _)| idx == i)
+                .map(|(idx, _)| *idx)
+                .ok_or_else(|| format!("NVML reports no GPU {i}")),
+            (GpuSelector::Index(i), _) => Ok(*i),
             (GpuSelector::Uuid(u), GpuCatalog::Known(c)) => c
                 .iter()
                 .find(|(_, uuid)| uuid.eq_ignore_ascii_case(u))
-                .map(|(idx, _)| *idx),
-            (GpuSelector::Uuid(_), _) => None,
+                .map(|(idx, _)| *idx)
+                .ok_or_else(|| format!("NVML reports no GPU {u}")),
+            (GpuSelector::Uuid(_), GpuCatalog::Unavailable(why)) => Err(format!(
+                "waits for NVML to name this GPU (NVML is unavailable: {why})"
+            )),
+            (GpuSelector::Uuid(_), GpuCatalog::Disabled) => {
+                Err("NVML is disabled ([nvml] enabled = false): nothing names this GPU".into())
+            }
         }
+    }
+
+    /// The GPU key a stored selector names now ([`Self::key_now`]), if any.
+    pub fn resolve(&self, gpu: &GpuSelector) -> Option<u32> {
+        self.key_now(gpu).ok()
     }
 
     /// The GPU key a stored entry names: where `in_force` says it was put in force, whatever
@@ -119,12 +138,15 @@ impl PolicyStore {
         &mut self,
         path: &str,
         gpu: &GpuSelector,
-        key: u32,
+        key: Option<u32>,
         update: LimitUpdate,
         in_force: &BTreeMap<(String, GpuSelector), u32>,
     ) -> Result<Limits, PolicyError> {
         let key_of = |c: &str, g: &GpuSelector| self.key_in(in_force, c, g);
-        if key != GPU_ALL
+        // A selector that names no GPU yet is checked when it does (the enforcement keeps it
+        // aside then if the card is taken).
+        if let Some(key) = key
+            && key != GPU_ALL
             && let Some(((_, other), _)) = self
                 .store
                 .iter()
@@ -274,5 +296,69 @@ impl PolicyStore {
             l.compute_min = l.compute_min.map(|v| (v / n).max(1));
             l
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::CorruptState;
+
+    fn store(tag: &str, catalog: GpuCatalog) -> PolicyStore {
+        let dir = std::env::temp_dir().join(format!("gpud-policies-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        match LimitStore::load(&dir, CorruptState::Refuse) {
+            Ok(s) => PolicyStore::new(s, catalog),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    const UUID: &str = "GPU-00000001-1111-2222-3333-444444444444";
+
+    #[test]
+    fn selectors_name_gpus_with_and_without_nvml() {
+        let uuid = GpuSelector::Uuid(UUID.into());
+        let (i1, i3) = (GpuSelector::Index(1), GpuSelector::Index(3));
+
+        // NVML not answering: an index is taken as given, a UUID waits.
+        let s = store("down", GpuCatalog::Unavailable("no library".into()));
+        assert_eq!(s.checked_key(&GpuSelector::All).ok(), Some(Some(GPU_ALL)));
+        assert_eq!(s.checked_key(&i3).ok(), Some(Some(3)));
+        assert_eq!(s.checked_key(&uuid).ok(), Some(None));
+        assert_eq!(s.key_now(&i3), Ok(3));
+        assert!(
+            s.key_now(&uuid)
+                .is_err_and(|why| why.contains("no library"))
+        );
+
+        // NVML off: the same for an index; a UUID can never resolve, so it is refused.
+        let s = store("off", GpuCatalog::Disabled);
+        assert_eq!(s.checked_key(&i1).ok(), Some(Some(1)));
+        assert!(matches!(
+            s.checked_key(&uuid),
+            Err(PolicyError::NoInventory { .. })
+        ));
+
+        // NVML answering with GPUs 0 and 1: the UUID is GPU 1; GPU 3 is refused when set and,
+        // stored, names no GPU (never another one).
+        let mut s = store("known", GpuCatalog::Unavailable(String::new()));
+        assert!(s.set_catalog(GpuCatalog::Known(vec![
+            (0, "GPU-0".into()),
+            (1, UUID.to_ascii_lowercase()),
+        ])));
+        assert_eq!(s.checked_key(&uuid).ok(), Some(Some(1)));
+        assert_eq!(s.key_now(&uuid), Ok(1));
+        assert!(matches!(
+            s.checked_key(&i3),
+            Err(PolicyError::UnknownGpu(..))
+        ));
+        assert!(s.key_now(&i3).is_err_and(|why| why.contains("no GPU 3")));
+        assert_eq!(s.resolve(&i3), None);
+        // The same inventory again is no change; NVML going away is none either.
+        assert!(!s.set_catalog(GpuCatalog::Known(vec![
+            (0, "GPU-0".into()),
+            (1, UUID.to_ascii_lowercase()),
+        ])));
+        assert!(!s.set_catalog(GpuCatalog::Unavailable("gone".into())));
     }
 }

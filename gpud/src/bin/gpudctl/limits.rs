@@ -4,7 +4,7 @@
 
 use clap::{Arg, ArgMatches, Args, Command, FromArgMatches};
 use gpud_api::{
-    LimitRecord,
+    LimitRecord, LimitState,
     limits::{LimitKind, LimitSet, LimitValue, Priority, ValueType},
 };
 
@@ -51,8 +51,9 @@ impl Args for LimitFlags {
     }
 }
 
-/// `gpudctl limits` as text: every limit set, the cgroup column as wide as its longest path
-/// (Kubernetes paths run past 100 characters).
+/// `gpudctl limits` as text: every limit set and its state (`in-force`, or `pending` with why
+/// on a line of its own), the cgroup column as wide as its longest path (Kubernetes paths run
+/// past 100 characters).
 pub fn print_limits(limits: &[LimitRecord]) {
     let width = limits
         .iter()
@@ -60,14 +61,23 @@ pub fn print_limits(limits: &[LimitRecord]) {
         .max()
         .unwrap_or(0)
         .max("CGROUP".len());
-    println!("{:<width$}  {:<12} LIMITS", "CGROUP", "GPU");
+    println!("{:<width$}  {:<12} {:<8} LIMITS", "CGROUP", "GPU", "STATE");
     for l in limits {
         let shown: Vec<String> = l
             .limits
             .iter()
             .map(|(name, v)| format!("{name}={}", shown(name, *v)))
             .collect();
-        println!("{:<width$}  {:<12} {}", l.cgroup, l.gpu, shown.join(" "));
+        println!(
+            "{:<width$}  {:<12} {:<8} {}",
+            l.cgroup,
+            l.gpu,
+            l.state,
+            shown.join(" ")
+        );
+        if let LimitState::Pending(why) = l.limit_state() {
+            println!("{:<width$}  {:<12} ↳ {why}", "", "");
+        }
     }
 }
 

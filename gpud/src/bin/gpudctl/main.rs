@@ -12,7 +12,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use gpud_api::{
-    CgroupRecord, ComputeRecord, LimitRecord, Manager1Proxy, NvmlUsageRecord, connect_builder,
+    CgroupRecord, ComputeRecord, LimitRecord, LimitState, Manager1Proxy, NvmlUsageRecord,
+    connect_builder,
 };
 use gpud_common::IOCTL_CLASS_NAMES;
 
@@ -204,10 +205,13 @@ async fn run(args: Args) -> Result<(), Failure> {
                 eprintln!("gpudctl: set needs at least one limit (see gpudctl set --help)");
                 return Err(Failure::Usage);
             }
-            proxy
+            let (state, note) = proxy
                 .set_limits(&cgroup, &gpu, limits.0.to_dict())
                 .await
                 .map_err(daemon_err)?;
+            if let LimitState::Pending(why) = LimitState::from_wire(&state, &note) {
+                eprintln!("gpudctl: stored, pending: {why}");
+            }
             Ok(())
         }
         Command::Clear { cgroup, gpu, names } => {
