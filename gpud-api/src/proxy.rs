@@ -105,6 +105,7 @@ pub trait Manager1 {
         usage: u64,
         max: u64,
         action: String,
+        source: String,
     ) -> zbus::Result<()>;
 }
 

@@ -267,6 +267,16 @@ impl CgroupFs {
         self.freezer.set(Holder::Memory, path, frozen)
     }
 
+    /// Kills every process in the cgroup at `path` and below it (`cgroup.kill`, Linux 5.14+; a
+    /// root-owned file, so no capability is needed whoever the processes run as).
+    pub fn kill(&self, path: &str) -> Result<(), CgroupError> {
+        let file = self
+            .root
+            .join(path.trim_start_matches('/'))
+            .join("cgroup.kill");
+        std::fs::write(&file, "1").map_err(|source| CgroupError::Write { path: file, source })
+    }
+
     /// The one writer of `cgroup.freeze` below this root, for the other holders (the compute
     /// actuator) to share.
     pub fn freezer(&self) -> Freezer {

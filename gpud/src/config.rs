@@ -292,6 +292,21 @@ pub struct EnforcementConfig {
     /// Tenants' RM controls that change GPU scheduling: refused, clamped or reported.
     pub scheduler_guard: GuardMode,
     pub guard_react_action: GuardReactAction,
+    /// Seconds NVML's per-process memory of a limited cgroup may stay over its limit (plus the
+    /// margin) before the react action applies; 0: the NVML backstop is off.
+    pub nvml_backstop_secs: u64,
+    /// Bytes NVML's figure may show over a limit (the contexts' own buffers).
+    pub nvml_backstop_margin_bytes: u64,
+}
+
+impl EnforcementConfig {
+    /// The NVML backstop's rule.
+    pub fn backstop_rule(&self) -> crate::enforcement::backstop::BackstopRule {
+        crate::enforcement::backstop::BackstopRule::of(
+            self.nvml_backstop_secs,
+            self.nvml_backstop_margin_bytes,
+        )
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]

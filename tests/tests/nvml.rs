@@ -657,3 +657,76 @@ async fn limits_set_while_nvml_is_down_are_in_force_or_pending_and_follow_nvml()
         rig.log_text()
     );
 }
+
+/// The NVML backstop: NVML reports a process of a limited cgroup holding 256 MiB on GPU 0 while
+/// the probes see nothing of it (no RM allocation gpud sizes: managed memory paged in, say).
+/// Under a 64 MiB limit it is killed once the figure stays over for the hold time (1 s here, no
+/// margin), with `MemoryLimitExceeded` saying `source` nvml; a neighbour under a 512 MiB limit
+/// holding the same is left alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn nvml_backstop_kills_a_cgroup_nvml_shows_over_its_limit_while_the_probes_see_nothing() {
+    use futures_util::StreamExt as _;
+    let mut rig = Rig::new("nvml-backstop").fake_nvml();
+    let over = Cgroup::new("backstop-over");
+    let under = Cgroup::new("backstop-under");
+    let mut kids = Kill(vec![
+        spawn_in(&over, "sleep 600"),
+        spawn_in(&under, "sleep 600"),
+    ]);
+    let (pid_over, pid_under) = (kids.0[0].id(), kids.0[1].id());
+    rig.nvml_scenario(&Scenario::gpus(1).with([
+        Process::on(pid_over, 0, 256 * MIB),
+        Process::on(pid_under, 0, 256 * MIB),
+    ]));
+    rig.start(
+        rig.config()
+            .react_action("kill")
+            .set("enforcement.nvml_backstop_secs", 1)
+            .set("enforcement.nvml_backstop_margin_bytes", 0),
+    )
+    .await;
+    rig.wait_for_gpus(1).await;
+    let (_conn, p) = rig.proxy().await;
+    let mut signals = p
+        .receive_memory_limit_exceeded()
+        .await
+        .expect("subscribe to MemoryLimitExceeded");
+    rig.set_limit(&over.rel, "0", "memory_max", "64Mi").await;
+    rig.set_limit(&under.rel, "0", "memory_max", "512Mi").await;
+
+    let sig = tokio::time::timeout(Duration::from_secs(10), signals.next())
+        .await
+        .unwrap_or_else(|_| panic!("no MemoryLimitExceeded:\n{}", rig.log_text()))
+        .expect("signal");
+    let args = sig.args().expect("signal args");
+    assert_eq!(
+        (
+            args.cgroup.as_str(),
+            args.gpu.as_str(),
+            args.source.as_str()
+        ),
+        (over.rel.as_str(), "0", "nvml")
+    );
+    assert_eq!(args.action, "killed");
+    assert_eq!(args.pid, pid_over);
+    assert_eq!(
+        (args.usage, args.max, args.bytes),
+        (256 * MIB, 64 * MIB, 192 * MIB)
+    );
+    let status = kids.0[0].wait().expect("wait");
+    use std::os::unix::process::ExitStatusExt as _;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    // The neighbour within its limit runs on, and nothing else is signalled.
+    let more = tokio::time::timeout(Duration::from_secs(2), signals.next()).await;
+    assert!(more.is_err(), "unexpected signal: {more:?}");
+    assert_eq!(
+        kids.0[1].try_wait().expect("try_wait"),
+        None,
+        "killed a cgroup within its limit"
+    );
+    assert!(
+        rig.log_text().contains("source=\"nvml\""),
+        "{}",
+        rig.log_text()
+    );
+}

@@ -225,7 +225,9 @@ impl Manager {
 
     /// An allocation took `cgroup` over its `memory_max` on `gpu` (react tier; `action` is
     /// `killed`, `frozen` or `notified`) or was refused (`denied`). `usage` is the cgroup's usage
-    /// after the allocation (react) or before it (deny).
+    /// after the allocation (react) or before it (deny). `source` is `kernel` (the probes, at the
+    /// allocation) or `nvml` (NVML's per-process memory stayed over the limit: `bytes` is the
+    /// excess, `pid` the largest holder).
     #[zbus(signal)]
     pub async fn memory_limit_exceeded(
         emitter: &zbus::object_server::SignalEmitter<'_>,
@@ -236,6 +238,7 @@ impl Manager {
         usage: u64,
         max: u64,
         action: &str,
+        source: &str,
     ) -> zbus::Result<()>;
 
     /// The scheduler guard met a tenant's scheduling control: `control` (the driver's name),
@@ -429,6 +432,7 @@ async fn emit(conn: &zbus::Connection, notice: Notice, idle_signal: bool) -> zbu
                 n.usage,
                 n.max,
                 &n.action,
+                n.source,
             )
             .await
         }

@@ -439,6 +439,11 @@ impl Attribution {
         Ok(self.cgroups.freeze(path, frozen)?)
     }
 
+    /// Kills every process of the cgroup at `path` and its descendants (`cgroup.kill`).
+    pub fn kill(&mut self, path: &str) -> Result<(), AttributionError> {
+        Ok(self.cgroups.kill(path)?)
+    }
+
     /// Path of a cgroup id, if it still exists.
     pub fn path_of(&mut self, id: u64) -> Option<String> {
         self.cgroups.path_of(id)

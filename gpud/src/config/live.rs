@@ -12,6 +12,8 @@ pub const LIVE_KEYS: &[&str] = &[
     "attribution.sweep_interval_secs",
     "enforcement.virtualize_memory_info",
     "enforcement.scheduler_guard",
+    "enforcement.nvml_backstop_secs",
+    "enforcement.nvml_backstop_margin_bytes",
     "nvml.sample_interval_ms",
     "nvml.retry_interval_secs",
     "compute.period_ms",

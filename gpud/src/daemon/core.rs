@@ -194,7 +194,11 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
         GpuCatalog::Disabled
     };
     let mut policies = PolicyStore::new(store, catalog);
-    let mut memory = MemoryEnforcement::new(tier, config.enforcement.react_action);
+    let mut memory = MemoryEnforcement::new(
+        tier,
+        config.enforcement.react_action,
+        config.enforcement.backstop_rule(),
+    );
     memory.restore(&mut attribution, &mut settings, &mut policies);
     guard::sync_allowances(&mut attribution, &mut settings, policies.policies());
     Ok(Opened {

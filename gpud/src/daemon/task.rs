@@ -214,6 +214,10 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
 /// (`config::LIVE_KEYS`); returns the timers' new intervals.
 fn reconfigure(state: &mut State, config: &Config) -> Intervals {
     state.idle.set_rule((&config.idle).into());
+    state
+        .core
+        .memory
+        .set_backstop(config.enforcement.backstop_rule());
     if let Some(params) = &state.live.compute {
         params.send_replace(compute::params(config));
     }
@@ -298,6 +302,17 @@ fn on_nvml(state: &mut State, update: NvmlUpdate) {
     }
     if fresh {
         update_idle(state);
+    }
+    if fresh && state.nvml.available {
+        let core = &mut state.core;
+        for n in core.memory.on_nvml(
+            &mut core.attribution,
+            &core.policies,
+            &state.nvml.processes,
+            std::time::Instant::now(),
+        ) {
+            state.outputs.notices.send(Notice::MemoryLimitExceeded(n));
+        }
     }
     if fresh {
         let catalog = if state.nvml.available {

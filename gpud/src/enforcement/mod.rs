@@ -2,9 +2,11 @@
 //! into kernel-map entries, re-applies them at start, and acts on the kernel's limit events (the
 //! `freeze` action, notices).
 //! The `kill` and `deny` actions happen in the kernel itself; this module only reports them.
+//! What the probes cannot size, NVML's per-process memory shows: the [`backstop`] acts on it.
 //! Owned by the state task. Compute shares are [`compute`]'s, a task of their own; the scheduler
 //! guard's allowances and reports are [`guard`]'s.
 
+pub mod backstop;
 pub mod compute;
 pub mod dmem;
 pub mod guard;
@@ -12,6 +14,7 @@ pub mod restore;
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use backstop::{Backstop, BackstopRule};
 use gpud_api::LimitState;
 use gpud_common::GPU_ALL;
 use tracing::{error, info, warn};
@@ -21,6 +24,7 @@ use crate::{
     cgroupfs::CgroupError,
     config::ReactAction,
     notice::LimitNotice,
+    nvml::ProcessSample,
     policy::{GpuCatalog, GpuSelector, LimitEntry, LimitUpdate, PolicyError, PolicyStore},
     probes::{KernelSettings, SettingError, Tier, events::LimitEvent},
     report::Chain,
@@ -49,15 +53,18 @@ pub struct MemoryEnforcement {
     /// ([`Self::reconcile`]); NVML going away leaves every entry where it is. Clearing an entry
     /// uses the key it was applied under, whatever NVML says by then.
     applied: BTreeMap<(String, GpuSelector), u32>,
+    /// NVML's per-process memory against the limits in force ([`Self::on_nvml`]).
+    backstop: Backstop,
 }
 
 impl MemoryEnforcement {
-    pub fn new(tier: Tier, action: ReactAction) -> Self {
+    pub fn new(tier: Tier, action: ReactAction, backstop: BackstopRule) -> Self {
         Self {
             tier,
             action,
             frozen: BTreeSet::new(),
             applied: BTreeMap::new(),
+            backstop: Backstop::new(backstop),
         }
     }
 
@@ -413,7 +420,70 @@ impl MemoryEnforcement {
             usage: ev.usage,
             max,
             action: action.to_owned(),
+            source: LimitNotice::KERNEL,
         }
+    }
+
+    /// A fresh NVML sample taken at `now`: the limits NVML shows over for the backstop's hold
+    /// time ([`backstop`]) get the react action, and their notices (`source` nvml) are returned.
+    /// `kill` kills the cgroups of the processes holding the memory (`cgroup.kill`: the probes
+    /// did not see the allocation, so there is no allocating call to kill in); `freeze` freezes
+    /// the limited cgroup; `notify` only reports.
+    pub fn on_nvml(
+        &mut self,
+        attr: &mut Attribution,
+        policies: &PolicyStore,
+        processes: &[ProcessSample],
+        now: std::time::Instant,
+    ) -> Vec<LimitNotice> {
+        let limits = self.memory_limits(policies);
+        let over = self.backstop.observe(now, &limits, processes);
+        over.into_iter()
+            .map(|o| self.act_on_nvml(attr, o))
+            .collect()
+    }
+
+    fn act_on_nvml(&mut self, attr: &mut Attribution, o: backstop::Over) -> LimitNotice {
+        let action = match self.action {
+            ReactAction::Kill => {
+                let cgroups: BTreeSet<&str> =
+                    o.holders.iter().map(|(_, c, _)| c.as_str()).collect();
+                let mut killed = false;
+                for cg in cgroups {
+                    match attr.kill(cg) {
+                        Ok(()) => killed = true,
+                        Err(e) => error!(cgroup = %cg, "cannot kill: {}", Chain(&e)),
+                    }
+                }
+                if killed { "killed" } else { "notified" }
+            }
+            ReactAction::Freeze => match attr.freeze(&o.cgroup, true) {
+                Ok(()) => {
+                    self.frozen.insert(o.cgroup.clone());
+                    "frozen"
+                }
+                Err(e) => {
+                    error!(cgroup = %o.cgroup, "cannot freeze: {}", Chain(&e));
+                    "notified"
+                }
+            },
+            ReactAction::Notify => "notified",
+        };
+        LimitNotice {
+            pid: o.holders.first().map_or(0, |h| h.0),
+            gpu: gpu_name(o.gpu),
+            bytes: o.usage.saturating_sub(o.max),
+            usage: o.usage,
+            max: o.max,
+            action: action.to_owned(),
+            source: LimitNotice::NVML,
+            cgroup: o.cgroup,
+        }
+    }
+
+    /// A new backstop rule (a reload).
+    pub fn set_backstop(&mut self, rule: BackstopRule) {
+        self.backstop.set_rule(rule);
     }
 
     /// Thaws a cgroup this module froze once none of its limits is exceeded any more.

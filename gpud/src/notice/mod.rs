@@ -60,7 +60,8 @@ impl Notice {
         match self {
             Self::MemoryLimitExceeded(n) => warn!(
                 cgroup = %n.cgroup, gpu = %n.gpu, pid = n.pid, bytes = n.bytes, usage = n.usage,
-                max = n.max, action = n.action.as_str(), "GPU memory limit exceeded"
+                max = n.max, action = n.action.as_str(), source = n.source,
+                "GPU memory limit exceeded"
             ),
             Self::SchedulerControlGuarded(n) => warn!(
                 cgroup = %n.cgroup, pid = n.pid, control = %n.control,
@@ -104,6 +105,16 @@ pub struct LimitNotice {
     pub max: u64,
     /// `denied`, `killed`, `frozen` or `notified`.
     pub action: String,
+    /// What saw it: [`LimitNotice::KERNEL`] (the probes, at the allocation) or
+    /// [`LimitNotice::NVML`] (the backstop: NVML's per-process memory over the limit).
+    pub source: &'static str,
+}
+
+impl LimitNotice {
+    /// The probes met the limit at an allocation.
+    pub const KERNEL: &str = "kernel";
+    /// NVML's per-process used memory stayed over the limit (`bytes` is the excess).
+    pub const NVML: &str = "nvml";
 }
 
 /// One report of the scheduler guard, for the `SchedulerControlGuarded` signal.

@@ -35,7 +35,7 @@ fn decode(msg: &zbus::Message) -> Option<(String, String, Value)> {
     let body = msg.body();
     let (line, value) = match member.as_str() {
         "MemoryLimitExceeded" => {
-            let (cgroup, gpu, pid, bytes, usage, max, action): (
+            let (cgroup, gpu, pid, bytes, usage, max, action, source): (
                 String,
                 String,
                 u32,
@@ -43,16 +43,27 @@ fn decode(msg: &zbus::Message) -> Option<(String, String, Value)> {
                 u64,
                 u64,
                 String,
+                String,
             ) = body.deserialize().ok()?;
-            (
+            let line = if source == "nvml" {
+                format!(
+                    "{cgroup} gpu {gpu}: NVML shows {} held (pid {pid} the most), {} over max {} ({action}, source nvml)",
+                    human(usage),
+                    human(bytes),
+                    human(max)
+                )
+            } else {
                 format!(
                     "{cgroup} gpu {gpu}: pid {pid} allocated {} taking usage to {} over max {} ({action})",
                     human(bytes),
                     human(usage),
                     human(max)
-                ),
+                )
+            };
+            (
+                line,
                 json!({"cgroup": cgroup, "gpu": gpu, "pid": pid, "bytes": bytes, "usage": usage,
-                       "max": max, "action": action}),
+                       "max": max, "action": action, "source": source}),
             )
         }
         "SchedulerControlGuarded" => {
