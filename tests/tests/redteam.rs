@@ -1,0 +1,82 @@
+//! A tenant against its memory limit, as an adversary: each test performs one route around the
+//! limit with raw RM calls on the fake NVIDIA control device (`gpud-rm`, through
+//! [`RmProcess`]), under a 64 MiB limit, and judges by the fake driver's ledger of the bytes
+//! really held, not by gpud's own figures. docs/design.md ("Threat model") lists the routes,
+//! what closes each and what remains.
+
+use std::{os::unix::process::ExitStatusExt as _, time::Duration};
+
+use gpud_tests::{Cgroup, Rig, RmProcess, eventually};
+
+const MIB: u64 = 1 << 20;
+const LIMIT: u64 = 64 * MIB;
+
+/// gpud in the react tier with `kill`, its pins kept at exit (as in production), over the fake
+/// device with one GPU and the fake NVML naming it.
+async fn started(tag: &str) -> Option<Rig> {
+    let mut rig = Rig::new(tag).fake_device(1)?.fake_gpus(1);
+    rig.start(rig.config().react_action("kill").keep_pinned(true))
+        .await;
+    rig.wait_for_gpus(1).await;
+    Some(rig)
+}
+
+/// `tenant` allocates `bytes` past its limit: it must not survive the call, and what it held
+/// goes with it (the fake driver frees everything made through its file): the ledger is empty
+/// right after.
+async fn crosses_and_dies(rig: &Rig, tenant: &mut RmProcess, client: u32, device: u32, bytes: u64) {
+    let answer = tenant.try_cmd(&format!("alloc {client} {device} {bytes}"));
+    assert!(
+        answer.is_none(),
+        "the crossing allocation returned: {answer:?}\n{}",
+        rig.log_text()
+    );
+    let status = tenant.wait();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    let freed = eventually(Duration::from_secs(5), || async {
+        (rig.fake().snapshot().used_total() == 0).then_some(())
+    })
+    .await;
+    assert!(
+        freed.is_some(),
+        "the killed tenant's memory is still held: {} bytes",
+        rig.fake().snapshot().used_total()
+    );
+}
+
+/// The restart window: a limit set by GPU UUID (as every Kubernetes plugin sets them) stays in
+/// the kernel across a restart of gpud while NVML answers 10 s late, so the tenant that tries to
+/// cross right after the restart is killed at its crossing call; the ledger never shows it over.
+#[tokio::test(flavor = "multi_thread")]
+async fn restart_window_a_uuid_limit_holds_while_nvml_answers_late() {
+    let Some(mut rig) = started("rt-restart").await else {
+        return;
+    };
+    let cg = Cgroup::new("rt-restart");
+    let uuid = gpud_tests::scenario::uuid(0);
+    rig.set_limit(&cg.rel, &uuid, "memory_max", LIMIT).await;
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = tenant.client_device(0);
+    tenant.ok(&format!("alloc {client} {device} {}", 48 * MIB));
+    rig.expect_memory(&cg.rel, &[("0", 48 * MIB), ("all", 48 * MIB)])
+        .await;
+
+    // gpud restarts (an upgrade, a crash) and NVML does not answer for 10 s.
+    let lib = rig.nvml_dir().join("libnvidia-ml.so.1");
+    let aside = rig.nvml_dir().join("libnvidia-ml.so.1.aside");
+    std::fs::rename(&lib, &aside).expect("take the library away");
+    rig.restart().await;
+    let late = std::time::Instant::now();
+    let (_c, p) = rig.proxy().await;
+    assert!(!p.nvml_available().await.expect("NvmlAvailable"));
+    crosses_and_dies(&rig, &mut tenant, client, device, 32 * MIB).await;
+
+    // NVML answers 10 s after the restart: the limit is where it was.
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(late.elapsed())).await;
+    std::fs::rename(&aside, &lib).expect("put the library back");
+    rig.wait_for_gpus(1).await;
+    let mut again = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = again.client_device(0);
+    again.ok(&format!("alloc {client} {device} {}", 48 * MIB));
+    crosses_and_dies(&rig, &mut again, client, device, 32 * MIB).await;
+}
