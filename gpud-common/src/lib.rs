@@ -526,7 +526,8 @@ pub const MAX_EXTRA_FILES: u32 = 256;
 /// The event ring's size in the object; the daemon sets it at load (`probes.events_ring_kib`,
 /// whose default this is).
 pub const EVENTS_BYTES: u32 = 1024 * 1024;
-/// Capacity of `OBJECTS`: RM clients, devices, subdevices and video-memory objects followed.
+/// Capacity of `OBJECTS` as built; the daemon sets it at load time from `probes.max_objects`
+/// (this is its default).
 pub const MAX_OBJECTS: u32 = 262_144;
 /// Capacity of `USAGE`: (cgroup, GPU) pairs, each charged cgroup's ancestors included.
 pub const MAX_USAGE: u32 = 65_536;

@@ -143,14 +143,20 @@ fn charge(anc: &Ancestry, gpu: u32, delta: u64) {
     }
 }
 
-/// The first limit (from the root down) that usage plus `extra` exceeds: the cgroup, the GPU
-/// key of the limit, and the usage it holds now. Bumps that limit's event counter.
+/// The first limit (from the root down) that usage plus `extra` exceeds (any limit at all with
+/// `any`): the cgroup, the GPU key of the limit, and the usage it holds now. Bumps that limit's
+/// event counter.
 #[inline(always)]
 pub(crate) fn over_limit(anc: &Ancestry, gpu: u32, extra: u64) -> Option<(u64, u32, u64)> {
+    limit_met(anc, gpu, extra, false)
+}
+
+#[inline(always)]
+fn limit_met(anc: &Ancestry, gpu: u32, extra: u64, any: bool) -> Option<(u64, u32, u64)> {
     let mut hit = None;
     each_limit(anc, gpu, |id, g, l| {
         let now = usage(id, g);
-        if now.saturating_add(extra) <= unsafe { (*l).max } {
+        if !any && now.saturating_add(extra) <= unsafe { (*l).max } {
             return false;
         }
         unsafe {
@@ -341,12 +347,17 @@ fn charge_memory(client: u32, parent: u32, handle: u32, bytes: u64, file: u64) {
         object: handle,
     };
     charge(anc, gpu, bytes);
-    if !track_object(key, OBJ_MEMORY, parent, gpu, bytes, file) {
+    let tracked = track_object(key, OBJ_MEMORY, parent, gpu, bytes, file);
+    let met = if tracked {
+        bump_stat(stat::CHARGES);
+        over_limit(anc, gpu, 0)
+    } else {
+        // The map is full: no free of this memory could ever be seen, so it cannot stay
+        // charged. Under a limit that fails closed: it counts as crossing it.
         charge(anc, gpu, bytes.wrapping_neg());
-        return;
-    }
-    bump_stat(stat::CHARGES);
-    if let Some((cg, g, now)) = over_limit(anc, gpu, 0) {
+        limit_met(anc, gpu, 0, true)
+    };
+    if let Some((cg, g, now)) = met {
         bump_stat(stat::CROSSED);
         if let Some(cfg) = config()
             && cfg.react_action == REACT_KILL

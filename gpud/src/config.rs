@@ -162,6 +162,8 @@ pub struct ProbesConfig {
     pub bpffs: PathBuf,
     pub keep_pinned: bool,
     pub events_ring_kib: u32,
+    /// Entries of the object map (RM clients, devices, memory, channels of every tenant).
+    pub max_objects: u32,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -462,6 +464,12 @@ impl Config {
                 "must be a power of two between 64 and 262144",
             ));
         }
+        if !(1024..=16 << 20).contains(&self.probes.max_objects) {
+            return Err(invalid(
+                "probes.max_objects",
+                "must be between 1024 and 16777216",
+            ));
+        }
         if self.dbus.bus.trim().is_empty() {
             return Err(invalid("dbus.bus", "must be \"system\" or a D-Bus address"));
         }
@@ -707,6 +715,7 @@ mod tests {
             ),
             ("[nvml]\nsample_interval_ms = 5", "nvml.sample_interval_ms"),
             ("[probes]\nevents_ring_kib = 96", "probes.events_ring_kib"),
+            ("[probes]\nmax_objects = 1000", "probes.max_objects"),
             ("[probes]\nevents_ring_kib = 32", "probes.events_ring_kib"),
             (
                 "[probes]\nevents_ring_kib = 524288",

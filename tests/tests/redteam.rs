@@ -12,11 +12,16 @@ const MIB: u64 = 1 << 20;
 const LIMIT: u64 = 64 * MIB;
 
 /// gpud in the react tier with `kill`, its pins kept at exit (as in production), over the fake
-/// device with one GPU and the fake NVML naming it.
-async fn started(tag: &str) -> Option<Rig> {
+/// device with one GPU and the fake NVML naming it; `max_objects` entries in its object map.
+async fn started(tag: &str, max_objects: u32) -> Option<Rig> {
     let mut rig = Rig::new(tag).fake_device(1)?.fake_gpus(1);
-    rig.start(rig.config().react_action("kill").keep_pinned(true))
-        .await;
+    rig.start(
+        rig.config()
+            .react_action("kill")
+            .keep_pinned(true)
+            .set("probes.max_objects", max_objects),
+    )
+    .await;
     rig.wait_for_gpus(1).await;
     Some(rig)
 }
@@ -49,7 +54,7 @@ async fn crosses_and_dies(rig: &Rig, tenant: &mut RmProcess, client: u32, device
 /// cross right after the restart is killed at its crossing call; the ledger never shows it over.
 #[tokio::test(flavor = "multi_thread")]
 async fn restart_window_a_uuid_limit_holds_while_nvml_answers_late() {
-    let Some(mut rig) = started("rt-restart").await else {
+    let Some(mut rig) = started("rt-restart", gpud_common::MAX_OBJECTS).await else {
         return;
     };
     let cg = Cgroup::new("rt-restart");
@@ -79,4 +84,34 @@ async fn restart_window_a_uuid_limit_holds_while_nvml_answers_late() {
     let (client, device) = again.client_device(0);
     again.ok(&format!("alloc {client} {device} {}", 48 * MIB));
     crosses_and_dies(&rig, &mut again, client, device, 32 * MIB).await;
+}
+
+/// Full maps: a neighbour fills the host's object map with RM clients (they cost no GPU
+/// memory; the map is 4,096 entries here, 262,144 by default, to keep the test short); the
+/// limited tenant's next allocation, which the map cannot record (so no free of it could ever
+/// be seen), fails closed: killed at the call (react `kill`), counted and signalled, rather than
+/// uncharged and forgotten.
+#[tokio::test(flavor = "multi_thread")]
+async fn full_object_map_a_limited_tenant_fails_closed() {
+    let Some(rig) = started("rt-fullmap", 4096).await else {
+        return;
+    };
+    let cg = Cgroup::new("rt-fullmap");
+    let other = Cgroup::new("rt-filler");
+    rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = tenant.client_device(0);
+    let mut filler = RmProcess::spawn(Some(&other.dir), &rig.ctl());
+    let started = std::time::Instant::now();
+    let filled = filler.cmd("clients 4096");
+    println!("{filled} in {:?}", started.elapsed());
+    let (_c, p) = rig.proxy().await;
+    let full = eventually(Duration::from_secs(10), || async {
+        let stats = p.get_kernel_stats().await.ok()?;
+        (stats.get("objects_map_full").copied().unwrap_or(0) > 0).then_some(())
+    })
+    .await;
+    assert!(full.is_some(), "the object map never filled: {filled}");
+    crosses_and_dies(&rig, &mut tenant, client, device, 16 * MIB).await;
+    filler.finish();
 }

@@ -251,6 +251,7 @@ impl Probes {
             .override_global("BTF_FILE_REFS", &offsets.file_refs, true)
             .map_max_entries(map_names::TRACKED, gpud_common::tracked_words(pid_max()))
             .map_max_entries(map_names::EVENTS, ring_bytes)
+            .map_max_entries(map_names::OBJECTS, cfg.max_objects)
             // The per-task map of RM calls in flight (`CALLS`): aya has no type for task
             // storage, and the daemon never reads it.
             .allow_unsupported_maps()

@@ -13,6 +13,7 @@
 //! | command | does |
 //! |---|---|
 //! | `client [HANDLE]` | allocates a client (RM picks the handle unless HANDLE) |
+//! | `clients N` | allocates N clients, stopping at the first failure: `{"ok":…,"made":…,"failed":REPLY}` |
 //! | `device CLIENT ID` | `NV01_DEVICE_0` for GPU ID under CLIENT |
 //! | `subdevice CLIENT DEVICE` | `NV20_SUBDEVICE_0` under DEVICE |
 //! | `channel-group CLIENT DEVICE` | `KEPLER_CHANNEL_GROUP_A` under DEVICE |
@@ -294,6 +295,21 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
         Ok(match (cmd, args.len()) {
             ("client", 0) => reply_json(&ctl.alloc_client()),
             ("client", 1) => reply_json(&ctl.alloc_client_with(n(0)?)),
+            ("clients", 1) => {
+                // A tenant filling the host's maps: clients cost no GPU memory.
+                let want = n(0)?;
+                let mut made = 0u32;
+                let mut failed = Value::Null;
+                for _ in 0..want {
+                    let r = ctl.alloc_client();
+                    if !r.ok() {
+                        failed = reply_json(&r);
+                        break;
+                    }
+                    made += 1;
+                }
+                json!({ "ok": made == want, "made": made, "failed": failed })
+            }
             ("device", 2) => reply_json(&ctl.alloc_device(n(0)?, n(1)?)),
             ("subdevice", 2) => reply_json(&ctl.alloc_subdevice(n(0)?, n(1)?)),
             ("channel-group", 2) => reply_json(&ctl.alloc_channel_group(n(0)?, n(1)?)),
