@@ -517,7 +517,8 @@ pub mod programs {
     pub const NOOP_FEXIT: &str = "gpud_noop_fexit";
 }
 
-/// Capacity of `PROCS`: tracked processes on the host.
+/// Capacity of `PROCS`, tracked processes on the host, as built; the daemon sets it at load time
+/// from `probes.max_procs` (this is its default).
 pub const MAX_PROCS: u32 = 65_536;
 /// Capacity of `CGROUPS` and `ANCESTRY`: cgroups that used an NVIDIA file or were charged.
 pub const MAX_CGROUPS: u32 = 16_384;

@@ -77,6 +77,9 @@ fn proc_entry(tgid: u32, cgroup_id: u64, flags: u32) -> Option<*mut ProcEntry> {
         // Another CPU inserted it first: fine, use theirs.
         Err(_) if PROCS.get_ptr_mut(tgid).is_some() => {}
         Err(_) => {
+            // Uncounted, but its RM calls' return sides must still run (they charge what it
+            // allocates): `TRACKED`, sized to pid_max, cannot fill.
+            mark_tracked(tgid);
             bump_stat(stat::PROCS_FULL);
             return None;
         }

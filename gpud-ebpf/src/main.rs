@@ -511,7 +511,11 @@ pub fn gpud_tp_fork(ctx: RawTracePointContext) -> i32 {
                 ..Event::default()
             });
         }
-        Err(_) => bump_stat(stat::PROCS_FULL),
+        Err(_) => {
+            // As in `proc_entry`: uncounted, still followed.
+            mark_tracked(child_tgid);
+            bump_stat(stat::PROCS_FULL);
+        }
     }
     0
 }

@@ -164,6 +164,8 @@ pub struct ProbesConfig {
     pub events_ring_kib: u32,
     /// Entries of the object map (RM clients, devices, memory, channels of every tenant).
     pub max_objects: u32,
+    /// Entries of the process map (every process holding an NVIDIA file).
+    pub max_procs: u32,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -470,6 +472,12 @@ impl Config {
                 "must be between 1024 and 16777216",
             ));
         }
+        if !(1024..=4 << 20).contains(&self.probes.max_procs) {
+            return Err(invalid(
+                "probes.max_procs",
+                "must be between 1024 and 4194304",
+            ));
+        }
         if self.dbus.bus.trim().is_empty() {
             return Err(invalid("dbus.bus", "must be \"system\" or a D-Bus address"));
         }
@@ -716,6 +724,7 @@ mod tests {
             ("[nvml]\nsample_interval_ms = 5", "nvml.sample_interval_ms"),
             ("[probes]\nevents_ring_kib = 96", "probes.events_ring_kib"),
             ("[probes]\nmax_objects = 1000", "probes.max_objects"),
+            ("[probes]\nmax_procs = 0", "probes.max_procs"),
             ("[probes]\nevents_ring_kib = 32", "probes.events_ring_kib"),
             (
                 "[probes]\nevents_ring_kib = 524288",

@@ -115,3 +115,62 @@ async fn full_object_map_a_limited_tenant_fails_closed() {
     crosses_and_dies(&rig, &mut tenant, client, device, 16 * MIB).await;
     filler.finish();
 }
+
+/// A full process map: a neighbour's process holding an NVIDIA file forks children until the
+/// host's process map is full (1,024 entries here, 65,536 by default); the limited tenant then
+/// forks, and its child, which the map cannot record, allocates past the limit on the inherited
+/// file. The child is still followed to its calls' returns, so its crossing allocation is charged
+/// and it is killed.
+#[tokio::test(flavor = "multi_thread")]
+async fn full_process_map_a_forked_child_is_still_followed() {
+    let Some(mut rig) = Rig::new("rt-fullprocs").fake_device(1) else {
+        return;
+    };
+    rig = rig.fake_gpus(1);
+    rig.start(
+        rig.config()
+            .react_action("kill")
+            .set("probes.max_procs", 1024),
+    )
+    .await;
+    rig.wait_for_gpus(1).await;
+    let cg = Cgroup::new("rt-fullprocs");
+    let other = Cgroup::new("rt-forker");
+    rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = tenant.client_device(0);
+    let mut filler = RmProcess::spawn(Some(&other.dir), &rig.ctl());
+    filler.client_device(0);
+    filler.ok("forks 1100");
+    let (_c, p) = rig.proxy().await;
+    let full = eventually(Duration::from_secs(10), || async {
+        let stats = p.get_kernel_stats().await.ok()?;
+        (stats.get("procs_map_full").copied().unwrap_or(0) > 0).then_some(())
+    })
+    .await;
+    assert!(full.is_some(), "the process map never filled");
+
+    let child = tenant.ok("fork");
+    tenant.ok(&format!("alloc {client} {device} {}", 48 * MIB));
+    let answer = tenant.try_cmd(&format!("alloc {client} {device} {}", 32 * MIB));
+    // The child is killed in its crossing call; its parent reaps it and answers for it.
+    let reaped = match answer {
+        Some(v) if v.get("reaped").is_some() => v,
+        other => panic!(
+            "the child {child} survived its crossing allocation: {other:?}\n{}",
+            rig.log_text()
+        ),
+    };
+    assert_eq!(reaped["code"], 128 + libc::SIGKILL, "{reaped}");
+    tenant.ok(&format!("free {client} {client}"));
+    let freed = eventually(Duration::from_secs(5), || async {
+        (rig.fake().snapshot().used_total() == 0).then_some(())
+    })
+    .await;
+    assert!(
+        freed.is_some(),
+        "{} bytes held",
+        rig.fake().snapshot().used_total()
+    );
+    filler.finish();
+}

@@ -252,6 +252,7 @@ impl Probes {
             .map_max_entries(map_names::TRACKED, gpud_common::tracked_words(pid_max()))
             .map_max_entries(map_names::EVENTS, ring_bytes)
             .map_max_entries(map_names::OBJECTS, cfg.max_objects)
+            .map_max_entries(map_names::PROCS, cfg.max_procs)
             // The per-task map of RM calls in flight (`CALLS`): aya has no type for task
             // storage, and the daemon never reads it.
             .allow_unsupported_maps()

@@ -1,4 +1,5 @@
-//! `fork` and `handoff`: the script's process forks, and the child takes the script over.
+//! `fork` and `handoff`: the script's process forks, and the child takes the script over;
+//! `forks`: children that only wait.
 
 use std::io::Write as _;
 
@@ -40,4 +41,34 @@ pub(crate) fn fork() -> Value {
             json!({ "ok": true, "reaped": child, "code": code })
         }
     }
+}
+
+/// Forks `n` children that hold the open file and wait, each dying with this process
+/// (`PR_SET_PDEATHSIG`): a tenant filling the host's process map.
+pub(crate) fn forks(n: u64) -> Value {
+    let _ = std::io::stdout().flush();
+    let parent = std::process::id() as libc::pid_t;
+    for made in 0..n {
+        // SAFETY: this process is single-threaded here; the child only calls async-signal-safe
+        // functions before it waits.
+        match unsafe { libc::fork() } {
+            -1 => {
+                return err(format!(
+                    "fork after {made}: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+            0 => unsafe {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if libc::getppid() != parent {
+                    libc::_exit(0);
+                }
+                loop {
+                    libc::pause();
+                }
+            },
+            _ => {}
+        }
+    }
+    json!({ "ok": true, "children": n })
 }

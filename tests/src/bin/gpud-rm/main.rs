@@ -37,6 +37,7 @@
 //! | `sleep MS` | waits |
 //! | `pid` | `{"ok":true,"pid":…}` |
 //! | `fork` | forks; see below |
+//! | `forks N` | forks N children that keep the file and wait, dying with this process: `{"ok":true,"children":N}` |
 //! | `handoff` | forks; the child takes over the script and answers `{"ok":true,"pid":CHILD,"parent":PARENT}`; the parent exits at once (a daemon's double fork is two of these) |
 //! | `dup2` | duplicates the file descriptor to a higher number and closes the original |
 //! | `listen PATH` | binds a unix stream socket at PATH |
@@ -66,7 +67,7 @@ use gpud_tests::{
 use serde_json::{Value, json};
 
 use fd::{recv_fd, redup, send_fd};
-use fork::{fork, handoff};
+use fork::{fork, forks, handoff};
 use fuzz::fuzz;
 
 mod fd;
@@ -443,6 +444,10 @@ fn main() {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
             ["fork"] => emit(&fork()),
+            ["forks", n] => emit(&match parse_num(n) {
+                Some(n) => forks(n),
+                None => err(format!("forks: bad count {n:?}")),
+            }),
             ["handoff"] => emit(&handoff()),
             ["exit"] | ["exit", _] => {
                 let code = words.get(1).and_then(|c| parse_num(c)).unwrap_or(0) as i32;
