@@ -38,6 +38,8 @@ pub trait Manager1 {
     #[zbus(property)]
     fn deny_hook_refusals(&self) -> zbus::Result<BTreeMap<String, String>>;
     #[zbus(property)]
+    fn unseen_calls(&self) -> zbus::Result<BTreeMap<String, String>>;
+    #[zbus(property)]
     fn driver_limits(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn cgroup_root(&self) -> zbus::Result<String>;

@@ -126,6 +126,14 @@ impl Manager {
         self.info.deny_hook_refusals.clone()
     }
 
+    /// Tenants' calls the probes do not see on this kernel (neither charged nor guarded), and
+    /// why: `32-bit ioctls` in tracepoint mode or where a compat hook did not attach. Empty when
+    /// every path is seen.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn unseen_calls(&self) -> BTreeMap<String, String> {
+        self.info.unseen_calls.clone()
+    }
+
     /// The driver's own memory limits: `dmem: …` (gpud writes each `memory_max` to the
     /// `dmem.max` of the GPU's region too, so the driver itself refuses past it) with the
     /// regions, or `none: …` and why.

@@ -553,6 +553,7 @@ mod tests {
             driver_limits: "none".into(),
             cgroup_root: "/".into(),
             probes_resumed: false,
+            unseen_calls: BTreeMap::new(),
         };
         let mut out = String::new();
         encode(&mut out, &build(&snap, &info, std::time::SystemTime::now())).expect("encode");

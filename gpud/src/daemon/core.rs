@@ -44,6 +44,8 @@ pub struct DaemonInfo {
     pub driver_limits: String,
     pub cgroup_root: String,
     pub probes_resumed: bool,
+    /// Tenants' calls the probes do not see on this kernel, and why.
+    pub unseen_calls: BTreeMap<String, String>,
 }
 
 /// Why the daemon could not start.
@@ -167,6 +169,7 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
         driver_limits,
         cgroup_root: cgroups.root().display().to_string(),
         probes_resumed: probes.resumed(),
+        unseen_calls: probes.unseen_calls().clone(),
     };
     let matcher = Matcher { majors, extra };
     // Where neither a hook nor a rewrite can stop a tenant's control, the kernel asks for it to

@@ -276,7 +276,21 @@ pub(super) const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
     ),
 ];
 
+/// The `unseen_calls` entry of 32-bit callers' ioctls.
+pub const UNSEEN_COMPAT: &str = "32-bit ioctls";
+
 impl Attachment {
+    /// Whether this is a 32-bit (compat) ioctl hook, without which a 32-bit tenant's RM calls
+    /// go unseen.
+    fn is_compat(&self) -> bool {
+        match self.target {
+            Target::Fentry(f) | Target::Fexit(f) | Target::ModifyReturn(f) | Target::Lsm(f) => {
+                f.contains("compat")
+            }
+            Target::Tracepoint(..) | Target::RawTracepoint(_) => false,
+        }
+    }
+
     /// The program attached here: the rewriting twin where `rewriting` holds.
     fn program_of(&self, rewriting: bool) -> &'static str {
         match self.rewriting {
@@ -347,6 +361,14 @@ impl Probes {
         btf: &aya::Btf,
     ) -> Result<(), ProbeError> {
         let dir = self.links_dir();
+        if self.mode == AttachMode::Tracepoint {
+            self.unseen.insert(
+                UNSEEN_COMPAT.to_owned(),
+                "tracepoint mode: the syscalls:* tracepoints do not fire for 32-bit (compat) \
+                 system calls"
+                    .to_owned(),
+            );
+        }
         let required_present = self
             .attachments()
             .iter()
@@ -355,6 +377,17 @@ impl Probes {
         if required_present {
             info!(dir = %dir.display(), mode = self.mode.as_str(), "adopting attached probes");
             self.resumed = true;
+            for a in self.attachments() {
+                if a.is_compat() && PinnedLink::from_pin(dir.join(a.pin_name())).is_err() {
+                    self.unseen.insert(
+                        UNSEEN_COMPAT.to_owned(),
+                        format!(
+                            "{} was not attached by the daemon that attached the probes",
+                            a.pin_name()
+                        ),
+                    );
+                }
+            }
             return Ok(());
         }
         // Anything else under links/ is another object or mode: detach it before attaching, so
@@ -377,6 +410,8 @@ impl Probes {
                 Target::Lsm(h) => Some(format!("bpf_lsm_{h}")),
                 _ => None,
             };
+            // A kernel without the compat hook (before 6.8) runs 32-bit ioctls through the
+            // native one; without the compat syscall it has no 32-bit callers: no gap either way.
             if let Some(f) = func
                 && a.optional
                 && !kbtf.has_function(&f)
@@ -387,6 +422,12 @@ impl Probes {
             match self.attach_one(a, btf, &path) {
                 Ok(()) => {
                     debug!(program = a.program_of(self.rewriting()), pin = %path.display(), "attached");
+                }
+                Err(e) if a.is_compat() => {
+                    self.unseen.insert(
+                        UNSEEN_COMPAT.to_owned(),
+                        format!("{} did not attach: {}", a.pin_name(), Chain(&e)),
+                    );
                 }
                 Err(e) if a.optional => {
                     debug!(

@@ -26,7 +26,10 @@ mod modify_return;
 mod pin;
 mod settings;
 
-use std::path::{Path, PathBuf};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 use aya::{
     Ebpf, EbpfLoader,
@@ -209,6 +212,8 @@ pub struct Probes {
     ladder: HookLadder,
     /// The object relocated for fmod_ret loads, while the fmod_ret hook is being attached.
     modify_return: Option<modify_return::Relocated>,
+    /// Calls the probes do not see on this kernel, and why (`unseen_calls`).
+    unseen: BTreeMap<String, String>,
 }
 
 impl Probes {
@@ -396,8 +401,14 @@ impl Probes {
             guard,
             ladder,
             modify_return,
+            unseen: BTreeMap::new(),
         };
         probes.attach_or_adopt(&kbtf, &aya_btf)?;
+        for (calls, why) in &probes.unseen {
+            warn!(
+                "the probes do not see {calls}: {why}; such calls are neither charged nor guarded"
+            );
+        }
         // Loaded programs hold their maps; the relocated copy is needed no more.
         probes.modify_return = None;
         Ok(probes)
@@ -507,6 +518,13 @@ impl Probes {
     }
 
     /// Whether the probes were found attached by a previous daemon and adopted.
+    /// Calls of tenants the probes do not see (uncharged, unguarded), and why: `32-bit ioctls`
+    /// in tracepoint mode (the `syscalls:*` tracepoints do not fire for compat system calls) or
+    /// where a compat hook failed to attach. Each is also a warning at start.
+    pub fn unseen_calls(&self) -> &BTreeMap<String, String> {
+        &self.unseen
+    }
+
     pub fn resumed(&self) -> bool {
         self.resumed
     }

@@ -307,6 +307,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     let caps = proxy.kernel_capabilities().await.map_err(daemon_err)?;
     let hook = proxy.deny_hook().await.map_err(daemon_err)?;
     let hook_refusals = proxy.deny_hook_refusals().await.map_err(daemon_err)?;
+    let unseen = proxy.unseen_calls().await.map_err(daemon_err)?;
     let driver_limits = proxy.driver_limits().await.map_err(daemon_err)?;
     let root = proxy.cgroup_root().await.map_err(daemon_err)?;
     let resumed = proxy.probes_resumed().await.map_err(daemon_err)?;
@@ -331,6 +332,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
             "enforcement_tier": tier,
             "deny_hook": hook,
             "deny_hook_refusals": hook_refusals,
+            "unseen_calls": unseen,
             "driver_limits": driver_limits,
             "react_action": action,
             "memory_info_view": memory_view,
@@ -367,6 +369,9 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
         if let Some(why) = hook_refusals.get(rung) {
             println!("    {rung:<9} {why}");
         }
+    }
+    for (calls, why) in &unseen {
+        println!("  WARNING: unseen:  {calls} ({why}): neither charged nor guarded");
     }
     println!("  memory view:      {memory_view}");
     println!("  scheduler guard:  {guard}");

@@ -27,6 +27,15 @@ pub(super) fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Resu
         "attached in {:?}, wanted {want:?}",
         probes.mode()
     );
+    // fentry attaches the compat hooks too: no call goes unseen; tracepoints miss 32-bit ones.
+    let unseen = probes.unseen_calls();
+    match want {
+        AttachMode::Fentry => ensure!(unseen.is_empty(), "fentry leaves calls unseen: {unseen:?}"),
+        AttachMode::Tracepoint => ensure!(
+            unseen.contains_key("32-bit ioctls"),
+            "tracepoint mode does not report 32-bit ioctls unseen: {unseen:?}"
+        ),
+    }
     let root = attribution.cgroup_root().to_owned();
 
     let cg_a = root.join(format!("vm-{tag}-a"));
