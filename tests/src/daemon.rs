@@ -190,6 +190,33 @@ impl Daemon {
             .unwrap_or_else(|e| panic!("SetLimits {cgroup} {gpu} {name}: {e}"));
     }
 
+    /// The memory limits in force in the kernel for `cgroup` (`GetCgroup`'s `memory_max`), by
+    /// GPU key; empty when there is no such cgroup.
+    pub async fn in_force(&self, cgroup: &str) -> BTreeMap<String, u64> {
+        let (_c, p) = self.proxy().await;
+        p.get_cgroup(cgroup)
+            .await
+            .map(|r| r.memory_max)
+            .unwrap_or_default()
+    }
+
+    /// Waits up to 10 s until [`Self::in_force`] of `cgroup` is `want` (bytes by GPU key);
+    /// panics with what is there and the log otherwise.
+    pub async fn expect_in_force(&self, cgroup: &str, want: &[(&str, u64)]) {
+        let want: BTreeMap<String, u64> = want.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect();
+        let got = crate::eventually(std::time::Duration::from_secs(10), || async {
+            (self.in_force(cgroup).await == want).then_some(())
+        })
+        .await;
+        if got.is_none() {
+            panic!(
+                "{cgroup}: in force {:?}, wanted {want:?}\n{}",
+                self.in_force(cgroup).await,
+                self.log_text()
+            );
+        }
+    }
+
     /// The limits gpud lists for `cgroup`: by GPU selector, by limit name.
     pub async fn limits(&self, cgroup: &str) -> BTreeMap<String, BTreeMap<String, u64>> {
         let (_c, p) = self.proxy().await;

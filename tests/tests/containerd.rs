@@ -331,15 +331,6 @@ async fn containerd_container_started_before_the_plugin_gets_its_limits_when_it_
     remove_pod(&mut cri, &pod).await;
 }
 
-/// The memory limits in force in the kernel for `cg` (`GetCgroup`'s `memory_max`), by GPU key.
-async fn in_force(rig: &Rig, cg: &str) -> BTreeMap<String, u64> {
-    let (_c, p) = rig.proxy().await;
-    p.get_cgroup(cg)
-        .await
-        .map(|r| r.memory_max)
-        .unwrap_or_default()
-}
-
 /// The example pod of docs/runtime-integration.md ("A pod"), plus a limit on the second GPU by
 /// UUID, started while gpud's NVML library is not there yet (as at boot, before the driver's
 /// library is installed or answers): every limit that needs no NVML is in force at once (all GPUs,
@@ -418,12 +409,8 @@ async fn containerd_pod_gets_every_limit_it_can_while_nvml_is_not_answering() {
     );
     // In the kernel now: all GPUs and GPU 0; GPU 1 (the UUID) waits for NVML.
     for (cg, all) in [(train_cg, 16 * GIB), (serve_cg, 4 * GIB)] {
-        assert_eq!(
-            in_force(&rig, cg).await,
-            BTreeMap::from([("all".to_owned(), all), ("0".to_owned(), 8 * GIB)]),
-            "{cg}\n{}",
-            rig.log_text()
-        );
+        rig.expect_in_force(cg, &[("all", all), ("0", 8 * GIB)])
+            .await;
     }
 
     // NVML appears (the library installed, two GPUs): the UUID names GPU 1, in force there.
@@ -431,21 +418,8 @@ async fn containerd_pod_gets_every_limit_it_can_while_nvml_is_not_answering() {
     gpud_tests::write_nvml_scenario(&lib_dir, &gpud_tests::scenario::Scenario::gpus(2));
     rig.wait_for_gpus(2).await;
     for (cg, all) in [(train_cg, 16 * GIB), (serve_cg, 4 * GIB)] {
-        let want = BTreeMap::from([
-            ("all".to_owned(), all),
-            ("0".to_owned(), 8 * GIB),
-            ("1".to_owned(), 2 * GIB),
-        ]);
-        let got = eventually(WAIT, || async {
-            (in_force(&rig, cg).await == want).then_some(())
-        })
-        .await;
-        assert!(
-            got.is_some(),
-            "{cg}: {:?}\n{}",
-            in_force(&rig, cg).await,
-            rig.log_text()
-        );
+        rig.expect_in_force(cg, &[("all", all), ("0", 8 * GIB), ("1", 2 * GIB)])
+            .await;
     }
 
     for name in ["train", "serve"] {

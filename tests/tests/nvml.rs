@@ -502,15 +502,6 @@ async fn xid_events_are_signalled_and_attributed_to_the_gpus_only_process() {
     );
 }
 
-/// `GetCgroup`'s `memory_max` of `cg`: the memory limits in force in the kernel, by GPU key.
-async fn in_force(d: &Daemon, cg: &Cgroup) -> std::collections::BTreeMap<String, u64> {
-    let (_c, p) = d.proxy().await;
-    p.get_cgroup(&cg.rel)
-        .await
-        .map(|r| r.memory_max)
-        .unwrap_or_default()
-}
-
 /// `ListLimits`' state of (cg, gpu): `in-force`, or `pending` and why.
 async fn state_of(d: &Daemon, cg: &Cgroup, gpu: &str) -> Option<LimitState> {
     let (_c, p) = d.proxy().await;
@@ -556,6 +547,7 @@ async fn limits_set_while_nvml_is_down_are_in_force_or_pending_and_follow_nvml()
             .map(|(k, v)| ((*k).to_owned(), *v * MIB))
             .collect::<std::collections::BTreeMap<_, _>>()
     };
+    let both = [("0", 512 * MIB), ("1", 256 * MIB)];
 
     assert_eq!(
         set("0", "512Mi").await.expect("by index"),
@@ -573,7 +565,7 @@ async fn limits_set_while_nvml_is_down_are_in_force_or_pending_and_follow_nvml()
         "{pending:?}"
     );
     assert_eq!(
-        in_force(&rig, &cg).await,
+        rig.in_force(&cg.rel).await,
         in_force_now(&[("0", 512), ("3", 64)])
     );
     assert_eq!(state_of(&rig, &cg, &uuid1).await, Some(pending.clone()));
@@ -587,16 +579,7 @@ async fn limits_set_while_nvml_is_down_are_in_force_or_pending_and_follow_nvml()
     write_nvml_scenario(&lib_dir, &Scenario::gpus(2));
     install_fake_nvml(&lib_dir);
     rig.wait_for_gpus(2).await;
-    let settled = eventually(Duration::from_secs(10), || async {
-        (in_force(&rig, &cg).await == in_force_now(&[("0", 512), ("1", 256)])).then_some(())
-    })
-    .await;
-    assert!(
-        settled.is_some(),
-        "{:?}\n{}",
-        in_force(&rig, &cg).await,
-        rig.log_text()
-    );
+    rig.expect_in_force(&cg.rel, &both).await;
     assert_eq!(state_of(&rig, &cg, &uuid1).await, Some(LimitState::InForce));
     let aside = state_of(&rig, &cg, "3").await;
     assert!(
@@ -622,7 +605,7 @@ async fn limits_set_while_nvml_is_down_are_in_force_or_pending_and_follow_nvml()
     .await;
     assert!(down.is_some(), "NVML never failed:\n{}", rig.log_text());
     assert_eq!(
-        in_force(&rig, &cg).await,
+        rig.in_force(&cg.rel).await,
         in_force_now(&[("0", 512), ("1", 256)])
     );
     assert_eq!(state_of(&rig, &cg, &uuid1).await, Some(LimitState::InForce));
@@ -634,7 +617,7 @@ async fn limits_set_while_nvml_is_down_are_in_force_or_pending_and_follow_nvml()
     drop(p);
     rig.restart().await;
     assert!(!nvml_status(&rig).await.0, "NVML must not answer yet");
-    let restarted = in_force(&rig, &cg).await;
+    let restarted = rig.in_force(&cg.rel).await;
     assert_eq!(
         restarted.get("1"),
         Some(&(256 * MIB)),
@@ -643,19 +626,10 @@ async fn limits_set_while_nvml_is_down_are_in_force_or_pending_and_follow_nvml()
     );
     assert_eq!(state_of(&rig, &cg, &uuid1).await, Some(LimitState::InForce));
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(in_force(&rig, &cg).await.get("1"), Some(&(256 * MIB)));
+    assert_eq!(rig.in_force(&cg.rel).await.get("1"), Some(&(256 * MIB)));
     install_fake_nvml(&lib_dir);
     rig.wait_for_gpus(2).await;
-    let settled = eventually(Duration::from_secs(10), || async {
-        (in_force(&rig, &cg).await == in_force_now(&[("0", 512), ("1", 256)])).then_some(())
-    })
-    .await;
-    assert!(
-        settled.is_some(),
-        "{:?}\n{}",
-        in_force(&rig, &cg).await,
-        rig.log_text()
-    );
+    rig.expect_in_force(&cg.rel, &both).await;
 }
 
 /// The NVML backstop: NVML reports a process of a limited cgroup holding 256 MiB on GPU 0 while

@@ -191,15 +191,6 @@ async fn podman_refuses_a_container_with_an_invalid_annotation_and_leaves_nothin
     assert!(listed.is_empty(), "limits left behind: {listed:?}");
 }
 
-/// The memory limits in force in the kernel for `cg` (`GetCgroup`'s `memory_max`), by GPU key.
-async fn in_force(rig: &Rig, cg: &str) -> BTreeMap<String, u64> {
-    let (_c, p) = rig.proxy().await;
-    p.get_cgroup(cg)
-        .await
-        .map(|r| r.memory_max)
-        .unwrap_or_default()
-}
-
 /// gpud started before its NVML library is there: a container naming GPU 0 by index and GPU 1
 /// by UUID starts with the all-GPU and the index-keyed limits in force at once and the UUID-keyed
 /// one stored; once the library appears and NVML names GPU 1, that one is in force too. A limit
@@ -250,31 +241,14 @@ async fn podman_container_gets_every_limit_it_can_while_nvml_is_not_answering() 
         read(&log),
         rig.log_text()
     );
-    assert_eq!(
-        in_force(&rig, &cg).await,
-        BTreeMap::from([("all".to_owned(), 16 * GIB), ("0".to_owned(), 8 * GIB)]),
-        "{}",
-        rig.log_text()
-    );
+    rig.expect_in_force(&cg, &[("all", 16 * GIB), ("0", 8 * GIB)])
+        .await;
 
     gpud_tests::install_fake_nvml(&lib_dir);
     gpud_tests::write_nvml_scenario(&lib_dir, &gpud_tests::scenario::Scenario::gpus(2));
     rig.wait_for_gpus(2).await;
-    let all_three = BTreeMap::from([
-        ("all".to_owned(), 16 * GIB),
-        ("0".to_owned(), 8 * GIB),
-        ("1".to_owned(), 2 * GIB),
-    ]);
-    let got = eventually(Duration::from_secs(10), || async {
-        (in_force(&rig, &cg).await == all_three).then_some(())
-    })
-    .await;
-    assert!(
-        got.is_some(),
-        "{:?}\n{}",
-        in_force(&rig, &cg).await,
-        rig.log_text()
-    );
+    rig.expect_in_force(&cg, &[("all", 16 * GIB), ("0", 8 * GIB), ("1", 2 * GIB)])
+        .await;
 
     // The hook's record names every GPU it set, the pending one too: poststop clears them all.
     let out = podman.rm("early");
