@@ -109,6 +109,8 @@ pub trait Manager1 {
         action: String,
         source: String,
     ) -> zbus::Result<()>;
+    #[zbus(signal)]
+    fn kernel_events_lost(&self, lost: u64) -> zbus::Result<()>;
 }
 
 /// Client side of `dev.gpud.Gpu1`.

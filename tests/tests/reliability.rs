@@ -512,7 +512,7 @@ async fn events_lost_while_the_daemon_is_stopped_are_signalled() {
         )
     });
     assert_eq!(ev["signal"], "KernelEventsLost", "{ev}");
-    let lost = ev["args"][0]
+    let lost = ev["lost"]
         .as_u64()
         .unwrap_or_else(|| panic!("no count in {ev}"));
     let stats = proxy.get_kernel_stats().await.expect("GetKernelStats");

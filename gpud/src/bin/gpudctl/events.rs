@@ -13,17 +13,18 @@ pub struct EventsArgs {
     #[arg(long, short = 'n', value_name = "N")]
     count: Option<u64>,
     /// Only these signals (repeatable): MemoryLimitExceeded, SchedulerControlGuarded,
-    /// ComputeThrottled, IdleChanged, Xid, or any other signal gpud emits.
+    /// ComputeThrottled, IdleChanged, Xid, KernelEventsLost, or any other signal gpud emits.
     #[arg(long = "type", value_name = "SIGNAL")]
     types: Vec<String>,
 }
 
-const KNOWN: [&str; 5] = [
+const KNOWN: [&str; 6] = [
     "MemoryLimitExceeded",
     "SchedulerControlGuarded",
     "ComputeThrottled",
     "IdleChanged",
     "Xid",
+    "KernelEventsLost",
 ];
 
 /// One decoded signal: its name, a line for people and an object for scripts. A signal this
@@ -123,6 +124,15 @@ fn decode(msg: &zbus::Message) -> Option<(String, String, Value)> {
                 format!("{path}: Xid {xid}, {whom}"),
                 json!({"path": path, "xid": xid, "pid": pid, "cgroup_id": cgroup_id,
                        "cgroup": cgroup}),
+            )
+        }
+        "KernelEventsLost" => {
+            let lost: u64 = body.deserialize().ok()?;
+            (
+                format!(
+                    "{lost} kernel events lost (ring buffer full); the sweeps reconcile what they said"
+                ),
+                json!({"lost": lost}),
             )
         }
         _ => {
