@@ -10,6 +10,7 @@ fn main() -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("non-UTF-8 path to gpud-ebpf"))?;
     // gpud-common is compiled into the object too.
     println!("cargo:rerun-if-changed={manifest_dir}/../gpud-common/src");
+    println!("cargo:rustc-env=GPUD_REVISION={}", revision(&manifest_dir));
     aya_build::build_ebpf(
         [aya_build::Package {
             name: "gpud-ebpf",
@@ -19,6 +20,38 @@ fn main() -> anyhow::Result<()> {
         aya_build::Toolchain::Nightly,
     )?;
     strip_dwarf(&Path::new(&std::env::var("OUT_DIR")?).join("gpud-probes"))
+}
+
+/// The source revision `gpud --version`, gpudctl and D-Bus show: `$GPUD_REVISION` where set (a
+/// build from a source archive), else the checkout's commit, else `unknown`. The build script
+/// runs again when the branch moves (only files that exist are watched: a missing one would
+/// make cargo run it on every build).
+fn revision(manifest_dir: &str) -> String {
+    println!("cargo:rerun-if-env-changed=GPUD_REVISION");
+    if let Ok(r) = std::env::var("GPUD_REVISION")
+        && !r.trim().is_empty()
+    {
+        return r.trim().to_owned();
+    }
+    let git = Path::new(manifest_dir).join("../.git");
+    let mut watched = vec![git.join("HEAD"), git.join("packed-refs")];
+    if let Ok(head) = std::fs::read_to_string(git.join("HEAD"))
+        && let Some(branch) = head.trim().strip_prefix("ref: ")
+    {
+        watched.push(git.join(branch));
+    }
+    for f in watched.iter().filter(|f| f.is_file()) {
+        println!("cargo:rerun-if-changed={}", f.display());
+    }
+    std::process::Command::new("git")
+        .args(["-C", manifest_dir, "rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown".to_owned())
 }
 
 /// Removes the object's DWARF (`.debug_*` and their relocations: three quarters of it) with

@@ -30,6 +30,10 @@ pub trait Manager1 {
     #[zbus(property)]
     fn version(&self) -> zbus::Result<String>;
     #[zbus(property)]
+    fn abi_version(&self) -> zbus::Result<u32>;
+    #[zbus(property)]
+    fn revision(&self) -> zbus::Result<String>;
+    #[zbus(property)]
     fn attach_mode(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn kernel_capabilities(&self) -> zbus::Result<BTreeMap<String, bool>>;

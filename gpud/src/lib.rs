@@ -36,3 +36,15 @@ pub mod report;
 
 /// Version reported on D-Bus and by `--version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The source revision this build was made from (git's commit, `$GPUD_REVISION`, or `unknown`).
+pub const REVISION: &str = env!("GPUD_REVISION");
+
+/// `<version> (ABI <n>, revision <commit>)`: what `gpud --version` and `gpudctl status` print.
+/// The ABI is the kernel/user layout version pinned maps are kept under (CHANGELOG.md names each
+/// bump).
+pub fn long_version() -> String {
+    format!(
+        "{VERSION} (ABI {}, revision {REVISION})",
+        gpud_common::ABI_VERSION
+    )
+}

@@ -286,6 +286,15 @@ async fn unavailable_library_is_reported_then_recovered_and_errors_degrade_and_r
     assert!(said.is_some(), "status: {why}");
     let status = gpudctl(&rig.bus.address, &["status"]);
     assert!(status.contains("cannot load NVML"), "{status}");
+    // The version line names the ABI and the source revision, as `gpud --version` does.
+    let abi = format!("(ABI {}, revision ", gpud_common::ABI_VERSION);
+    assert!(status.contains(&abi), "{status}");
+    let out = Command::new(gpud_tests::gpud_bin())
+        .arg("--version")
+        .output()
+        .expect("gpud --version");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.starts_with("gpud ") && said.contains(&abi), "{said}");
 
     // The library appears: recovered within the retry interval.
     scenario(&two_gpus([]));

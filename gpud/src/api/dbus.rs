@@ -100,6 +100,18 @@ impl Manager {
         self.info.version.clone()
     }
 
+    /// The kernel/user ABI version: the layout of the pinned maps (`<bpffs>/gpud/v<ABI>`).
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn abi_version(&self) -> u32 {
+        gpud_common::ABI_VERSION
+    }
+
+    /// The source revision of this build (git's commit, or `unknown`).
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn revision(&self) -> String {
+        crate::REVISION.to_owned()
+    }
+
     /// How the probes are attached: `fentry` or `tracepoint`.
     #[zbus(property(emits_changed_signal = "const"))]
     async fn attach_mode(&self) -> String {

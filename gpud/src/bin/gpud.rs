@@ -80,7 +80,7 @@ impl ConfigSource {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let args = Args::parse();
+    let args = parse_args();
     let source = ConfigSource::of(&args);
     let (config, effective) = match source.load() {
         Ok(c) => c,
@@ -102,7 +102,14 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(EX_CONFIG);
         }
     };
-    info!(version = gpud::VERSION, config = %source, output = ?log.output, "starting");
+    info!(
+        version = gpud::VERSION,
+        abi = gpud_common::ABI_VERSION,
+        revision = gpud::REVISION,
+        config = %source,
+        output = ?log.output,
+        "starting"
+    );
     let (admin_group, _) = watch::channel(config.dbus.admin_group.clone());
     let (idle_signal, _) = watch::channel(config.idle.signal);
     let live = Live {
@@ -319,4 +326,13 @@ async fn wait_for_signal(live: &mut Live) -> anyhow::Result<()> {
             _ = hup.recv() => live.reload().await,
         }
     }
+}
+
+/// The arguments, `--version` saying the ABI and the source revision too.
+fn parse_args() -> Args {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    // clap keeps the version for the process's life.
+    let version: &'static str = Box::leak(gpud::long_version().into_boxed_str());
+    let matches = Args::command().version(version).get_matches();
+    Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }

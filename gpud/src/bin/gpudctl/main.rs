@@ -86,7 +86,7 @@ pub(crate) enum Failure {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    let args = Args::parse();
+    let args = parse_args();
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Daemon(m)) => {
@@ -303,6 +303,8 @@ pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> String {
 
 async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     let version = proxy.version().await.map_err(daemon_err)?;
+    let abi = proxy.abi_version().await.map_err(daemon_err)?;
+    let revision = proxy.revision().await.map_err(daemon_err)?;
     let mode = proxy.attach_mode().await.map_err(daemon_err)?;
     let caps = proxy.kernel_capabilities().await.map_err(daemon_err)?;
     let hook = proxy.deny_hook().await.map_err(daemon_err)?;
@@ -324,6 +326,8 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     if json {
         let v = serde_json::json!({
             "version": version,
+            "abi_version": abi,
+            "revision": revision,
             "nvml_available": nvml_available,
             "nvml_status": nvml_status,
             "gpus": gpus,
@@ -346,7 +350,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
         println!("{}", to_json(&v));
         return Ok(());
     }
-    println!("gpud {version}");
+    println!("gpud {version} (ABI {abi}, revision {revision})");
     println!(
         "  attach mode:      {mode}{}",
         if resumed { " (resumed)" } else { "" }
@@ -569,4 +573,13 @@ pub(crate) fn human(b: u64) -> String {
     } else {
         format!("{v:.1} {}", UNITS[u])
     }
+}
+
+/// The arguments, `--version` saying the ABI and the source revision too.
+fn parse_args() -> Args {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    // clap keeps the version for the process's life.
+    let version: &'static str = Box::leak(gpud::long_version().into_boxed_str());
+    let matches = Args::command().version(version).get_matches();
+    Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }
