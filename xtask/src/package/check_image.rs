@@ -70,8 +70,9 @@ pub fn test_image() -> anyhow::Result<()> {
         if !help.contains("NRI plugin") {
             bail!("gpud-nri --help in the image: {help}");
         }
+        // `gpud <version> (ABI <n>, revision <commit>)`.
         let gpud = run(&["gpud", "--version"])?;
-        if gpud.trim() != format!("gpud {VERSION}") {
+        if !gpud.trim().starts_with(&format!("gpud {VERSION} (ABI ")) {
             bail!("gpud --version in the image: {gpud:?}");
         }
         Ok(())
