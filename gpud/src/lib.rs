@@ -48,3 +48,12 @@ pub fn long_version() -> String {
         gpud_common::ABI_VERSION
     )
 }
+
+/// A binary's arguments, its `--version` being [`long_version`] (exits with clap's message on
+/// bad arguments, as `Parser::parse` does).
+pub fn parse_args<T: clap::Parser>() -> T {
+    // clap keeps the version for the process's life.
+    let version: &'static str = Box::leak(long_version().into_boxed_str());
+    let matches = T::command().version(version).get_matches();
+    T::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}

@@ -80,7 +80,7 @@ impl ConfigSource {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let args = parse_args();
+    let args: Args = gpud::parse_args();
     let source = ConfigSource::of(&args);
     let (config, effective) = match source.load() {
         Ok(c) => c,
@@ -326,13 +326,4 @@ async fn wait_for_signal(live: &mut Live) -> anyhow::Result<()> {
             _ = hup.recv() => live.reload().await,
         }
     }
-}
-
-/// The arguments, `--version` saying the ABI and the source revision too.
-fn parse_args() -> Args {
-    use clap::{CommandFactory as _, FromArgMatches as _};
-    // clap keeps the version for the process's life.
-    let version: &'static str = Box::leak(gpud::long_version().into_boxed_str());
-    let matches = Args::command().version(version).get_matches();
-    Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }

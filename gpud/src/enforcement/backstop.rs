@@ -72,10 +72,6 @@ impl Backstop {
         self.rule = rule;
     }
 
-    pub fn rule(&self) -> BackstopRule {
-        self.rule
-    }
-
     /// One NVML sample taken at `now` against the memory limits in force, (cgroup, GPU key,
     /// bytes): the limits over for the hold time and not yet acted on in this episode.
     pub fn observe(

@@ -136,11 +136,7 @@ impl MemoryEnforcement {
             let (Some(want), Some(&id)) = (want, ids.get(&key)) else {
                 continue;
             };
-            if let Some(((_, other), _)) = self
-                .applied
-                .iter()
-                .find(|((c, g), k)| *c == key.0 && *g != key.1 && **k == want && want != GPU_ALL)
-            {
+            if let Some(other) = self.other_selector_of(&key.0, &key.1, want) {
                 warn!(
                     cgroup = %key.0, gpu = %key.1, index = want,
                     "stored limit kept aside: this cgroup limits GPU {want} as `{other}`"
@@ -177,16 +173,24 @@ impl MemoryEnforcement {
             // Compute shares and priority classes follow the selector as it resolves now.
             return LimitState::InForce;
         }
-        match self
-            .applied
-            .iter()
-            .find(|((c, g), k)| c == cgroup && g != gpu && **k == want)
-        {
-            Some(((_, other), _)) => {
+        match self.other_selector_of(cgroup, gpu, want) {
+            Some(other) => {
                 LimitState::Pending(format!("this cgroup limits GPU {want} as `{other}`"))
             }
             None => LimitState::Pending("not in the kernel's map (see the daemon's log)".into()),
         }
+    }
+
+    /// The other selector of `cgroup` whose memory limit is in force on GPU `key` (one card
+    /// carries one selector's limits per cgroup; `all` is never taken).
+    fn other_selector_of(&self, cgroup: &str, gpu: &GpuSelector, key: u32) -> Option<&GpuSelector> {
+        if key == GPU_ALL {
+            return None;
+        }
+        self.applied
+            .iter()
+            .find(|((c, g), k)| c == cgroup && g != gpu && **k == key)
+            .map(|((_, g), _)| g)
     }
 
     /// Every stored entry and its state, ordered by cgroup and GPU.

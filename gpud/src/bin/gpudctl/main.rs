@@ -86,7 +86,7 @@ pub(crate) enum Failure {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    let args = parse_args();
+    let args: Args = gpud::parse_args();
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Daemon(m)) => {
@@ -573,13 +573,4 @@ pub(crate) fn human(b: u64) -> String {
     } else {
         format!("{v:.1} {}", UNITS[u])
     }
-}
-
-/// The arguments, `--version` saying the ABI and the source revision too.
-fn parse_args() -> Args {
-    use clap::{CommandFactory as _, FromArgMatches as _};
-    // clap keeps the version for the process's life.
-    let version: &'static str = Box::leak(gpud::long_version().into_boxed_str());
-    let matches = Args::command().version(version).get_matches();
-    Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }
