@@ -14,7 +14,7 @@ pub mod rm;
 
 /// Bumped whenever a map layout, map name or event record changes. Maps are pinned under
 /// `<bpffs>/gpud/v<ABI_VERSION>/`, so a daemon of another ABI never reads a foreign layout.
-pub const ABI_VERSION: u32 = 5;
+pub const ABI_VERSION: u32 = 6;
 
 /// Classes of ioctls on NVIDIA device files, as counted per cgroup and per process.
 #[repr(u32)]
@@ -283,8 +283,17 @@ pub mod stat {
     /// file, so no release rule could ever reach them (a race the rules missed, or an object of
     /// an older daemon).
     pub const ORPHANS_RELEASED: u32 = 16;
+    /// Duplicates of charged memory (`RM_DUP_OBJECT`) followed as references to its charge.
+    pub const DUPLICATES: u32 = 17;
+    /// Video-memory allocations charged although the status read back says the driver failed
+    /// them: under a limit, a status rewritten by another thread of the caller must not erase a
+    /// charge (docs/design.md, "Threat model").
+    pub const UNCONFIRMED: u32 = 18;
+    /// RM calls whose `NV_ESC_IOCTL_XFER_CMD` header changed while the driver ran: what the
+    /// driver did is not what the entry side saw (a limited caller counts as crossing).
+    pub const RACED: u32 = 19;
     /// Number of counters.
-    pub const COUNT: u32 = 17;
+    pub const COUNT: u32 = 20;
 }
 
 pub use events::*;
@@ -374,7 +383,41 @@ pub struct Pending {
     pub cmd: u32,
     /// The GPU that call asks about (`GPU_UNKNOWN` when its subdevice is not known).
     pub gpu: u32,
+    /// What the entry side read before the driver ran, for the accounting's calls (`op`; all 0
+    /// for other calls). The return side keys and sizes its charges by these and reads back
+    /// only what the driver writes (the status, a handle RM picked, the allocated size), never
+    /// to lower a charge or to replace another entry: a second thread of the caller may
+    /// rewrite the struct once the driver has answered (docs/design.md, "Threat model").
+    /// The client (`hRoot`, `hClient`).
+    pub client: u32,
+    /// The parent of a new object.
+    pub parent: u32,
+    /// The new object's handle, or the one freed; 0 when RM picks it (read back at the return).
+    pub handle: u32,
+    /// The class allocated (`NV01_MEMORY_LOCAL_USER` for a video-memory VID_HEAP_CONTROL).
+    pub class: u32,
+    /// `OP_*`: what the return side does.
+    pub op: u32,
+    /// Explicit padding.
+    pub _pad: u32,
+    /// Bytes asked for (video memory; 0 when unreadable) or the device id (`NV01_DEVICE_0`).
+    pub arg: u64,
+    /// User address of the size the driver writes back (video memory), else 0.
+    pub size_at: u64,
+    /// User address of the `NV_ESC_IOCTL_XFER_CMD` header the call came in (0: not wrapped):
+    /// the return side checks it still names the same call.
+    pub xfer: u64,
+    /// A duplicate of charged memory: the source's entry, with `charge` 0 when no reference
+    /// could be taken (`SHARES` full); `kind` 0 for any other call.
+    pub src: ObjEntry,
 }
+
+/// `Pending::op`: an allocation (`RM_ALLOC`, or a VID_HEAP_CONTROL allocation function).
+pub const OP_ALLOC: u32 = 1;
+/// `Pending::op`: a free (`RM_FREE`, or VID_HEAP_CONTROL `FREE`).
+pub const OP_FREE: u32 = 2;
+/// `Pending::op`: `RM_DUP_OBJECT`.
+pub const OP_DUP: u32 = 3;
 
 /// Map names, as written in the eBPF object and pinned in bpffs.
 pub mod maps {
@@ -413,9 +456,12 @@ pub mod maps {
     pub const GUARD_COUNTS: &str = "GUARD_COUNTS";
     /// LRU hash cgroup id → [`GuardBucket`](crate::GuardBucket): the guard events it may send.
     pub const GUARD_BUCKET: &str = "GUARD_BUCKET";
+    /// Hash charge ([`ObjEntry::charge`](crate::ObjEntry)) → `u64`: the references to a
+    /// charged allocation beyond one (its duplicates); absent for memory never duplicated.
+    pub const SHARES: &str = "SHARES";
 
     /// Every pinned map: the daemon checks each one's layout before adopting its pin.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         CONFIG,
         EXTRA_FILES,
         PROCS,
@@ -431,6 +477,7 @@ pub mod maps {
         HELD_GROUPS,
         GUARD_COUNTS,
         GUARD_BUCKET,
+        SHARES,
     ];
 }
 
@@ -530,6 +577,8 @@ pub const EVENTS_BYTES: u32 = 1024 * 1024;
 /// Capacity of `OBJECTS` as built; the daemon sets it at load time from `probes.max_objects`
 /// (this is its default).
 pub const MAX_OBJECTS: u32 = 262_144;
+/// Capacity of `SHARES`: duplicated allocations followed at once.
+pub const MAX_SHARES: u32 = 65_536;
 /// Capacity of `USAGE`: (cgroup, GPU) pairs, each charged cgroup's ancestors included.
 pub const MAX_USAGE: u32 = 65_536;
 /// Capacity of `LIMITS`.

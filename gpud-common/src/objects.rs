@@ -13,7 +13,8 @@ pub const OBJ_CLIENT: u32 = 1;
 pub const OBJ_DEVICE: u32 = 2;
 /// `ObjEntry::kind`: a subdevice (`NV20_SUBDEVICE_0`), one GPU of a device.
 pub const OBJ_SUBDEVICE: u32 = 3;
-/// `ObjEntry::kind`: video memory (`NV01_MEMORY_LOCAL_USER`), the only kind that is charged.
+/// `ObjEntry::kind`: video memory (`NV01_MEMORY_LOCAL_USER`), the only kind that is charged:
+/// an allocation or a duplicate of one (`RM_DUP_OBJECT`), which holds the same charge.
 pub const OBJ_MEMORY: u32 = 4;
 /// `ObjEntry::kind`: a channel group (`KEPLER_CHANNEL_GROUP_A`): what the compute controller
 /// takes on and off the runlist for its process.
@@ -57,4 +58,9 @@ pub struct ObjEntry {
     /// `bpf_ktime_get_ns()` at creation: the daemon releases an object only if it still has
     /// this serial, and only objects older than the event that released their tree.
     pub serial: u64,
+    /// Memory: the charge it holds, named by the serial of the allocation that made it (its own
+    /// serial for an allocation, the original's for a duplicate). The driver frees the pages
+    /// with their last handle, so the bytes are uncharged with the charge's last holder
+    /// (`SHARES` counts the others). 0 for other kinds.
+    pub charge: u64,
 }

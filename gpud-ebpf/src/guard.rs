@@ -23,7 +23,7 @@ use gpud_common::{
     GUARD_CLAMPED, GUARD_DENIED, GUARD_EVENT_BURST, GUARD_EVENT_GAP_NS, GUARD_KILLED,
     GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD,
     GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_RESTORED, GUARD_UNENFORCED,
-    GuardBucket, GuardKey, ObjKey, Pending, ProbeConfig, nv,
+    GuardBucket, GuardKey, ObjKey, ProbeConfig, nv,
     rm::{
         self,
         sched::{self, Rule},
@@ -36,7 +36,7 @@ use crate::{
     ledger::{current_ancestry, user},
     maps::{
         EVENTS, GUARD_BUCKET, GUARD_COUNTS, GUARD_PENDING, HELD_GROUPS, OBJECTS, RESTORE_SCRATCH,
-        SCHED_ALLOW, bump_stat, note_call, send,
+        SCHED_ALLOW, bump_stat, noting, send,
     },
 };
 
@@ -227,15 +227,17 @@ fn note_restore(
     if inserted.is_err() {
         return false;
     }
-    let pending = Pending {
-        file,
-        params: nvos54,
-        nr: nv::NV_ESC_RM_CONTROL,
-        size: nv::NVOS54_SIZE,
-        cmd: 0,
-        gpu: GPU_UNKNOWN,
+    let Some(p) = noting() else {
+        return false;
     };
-    note_call(pending)
+    (p.file, p.params, p.nr, p.size, p.gpu) = (
+        file,
+        nvos54,
+        nv::NV_ESC_RM_CONTROL,
+        nv::NVOS54_SIZE,
+        GPU_UNKNOWN,
+    );
+    true
 }
 
 /// Copies one of the disable-channels lists from user memory at `at`.

@@ -11,8 +11,8 @@ use aya_ebpf::{
 use gpud_common::{
     Ancestry, CFG_READY, EVENTS_BYTES, Event, FileKey, GuardBucket, GuardKey, GuardRestore,
     IoctlCounts, KernelLimit, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS,
-    MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PROCS, MAX_SCHED_ALLOW, MAX_USAGE, ObjEntry,
-    ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
+    MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PROCS, MAX_SCHED_ALLOW, MAX_SHARES, MAX_USAGE,
+    ObjEntry, ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
 };
 
 #[map]
@@ -43,6 +43,10 @@ pub(crate) static TRACKED: Array<u64> = Array::pinned(1, 0);
 pub(crate) static OBJECTS: HashMap<ObjKey, ObjEntry> = HashMap::pinned(MAX_OBJECTS, 0);
 
 /// Hierarchical video-memory usage in bytes per (cgroup, GPU) and per (cgroup, `GPU_ALL`).
+/// Charge serial → references beyond the first (docs of `gpud_common::maps::SHARES`).
+#[map]
+pub(crate) static SHARES: HashMap<u64, u64> = HashMap::pinned(MAX_SHARES, 0);
+
 #[map]
 pub(crate) static USAGE: HashMap<UsageKey, u64> = HashMap::pinned(MAX_USAGE, 0);
 
@@ -166,25 +170,22 @@ impl<T> TaskStorage<T> {
     }
 }
 
-/// The RM call a thread has in flight, noted at its ioctl's entry for the return side (`nr` 0:
-/// none; every escape noted is non-zero). Per task, not in a hash keyed by `pid_tgid`: a pointer
-/// fetch instead of an insert, a lookup and a delete per call (the largest share of an
-/// allocation's cost in tracepoint mode, docs/benchmarks.md), nothing a tenant's threads can
-/// fill, and freed with the thread. Not pinned: a call in flight while the daemon replaces its
-/// programs is the only loss.
+/// The RM call a thread has in flight, noted at its ioctl's entry for the return side (`file` 0:
+/// none). Per task, not in a hash keyed by `pid_tgid`: a pointer fetch instead of an insert, a
+/// lookup and a delete per call (the largest share of an allocation's cost in tracepoint mode,
+/// docs/benchmarks.md), nothing a tenant's threads can fill, and freed with the thread. Not
+/// pinned: a call in flight while the daemon replaces its programs is the only loss.
 #[aya_ebpf::macros::btf_map]
 pub(crate) static CALLS: TaskStorage<Pending> = TaskStorage::new();
 
-/// Notes the calling thread's RM call for its return side.
+/// The calling thread's record of its RM call, cleared, for the entry side to fill in place
+/// (the record is too large to build on the BPF stack and copy). Setting `file` notes the call.
 #[inline(always)]
-pub(crate) fn note_call(pending: Pending) -> bool {
-    match CALLS.current(true) {
-        Some(slot) => {
-            unsafe { *slot = pending };
-            true
-        }
-        None => false,
-    }
+pub(crate) fn noting() -> Option<&'static mut Pending> {
+    let slot = CALLS.current(true)?;
+    let p = unsafe { &mut *slot };
+    *p = Pending::default();
+    Some(p)
 }
 
 /// Takes the calling thread's noted RM call, if any.
@@ -192,11 +193,11 @@ pub(crate) fn note_call(pending: Pending) -> bool {
 pub(crate) fn take_call() -> Option<Pending> {
     let slot = CALLS.current(false)?;
     unsafe {
-        if (*slot).nr == 0 {
+        if (*slot).file == 0 {
             return None;
         }
         let p = *slot;
-        (*slot).nr = 0;
+        (*slot).file = 0;
         Some(p)
     }
 }

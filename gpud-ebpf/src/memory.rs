@@ -1,11 +1,13 @@
 //! GPU-memory accounting and the limits' kernel-side tiers.
 //!
-//! At an RM call's entry ([`crate::rm`]) the `deny` tier refuses an allocation that would take
-//! a cgroup over a limit ([`over_limit`]). At its return the driver has written back `status`,
-//! handles and the allocated size, so successful calls are charged or uncharged
-//! ([`account_alloc`], [`account_free`], [`account_vidheap`]). Subtree, client and file releases
-//! are announced to the daemon, which walks `OBJECTS` and releases each object through
-//! `gpud_release`.
+//! At an RM call's entry ([`crate::rm`]) the keys and sizes are read once ([`note_entry`]) and
+//! the `deny` tier refuses an allocation that would take a cgroup over a limit
+//! ([`over_limit`]). At its return the driver has written back `status`, a handle it picked and
+//! the allocated size, so calls are charged or uncharged ([`account_alloc`], [`account_free`],
+//! [`account_dup`]) by what the entry side read, never less. A duplicate of memory is a
+//! reference to its allocation's charge (`SHARES`): the bytes go with the last handle, as the
+//! driver frees the pages. Subtree, client and file releases are announced to the daemon, which
+//! walks `OBJECTS` and releases each object through `gpud_release`.
 
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
@@ -19,18 +21,20 @@ use aya_ebpf::{
 use gpud_common::{
     Ancestry, DeviceKind, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, Event, GPU_ALL,
     GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE,
-    OBJ_MEMORY, OBJ_SUBDEVICE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv,
-    rm, stat,
+    OBJ_MEMORY, OBJ_SUBDEVICE, OP_ALLOC, OP_DUP, OP_FREE, ObjEntry, ObjKey, Pending, ProbeConfig,
+    REACT_KILL, UsageKey, nv, rm, stat,
 };
 
 use crate::{
     kernel::{ProbeRead, current_tgid, device_kind, read_at, sole_reference},
     ledger::{current_ancestry, each_limit, gpu_of, usage, user},
-    maps::{ANCESTRY, OBJECTS, USAGE, bump_stat, config, send},
+    maps::{ANCESTRY, OBJECTS, SHARES, USAGE, bump_stat, config, send},
 };
 
 const SIGKILL: u32 = 9;
 const EEXIST: i32 = 17;
+/// A status no driver writes: the call returned an error or its struct could not be read.
+const NO_ANSWER: u32 = u32::MAX;
 
 /// An RM_ALLOC's parameters, from one read of the caller's struct: NVOS21's fields (NVOS64's
 /// `status` in `head.status`) and NVOS64's `flags` (0 for NVOS21). One read instead of one per
@@ -61,53 +65,108 @@ pub(crate) fn alloc_args(size: u32, params: u64) -> Option<AllocArgs> {
     Some(AllocArgs { head, flags: 0 })
 }
 
-/// A video-memory RM_ALLOC: client, parent, new handle, bytes (read from the alloc params:
-/// requested at entry, allocated at return).
+/// Notes what the accounting needs of an RM call before the driver runs (`Pending`'s entry
+/// fields): the keys and sizes of allocations, frees and duplicates are taken from the caller's
+/// struct here, once. A duplicate of charged memory takes its reference to the charge here too,
+/// before the driver can free the source.
 #[inline(always)]
-fn vidmem_alloc(a: &AllocArgs) -> Option<(u32, u32, u32, u64)> {
-    if a.head.h_class != rm::class::MEMORY_LOCAL_USER {
-        return None;
+pub(crate) fn note_entry(p: &mut Pending) {
+    match p.nr {
+        nv::NV_ESC_RM_ALLOC => {
+            let Some(a) = alloc_args(p.size, p.params) else {
+                return;
+            };
+            let h = &a.head;
+            (p.op, p.client, p.parent, p.handle, p.class) = (
+                OP_ALLOC,
+                h.h_root,
+                h.h_object_parent,
+                h.h_object_new,
+                h.h_class,
+            );
+            if h.h_class == rm::class::MEMORY_LOCAL_USER {
+                if a.flags & rm::NVOS64_FLAGS_FINN_SERIALIZED != 0 {
+                    return;
+                }
+                p.size_at = h.p_alloc_parms + rm::MEM_PARAMS_SIZE as u64;
+                p.arg = unsafe { user::<u64>(p.size_at) }.unwrap_or(0);
+            } else if h.h_class == rm::class::DEVICE {
+                p.arg = unsafe { user::<u32>(h.p_alloc_parms + rm::DEVICE_PARAMS_ID as u64) }
+                    .map_or(GPU_UNKNOWN as u64, u64::from);
+            }
+        }
+        nv::NV_ESC_RM_FREE => {
+            if let Some(f) = unsafe { user::<rm::Nvos00>(p.params) } {
+                (p.op, p.client, p.handle) = (OP_FREE, f.h_root, f.h_object_old);
+            }
+        }
+        nv::NV_ESC_RM_VID_HEAP_CONTROL => note_vidheap(p),
+        nv::NV_ESC_RM_DUP_OBJECT => {
+            let Some(d) = (unsafe { user::<rm::Nvos55>(p.params) }) else {
+                return;
+            };
+            (p.op, p.client, p.parent, p.handle) = (OP_DUP, d.h_client, d.h_parent, d.h_object);
+            let src = ObjKey {
+                client: d.h_client_src,
+                object: d.h_object_src,
+            };
+            if let Some(e) = unsafe { OBJECTS.get(src) }
+                && e.kind == OBJ_MEMORY
+                && e.bytes != 0
+            {
+                p.src = *e;
+                if !share(e.charge) {
+                    p.src.charge = 0;
+                }
+            }
+        }
+        _ => {}
     }
-    if a.flags & rm::NVOS64_FLAGS_FINN_SERIALIZED != 0 {
-        bump_stat(stat::UNREADABLE);
-        return None;
-    }
-    let Some(bytes) = (unsafe { user::<u64>(a.head.p_alloc_parms + rm::MEM_PARAMS_SIZE as u64) })
-    else {
-        bump_stat(stat::UNREADABLE);
-        return None;
-    };
-    Some((
-        a.head.h_root,
-        a.head.h_object_parent,
-        a.head.h_object_new,
-        bytes,
-    ))
 }
 
-/// A video-memory allocation request: client, parent, new handle, bytes. For RM_ALLOC the
-/// bytes are read from the alloc params (requested at entry, allocated at return).
+/// [`note_entry`] of `NV_ESC_RM_VID_HEAP_CONTROL`: a free, or an allocation (of video memory
+/// when its flags and attributes say so, as the driver decides the class).
 #[inline(always)]
-pub(crate) fn vidmem_request(nr: u32, size: u32, params: u64) -> Option<(u32, u32, u32, u64)> {
-    if nr == nv::NV_ESC_RM_ALLOC {
-        return vidmem_alloc(&alloc_args(size, params)?);
-    }
-    if nr == nv::NV_ESC_RM_VID_HEAP_CONTROL {
-        let function: u32 = unsafe { user(params + rm::VIDHEAP_FUNCTION as u64)? };
-        let (attr_off, size_off) = rm::vidheap_alloc_fields(function)?;
-        let flags: u32 = unsafe { user(params + rm::VIDHEAP_FLAGS as u64)? };
-        let attr: u32 = unsafe { user(params + attr_off as u64)? };
-        if flags & rm::NVOS32_ALLOC_FLAGS_VIRTUAL != 0
-            || rm::attr_location(attr) != rm::NVOS32_ATTR_LOCATION_VIDMEM
-        {
-            return None;
+fn note_vidheap(p: &mut Pending) {
+    let at = |off: usize| p.params + off as u64;
+    let (Some(ids), Some(function)) = (unsafe {
+        (
+            user::<[u32; 2]>(p.params),
+            user::<u32>(at(rm::VIDHEAP_FUNCTION)),
+        )
+    }) else {
+        return;
+    };
+    (p.client, p.parent) = (ids[0], ids[1]);
+    if function == rm::NVOS32_FUNCTION_FREE {
+        if let Some(h) = unsafe { user::<u32>(at(rm::VIDHEAP_H_MEMORY)) } {
+            (p.op, p.handle) = (OP_FREE, h);
         }
-        let ids: [u32; 2] = unsafe { user(params)? };
-        let h_memory: u32 = unsafe { user(params + rm::VIDHEAP_H_MEMORY as u64)? };
-        let bytes: u64 = unsafe { user(params + size_off as u64)? };
-        return Some((ids[0], ids[1], h_memory, bytes));
+        return;
     }
-    None
+    let Some((attr_off, size_off)) = rm::vidheap_alloc_fields(function) else {
+        return;
+    };
+    let (Some(flags), Some(attr)) = (unsafe {
+        (
+            user::<u32>(at(rm::VIDHEAP_FLAGS)),
+            user::<u32>(at(attr_off)),
+        )
+    }) else {
+        return;
+    };
+    p.op = OP_ALLOC;
+    if flags & rm::NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED != 0 {
+        p.handle = unsafe { user::<u32>(at(rm::VIDHEAP_H_MEMORY)) }.unwrap_or(0);
+    }
+    if flags & rm::NVOS32_ALLOC_FLAGS_VIRTUAL != 0
+        || rm::attr_location(attr) != rm::NVOS32_ATTR_LOCATION_VIDMEM
+    {
+        return;
+    }
+    p.class = rm::class::MEMORY_LOCAL_USER;
+    p.size_at = at(size_off);
+    p.arg = unsafe { user::<u64>(p.size_at) }.unwrap_or(0);
 }
 
 #[inline(always)]
@@ -169,6 +228,17 @@ fn limit_met(anc: &Ancestry, gpu: u32, extra: u64, any: bool) -> Option<(u64, u3
     hit
 }
 
+/// Whether any limit applies to `gpu` over `anc` (nothing counted).
+#[inline(always)]
+fn limited(anc: &Ancestry, gpu: u32) -> bool {
+    let mut any = false;
+    each_limit(anc, gpu, |_, _, _| {
+        any = true;
+        true
+    });
+    any
+}
+
 /// Object serials are the monotonic clock: unique per key (one object per key at a time) and
 /// ordered against the events that release objects created before them.
 #[inline(always)]
@@ -176,29 +246,93 @@ fn serial_now() -> u64 {
     unsafe { bpf_ktime_get_ns() }
 }
 
+/// Takes one more reference to `charge` (a duplicate on its way). False when `SHARES` is full.
+#[inline(always)]
+fn share(charge: u64) -> bool {
+    if let Some(n) = SHARES.get_ptr_mut(charge) {
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+        return true;
+    }
+    match SHARES.insert(charge, 1, BPF_NOEXIST as u64) {
+        Ok(()) => true,
+        // Another duplicate of the same memory inserted first.
+        Err(e) if e == -EEXIST => match SHARES.get_ptr_mut(charge) {
+            Some(n) => {
+                unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+                true
+            }
+            None => false,
+        },
+        Err(_) => false,
+    }
+}
+
+/// Drops one reference to `charge`: true when it was the last, whose holder uncharges the
+/// bytes. The count goes below zero with the last reference, and the delete decides who saw
+/// that: of racing releases exactly one uncharges. (No fetching atomics: the object is built
+/// for the first eBPF instruction set, which has none.)
+#[inline(always)]
+fn unshare(charge: u64) -> bool {
+    let Some(n) = SHARES.get_ptr_mut(charge) else {
+        return true;
+    };
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, u64::MAX) };
+    if unsafe { core::ptr::read_volatile(n) } != u64::MAX {
+        return false;
+    }
+    SHARES.remove(charge).is_ok()
+}
+
+/// An object to record in `OBJECTS`.
+struct Track {
+    key: ObjKey,
+    kind: u32,
+    parent: u32,
+    gpu: u32,
+    bytes: u64,
+    file: u64,
+    /// The charge a duplicate holds; 0 makes a memory object its own charge.
+    charge: u64,
+    /// The cgroup charged (a duplicate's source's); 0: the caller's.
+    cgroup_id: u64,
+    /// The key came from the entry side (the caller chose the handle and the driver accepted
+    /// it, so whatever is recorded under it is stale): replace what is there. A handle RM
+    /// picked is read back after the driver ran, where another thread may have rewritten it:
+    /// it never replaces an entry.
+    replace: bool,
+}
+
 /// Records an object made through the control file `file`. Every object carries its file, not
 /// only its client: the driver frees everything made through a file when the file's last
 /// reference goes, so an object is released by its own file even where its client's record is
-/// gone or was never seen (the release rule, docs/design.md). A stale entry under the key (a free
-/// missed while nothing was attached) is released first; the insert tells, so the common case
-/// costs no lookup of its own.
+/// gone or was never seen (the release rule, docs/design.md). A stale entry under a key the
+/// entry side read (a free missed while nothing was attached) is released first; the insert
+/// tells, so the common case costs no lookup of its own.
 #[inline(always)]
-fn track_object(key: ObjKey, kind: u32, parent: u32, gpu: u32, bytes: u64, file: u64) -> bool {
+fn track_object(t: &Track) -> bool {
+    let serial = serial_now();
     let entry = ObjEntry {
-        kind,
-        parent,
-        gpu,
+        kind: t.kind,
+        parent: t.parent,
+        gpu: t.gpu,
         tgid: current_tgid(),
-        cgroup_id: unsafe { bpf_get_current_cgroup_id() },
-        bytes,
-        file,
-        serial: serial_now(),
+        cgroup_id: match t.cgroup_id {
+            0 => unsafe { bpf_get_current_cgroup_id() },
+            id => id,
+        },
+        bytes: t.bytes,
+        file: t.file,
+        serial,
+        charge: match (t.kind, t.charge) {
+            (OBJ_MEMORY, 0) => serial,
+            (_, c) => c,
+        },
     };
-    let inserted = match OBJECTS.insert(key, entry, BPF_NOEXIST as u64) {
+    let inserted = match OBJECTS.insert(t.key, entry, BPF_NOEXIST as u64) {
         Ok(()) => true,
-        Err(e) if e == -EEXIST => {
-            release(&key, 0);
-            OBJECTS.insert(key, entry, 0).is_ok()
+        Err(e) if e == -EEXIST && t.replace => {
+            release(&t.key, 0);
+            OBJECTS.insert(t.key, entry, 0).is_ok()
         }
         Err(_) => false,
     };
@@ -221,133 +355,155 @@ pub(crate) fn release(key: &ObjKey, expect: u64) -> bool {
     release_entry(key, &e)
 }
 
-/// [`release`] of an entry the caller has read as `e`.
+/// [`release`] of an entry the caller has read as `e`. Memory is uncharged with the last
+/// reference to its charge (the allocation or a duplicate, whichever goes last).
 #[inline(always)]
 fn release_entry(key: &ObjKey, e: &ObjEntry) -> bool {
     if OBJECTS.remove(key).is_err() {
         return false;
     }
-    if e.kind == OBJ_MEMORY && e.bytes != 0 {
-        match unsafe { ANCESTRY.get(e.cgroup_id) } {
-            Some(anc) => charge(anc, e.gpu, e.bytes.wrapping_neg()),
-            None => {
-                add_usage(e.cgroup_id, e.gpu, e.bytes.wrapping_neg());
-                add_usage(e.cgroup_id, GPU_ALL, e.bytes.wrapping_neg());
-            }
-        }
-        bump_stat(stat::UNCHARGES);
+    if e.kind == OBJ_MEMORY && e.bytes != 0 && unshare(e.charge) {
+        uncharge(e.cgroup_id, e.gpu, e.bytes);
     }
     true
 }
 
+/// Takes `bytes` off `cgroup_id` and its ancestors (itself only when its ancestry is gone).
 #[inline(always)]
-pub(crate) fn account_alloc(p: &Pending) {
-    let Some(args) = alloc_args(p.size, p.params) else {
-        return;
-    };
-    if args.head.status != rm::status::NV_OK {
-        return;
+fn uncharge(cgroup_id: u64, gpu: u32, bytes: u64) {
+    match unsafe { ANCESTRY.get(cgroup_id) } {
+        Some(anc) => charge(anc, gpu, bytes.wrapping_neg()),
+        None => {
+            add_usage(cgroup_id, gpu, bytes.wrapping_neg());
+            add_usage(cgroup_id, GPU_ALL, bytes.wrapping_neg());
+        }
     }
-    let head = &args.head;
-    let key = ObjKey {
-        client: head.h_root,
-        object: head.h_object_new,
-    };
-    match head.h_class {
-        c if rm::class::is_root(c) => {
-            // The new client's handle is its own key.
-            let key = ObjKey {
-                client: head.h_object_new,
-                object: head.h_object_new,
-            };
-            track_object(key, OBJ_CLIENT, head.h_object_new, GPU_UNKNOWN, 0, p.file);
-        }
-        rm::class::DEVICE => {
-            let gpu = unsafe { user::<u32>(head.p_alloc_parms + rm::DEVICE_PARAMS_ID as u64) }
-                .unwrap_or(GPU_UNKNOWN);
-            track_object(key, OBJ_DEVICE, head.h_object_parent, gpu, 0, p.file);
-        }
-        rm::class::SUBDEVICE => {
-            let gpu = gpu_of(head.h_root, head.h_object_parent);
-            track_object(key, OBJ_SUBDEVICE, head.h_object_parent, gpu, 0, p.file);
-        }
-        rm::class::CHANNEL_GROUP => {
-            let gpu = gpu_of(head.h_root, head.h_object_parent);
-            track_object(key, OBJ_CHANNEL_GROUP, head.h_object_parent, gpu, 0, p.file);
-        }
-        c if rm::class::is_gpfifo_channel(c) => {
-            // Its group's GPU (a group's entry carries its device's).
-            let gpu = match unsafe {
-                OBJECTS.get(ObjKey {
-                    client: head.h_root,
-                    object: head.h_object_parent,
-                })
-            } {
-                Some(g) if g.kind == OBJ_CHANNEL_GROUP => g.gpu,
-                _ => GPU_UNKNOWN,
-            };
-            track_object(key, OBJ_CHANNEL, head.h_object_parent, gpu, 0, p.file);
-        }
-        rm::class::MEMORY_LOCAL_USER => {
-            if let Some((client, parent, handle, bytes)) = vidmem_alloc(&args) {
-                charge_memory(client, parent, handle, bytes, p.file);
-            }
-        }
-        _ => {}
-    }
+    bump_stat(stat::UNCHARGES);
 }
 
+/// The status and the handle the driver wrote back into an allocation's struct.
 #[inline(always)]
-pub(crate) fn account_vidheap(p: &Pending) {
-    let Some(status) = (unsafe { user::<u32>(p.params + rm::VIDHEAP_STATUS as u64) }) else {
+fn answer(p: &Pending) -> Option<(u32, u32)> {
+    if p.nr == nv::NV_ESC_RM_ALLOC {
+        let a = alloc_args(p.size, p.params)?;
+        return Some((a.head.status, a.head.h_object_new));
+    }
+    let st: u32 = unsafe { user(p.params + rm::VIDHEAP_STATUS as u64)? };
+    let h: u32 = unsafe { user(p.params + rm::VIDHEAP_H_MEMORY as u64)? };
+    Some((st, h))
+}
+
+/// Return side of an allocation (`RM_ALLOC`, a VID_HEAP_CONTROL allocation): records the new
+/// object under the keys the entry side read, and charges video memory.
+#[inline(always)]
+pub(crate) fn account_alloc(p: &Pending) {
+    let Some((status, back)) = answer(p) else {
         return;
     };
+    let (replace, handle) = match p.handle {
+        0 => (false, back),
+        h => (true, h),
+    };
+    if p.class == rm::class::MEMORY_LOCAL_USER {
+        let ok = status == rm::status::NV_OK;
+        charge_memory(p, handle, replace, ok);
+        return;
+    }
     if status != rm::status::NV_OK {
         return;
     }
-    let Some(function) = (unsafe { user::<u32>(p.params + rm::VIDHEAP_FUNCTION as u64) }) else {
-        return;
+    let mut t = Track {
+        key: ObjKey {
+            client: p.client,
+            object: handle,
+        },
+        kind: 0,
+        parent: p.parent,
+        gpu: GPU_UNKNOWN,
+        bytes: 0,
+        file: p.file,
+        charge: 0,
+        cgroup_id: 0,
+        replace,
     };
-    if function == rm::NVOS32_FUNCTION_FREE {
-        let (Some(ids), Some(h_memory)) = (unsafe {
-            (
-                user::<[u32; 2]>(p.params),
-                user::<u32>(p.params + rm::VIDHEAP_H_MEMORY as u64),
-            )
-        }) else {
-            return;
-        };
-        release(
-            &ObjKey {
-                client: ids[0],
-                object: h_memory,
-            },
-            0,
-        );
-        return;
+    match p.class {
+        c if rm::class::is_root(c) => {
+            // The new client's handle is its own key.
+            t.key.client = handle;
+            (t.kind, t.parent) = (OBJ_CLIENT, handle);
+        }
+        rm::class::DEVICE => (t.kind, t.gpu) = (OBJ_DEVICE, p.arg as u32),
+        rm::class::SUBDEVICE => (t.kind, t.gpu) = (OBJ_SUBDEVICE, gpu_of(p.client, p.parent)),
+        rm::class::CHANNEL_GROUP => {
+            (t.kind, t.gpu) = (OBJ_CHANNEL_GROUP, gpu_of(p.client, p.parent));
+        }
+        c if rm::class::is_gpfifo_channel(c) => {
+            // Its group's GPU (a group's entry carries its device's).
+            t.kind = OBJ_CHANNEL;
+            if let Some(g) = unsafe {
+                OBJECTS.get(ObjKey {
+                    client: p.client,
+                    object: p.parent,
+                })
+            } && g.kind == OBJ_CHANNEL_GROUP
+            {
+                t.gpu = g.gpu;
+            }
+        }
+        _ => return,
     }
-    if let Some((client, parent, handle, bytes)) = vidmem_request(p.nr, p.size, p.params) {
-        charge_memory(client, parent, handle, bytes, p.file);
-    }
+    track_object(&t);
 }
 
-/// Charges a successful video-memory allocation made through the control file `file` and
-/// applies the `react` tier.
+/// Charges a video-memory allocation made through the control file `p.file` and applies the
+/// `react` tier: the bytes the entry side saw asked for, or the size the driver wrote back if
+/// larger (it rounds up). `confirmed` false: the status read back says the driver failed it;
+/// under a limit the charge is made all the same (another thread of the caller may have
+/// written that status), unlimited cgroups are not charged.
 #[inline(always)]
-fn charge_memory(client: u32, parent: u32, handle: u32, bytes: u64, file: u64) {
+fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     let Some((_, anc)) = current_ancestry() else {
         return;
     };
-    let gpu = gpu_of(client, parent);
+    let gpu = gpu_of(p.client, p.parent);
+    if !confirmed && (handle == 0 || !limited(anc, gpu)) {
+        return;
+    }
+    let back = match p.size_at {
+        0 => 0,
+        at => unsafe { user::<u64>(at) }.unwrap_or(0),
+    };
+    let bytes = if back > p.arg { back } else { p.arg };
+    if p.arg == 0 {
+        // Unsized at the entry (FINN-serialized or unreadable): nothing to charge, and under a
+        // limit that fails closed.
+        bump_stat(stat::UNREADABLE);
+        if let Some(hit) = limit_met(anc, gpu, 0, true) {
+            crossed(p.client, handle, 0, hit);
+        }
+        return;
+    }
     if gpu == GPU_UNKNOWN {
         bump_stat(stat::UNKNOWN_GPU);
     }
-    let key = ObjKey {
-        client,
-        object: handle,
-    };
+    if !confirmed {
+        bump_stat(stat::UNCONFIRMED);
+    }
     charge(anc, gpu, bytes);
-    let tracked = track_object(key, OBJ_MEMORY, parent, gpu, bytes, file);
+    let tracked = track_object(&Track {
+        key: ObjKey {
+            client: p.client,
+            object: handle,
+        },
+        kind: OBJ_MEMORY,
+        parent: p.parent,
+        gpu,
+        bytes,
+        file: p.file,
+        charge: 0,
+        cgroup_id: 0,
+        replace,
+    });
     let met = if tracked {
         bump_stat(stat::CHARGES);
         over_limit(anc, gpu, 0)
@@ -357,38 +513,127 @@ fn charge_memory(client: u32, parent: u32, handle: u32, bytes: u64, file: u64) {
         charge(anc, gpu, bytes.wrapping_neg());
         limit_met(anc, gpu, 0, true)
     };
-    if let Some((cg, g, now)) = met {
-        bump_stat(stat::CROSSED);
-        if let Some(cfg) = config()
-            && cfg.react_action == REACT_KILL
-        {
-            let _ = unsafe { bpf_send_signal(SIGKILL) };
-        }
-        send(&Event {
-            kind: EVENT_LIMIT_CROSSED,
-            tgid: current_tgid(),
-            cgroup_id: cg,
-            client,
-            object: handle,
-            value: now,
-            bytes,
-            gpu: g,
-            _pad: 0,
-        });
+    if let Some(hit) = met {
+        crossed(p.client, handle, bytes, hit);
     }
 }
 
+/// A limit crossed by the caller (`hit`: the cgroup, GPU key and usage of [`limit_met`]):
+/// counted, the `react` tier's kill, and the event.
 #[inline(always)]
-pub(crate) fn account_free(p: &Pending) {
-    let Some(args) = (unsafe { user::<rm::Nvos00>(p.params) }) else {
+fn crossed(client: u32, handle: u32, bytes: u64, hit: (u64, u32, u64)) {
+    let (cg, g, now) = hit;
+    bump_stat(stat::CROSSED);
+    if let Some(cfg) = config()
+        && cfg.react_action == REACT_KILL
+    {
+        let _ = unsafe { bpf_send_signal(SIGKILL) };
+    }
+    send(&Event {
+        kind: EVENT_LIMIT_CROSSED,
+        tgid: current_tgid(),
+        cgroup_id: cg,
+        client,
+        object: handle,
+        value: now,
+        bytes,
+        gpu: g,
+        _pad: 0,
+    });
+}
+
+/// Return side of a duplicate (`RM_DUP_OBJECT`, whatever the call returned): one of charged
+/// memory becomes a reference to its source's charge under the new handle, or gives back the
+/// reference the entry side took. A duplicate whose status reads failed keeps it under a limit
+/// (as [`charge_memory`]); one that cannot be recorded while the driver made it counts as
+/// crossing the caller's limit, as its source's charge would go with the source's handle.
+#[inline(always)]
+pub(crate) fn account_dup(p: &Pending, ret: i64) {
+    let src = &p.src;
+    if src.kind != OBJ_MEMORY {
+        return;
+    }
+    let back = if ret == 0 {
+        unsafe { user::<rm::Nvos55>(p.params) }
+    } else {
+        None
+    };
+    let (status, handle, replace) = match (back, p.handle) {
+        (None, _) => (NO_ANSWER, 0, false),
+        (Some(d), 0) => (d.status, d.h_object, false),
+        (Some(d), h) => (d.status, h, true),
+    };
+    let anc = current_ancestry();
+    let is_limited = anc.is_some_and(|(_, a)| limited(a, src.gpu));
+    let keep = ret == 0 && handle != 0 && (status == rm::status::NV_OK || is_limited);
+    let tracked = keep
+        && src.charge != 0
+        && track_object(&Track {
+            key: ObjKey {
+                client: p.client,
+                object: handle,
+            },
+            kind: OBJ_MEMORY,
+            parent: p.parent,
+            gpu: src.gpu,
+            bytes: src.bytes,
+            file: p.file,
+            charge: src.charge,
+            cgroup_id: src.cgroup_id,
+            replace,
+        });
+    if tracked {
+        bump_stat(stat::DUPLICATES);
+        return;
+    }
+    if src.charge != 0 && unshare(src.charge) {
+        uncharge(src.cgroup_id, src.gpu, src.bytes);
+    }
+    if keep
+        && let Some((_, a)) = anc
+        && let Some(hit) = limit_met(a, src.gpu, 0, true)
+    {
+        crossed(p.client, handle, src.bytes, hit);
+    }
+}
+
+/// GPUs an RM call that raced its XFER header is checked against (the driver's numbering): it
+/// may have been anything on any of them.
+const RACED_GPUS: u32 = 8;
+
+/// An RM call whose XFER header changed while the driver ran (`rm::raced`): a reference the
+/// entry side took is given back, and a caller under any limit counts as crossing it.
+#[inline(always)]
+pub(crate) fn raced_call(p: &Pending) {
+    let src = &p.src;
+    if p.op == OP_DUP && src.kind == OBJ_MEMORY && src.charge != 0 && unshare(src.charge) {
+        uncharge(src.cgroup_id, src.gpu, src.bytes);
+    }
+    let Some((_, anc)) = current_ancestry() else {
         return;
     };
-    if args.status != rm::status::NV_OK {
+    for gpu in 0..RACED_GPUS {
+        if let Some(hit) = limit_met(anc, gpu, 0, true) {
+            crossed(p.client, p.handle, 0, hit);
+            return;
+        }
+    }
+}
+
+/// Return side of a free (`RM_FREE`, VID_HEAP_CONTROL `FREE`) of the handle the entry side read.
+#[inline(always)]
+pub(crate) fn account_free(p: &Pending) {
+    let at = if p.nr == nv::NV_ESC_RM_FREE {
+        core::mem::offset_of!(rm::Nvos00, status)
+    } else {
+        rm::VIDHEAP_STATUS
+    };
+    if unsafe { user::<u32>(p.params + at as u64) } != Some(rm::status::NV_OK) {
         return;
     }
     let key = ObjKey {
-        client: args.h_root,
-        object: args.h_object_old,
+        client: p.client,
+        object: p.handle,
     };
     // Memory is released here; anything else may have objects below it, which the daemon
     // releases on the event.
@@ -399,15 +644,18 @@ pub(crate) fn account_free(p: &Pending) {
         }
         Some(_) => {}
         // A client is keyed by its own handle; other unknown handles own nothing we charged.
-        None if args.h_object_old == args.h_root => {}
+        None if p.handle == p.client => {}
         None => return,
+    }
+    if p.nr != nv::NV_ESC_RM_FREE {
+        return;
     }
     send(&Event {
         kind: EVENT_FREE_TREE,
         tgid: current_tgid(),
         cgroup_id: unsafe { bpf_get_current_cgroup_id() },
-        client: args.h_root,
-        object: args.h_object_old,
+        client: p.client,
+        object: p.handle,
         value: serial_now(),
         ..Event::default()
     });

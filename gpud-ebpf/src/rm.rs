@@ -4,43 +4,56 @@
 
 use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use gpud_common::{
-    CFG_SCHED_GUARD, CFG_VIRT_MEMINFO, EVENT_ALLOC_DENIED, Event, GPU_UNKNOWN, Pending, nv, rm,
-    stat,
+    CFG_SCHED_GUARD, CFG_VIRT_MEMINFO, EVENT_ALLOC_DENIED, Event, GPU_UNKNOWN, OP_ALLOC, OP_DUP,
+    OP_FREE, Pending, nv, rm, stat,
 };
 
 use crate::{
     guard,
     kernel::current_tgid,
     ledger::{current_ancestry, gpu_of, user},
-    maps::{bump_stat, config, note_call, send, take_call},
+    maps::{bump_stat, config, noting, send, take_call},
     meminfo,
-    memory::{account_alloc, account_free, account_vidheap, over_limit, vidmem_request},
+    memory::{self, account_alloc, account_dup, account_free, note_entry, over_limit},
 };
 
 const ENOMEM: i32 = 12;
 
 /// The RM call an ioctl makes: escape number, parameter size and user address, unwrapping an
-/// XFER. `None` for commands neither the accounting nor the memory view follows.
+/// XFER (whose header's address comes fourth, 0 when not wrapped). `None` for commands neither
+/// the accounting nor the memory view follows, except XFERs: every one is noted, as another
+/// thread may point its header at another call before the driver reads it.
 #[inline(always)]
-fn rm_call(cmd: u32, arg: u64) -> Option<(u32, u32, u64)> {
-    let (mut nr, mut size, mut params) = (nv::ioc_nr(cmd), nv::ioc_size(cmd), arg);
+fn rm_call(cmd: u32, arg: u64) -> Option<(u32, u32, u64, u64)> {
+    let (nr, size) = (nv::ioc_nr(cmd), nv::ioc_size(cmd));
     if nr == nv::NV_ESC_IOCTL_XFER_CMD {
         if size != nv::NV_IOCTL_XFER_SIZE {
             return None;
         }
         let x: rm::NvIoctlXfer = unsafe { user(arg)? };
-        if x.size > nv::NV_MAX_IOCTL_SIZE || x.cmd > 0xff {
-            return None;
-        }
-        (nr, size, params) = (x.cmd, x.size, x.ptr);
+        return Some((x.cmd, x.size, x.ptr, arg));
     }
     match (nr, size) {
         (nv::NV_ESC_RM_ALLOC, nv::NVOS21_SIZE | nv::NVOS64_SIZE)
         | (nv::NV_ESC_RM_FREE, nv::NVOS00_SIZE)
         | (nv::NV_ESC_RM_VID_HEAP_CONTROL, nv::NVOS32_SIZE)
-        | (nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE) => Some((nr, size, params)),
+        | (nv::NV_ESC_RM_DUP_OBJECT, nv::NVOS55_SIZE)
+        | (nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE) => Some((nr, size, arg, 0)),
         _ => None,
     }
+}
+
+/// Whether `(nr, size)` is a call the accounting or the memory view reads.
+#[inline(always)]
+fn followed(nr: u32, size: u32) -> bool {
+    matches!(
+        (nr, size),
+        (nv::NV_ESC_RM_ALLOC, nv::NVOS21_SIZE | nv::NVOS64_SIZE)
+            | (nv::NV_ESC_RM_FREE, nv::NVOS00_SIZE)
+            | (nv::NV_ESC_RM_VID_HEAP_CONTROL, nv::NVOS32_SIZE)
+            | (nv::NV_ESC_RM_DUP_OBJECT, nv::NVOS55_SIZE)
+            | (nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE)
+    )
 }
 
 /// Entry side of an ioctl on a control file. Returns the verdict (`-ENOMEM` or `-EPERM` to
@@ -48,97 +61,126 @@ fn rm_call(cmd: u32, arg: u64) -> Option<(u32, u32, u64)> {
 /// scheduler guard may also rewrite a tenant's control.
 #[inline(always)]
 pub(crate) fn rm_entry<const REWRITE: bool>(file: u64, cmd: u32, arg: u64, deny: bool) -> i32 {
-    let Some((nr, size, params)) = rm_call(cmd, arg) else {
+    let Some((nr, size, params, xfer)) = rm_call(cmd, arg) else {
         return 0;
     };
+    let watched = followed(nr, size);
     // A memory-info call of a limited cgroup: its reply is rewritten at the exit. Other
-    // controls are not noted at all; only these two escapes look the configuration up.
+    // controls are not noted (but in an XFER); only these two escapes look the configuration
+    // up.
     let (mut view_cmd, mut view_gpu) = (0, GPU_UNKNOWN);
-    if nr == nv::NV_ESC_RM_CONTROL {
-        let Some(cfg) = config() else { return 0 };
-        if cfg.flags & (CFG_VIRT_MEMINFO | CFG_SCHED_GUARD) == 0 {
-            return 0;
-        }
-        let Some(c) = (unsafe { user::<rm::Nvos54>(params) }) else {
-            return 0;
-        };
-        if cfg.flags & CFG_SCHED_GUARD != 0
-            && let Some(verdict) = guard::control::<REWRITE>(cfg, file, params, &c, deny)
+    if watched && nr == nv::NV_ESC_RM_CONTROL {
+        if let Some(cfg) = config()
+            && cfg.flags & (CFG_VIRT_MEMINFO | CFG_SCHED_GUARD) != 0
+            && let Some(c) = unsafe { user::<rm::Nvos54>(params) }
         {
-            return verdict;
+            if cfg.flags & CFG_SCHED_GUARD != 0
+                && let Some(verdict) = guard::control::<REWRITE>(cfg, file, params, &c, deny)
+            {
+                return verdict;
+            }
+            if cfg.flags & CFG_VIRT_MEMINFO != 0
+                && let Some((c, g)) = meminfo::control_entry(&c)
+            {
+                (view_cmd, view_gpu) = (c, g);
+            }
         }
-        if cfg.flags & CFG_VIRT_MEMINFO == 0 {
+        if view_cmd == 0 && xfer == 0 {
             return 0;
         }
-        let Some((c, g)) = meminfo::control_entry(&c) else {
-            return 0;
-        };
-        (view_cmd, view_gpu) = (c, g);
-    } else if nr == nv::NV_ESC_RM_VID_HEAP_CONTROL
+    } else if watched
+        && nr == nv::NV_ESC_RM_VID_HEAP_CONTROL
         && config().is_some_and(|c| c.flags & CFG_VIRT_MEMINFO != 0)
         && let Some((c, g)) = meminfo::vidheap_entry(params)
     {
         (view_cmd, view_gpu) = (c, g);
     }
-    if deny && let Some((client, parent, _, bytes)) = vidmem_request(nr, size, params) {
-        let gpu = gpu_of(client, parent);
+    let Some(p) = noting() else {
+        return 0;
+    };
+    (p.file, p.params, p.nr, p.size, p.cmd, p.gpu, p.xfer) =
+        (file, params, nr, size, view_cmd, view_gpu, xfer);
+    if !watched {
+        // An XFER of a call nothing follows: noted for the header's check alone.
+        return 0;
+    }
+    note_entry(p);
+    if deny && p.op == OP_ALLOC && p.class == rm::class::MEMORY_LOCAL_USER && p.arg != 0 {
+        let gpu = gpu_of(p.client, p.parent);
         if let Some((_, anc)) = current_ancestry()
-            && let Some((cg, g, now)) = over_limit(anc, gpu, bytes)
+            && let Some((cg, g, now)) = over_limit(anc, gpu, p.arg)
         {
             bump_stat(stat::DENIED);
             send(&Event {
                 kind: EVENT_ALLOC_DENIED,
                 tgid: current_tgid(),
                 cgroup_id: cg,
-                client,
+                client: p.client,
                 object: 0,
                 value: now,
-                bytes,
+                bytes: p.arg,
                 gpu: g,
                 _pad: 0,
             });
+            p.file = 0;
             return -ENOMEM;
         }
     }
-    let pending = Pending {
-        file,
-        params,
-        nr,
-        size,
-        cmd: view_cmd,
-        gpu: view_gpu,
-    };
-    note_call(pending);
     0
 }
 
-/// Return side: accounts a successful RM call noted at entry; with `REWRITE` (the exit
-/// programs that may call `bpf_probe_write_user`) also gives memory-info replies the caller's
-/// view.
+/// Return side: accounts an RM call noted at entry; with `REWRITE` (the exit programs that may
+/// call `bpf_probe_write_user`) also gives memory-info replies the caller's view.
 #[inline(always)]
 pub(crate) fn rm_exit<const REWRITE: bool>(ret: i64) {
     let Some(p) = take_call() else {
         return;
     };
-    let id = bpf_get_current_pid_tgid();
+    if p.xfer != 0 && raced(&p) {
+        return;
+    }
+    if p.op == OP_DUP {
+        // Whatever it returned: a reference taken at the entry is kept or given back.
+        account_dup(&p, ret);
+        return;
+    }
     if p.nr == nv::NV_ESC_RM_CONTROL && p.cmd == 0 {
         // Only the guard notes a control with no memory-info command: an undo for the daemon,
         // whatever the call returned (the driver may have acted before failing).
-        guard::restore_at_exit(id);
+        guard::restore_at_exit(bpf_get_current_pid_tgid());
         return;
     }
     if ret != 0 {
         return;
     }
-    match p.nr {
-        nv::NV_ESC_RM_ALLOC => account_alloc(&p),
-        nv::NV_ESC_RM_FREE => account_free(&p),
-        nv::NV_ESC_RM_CONTROL => {
-            if REWRITE {
-                meminfo::control_done(&p);
+    if p.cmd != 0 {
+        if REWRITE {
+            match p.nr {
+                nv::NV_ESC_RM_CONTROL => meminfo::control_done(&p),
+                _ => meminfo::vidheap_done(&p),
             }
         }
-        _ if REWRITE && p.cmd != 0 => meminfo::vidheap_done(&p),
-        _ => account_vidheap(&p),
+        return;
     }
+    match p.op {
+        OP_ALLOC => account_alloc(&p),
+        OP_FREE => account_free(&p),
+        _ => {}
+    }
+}
+
+/// Whether the XFER header of `p` no longer names the call its entry side saw: another thread
+/// pointed it elsewhere while the driver read it, so what the driver did is unknown. A limited
+/// caller counts as crossing its limit; the accounting of the call is skipped.
+#[inline(always)]
+fn raced(p: &Pending) -> bool {
+    let Some(x) = (unsafe { user::<rm::NvIoctlXfer>(p.xfer) }) else {
+        return false;
+    };
+    if (x.cmd, x.size, x.ptr) == (p.nr, p.size, p.params) {
+        return false;
+    }
+    bump_stat(stat::RACED);
+    memory::raced_call(p);
+    true
 }

@@ -28,8 +28,12 @@
 //! subtree, of the client when `hObjectOld == hRoot`, and answers `NV_OK` for an unknown handle;
 //! the last close of a file frees its clients without any RM_FREE. Memory is rounded up to the
 //! page size, refused with `NV_ERR_NO_MEMORY` past a GPU's capacity, and the rounded size and
-//! `limit` are written back. Choices of the fake where the driver is not modelled:
-//! `NV_ESC_RM_DUP_OBJECT` answers `NV_ERR_NOT_SUPPORTED` (no shared memory), NVOS64 with
+//! `limit` are written back. `NV_ESC_RM_DUP_OBJECT` of video memory makes a handle on the same
+//! memory, which goes back to its GPU with its last handle (`memCopyConstruct_IMPL`); the
+//! snapshot's `mem` names it, and [`Snapshot::held_by`] counts it once. Choices of the fake where
+//! the driver is not modelled: a duplicate of anything but video memory answers
+//! `NV_ERR_NOT_SUPPORTED`, and one across processes `NV_ERR_INSUFFICIENT_PERMISSIONS` (RM's share
+//! policy, `RM_SHARE`, is not modelled), NVOS64 with
 //! `FINN_SERIALIZED` on memory classes answers `NV_ERR_NOT_SUPPORTED`, other RM escapes with a
 //! status field answer `NV_OK` after the client check, other RM and OS escape numbers succeed
 //! doing nothing, and numbers that are no escape fail with `EINVAL` (as RmIoctl's default case).

@@ -437,6 +437,34 @@ impl<'f> Ctl<'f> {
         }
     }
 
+    /// `NV_ESC_RM_DUP_OBJECT`: a new handle (`handle`, or one RM picks for 0) under `parent` of
+    /// `client` referencing `src_client:src`.
+    pub fn dup(
+        &self,
+        client: Handle,
+        parent: Handle,
+        handle: Handle,
+        src_client: Handle,
+        src: Handle,
+    ) -> Reply {
+        let mut p = rm::Nvos55 {
+            h_client: client,
+            h_parent: parent,
+            h_object: handle,
+            h_client_src: src_client,
+            h_object_src: src,
+            ..Default::default()
+        };
+        let (ret, errno) = self.escape(nv::NV_ESC_RM_DUP_OBJECT, &mut p, false);
+        Reply {
+            ret,
+            errno,
+            status: p.status,
+            handle: p.h_object,
+            size: 0,
+        }
+    }
+
     /// `NV_ESC_RM_FREE` of `handle` (its subtree goes with it; `handle == client` frees the
     /// client).
     pub fn free(&self, client: Handle, handle: Handle) -> Reply {

@@ -542,6 +542,7 @@ async fn an_orphan_is_released_within_one_sweep_counted_and_logged() {
         bytes,
         file: 0,
         serial,
+        charge: serial,
     };
     objects.insert(orphan, entry, 0).expect("strand the object");
     let stranded = std::time::Instant::now();

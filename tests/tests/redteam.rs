@@ -54,6 +54,65 @@ async fn ledger_empties(rig: &Rig) {
     );
 }
 
+/// An attack run as one `gpud-rm` command by a tenant under a 64 MiB limit must end with the
+/// tenant killed in the call that took it over (the react tier with `kill`) and the fake driver
+/// holding nothing; a tenant that answers got through, with what the ledger shows it holding.
+async fn attack_dies(tag: &str, attack: impl FnOnce(u32, u32) -> String) {
+    let Some(rig) = started(tag, gpud_common::MAX_OBJECTS).await else {
+        return;
+    };
+    let cg = Cgroup::new(tag);
+    rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = tenant.client_device(0);
+    let line = attack(client, device);
+    if let Some(answer) = tenant.try_cmd(&line) {
+        let held = rig.fake().snapshot().used_total();
+        panic!(
+            "`{line}` got through under a {} MiB limit: the driver holds {} MiB for it, gpud \
+             charged {:?}; it answered {answer}\n{}",
+            LIMIT / MIB,
+            held / MIB,
+            rig.get_cgroup(&cg.rel).await.memory_current,
+            rig.log_text()
+        );
+    }
+    let status = tenant.wait();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    ledger_empties(&rig).await;
+}
+
+/// Duplicate, then free the original: the driver keeps memory while a duplicate lives, so each
+/// round holds 16 MiB more. A duplicate is a reference to the original's charge: the bytes stay
+/// charged until the last handle goes, and the fifth round crosses the limit.
+#[tokio::test(flavor = "multi_thread")]
+async fn dup_then_free_keeps_the_charge() {
+    attack_dies("rt-dupfree", |c, d| {
+        format!("dup-free {c} {d} {} 12", 16 * MIB)
+    })
+    .await;
+}
+
+/// A second thread rewrites `status` to a failure the moment the driver has answered: the
+/// allocation looks refused to anything that reads it back, but the driver made it.
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_the_status_still_charges() {
+    attack_dies("rt-racestatus", |c, d| {
+        format!("race-status {c} {d} {} 12", 16 * MIB)
+    })
+    .await;
+}
+
+/// A second thread rewrites the allocation's `size` to 4 KiB the moment the driver has written
+/// the allocated size back: the charge never goes below what the call asked for.
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_the_size_still_charges_the_request() {
+    attack_dies("rt-racesize", |c, d| {
+        format!("race-size {c} {d} {} 4096 12", 16 * MIB)
+    })
+    .await;
+}
+
 /// The restart window: a limit set by GPU UUID (as every Kubernetes plugin sets them) stays in
 /// the kernel across a restart of gpud while NVML answers 10 s late, so the tenant that tries to
 /// cross right after the restart is killed at its crossing call; the ledger never shows it over.

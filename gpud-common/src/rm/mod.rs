@@ -97,6 +97,28 @@ pub struct Nvos00 {
     pub status: u32,
 }
 
+/// `NVOS55_PARAMETERS` (`NV_ESC_RM_DUP_OBJECT`, 28 bytes): a new handle in `h_client` under
+/// `h_parent` that references the object `h_client_src:h_object_src`. A duplicate of memory
+/// shares the original's pages: they are freed with the last handle (`memCopyConstruct_IMPL`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Nvos55 {
+    /// The client the new handle is made in.
+    pub h_client: Handle,
+    /// Its parent there (a device or subdevice for memory).
+    pub h_parent: Handle,
+    /// IN/OUT: the new handle; 0 asks RM for one.
+    pub h_object: Handle,
+    /// The client of the object duplicated.
+    pub h_client_src: Handle,
+    /// The object duplicated.
+    pub h_object_src: Handle,
+    /// `NV04_DUP_HANDLE_FLAGS_*`.
+    pub flags: u32,
+    /// OUT: `NV_STATUS`.
+    pub status: u32,
+}
+
 /// `NVOS21_PARAMETERS` (`NV_ESC_RM_ALLOC`, 32 bytes). `h_object_new` is IN/OUT: 0 asks RM for a
 /// handle. `params_size` is ignored by the driver (it copies the class's struct size).
 #[repr(C)]
@@ -468,6 +490,8 @@ const _: () = {
     assert!(size_of::<Nvos00>() == 16);
     assert!(offset_of!(Nvos00, h_object_old) == 8 && offset_of!(Nvos00, status) == 12);
     assert!(size_of::<Nvos21>() == 32);
+    assert!(size_of::<Nvos55>() == crate::nv::NVOS55_SIZE as usize);
+    assert!(offset_of!(Nvos55, h_object_src) == 16 && offset_of!(Nvos55, status) == 24);
     assert!(NVOS21_STATUS == 28 && ALLOC_P_PARAMS == 16 && ALLOC_H_CLASS == 12);
     assert!(size_of::<Nvos64>() == 48);
     assert!(NVOS64_STATUS == 40 && NVOS64_FLAGS == 36);

@@ -27,6 +27,9 @@ const NAMES: [(u32, &str); stat::COUNT as usize] = [
     (stat::SCHED_GUARD_QUIET, "sched_guard_quiet"),
     (stat::GUARD_COUNTS_FULL, "guard_counts_map_full"),
     (stat::ORPHANS_RELEASED, "orphans_released"),
+    (stat::DUPLICATES, "duplicates"),
+    (stat::UNCONFIRMED, "unconfirmed_charges"),
+    (stat::RACED, "raced_calls"),
 ];
 
 /// The counters that move whenever the kernel changes what a cgroup's record shows without

@@ -47,6 +47,9 @@ pub struct ObjectState {
     pub gpu: Option<u32>,
     /// Video memory held (class 0x40 only; rounded size).
     pub bytes: u64,
+    /// The video memory it references, shared with its duplicates (0: none).
+    #[serde(default)]
+    pub mem: u64,
     /// Process that created it.
     pub pid: u32,
 }
@@ -143,11 +146,13 @@ impl Snapshot {
             .map_or(0, |g| g.used)
     }
 
-    /// Bytes of video memory allocated by these processes: the driver's own ledger, what gpud's
-    /// figures for their cgroup must equal.
+    /// Bytes of video memory these processes keep alive through a handle (an allocation or
+    /// a duplicate), each allocation counted once: the driver's own ledger, what gpud's figures
+    /// for their cgroup must equal.
     pub fn held_by(&self, pids: &[u32]) -> u64 {
+        let mut seen = std::collections::BTreeSet::new();
         self.memory()
-            .filter(|o| pids.contains(&o.pid))
+            .filter(|o| pids.contains(&o.pid) && (o.mem == 0 || seen.insert(o.mem)))
             .map(|o| o.bytes)
             .sum()
     }

@@ -36,6 +36,9 @@ struct Object {
     class: u32,
     gpu: Option<u32>,
     bytes: u64,
+    /// The video memory this handle references (`Rm::mems`), shared by its duplicates; 0 for
+    /// none.
+    mem: u64,
     pid: u32,
     /// Channel groups: their scheduling state.
     sched: Option<Sched>,
@@ -114,6 +117,15 @@ impl Client {
     }
 }
 
+/// Video memory as the driver's memory descriptor holds it: freed with its last handle (the
+/// original or a duplicate, `memdescAddRef`/`memdescDestroy`), not with the original's.
+#[derive(Clone, Copy, Debug)]
+struct Mem {
+    gpu: u32,
+    bytes: u64,
+    refs: u32,
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Gpu {
     capacity: u64,
@@ -139,6 +151,9 @@ pub(super) struct Rm {
     page_size: u64,
     gpus: Vec<Gpu>,
     clients: BTreeMap<Handle, Client>,
+    /// Live video memory by id, with its reference count.
+    mems: BTreeMap<u64, Mem>,
+    next_mem: u64,
     /// Open `nvidiactl` files: FUSE file handle → opener's pid.
     pub(super) files: BTreeMap<u64, u32>,
     next_client: u32,
@@ -164,6 +179,8 @@ impl Rm {
                 o.gpus as usize
             ],
             clients: BTreeMap::new(),
+            mems: BTreeMap::new(),
+            next_mem: 1,
             files: BTreeMap::new(),
             next_client: 1,
             inject: Inject::default(),
@@ -221,6 +238,7 @@ impl Rm {
                     class: o.class,
                     gpu: o.gpu,
                     bytes: o.bytes,
+                    mem: o.mem,
                     pid: o.pid,
                 });
                 if let Some(s) = o.sched {
@@ -323,6 +341,19 @@ impl Rm {
                 Ok(())
             }
             nv::NV_ESC_RM_VID_HEAP_CONTROL => self.vid_heap(c, buf),
+            nv::NV_ESC_RM_DUP_OBJECT if size == nv::NVOS55_SIZE => {
+                let mut p: rm::Nvos55 = from_bytes(buf);
+                p.status = match self.dup(c, &p) {
+                    Ok(h) => {
+                        p.h_object = h;
+                        status::NV_OK
+                    }
+                    Err(st) => st,
+                };
+                self.count(p.status);
+                buf.copy_from_slice(bytes_of(&p));
+                Ok(())
+            }
             nv::NV_ESC_RM_CONTROL if size == nv::NVOS54_SIZE => {
                 let mut p: rm::Nvos54 = from_bytes(buf);
                 p.status = self.control(c, &p);
@@ -334,9 +365,7 @@ impl Rm {
             nv::NV_ESC_RM_ALLOC_MEMORY => Err(libc::EINVAL),
             _ => match rm::escape_status_offset(nr, size) {
                 Some((off, has_client)) => {
-                    let st = if nr == nv::NV_ESC_RM_DUP_OBJECT {
-                        status::NV_ERR_NOT_SUPPORTED
-                    } else if has_client {
+                    let st = if has_client {
                         self.check_client(c.fh, get_u32(buf, 0))
                     } else {
                         status::NV_OK

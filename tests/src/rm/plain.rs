@@ -13,6 +13,7 @@ pub unsafe trait Plain: Copy + Default {}
 // SAFETY: each is #[repr(C)] with explicit padding fields and integer members only.
 unsafe impl Plain for rm::Nvos00 {}
 unsafe impl Plain for rm::Nvos21 {}
+unsafe impl Plain for rm::Nvos55 {}
 unsafe impl Plain for rm::Nvos64 {}
 unsafe impl Plain for rm::Nvos32 {}
 unsafe impl Plain for rm::MemoryAllocationParams {}

@@ -27,6 +27,10 @@
 //! | `progress [gated]` | as `burn`, counting its spins in a `u64` another process can read: answers `{"ok":true,"pid":…,"progress":ADDR,"gate":ADDR}`; `gated` waits until the `u64` at `gate` is 1 and stops counting once it is 2 (the stand-in of tests/gpu/hw_tenant.cu, for gpud-hwcontrols) |
 //! | `alloc CLIENT PARENT SIZE [FORM] [handle=H] [flags=F] [attr=A] [class=C]` | video memory; FORM is `nvos21`, `nvos64` (default), `vidheap`, `xfer21`, `xfer64` or `xfervidheap` |
 //! | `parallel N CLIENT PARENT SIZE [FORM]` | N threads allocate at once: `{"ok":…,"results":[…]}` |
+//! | `dup CLIENT PARENT SRC_CLIENT SRC [HANDLE]` | `NV_ESC_RM_DUP_OBJECT` of SRC_CLIENT:SRC under PARENT (RM picks the handle unless HANDLE) |
+//! | `dup-free CLIENT PARENT SIZE N` | N rounds of allocate, duplicate, free the original (see [`attack`]) |
+//! | `race-status CLIENT PARENT SIZE N` | N allocations whose `status` a second thread rewrites to a failure once the driver answered |
+//! | `race-size CLIENT PARENT SIZE SMALL N` | N allocations whose params' `size` a second thread rewrites to SMALL once the driver answered |
 //! | `free CLIENT HANDLE` | `NV_ESC_RM_FREE` (HANDLE == CLIENT frees the client) |
 //! | `vidheap-free CLIENT PARENT HANDLE` | `NV_ESC_RM_VID_HEAP_CONTROL` FREE |
 //! | `ioctl CMD` | CMD on a zeroed buffer: `{"ok":…,"ret":…,"errno":…}` |
@@ -70,6 +74,7 @@ use fd::{recv_fd, redup, send_fd};
 use fork::{fork, forks, handoff};
 use fuzz::fuzz;
 
+mod attack;
 mod fd;
 mod fork;
 mod fuzz;
@@ -287,6 +292,11 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
     };
     let ctl = Ctl::new(file);
     let r = (|| -> Result<Value, String> {
+        let size = |i: usize| -> Result<u64, String> {
+            args.get(i)
+                .ok_or_else(|| format!("{cmd}: missing argument"))
+                .and_then(|s| parse_size(s).ok_or_else(|| format!("{cmd}: bad size {s:?}")))
+        };
         let n = |i: usize| -> Result<u32, String> {
             args.get(i)
                 .ok_or_else(|| format!("{cmd}: missing argument"))
@@ -398,6 +408,18 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                     "ok": replies.iter().all(Reply::ok),
                     "results": replies.iter().map(reply_json).collect::<Vec<_>>(),
                 })
+            }
+            ("dup", 4 | 5) => {
+                let h = if args.len() == 5 { n(4)? } else { 0 };
+                reply_json(&ctl.dup(n(0)?, n(1)?, h, n(2)?, n(3)?))
+            }
+            ("dup-free", 4) => attack::dup_free(&ctl, n(0)?, n(1)?, size(2)?, n(3)?),
+            ("race-status", 4) => {
+                attack::race(&ctl, n(0)?, n(1)?, size(2)?, n(3)?, attack::Race::Status)
+            }
+            ("race-size", 5) => {
+                let small = attack::Race::Size(size(3)?);
+                attack::race(&ctl, n(0)?, n(1)?, size(2)?, n(4)?, small)
             }
             ("free", 2) => reply_json(&ctl.free(n(0)?, n(1)?)),
             ("vidheap-free", 3) => reply_json(&ctl.vidheap_free(n(0)?, n(1)?, n(2)?)),

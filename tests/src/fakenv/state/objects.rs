@@ -10,7 +10,7 @@ use gpud_common::{
 };
 
 use super::{
-    Caller, Chan, Client, DEFAULT_TIMESLICE_US, EscapeResult, Object, Rm, Sched,
+    Caller, Chan, Client, DEFAULT_TIMESLICE_US, EscapeResult, Mem, Object, Rm, Sched,
     inject::take,
     remote::{read_params, read_remote, remote_write},
     tgid,
@@ -288,6 +288,22 @@ impl Rm {
                 }
             }
         };
+        let mem = match (gpu, bytes) {
+            (Some(g), 1..) => {
+                let id = self.next_mem;
+                self.next_mem += 1;
+                self.mems.insert(
+                    id,
+                    Mem {
+                        gpu: g,
+                        bytes,
+                        refs: 1,
+                    },
+                );
+                id
+            }
+            _ => 0,
+        };
         client.objects.insert(
             h,
             Object {
@@ -295,6 +311,7 @@ impl Rm {
                 class,
                 gpu,
                 bytes,
+                mem,
                 pid: tgid(c.tid),
                 sched: matches!(kind, Kind::ChannelGroup).then_some(Sched {
                     enabled: true,
@@ -339,12 +356,83 @@ impl Rm {
         }
     }
 
+    /// Drops the handles' references to their memory; memory goes back to its GPU with its
+    /// last reference.
     fn uncharge(&mut self, objects: impl IntoIterator<Item = Object>) {
         for o in objects {
-            if let (Some(g), true) = (o.gpu, o.bytes > 0) {
-                self.gpus[g as usize].used -= o.bytes;
+            let Some(m) = self.mems.get_mut(&o.mem) else {
+                continue;
+            };
+            m.refs -= 1;
+            if m.refs == 0 {
+                let m = *m;
+                self.mems.remove(&o.mem);
+                self.gpus[m.gpu as usize].used -= m.bytes;
             }
         }
+    }
+
+    /// `NV_ESC_RM_DUP_OBJECT` of video memory: a new handle under a device or subdevice of
+    /// `h_client` that shares the source's memory. The source client must be the caller's own
+    /// or one of its process's (RM's default share policy lets a process dup its own objects;
+    /// what crosses processes goes through `RM_SHARE`, not modelled). Other classes: not
+    /// supported here.
+    pub(super) fn dup(&mut self, c: Caller, p: &rm::Nvos55) -> Result<Handle, u32> {
+        let st = self.check_client(c.fh, p.h_client);
+        if st != status::NV_OK {
+            return Err(st);
+        }
+        let src_client = self
+            .clients
+            .get(&p.h_client_src)
+            .ok_or(status::NV_ERR_INVALID_CLIENT)?;
+        if src_client.pid != tgid(c.tid) {
+            return Err(status::NV_ERR_INSUFFICIENT_PERMISSIONS);
+        }
+        let src = *src_client
+            .objects
+            .get(&p.h_object_src)
+            .ok_or(status::NV_ERR_OBJECT_NOT_FOUND)?;
+        if src.mem == 0 {
+            return Err(status::NV_ERR_NOT_SUPPORTED);
+        }
+        let client = &self.clients[&p.h_client];
+        let parent = client
+            .objects
+            .get(&p.h_parent)
+            .ok_or(status::NV_ERR_INVALID_OBJECT_PARENT)?;
+        if !matches!(parent.class, class::DEVICE | class::SUBDEVICE) || parent.gpu != src.gpu {
+            return Err(status::NV_ERR_INVALID_OBJECT_PARENT);
+        }
+        if p.h_object != 0 && (p.h_object == p.h_client || client.objects.contains_key(&p.h_object))
+        {
+            return Err(status::NV_ERR_INSERT_DUPLICATE_NAME);
+        }
+        let client = self
+            .clients
+            .get_mut(&p.h_client)
+            .expect("client checked above");
+        let h = match p.h_object {
+            0 => client
+                .generate(p.h_client)
+                .ok_or(status::NV_ERR_INSUFFICIENT_RESOURCES)?,
+            h => h,
+        };
+        client.objects.insert(
+            h,
+            Object {
+                parent: p.h_parent,
+                pid: tgid(c.tid),
+                sched: None,
+                channel: None,
+                ..src
+            },
+        );
+        if let Some(m) = self.mems.get_mut(&src.mem) {
+            m.refs += 1;
+        }
+        self.stats.created += 1;
+        Ok(h)
     }
 
     /// `RM_FREE` semantics: the object and its subtree, the whole client when `handle == root`,

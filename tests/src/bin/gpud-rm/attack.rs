@@ -1,0 +1,151 @@
+//! A tenant's routes around its memory limit with raw RM calls, one command each: the attacks
+//! of docs/design.md ("Threat model") that need more than one call or a second thread.
+//!
+//! Each keeps what it got (nothing is freed but what the attack frees) and answers
+//! `{"ok":true,"held":[HANDLE…],"failed":REPLY|null}`: the handles still holding memory and the
+//! first allocation that did not succeed, if any. A tenant the kernel kills gives no answer.
+
+use std::{
+    ptr::{addr_of, addr_of_mut},
+    sync::atomic::{AtomicBool, Ordering},
+};
+
+use gpud_common::{
+    nv,
+    rm::{self, Handle},
+};
+use gpud_tests::rm::{Ctl, Reply, bytes_of_mut, class, status};
+use serde_json::{Value, json};
+
+use crate::reply_json;
+
+fn answer(held: &[Handle], failed: Option<Reply>) -> Value {
+    json!({
+        "ok": true,
+        "held": held,
+        "failed": failed.as_ref().map(reply_json),
+    })
+}
+
+/// Duplicate, then free the original, `n` times: each round allocates `size` bytes, duplicates
+/// the new memory into the same client and frees the original. The driver keeps the memory while
+/// the duplicate lives.
+pub(crate) fn dup_free(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32) -> Value {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let a = ctl.alloc_vidmem(client, parent, size, gpud_tests::rm::Form::Nvos21);
+        if !a.ok() {
+            return answer(&held, Some(a));
+        }
+        let d = ctl.dup(client, parent, 0, client, a.handle);
+        if !d.ok() {
+            return answer(&held, Some(d));
+        }
+        let f = ctl.free(client, a.handle);
+        if !f.ok() {
+            return answer(&held, Some(f));
+        }
+        held.push(d.handle);
+    }
+    answer(&held, None)
+}
+
+/// What the second thread rewrites once the driver has written its answer back.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Race {
+    /// `NVOS21.status` to a failure: the allocation looks refused.
+    Status,
+    /// The allocation params' `size` to this: the allocation looks small.
+    Size(u64),
+}
+
+/// `n` video-memory allocations of `size` bytes (NVOS21), each raced by a second thread that
+/// watches the caller's structs and rewrites them the moment the driver's answer lands there,
+/// before the system call returns.
+pub(crate) fn race(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32, r: Race) -> Value {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let mut params = rm::MemoryAllocationParams {
+            size,
+            ..Default::default()
+        };
+        let mut p = rm::Nvos21 {
+            h_root: client,
+            h_object_parent: parent,
+            h_class: class::MEMORY_LOCAL_USER,
+            p_alloc_parms: addr_of_mut!(params) as u64,
+            // Not NV_OK: the driver's write of NV_OK is what the racer waits for.
+            status: status::NV_ERR_NO_MEMORY,
+            ..Default::default()
+        };
+        let (ready, done) = (AtomicBool::new(false), AtomicBool::new(false));
+        let (pp, sp) = (addr_of_mut!(p) as usize, addr_of_mut!(params) as usize);
+        let (ret, errno) = std::thread::scope(|s| {
+            s.spawn(|| rewrite_on_answer(pp, sp, r, &ready, &done));
+            // The racer must be spinning before the call: the driver answers in microseconds.
+            while !ready.load(Ordering::Acquire) {
+                std::hint::spin_loop();
+            }
+            let cmd = nv::nv_iowr(nv::NV_ESC_RM_ALLOC, nv::NVOS21_SIZE);
+            // SAFETY: `p` and `params` live across the call and are of the sizes the driver
+            // reads and writes.
+            let out = unsafe { ctl.raw(cmd, bytes_of_mut(&mut p).as_mut_ptr()) };
+            done.store(true, Ordering::Release);
+            out
+        });
+        if ret != 0 {
+            return answer(
+                &held,
+                Some(Reply {
+                    ret,
+                    errno,
+                    ..Default::default()
+                }),
+            );
+        }
+        // The racer wrote over the answer: whether the driver made the memory shows in the
+        // handle it wrote back.
+        // SAFETY: plain reads of live locals the racer no longer touches.
+        let h = unsafe { addr_of!(p.h_object_new).read_volatile() };
+        if h == 0 {
+            return answer(
+                &held,
+                Some(Reply {
+                    status: p.status,
+                    ..Default::default()
+                }),
+            );
+        }
+        held.push(h);
+    }
+    answer(&held, None)
+}
+
+/// The second thread: spins until the driver's answer shows (`status` NV_OK in the NVOS21 at
+/// `pp`, or `limit` set in the params at `sp`), rewrites it, and keeps rewriting until the call
+/// returned.
+fn rewrite_on_answer(pp: usize, sp: usize, r: Race, ready: &AtomicBool, done: &AtomicBool) {
+    let p = pp as *mut rm::Nvos21;
+    let params = sp as *mut rm::MemoryAllocationParams;
+    ready.store(true, Ordering::Release);
+    while !done.load(Ordering::Acquire) {
+        // SAFETY: both structs outlive the scope this thread runs in; racing the driver's and
+        // the kernel's writes is the point (volatile, word-sized).
+        unsafe {
+            match r {
+                Race::Status => {
+                    let st = addr_of_mut!((*p).status);
+                    if st.read_volatile() == status::NV_OK {
+                        st.write_volatile(status::NV_ERR_NO_MEMORY);
+                    }
+                }
+                Race::Size(small) => {
+                    if addr_of!((*params).limit).read_volatile() != 0 {
+                        addr_of_mut!((*params).size).write_volatile(small);
+                    }
+                }
+            }
+        }
+        std::hint::spin_loop();
+    }
+}
