@@ -18,6 +18,7 @@ use gpud_common::{
 
 pub use plain::{Plain, bytes_of, bytes_of_mut, from_bytes, get_u32, get_u64, put_u32, put_u64};
 
+pub mod attack;
 mod control;
 mod plain;
 

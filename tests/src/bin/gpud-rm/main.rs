@@ -28,7 +28,7 @@
 //! | `alloc CLIENT PARENT SIZE [FORM] [handle=H] [flags=F] [attr=A] [class=C]` | video memory; FORM is `nvos21`, `nvos64` (default), `vidheap`, `xfer21`, `xfer64` or `xfervidheap` |
 //! | `parallel N CLIENT PARENT SIZE [FORM]` | N threads allocate at once: `{"ok":…,"results":[…]}` |
 //! | `dup CLIENT PARENT SRC_CLIENT SRC [HANDLE]` | `NV_ESC_RM_DUP_OBJECT` of SRC_CLIENT:SRC under PARENT (RM picks the handle unless HANDLE) |
-//! | `dup-free CLIENT PARENT SIZE N` | N rounds of allocate, duplicate, free the original (see [`attack`]) |
+//! | `dup-free CLIENT PARENT SIZE N` | N rounds of allocate, duplicate, free the original (see [`gpud_tests::rm::attack`]) |
 //! | `race-status CLIENT PARENT SIZE N` | N allocations whose `status` a second thread rewrites to a failure once the driver answered |
 //! | `race-size CLIENT PARENT SIZE SMALL N` | N allocations whose params' `size` a second thread rewrites to SMALL once the driver answered |
 //! | `free CLIENT HANDLE` | `NV_ESC_RM_FREE` (HANDLE == CLIENT frees the client) |
@@ -66,7 +66,7 @@ use clap::Parser;
 use gpud_common::nv;
 use gpud_tests::{
     fakenv::{parse_num, parse_size},
-    rm::{Ctl, Form, MemRequest, Reply},
+    rm::{Ctl, Form, MemRequest, Reply, attack},
 };
 use serde_json::{Value, json};
 
@@ -74,7 +74,6 @@ use fd::{recv_fd, redup, send_fd};
 use fork::{fork, forks, handoff};
 use fuzz::fuzz;
 
-mod attack;
 mod fd;
 mod fork;
 mod fuzz;
@@ -123,6 +122,16 @@ fn reply_json(r: &Reply) -> Value {
         "status": r.status,
         "handle": r.handle,
         "size": r.size,
+    })
+}
+
+/// An attack's answer: `{"ok":true,"held":[HANDLE…],"failed":REPLY|null}` (see
+/// [`gpud_tests::rm::attack`]).
+fn outcome(o: &attack::Outcome) -> Value {
+    json!({
+        "ok": true,
+        "held": o.held,
+        "failed": o.failed.as_ref().map(reply_json),
     })
 }
 
@@ -413,13 +422,18 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                 let h = if args.len() == 5 { n(4)? } else { 0 };
                 reply_json(&ctl.dup(n(0)?, n(1)?, h, n(2)?, n(3)?))
             }
-            ("dup-free", 4) => attack::dup_free(&ctl, n(0)?, n(1)?, size(2)?, n(3)?),
-            ("race-status", 4) => {
-                attack::race(&ctl, n(0)?, n(1)?, size(2)?, n(3)?, attack::Race::Status)
-            }
+            ("dup-free", 4) => outcome(&attack::dup_free(&ctl, n(0)?, n(1)?, size(2)?, n(3)?)),
+            ("race-status", 4) => outcome(&attack::race(
+                &ctl,
+                n(0)?,
+                n(1)?,
+                size(2)?,
+                n(3)?,
+                attack::Race::Status,
+            )),
             ("race-size", 5) => {
                 let small = attack::Race::Size(size(3)?);
-                attack::race(&ctl, n(0)?, n(1)?, size(2)?, n(4)?, small)
+                outcome(&attack::race(&ctl, n(0)?, n(1)?, size(2)?, n(4)?, small))
             }
             ("free", 2) => reply_json(&ctl.free(n(0)?, n(1)?)),
             ("vidheap-free", 3) => reply_json(&ctl.vidheap_free(n(0)?, n(1)?, n(2)?)),

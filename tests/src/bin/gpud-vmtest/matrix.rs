@@ -256,6 +256,32 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
         ensure!(caller_gone, "the caller of a foreign disable lives on");
     }
     drop((a, b));
+    // The red-team tenant's attacks under a 64 MiB limit, each in its own cgroup.
+    let mut through = Vec::new();
+    for name in gpud_tests::rm::attack::NAMES {
+        let held = red_team(
+            &tag,
+            name,
+            &ctl,
+            &root,
+            &fake,
+            &mut attribution,
+            &mut settings,
+        )?;
+        pump(&mut ring, &mut attribution);
+        println!(
+            "[{tag}] red team {name}: the driver holds {} MiB for it",
+            held / MIB
+        );
+        if held > RED_TEAM_LIMIT {
+            through.push(name);
+        }
+    }
+    let redteam = if through.is_empty() {
+        "pass".to_owned()
+    } else {
+        through.join(",")
+    };
     attribution.shutdown(false);
     drop(fake);
     let _ = std::fs::remove_dir(&cg);
@@ -280,7 +306,61 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
         guard == "report" || neighbour == "kept",
         "a neighbour's channels were {neighbour} on a row whose guard acts ({guard})"
     );
-    Ok(format!("kernel-matrix: {row}: {line}"))
+    ensure!(
+        through.is_empty(),
+        "kernel-matrix: {row}: attacks got through: {redteam}"
+    );
+    Ok(format!("kernel-matrix: {row}: {line} redteam={redteam}"))
+}
+
+/// The limit the red-team tenant attacks.
+const RED_TEAM_LIMIT: u64 = 64 << 20;
+
+/// Attack `name` ([`gpud_tests::rm::attack`]) by a tenant forked into a cgroup of its own under a
+/// 64 MiB limit, 16 MiB at a time, 12 times: the bytes the fake driver holds for it once it is
+/// done, or once it was killed and its file released. More than the limit: the attack got
+/// through (deny rows refuse the crossing allocation; react rows kill in it).
+fn red_team(
+    tag: &str,
+    name: &str,
+    ctl: &std::path::Path,
+    root: &std::path::Path,
+    fake: &gpud_tests::fakenv::FakeNv,
+    attribution: &mut Attribution,
+    settings: &mut gpud::probes::KernelSettings,
+) -> anyhow::Result<u64> {
+    let rel = format!("{tag}-rt-{name}");
+    let dir = root.join(&rel);
+    std::fs::create_dir_all(&dir)?;
+    let (_, id) = attribution.id_of(&format!("/{rel}"))?;
+    settings.set_limit(id, gpud_common::GPU_ALL, RED_TEAM_LIMIT)?;
+    let (c, d, attack) = (ctl.to_owned(), dir.clone(), name.to_owned());
+    let held = fork_held(move || {
+        let (f, client, dev) = match device_in(&c, &d) {
+            Ok(t) => t,
+            Err(e) => return e,
+        };
+        let rm = gpud_tests::rm::Ctl::new(&f);
+        let out = gpud_tests::rm::attack::run(&rm, &attack, client, dev, 16 << 20, 12);
+        // The file stays open until the parent has read the ledger.
+        std::mem::forget(f);
+        format!("{out:?}")
+    })?;
+    let pid = held.pid;
+    // A tenant killed in its crossing call held that allocation at its death: the driver gives
+    // it back with the file, in a moment.
+    let killed = held.report.is_empty();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    let mut bytes = fake.snapshot().held_by(&[pid]);
+    while killed && bytes > RED_TEAM_LIMIT && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        bytes = fake.snapshot().held_by(&[pid]);
+    }
+    let report = if killed { "killed" } else { &held.report };
+    println!("[{tag}] red team {name}: {report}");
+    held.release();
+    let _ = std::fs::remove_dir(&dir);
+    Ok(bytes)
 }
 
 pub(super) fn check_lsm_probe() -> anyhow::Result<()> {

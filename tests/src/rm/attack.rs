@@ -1,9 +1,9 @@
-//! A tenant's routes around its memory limit with raw RM calls, one command each: the attacks
-//! of docs/design.md ("Threat model") that need more than one call or a second thread.
+//! A tenant's routes around its memory limit with raw RM calls: the attacks of docs/design.md
+//! ("Threat model") that need more than one call or a second thread, for `gpud-rm` (the host's
+//! red-team tests) and the VM's kernel matrix.
 //!
-//! Each keeps what it got (nothing is freed but what the attack frees) and answers
-//! `{"ok":true,"held":[HANDLE…],"failed":REPLY|null}`: the handles still holding memory and the
-//! first allocation that did not succeed, if any. A tenant the kernel kills gives no answer.
+//! Each keeps what it got (nothing is freed but what the attack frees) and returns an
+//! [`Outcome`]. A tenant the kernel kills returns nothing.
 
 use std::{
     ptr::{addr_of, addr_of_mut},
@@ -14,26 +14,52 @@ use gpud_common::{
     nv,
     rm::{self, Handle},
 };
-use gpud_tests::rm::{Ctl, Reply, bytes_of_mut, class, status};
-use serde_json::{Value, json};
 
-use crate::reply_json;
+use super::{Ctl, Form, Reply, bytes_of_mut, class, status};
 
-fn answer(held: &[Handle], failed: Option<Reply>) -> Value {
-    json!({
-        "ok": true,
-        "held": held,
-        "failed": failed.as_ref().map(reply_json),
+/// What an attack holds at its end.
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    /// The handles still holding memory.
+    pub held: Vec<Handle>,
+    /// The first call that did not succeed, if any (the attack stopped there).
+    pub failed: Option<Reply>,
+}
+
+fn answer(held: &[Handle], failed: Option<Reply>) -> Outcome {
+    Outcome {
+        held: held.to_vec(),
+        failed,
+    }
+}
+
+/// The attacks by name, each run with `size` bytes per allocation, `n` times.
+pub const NAMES: [&str; 3] = ["dup-free", "race-status", "race-size"];
+
+/// Runs attack `name` ([`NAMES`]) on `client`'s `parent`; `None` for an unknown name.
+pub fn run(
+    ctl: &Ctl,
+    name: &str,
+    client: Handle,
+    parent: Handle,
+    size: u64,
+    n: u32,
+) -> Option<Outcome> {
+    Some(match name {
+        "dup-free" => dup_free(ctl, client, parent, size, n),
+        "race-status" => race(ctl, client, parent, size, n, Race::Status),
+        "race-size" => race(ctl, client, parent, size, n, Race::Size(4096)),
+        _ => return None,
     })
 }
 
 /// Duplicate, then free the original, `n` times: each round allocates `size` bytes, duplicates
 /// the new memory into the same client and frees the original. The driver keeps the memory while
 /// the duplicate lives.
-pub(crate) fn dup_free(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32) -> Value {
+pub fn dup_free(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32) -> Outcome {
     let mut held = Vec::new();
     for _ in 0..n {
-        let a = ctl.alloc_vidmem(client, parent, size, gpud_tests::rm::Form::Nvos21);
+        let a = ctl.alloc_vidmem(client, parent, size, Form::Nvos21);
         if !a.ok() {
             return answer(&held, Some(a));
         }
@@ -52,7 +78,7 @@ pub(crate) fn dup_free(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: 
 
 /// What the second thread rewrites once the driver has written its answer back.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Race {
+pub enum Race {
     /// `NVOS21.status` to a failure: the allocation looks refused.
     Status,
     /// The allocation params' `size` to this: the allocation looks small.
@@ -62,7 +88,7 @@ pub(crate) enum Race {
 /// `n` video-memory allocations of `size` bytes (NVOS21), each raced by a second thread that
 /// watches the caller's structs and rewrites them the moment the driver's answer lands there,
 /// before the system call returns.
-pub(crate) fn race(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32, r: Race) -> Value {
+pub fn race(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32, r: Race) -> Outcome {
     let mut held = Vec::new();
     for _ in 0..n {
         let mut params = rm::MemoryAllocationParams {
