@@ -466,7 +466,13 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
         return;
     };
     let gpu = gpu_of(p.client, p.parent);
-    if !confirmed && (handle == 0 || !limited(anc, gpu)) {
+    let key = ObjKey {
+        client: p.client,
+        object: handle,
+    };
+    // Unconfirmed, a handle already recorded is the driver refusing a duplicate name (a live
+    // object keeps its entry and its charge): nothing was made.
+    if !confirmed && (handle == 0 || !limited(anc, gpu) || unsafe { OBJECTS.get(key) }.is_some()) {
         return;
     }
     let back = match p.size_at {
@@ -491,10 +497,7 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     }
     charge(anc, gpu, bytes);
     let tracked = track_object(&Track {
-        key: ObjKey {
-            client: p.client,
-            object: handle,
-        },
+        key,
         kind: OBJ_MEMORY,
         parent: p.parent,
         gpu,
@@ -502,7 +505,8 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
         file: p.file,
         charge: 0,
         cgroup_id: 0,
-        replace,
+        // Only a call the driver confirmed proves the handle was free.
+        replace: replace && confirmed,
     });
     let met = if tracked {
         bump_stat(stat::CHARGES);
@@ -565,7 +569,8 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
     };
     let anc = current_ancestry();
     let is_limited = anc.is_some_and(|(_, a)| limited(a, src.gpu));
-    let keep = ret == 0 && handle != 0 && (status == rm::status::NV_OK || is_limited);
+    let confirmed = status == rm::status::NV_OK;
+    let keep = ret == 0 && handle != 0 && (confirmed || is_limited);
     let tracked = keep
         && src.charge != 0
         && track_object(&Track {
@@ -580,7 +585,8 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
             file: p.file,
             charge: src.charge,
             cgroup_id: src.cgroup_id,
-            replace,
+            // Only a duplicate the driver confirmed proves the handle was free.
+            replace: replace && confirmed,
         });
     if tracked {
         bump_stat(stat::DUPLICATES);
@@ -589,7 +595,17 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
     if src.charge != 0 && unshare(src.charge) {
         uncharge(src.cgroup_id, src.gpu, src.bytes);
     }
+    // Unconfirmed under a handle already recorded: the driver refused a duplicate name.
+    let refused = !confirmed
+        && unsafe {
+            OBJECTS.get(ObjKey {
+                client: p.client,
+                object: handle,
+            })
+        }
+        .is_some();
     if keep
+        && !refused
         && let Some((_, a)) = anc
         && let Some(hit) = limit_met(a, src.gpu, 0, true)
     {

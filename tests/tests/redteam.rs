@@ -113,6 +113,32 @@ async fn racing_the_size_still_charges_the_request() {
     .await;
 }
 
+/// A failed allocation never takes an object's place: the tenant holds 48 MiB under a handle of
+/// its choosing, then asks for 4 KiB under the same handle. The driver refuses the duplicate name
+/// and writes a failure status, which under a limit may be a status rewritten by another thread
+/// and so does not erase a charge; but it must not replace the live object's entry either (which
+/// would leave 48 MiB held for a 4 KiB charge). Its next 32 MiB cross the limit.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_duplicate_handle_leaves_the_charge() {
+    let Some(rig) = started("rt-dupname", gpud_common::MAX_OBJECTS).await else {
+        return;
+    };
+    let cg = Cgroup::new("rt-dupname");
+    rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = tenant.client_device(0);
+    tenant.ok(&format!(
+        "alloc {client} {device} {} nvos21 handle=0x1000",
+        48 * MIB
+    ));
+    let refused = tenant.cmd(&format!(
+        "alloc {client} {device} 4096 nvos21 handle=0x1000"
+    ));
+    assert_eq!(refused["ok"], false, "{refused}");
+    rig.expect_memory(&cg.rel, &[("all", 48 * MIB)]).await;
+    crosses_and_dies(&rig, &mut tenant, client, device, 32 * MIB).await;
+}
+
 /// The restart window: a limit set by GPU UUID (as every Kubernetes plugin sets them) stays in
 /// the kernel across a restart of gpud while NVML answers 10 s late, so the tenant that tries to
 /// cross right after the restart is killed at its crossing call; the ledger never shows it over.
