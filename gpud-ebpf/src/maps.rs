@@ -42,11 +42,11 @@ pub(crate) static TRACKED: Array<u64> = Array::pinned(1, 0);
 #[map]
 pub(crate) static OBJECTS: HashMap<ObjKey, ObjEntry> = HashMap::pinned(MAX_OBJECTS, 0);
 
-/// Hierarchical video-memory usage in bytes per (cgroup, GPU) and per (cgroup, `GPU_ALL`).
 /// Charge serial → references beyond the first (docs of `gpud_common::maps::SHARES`).
 #[map]
 pub(crate) static SHARES: HashMap<u64, u64> = HashMap::pinned(MAX_SHARES, 0);
 
+/// Hierarchical video-memory usage in bytes per (cgroup, GPU) and per (cgroup, `GPU_ALL`).
 #[map]
 pub(crate) static USAGE: HashMap<UsageKey, u64> = HashMap::pinned(MAX_USAGE, 0);
 

@@ -362,10 +362,29 @@ fn release_entry(key: &ObjKey, e: &ObjEntry) -> bool {
     if OBJECTS.remove(key).is_err() {
         return false;
     }
-    if e.kind == OBJ_MEMORY && e.bytes != 0 && unshare(e.charge) {
+    drop_reference(e);
+    true
+}
+
+/// Gives back one reference to the charge memory entry `e` holds (its own, or a duplicate's
+/// source's as noted at the entry), uncharging the bytes with the last; `e.charge` 0 holds none.
+#[inline(always)]
+fn drop_reference(e: &ObjEntry) {
+    if e.kind == OBJ_MEMORY && e.bytes != 0 && e.charge != 0 && unshare(e.charge) {
         uncharge(e.cgroup_id, e.gpu, e.bytes);
     }
-    true
+}
+
+/// Whether `OBJECTS` records something under `client:handle`.
+#[inline(always)]
+fn recorded(client: u32, handle: u32) -> bool {
+    unsafe {
+        OBJECTS.get(ObjKey {
+            client,
+            object: handle,
+        })
+    }
+    .is_some()
 }
 
 /// Takes `bytes` off `cgroup_id` and its ancestors (itself only when its ancestry is gone).
@@ -472,7 +491,7 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     };
     // Unconfirmed, a handle already recorded is the driver refusing a duplicate name (a live
     // object keeps its entry and its charge): nothing was made.
-    if !confirmed && (handle == 0 || !limited(anc, gpu) || unsafe { OBJECTS.get(key) }.is_some()) {
+    if !confirmed && (handle == 0 || !limited(anc, gpu) || recorded(p.client, handle)) {
         return;
     }
     let back = match p.size_at {
@@ -592,18 +611,9 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
         bump_stat(stat::DUPLICATES);
         return;
     }
-    if src.charge != 0 && unshare(src.charge) {
-        uncharge(src.cgroup_id, src.gpu, src.bytes);
-    }
+    drop_reference(src);
     // Unconfirmed under a handle already recorded: the driver refused a duplicate name.
-    let refused = !confirmed
-        && unsafe {
-            OBJECTS.get(ObjKey {
-                client: p.client,
-                object: handle,
-            })
-        }
-        .is_some();
+    let refused = !confirmed && recorded(p.client, handle);
     if keep
         && !refused
         && let Some((_, a)) = anc
@@ -621,9 +631,8 @@ const RACED_GPUS: u32 = 8;
 /// entry side took is given back, and a caller under any limit counts as crossing it.
 #[inline(always)]
 pub(crate) fn raced_call(p: &Pending) {
-    let src = &p.src;
-    if p.op == OP_DUP && src.kind == OBJ_MEMORY && src.charge != 0 && unshare(src.charge) {
-        uncharge(src.cgroup_id, src.gpu, src.bytes);
+    if p.op == OP_DUP {
+        drop_reference(&p.src);
     }
     let Some((_, anc)) = current_ancestry() else {
         return;

@@ -33,14 +33,7 @@ fn rm_call(cmd: u32, arg: u64) -> Option<(u32, u32, u64, u64)> {
         let x: rm::NvIoctlXfer = unsafe { user(arg)? };
         return Some((x.cmd, x.size, x.ptr, arg));
     }
-    match (nr, size) {
-        (nv::NV_ESC_RM_ALLOC, nv::NVOS21_SIZE | nv::NVOS64_SIZE)
-        | (nv::NV_ESC_RM_FREE, nv::NVOS00_SIZE)
-        | (nv::NV_ESC_RM_VID_HEAP_CONTROL, nv::NVOS32_SIZE)
-        | (nv::NV_ESC_RM_DUP_OBJECT, nv::NVOS55_SIZE)
-        | (nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE) => Some((nr, size, arg, 0)),
-        _ => None,
-    }
+    followed(nr, size).then_some((nr, size, arg, 0))
 }
 
 /// Whether `(nr, size)` is a call the accounting or the memory view reads.

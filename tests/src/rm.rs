@@ -132,6 +132,17 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// What a call that writes back no size reported: `call` is [`Ctl::raw`]'s (ret, errno).
+    pub fn of(call: (i32, i32), status: u32, handle: Handle) -> Self {
+        Self {
+            ret: call.0,
+            errno: call.1,
+            status,
+            handle,
+            size: 0,
+        }
+    }
+
     /// The call succeeded at both levels.
     pub fn ok(&self) -> bool {
         self.ret == 0 && self.status == status::NV_OK
@@ -456,14 +467,8 @@ impl<'f> Ctl<'f> {
             h_object_src: src,
             ..Default::default()
         };
-        let (ret, errno) = self.escape(nv::NV_ESC_RM_DUP_OBJECT, &mut p, false);
-        Reply {
-            ret,
-            errno,
-            status: p.status,
-            handle: p.h_object,
-            size: 0,
-        }
+        let call = self.escape(nv::NV_ESC_RM_DUP_OBJECT, &mut p, false);
+        Reply::of(call, p.status, p.h_object)
     }
 
     /// `NV_ESC_RM_FREE` of `handle` (its subtree goes with it; `handle == client` frees the
@@ -475,14 +480,8 @@ impl<'f> Ctl<'f> {
             h_object_old: handle,
             status: 0,
         };
-        let (ret, errno) = self.escape(nv::NV_ESC_RM_FREE, &mut p, false);
-        Reply {
-            ret,
-            errno,
-            status: p.status,
-            handle,
-            size: 0,
-        }
+        let call = self.escape(nv::NV_ESC_RM_FREE, &mut p, false);
+        Reply::of(call, p.status, handle)
     }
 
     /// `NV_ESC_RM_VID_HEAP_CONTROL` `NVOS32_FUNCTION_FREE` of `memory`.
@@ -494,13 +493,7 @@ impl<'f> Ctl<'f> {
             ..Default::default()
         };
         put_u32(bytes_of_mut(&mut p), rm::VIDHEAP_H_MEMORY, memory);
-        let (ret, errno) = self.escape(nv::NV_ESC_RM_VID_HEAP_CONTROL, &mut p, false);
-        Reply {
-            ret,
-            errno,
-            status: p.status,
-            handle: memory,
-            size: 0,
-        }
+        let call = self.escape(nv::NV_ESC_RM_VID_HEAP_CONTROL, &mut p, false);
+        Reply::of(call, p.status, memory)
     }
 }

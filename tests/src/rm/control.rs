@@ -76,14 +76,8 @@ impl Ctl<'_> {
     /// # Safety
     /// `p.params` must be null or valid for reads and writes of `p.params_size` bytes.
     pub unsafe fn control_nvos54(&self, p: &mut rm::Nvos54) -> Reply {
-        let (ret, errno) = self.escape(nv::NV_ESC_RM_CONTROL, p, false);
-        Reply {
-            ret,
-            errno,
-            status: p.status,
-            handle: p.h_object,
-            size: 0,
-        }
+        let call = self.escape(nv::NV_ESC_RM_CONTROL, p, false);
+        Reply::of(call, p.status, p.h_object)
     }
 
     /// `NV_ESC_RM_CONTROL` `cmd` on `object` of `client`, with `params` as its parameters.
