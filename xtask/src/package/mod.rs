@@ -224,8 +224,8 @@ fn rootfs() -> anyhow::Result<PathBuf> {
     Ok(cached)
 }
 
-/// Podman with all of its state in one directory (nothing in the host's image store), removed
-/// on drop.
+/// Podman with all of its state in one directory (nothing in the host's image store) and its
+/// run root, removed on drop.
 struct Podman {
     dir: PathBuf,
 }
@@ -234,9 +234,18 @@ impl Podman {
     fn new(dir: &Path) -> anyhow::Result<Self> {
         let _ = std::fs::remove_dir_all(dir);
         std::fs::create_dir_all(dir)?;
-        Ok(Self {
+        let podman = Self {
             dir: dir.to_owned(),
-        })
+        };
+        let _ = std::fs::remove_dir_all(podman.runroot());
+        Ok(podman)
+    }
+
+    /// Its run root: podman refuses one longer than 50 characters, which a checkout's
+    /// `target/package/…` is at a deep enough path, so it lives under `/run` by the state
+    /// directory's name.
+    fn runroot(&self) -> PathBuf {
+        Path::new("/run/gpud-xtask").join(self.dir.file_name().unwrap_or_default())
     }
 
     fn command(&self) -> Command {
@@ -244,7 +253,7 @@ impl Podman {
         c.arg("--root")
             .arg(self.dir.join("storage"))
             .arg("--runroot")
-            .arg(self.dir.join("run"))
+            .arg(self.runroot())
             .arg("--tmpdir")
             .arg(self.dir.join("tmp"))
             .arg("--network-config-dir")
@@ -261,6 +270,7 @@ impl Drop for Podman {
         let _ = self.command().args(["rmi", "--all", "--force"]).output();
         // vfs layers are plain directories.
         let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir_all(self.runroot());
     }
 }
 
