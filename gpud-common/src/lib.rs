@@ -12,6 +12,52 @@ pub mod nv;
 mod objects;
 pub mod rm;
 
+/// x86-64's 32-bit system-call entries, which the `syscalls:*` tracepoints skip
+/// (`ARCH_TRACE_IGNORE_COMPAT_SYSCALLS`) and tracepoint mode follows where every system call
+/// passes (the raw `sys_enter` tracepoint, the `raw_syscalls:sys_exit` event): the numbers of the calls it follows in the i386 table
+/// (`arch/x86/entry/syscalls/syscall_32.tbl`) and the x32 one (the 64-bit table's numbers with
+/// [`X32_SYSCALL_BIT`]), and where their arguments sit in `struct pt_regs`.
+pub mod compat {
+    /// `ioctl` in the i386 table (`setsockopt` in the 64-bit one: [`TS_COMPAT`] tells them apart).
+    pub const IA32_IOCTL: i64 = 54;
+    /// `close` in the i386 table (`lstat` in the 64-bit one).
+    pub const IA32_CLOSE: i64 = 6;
+    /// `open`, `openat` and `openat2` in the i386 table (`fstat`, `preadv` and `openat2` in the
+    /// 64-bit one).
+    pub const IA32_OPEN: i64 = 5;
+    /// i386 `openat`.
+    pub const IA32_OPENAT: i64 = 295;
+    /// i386 `openat2`.
+    pub const IA32_OPENAT2: i64 = 437;
+    /// Set in the number of every x32 system call (`__X32_SYSCALL_BIT`).
+    pub const X32_SYSCALL_BIT: i64 = 0x4000_0000;
+    /// x32 `ioctl` (`compat_sys_ioctl`).
+    pub const X32_IOCTL: i64 = X32_SYSCALL_BIT | 514;
+    /// x32 `close`.
+    pub const X32_CLOSE: i64 = X32_SYSCALL_BIT | 3;
+    /// x32 `open`, `openat` and `openat2`.
+    pub const X32_OPEN: i64 = X32_SYSCALL_BIT | 2;
+    /// x32 `openat`.
+    pub const X32_OPENAT: i64 = X32_SYSCALL_BIT | 257;
+    /// x32 `openat2`.
+    pub const X32_OPENAT2: i64 = X32_SYSCALL_BIT | 437;
+    /// `thread_info.status` bit set for the length of an i386 system call (`in_ia32_syscall()`),
+    /// cleared on the way back to user space, after the `sys_exit` tracepoint.
+    pub const TS_COMPAT: u32 = 0x0002;
+    /// Byte offsets in x86-64's `struct pt_regs` (the entry code's frame layout): `bx`.
+    pub const REGS_BX: usize = 40;
+    /// `pt_regs.cx`.
+    pub const REGS_CX: usize = 88;
+    /// `pt_regs.dx`.
+    pub const REGS_DX: usize = 96;
+    /// `pt_regs.si`.
+    pub const REGS_SI: usize = 104;
+    /// `pt_regs.di`.
+    pub const REGS_DI: usize = 112;
+    /// `pt_regs.orig_ax`: the system call's number.
+    pub const REGS_ORIG_AX: usize = 120;
+}
+
 /// Bumped whenever a map layout, map name or event record changes. Maps are pinned under
 /// `<bpffs>/gpud/v<ABI_VERSION>/`, so a daemon of another ABI never reads a foreign layout.
 pub const ABI_VERSION: u32 = 6;
@@ -544,6 +590,15 @@ pub mod programs {
     pub const TP_CLOSE: &str = "gpud_tp_close";
     /// `syscalls:sys_exit_open*`: marks processes that open an NVIDIA file.
     pub const TP_OPEN: &str = "gpud_tp_open";
+    /// Raw tracepoint `sys_enter` (tracepoint mode, x86-64): the entry of 32-bit (ia32 and x32)
+    /// ioctls and closes, which the `syscalls:*` tracepoints skip.
+    pub const TP_COMPAT_ENTER: &str = "gpud_tp_compat_enter";
+    /// [`TP_COMPAT_ENTER`] that may also rewrite a tenant's scheduling control.
+    pub const TP_COMPAT_ENTER_RW: &str = "gpud_tp_compat_enter_rw";
+    /// `raw_syscalls:sys_exit`: the return side of 32-bit ioctls and opens.
+    pub const TP_COMPAT_EXIT: &str = "gpud_tp_compat_exit";
+    /// [`TP_COMPAT_EXIT`] that also rewrites the memory-info replies of limited cgroups.
+    pub const TP_COMPAT_EXIT_RW: &str = "gpud_tp_compat_exit_rw";
     /// Raw tracepoint `sched_process_fork`: children of tracked processes are tracked.
     pub const TP_FORK: &str = "gpud_tp_fork";
     /// `sched:sched_process_exit` (both modes): a tracked process is gone.

@@ -11,7 +11,8 @@ use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_get_current_task, bpf_probe_read_kernel},
 };
 use gpud_common::{
-    CFG_HAS_EXTRA_FILES, DeviceKind, FileKey, KERNEL_MINOR_BITS, KernelOffsets, ProbeConfig, nv,
+    CFG_HAS_EXTRA_FILES, DeviceKind, FileKey, KERNEL_MINOR_BITS, KernelOffsets, ProbeConfig,
+    compat, nv,
 };
 
 use crate::maps::{EXTRA_FILES, config};
@@ -104,6 +105,47 @@ static BTF_INODE_SB: Global<u32> = Global::new(0);
 static BTF_SB_DEV: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static BTF_FILE_REFS: Global<u32> = Global::new(0);
+
+/// Offset of `task_struct.thread_info.status` (x86-64), frozen into .rodata by the daemon from
+/// BTF; 0 where the kernel's BTF has none, and the 32-bit programs are not attached there.
+#[unsafe(no_mangle)]
+static TASK_TI_STATUS: Global<u32> = Global::new(0);
+
+/// Whether the current task is in an i386 system call (the kernel's `in_ia32_syscall()`).
+#[inline(always)]
+pub(crate) fn in_ia32_syscall() -> bool {
+    let off = TASK_TI_STATUS.load();
+    if off == 0 {
+        return false;
+    }
+    let task = unsafe { bpf_get_current_task() } as *const u8;
+    unsafe { read_at::<u32>(task, off) }.is_some_and(|s| s & compat::TS_COMPAT != 0)
+}
+
+/// The first three arguments of a 32-bit system call, from the registers saved at its entry:
+/// i386 passes them in ebx, ecx, edx, x32 in rdi, rsi, rdx. Each is 32 bits wide (x32's
+/// pointers too), whatever the upper halves of the registers hold.
+#[inline(always)]
+pub(crate) unsafe fn compat_args(regs: *const u8, x32: bool) -> Option<[u64; 3]> {
+    const N: usize = (compat::REGS_DI - compat::REGS_BX) / 8 + 1;
+    let at = |off: usize| (off - compat::REGS_BX) / 8;
+    let r: [u64; N] =
+        unsafe { bpf_probe_read_kernel(regs.add(compat::REGS_BX).cast::<[u64; N]>()).ok()? };
+    let (a, b, c) = if x32 {
+        (
+            r[at(compat::REGS_DI)],
+            r[at(compat::REGS_SI)],
+            r[at(compat::REGS_DX)],
+        )
+    } else {
+        (
+            r[at(compat::REGS_BX)],
+            r[at(compat::REGS_CX)],
+            r[at(compat::REGS_DX)],
+        )
+    };
+    Some([a as u32 as u64, b as u32 as u64, c as u32 as u64])
+}
 
 /// Direct, BTF-checked loads (fentry/fexit/LSM programs only).
 pub(crate) struct BtfRead;

@@ -386,23 +386,29 @@ pub fn gpud_tp_ioctl_rw(ctx: TracePointContext) -> u32 {
 /// `syscalls:sys_enter_ioctl`.
 #[inline(always)]
 fn tp_ioctl<const REWRITE: bool>(ctx: &TracePointContext) -> u32 {
+    ioctl_entered::<REWRITE>(
+        tp_u64(ctx, TP_SYSCALL_ARG0),
+        tp_u64(ctx, TP_SYSCALL_ARG0 + 8),
+        tp_u64(ctx, TP_SYSCALL_ARG0 + 16),
+    );
+    0
+}
+
+/// The entry of an ioctl in tracepoint mode, 64-bit or 32-bit.
+#[inline(always)]
+fn ioctl_entered<const REWRITE: bool>(fd: u64, cmd: u64, arg: u64) {
     // The one lookup every process on the host pays: an array read the verifier inlines.
     // An untracked process goes on only with an RM or OS escape (`_IOC_TYPE` 'F'): it may
     // have received an NVIDIA file (SCM_RIGHTS, pidfd_getfd), and its first call on it makes it
     // tracked, so what it allocates is charged to its cgroup at once. Other drivers rarely use
     // 'F'; UVM's commands carry no type, so a process that only ever received a UVM file is
     // found by the periodic scan.
-    let cmd = tp_u64(ctx, TP_SYSCALL_ARG0 + 8);
     if !is_tracked(current_tgid()) && !nv::is_escape_type(cmd as u32) {
-        return 0;
+        return;
     }
-    let Some(cfg) = config() else { return 0 };
-    let (fd, arg) = (
-        tp_u64(ctx, TP_SYSCALL_ARG0),
-        tp_u64(ctx, TP_SYSCALL_ARG0 + 16),
-    );
+    let Some(cfg) = config() else { return };
     let Some(file) = (unsafe { file_of_fd(cfg, fd) }) else {
-        return 0;
+        return;
     };
     if let Some(kind) = unsafe { device_kind(&ProbeRead(&cfg.offsets), file) } {
         account(kind, cmd as u32, arg);
@@ -410,7 +416,6 @@ fn tp_ioctl<const REWRITE: bool>(ctx: &TracePointContext) -> u32 {
             rm_entry::<REWRITE>(file as u64, cmd as u32, arg, false);
         }
     }
-    0
 }
 
 /// `syscalls:sys_exit_ioctl`: the return side in tracepoint mode.
@@ -434,19 +439,23 @@ pub fn gpud_tp_ioctl_exit_rw(ctx: TracePointContext) -> u32 {
     0
 }
 
-/// `syscalls:sys_enter_close` (tracepoint mode, which has no file-release hook): closing the only
-/// reference to a control file releases its clients.
+/// `syscalls:sys_enter_close` (tracepoint mode, which has no file-release hook).
 #[tracepoint]
 pub fn gpud_tp_close(ctx: TracePointContext) -> u32 {
     if !is_tracked(current_tgid()) {
         return 0;
     }
-    let Some(cfg) = config() else { return 0 };
-    let Ok(fd) = (unsafe { ctx.read_at::<u64>(TP_SYSCALL_ARG0) }) else {
-        return 0;
-    };
+    closing(tp_u64(&ctx, TP_SYSCALL_ARG0));
+    0
+}
+
+/// A tracked process closes `fd`: closing the only reference to a control file releases its
+/// clients.
+#[inline(always)]
+fn closing(fd: u64) {
+    let Some(cfg) = config() else { return };
     let Some(file) = (unsafe { file_of_fd(cfg, fd) }) else {
-        return 0;
+        return;
     };
     let r = ProbeRead(&cfg.offsets);
     if let Some(DeviceKind::Control) = unsafe { device_kind(&r, file) }
@@ -454,30 +463,146 @@ pub fn gpud_tp_close(ctx: TracePointContext) -> u32 {
     {
         file_released(file as u64);
     }
-    0
 }
 
 /// Attached to `sys_exit_open`, `sys_exit_openat` and `sys_exit_openat2`.
 #[tracepoint]
 pub fn gpud_tp_open(ctx: TracePointContext) -> u32 {
-    let Ok(ret) = (unsafe { ctx.read_at::<i64>(TP_SYSCALL_RET) }) else {
-        return 0;
-    };
-    if ret < 0 {
-        return 0;
+    let ret = tp_u64(&ctx, TP_SYSCALL_RET) as i64;
+    if ret >= 0 {
+        opened(ret as u64);
     }
-    let Some(cfg) = config() else { return 0 };
-    let Some(file) = (unsafe { file_of_fd(cfg, ret as u64) }) else {
-        return 0;
+    0
+}
+
+/// `fd` was just opened: if it is an NVIDIA file, its process holds one.
+#[inline(always)]
+fn opened(fd: u64) {
+    let Some(cfg) = config() else { return };
+    let Some(file) = (unsafe { file_of_fd(cfg, fd) }) else {
+        return;
     };
     let Some(kind) = (unsafe { device_kind(&ProbeRead(&cfg.offsets), file) }) else {
-        return 0;
+        return;
     };
     mark_opened();
     if let DeviceKind::Control = kind {
         control_file_opened(file);
     }
+}
+
+// ---- tracepoint mode: 32-bit callers -----------------------------------------------------------
+//
+// The `syscalls:*` tracepoints skip 32-bit system calls on x86-64 (i386's `int 0x80`/`sysenter`
+// and x32's), which the driver serves through the same handlers with the same layouts. Every
+// system call passes the raw `sys_enter` tracepoint and the `raw_syscalls:sys_exit` event: these
+// programs pick the 32-bit ioctls, closes and opens from the number (free: a tracepoint argument
+// or a field of the record) and, for the i386 numbers, which the 64-bit table reuses, the task's
+// `TS_COMPAT`, then run what the 64-bit programs run. Every other system call on the host leaves
+// after the number (entry) or the `TRACKED` read (exit). The exit is the event rather than a raw
+// tracepoint: a BPF raw tracepoint on `sys_exit` made 7.2 oops when detached (docs/design.md,
+// the kernel matrix under "Pre-driver hooks: the ladder"). Attached on x86-64 only; elsewhere the daemon reports `UnseenCalls`.
+
+/// A 32-bit system call gpud follows, and whether it is x32's (else i386's).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Compat {
+    Ioctl,
+    Close,
+    Open,
+}
+
+#[inline(always)]
+fn compat_call(nr: i64) -> Option<(Compat, bool)> {
+    use gpud_common::compat::*;
+    Some(match nr {
+        IA32_IOCTL => (Compat::Ioctl, false),
+        IA32_CLOSE => (Compat::Close, false),
+        IA32_OPEN | IA32_OPENAT | IA32_OPENAT2 => (Compat::Open, false),
+        X32_IOCTL => (Compat::Ioctl, true),
+        X32_CLOSE => (Compat::Close, true),
+        X32_OPEN | X32_OPENAT | X32_OPENAT2 => (Compat::Open, true),
+        _ => return None,
+    })
+}
+
+/// Raw tracepoint `sys_enter(regs, id)`: a 32-bit ioctl's entry, a 32-bit close.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn gpud_tp_compat_enter(ctx: RawTracePointContext) -> i32 {
+    compat_enter::<false>(&ctx);
     0
+}
+
+/// [`gpud_tp_compat_enter`] whose scheduler guard may rewrite a tenant's control.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn gpud_tp_compat_enter_rw(ctx: RawTracePointContext) -> i32 {
+    compat_enter::<true>(&ctx);
+    0
+}
+
+#[inline(always)]
+fn compat_enter<const REWRITE: bool>(ctx: &RawTracePointContext) {
+    let id: i64 = ctx.arg(1);
+    let Some((call, x32)) = compat_call(id) else {
+        return;
+    };
+    match call {
+        // Seen at the return, where the descriptor is known.
+        Compat::Open => return,
+        Compat::Close if !is_tracked(current_tgid()) => return,
+        _ => {}
+    }
+    if !x32 && !kernel::in_ia32_syscall() {
+        return;
+    }
+    let regs: *const u8 = ctx.arg(0);
+    let Some([fd, cmd, arg]) = (unsafe { kernel::compat_args(regs, x32) }) else {
+        return;
+    };
+    match call {
+        Compat::Ioctl => ioctl_entered::<REWRITE>(fd, cmd, arg),
+        Compat::Close => closing(fd),
+        Compat::Open => {}
+    }
+}
+
+/// `raw_syscalls:sys_exit` (`id`, `ret`): a 32-bit ioctl's return, a 32-bit open of a tracked
+/// process. (An untracked 32-bit process becomes tracked at its first RM call, an 'F' escape,
+/// or by the daemon's periodic scan; its opens are not looked at, so that only tracked
+/// processes go past the `TRACKED` read here.)
+#[tracepoint]
+pub fn gpud_tp_compat_exit(ctx: TracePointContext) -> u32 {
+    compat_exit::<false>(&ctx);
+    0
+}
+
+/// [`gpud_tp_compat_exit`] that also gives limited cgroups their memory view.
+#[tracepoint]
+pub fn gpud_tp_compat_exit_rw(ctx: TracePointContext) -> u32 {
+    compat_exit::<true>(&ctx);
+    0
+}
+
+/// Offsets of `raw_syscalls:sys_exit`'s record: the `common_*` header, then `long id`, `long ret`.
+const TP_RAW_ID: usize = 8;
+const TP_RAW_RET: usize = 16;
+
+#[inline(always)]
+fn compat_exit<const REWRITE: bool>(ctx: &TracePointContext) {
+    if !is_tracked(current_tgid()) {
+        return;
+    }
+    let Some((call, x32)) = compat_call(tp_u64(ctx, TP_RAW_ID) as i64) else {
+        return;
+    };
+    if call == Compat::Close || (!x32 && !kernel::in_ia32_syscall()) {
+        return;
+    }
+    let ret = tp_u64(ctx, TP_RAW_RET) as i64;
+    match call {
+        Compat::Ioctl => rm_exit::<REWRITE>(ret),
+        Compat::Open if ret >= 0 => opened(ret as u64),
+        _ => {}
+    }
 }
 
 /// `sched_process_fork(parent, child)`: a child of a tracked process may hold its files.

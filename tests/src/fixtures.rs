@@ -113,8 +113,20 @@ impl RmProcess {
         Self::spawn_with(cgroup, None)
     }
 
+    /// Spawns `gpud-rm --entry 32`: a 32-bit tenant, whose open, close and RM calls go through
+    /// the i386 system-call entry. `None` where the kernel has none (no IA32 emulation).
+    #[cfg(target_arch = "x86_64")]
+    pub fn spawn_32bit(cgroup: Option<&Path>, file: &Path) -> Option<Self> {
+        crate::ia32::available().then(|| Self::spawn_args(cgroup, Some(file), &["--entry", "32"]))
+    }
+
     fn spawn_with(cgroup: Option<&Path>, file: Option<&Path>) -> Self {
+        Self::spawn_args(cgroup, file, &[])
+    }
+
+    fn spawn_args(cgroup: Option<&Path>, file: Option<&Path>, args: &[&str]) -> Self {
         let mut cmd = Command::new(bin_dir().join("gpud-rm"));
+        cmd.args(args);
         if let Some(cg) = cgroup {
             cmd.arg("--cgroup").arg(cg);
         }

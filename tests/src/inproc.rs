@@ -93,6 +93,55 @@ pub fn issue(fd: i32, cmd: u32, n: u64) {
     }
 }
 
+/// Issues `cmd` on a zeroed buffer `n` times through the i386 entry, as a 32-bit process does
+/// ([`crate::ia32`]); false (nothing issued) where the kernel has no such entry.
+pub fn issue_32(fd: i32, cmd: u32, n: u64) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !crate::ia32::available() {
+            return false;
+        }
+        let Ok(page) = crate::ia32::LowPage::new() else {
+            return false;
+        };
+        for _ in 0..n {
+            // SAFETY: our descriptor and page (a page covers any encoded size the tests use).
+            unsafe { crate::ia32::syscall3(crate::ia32::NR_IOCTL, fd as u32, cmd, page.addr()) };
+        }
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (fd, cmd, n);
+        false
+    }
+}
+
+/// Issues `cmd` on a zeroed buffer `n` times through the x32 entry ([`crate::ia32::x32`]); false
+/// (nothing issued) where the kernel serves no x32 calls.
+pub fn issue_x32(fd: i32, cmd: u32, n: u64) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::ia32::{LowPage, x32};
+        if !x32::available() {
+            return false;
+        }
+        let Ok(page) = LowPage::new() else {
+            return false;
+        };
+        for _ in 0..n {
+            // SAFETY: our descriptor and page.
+            unsafe { x32::ioctl(fd, cmd, page.addr()) };
+        }
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (fd, cmd, n);
+        false
+    }
+}
+
 /// Issues an `NV_ESC_IOCTL_XFER_CMD` wrapping escape `nr` of `size` bytes, `n` times.
 pub fn issue_xfer(fd: i32, nr: u32, size: u32, n: u64) {
     let mut inner = [0u8; 16384];

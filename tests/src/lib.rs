@@ -38,6 +38,8 @@ mod daemon;
 pub mod fakenv;
 mod fixtures;
 pub mod hwcontrols;
+#[cfg(target_arch = "x86_64")]
+pub mod ia32;
 pub mod inproc;
 pub mod kubelet;
 mod nvml;

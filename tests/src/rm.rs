@@ -222,6 +222,30 @@ impl Alloc {
     }
 }
 
+/// Whether this process's RM calls go through the i386 system-call entry ([`crate::ia32`]), as a
+/// 32-bit process's do.
+static ENTRY_32: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sends this process's RM calls from now on through the i386 entry (`true`, x86-64 only) or
+/// the 64-bit one. Fails where the kernel has no i386 entry (no IA32 emulation).
+pub fn use_32bit_entry(on: bool) -> std::io::Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if on && !crate::ia32::available() {
+        return Err(std::io::Error::from_raw_os_error(libc::ENOSYS));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    if on {
+        return Err(std::io::Error::from(std::io::ErrorKind::Unsupported));
+    }
+    ENTRY_32.store(on, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// Whether [`use_32bit_entry`] is on.
+pub fn uses_32bit_entry() -> bool {
+    ENTRY_32.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// RM calls on one open control-device file.
 #[derive(Clone, Copy, Debug)]
 pub struct Ctl<'f> {
@@ -239,6 +263,11 @@ impl<'f> Ctl<'f> {
     /// `arg` must be valid for reads and writes of `_IOC_SIZE(cmd)` bytes, and of whatever the
     /// request points to in turn (an XFER payload, alloc params), as the driver writes there.
     pub unsafe fn raw(&self, cmd: u32, arg: *mut u8) -> (i32, i32) {
+        #[cfg(target_arch = "x86_64")]
+        if ENTRY_32.load(std::sync::atomic::Ordering::Relaxed) {
+            // SAFETY: as the caller guarantees.
+            return unsafe { crate::ia32::ioctl(self.fd.as_raw_fd(), cmd, arg) };
+        }
         // SAFETY: as the caller guarantees.
         let ret = unsafe { libc::ioctl(self.fd.as_raw_fd(), cmd as _, arg) };
         let errno = if ret < 0 {

@@ -106,6 +106,10 @@ enum Task {
         /// `ubuntu-secure-boot` (the same with lockdown=integrity).
         #[arg(long, default_value = "debian")]
         boot: String,
+        /// The kernel: `installed` (the newest Debian kernel in /boot) or `sid` (Debian sid's
+        /// newest, which `cargo xtask setup` unpacks under /opt/gpud-test/kernels/sid).
+        #[arg(long, default_value = "installed")]
+        kernel: String,
         /// The binary to run (with its shared libraries).
         binary: PathBuf,
         /// Its arguments.
@@ -203,10 +207,12 @@ fn main() -> ExitCode {
         Task::Vm {
             timeout,
             boot,
+            kernel,
             binary,
             args,
         } => vm::Boot::parse(&boot).and_then(|b| {
-            vm::run_booted(&binary, &args, Duration::from_secs(timeout), b).map(drop)
+            let k = vm::KernelSource::parse(&kernel)?;
+            vm::run_booted(&binary, &args, Duration::from_secs(timeout), b, k).map(drop)
         }),
     };
     match result {

@@ -1,6 +1,6 @@
 //! `cargo xtask setup`: idempotent bootstrap of a fresh machine of the project's kind (Debian 12,
-//! rustup, root): Debian packages, containerd 1.7 from Debian trixie unpacked under
-//! `/opt/gpud-test` for the NRI test, nightly `rust-src`, `bpf-linker` 0.13 against LLVM 22,
+//! rustup, root): Debian packages, containerd 1.7 from Debian trixie and Debian sid's newest
+//! kernel unpacked under `/opt/gpud-test` for the NRI test and the kernel matrix, nightly `rust-src`, `bpf-linker` 0.13 against LLVM 22,
 //! stable rustfmt and clippy.
 //!
 //! Each step checks first and acts only when something is missing, so a machine that has
@@ -297,11 +297,145 @@ pub const DEBIAN_MIRROR: &str = "http://deb.debian.org/debian";
 
 /// Where containerd 1.7 is unpacked for the NRI test (tests/src/containerd.rs reads it there).
 const CONTAINERD_PREFIX: &str = "/opt/gpud-test/containerd";
-/// The private apt state that fetches it: its own sources, lists and cache.
-const CONTAINERD_APT: &str = "/opt/gpud-test/apt";
 /// The Debian suite with containerd 1.7 (Debian 12 has 1.6, whose NRI the plugin does not
 /// speak).
 const CONTAINERD_SUITE: &str = "trixie";
+
+/// Where Debian sid's newest kernel is unpacked for the kernel matrix (`usr/lib/modules/<release>/`
+/// holds `vmlinuz`, `config` and the modules; xtask/src/vm.rs boots it from there).
+pub const SID_KERNEL_PREFIX: &str = "/opt/gpud-test/kernels/sid";
+
+/// apt on a private sources list, lists and cache under `/opt/gpud-test/apt/<suite>`, for one
+/// Debian suite: packages are downloaded and unpacked with `dpkg -x`, never installed, and the
+/// host's apt sources, lists and dpkg database stay untouched.
+struct PrivateApt {
+    suite: &'static str,
+    dir: PathBuf,
+    /// The step's name in messages.
+    step: &'static str,
+}
+
+impl PrivateApt {
+    fn new(step: &'static str, suite: &'static str) -> anyhow::Result<Self> {
+        let dir = PathBuf::from("/opt/gpud-test/apt").join(suite);
+        for d in [
+            dir.join("sources.list.d"),
+            dir.join("lists/partial"),
+            dir.join("cache/archives/partial"),
+            dir.join("debs"),
+        ] {
+            std::fs::create_dir_all(&d)
+                .with_context(|| format!("setup: {step}: creating {}", d.display()))?;
+        }
+        let sources = dir.join(format!("sources.list.d/{suite}.sources"));
+        std::fs::write(
+            &sources,
+            format!(
+                "Types: deb\nURIs: {DEBIAN_MIRROR}\nSuites: {suite}\n\
+                 Components: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+            ),
+        )
+        .with_context(|| format!("setup: {step}: writing {}", sources.display()))?;
+        Ok(Self { suite, dir, step })
+    }
+
+    fn command(&self, tool: &str) -> Command {
+        let mut c = Command::new(tool);
+        c.arg("-o")
+            .arg("Dir::Etc::SourceList=/dev/null")
+            .arg("-o")
+            .arg(format!(
+                "Dir::Etc::SourceParts={}",
+                self.dir.join("sources.list.d").display()
+            ))
+            .arg("-o")
+            .arg(format!(
+                "Dir::State::Lists={}",
+                self.dir.join("lists").display()
+            ))
+            .arg("-o")
+            .arg(format!("Dir::Cache={}", self.dir.join("cache").display()))
+            // The download lands in a root-only directory.
+            .arg("-o")
+            .arg("APT::Sandbox::User=root");
+        c
+    }
+
+    fn update(&self) -> anyhow::Result<()> {
+        let (step, suite) = (self.step, self.suite);
+        run_logged(
+            &format!("setup: {step}: `apt-get update` ({suite}, private lists)"),
+            self.command("apt-get").args(["update", "-q"]),
+            &log_path(step),
+            &format!(
+                "can deb.debian.org be reached, and does debian-archive-keyring know {suite}'s key?"
+            ),
+        )
+    }
+
+    /// What `apt-cache depends` lists as `package`'s plain dependencies.
+    fn depends(&self, package: &str) -> anyhow::Result<Vec<String>> {
+        let out = output(
+            &format!("setup: {}: `apt-cache depends {package}`", self.step),
+            self.command("apt-cache").args(["depends", package]),
+        )?;
+        Ok(out
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("Depends: "))
+            .filter(|d| !d.starts_with('<'))
+            .map(str::to_owned)
+            .collect())
+    }
+
+    /// Downloads `packages` and unpacks each into `prefix` (emptied first).
+    fn unpack(&self, packages: &[&str], prefix: &str) -> anyhow::Result<()> {
+        let step = self.step;
+        let debs = self.dir.join("debs");
+        // A .deb of an earlier run would be picked as well as today's.
+        for old in std::fs::read_dir(&debs)?.filter_map(Result::ok) {
+            std::fs::remove_file(old.path())
+                .with_context(|| format!("setup: {step}: removing {}", old.path().display()))?;
+        }
+        // `apt-get download` writes into its working directory.
+        let out = self
+            .command("apt-get")
+            .args(["download", "-q"])
+            .args(packages)
+            .current_dir(&debs)
+            .output()
+            .with_context(|| format!("setup: {step}: cannot start apt-get"))?;
+        if !out.status.success() {
+            bail!(
+                "setup: {step}: `apt-get download {}` failed: {}",
+                packages.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        let _ = std::fs::remove_dir_all(prefix);
+        std::fs::create_dir_all(prefix)
+            .with_context(|| format!("setup: {step}: creating {prefix}"))?;
+        for deb in std::fs::read_dir(&debs)?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "deb"))
+        {
+            output(
+                &format!("setup: {step}: `dpkg -x {}`", deb.display()),
+                Command::new("dpkg").arg("-x").arg(&deb).arg(prefix),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Fails unless this runs as root, naming the step and what it needs root for.
+fn need_root(step: &str, why: &str) -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("setup: {step}: {why} needs root; run as root");
+    }
+    Ok(())
+}
 
 /// `containerd --version` of the unpacked containerd, if it runs.
 fn containerd_version() -> Option<String> {
@@ -314,99 +448,20 @@ fn containerd_version() -> Option<String> {
 }
 
 /// Unpacks Debian trixie's containerd 1.7 (`containerd`, `ctr`, the runc shim) into
-/// [`CONTAINERD_PREFIX`], with `dpkg -x`: not installed, no service, and the host's apt
-/// sources, lists and dpkg database untouched (apt runs on a private sources list, lists and
-/// cache). Its only dependencies, libc6 >= 2.34 and runc, are Debian 12's.
+/// [`CONTAINERD_PREFIX`]: not installed, no service. Its only dependencies, libc6 >= 2.34 and
+/// runc, are Debian 12's.
 fn containerd(installed: &mut Vec<String>) -> anyhow::Result<()> {
     if containerd_version().is_some_and(|v| v.contains(" 1.7.")) {
         return Ok(());
     }
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("setup: containerd: unpacking into {CONTAINERD_PREFIX} needs root; run as root");
-    }
+    need_root("containerd", &format!("unpacking into {CONTAINERD_PREFIX}"))?;
     println!(
         "setup: unpacking containerd 1.7 from Debian {CONTAINERD_SUITE} into {CONTAINERD_PREFIX} \
          (the NRI plugin's test against a real containerd)"
     );
-    let apt = PathBuf::from(CONTAINERD_APT);
-    let (parts, lists, cache, debs) = (
-        apt.join("sources.list.d"),
-        apt.join("lists"),
-        apt.join("cache"),
-        apt.join("debs"),
-    );
-    for d in [
-        &parts,
-        &lists.join("partial"),
-        &cache.join("archives/partial"),
-        &debs,
-    ] {
-        std::fs::create_dir_all(d)
-            .with_context(|| format!("setup: containerd: creating {}", d.display()))?;
-    }
-    let sources = parts.join(format!("{CONTAINERD_SUITE}.sources"));
-    std::fs::write(
-        &sources,
-        format!(
-            "Types: deb\nURIs: {DEBIAN_MIRROR}\nSuites: {CONTAINERD_SUITE}\n\
-             Components: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
-        ),
-    )
-    .with_context(|| format!("setup: containerd: writing {}", sources.display()))?;
-    let private = [
-        "-o".to_owned(),
-        "Dir::Etc::SourceList=/dev/null".to_owned(),
-        "-o".to_owned(),
-        format!("Dir::Etc::SourceParts={}", parts.display()),
-        "-o".to_owned(),
-        format!("Dir::State::Lists={}", lists.display()),
-        "-o".to_owned(),
-        format!("Dir::Cache={}", cache.display()),
-        // The download lands in a root-only directory.
-        "-o".to_owned(),
-        "APT::Sandbox::User=root".to_owned(),
-    ];
-    let log = log_path("containerd");
-    run_logged(
-        &format!("setup: containerd: `apt-get update` ({CONTAINERD_SUITE}, private lists)"),
-        Command::new("apt-get")
-            .args(&private)
-            .args(["update", "-q"]),
-        &log,
-        "can deb.debian.org be reached, and does debian-archive-keyring know trixie's key?",
-    )?;
-    // A .deb of an earlier run would be picked instead of today's.
-    for old in std::fs::read_dir(&debs)?.filter_map(Result::ok) {
-        std::fs::remove_file(old.path())
-            .with_context(|| format!("setup: containerd: removing {}", old.path().display()))?;
-    }
-    // `apt-get download` writes into its working directory.
-    let out = Command::new("apt-get")
-        .args(&private)
-        .args(["download", "-q", "containerd"])
-        .current_dir(&debs)
-        .output()
-        .context("setup: containerd: cannot start apt-get")?;
-    if !out.status.success() {
-        bail!(
-            "setup: containerd: `apt-get download containerd` failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    let deb = std::fs::read_dir(&debs)?
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|e| e == "deb"))
-        .ok_or_else(|| anyhow::anyhow!("setup: containerd: no .deb in {}", debs.display()))?;
-    let _ = std::fs::remove_dir_all(CONTAINERD_PREFIX);
-    output(
-        &format!("setup: containerd: `dpkg -x {}`", deb.display()),
-        Command::new("dpkg")
-            .arg("-x")
-            .arg(&deb)
-            .arg(CONTAINERD_PREFIX),
-    )?;
+    let apt = PrivateApt::new("containerd", CONTAINERD_SUITE)?;
+    apt.update()?;
+    apt.unpack(&["containerd"], CONTAINERD_PREFIX)?;
     match containerd_version() {
         Some(v) if v.contains(" 1.7.") => {}
         other => bail!(
@@ -415,6 +470,52 @@ fn containerd(installed: &mut Vec<String>) -> anyhow::Result<()> {
         ),
     }
     installed.push(format!("containerd 1.7 ({CONTAINERD_PREFIX})"));
+    Ok(())
+}
+
+/// The release of the sid kernel unpacked under [`SID_KERNEL_PREFIX`], if its image is there.
+pub fn sid_kernel_release() -> Option<String> {
+    std::fs::read_dir(PathBuf::from(SID_KERNEL_PREFIX).join("usr/lib/modules"))
+        .ok()?
+        .filter_map(Result::ok)
+        .find(|e| e.path().join("vmlinuz").is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+}
+
+/// Unpacks the newest kernel Debian ships (sid's `linux-image-amd64`: its `linux-binary-*` and
+/// `linux-modules-*`) into [`SID_KERNEL_PREFIX`], for the kernel matrix's newest rows: a change
+/// in the kernel's hooks or BTF shows there before it shows on a host. Kept once unpacked; remove
+/// the directory to fetch a newer one.
+fn sid_kernel(installed: &mut Vec<String>) -> anyhow::Result<()> {
+    if sid_kernel_release().is_some() {
+        return Ok(());
+    }
+    need_root("sid-kernel", &format!("unpacking into {SID_KERNEL_PREFIX}"))?;
+    println!("setup: unpacking Debian sid's kernel into {SID_KERNEL_PREFIX} (the kernel matrix)");
+    let apt = PrivateApt::new("sid-kernel", "sid")?;
+    apt.update()?;
+    // linux-image-amd64 → linux-image-<release> → linux-binary-<release> (the image),
+    // linux-base-<release>; the modules are linux-modules-<release>.
+    let image = apt
+        .depends("linux-image-amd64")?
+        .into_iter()
+        .find(|d| d.starts_with("linux-image-"))
+        .context("setup: sid-kernel: linux-image-amd64 names no linux-image-<release>")?;
+    let release = image.trim_start_matches("linux-image-").to_owned();
+    let (binary, modules) = (
+        format!("linux-binary-{release}"),
+        format!("linux-modules-{release}"),
+    );
+    apt.unpack(&[&binary, &modules], SID_KERNEL_PREFIX)?;
+    if sid_kernel_release().as_deref() != Some(release.as_str()) {
+        bail!(
+            "setup: sid-kernel: unpacked {binary} and {modules}, but {SID_KERNEL_PREFIX}/usr/lib/\
+             modules/{release}/vmlinuz is not there"
+        );
+    }
+    installed.push(format!(
+        "kernel {release} from Debian sid ({SID_KERNEL_PREFIX})"
+    ));
     Ok(())
 }
 
@@ -468,6 +569,7 @@ pub fn run() -> anyhow::Result<()> {
     let mut installed = Vec::new();
     packages(&mut installed)?;
     containerd(&mut installed)?;
+    sid_kernel(&mut installed)?;
     rustup_components(&mut installed)?;
     bpf_linker(&mut installed)?;
     cargo_deb(&mut installed)?;

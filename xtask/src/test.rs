@@ -114,11 +114,20 @@ fn vm() -> anyhow::Result<()> {
         cargo().args(["build", "-p", "gpud-tests", "--bin", "gpud-vmtest"]),
     )?;
     let binary = root().join("target/debug/gpud-vmtest");
-    let console = crate::vm::run(&binary, &["test".to_owned()], VMTEST_TIMEOUT)?;
-    if !console.lines().any(|l| l.trim() == VMTEST_PASS) {
-        bail!("gpud-vmtest exited 0 but printed no `{VMTEST_PASS}` line");
+    // Every check on the installed Debian kernel, then on the newest Debian ships (sid), each
+    // booted as Debian does; each prints its kernel-matrix row.
+    use crate::vm::{Boot, KernelSource};
+    for (kernel, row) in [
+        (KernelSource::Installed, "debian"),
+        (KernelSource::Sid, "sid-debian"),
+    ] {
+        let args = ["test", "--row", row].map(str::to_owned);
+        let console = crate::vm::run_booted(&binary, &args, VMTEST_TIMEOUT, Boot::Debian, kernel)?;
+        if !console.lines().any(|l| l.trim() == VMTEST_PASS) {
+            bail!("gpud-vmtest ({kernel:?}) exited 0 but printed no `{VMTEST_PASS}` line");
+        }
+        matrix_lines(&console);
     }
-    matrix_lines(&console);
     Ok(())
 }
 
@@ -136,21 +145,32 @@ fn matrix_lines(console: &str) {
 }
 
 /// The kernel matrix: the same checks (`gpud-vmtest row`) on the kernels GPU hosts run —
-/// Ubuntu's LSM list, the same under Secure Boot's lockdown, tracepoints only (VM), and this
-/// host's own kernel. Each row fails unless what it shows is the row's expectation; every row is
+/// Ubuntu's LSM list, the same under Secure Boot's lockdown, tracepoints only (VM), the newest
+/// kernel Debian ships (sid) booted as Debian and as Ubuntu, and this host's own kernel. Each row fails unless what it shows is the row's expectation; every row is
 /// printed as one `kernel-matrix:` line at the end.
 fn kernel_matrix() -> anyhow::Result<()> {
-    use crate::vm::Boot;
+    use crate::vm::{Boot, KernelSource};
     let binary = root().join("target/debug/gpud-vmtest");
     let mut failed = Vec::new();
     let vm_rows = [
-        ("ubuntu", Boot::Ubuntu),
-        ("ubuntu-secure-boot", Boot::UbuntuLockdown),
-        ("tracepoint-only", Boot::UbuntuLockdown),
+        ("ubuntu", Boot::Ubuntu, KernelSource::Installed),
+        (
+            "ubuntu-secure-boot",
+            Boot::UbuntuLockdown,
+            KernelSource::Installed,
+        ),
+        (
+            "tracepoint-only",
+            Boot::UbuntuLockdown,
+            KernelSource::Installed,
+        ),
+        // The newest kernel Debian ships, booted as Ubuntu would (as Debian would: the VM
+        // test's run on it).
+        ("sid-ubuntu", Boot::Ubuntu, KernelSource::Sid),
     ];
-    for (row, boot) in vm_rows {
+    for (row, boot, kernel) in vm_rows {
         let args = ["row".to_owned(), row.to_owned()];
-        match crate::vm::run_booted(&binary, &args, VMTEST_TIMEOUT, boot) {
+        match crate::vm::run_booted(&binary, &args, VMTEST_TIMEOUT, boot, kernel) {
             Ok(console) => matrix_lines(&console),
             Err(e) => {
                 println!("kernel matrix: {row}: {e:#}");

@@ -51,7 +51,8 @@ impl Boot {
 
     fn cmdline(self) -> String {
         let extra = match self {
-            Self::Debian => "lsm=lockdown,capability,landlock,yama,apparmor,bpf",
+            // x32, which Debian's kernel builds and leaves off, on: its callers are checked too.
+            Self::Debian => "lsm=lockdown,capability,landlock,yama,apparmor,bpf syscall.x32=y",
             Self::Ubuntu => "lsm=lockdown,capability,landlock,yama,apparmor",
             Self::UbuntuLockdown => {
                 "lsm=lockdown,capability,landlock,yama,apparmor lockdown=integrity"
@@ -65,10 +66,58 @@ impl Boot {
 /// Each is put into the image (with its dependencies) and loaded when the option is `=m`.
 const MODULES: &[(&str, &str)] = &[("CONFIG_FUSE_FS", "fuse")];
 
-/// A kernel to boot: its release string and image.
+/// Which kernel a VM boots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelSource {
+    /// The newest Debian kernel installed on this machine (`/boot`, linux-image-amd64).
+    Installed,
+    /// The newest kernel Debian ships (sid), unpacked by setup under
+    /// [`crate::setup::SID_KERNEL_PREFIX`].
+    Sid,
+}
+
+impl KernelSource {
+    /// From its name on the command line.
+    pub fn parse(name: &str) -> anyhow::Result<Self> {
+        match name {
+            "installed" => Ok(Self::Installed),
+            "sid" => Ok(Self::Sid),
+            other => bail!("--kernel {other}: expected installed or sid"),
+        }
+    }
+}
+
+/// A kernel to boot: its release string, image, modules directory and build configuration.
 struct Kernel {
     release: String,
     image: PathBuf,
+    modules: PathBuf,
+    config: PathBuf,
+}
+
+impl Kernel {
+    fn of(source: KernelSource) -> anyhow::Result<Self> {
+        match source {
+            KernelSource::Installed => kernel(),
+            KernelSource::Sid => {
+                let release = crate::setup::sid_kernel_release().with_context(|| {
+                    format!(
+                        "vm: no sid kernel under {}: run `cargo xtask setup`",
+                        crate::setup::SID_KERNEL_PREFIX
+                    )
+                })?;
+                let modules = Path::new(crate::setup::SID_KERNEL_PREFIX)
+                    .join("usr/lib/modules")
+                    .join(&release);
+                Ok(Self {
+                    image: modules.join("vmlinuz"),
+                    config: modules.join("config"),
+                    release,
+                    modules,
+                })
+            }
+        }
+    }
 }
 
 /// Splits a release such as `6.1.0-56-amd64` into numbers and words, so that `-56` sorts after
@@ -107,6 +156,8 @@ fn kernel() -> anyhow::Result<Kernel> {
             let usable =
                 release != running.trim() && Path::new("/lib/modules").join(&release).is_dir();
             usable.then(|| Kernel {
+                modules: Path::new("/lib/modules").join(&release),
+                config: PathBuf::from(format!("/boot/config-{release}")),
                 release,
                 image: entry.path(),
             })
@@ -164,8 +215,7 @@ fn copy_into(tree: &Path, src: &Path) -> anyhow::Result<()> {
 
 /// Modules to load for `kernel`, dependencies first, as paths relative to its modules directory.
 fn modules(kernel: &Kernel) -> anyhow::Result<Vec<String>> {
-    let config =
-        std::fs::read_to_string(format!("/boot/config-{}", kernel.release)).unwrap_or_default();
+    let config = std::fs::read_to_string(&kernel.config).unwrap_or_default();
     let wanted: Vec<&str> = MODULES
         .iter()
         .filter(|(option, _)| config.lines().any(|l| l == format!("{option}=m")))
@@ -174,7 +224,7 @@ fn modules(kernel: &Kernel) -> anyhow::Result<Vec<String>> {
     if wanted.is_empty() {
         return Ok(Vec::new());
     }
-    let dir = Path::new("/lib/modules").join(&kernel.release);
+    let dir = &kernel.modules;
     let dep = std::fs::read_to_string(dir.join("modules.dep"))
         .with_context(|| format!("vm: reading {}/modules.dep", dir.display()))?;
     // `kernel/fs/fuse/fuse.ko: dep.ko …`, keyed by the module's name (`fuse`).
@@ -221,7 +271,7 @@ fn modules(kernel: &Kernel) -> anyhow::Result<Vec<String>> {
 /// Puts module `rel` (relative to the kernel's modules directory) into `tree` as
 /// `/lib/modules/<name>.ko`, decompressed (busybox insmod takes plain objects); returns that path.
 fn add_module(tree: &Path, kernel: &Kernel, rel: &str) -> anyhow::Result<String> {
-    let src = Path::new("/lib/modules").join(&kernel.release).join(rel);
+    let src = kernel.modules.join(rel);
     let file = rel.rsplit('/').next().unwrap_or(rel);
     let (stem, decompressor) = if let Some(s) = file.strip_suffix(".ko.xz") {
         (s, Some("xz"))
@@ -381,17 +431,18 @@ fn strip_escapes(line: &str) -> String {
 /// fails on any other status or when `timeout` passes (qemu is killed).
 /// The console is echoed as it comes, each line prefixed with `vm| `.
 pub fn run(binary: &Path, args: &[String], timeout: Duration) -> anyhow::Result<String> {
-    run_booted(binary, args, timeout, Boot::Debian)
+    run_booted(binary, args, timeout, Boot::Debian, KernelSource::Installed)
 }
 
-/// [`run`] with the kernel booted as `boot` says.
+/// [`run`] with `source`'s kernel booted as `boot` says.
 pub fn run_booted(
     binary: &Path,
     args: &[String],
     timeout: Duration,
     boot_as: Boot,
+    source: KernelSource,
 ) -> anyhow::Result<String> {
-    let kernel = kernel()?;
+    let kernel = Kernel::of(source)?;
     let image = initramfs(&kernel, binary, args)?;
     println!(
         "vm: booting {} ({boot_as:?}) with {} ({} MiB initramfs)",

@@ -249,6 +249,19 @@ pub(super) const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
         Target::Tracepoint("syscalls", "sys_enter_close"),
         false,
     ),
+    // 32-bit callers, whom the `syscalls:*` tracepoints skip (x86-64 only: `compat_syscalls`).
+    att_rw(
+        programs::TP_COMPAT_ENTER,
+        programs::TP_COMPAT_ENTER_RW,
+        Target::RawTracepoint("sys_enter"),
+        true,
+    ),
+    att_rw(
+        programs::TP_COMPAT_EXIT,
+        programs::TP_COMPAT_EXIT_RW,
+        Target::Tracepoint("raw_syscalls", "sys_exit"),
+        true,
+    ),
     att(
         programs::TP_OPEN,
         Target::Tracepoint("syscalls", "sys_exit_openat"),
@@ -283,12 +296,7 @@ impl Attachment {
     /// Whether this is a 32-bit (compat) ioctl hook, without which a 32-bit tenant's RM calls
     /// go unseen.
     fn is_compat(&self) -> bool {
-        match self.target {
-            Target::Fentry(f) | Target::Fexit(f) | Target::ModifyReturn(f) | Target::Lsm(f) => {
-                f.contains("compat")
-            }
-            Target::Tracepoint(..) | Target::RawTracepoint(_) => false,
-        }
+        self.program.contains("compat")
     }
 
     /// The program attached here: the rewriting twin where `rewriting` holds.
@@ -361,13 +369,15 @@ impl Probes {
         btf: &aya::Btf,
     ) -> Result<(), ProbeError> {
         let dir = self.links_dir();
-        if self.mode == AttachMode::Tracepoint {
-            self.unseen.insert(
-                UNSEEN_COMPAT.to_owned(),
+        let compat_unseen = (self.mode == AttachMode::Tracepoint && !self.caps.compat_syscalls)
+            .then(|| {
                 "tracepoint mode: the syscalls:* tracepoints do not fire for 32-bit (compat) \
-                 system calls"
-                    .to_owned(),
-            );
+                 system calls, and this kernel's 32-bit calls cannot be told apart on the raw \
+                 ones (x86-64 with thread_info.status in BTF only)"
+                    .to_owned()
+            });
+        if let Some(why) = &compat_unseen {
+            self.unseen.insert(UNSEEN_COMPAT.to_owned(), why.clone());
         }
         let required_present = self
             .attachments()
@@ -378,7 +388,10 @@ impl Probes {
             info!(dir = %dir.display(), mode = self.mode.as_str(), "adopting attached probes");
             self.resumed = true;
             for a in self.attachments() {
-                if a.is_compat() && PinnedLink::from_pin(dir.join(a.pin_name())).is_err() {
+                if a.is_compat()
+                    && compat_unseen.is_none()
+                    && PinnedLink::from_pin(dir.join(a.pin_name())).is_err()
+                {
                     self.unseen.insert(
                         UNSEEN_COMPAT.to_owned(),
                         format!(
@@ -416,6 +429,10 @@ impl Probes {
                 && a.optional
                 && !kbtf.has_function(&f)
             {
+                continue;
+            }
+            // Reported above; attached, they would only ever leave at once.
+            if a.is_compat() && compat_unseen.is_some() {
                 continue;
             }
             let path = dir.join(a.pin_name());

@@ -101,6 +101,20 @@ impl KernelBtf {
     }
 }
 
+impl KernelBtf {
+    /// Offset of `task_struct.thread_info.status`, whose `TS_COMPAT` bit marks an i386 system
+    /// call on x86-64; `None` on other architectures (their 32-bit calls are not told apart on
+    /// the raw tracepoints yet) or where the BTF lacks either member.
+    pub fn task_compat_status(&self) -> Option<u32> {
+        if !cfg!(target_arch = "x86_64") {
+            return None;
+        }
+        let info = self.offset_of("task_struct", "thread_info").ok()?;
+        let status = self.offset_of("thread_info", "status").ok()?;
+        Some(info + status).filter(|&off| off != 0)
+    }
+}
+
 /// Bit offset of `field` within `comp`, recursing into anonymous members.
 fn find_member(
     btf: &Btf<'_>,

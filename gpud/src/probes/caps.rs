@@ -15,6 +15,9 @@ pub struct KernelCaps {
     pub fmod_ret: bool,
     /// The kernel has the separate `security_file_ioctl_compat` hook (6.8+).
     pub file_ioctl_compat: bool,
+    /// 32-bit system calls can be told apart where every system call passes
+    /// (x86-64, with `thread_info.status` in the kernel's BTF): tracepoint mode follows them.
+    pub compat_syscalls: bool,
     /// The `dmem` cgroup controller is available on the cgroup v2 hierarchy.
     pub dmem_cgroup: bool,
     /// `dmem.capacity` lists regions of NVIDIA GPUs (the `dmem` tier is possible).
@@ -33,6 +36,7 @@ impl KernelCaps {
             ("bpf_lsm", self.bpf_lsm),
             ("fmod_ret", self.fmod_ret),
             ("file_ioctl_compat", self.file_ioctl_compat),
+            ("compat_syscalls", self.compat_syscalls),
             ("dmem_cgroup", self.dmem_cgroup),
             ("dmem_nvidia", self.dmem_nvidia),
             ("probe_write_user", self.probe_write_user),

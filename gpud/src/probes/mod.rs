@@ -241,6 +241,7 @@ impl Probes {
         let kbtf = btf::KernelBtf::load()?;
         let offsets = kbtf.kernel_offsets()?;
         debug!(?offsets, "kernel offsets from BTF");
+        let compat_status = kbtf.task_compat_status();
         let aya_btf = aya::Btf::from_sys_fs().map_err(ProbeError::LoaderBtf)?;
 
         // fentry programs read struct fields directly; the verifier checks those loads
@@ -254,6 +255,7 @@ impl Probes {
             .override_global("BTF_INODE_SB", &offsets.inode_sb, true)
             .override_global("BTF_SB_DEV", &offsets.sb_dev, true)
             .override_global("BTF_FILE_REFS", &offsets.file_refs, true)
+            .override_global("TASK_TI_STATUS", &compat_status.unwrap_or(0), true)
             .map_max_entries(map_names::TRACKED, gpud_common::tracked_words(pid_max()))
             .map_max_entries(map_names::EVENTS, ring_bytes)
             .map_max_entries(map_names::OBJECTS, cfg.max_objects)
@@ -265,6 +267,7 @@ impl Probes {
 
         let mut caps = KernelCaps {
             file_ioctl_compat: kbtf.has_function("security_file_ioctl_compat"),
+            compat_syscalls: compat_status.is_some(),
             dmem_cgroup: caps::dmem_available(setup.cgroup2_root),
             dmem_nvidia: caps::dmem_nvidia_regions(
                 setup.cgroup2_root,

@@ -135,55 +135,23 @@ fn ioctls_on(path: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-/// `n` 32-bit ioctls `cmd` on a freshly opened `path`, through the compat entry (`int 0x80`, as a
+/// `n` 32-bit ioctls `cmd` on a freshly opened `path`, through the i386 entry (`int 0x80`, as a
 /// 32-bit process enters the kernel), with a buffer below 4 GiB as such a process has.
 #[cfg(target_arch = "x86_64")]
 fn compat_ioctls_on(path: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
-    /// `ioctl` in the i386 system call table.
-    const NR_IOCTL_32: u32 = 54;
+    use gpud_tests::ia32;
     let f = open_named(path)?;
-    // SAFETY: an anonymous private mapping of one page, below 4 GiB.
-    let buf = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            4096,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_32BIT,
-            -1,
-            0,
-        )
-    };
-    if buf == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error());
-    }
-    let (fd, arg) = (inproc::fd(&f) as u64, buf as u64);
-    let mut result = Ok(());
+    let buf = ia32::LowPage::new()?;
+    let fd = inproc::fd(&f) as u32;
     for _ in 0..n {
-        let mut ret = NR_IOCTL_32;
-        // SAFETY: the i386 ioctl(fd, cmd, arg) on our own descriptor and page. rbx, which
-        // LLVM reserves, carries the first argument and is swapped back; the compat entry
-        // may clear r8-r11.
-        unsafe {
-            std::arch::asm!(
-                "xchg {fd}, rbx",
-                "int 0x80",
-                "xchg {fd}, rbx",
-                fd = inout(reg) fd => _,
-                inout("eax") ret,
-                in("ecx") cmd,
-                in("edx") arg as u32,
-                out("r8") _, out("r9") _, out("r10") _, out("r11") _,
-            );
-        }
+        // SAFETY: the i386 ioctl(fd, cmd, arg) on our own descriptor and page.
+        let ret = unsafe { ia32::syscall3(ia32::NR_IOCTL, fd, cmd, buf.addr()) };
         // -ENOSYS: no IA32 emulation in this kernel.
-        if ret as i32 == -libc::ENOSYS {
-            result = Err(std::io::Error::from_raw_os_error(libc::ENOSYS));
-            break;
+        if ret == -libc::ENOSYS {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOSYS));
         }
     }
-    // SAFETY: the mapping made above.
-    unsafe { libc::munmap(buf, 4096) };
-    result
+    Ok(())
 }
 
 fn workloads(o: &Opts, standin: &Path) -> anyhow::Result<Value> {

@@ -34,7 +34,7 @@ fn answer(held: &[Handle], failed: Option<Reply>) -> Outcome {
 }
 
 /// The attacks by name, each run with `size` bytes per allocation, `n` times.
-pub const NAMES: [&str; 3] = ["dup-free", "race-status", "race-size"];
+pub const NAMES: [&str; 4] = ["dup-free", "race-status", "race-size", "compat32"];
 
 /// Runs attack `name` ([`NAMES`]) on `client`'s `parent`; `None` for an unknown name.
 pub fn run(
@@ -49,8 +49,27 @@ pub fn run(
         "dup-free" => dup_free(ctl, client, parent, size, n),
         "race-status" => race(ctl, client, parent, size, n, Race::Status),
         "race-size" => race(ctl, client, parent, size, n, Race::Size(4096)),
+        "compat32" => compat32(ctl, client, parent, size, n),
         _ => return None,
     })
+}
+
+/// Plain allocations as a 32-bit process makes them, through the i386 entry (which the
+/// `syscalls:*` tracepoints skip), `n` times. Where the kernel has no such entry there is no
+/// such caller: nothing is allocated.
+pub fn compat32(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32) -> Outcome {
+    if super::use_32bit_entry(true).is_err() {
+        return answer(&[], None);
+    }
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let a = ctl.alloc_vidmem(client, parent, size, Form::Nvos64);
+        if !a.ok() {
+            return answer(&held, Some(a));
+        }
+        held.push(a.handle);
+    }
+    answer(&held, None)
 }
 
 /// Duplicate, then free the original, `n` times: each round allocates `size` bytes, duplicates

@@ -1,9 +1,10 @@
 //! Test fixture: a process that issues RM calls (through [`gpud_tests::rm`]) on a control
 //! device, from a given cgroup, as a script on standard input tells it.
 //!
-//! `gpud-rm [--cgroup DIR] [--file PATH]`
+//! `gpud-rm [--cgroup DIR] [--file PATH] [--entry 32|64]`
 //!
-//! Moves itself into DIR (a cgroup v2 directory) first, then opens PATH (read-write), then reads
+//! Moves itself into DIR (a cgroup v2 directory) first, then opens PATH (read-write; through the
+//! i386 system-call entry with `--entry 32`, as the RM calls then are: see `entry`), then reads
 //! one command per line and answers each with one JSON line on stdout. Numbers are decimal or
 //! `0x` hex; blank lines and lines starting with `#` are ignored. RM calls answer
 //! `{"ok":…,"ret":…,"errno":…,"status":…,"handle":…,"size":…}` where `ok` means `ret == 0` and
@@ -35,10 +36,11 @@
 //! | `vidheap-free CLIENT PARENT HANDLE` | `NV_ESC_RM_VID_HEAP_CONTROL` FREE |
 //! | `ioctl CMD` | CMD on a zeroed buffer: `{"ok":…,"ret":…,"errno":…}` |
 //! | `fuzz CLIENT DEVICE SEED N` | N corrupted RM calls (see [`fuzz`]): `{"ok":true,"accepted":…}` |
-//! | `close` | closes the file descriptor |
-//! | `open [PATH]` | opens PATH (default: `--file`) as the file descriptor, closing the old one |
+//! | `close` | closes the file descriptor (through the i386 entry under `entry 32`) |
+//! | `open [PATH]` | opens PATH (default: `--file`) as the file descriptor, closing the old one (through the i386 entry under `entry 32`) |
 //! | `cgroup DIR` | moves this process into DIR |
 //! | `sleep MS` | waits |
+//! | `entry 32\|64` | RM calls from now on go through the i386 system-call entry (`int 0x80`, as a 32-bit process makes them, argument below 4 GiB) or the 64-bit one (the default) |
 //! | `pid` | `{"ok":true,"pid":…}` |
 //! | `fork` | forks; see below |
 //! | `forks N` | forks N children that keep the file and wait, dying with this process: `{"ok":true,"children":N}` |
@@ -175,8 +177,23 @@ fn join_cgroup(dir: &Path) -> std::io::Result<()> {
     std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())
 }
 
+/// Opens `path` read-write, through the i386 entry while RM calls use it.
 fn open(path: &Path) -> std::io::Result<File> {
+    #[cfg(target_arch = "x86_64")]
+    if gpud_tests::rm::uses_32bit_entry() {
+        return gpud_tests::ia32::open(path);
+    }
     File::options().read(true).write(true).open(path)
+}
+
+/// `--entry`/`entry`: 32 or 64.
+fn entry(bits: &str) -> Result<(), String> {
+    let on = match bits {
+        "32" => true,
+        "64" => false,
+        _ => return Err(format!("entry: 32 or 64, not {bits:?}")),
+    };
+    gpud_tests::rm::use_32bit_entry(on).map_err(|e| format!("entry {bits}: {e}"))
 }
 
 /// `alloc` arguments after CLIENT PARENT SIZE.
@@ -210,6 +227,11 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
         ("pid", []) => return Some(json!({ "ok": true, "pid": std::process::id() })),
         ("close", []) => {
             return Some(match st.file.take() {
+                #[cfg(target_arch = "x86_64")]
+                Some(f) if gpud_tests::rm::uses_32bit_entry() => match gpud_tests::ia32::close(f) {
+                    Ok(()) => json!({ "ok": true }),
+                    Err(e) => err(format!("close: {e}")),
+                },
                 Some(_) => json!({ "ok": true }),
                 None => err("no file open"),
             });
@@ -269,6 +291,12 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
             return Some(match send_fd(Path::new(path), f) {
                 Ok(()) => json!({ "ok": true }),
                 Err(e) => err(format!("sending the descriptor to {path}: {e}")),
+            });
+        }
+        ("entry", [bits]) => {
+            return Some(match entry(bits) {
+                Ok(()) => json!({ "ok": true }),
+                Err(e) => err(e),
             });
         }
         ("cgroup", [dir]) => {
@@ -461,13 +489,22 @@ struct Args {
     /// The control device to open (read-write).
     #[arg(long, value_name = "PATH")]
     file: Option<PathBuf>,
+    /// The system-call entry of the open and the RM calls: 64, or 32 (i386, as a 32-bit
+    /// process; x86-64 only).
+    #[arg(long, value_name = "BITS", default_value = "64")]
+    entry: String,
 }
 
 fn main() {
-    let Args { cgroup, file: path } = Args::parse();
+    let Args {
+        cgroup,
+        file: path,
+        entry: bits,
+    } = Args::parse();
     if let Some(cg) = &cgroup {
         join_cgroup(cg).unwrap_or_else(|e| die(&format!("joining cgroup {}: {e}", cg.display())));
     }
+    entry(&bits).unwrap_or_else(|e| die(&e));
     let file = path
         .as_ref()
         .map(|p| open(p).unwrap_or_else(|e| die(&format!("open {}: {e}", p.display()))));

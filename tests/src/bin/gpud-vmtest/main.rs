@@ -154,23 +154,26 @@ fn pump(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, attribution: &mut Att
     n
 }
 
-/// The kernel-side checks, run inside the VM (see the module docs)./// The kernel-side checks, run inside the VM (see the module docs).
+/// The kernel-side checks, run inside the VM (see the module docs).
 #[derive(Parser)]
 #[command(name = "gpud-vmtest")]
 enum Cli {
-    /// Runs every check; prints `VMTEST RESULT: PASS` when all hold, and the `debian` row of
-    /// the kernel matrix.
-    Test,
+    /// Runs every check; prints `VMTEST RESULT: PASS` when all hold, and the kernel matrix's
+    /// row of a kernel booted as Debian does (`debian`, or `sid-debian` on sid's kernel).
+    Test {
+        #[arg(long, default_value = "debian")]
+        row: String,
+    },
     /// Runs one row of the kernel matrix on the running kernel (`debian`, `ubuntu`,
-    /// `ubuntu-secure-boot`, `tracepoint-only`, `host`); prints its `kernel-matrix:` line and
+    /// `ubuntu-secure-boot`, `tracepoint-only`, `sid-debian`, `sid-ubuntu`, `host`); prints its `kernel-matrix:` line and
     /// `VMTEST RESULT: PASS` when the row's expectation holds.
     Row { name: String },
 }
 
 fn main() -> std::process::ExitCode {
-    let row = match Cli::parse() {
-        Cli::Test => None,
-        Cli::Row { name } => Some(name),
+    let (row, debian_row) = match Cli::parse() {
+        Cli::Test { row } => (None, row),
+        Cli::Row { name } => (Some(name), String::new()),
     };
     if let Some(name) = row {
         let lsm = std::fs::read_to_string("/sys/kernel/security/lsm").unwrap_or_default();
@@ -259,10 +262,10 @@ fn main() -> std::process::ExitCode {
         failed.push("caps");
     }
     if gpud_tests::fakenv::available() {
-        match matrix_row("debian") {
+        match matrix_row(&debian_row) {
             Ok(line) => println!("{line}"),
             Err(e) => {
-                println!("kernel-matrix: debian: FAILED: {e:#}");
+                println!("kernel-matrix: {debian_row}: FAILED: {e:#}");
                 failed.push("matrix");
             }
         }

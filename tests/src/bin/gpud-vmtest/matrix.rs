@@ -26,6 +26,13 @@ pub(super) const MATRIX: &[(&str, &str)] = &[
         "tracepoint-only",
         "rung=none memory=react guard=restore view=no",
     ),
+    // The newest kernel Debian ships (sid; xtask boots it for these two rows), as Debian and
+    // as Ubuntu would boot it: what holds there must be what holds on the older one.
+    ("sid-debian", "rung=lsm memory=deny guard=clamp view=yes"),
+    (
+        "sid-ubuntu",
+        "rung=fmod_ret memory=deny guard=clamp view=yes",
+    ),
     // The machine the tests run on: what it must show follows from what its kernel offers
     // (`host_expectation`); on this project's CI host (tracepoints only, under lockdown)
     // `rung=none memory=react guard=restore view=no`.
