@@ -166,6 +166,8 @@ pub struct ProbesConfig {
     pub max_objects: u32,
     /// Entries of the process map (every process holding an NVIDIA file).
     pub max_procs: u32,
+    /// Tracepoint mode follows 32-bit callers where every system call passes (x86-64).
+    pub follow_32bit: bool,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]

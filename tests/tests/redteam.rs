@@ -294,3 +294,36 @@ async fn a_32_bit_tenant_is_charged_and_held_to_its_limit() {
     rig.expect_memory(&cg.rel, &[("all", 48 * MIB)]).await;
     crosses_and_dies(&rig, &mut tenant, client, device, 32 * MIB).await;
 }
+
+/// Where 32-bit callers are not followed (`probes.follow_32bit = false`, for hosts with no 32-bit
+/// entry) their RM calls go unseen in tracepoint mode, and the daemon says so rather than leave
+/// it to a debug line: `UnseenCalls` on D-Bus, a warning at start and in `gpudctl status`.
+#[tokio::test(flavor = "multi_thread")]
+async fn unfollowed_32_bit_calls_are_reported() {
+    let Some(mut rig) = Rig::new("rt-no32").fake_device(1) else {
+        return;
+    };
+    rig = rig.fake_gpus(1);
+    rig.start(rig.config().set("probes.follow_32bit", false))
+        .await;
+    let (_c, p) = rig.proxy().await;
+    if p.attach_mode().await.expect("AttachMode") != "tracepoint" {
+        println!("SKIPPED: fentry mode follows 32-bit callers on the ioctl hooks");
+        return;
+    }
+    let unseen = p.unseen_calls().await.expect("UnseenCalls");
+    let why = unseen.get("32-bit ioctls").expect("32-bit ioctls reported");
+    assert!(why.contains("probes.follow_32bit = false"), "{why}");
+    assert!(
+        rig.log_text()
+            .contains("the probes do not see 32-bit ioctls"),
+        "{}",
+        rig.log_text()
+    );
+    let out = std::process::Command::new(gpud_tests::gpudctl_bin())
+        .args(["--bus-address", &rig.bus.address, "status"])
+        .output()
+        .expect("gpudctl status");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("WARNING: unseen:  32-bit ioctls"), "{text}");
+}

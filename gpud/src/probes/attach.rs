@@ -1,8 +1,9 @@
 //! Where the programs attach: the attach modes and enforcement tiers, the attachment table of
 //! each, and attaching them (or adopting the links a previous daemon pinned).
 //!
-//! Links are pinned under `links/<object-hash>-<mode>-<tier>[-rw]/` (`-rw`: the ioctl programs are
-//! the twins that may rewrite user memory), one file per attachment, so a daemon that finds every required
+//! Links are pinned under `links/<object-hash>-<mode>-<tier>[-rw][-no32]/` (`-rw`: the ioctl
+//! programs are the twins that may rewrite user memory; `-no32`: tracepoint mode without the
+//! 32-bit callers' programs), one file per attachment, so a daemon that finds every required
 //! link of its own object, mode, tier and return side adopts them with no gap.
 
 use std::{
@@ -354,12 +355,15 @@ impl Probes {
             Tier::Deny => format!("-{}", self.ladder.in_force.as_str()),
             _ => String::new(),
         };
+        // Where 32-bit callers are not followed, their programs are not attached: another set.
+        let no32 = self.mode == AttachMode::Tracepoint && !self.follow_32bit;
         self.base_dir.join("links").join(format!(
-            "{:016x}-{}-{}{hook}{}",
+            "{:016x}-{}-{}{hook}{}{}",
             h.finish(),
             self.mode.as_str(),
             self.tier.as_str(),
-            if self.rewriting() { "-rw" } else { "" }
+            if self.rewriting() { "-rw" } else { "" },
+            if no32 { "-no32" } else { "" }
         ))
     }
 
@@ -369,13 +373,21 @@ impl Probes {
         btf: &aya::Btf,
     ) -> Result<(), ProbeError> {
         let dir = self.links_dir();
-        let compat_unseen = (self.mode == AttachMode::Tracepoint && !self.caps.compat_syscalls)
-            .then(|| {
+        let compat_unseen = match self.mode {
+            AttachMode::Fentry => None,
+            AttachMode::Tracepoint if !self.follow_32bit => Some(
                 "tracepoint mode: the syscalls:* tracepoints do not fire for 32-bit (compat) \
-                 system calls, and this kernel's 32-bit calls cannot be told apart on the raw \
-                 ones (x86-64 with thread_info.status in BTF only)"
-                    .to_owned()
-            });
+                 system calls, and following them elsewhere is turned off \
+                 (probes.follow_32bit = false)",
+            ),
+            AttachMode::Tracepoint if !self.caps.compat_syscalls => Some(
+                "tracepoint mode: the syscalls:* tracepoints do not fire for 32-bit (compat) \
+                 system calls, and this kernel's 32-bit calls cannot be told apart where every \
+                 system call passes (x86-64 with thread_info.status in BTF only)",
+            ),
+            AttachMode::Tracepoint => None,
+        }
+        .map(str::to_owned);
         if let Some(why) = &compat_unseen {
             self.unseen.insert(UNSEEN_COMPAT.to_owned(), why.clone());
         }

@@ -214,6 +214,8 @@ pub struct Probes {
     modify_return: Option<modify_return::Relocated>,
     /// Calls the probes do not see on this kernel, and why (`unseen_calls`).
     unseen: BTreeMap<String, String>,
+    /// `probes.follow_32bit`: tracepoint mode follows 32-bit callers (where it can).
+    follow_32bit: bool,
 }
 
 impl Probes {
@@ -405,6 +407,7 @@ impl Probes {
             ladder,
             modify_return,
             unseen: BTreeMap::new(),
+            follow_32bit: cfg.follow_32bit,
         };
         probes.attach_or_adopt(&kbtf, &aya_btf)?;
         for (calls, why) in &probes.unseen {
