@@ -499,9 +499,8 @@ fn opened(fd: u64) {
 // programs pick the 32-bit ioctls, closes and opens from the number (free: a tracepoint argument
 // or a field of the record) and, for the i386 numbers, which the 64-bit table reuses, the task's
 // `TS_COMPAT`, then run what the 64-bit programs run. Every other system call on the host leaves
-// after the number (entry) or the `TRACKED` read (exit). The exit is the event rather than a raw
-// tracepoint: a BPF raw tracepoint on `sys_exit` made 7.2 oops when detached (docs/design.md,
-// the kernel matrix under "Pre-driver hooks: the ladder"). Attached on x86-64 only; elsewhere the daemon reports `UnseenCalls`.
+// after the number (entry) or the `TRACKED` read (exit). Attached on x86-64 only; elsewhere
+// the daemon reports `UnseenCalls`.
 
 /// A 32-bit system call gpud follows, and whether it is x32's (else i386's).
 #[derive(Clone, Copy, PartialEq, Eq)]

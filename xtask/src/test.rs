@@ -114,20 +114,11 @@ fn vm() -> anyhow::Result<()> {
         cargo().args(["build", "-p", "gpud-tests", "--bin", "gpud-vmtest"]),
     )?;
     let binary = root().join("target/debug/gpud-vmtest");
-    // Every check on the installed Debian kernel, then on the newest Debian ships (sid), each
-    // booted as Debian does; each prints its kernel-matrix row.
-    use crate::vm::{Boot, KernelSource};
-    for (kernel, row) in [
-        (KernelSource::Installed, "debian"),
-        (KernelSource::Sid, "sid-debian"),
-    ] {
-        let args = ["test", "--row", row].map(str::to_owned);
-        let console = crate::vm::run_booted(&binary, &args, VMTEST_TIMEOUT, Boot::Debian, kernel)?;
-        if !console.lines().any(|l| l.trim() == VMTEST_PASS) {
-            bail!("gpud-vmtest ({kernel:?}) exited 0 but printed no `{VMTEST_PASS}` line");
-        }
-        matrix_lines(&console);
+    let console = crate::vm::run(&binary, &["test".to_owned()], VMTEST_TIMEOUT)?;
+    if !console.lines().any(|l| l.trim() == VMTEST_PASS) {
+        bail!("gpud-vmtest exited 0 but printed no `{VMTEST_PASS}` line");
     }
+    matrix_lines(&console);
     Ok(())
 }
 
@@ -146,8 +137,9 @@ fn matrix_lines(console: &str) {
 
 /// The kernel matrix: the same checks (`gpud-vmtest row`) on the kernels GPU hosts run —
 /// Ubuntu's LSM list, the same under Secure Boot's lockdown, tracepoints only (VM), the newest
-/// kernel Debian ships (sid) booted as Debian and as Ubuntu, and this host's own kernel. Each row fails unless what it shows is the row's expectation; every row is
-/// printed as one `kernel-matrix:` line at the end.
+/// kernel Debian ships (sid) booted as Debian and as Ubuntu, and this host's own kernel. Each
+/// row fails unless what it shows is the row's expectation; every row is printed as one
+/// `kernel-matrix:` line at the end.
 fn kernel_matrix() -> anyhow::Result<()> {
     use crate::vm::{Boot, KernelSource};
     let binary = root().join("target/debug/gpud-vmtest");
@@ -164,8 +156,10 @@ fn kernel_matrix() -> anyhow::Result<()> {
             Boot::UbuntuLockdown,
             KernelSource::Installed,
         ),
-        // The newest kernel Debian ships, booted as Ubuntu would (as Debian would: the VM
-        // test's run on it).
+        // The newest kernel Debian ships, booted as Debian and as Ubuntu would. (Only the rows:
+        // the VM test's tracepoint-mode checks make 7.2 oops under qemu when they detach, with
+        // or without gpud's 32-bit programs; docs/design.md, the kernel matrix.)
+        ("sid-debian", Boot::Debian, KernelSource::Sid),
         ("sid-ubuntu", Boot::Ubuntu, KernelSource::Sid),
     ];
     for (row, boot, kernel) in vm_rows {
