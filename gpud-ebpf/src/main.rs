@@ -386,17 +386,19 @@ pub fn gpud_tp_ioctl_rw(ctx: TracePointContext) -> u32 {
 /// `syscalls:sys_enter_ioctl`.
 #[inline(always)]
 fn tp_ioctl<const REWRITE: bool>(ctx: &TracePointContext) -> u32 {
-    ioctl_entered::<REWRITE>(
-        tp_u64(ctx, TP_SYSCALL_ARG0),
-        tp_u64(ctx, TP_SYSCALL_ARG0 + 8),
-        tp_u64(ctx, TP_SYSCALL_ARG0 + 16),
-    );
+    // fd and arg are loaded only past the filter: every ioctl on the host comes here.
+    ioctl_entered::<REWRITE>(tp_u64(ctx, TP_SYSCALL_ARG0 + 8), || {
+        (
+            tp_u64(ctx, TP_SYSCALL_ARG0),
+            tp_u64(ctx, TP_SYSCALL_ARG0 + 16),
+        )
+    });
     0
 }
 
-/// The entry of an ioctl in tracepoint mode, 64-bit or 32-bit.
+/// The entry of an ioctl in tracepoint mode, 64-bit or 32-bit: `cmd`, and its fd and arg.
 #[inline(always)]
-fn ioctl_entered<const REWRITE: bool>(fd: u64, cmd: u64, arg: u64) {
+fn ioctl_entered<const REWRITE: bool>(cmd: u64, fd_arg: impl FnOnce() -> (u64, u64)) {
     // The one lookup every process on the host pays: an array read the verifier inlines.
     // An untracked process goes on only with an RM or OS escape (`_IOC_TYPE` 'F'): it may
     // have received an NVIDIA file (SCM_RIGHTS, pidfd_getfd), and its first call on it makes it
@@ -407,6 +409,7 @@ fn ioctl_entered<const REWRITE: bool>(fd: u64, cmd: u64, arg: u64) {
         return;
     }
     let Some(cfg) = config() else { return };
+    let (fd, arg) = fd_arg();
     let Some(file) = (unsafe { file_of_fd(cfg, fd) }) else {
         return;
     };
@@ -502,7 +505,7 @@ fn opened(fd: u64) {
 // after the number (entry) or the `TRACKED` read (exit). Attached on x86-64 only; elsewhere
 // the daemon reports `UnseenCalls`.
 
-/// A 32-bit system call gpud follows, and whether it is x32's (else i386's).
+/// A 32-bit system call gpud follows.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Compat {
     Ioctl,
@@ -510,6 +513,8 @@ enum Compat {
     Open,
 }
 
+/// The 32-bit call system call `nr` may be, and whether it is x32's (else i386's, which needs
+/// `TS_COMPAT` to tell it from the 64-bit call of that number).
 #[inline(always)]
 fn compat_call(nr: i64) -> Option<(Compat, bool)> {
     use gpud_common::compat::*;
@@ -558,7 +563,7 @@ fn compat_enter<const REWRITE: bool>(ctx: &RawTracePointContext) {
         return;
     };
     match call {
-        Compat::Ioctl => ioctl_entered::<REWRITE>(fd, cmd, arg),
+        Compat::Ioctl => ioctl_entered::<REWRITE>(cmd, || (fd, arg)),
         Compat::Close => closing(fd),
         Compat::Open => {}
     }
