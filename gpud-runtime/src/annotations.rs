@@ -171,16 +171,25 @@ fn parse_value(kind: LimitKind, value: &str) -> Result<LimitValue, String> {
     kind.parse(value).map_err(|e| e.to_string())
 }
 
-/// The shares of one container, from the pod's annotations, the container's name (for
-/// container-scoped pod keys) and the container's own annotations; see the module documentation
-/// for the precedence. Errors name the first offending annotation (in key order).
-pub fn resolve(
+/// Parsed annotations of one level: (GPU, limit) → (the annotation's key, its value).
+pub(crate) type Level = BTreeMap<(GpuSelector, LimitKind), (String, LimitValue)>;
+
+/// A container's annotations by who wrote them: `pod` holds the pod's own keys and the pod's keys
+/// scoped to this container (the scoped ones over the pod's, key by key), `own` the container's
+/// own annotations.
+#[derive(Debug, Default)]
+pub(crate) struct Levels {
+    pub pod: Level,
+    pub own: Level,
+}
+
+/// Parses the annotations of one container into its [`Levels`]; see the module documentation for
+/// the precedence. Errors name the first offending annotation (in key order).
+pub(crate) fn levels(
     pod: &HashMap<String, String>,
     container: &HashMap<String, String>,
     container_name: Option<&str>,
-) -> Result<Shares, AnnotationError> {
-    // level → (gpu, kind) → (key, value)
-    type Level = BTreeMap<(GpuSelector, LimitKind), (String, LimitValue)>;
+) -> Result<Levels, AnnotationError> {
     let mut pod_level = Level::new();
     let mut scoped = Level::new();
     let mut own = Level::new();
@@ -223,15 +232,38 @@ pub fn resolve(
             Some(_) => {}
         }
     }
-    let mut merged = pod_level;
-    merged.extend(scoped);
-    merged.extend(own);
+    pod_level.extend(scoped);
+    Ok(Levels {
+        pod: pod_level,
+        own,
+    })
+}
+
+/// The shares of one merged level, checked (a guarantee never above the cap on the same GPU).
+pub(crate) fn shares_of(merged: Level) -> Result<Shares, AnnotationError> {
     check_min_max(&merged)?;
     let mut shares = Shares::default();
     for ((gpu, kind), (_, value)) in merged {
         shares.gpus.entry(gpu).or_default().insert(kind, value);
     }
     Ok(shares)
+}
+
+/// The shares of one container, from the pod's annotations, the container's name (for
+/// container-scoped pod keys) and the container's own annotations, each level overriding the one
+/// before it (see the module documentation): every annotation trusted alike. What the runtime
+/// integrations apply goes through [`crate::trust::decide`], which also says whose word counts.
+pub fn resolve(
+    pod: &HashMap<String, String>,
+    container: &HashMap<String, String>,
+    container_name: Option<&str>,
+) -> Result<Shares, AnnotationError> {
+    let Levels {
+        pod: mut merged,
+        own,
+    } = levels(pod, container, container_name)?;
+    merged.extend(own);
+    shares_of(merged)
 }
 
 /// The container-level annotations (`gpud.dev/<limit>[.<gpu>]`) that [`resolve`] reads back as

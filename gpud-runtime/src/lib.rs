@@ -8,8 +8,10 @@
 //!
 //! What happens when something goes wrong is the operator's choice ([`FailPolicy`]): an invalid
 //! request (a malformed annotation, a limit gpud refuses, a cgroup that cannot be found) fails
-//! the container by default (closed); an unreachable gpud lets it run without limits by default
-//! (open). Both are logged.
+//! the container by default (closed); an unreachable gpud fails a container whose shares the
+//! cluster granted through gpud (a DRA claim, the device plugin: gpud is expected there) and lets
+//! others run without limits (open), by default. Both are logged. Whose annotations count for
+//! how much is [`trust`]'s.
 
 pub mod annotations;
 pub mod cgroup;
@@ -18,6 +20,7 @@ pub mod logging;
 pub mod nri;
 pub mod oci;
 pub mod report;
+pub mod trust;
 
 pub use annotations::AnnotationError;
 
@@ -84,28 +87,37 @@ pub enum FailMode {
     Open,
 }
 
-/// The operator's choice per class of failure; the default is closed for invalid requests and
-/// open for an unreachable gpud.
+/// The operator's choice per class of failure; the default is closed for invalid requests, and
+/// for an unreachable gpud closed where the cluster granted the container's shares and open
+/// otherwise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FailPolicy {
     pub on_invalid: FailMode,
-    pub on_unreachable: FailMode,
+    /// `None`: by the container ([`FailPolicy::mode_for`]).
+    pub on_unreachable: Option<FailMode>,
 }
 
 impl Default for FailPolicy {
     fn default() -> Self {
         Self {
             on_invalid: FailMode::Closed,
-            on_unreachable: FailMode::Open,
+            on_unreachable: None,
         }
     }
 }
 
 impl FailPolicy {
-    pub fn mode_for(&self, e: &RuntimeError) -> FailMode {
+    /// What to do with a container after `e`; `granted`: whether the cluster granted it shares
+    /// through gpud ([`trust::Decision::granted`]). A granted container does not run
+    /// unenforced by default: the scheduler counted its share as held to it.
+    pub fn mode_for(&self, e: &RuntimeError, granted: bool) -> FailMode {
         match e.class() {
             FailureClass::Invalid => self.on_invalid,
-            FailureClass::Unreachable => self.on_unreachable,
+            FailureClass::Unreachable => self.on_unreachable.unwrap_or(if granted {
+                FailMode::Closed
+            } else {
+                FailMode::Open
+            }),
         }
     }
 }

@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use super::{
     RuntimeError, annotations,
     client::{Applied, Client},
+    trust::{self, Ignored, Sources, Trust},
 };
 
 /// Where create records what it set, for poststop.
@@ -56,17 +57,34 @@ pub struct HookConfig {
     pub timeout: Duration,
     pub record_dir: PathBuf,
     /// Annotations given to the hook itself (`--annotation KEY=VALUE`), as the CDI spec of a DRA
-    /// claim passes the claim's shares: they count as the container's own, over the runtime's.
+    /// claim passes the claim's shares: what the cluster granted, over the runtime's.
     pub annotations: HashMap<String, String>,
+    /// How far the OCI spec's annotations count against the hook's ([`trust`]).
+    pub trust: Trust,
+}
+
+impl HookConfig {
+    /// Whether the hook carries shares the cluster granted (a DRA claim's): gpud is expected to
+    /// enforce them.
+    pub fn granted(&self) -> bool {
+        self.annotations
+            .keys()
+            .any(|k| k.starts_with(annotations::PREFIX))
+    }
 }
 
 /// What a hook run did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// Shares set on the container's cgroup.
-    Applied { cgroup: String, applied: Applied },
-    /// The container asks for no shares.
-    NoShares,
+    /// Shares set on the container's cgroup; `ignored`: annotations that would have widened what
+    /// the cluster granted.
+    Applied {
+        cgroup: String,
+        applied: Applied,
+        ignored: Vec<Ignored>,
+    },
+    /// The container has no shares (after leaving out `ignored`).
+    NoShares { ignored: Vec<Ignored> },
     /// Not a container that gets shares (a pod sandbox).
     Skipped(&'static str),
     /// poststop: the limits set at create were cleared.
@@ -208,10 +226,19 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
         .find_map(|k| ann.get(*k))
         .map(String::as_str);
     // The runtime hands one set of annotations, whichever pod annotations it copied there: they
-    // are the pod level; container-scoped keys pick this container by name.
-    let shares = annotations::resolve(&ann, &cfg.annotations, name)?;
+    // are what the pod asked; container-scoped keys pick this container by name. The hook's own
+    // arguments are what a DRA claim granted.
+    let src = Sources {
+        asked: &ann,
+        granted: &cfg.annotations,
+        name,
+        kubernetes: trust::kubernetes_container(&ann) || cfg.granted(),
+    };
+    let trust::Decision {
+        shares, ignored, ..
+    } = trust::decide(&src, cfg.trust)?;
     if shares.is_empty() {
-        return Ok(Outcome::NoShares);
+        return Ok(Outcome::NoShares { ignored });
     }
     let pid = state
         .pid()
@@ -236,7 +263,11 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
         }
     }
     result?;
-    Ok(Outcome::Applied { cgroup, applied })
+    Ok(Outcome::Applied {
+        cgroup,
+        applied,
+        ignored,
+    })
 }
 
 /// The `poststop` stage.

@@ -334,7 +334,8 @@ async fn containerd_container_started_before_the_plugin_gets_its_limits_when_it_
 /// The example pod of docs/runtime-integration.md ("A pod"), plus a limit on the second GPU by
 /// UUID, started while gpud's NVML library is not there yet (as at boot, before the driver's
 /// library is installed or answers): every limit that needs no NVML is in force at once (all GPUs,
-/// GPU 0 by index, the container-scoped compute cap and priority classes); the UUID-keyed one is
+/// GPU 0 by index, the container-scoped compute cap and the lower priority class; the higher one
+/// is the pod's own word and ignored on a Kubernetes pod); the UUID-keyed one is
 /// stored and pending, and in force once NVML appears and names the GPU. Nothing is rolled back
 /// because one GPU's limit waits.
 #[tokio::test(flavor = "multi_thread")]
@@ -398,12 +399,21 @@ async fn containerd_pod_gets_every_limit_it_can_while_nvml_is_not_answering() {
         ("compute_max", 70),
         ("priority", 2),
     ]);
-    let serve = limits(&[("memory_max", 4 * GIB), ("priority", 0)]);
+    // serve's latency-critical is the pod's own word on a Kubernetes pod: not applied (only the
+    // cluster grants a class above normal), and said in the plugin's log.
+    let serve = limits(&[("memory_max", 4 * GIB)]);
     let (train_cg, serve_cg) = (&cgroups["train"].1, &cgroups["serve"].1);
     expect_limits(&rig, train_cg, &train, &plugin, &containerd).await;
     expect_limits(&rig, serve_cg, &serve, &plugin, &containerd).await;
     assert!(
         !plugin.log_text().contains("without GPU shares"),
+        "{}",
+        plugin.log_text()
+    );
+    assert!(
+        plugin
+            .log_text()
+            .contains(r#"annotation serve.container.gpud.dev/priority="latency-critical" ignored"#),
         "{}",
         plugin.log_text()
     );

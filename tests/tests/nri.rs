@@ -369,7 +369,7 @@ async fn container_events_validate_apply_and_clear() {
         "web",
         &[
             ("gpud.dev/memory-max", "4Gi"),
-            ("gpud.dev/compute-weight", "300"),
+            ("gpud.dev/compute-weight", "50"),
         ],
     );
 
@@ -424,13 +424,14 @@ async fn container_events_validate_apply_and_clear() {
     assert!(limits_of(&rig, a).await.is_empty(), "nothing before start");
     session.start(&p, &ca).await.expect("StartContainer");
     expect_limits(&rig, &plugin, a, &[("1", GIB), ("all", 4 * GIB)]).await;
-    // The compute share went to gpud as well.
+    // The compute share went to gpud as well (a weight below the default: a pod's annotations
+    // only narrow on a Kubernetes node).
     let weight = rig
         .limits(a)
         .await
         .get("all")
         .and_then(|l| l.get("compute_weight").copied());
-    assert_eq!(weight, Some(300), "{}", plugin.log_text());
+    assert_eq!(weight, Some(50), "{}", plugin.log_text());
     // Stop clears.
     session.stop(&p, &ca).await.expect("StopContainer");
     expect_limits(&rig, &plugin, a, &[]).await;
@@ -474,6 +475,143 @@ async fn container_events_validate_apply_and_clear() {
     let (code, msg) = status_of(&err);
     assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
     assert!(msg.contains("NotFound"), "{msg}");
+}
+
+/// Every limit in force on `cgroup`, by GPU, once it equals `want` (or panics with the log).
+async fn expect_all_limits(
+    d: &Daemon,
+    plugin: &NriPlugin,
+    cgroup: &str,
+    want: &[(&str, &[(&str, u64)])],
+) {
+    let want: BTreeMap<String, BTreeMap<String, u64>> = want
+        .iter()
+        .map(|(g, l)| {
+            let l = l.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect();
+            ((*g).to_owned(), l)
+        })
+        .collect();
+    let got = eventually(WAIT, || async {
+        (d.limits(cgroup).await == want).then_some(())
+    })
+    .await;
+    if got.is_none() {
+        panic!(
+            "{cgroup}: wanted {want:?}, have {:?}\nplugin log:\n{}",
+            d.limits(cgroup).await,
+            plugin.log_text()
+        );
+    }
+}
+
+/// A pod whose device-plugin grant is a 30 % cap and 8 GiB (the container's own annotations, as
+/// the kubelet hands them over) writes pod annotations asking for more: `pod_asks`. The
+/// container, started, has `want` in force and the plugin's log names every ignored key.
+async fn pod_asks_beyond_its_grant(
+    tag: &str,
+    pod_asks: &[(&str, &str)],
+    want: &[(&str, u64)],
+    ignored: &[&str],
+) {
+    let (rig, rt) = started(tag).await;
+    let plugin = start_plugin(rig.path(), &rt.socket, &rig.bus.address, &[]);
+    let session = rt.accept(WAIT).await;
+    session.configure().await.expect("Configure");
+    let parent = Cgroup::new(tag);
+    let p = pod("p", "web", pod_asks);
+    let proc_ = Sleeper::start_in(&parent.dir);
+    let grant = [
+        ("gpud.dev/compute-max", "30"),
+        ("gpud.dev/memory-max", "8Gi"),
+    ];
+    // The runtime also copied the pod's annotations into the container's (containerd's
+    // `pod_annotations`): copies count as the pod's.
+    let mut own: Vec<(&str, &str)> = grant.to_vec();
+    own.extend(
+        pod_asks
+            .iter()
+            .filter(|(k, _)| !grant.iter().any(|(g, _)| g == k)),
+    );
+    let c = container(
+        "c",
+        &p,
+        "app",
+        ContainerState::CONTAINER_CREATED,
+        proc_.pid,
+        "",
+        &own,
+    );
+    session.create(&p, &c).await.expect("CreateContainer");
+    session.start(&p, &c).await.expect("StartContainer");
+    expect_all_limits(&rig, &plugin, &parent.rel, &[("all", want)]).await;
+    let log = plugin.log_text();
+    for key in ignored {
+        assert!(
+            log.contains(&format!("annotation {key}=")) && log.contains("ignored"),
+            "{key} not reported:\n{log}"
+        );
+    }
+}
+
+/// A pod sold 30 % of a GPU gives itself the top class: on a Kubernetes node the class is not
+/// applied and the cluster's cap stays.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pods_priority_annotation_is_ignored_and_the_granted_cap_kept() {
+    pod_asks_beyond_its_grant(
+        "nritrustprio",
+        &[
+            ("gpud.dev/priority", "latency-critical"),
+            ("gpud.dev/compute-max", "100"),
+        ],
+        &[("memory_max", 8 * GIB), ("compute_max", 30)],
+        &["gpud.dev/priority", "gpud.dev/compute-max"],
+    )
+    .await;
+}
+
+/// A guarantee is the cluster's to give: `compute-min` from an annotation is not applied (it
+/// would make every later guarantee on the GPU fail); a lower memory cap is.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_compute_guarantee_from_an_annotation_is_ignored() {
+    pod_asks_beyond_its_grant(
+        "nritrustmin",
+        &[
+            ("gpud.dev/compute-min", "25"),
+            ("gpud.dev/memory-max", "2Gi"),
+        ],
+        &[("memory_max", 2 * GIB), ("compute_max", 30)],
+        &["gpud.dev/compute-min"],
+    )
+    .await;
+}
+
+/// With gpud unreachable, a container whose shares the cluster granted (the device plugin's
+/// annotations) does not start unenforced by default; one with only the pod's annotations does.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unreachable_gpud_fails_a_granted_container_by_default() {
+    let dir = TempDir::new("nri-unreach-granted");
+    let nowhere = format!("unix:path={}", dir.path().join("no-bus").display());
+    let parent = Cgroup::new("nriungrant");
+    let rt = TestRuntime::bind(dir.path());
+    let _plugin = start_plugin(dir.path(), &rt.socket, &nowhere, &[]);
+    let session = rt.accept(WAIT).await;
+    session.configure().await.expect("Configure");
+    let p = pod("p", "p", &[]);
+    let c = container(
+        "c",
+        &p,
+        "c",
+        ContainerState::CONTAINER_CREATED,
+        0,
+        &parent.rel,
+        &[("gpud.dev/memory-max", "1Gi")],
+    );
+    let err = session
+        .start(&p, &c)
+        .await
+        .expect_err("a granted container must not run unenforced");
+    let (code, msg) = status_of(&err);
+    assert_eq!(code, ttrpc::Code::UNAVAILABLE, "{msg}");
 }
 
 /// `mode`: the plugin's `--on-unreachable`, `None` for its default.

@@ -214,6 +214,75 @@ async fn invalid_annotations_fail_the_container_unless_open_and_an_unreachable_g
     assert!(runc.state("unreach2").is_none());
 }
 
+/// A DRA claim granted 8 GiB and 30 % (the hook's `--annotation` arguments, from the claim's CDI
+/// spec); the pod's author, whose annotations the runtime copied into the OCI spec, asks for the
+/// whole GPU, a guarantee and the top class. On a Kubernetes container (the runtime's markers in
+/// the spec) annotations only narrow: the grant holds and every widening key is reported in the
+/// hook's log. With gpud unreachable, such a container does not start unenforced.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pods_annotations_never_widen_what_its_claim_granted() {
+    let mut rig = Rig::new("oci-trust");
+    rig.start(config(&rig)).await;
+    let (dir, bus) = (rig.path(), &rig.bus);
+    let runc = Runc::new(dir);
+    let parent = Cgroup::new("ocitrust");
+    let records = dir.join("records");
+    let pod_asks = [
+        ("io.kubernetes.cri.sandbox-id", "0123abcd"),
+        ("io.kubernetes.cri.container-name", "app"),
+        ("gpud.dev/compute-max", "100"),
+        ("gpud.dev/compute-min", "20"),
+        ("gpud.dev/priority", "latency-critical"),
+        ("gpud.dev/memory-max", "4Gi"),
+    ];
+    let granted = |bus: &str, log: &Path| {
+        let mut args = hook_args(bus, &records, log);
+        for a in ["gpud.dev/compute-max=30", "gpud.dev/memory-max=8Gi"] {
+            args.extend(["--annotation".to_owned(), a.to_owned()]);
+        }
+        args
+    };
+
+    let cg = format!("{}/app", parent.rel);
+    let log = dir.join("app.log");
+    let bundle = Bundle::busybox(&dir.join("app"), &["sleep", "600"], &cg);
+    bundle.set_annotations(&pod_asks);
+    bundle.set_gpud_hooks(&strs(&granted(&bus.address, &log)), &[]);
+    let (status, stderr) = runc.run_detached(&bundle, "app", Stdio::null(), Stdio::null());
+    assert!(status.success(), "{stderr}\n{}", read(&log));
+    // The grant's cap, the pod's lower memory cap; no guarantee, no class.
+    let want = BTreeMap::from([(
+        "all".to_owned(),
+        BTreeMap::from([
+            ("memory_max".to_owned(), 4 * GIB),
+            ("compute_max".to_owned(), 30),
+        ]),
+    )]);
+    assert_eq!(rig.limits(&cg).await, want, "{}", read(&log));
+    let text = read(&log);
+    for key in [
+        "gpud.dev/compute-max",
+        "gpud.dev/compute-min",
+        "gpud.dev/priority",
+    ] {
+        assert!(
+            text.contains(&format!("annotation {key}=")) && text.contains("ignored"),
+            "{key} not reported: {text}"
+        );
+    }
+    assert!(!text.contains("annotation gpud.dev/memory-max="), "{text}");
+    runc.kill_and_delete("app");
+
+    // The same container with gpud unreachable: closed, since the cluster granted its shares.
+    let nowhere = format!("unix:path={}", dir.join("no-bus").display());
+    let log = dir.join("unreach.log");
+    bundle.set_gpud_hooks(&strs(&granted(&nowhere, &log)), &[]);
+    let (status, stderr) = runc.run_detached(&bundle, "app2", Stdio::null(), Stdio::null());
+    assert!(!status.success(), "started unenforced: {}", read(&log));
+    assert!(stderr.contains("gpud unreachable"), "{stderr}");
+    assert!(runc.state("app2").is_none());
+}
+
 /// The container's `gpud-rm`, spoken to through the pipes runc passed through.
 struct InContainer {
     to: std::io::PipeWriter,

@@ -34,6 +34,10 @@ pub use quantity::{MAX_BYTES, QuantityError, parse_quantity, render_quantity};
 
 use quantity::truncate;
 
+/// The `compute_weight` of a cgroup that has none: the share of contended time it gets against
+/// others.
+pub const DEFAULT_WEIGHT: u32 = 100;
+
 /// One kind of limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum LimitKind {

@@ -15,6 +15,7 @@ use clap::Parser;
 use gpud_runtime::{
     FailMode, FailPolicy,
     nri::{self, Ending, Handler, PluginConfig},
+    trust::Trust,
 };
 use tracing::{error, info};
 
@@ -44,9 +45,14 @@ struct Args {
     /// container (closed) or run it without shares (open).
     #[arg(long, env = "GPUD_ON_INVALID", value_enum, default_value = "closed")]
     on_invalid: FailMode,
-    /// gpud unreachable: fail the container (closed) or run it without shares (open).
-    #[arg(long, env = "GPUD_ON_UNREACHABLE", value_enum, default_value = "open")]
-    on_unreachable: FailMode,
+    /// gpud unreachable: fail the container (closed) or run it without shares (open). Default:
+    /// closed for a container whose shares the cluster granted (device plugin), open for others.
+    #[arg(long, env = "GPUD_ON_UNREACHABLE", value_enum)]
+    on_unreachable: Option<FailMode>,
+    /// How far pod annotations count: `narrow` (they only narrow what the cluster granted),
+    /// `full` (as much as a grant), `auto` (narrow for Kubernetes pods).
+    #[arg(long, env = "GPUD_ANNOTATION_TRUST", value_enum, default_value_t = Trust::Auto)]
+    annotation_trust: Trust,
     /// Log filter (tracing's EnvFilter syntax).
     #[arg(long, env = "GPUD_NRI_LOG", default_value = "info")]
     log: String,
@@ -84,6 +90,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
             on_invalid: args.on_invalid,
             on_unreachable: args.on_unreachable,
         },
+        trust: args.annotation_trust,
     };
     cfg.validate()?;
     let trunk = connect(&args)?;

@@ -20,6 +20,7 @@ use gpud_runtime::{
     FailMode, FailPolicy, RuntimeError,
     oci::{self, HookConfig, Outcome},
     report::Chain,
+    trust::Trust,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -56,9 +57,14 @@ struct Args {
     /// container (closed) or run it without shares (open).
     #[arg(long, env = "GPUD_ON_INVALID", value_enum, default_value = "closed")]
     on_invalid: FailMode,
-    /// gpud unreachable: fail the container (closed) or run it without shares (open).
-    #[arg(long, env = "GPUD_ON_UNREACHABLE", value_enum, default_value = "open")]
-    on_unreachable: FailMode,
+    /// gpud unreachable: fail the container (closed) or run it without shares (open). Default:
+    /// closed when the hook carries a grant (`--annotation`, a DRA claim's), open otherwise.
+    #[arg(long, env = "GPUD_ON_UNREACHABLE", value_enum)]
+    on_unreachable: Option<FailMode>,
+    /// How far the container's OCI annotations count: `narrow` (they only narrow what the
+    /// `--annotation` arguments grant), `full` (as much), `auto` (narrow for Kubernetes pods).
+    #[arg(long, env = "GPUD_ANNOTATION_TRUST", value_enum, default_value_t = Trust::Auto)]
+    annotation_trust: Trust,
     /// An annotation of the container's own, `KEY=VALUE` (repeatable), over those the runtime
     /// hands over: how a CDI spec's hook passes a DRA claim's shares (gpud-k8s dra).
     #[arg(long = "annotation", value_name = "KEY=VALUE", value_parser = key_value)]
@@ -122,6 +128,7 @@ async fn main() -> ExitCode {
         timeout: Duration::from_millis(args.timeout_ms.max(1)),
         record_dir: args.record_dir.clone(),
         annotations: args.annotations.iter().cloned().collect(),
+        trust: args.annotation_trust,
     };
     let mut log = Log {
         prefix: format!("gpud-oci-hook {}", stage_name(args.stage)),
@@ -142,13 +149,20 @@ async fn main() -> ExitCode {
             report(&log, &outcome);
             ExitCode::SUCCESS
         }
-        Err(e) => fail(&log, &policy, &e),
+        Err(e) => fail(&log, &policy, &e, cfg.granted()),
     }
 }
 
 fn report(log: &Log, outcome: &Outcome) {
     match outcome {
-        Outcome::Applied { cgroup, applied } => {
+        Outcome::Applied {
+            cgroup,
+            applied,
+            ignored,
+        } => {
+            for i in ignored {
+                log.line(&i.to_string());
+            }
             if !applied.gpus.is_empty() {
                 log.line(&format!(
                     "GPU shares set on {cgroup} (GPU {})",
@@ -166,12 +180,17 @@ fn report(log: &Log, outcome: &Outcome) {
             ));
         }
         Outcome::Skipped(why) => log.line(&format!("skipped: {why}")),
-        Outcome::NoShares | Outcome::NothingToClear => {}
+        Outcome::NoShares { ignored } => {
+            for i in ignored {
+                log.line(&i.to_string());
+            }
+        }
+        Outcome::NothingToClear => {}
     }
 }
 
-fn fail(log: &Log, policy: &FailPolicy, e: &RuntimeError) -> ExitCode {
-    match policy.mode_for(e) {
+fn fail(log: &Log, policy: &FailPolicy, e: &RuntimeError, granted: bool) -> ExitCode {
+    match policy.mode_for(e, granted) {
         FailMode::Closed => {
             log.line(&format!(
                 "error: {}; failing the container (closed)",

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::NriError;
-use crate::{FailMode, FailPolicy};
+use crate::{FailMode, FailPolicy, trust::Trust};
 
 /// Settings the runtime may hand over in `Configure`: the plugin's file in the runtime's NRI
 /// configuration directory (containerd's `plugin_config_path`, `/etc/nri/conf.d` by default,
@@ -22,6 +22,7 @@ pub struct RuntimeSettings {
     pub on_invalid: Option<FailMode>,
     /// `closed` or `open` (`--on-unreachable`).
     pub on_unreachable: Option<FailMode>,
+    pub annotation_trust: Option<Trust>,
 }
 
 impl RuntimeSettings {
@@ -48,7 +49,10 @@ impl RuntimeSettings {
             cfg.policy.on_invalid = m;
         }
         if let Some(m) = self.on_unreachable {
-            cfg.policy.on_unreachable = m;
+            cfg.policy.on_unreachable = Some(m);
+        }
+        if let Some(t) = self.annotation_trust {
+            cfg.trust = t;
         }
         cfg
     }
@@ -66,6 +70,7 @@ pub struct PluginConfig {
     /// Bound of each D-Bus call and of the registration.
     pub timeout: Duration,
     pub policy: FailPolicy,
+    pub trust: Trust,
 }
 
 impl PluginConfig {
@@ -97,7 +102,18 @@ mod tests {
             bus: "system".into(),
             timeout: Duration::from_millis(1000),
             policy: FailPolicy::default(),
+            trust: Trust::Auto,
         }
+    }
+
+    /// The example shipped in the package parses, and sets what its comments say.
+    #[test]
+    fn the_shipped_example_parses() {
+        let text = include_str!("../../../config/nri/50-gpud.conf");
+        let s = RuntimeSettings::parse(text).expect("config/nri/50-gpud.conf");
+        assert_eq!(s.annotation_trust, Some(Trust::Auto));
+        assert_eq!(s.on_unreachable, None, "unset: by grant");
+        assert_eq!(s.on_invalid, Some(FailMode::Closed));
     }
 
     #[test]
@@ -115,7 +131,7 @@ mod tests {
         .expect("valid");
         let cfg = s.apply(flags());
         assert_eq!(cfg.bus, "unix:path=/run/b");
-        assert_eq!(cfg.policy.on_unreachable, FailMode::Closed);
+        assert_eq!(cfg.policy.on_unreachable, Some(FailMode::Closed));
         assert_eq!(
             cfg.policy.on_invalid,
             FailMode::Closed,

@@ -39,8 +39,8 @@ use crate::report::Chain;
 
 use super::{
     FailMode, RuntimeError,
-    annotations::{self, Shares},
     client::Client,
+    trust::{self, Decision, Sources},
 };
 
 /// How often shares that could not be set because gpud was unreachable are tried again.
@@ -201,11 +201,24 @@ impl Handler {
         }
     }
 
-    fn shares(pod: Option<&nri::PodSandbox>, c: &nri::Container) -> Result<Shares, RuntimeError> {
+    /// The container's shares: the pod's annotations asked, the container's own (a device
+    /// plugin's) granted, weighed by [`trust`].
+    fn decision(
+        &self,
+        pod: Option<&nri::PodSandbox>,
+        c: &nri::Container,
+    ) -> Result<Decision, RuntimeError> {
         let empty = HashMap::new();
         let pod_ann = pod.map_or(&empty, |p| &p.annotations);
-        let name = (!c.name.is_empty()).then_some(c.name.as_str());
-        Ok(annotations::resolve(pod_ann, &c.annotations, name)?)
+        let own = trust::without_pod_copies(&c.annotations, pod_ann);
+        let src = Sources {
+            asked: pod_ann,
+            granted: &own,
+            name: (!c.name.is_empty()).then_some(c.name.as_str()),
+            // CRI pods carry their namespace; containers of other clients have no pod.
+            kubernetes: pod.is_some_and(|p| !p.namespace.is_empty()),
+        };
+        Ok(trust::decide(&src, self.cfg().trust)?)
     }
 
     fn cgroup_of(c: &nri::Container) -> Result<String, RuntimeError> {
@@ -235,7 +248,12 @@ impl Handler {
         pod: Option<&nri::PodSandbox>,
         c: &nri::Container,
     ) -> Result<bool, RuntimeError> {
-        let shares = Self::shares(pod, c)?;
+        let Decision {
+            shares, ignored, ..
+        } = self.decision(pod, c)?;
+        for i in &ignored {
+            warn!(container = %describe(pod, c), "{i}");
+        }
         if shares.is_empty() {
             return Ok(false);
         }
@@ -306,7 +324,8 @@ impl Handler {
         r: Result<(), RuntimeError>,
     ) -> ttrpc::Result<()> {
         let Err(e) = r else { return Ok(()) };
-        match self.cfg().policy.mode_for(&e) {
+        let granted = self.decision(pod, c).is_ok_and(|d| d.granted);
+        match self.cfg().policy.mode_for(&e, granted) {
             FailMode::Closed => {
                 warn!(container = %describe(pod, c), "{what}: {}; failing the container (closed)", Chain(&e));
                 Err(status(&e))
@@ -463,6 +482,7 @@ impl nri_ttrpc::Plugin for Handler {
                 bus = %cfg.bus,
                 timeout = ?cfg.timeout,
                 policy = ?cfg.policy,
+                annotation_trust = %cfg.trust,
                 "configuration from the runtime applied"
             );
             *self
@@ -532,7 +552,7 @@ impl nri_ttrpc::Plugin for Handler {
         let pod = req.pod.as_ref();
         let c = req.container.get_or_default();
         // Only validation: the container's cgroup does not exist yet.
-        let r = Self::shares(pod, c).map(|_| ());
+        let r = self.decision(pod, c).map(|_| ());
         self.decide("CreateContainer", pod, c, r)?;
         Ok(nri::CreateContainerResponse::default())
     }

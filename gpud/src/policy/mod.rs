@@ -67,8 +67,7 @@ pub enum PolicyError {
     },
 }
 
-/// Default `compute_weight`.
-pub const DEFAULT_WEIGHT: u32 = 100;
+pub use gpud_api::limits::DEFAULT_WEIGHT;
 
 /// The limits of one (cgroup, GPU) pair; `None` is "no limit". Stored in `limits.json` under the
 /// schema's D-Bus names.
