@@ -534,3 +534,92 @@ async fn events_lost_while_the_daemon_is_stopped_are_signalled() {
         rig.log_text()
     );
 }
+
+/// `gpud-scalebench opener FILE` in `cg`: opens and closes FILE as fast as it can until its
+/// standard input closes.
+fn opener_in(cg: &Cgroup, file: &Path) -> std::process::Child {
+    use std::os::unix::process::CommandExt as _;
+    let procs = cg.dir.join("cgroup.procs");
+    let mut cmd = Command::new(gpud_tests::bin_dir().join("gpud-scalebench"));
+    cmd.arg("opener")
+        .arg(file)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    // SAFETY: only writes its own pid into cgroup.procs between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || std::fs::write(&procs, "0"));
+    }
+    cmd.spawn().expect("start gpud-scalebench opener")
+}
+
+/// A tenant floods gpud with kernel events (two processes opening and closing a control file as
+/// fast as they can: an event at each open and each last close, and each asks gpud to release
+/// what was made through the file) while the node holds thousands of RM objects (a walk of the
+/// object map per release) and limits are set elsewhere: every `SetLimits` is answered well
+/// before the NRI plugin's default timeout (1 s), which an unanswered call turns into a
+/// container started without its shares. The API's changes are taken ahead of the kernel's
+/// backlog, and a batch of releases shares one walk; gpud-scalebench's `limit_change_flood_us`
+/// measures it.
+#[tokio::test(flavor = "multi_thread")]
+async fn set_limits_is_answered_in_time_while_a_tenant_floods_opens_and_closes() {
+    let Some(mut rig) = Rig::new("rel-flood").fake_device(1) else {
+        return;
+    };
+    let standin = rig.stand_in("standin");
+    rig.start(
+        config(&rig)
+            .extra_paths([&standin])
+            .set("probes.max_objects", 16_384),
+    )
+    .await;
+    let (_c, proxy) = rig.proxy().await;
+    let holder_cg = Cgroup::new("rel-flood-holder");
+    let mut holder = RmProcess::spawn(Some(&holder_cg.dir), &rig.ctl());
+    let made = holder.ok("clients 4000");
+    assert_eq!(made["made"], 4000, "{made}");
+
+    let flood_cg = Cgroup::new("rel-flood-tenant");
+    let floods: Vec<_> = (0..2).map(|_| opener_in(&flood_cg, &standin)).collect();
+    // The tenant's events are seen (its cgroup is attributed), then the backlog builds up.
+    let seen = eventually(Duration::from_secs(10), || async {
+        proxy.get_cgroup(&flood_cg.rel).await.ok().map(|_| ())
+    })
+    .await;
+    assert!(seen.is_some(), "the flood is not seen:\n{}", rig.log_text());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let target = Cgroup::new("rel-flood-limited");
+    let mut slowest = Duration::ZERO;
+    for i in 1..=20u64 {
+        let limits = BTreeMap::from([("memory_max", zbus::Variant::from(i * MIB))]);
+        let t = std::time::Instant::now();
+        proxy
+            .set_limits(&target.rel, "all", limits)
+            .await
+            .expect("SetLimits under the flood");
+        slowest = slowest.max(t.elapsed());
+    }
+    // Each opener, told to stop, says how fast it went: the flood lasted the whole loop.
+    let rates: Vec<f64> = floods
+        .into_iter()
+        .map(|mut f| {
+            drop(f.stdin.take());
+            let out = f.wait_with_output().expect("opener output");
+            String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .parse()
+                .unwrap_or(0.0)
+        })
+        .collect();
+    assert!(
+        rates.iter().all(|r| *r > 1000.0),
+        "the openers stopped early: {rates:?} opens/s"
+    );
+    eprintln!("slowest SetLimits under the flood: {slowest:?} ({rates:?} opens/s)");
+    assert!(
+        slowest < Duration::from_secs(1),
+        "SetLimits took {slowest:?} under a flood of {rates:?} opens/s, past the NRI plugin's \
+         timeout"
+    );
+    drop(holder);
+}

@@ -177,6 +177,25 @@ impl Attribution {
         self.release_file_of(&objects, file, before)
     }
 
+    /// [`Self::release_file`] for several releases with one read of `OBJECTS` (a run of them from
+    /// one ring-buffer read: a tenant opening and closing a control file in a loop sends two per
+    /// open). A file address named twice is released once, up to its latest clock: whatever
+    /// was at that address before then is gone. Nothing is left out: the same objects go as with
+    /// one [`Self::release_file`] per release. Returns the objects released.
+    pub fn release_files(&mut self, files: &[(u64, u64)]) -> usize {
+        let mut latest: BTreeMap<u64, u64> = BTreeMap::new();
+        for &(file, clock) in files {
+            let c = latest.entry(file).or_insert(clock);
+            *c = (*c).max(clock);
+        }
+        let objects = self.objects();
+        let mut released = 0;
+        for (&file, &before) in &latest {
+            released += self.release_file_of(&objects, file, before);
+        }
+        released
+    }
+
     /// [`Self::release_file`] on objects already read: the file's clients with everything
     /// below them, then every other object made through the file. Those have no client record
     /// to go with (their client was made before gpud attached, or a race dropped its record):

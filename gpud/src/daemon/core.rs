@@ -252,7 +252,30 @@ impl Core {
         })
     }
 
-    /// Reads every record waiting in `ring`: events routed ([`Self::route`]), undo requests
+    /// Routes a batch of kernel events in order ([`Self::route`]); each run of consecutive file
+    /// releases (two per open of a control file in a loop) is done with one read of `OBJECTS`
+    /// ([`Attribution::release_files`]) instead of one per release. Returns the notices, in order.
+    pub fn route_all(&mut self, events: &[KernelEvent]) -> Vec<Notice> {
+        let mut out = Vec::new();
+        let mut run = Vec::new();
+        for ev in events {
+            if let KernelEvent::FileReleased { file, clock } = ev {
+                run.push((*file, *clock));
+                continue;
+            }
+            if !run.is_empty() {
+                self.attribution.release_files(&run);
+                run.clear();
+            }
+            out.extend(self.route(ev));
+        }
+        if !run.is_empty() {
+            self.attribution.release_files(&run);
+        }
+        out
+    }
+
+    /// Reads every record waiting in `ring`: events routed ([`Self::route_all`]), undo requests
     /// handed to `restore`. Returns the notices, in order. For callers without a state task (the
     /// daemon reads its ring asynchronously, `ring.rs`).
     pub fn drain(
@@ -260,15 +283,15 @@ impl Core {
         ring: &mut RingBuf<MapData>,
         mut restore: impl FnMut(gpud_common::GuardRestore),
     ) -> Vec<Notice> {
-        let mut out = Vec::new();
+        let mut events = Vec::new();
         while let Some(item) = ring.next() {
             match Record::decode(&item) {
-                Ok(Record::Event(ev)) => out.extend(self.route(&ev)),
+                Ok(Record::Event(ev)) => events.push(ev),
                 Ok(Record::Restore(r)) => restore(*r),
                 Err(e) => warn!(len = item.len(), "ring-buffer record dropped: {e}"),
             }
         }
-        out
+        self.route_all(&events)
     }
 
     /// An orderly close: what the memory enforcement froze is thawed, the probes pinned or

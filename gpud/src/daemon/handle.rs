@@ -37,6 +37,8 @@ pub struct Figures {
 #[derive(Clone)]
 pub struct Handle {
     tx: mpsc::Sender<Message>,
+    /// The state task's inbox for changes, taken before kernel events ([`super::task::run_state`]).
+    writes: mpsc::Sender<Message>,
     reader: Reader,
     /// Published by the compute controller (its own task) after every period; `None` when
     /// compute shares are off.
@@ -46,11 +48,13 @@ pub struct Handle {
 impl Handle {
     pub(super) fn new(
         tx: mpsc::Sender<Message>,
+        writes: mpsc::Sender<Message>,
         reader: Reader,
         compute: Option<watch::Receiver<ComputeStats>>,
     ) -> Self {
         Self {
             tx,
+            writes,
             reader,
             compute,
         }
@@ -67,8 +71,17 @@ impl Handle {
         make: impl FnOnce(oneshot::Sender<T>) -> Request,
     ) -> Result<T, DaemonError> {
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Message::Request(make(reply)))
+        let request = make(reply);
+        // Changes go ahead of the kernel's backlog; a stale cgroup's read stays in line with
+        // the events it must reflect.
+        let inbox = match request {
+            Request::GetCgroup { .. } => &self.tx,
+            Request::SetLimits { .. } | Request::ClearLimits { .. } | Request::Reconfigure(..) => {
+                &self.writes
+            }
+        };
+        inbox
+            .send(Message::Request(request))
             .await
             .map_err(|_| DaemonError::Stopped)?;
         rx.await.map_err(|_| DaemonError::Stopped)

@@ -40,7 +40,8 @@ pub struct NvmlStatus {
 /// Everything the state task reacts to.
 pub(super) enum Message {
     Request(Request),
-    Kernel(KernelEvent),
+    /// Events in the order the ring held them.
+    Kernel(Vec<KernelEvent>),
     /// Result of a `/proc` scan run off the state task.
     Scanned(BTreeSet<u32>),
     /// What the NVML sampler saw.

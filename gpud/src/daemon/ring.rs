@@ -8,7 +8,12 @@ use tracing::warn;
 use super::messages::Message;
 use crate::probes::events::Record;
 
-/// Forwards ring-buffer records to the state task until the channel closes.
+/// Most events in one message to the state task: a message is handled whole, and the API's
+/// changes wait for at most the one in hand.
+const BATCH: usize = 256;
+
+/// Forwards ring-buffer records to the state task, in batches of what one read found (the state
+/// task handles a batch's file releases together), until the channel closes.
 /// Undo requests (`GuardRestore` records) go to `restore` at once, not through the state task.
 pub(super) async fn read_events(
     ring: RingBuf<MapData>,
@@ -35,10 +40,12 @@ pub(super) async fn read_events(
             }
         }
         guard.clear_ready();
-        for ev in batch {
-            if tx.send(Message::Kernel(ev)).await.is_err() {
+        while !batch.is_empty() {
+            let rest = batch.split_off(batch.len().min(BATCH));
+            if tx.send(Message::Kernel(batch)).await.is_err() {
                 return Ok(());
             }
+            batch = rest;
         }
     }
 }

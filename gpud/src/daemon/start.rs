@@ -104,6 +104,8 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
     let (sampler, sampler_rx) = watch::channel(SamplerSettings::of(&config.nvml));
     let (shutdown, shutdown_rx) = watch::channel(false);
     let (tx, rx) = mpsc::channel::<Message>(1024);
+    // The API's changes, taken before the backlog of `rx` (`run_state`).
+    let (writes, writes_rx) = mpsc::channel::<Message>(64);
     let (limited_dirs, limited_dirs_rx) = watch::channel(BTreeSet::new());
 
     let state = State {
@@ -170,6 +172,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
     );
     let handle = Handle::new(
         tx.clone(),
+        writes,
         view_reader,
         compute_on.then_some(compute_stats_rx),
     );
@@ -182,8 +185,11 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
         sd_notify::watchdog_enabled()
             .map(|t| t / 2)
             .filter(|t| !t.is_zero()),
-        tx,
-        rx,
+        super::task::Inbox {
+            writes: writes_rx,
+            tx,
+            rx,
+        },
         shutdown_rx,
     ));
     let running = Running {

@@ -34,18 +34,36 @@ fn timer(every: Duration) -> tokio::time::Interval {
     t
 }
 
+/// The state task's two inboxes: changes asked through the API (`writes`), and everything else
+/// (kernel events, NVML samples, scans, removals, readers' refreshes) in `rx`, whose sender `tx`
+/// the task keeps for the scans it starts.
+pub(super) struct Inbox {
+    pub writes: mpsc::Receiver<Message>,
+    pub tx: mpsc::Sender<Message>,
+    pub rx: mpsc::Receiver<Message>,
+}
+
 /// Runs the state task until `shutdown` turns true or every sender is gone; hands the state back
 /// for an orderly stop. `watchdog`: the period of the service manager's keep-alives, sent from
 /// here so that they stop when this task hangs.
+///
+/// Messages are taken in a fixed order of precedence: the API's changes first (a tenant flooding
+/// open/close events must not delay a `SetLimits` past a hook's timeout: it waits for at most the
+/// one message in hand), then shutdown and the timers (the sweep and the watchdog's keep-alives
+/// are not starved either), then the rest in arrival order.
 pub(super) async fn run_state(
     mut state: State,
     view: view::Publisher,
     mut intervals: Intervals,
     watchdog: Option<Duration>,
-    tx: mpsc::Sender<Message>,
-    mut rx: mpsc::Receiver<Message>,
+    inbox: Inbox,
     mut shutdown: watch::Receiver<bool>,
 ) -> State {
+    let Inbox {
+        mut writes,
+        tx,
+        mut rx,
+    } = inbox;
     // A disabled rescan or watchdog still needs a timer to select on; it never fires usefully.
     const NEVER: Duration = Duration::from_secs(86_400);
     let mut sweep = timer(intervals.sweep);
@@ -60,43 +78,21 @@ pub(super) async fn run_state(
     tokio::pin!(recheck);
     let mut recheck_armed = false;
     loop {
-        tokio::select! {
-            msg = rx.recv() => {
-                let Some(msg) = msg else { break };
-                let refresh = matches!(msg, Message::Refresh);
-                if !refresh {
-                    view.changing();
-                }
-                // SetLimits, ClearLimits and a reload follow their changes through before they
-                // answer (`answer`); a removal changes limits too. Kernel events come by the
-                // thousand and a stale GetCgroup is on the readers' path: both must stay cheap.
-                let limits_may_change = matches!(msg, Message::CgroupRemoved);
-                if let Some(new) = handle(&mut state, msg) && new != intervals {
-                    intervals = new;
-                    sweep = timer(intervals.sweep);
-                    rescan = timer(intervals.rescan.unwrap_or(NEVER));
-                }
-                if limits_may_change {
-                    limits_changed(&mut state);
-                }
-                // A view reflects every exit read so far: the files they held are checked first.
-                if (refresh || rx.is_empty()) && state.core.attribution.check_pending_files() {
-                    recheck.as_mut().reset(tokio::time::Instant::now() + RECHECK_AFTER_EXIT);
-                    recheck_armed = true;
-                }
-                if refresh {
-                    view.refresh(&mut state);
-                }
-            }
+        let msg = tokio::select! {
+            biased;
+            Some(msg) = writes.recv() => msg,
+            _ = shutdown.changed() => break,
             () = &mut recheck, if recheck_armed => {
                 recheck_armed = false;
                 view.changing();
                 state.core.attribution.release_closed_files();
+                continue;
             }
             _ = sweep.tick() => {
                 view.changing();
                 sweep_all(&mut state);
                 limits_changed(&mut state);
+                continue;
             }
             _ = rescan.tick(), if intervals.rescan.is_some() => {
                 // Reading every process's fd table is blocking work: do it off this task.
@@ -106,13 +102,46 @@ pub(super) async fn run_state(
                     let found = scan::holders(&matcher);
                     let _ = tx.blocking_send(Message::Scanned(found));
                 });
+                continue;
             }
             _ = keepalive.tick(), if watchdog.is_some() => {
                 if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]) {
                     warn!("cannot send the watchdog keep-alive: {e}");
                 }
+                continue;
             }
-            _ = shutdown.changed() => break,
+            msg = rx.recv() => match msg {
+                Some(msg) => msg,
+                None => break,
+            },
+        };
+        let refresh = matches!(msg, Message::Refresh);
+        if !refresh {
+            view.changing();
+        }
+        // SetLimits, ClearLimits and a reload follow their changes through before they answer
+        // (`answer`); a removal changes limits too. Kernel events come by the thousand and a
+        // stale GetCgroup is on the readers' path: both must stay cheap.
+        let limits_may_change = matches!(msg, Message::CgroupRemoved);
+        if let Some(new) = handle(&mut state, msg)
+            && new != intervals
+        {
+            intervals = new;
+            sweep = timer(intervals.sweep);
+            rescan = timer(intervals.rescan.unwrap_or(NEVER));
+        }
+        if limits_may_change {
+            limits_changed(&mut state);
+        }
+        // A view reflects every exit read so far: the files they held are checked first.
+        if (refresh || rx.is_empty()) && state.core.attribution.check_pending_files() {
+            recheck
+                .as_mut()
+                .reset(tokio::time::Instant::now() + RECHECK_AFTER_EXIT);
+            recheck_armed = true;
+        }
+        if refresh {
+            view.refresh(&mut state);
         }
     }
     debug!("state task stopped");
@@ -139,7 +168,7 @@ fn sweep_all(state: &mut State) {
 fn handle(state: &mut State, msg: Message) -> Option<Intervals> {
     match msg {
         Message::Request(request) => return answer(state, request),
-        Message::Kernel(ev) => on_kernel_event(state, &ev),
+        Message::Kernel(events) => on_kernel_events(state, &events),
         Message::Nvml(NvmlUpdate::Xid { uuid, xid }) => on_xid(state, uuid, xid),
         Message::Nvml(update) => on_nvml(state, update),
         Message::CgroupRemoved => {
@@ -260,8 +289,8 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
 }
 
 /// A kernel event to its owner ([`core::Core::route`]), what it announces to the bus.
-fn on_kernel_event(state: &mut State, ev: &KernelEvent) {
-    if let Some(notice) = state.core.route(ev) {
+fn on_kernel_events(state: &mut State, events: &[KernelEvent]) {
+    for notice in state.core.route_all(events) {
         state.outputs.notices.send(notice);
     }
 }
