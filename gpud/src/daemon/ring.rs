@@ -18,7 +18,7 @@ const BATCH: usize = 256;
 pub(super) async fn read_events(
     ring: RingBuf<MapData>,
     tx: mpsc::Sender<Message>,
-    restore: Option<std::sync::mpsc::Sender<gpud_common::GuardRestore>>,
+    restore: Option<crate::enforcement::restore::RestoreSender>,
 ) -> std::io::Result<()> {
     // SAFETY: the ring buffer owns its map fd for as long as the AsyncFd owns the ring buffer.
     let mut fd = unsafe { AsyncFd::register(ring) }.map_err(|e| e.into_parts().1)?;
@@ -30,10 +30,8 @@ pub(super) async fn read_events(
             match Record::decode(&item) {
                 Ok(Record::Event(ev)) => batch.push(ev),
                 Ok(Record::Restore(r)) => match &restore {
-                    // Sending on a std channel never blocks.
-                    Some(tx) => {
-                        let _ = tx.send(*r);
-                    }
+                    // Never blocks: coalesced and bounded.
+                    Some(tx) => tx.send(*r),
                     None => warn!(pid = r.tgid, "a tenant's control to undo, and no restorer"),
                 },
                 Err(e) => warn!(len = item.len(), "ring-buffer record dropped: {e}"),

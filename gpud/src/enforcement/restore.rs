@@ -13,9 +13,9 @@
 //! behind the state task's work.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     path::Path,
-    sync::mpsc::{Receiver, Sender},
+    sync::{Arc, Condvar, Mutex, MutexGuard},
     time::Instant,
 };
 
@@ -185,30 +185,179 @@ impl Restorer {
     }
 }
 
-/// Runs `restorer` on its own thread, undoing each record sent on the returned channel; the
-/// thread ends when every sender is gone.
-pub fn spawn(mut restorer: Restorer) -> std::io::Result<Sender<GuardRestore>> {
-    let (tx, rx): (Sender<GuardRestore>, Receiver<GuardRestore>) = std::sync::mpsc::channel();
+/// Most undo entries waiting at once (a channel group's timeslice, or one disabled channel,
+/// each): a tenant that makes new objects faster than they are undone is bounded here.
+const QUEUE_MAX: usize = 4096;
+
+/// What (process, client, object) an undo request is about.
+type Target = (u32, u32, u32);
+
+/// Undo requests waiting for the restorer thread, coalesced as they arrive: a tenant looping on a
+/// control leaves one undo per object, not one per call.
+#[derive(Default)]
+struct Queue {
+    /// Per target and reason, the latest request: the allowance a timeslice is set back to is the
+    /// one in force at the last call.
+    latest: BTreeMap<(Target, u32), GuardRestore>,
+    /// `FIFO_DISABLE_CHANNELS` per (process, client, subdevice): the first request (its ids) and
+    /// every (client, channel) any of them disabled. Merged, not replaced: each call may name
+    /// other victims.
+    foreign: BTreeMap<Target, (GuardRestore, BTreeSet<(u32, u32)>)>,
+    /// Entries held: one per `latest`, one per channel in `foreign`.
+    held: usize,
+    /// Requests (or channels of one) left out because [`QUEUE_MAX`] entries were waiting.
+    dropped: u64,
+    /// No more requests will come.
+    closed: bool,
+}
+
+impl Queue {
+    /// Adds `r`; how many of its entries did not fit.
+    fn push(&mut self, r: GuardRestore) -> u64 {
+        let target = (r.tgid, r.client, r.object);
+        let reason = r.verdict >> 8;
+        if reason != GUARD_REASON_FOREIGN {
+            let key = (target, reason);
+            if self.latest.contains_key(&key) || self.held < QUEUE_MAX {
+                if self.latest.insert(key, r).is_none() {
+                    self.held += 1;
+                }
+                return 0;
+            }
+            self.dropped += 1;
+            return 1;
+        }
+        let n = (r.num_channels as usize).min(sched::DISABLE_CHANNELS_MAX);
+        let held = &mut self.held;
+        let (_, channels) = self
+            .foreign
+            .entry(target)
+            .or_insert_with(|| (r, BTreeSet::new()));
+        let mut left_out = 0;
+        for pair in r.clients[..n]
+            .iter()
+            .copied()
+            .zip(r.channels[..n].iter().copied())
+        {
+            if channels.contains(&pair) {
+                continue;
+            }
+            if *held < QUEUE_MAX {
+                channels.insert(pair);
+                *held += 1;
+            } else {
+                left_out += 1;
+            }
+        }
+        self.dropped += left_out;
+        left_out
+    }
+
+    /// Everything waiting, as requests to undo (a target's merged channels in as many requests
+    /// as they need); the queue is left empty.
+    fn take(&mut self) -> Vec<GuardRestore> {
+        self.held = 0;
+        let mut out: Vec<GuardRestore> = std::mem::take(&mut self.latest).into_values().collect();
+        for (first, channels) in std::mem::take(&mut self.foreign).into_values() {
+            let pairs: Vec<(u32, u32)> = channels.into_iter().collect();
+            for chunk in pairs.chunks(sched::DISABLE_CHANNELS_MAX) {
+                let mut r = first;
+                r.num_channels = chunk.len() as u32;
+                r.clients = [0; sched::DISABLE_CHANNELS_MAX];
+                r.channels = [0; sched::DISABLE_CHANNELS_MAX];
+                for (i, (client, channel)) in chunk.iter().enumerate() {
+                    r.clients[i] = *client;
+                    r.channels[i] = *channel;
+                }
+                out.push(r);
+            }
+        }
+        out
+    }
+
+    fn is_empty(&self) -> bool {
+        self.latest.is_empty() && self.foreign.is_empty()
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+}
+
+impl Shared {
+    /// The queue (a poisoned lock still holds a whole queue: every change completes under it).
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Hands undo requests to the restorer thread ([`spawn`]); never blocks. Dropping it ends the
+/// thread once what waits is undone.
+pub struct RestoreSender(Arc<Shared>);
+
+impl RestoreSender {
+    /// Queues `r`, coalesced with what waits for the same object; what does not fit in
+    /// [`QUEUE_MAX`] entries is counted and said.
+    pub fn send(&self, r: GuardRestore) {
+        let (left_out, dropped) = {
+            let mut q = self.0.lock();
+            let left_out = q.push(r);
+            (left_out, q.dropped)
+        };
+        self.0.ready.notify_one();
+        // Said at the first and then at each doubling: a flood does not flood the log too.
+        if left_out > 0 && (dropped - left_out).checked_ilog2() != dropped.checked_ilog2() {
+            warn!(
+                pid = r.tgid,
+                dropped_total = dropped,
+                "the scheduler guard's undo queue is full ({QUEUE_MAX} entries): undo requests \
+                 left out (an object's next guarded call queues it again)"
+            );
+        }
+    }
+}
+
+impl Drop for RestoreSender {
+    fn drop(&mut self) {
+        self.0.lock().closed = true;
+        self.0.ready.notify_one();
+    }
+}
+
+/// Runs `restorer` on its own thread, undoing what is sent through the returned sender; the
+/// thread ends when the sender is dropped.
+pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
+    let shared = Arc::new(Shared::default());
+    let theirs = Arc::clone(&shared);
     std::thread::Builder::new()
         .name("gpud-restore".to_owned())
         .spawn(move || {
-            while let Ok(first) = rx.recv() {
-                // A tenant looping on a control leaves many undos of one object queued: the last
-                // of each is enough (each costs a pidfd_getfd and an ioctl).
-                let mut batch = vec![first];
-                batch.extend(rx.try_iter());
-                let mut last: BTreeMap<(u32, u32, u32, u32), GuardRestore> = BTreeMap::new();
+            loop {
+                let batch = {
+                    let mut q = theirs.lock();
+                    while q.is_empty() && !q.closed {
+                        q = theirs
+                            .ready
+                            .wait(q)
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    }
+                    if q.is_empty() {
+                        break;
+                    }
+                    q.take()
+                };
                 for r in batch {
-                    last.insert((r.tgid, r.client, r.object, r.verdict >> 8), r);
-                }
-                for r in last.into_values() {
                     undo(&mut restorer, &r);
                 }
                 // Processes come and go: keep only the pidfds of live ones.
                 restorer.retain(|pid| Path::new(&format!("/proc/{pid}")).exists());
             }
         })?;
-    Ok(tx)
+    Ok(RestoreSender(shared))
 }
 
 /// One undo, logged.
@@ -227,5 +376,94 @@ fn undo(restorer: &mut Restorer, r: &GuardRestore) {
             "cannot undo a tenant's scheduling control: {}",
             Chain(&e)
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timeslice(tgid: u32, group: u32, allowed: u64) -> GuardRestore {
+        GuardRestore {
+            tgid,
+            client: 0xc1,
+            object: group,
+            verdict: GUARD_REASON_TIMESLICE << 8,
+            allowed,
+            ..Default::default()
+        }
+    }
+
+    fn disable(tgid: u32, victims: &[(u32, u32)]) -> GuardRestore {
+        let mut r = GuardRestore {
+            tgid,
+            client: 0xc1,
+            object: 0x5d,
+            verdict: GUARD_REASON_FOREIGN << 8,
+            num_channels: victims.len() as u32,
+            ..Default::default()
+        };
+        for (i, (c, ch)) in victims.iter().enumerate() {
+            r.clients[i] = *c;
+            r.channels[i] = *ch;
+        }
+        r
+    }
+
+    /// A loop on one channel group leaves one undo, with the last allowance.
+    #[test]
+    fn timeslices_keep_the_latest_per_group() {
+        let mut q = Queue::default();
+        for allowed in [100, 200, 300] {
+            q.push(timeslice(7, 0x10, allowed));
+        }
+        q.push(timeslice(7, 0x11, 50));
+        let mut out = q.take();
+        out.sort_by_key(|r| r.object);
+        assert_eq!(out.len(), 2);
+        assert_eq!((out[0].object, out[0].allowed), (0x10, 300));
+        assert!(q.is_empty() && q.held == 0);
+    }
+
+    /// Calls through one subdevice that disable different neighbours' channels are all undone:
+    /// their channels are merged, not replaced by the last call's.
+    #[test]
+    fn disabled_channels_of_several_calls_are_merged() {
+        let mut q = Queue::default();
+        q.push(disable(7, &[(0xa, 1)]));
+        q.push(disable(7, &[(0xb, 2), (0xa, 1)]));
+        let out = q.take();
+        assert_eq!(out.len(), 1);
+        let r = out[0];
+        let pairs: BTreeSet<(u32, u32)> = (0..r.num_channels as usize)
+            .map(|i| (r.clients[i], r.channels[i]))
+            .collect();
+        assert_eq!(pairs, BTreeSet::from([(0xa, 1), (0xb, 2)]));
+    }
+
+    /// More channels than one request holds go in several requests.
+    #[test]
+    fn merged_channels_are_split_into_requests() {
+        let mut q = Queue::default();
+        let n = sched::DISABLE_CHANNELS_MAX as u32;
+        for ch in 0..n + 3 {
+            q.push(disable(7, &[(0xa, ch)]));
+        }
+        let out = q.take();
+        let total: u32 = out.iter().map(|r| r.num_channels).sum();
+        assert_eq!((out.len(), total), (2, n + 3));
+    }
+
+    /// A tenant making new objects faster than they are undone is bounded and counted.
+    #[test]
+    fn the_queue_is_bounded_and_counts_what_it_leaves_out() {
+        let mut q = Queue::default();
+        let over = QUEUE_MAX as u32 + 10;
+        let left_out: u64 = (0..over).map(|g| q.push(timeslice(7, g, 1))).sum();
+        assert_eq!((left_out, q.dropped, q.held), (10, 10, QUEUE_MAX));
+        // What waits is still coalesced: a known group updates in place.
+        assert_eq!(q.push(timeslice(7, 0, 9)), 0);
+        assert_eq!(q.push(disable(7, &[(0xa, 1)])), 1);
+        assert_eq!(q.take().len(), QUEUE_MAX);
     }
 }
