@@ -137,6 +137,36 @@ impl Client {
         Ok(())
     }
 
+    /// A pod's limits after a change of its claims ([`crate::pod::Ledger`]): what it has now
+    /// set first, then what it no longer has cleared (never a moment with neither).
+    pub async fn apply_change(
+        &self,
+        change: &crate::pod::Change,
+    ) -> (Applied, Result<(), RuntimeError>) {
+        let (applied, mut result) = self.apply(&change.cgroup, &change.after).await;
+        if matches!(result, Err(RuntimeError::Unreachable { .. })) {
+            return (applied, result);
+        }
+        for (gpu, kinds) in crate::pod::removed(&change.before, &change.after) {
+            let gpu = gpu.to_string();
+            let names: Vec<&str> = kinds.iter().map(|k| k.dbus_name()).collect();
+            let call = format!("ClearLimits({}, {gpu})", change.cgroup);
+            match self
+                .bounded(&call, self.proxy.clear_limits(&change.cgroup, &gpu, &names))
+                .await
+            {
+                Ok(()) => {}
+                Err(RuntimeError::Refused { name, .. }) if name == names::NOT_FOUND => {}
+                Err(e) => {
+                    if result.is_ok() {
+                        result = Err(e);
+                    }
+                }
+            }
+        }
+        (applied, result)
+    }
+
     /// Limits in force on `cgroup`, by GPU (for checks and logs).
     pub async fn limits_of(
         &self,

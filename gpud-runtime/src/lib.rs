@@ -19,6 +19,7 @@ pub mod client;
 pub mod logging;
 pub mod nri;
 pub mod oci;
+pub mod pod;
 pub mod report;
 pub mod trust;
 

@@ -61,6 +61,9 @@ pub struct HookConfig {
     pub annotations: HashMap<String, String>,
     /// How far the OCI spec's annotations count against the hook's ([`trust`]).
     pub trust: Trust,
+    /// The DRA claim (and device) the `--annotation` grant is (`--claim`): the pod's, enforced
+    /// once on the pod's cgroup however many of its containers use it ([`crate::pod`]).
+    pub claim: Option<String>,
 }
 
 impl HookConfig {
@@ -77,11 +80,13 @@ impl HookConfig {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
     /// Shares set on the container's cgroup; `ignored`: annotations that would have widened what
-    /// the cluster granted.
+    /// the cluster granted; `pod`: the pod's cgroup and what it has now, where the grant is a
+    /// claim's.
     Applied {
         cgroup: String,
         applied: Applied,
         ignored: Vec<Ignored>,
+        pod: Option<(String, Applied)>,
     },
     /// The container has no shares (after leaving out `ignored`).
     NoShares { ignored: Vec<Ignored> },
@@ -100,6 +105,14 @@ pub struct Record {
     pub id: String,
     pub cgroup: String,
     pub gpus: Vec<String>,
+    /// The pod's cgroup whose ledger lists this container as a user of a claim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+}
+
+/// The pod ledgers' directory under the record directory.
+fn ledger(cfg: &HookConfig) -> crate::pod::Ledger {
+    crate::pod::Ledger::new(cfg.record_dir.join("pods"))
 }
 
 /// Reads and parses the OCI state from `input` (the hook's standard input).
@@ -207,7 +220,7 @@ pub fn prune_records(dir: &Path) -> usize {
             removed += 1;
         }
     }
-    removed
+    removed + crate::pod::Ledger::new(dir.join("pods")).prune(&root)
 }
 
 /// The `createRuntime`/`prestart` stage.
@@ -234,10 +247,9 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
         name,
         kubernetes: trust::kubernetes_container(&ann) || cfg.granted(),
     };
-    let trust::Decision {
-        shares, ignored, ..
-    } = trust::decide(&src, cfg.trust)?;
-    if shares.is_empty() {
+    let decision = trust::decide(&src, cfg.trust)?;
+    let ignored = decision.ignored.clone();
+    if decision.shares.is_empty() {
         return Ok(Outcome::NoShares { ignored });
     }
     let pid = state
@@ -246,13 +258,43 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
         .ok_or_else(|| RuntimeError::Input("the OCI state has no container pid".into()))?;
     let cgroup = super::cgroup::of_pid(pid)?;
     let client = Client::connect(&cfg.bus, cfg.timeout).await?;
-    let (applied, result) = client.apply(&cgroup, &shares).await;
+    // A claim's grant is the pod's: on the pod's cgroup, once; the container keeps only what its
+    // pod asked on top (narrowing). Where no pod cgroup is above, the container gets it all.
+    let pod_cgroup = cfg
+        .claim
+        .as_ref()
+        .filter(|_| !decision.grant.is_empty())
+        .and_then(|claim| crate::pod::pod_cgroup_of(&cgroup).map(|pod| (claim, pod)));
+    if cfg.claim.is_some() && pod_cgroup.is_none() && !decision.grant.is_empty() {
+        tracing::warn!(
+            %cgroup,
+            "no pod cgroup above the container: the claim's shares go on the container alone"
+        );
+    }
+    let mut pod = None;
+    let mut pod_result = Ok(());
+    let shares = match &pod_cgroup {
+        Some((claim, pod_cg)) => {
+            let change = ledger(cfg).join(pod_cg, claim, id, &decision.grant)?;
+            let (applied, result) = client.apply_change(&change).await;
+            pod = Some((pod_cg.clone(), applied));
+            pod_result = result;
+            decision.asked.clone()
+        }
+        None => decision.shares.clone(),
+    };
+    let (applied, result) = if shares.is_empty() || pod_result.is_err() {
+        (Applied::default(), Ok(()))
+    } else {
+        client.apply(&cgroup, &shares).await
+    };
     // Recorded whatever failed: poststop clears what was set.
-    if !applied.gpus.is_empty() {
+    if !applied.gpus.is_empty() || pod.is_some() {
         let record = Record {
             id: id.to_owned(),
             cgroup: cgroup.clone(),
             gpus: applied.gpus.clone(),
+            pod: pod.as_ref().map(|(cg, _)| cg.clone()),
         };
         if let Err(e) = save(&cfg.record_dir, &record) {
             // The limits stay until gpud sees the cgroup removed; not worth failing the
@@ -262,11 +304,13 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
             );
         }
     }
+    pod_result?;
     result?;
     Ok(Outcome::Applied {
         cgroup,
         applied,
         ignored,
+        pod,
     })
 }
 
@@ -283,9 +327,19 @@ async fn poststop_of(id: &str, cfg: &HookConfig) -> Result<Outcome, RuntimeError
         return Ok(Outcome::NothingToClear);
     };
     let path = record_path(&cfg.record_dir, id);
+    // The claims it used lose a user whatever gpud answers (the ledger is the hooks' own), and
+    // the last one's share leaves the pod.
+    let change = match &record.pod {
+        Some(pod) => Some(ledger(cfg).leave(pod, &record.id)),
+        None => None,
+    };
     let result = async {
         let client = Client::connect(&cfg.bus, cfg.timeout).await?;
-        client.clear(&record.cgroup, &record.gpus).await
+        client.clear(&record.cgroup, &record.gpus).await?;
+        if let Some(change) = change {
+            client.apply_change(&change?).await.1?;
+        }
+        Ok(())
     }
     .await;
     // Removed whatever happened: a gpud that cannot be reached now drops the limits of removed
@@ -371,8 +425,16 @@ mod tests {
             id: "c1".into(),
             cgroup: "/a/b".into(),
             gpus: vec!["all".into(), "0".into()],
+            pod: None,
         };
         assert!(save(&dir, &r).is_ok());
+        // A record written before pods were kept reads as one without a pod.
+        std::fs::write(
+            dir.join("old.json"),
+            r#"{"id":"old","cgroup":"/a/c","gpus":["all"]}"#,
+        )
+        .expect("write");
+        assert_eq!(load(&dir, "old").ok().flatten().map(|r| r.pod), Some(None));
         assert_eq!(load(&dir, "c1").ok().flatten(), Some(r));
         assert_eq!(load(&dir, "c2").ok().flatten(), None);
         let _ = std::fs::remove_dir_all(&dir);
@@ -385,11 +447,13 @@ mod tests {
             id: "gone".into(),
             cgroup: format!("/gpud-no-such-cgroup-{}", std::process::id()),
             gpus: vec!["all".into()],
+            pod: None,
         };
         let live = Record {
             id: "live".into(),
             cgroup: "/".into(),
             gpus: vec!["all".into()],
+            pod: None,
         };
         for r in [&gone, &live] {
             save(&dir, r).expect("save");

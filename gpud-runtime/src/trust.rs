@@ -77,7 +77,12 @@ pub struct Sources<'a> {
 /// The shares to apply, and the annotations left out.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Decision {
+    /// Everything that applies to the container: the grant with the admitted asks over it.
     pub shares: Shares,
+    /// What the cluster granted alone.
+    pub grant: Shares,
+    /// The admitted asks alone (all of them where annotations count fully).
+    pub asked: Shares,
     pub ignored: Vec<Ignored>,
     /// Whether the cluster granted the container anything through gpud (so that gpud is
     /// expected to enforce it).
@@ -98,21 +103,26 @@ pub struct Ignored {
 pub fn decide(src: &Sources<'_>, trust: Trust) -> Result<Decision, AnnotationError> {
     let Levels { pod: asked, own } = annotations::levels(src.asked, src.granted, src.name)?;
     let granted = !own.is_empty();
+    let grant = annotations::shares_of(own.clone())?;
     if !trust.narrows(src.kubernetes) {
-        let mut merged = asked;
+        let mut merged = asked.clone();
         merged.extend(own);
         return Ok(Decision {
             shares: annotations::shares_of(merged)?,
+            grant,
+            asked: annotations::shares_of(asked)?,
             ignored: Vec::new(),
             granted,
         });
     }
-    let mut merged = own.clone();
+    let mut merged = own;
+    let mut admitted = annotations::Level::new();
     let mut ignored = Vec::new();
     for ((gpu, kind), (key, value)) in asked {
-        let grant = own.get(&(gpu.clone(), kind)).map(|(_, v)| v);
+        let grant = merged.get(&(gpu.clone(), kind)).map(|(_, v)| v);
         match narrows(kind, grant, &value) {
             Ok(()) => {
+                admitted.insert((gpu.clone(), kind), (key.clone(), value.clone()));
                 merged.insert((gpu, kind), (key, value));
             }
             Err(reason) => ignored.push(Ignored {
@@ -124,6 +134,8 @@ pub fn decide(src: &Sources<'_>, trust: Trust) -> Result<Decision, AnnotationErr
     }
     Ok(Decision {
         shares: annotations::shares_of(merged)?,
+        grant,
+        asked: annotations::shares_of(admitted)?,
         ignored,
         granted,
     })

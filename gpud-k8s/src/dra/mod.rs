@@ -173,7 +173,9 @@ pub fn prepare_claim(
 }
 
 /// The CDI spec of one prepared claim: per device, its GPU and gpud's OCI hook (createRuntime
-/// sets the shares, poststop clears them) with the shares as `--annotation` arguments.
+/// sets the shares, poststop clears them) with the shares as `--annotation` arguments and the
+/// claim's device as `--claim`: the hook sets them once on the pod's cgroup, for every container
+/// of the pod that uses the claim (gpud_runtime::pod).
 pub fn cdi_spec(uid: &str, prepared: &[Prepared], cfg: &Config) -> Value {
     let devices: Vec<Value> = prepared
         .iter()
@@ -185,6 +187,7 @@ pub fn cdi_spec(uid: &str, prepared: &[Prepared], cfg: &Config) -> Value {
             for (k, v) in annotations::render(&p.shares) {
                 args.extend(["--annotation".to_owned(), format!("{k}={v}")]);
             }
+            args.extend(["--claim".to_owned(), cdi_name(uid, &p.device)]);
             let hook = |stage: &str| {
                 let mut a = args.clone();
                 a.push(stage.to_owned());

@@ -69,6 +69,10 @@ struct Args {
     /// hands over: how a CDI spec's hook passes a DRA claim's shares (gpud-k8s dra).
     #[arg(long = "annotation", value_name = "KEY=VALUE", value_parser = key_value)]
     annotations: Vec<(String, String)>,
+    /// The DRA claim (and device) the `--annotation` grant is, as gpud-k8s's CDI spec names it:
+    /// the grant is the pod's, set once on the pod's cgroup for all its containers that use it.
+    #[arg(long, value_name = "ID")]
+    claim: Option<String>,
     /// Also append log lines to this file (runtimes often discard a hook's output).
     #[arg(long, env = "GPUD_HOOK_LOG", value_name = "FILE")]
     log_file: Option<PathBuf>,
@@ -129,6 +133,7 @@ async fn main() -> ExitCode {
         record_dir: args.record_dir.clone(),
         annotations: args.annotations.iter().cloned().collect(),
         trust: args.annotation_trust,
+        claim: args.claim.clone(),
     };
     let mut log = Log {
         prefix: format!("gpud-oci-hook {}", stage_name(args.stage)),
@@ -159,9 +164,16 @@ fn report(log: &Log, outcome: &Outcome) {
             cgroup,
             applied,
             ignored,
+            pod,
         } => {
             for i in ignored {
                 log.line(&i.to_string());
+            }
+            if let Some((pod, applied)) = pod {
+                log.line(&format!(
+                    "the claim's shares on the pod's cgroup {pod} (GPU {})",
+                    applied.gpus.join(", ")
+                ));
             }
             if !applied.gpus.is_empty() {
                 log.line(&format!(

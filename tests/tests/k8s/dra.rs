@@ -188,10 +188,14 @@ pub(super) struct Container {
 
 impl Container {
     pub(super) fn from_spec(spec: &Path, tag: &str, d: &Path) -> Self {
+        Self::from_spec_in(spec, Cgroup::new(tag), tag, d)
+    }
+
+    /// The same, for a container whose cgroup is `cg` (e.g. under a pod's cgroup).
+    pub(super) fn from_spec_in(spec: &Path, cg: Cgroup, tag: &str, d: &Path) -> Self {
         let spec: Value =
             serde_json::from_slice(&std::fs::read(spec).expect("CDI spec")).expect("CDI JSON");
         let edits = &spec["devices"][0]["containerEdits"];
-        let cg = Cgroup::new(tag);
         let sleeper = Sleeper::start_in(&cg.dir);
         let state = json!({ "ociVersion": "1.0.2", "id": tag, "status": "creating",
             "pid": sleeper.pid, "bundle": d.display().to_string(), "annotations": {} });
@@ -352,4 +356,106 @@ async fn dra_claims_through_the_kubelets_grpc_go_get_their_limits_and_survive_re
         .await
         .expect_err("unknown driver");
     assert_eq!(e, "DRA driver other.example.com is not registered");
+}
+
+/// One claim (512 MiB and 30 % of GPU 0) used by two containers of a pod, and a sidecar of the
+/// same pod without the claim that allocates on the GPU too: the claim is one limit, on the
+/// pod's cgroup, set once however many of its containers run the claim's hook; the containers
+/// together never hold more than the claim, and the sidecar is inside it. The pod keeps the
+/// claim's limit until its last user stops.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_claim_in_two_containers_and_a_sidecar_is_one_limit_on_the_pod() {
+    const MIB: u64 = 1 << 20;
+    let Some(rig) = Rig::new("k8s-dra-pod").fake_device(1) else {
+        return;
+    };
+    let mut rig = rig.fake_gpus(1);
+    rig.start(
+        rig.config()
+            .react_action("kill")
+            .set("attribution.sweep_interval_secs", 3600)
+            .set("nvml.sample_interval_ms", 100),
+    )
+    .await;
+    rig.wait_for_gpus(1).await;
+    let api = TestApiServer::start("dra-pod-token").await;
+    let mut shared = claim("uid-p", "shared", "gpu-0");
+    shared["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"] =
+        json!({ "memory": "512Mi", "compute": "30" });
+    api.put(shared);
+    let kubeconfig = rig.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig);
+    let dra = DraProcess::start(&rig, &kubeconfig, &[], 0);
+    let d = rig.path().to_owned();
+    let records = d.join("hook-records");
+    let kubelet = PluginWatcher::start(&d.join("registry"));
+    kubelet
+        .wait_registered(DRIVER, WAIT)
+        .await
+        .unwrap_or_else(|log| panic!("not registered:\n{log}\n{}", dra.log_text()));
+    let resp = kubelet
+        .prepare(DRIVER, vec![pb_claim("uid-p", "shared")])
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", dra.log_text()));
+    assert_eq!(resp.claims["uid-p"].error, "", "{}", dra.log_text());
+    let spec = d.join("cdi/gpud.dev-claim_uid-p.json");
+
+    // The kubelet's layout: a pod cgroup (cgroupfs driver) with a cgroup per container.
+    let kubepods = Cgroup::new("dra-kubepods");
+    let pod = kubepods.child("pod0f0b13fe-cea9-4935");
+    let a = Container::from_spec_in(&spec, pod.child("a"), "dra-a", &d);
+    let b = Container::from_spec_in(&spec, pod.child("b"), "dra-b", &d);
+    let sidecar = pod.child("sidecar");
+    a.run("createRuntime", &records);
+    b.run("createRuntime", &records);
+    let claim_limits = std::collections::BTreeMap::from([(
+        uuid(0),
+        std::collections::BTreeMap::from([
+            ("memory_max".to_owned(), 512 * MIB),
+            ("compute_max".to_owned(), 30),
+        ]),
+    )]);
+    assert_eq!(
+        rig.limits(&pod.rel).await,
+        claim_limits,
+        "{}",
+        dra.log_text()
+    );
+    for c in [&a, &b] {
+        assert!(
+            rig.limits(&c.cg.rel).await.is_empty(),
+            "{}: the claim is the pod's, not the container's",
+            c.cg.rel
+        );
+    }
+    rig.expect_in_force(&pod.rel, &[("0", 512 * MIB)]).await;
+
+    // Both containers and the sidecar allocate: together they never pass the claim.
+    let mut in_a = gpud_tests::RmProcess::spawn(Some(&a.cg.dir), &rig.ctl());
+    let mut in_b = gpud_tests::RmProcess::spawn(Some(&b.cg.dir), &rig.ctl());
+    let mut in_sidecar = gpud_tests::RmProcess::spawn(Some(&sidecar.dir), &rig.ctl());
+    for t in [&mut in_a, &mut in_b] {
+        let (client, device) = t.client_device(0);
+        t.ok(&format!("alloc {client} {device} {}", 200 * MIB));
+    }
+    let (client, device) = in_sidecar.client_device(0);
+    let answer = in_sidecar.try_cmd(&format!("alloc {client} {device} {}", 200 * MIB));
+    assert!(
+        answer.is_none(),
+        "the sidecar took the pod past its claim: {answer:?}\n{}",
+        rig.log_text()
+    );
+    let held = rig.fake().snapshot().used_total();
+    assert!(held <= 512 * MIB, "the pod holds {held} bytes");
+
+    // The claim stays the pod's while a user is left; the last one takes it away.
+    a.run("poststop", &records);
+    assert_eq!(rig.limits(&pod.rel).await, claim_limits);
+    b.run("poststop", &records);
+    assert!(
+        rig.limits(&pod.rel).await.is_empty(),
+        "{:?}",
+        rig.limits(&pod.rel).await
+    );
+    drop((in_a, in_b));
 }
