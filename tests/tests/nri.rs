@@ -614,6 +614,56 @@ async fn an_unreachable_gpud_fails_a_granted_container_by_default() {
     assert_eq!(code, ttrpc::Code::UNAVAILABLE, "{msg}");
 }
 
+/// Two containers of a Kubernetes pod with device-plugin grants (1 GiB and 2 GiB) and a sidecar
+/// without one: the pod's cgroup carries the sum, so the sidecar (handed the GPU file, say) is
+/// inside the pod's grants; each container keeps its own; a stopped container's grant leaves the
+/// pod, the last one takes the pod's limit away.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pods_cgroup_carries_the_sum_of_its_containers_grants() {
+    let (rig, rt) = started("nri-podsum").await;
+    let plugin = start_plugin(rig.path(), &rt.socket, &rig.bus.address, &[]);
+    let session = rt.accept(WAIT).await;
+    session.configure().await.expect("Configure");
+    let kubepods = Cgroup::new("nri-kubepods");
+    let pod_cg = kubepods.child("pod0f0b13fe-cea9");
+    let p = pod("p", "web", &[]);
+    let mut procs = Vec::new();
+    let mut containers = Vec::new();
+    for (name, grant) in [("a", "1Gi"), ("b", "2Gi")] {
+        let cg = pod_cg.child(name);
+        let proc_ = Sleeper::start_in(&cg.dir);
+        let c = container(
+            name,
+            &p,
+            name,
+            ContainerState::CONTAINER_CREATED,
+            proc_.pid,
+            "",
+            &[("gpud.dev/memory-max", grant)],
+        );
+        session.start(&p, &c).await.expect("StartContainer");
+        procs.push((cg, proc_));
+        containers.push(c);
+    }
+    let sidecar = pod_cg.child("sidecar");
+    expect_limits(&rig, &plugin, &pod_cg.rel, &[("all", 3 * GIB)]).await;
+    expect_limits(&rig, &plugin, &procs[0].0.rel, &[("all", GIB)]).await;
+    expect_limits(&rig, &plugin, &procs[1].0.rel, &[("all", 2 * GIB)]).await;
+    rig.expect_in_force(&pod_cg.rel, &[("all", 3 * GIB)]).await;
+    assert!(limits_of(&rig, &sidecar.rel).await.is_empty());
+
+    session
+        .stop(&p, &containers[0])
+        .await
+        .expect("StopContainer a");
+    expect_limits(&rig, &plugin, &pod_cg.rel, &[("all", 2 * GIB)]).await;
+    session
+        .stop(&p, &containers[1])
+        .await
+        .expect("StopContainer b");
+    expect_limits(&rig, &plugin, &pod_cg.rel, &[]).await;
+}
+
 /// `mode`: the plugin's `--on-unreachable`, `None` for its default.
 #[rstest]
 #[case::open_by_default(None)]

@@ -53,6 +53,13 @@ struct Args {
     /// `full` (as much as a grant), `auto` (narrow for Kubernetes pods).
     #[arg(long, env = "GPUD_ANNOTATION_TRUST", value_enum, default_value_t = Trust::Auto)]
     annotation_trust: Trust,
+    /// Whether a Kubernetes pod's cgroup carries the sum of its containers' grants (device
+    /// plugin), so that a container of the pod without one is inside them.
+    #[arg(long, env = "GPUD_NRI_POD_LIMITS", default_value_t = true, action = clap::ArgAction::Set)]
+    pod_limits: bool,
+    /// Where the pods' ledgers are kept (what each container of a pod contributes).
+    #[arg(long, env = "GPUD_NRI_LEDGER_DIR", default_value = nri::DEFAULT_LEDGER_DIR)]
+    ledger_dir: PathBuf,
     /// Log filter (tracing's EnvFilter syntax).
     #[arg(long, env = "GPUD_NRI_LOG", default_value = "info")]
     log: String,
@@ -91,6 +98,8 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
             on_unreachable: args.on_unreachable,
         },
         trust: args.annotation_trust,
+        pod_limits: args.pod_limits,
+        ledger_dir: args.ledger_dir.clone(),
     };
     cfg.validate()?;
     let trunk = connect(&args)?;

@@ -1,7 +1,7 @@
 //! The plugin's settings: from its flags ([`PluginConfig`]), and what the runtime may hand over
 //! in `Configure` ([`RuntimeSettings`]).
 
-use std::time::Duration;
+use std::{path::PathBuf, time::Duration};
 
 use super::NriError;
 use crate::{FailMode, FailPolicy, trust::Trust};
@@ -23,6 +23,7 @@ pub struct RuntimeSettings {
     /// `closed` or `open` (`--on-unreachable`).
     pub on_unreachable: Option<FailMode>,
     pub annotation_trust: Option<Trust>,
+    pub pod_limits: Option<bool>,
 }
 
 impl RuntimeSettings {
@@ -54,6 +55,9 @@ impl RuntimeSettings {
         if let Some(t) = self.annotation_trust {
             cfg.trust = t;
         }
+        if let Some(p) = self.pod_limits {
+            cfg.pod_limits = p;
+        }
         cfg
     }
 }
@@ -71,6 +75,12 @@ pub struct PluginConfig {
     pub timeout: Duration,
     pub policy: FailPolicy,
     pub trust: Trust,
+    /// Whether a Kubernetes pod's cgroup carries the sum of its containers' grants
+    /// ([`crate::pod`]), so that a container of the pod without a grant (a sidecar handed the
+    /// GPU file) is inside them.
+    pub pod_limits: bool,
+    /// Where the pods' ledgers are kept.
+    pub ledger_dir: PathBuf,
 }
 
 impl PluginConfig {
@@ -103,6 +113,8 @@ mod tests {
             timeout: Duration::from_millis(1000),
             policy: FailPolicy::default(),
             trust: Trust::Auto,
+            pod_limits: true,
+            ledger_dir: "/run/gpud-nri/pods".into(),
         }
     }
 
@@ -112,6 +124,7 @@ mod tests {
         let text = include_str!("../../../config/nri/50-gpud.conf");
         let s = RuntimeSettings::parse(text).expect("config/nri/50-gpud.conf");
         assert_eq!(s.annotation_trust, Some(Trust::Auto));
+        assert_eq!(s.pod_limits, Some(true));
         assert_eq!(s.on_unreachable, None, "unset: by grant");
         assert_eq!(s.on_invalid, Some(FailMode::Closed));
     }

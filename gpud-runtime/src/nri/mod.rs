@@ -43,6 +43,9 @@ use super::{
     trust::{self, Decision, Sources},
 };
 
+/// Where the pods' ledgers are kept by default ([`crate::pod`]).
+pub const DEFAULT_LEDGER_DIR: &str = "/run/gpud-nri/pods";
+
 /// How often shares that could not be set because gpud was unreachable are tried again.
 pub const RETRY_EVERY: Duration = Duration::from_secs(2);
 
@@ -96,6 +99,8 @@ pub fn subscribed_events() -> i32 {
 struct Tracked {
     cgroup: String,
     gpus: Vec<String>,
+    /// The pod's cgroup whose ledger counts this container's grant.
+    pod: Option<String>,
 }
 
 /// The plugin's state, shared by the ttrpc handlers.
@@ -249,7 +254,10 @@ impl Handler {
         c: &nri::Container,
     ) -> Result<bool, RuntimeError> {
         let Decision {
-            shares, ignored, ..
+            shares,
+            ignored,
+            grant,
+            ..
         } = self.decision(pod, c)?;
         for i in &ignored {
             warn!(container = %describe(pod, c), "{i}");
@@ -260,6 +268,7 @@ impl Handler {
         let cgroup = Self::cgroup_of(c)?;
         let client = self.client().await?;
         let (applied, result) = client.apply(&cgroup, &shares).await;
+        let pod_result = self.add_to_pod(pod, c, &cgroup, &grant, &client).await;
         if !applied.gpus.is_empty() {
             info!(
                 container = %describe(pod, c),
@@ -275,19 +284,59 @@ impl Handler {
             let t = tracked.entry(c.id.clone()).or_insert_with(|| Tracked {
                 cgroup: cgroup.clone(),
                 gpus: Vec::new(),
+                pod: None,
             });
-            t.cgroup = cgroup;
+            t.cgroup = cgroup.clone();
             for gpu in applied.gpus {
                 if !t.gpus.contains(&gpu) {
                     t.gpus.push(gpu);
                 }
             }
         }
-        if let Err(e) = result {
+        if let Err(e) = result.and(pod_result) {
             self.on_error(&e).await;
             return Err(e);
         }
         Ok(true)
+    }
+
+    /// With `pod_limits`, a Kubernetes container's grant joins its pod's ledger and the pod's
+    /// cgroup gets the sum of its containers' grants ([`crate::pod`]).
+    async fn add_to_pod(
+        &self,
+        pod: Option<&nri::PodSandbox>,
+        c: &nri::Container,
+        cgroup: &str,
+        grant: &crate::annotations::Shares,
+        client: &Client,
+    ) -> Result<(), RuntimeError> {
+        let cfg = self.cfg();
+        let kubernetes = pod.is_some_and(|p| !p.namespace.is_empty());
+        if !cfg.pod_limits || !kubernetes || grant.is_empty() {
+            return Ok(());
+        }
+        let Some(pod_cg) = crate::pod::pod_cgroup_of(cgroup) else {
+            debug!(container = %describe(pod, c), %cgroup, "no pod cgroup above the container");
+            return Ok(());
+        };
+        let change = crate::pod::Ledger::new(&cfg.ledger_dir).join(&pod_cg, &c.id, &c.id, grant)?;
+        let (applied, result) = client.apply_change(&change).await;
+        if !applied.gpus.is_empty() {
+            info!(
+                container = %describe(pod, c),
+                pod = %pod_cg,
+                gpus = %applied.gpus.join(","),
+                "the pod's cgroup carries its containers' grants"
+            );
+        }
+        let mut tracked = self.inner.tracked.lock().await;
+        let t = tracked.entry(c.id.clone()).or_insert_with(|| Tracked {
+            cgroup: cgroup.to_owned(),
+            gpus: Vec::new(),
+            pod: None,
+        });
+        t.pod = Some(pod_cg);
+        result
     }
 
     /// Clears what was set on a container, if anything.
@@ -299,8 +348,19 @@ impl Handler {
         let Some(t) = self.inner.tracked.lock().await.remove(&c.id) else {
             return Ok(());
         };
+        // The pod's ledger loses the container whatever gpud answers.
+        let change = t
+            .pod
+            .as_ref()
+            .map(|pod_cg| crate::pod::Ledger::new(&self.cfg().ledger_dir).leave(pod_cg, &c.id));
         let result = match self.client().await {
-            Ok(client) => client.clear(&t.cgroup, &t.gpus).await,
+            Ok(client) => match client.clear(&t.cgroup, &t.gpus).await {
+                Ok(()) => match change {
+                    Some(change) => client.apply_change(&change?).await.1,
+                    None => Ok(()),
+                },
+                Err(e) => Err(e),
+            },
             Err(e) => Err(e),
         };
         match &result {

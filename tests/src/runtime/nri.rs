@@ -254,13 +254,15 @@ pub struct NriPlugin {
 }
 
 impl NriPlugin {
-    /// Starts `gpud-nri ARGS` with its log in `log`.
+    /// Starts `gpud-nri ARGS` with its log in `log` and its pods' ledgers beside it.
     pub fn start(args: &[&str], log: &Path) -> Self {
         let log_file = std::fs::File::create(log).expect("plugin log");
+        let ledgers = log.with_extension("pods");
         let child = Command::new(bin_dir().join("gpud-nri"))
             .args(args)
             .arg("--log")
             .arg("gpud=debug,gpud_nri=debug")
+            .env("GPUD_NRI_LEDGER_DIR", &ledgers)
             .env_remove(gpud_runtime::nri::PLUGIN_SOCKET_ENV)
             .stdout(Stdio::null())
             .stderr(log_file)
