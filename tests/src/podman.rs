@@ -65,8 +65,19 @@ impl Podman {
         }
     }
 
-    /// `podman` with the global options that keep it inside the test's directory.
+    /// `podman` with the global options that keep it inside the test's directory. The first
+    /// command of this process runs alone: Podman creates its shared-memory lock segment
+    /// (`/dev/shm/libpod_lock`) the first time any Podman runs on a host, and two doing it at
+    /// once fail (`failed to create 2048 locks in /libpod_lock: file exists`).
     pub fn command(&self) -> Command {
+        static FIRST: std::sync::Once = std::sync::Once::new();
+        FIRST.call_once(|| {
+            let _ = self.bare_command().arg("info").output();
+        });
+        self.bare_command()
+    }
+
+    fn bare_command(&self) -> Command {
         let mut c = Command::new(podman_path());
         c.arg("--root")
             .arg(self.dir.join("storage"))

@@ -5,17 +5,20 @@
 //! image loaded and run by Podman), then the VM tests on a kernel with fentry and BPF-LSM and the
 //! benchmarks' smoke run there.
 //!
-//! Every step runs even when an earlier one failed (except after a failed setup), so one run shows
-//! every problem. The output ends with a summary and a plain `N passed, N failed` line.
+//! Every step runs even when an earlier one failed (except after a failed setup), and every test
+//! binary runs even when an earlier one failed, so one run shows every problem. The output ends
+//! with a summary (each failed step with why, the failed test binaries named) and a plain
+//! `N passed, N failed` line.
 
 use std::{
-    process::Command,
+    io::{BufRead as _, BufReader},
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
-use anyhow::bail;
+use anyhow::{Context as _, bail};
 
-use crate::util::{cargo, root, run as run_cmd};
+use crate::util::{cargo, describe, root, run as run_cmd};
 
 /// The VM test's verdict line.
 const VMTEST_PASS: &str = "VMTEST RESULT: PASS";
@@ -101,11 +104,71 @@ pub fn build_test_binaries(what: &str) -> anyhow::Result<()> {
     )
 }
 
+/// `cargo test` of the workspace with `--no-fail-fast`: a failing test binary does not keep the
+/// others from running. Its standard error is passed through and read for the binaries cargo
+/// names as failed, which the step's error lists.
 fn unit_and_integration() -> anyhow::Result<()> {
-    run_cmd(
-        "cargo test --workspace",
-        cargo().args(["test", "--workspace", "--exclude", "gpud-ebpf"]),
-    )
+    let mut child = cargo()
+        .args([
+            "test",
+            "--workspace",
+            "--exclude",
+            "gpud-ebpf",
+            "--no-fail-fast",
+        ])
+        .current_dir(root())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("cargo test: cannot start cargo")?;
+    let mut failed = Vec::new();
+    if let Some(stderr) = child.stderr.take() {
+        let mut listing = false;
+        for line in BufReader::new(stderr).lines() {
+            let line = line.context("cargo test: reading its output")?;
+            eprintln!("{line}");
+            if let Some(t) = failed_targets(&line, &mut listing)
+                && !failed.contains(&t)
+            {
+                failed.push(t);
+            }
+        }
+    }
+    let status = child.wait().context("cargo test: waiting for cargo")?;
+    if !status.success() {
+        if failed.is_empty() {
+            bail!("cargo test failed ({})", describe(status));
+        }
+        bail!(
+            "cargo test failed ({}); failed test binaries: {}",
+            describe(status),
+            failed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// The failed test targets one line of cargo's standard error names: `error: test failed, to
+/// rerun pass `…``, or the lines after `error: N targets failed:`, each `` `-p P --test T` ``
+/// (`listing` carries that state from line to line).
+fn failed_targets(line: &str, listing: &mut bool) -> Option<String> {
+    if let Some((_, rest)) = line.split_once("to rerun pass `") {
+        return rest.split_once('`').map(|(t, _)| t.to_owned());
+    }
+    if line.starts_with("error:") && line.contains("targets failed") {
+        *listing = true;
+        return None;
+    }
+    if *listing {
+        let target = line
+            .trim()
+            .strip_prefix('`')
+            .and_then(|l| l.strip_suffix('`'));
+        if target.is_none() {
+            *listing = false;
+        }
+        return target.map(str::to_owned);
+    }
+    None
 }
 
 fn vm() -> anyhow::Result<()> {
@@ -297,6 +360,9 @@ pub fn run(vm_tests: bool, lint: bool) -> anyhow::Result<()> {
     for (name, took, error) in &results {
         let status = if error.is_none() { "ok" } else { "FAILED" };
         println!("  {status:<6} {name:<28} {:>6.1}s", took.as_secs_f64());
+        if let Some(e) = error {
+            println!("         {e}");
+        }
     }
     for name in &skipped {
         println!("  {:<6} {name}", "-");
@@ -307,4 +373,31 @@ pub fn run(vm_tests: bool, lint: bool) -> anyhow::Result<()> {
         return Err(crate::Reported.into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::failed_targets;
+
+    /// Both forms cargo prints, as cargo 1.95 prints them.
+    #[test]
+    fn failed_test_binaries_are_read_from_cargos_error_lines() {
+        let text = "test result: FAILED. 1 passed; 1 failed\n\
+                    error: test failed, to rerun pass `-p gpud-tests --test podman`\n\
+                    error: 2 targets failed:\n    `-p gpud-tests --test podman`\n    \
+                    `-p gpud-tests --test nri`\nwarning: something else\n    `not a target`";
+        let mut listing = false;
+        let found: Vec<String> = text
+            .lines()
+            .filter_map(|l| failed_targets(l, &mut listing))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                "-p gpud-tests --test podman",
+                "-p gpud-tests --test podman",
+                "-p gpud-tests --test nri"
+            ]
+        );
+    }
 }
