@@ -327,3 +327,50 @@ async fn unfollowed_32_bit_calls_are_reported() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("WARNING: unseen:  32-bit ioctls"), "{text}");
 }
+
+/// A tenant keeps its control file open in a second process (handed over a socket, which gpud's
+/// rescan finds) and crosses its limit from the first: the caller dies in its call, and the
+/// process still holding the file is killed too, so the file's last reference goes and the
+/// driver frees the crossing allocation (before, the keeper held it, of any size, while it
+/// lived).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crossing_through_a_file_another_process_keeps_is_released() {
+    let Some(mut rig) = Rig::new("rt-kept-file").fake_device(1) else {
+        return;
+    };
+    rig = rig.fake_gpus(1);
+    rig.start(
+        rig.config()
+            .react_action("kill")
+            .keep_pinned(true)
+            .set("attribution.rescan_interval_secs", 1),
+    )
+    .await;
+    rig.wait_for_gpus(1).await;
+    let cg = Cgroup::new("rt-kept-file");
+    rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
+    let mut keeper = RmProcess::spawn_without_file(Some(&cg.dir));
+    let socket = rig.path().join("keep.sock");
+    keeper.ok(&format!("listen {}", socket.display()));
+    keeper.send("recv-fd");
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    tenant.ok(&format!("send-fd {}", socket.display()));
+    assert_eq!(keeper.recv()["ok"], true, "the keeper got the file");
+    // The rescan finds the keeper holding an NVIDIA file.
+    let (_c, proxy) = rig.proxy().await;
+    let found = eventually(Duration::from_secs(10), || async {
+        let procs = proxy.get_cgroup(&cg.rel).await.ok()?.pids;
+        procs.contains(&keeper.pid).then_some(())
+    })
+    .await;
+    assert!(
+        found.is_some(),
+        "the keeper was never found:\n{}",
+        rig.log_text()
+    );
+
+    let (client, device) = tenant.client_device(0);
+    crosses_and_dies(&rig, &mut tenant, client, device, 2 * LIMIT).await;
+    let status = keeper.wait();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+}
