@@ -190,11 +190,6 @@ impl Attribution {
         map_entries(&self.maps.procs)
     }
 
-    /// Every process the probes track (`PROCS`).
-    pub fn tracked_pids(&self) -> Vec<u32> {
-        self.procs().into_iter().map(|(pid, _)| pid).collect()
-    }
-
     fn pids_by_cgroup(&self) -> HashMap<u64, Vec<u32>> {
         let mut by: HashMap<u64, Vec<u32>> = HashMap::new();
         for (pid, p) in self.procs() {

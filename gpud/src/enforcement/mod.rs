@@ -565,10 +565,7 @@ fn kill_other_holders(attr: &Attribution, ev: &LimitEvent) {
         client: ev.client,
         object: ev.object,
     };
-    let Some(file) = attr.file_of(key) else {
-        return;
-    };
-    for pid in other_holders(attr, file, ev.pid) {
+    for pid in attr.other_holders(key, ev.pid) {
         // SAFETY: kill takes a pid and a signal number.
         let sent = unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) } == 0;
         if sent {
@@ -585,32 +582,4 @@ fn kill_other_holders(attr: &Attribution, ev: &LimitEvent) {
             );
         }
     }
-}
-
-/// Tracked processes other than `except` (and gpud) holding the control file at `file`: each
-/// one's NVIDIA descriptors copied (`pidfd_getfd`) and compared with the file in the kernel. A
-/// holder that received the file over a socket is a candidate once the rescan has found it.
-fn other_holders(attr: &Attribution, file: u64, except: u32) -> Vec<u32> {
-    use compute::channel::{nvidia_fds, take_fd};
-    use std::os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd};
-    let mut found = Vec::new();
-    for pid in attr.tracked_pids() {
-        if pid == except || pid == std::process::id() {
-            continue;
-        }
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-        if raw < 0 {
-            continue;
-        }
-        // SAFETY: a new descriptor that nothing else owns.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
-        let holds = nvidia_fds(attr.matcher(), pid).any(|fd| {
-            take_fd(pidfd.as_raw_fd(), fd).is_ok_and(|copy| attr.fd_is_file(copy.as_fd(), file))
-        });
-        if holds {
-            found.push(pid);
-        }
-    }
-    found
 }
