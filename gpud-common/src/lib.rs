@@ -608,9 +608,6 @@ pub mod programs {
     /// Run by the daemon to ask whether a control file is still referenced (by a descriptor in
     /// any process, a mapping, a message in flight): its clients live exactly that long.
     pub const FILE_HELD: &str = "gpud_file_held";
-    /// Run by the daemon to ask whether one of its own descriptors is a given control file (a
-    /// copy of another process's descriptor, taken with `pidfd_getfd`): who else holds a file.
-    pub const FD_IS_FILE: &str = "gpud_fd_is_file";
     /// Benchmark reference (`xtask bench`): an empty tracepoint program.
     pub const NOOP_TP: &str = "gpud_noop_tp";
     /// Benchmark reference: an empty fentry program on `security_file_ioctl`.

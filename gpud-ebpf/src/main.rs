@@ -123,22 +123,6 @@ run_program! {
 }
 
 run_program! {
-    /// Never attached: the daemon runs it with `BPF_PROG_TEST_RUN` (arguments: one of its own
-    /// descriptors, the address of a control file) to learn whether that descriptor is that
-    /// file. The descriptor is a `pidfd_getfd` copy of another process's, so a match says the
-    /// process holds the file. Returns 0 on a match, 1 otherwise.
-    fn gpud_fd_is_file(ctx) -> i32 {
-        let fd: u64 = ctx.arg(0);
-        let file: u64 = ctx.arg(1);
-        let Some(cfg) = config() else { return 1 };
-        match unsafe { file_of_fd(cfg, fd) } {
-            Some(f) if file != 0 && f as u64 == file => 0,
-            _ => 1,
-        }
-    }
-}
-
-run_program! {
     /// Never attached: the daemon runs it with `BPF_PROG_TEST_RUN` (argument 0: the address of a
     /// control file its objects name) to learn whether the driver still holds that file's clients.
     /// Returns 0 while the file is a control file with a reference left, 1 once it was released.

@@ -177,47 +177,6 @@ impl Attribution {
         self.release_file_of(&objects, file, before)
     }
 
-    /// Processes other than `except` that hold the control file the object `key` was made
-    /// through: each tracked process's NVIDIA descriptors copied (`pidfd_getfd`) and compared
-    /// with the file in the kernel (`gpud_fd_is_file`). A holder that received the file over a
-    /// socket is a candidate once the rescan has found it. Empty when the object is gone or has
-    /// no file.
-    pub fn other_holders(&self, key: ObjKey, except: u32) -> Vec<u32> {
-        use crate::enforcement::compute::channel::{nvidia_fds, take_fd};
-        use std::os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd};
-        let file = match self.maps.objects.get(&key, 0) {
-            Ok(e) if e.file != 0 => e.file,
-            _ => return Vec::new(),
-        };
-        let mut found = Vec::new();
-        for (pid, _) in self.procs() {
-            if pid == except || pid == std::process::id() {
-                continue;
-            }
-            // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-            let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-            if raw < 0 {
-                continue;
-            }
-            // SAFETY: a new descriptor that nothing else owns.
-            let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
-            let holds = nvidia_fds(&self.matcher, pid).any(|fd| {
-                take_fd(pidfd.as_raw_fd(), fd).is_ok_and(|copy| {
-                    self.probes
-                        .fd_is_file(copy.as_fd(), file)
-                        .unwrap_or_else(|e| {
-                            warn!(pid, "cannot compare a descriptor with a file: {e}");
-                            false
-                        })
-                })
-            });
-            if holds {
-                found.push(pid);
-            }
-        }
-        found
-    }
-
     /// [`Self::release_file`] for several releases with one read of `OBJECTS` (a run of them from
     /// one ring-buffer read: a tenant opening and closing a control file in a loop sends two per
     /// open). A file address named twice is released once, up to its latest clock: whatever

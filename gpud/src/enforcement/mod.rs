@@ -381,10 +381,7 @@ impl MemoryEnforcement {
     }
 
     /// Acts on an allocation that met a limit (`denied`: the deny tier refused it; else it
-    /// crossed the limit: under `kill` the probe killed the caller in its call, and every other
-    /// process holding the file the allocation went through is killed here, so that the file's
-    /// last reference goes and the driver frees what was allocated); returns the notice to
-    /// publish.
+    /// crossed the limit); returns the notice to publish.
     pub fn on_limit(
         &mut self,
         attr: &mut Attribution,
@@ -402,10 +399,7 @@ impl MemoryEnforcement {
             "denied"
         } else {
             match self.action {
-                ReactAction::Kill => {
-                    kill_other_holders(attr, ev);
-                    "killed"
-                }
+                ReactAction::Kill => "killed",
                 ReactAction::Notify => "notified",
                 ReactAction::Freeze => match &path {
                     Some(p) => match attr.freeze(p, true) {
@@ -554,32 +548,5 @@ impl MemoryEnforcement {
 
     pub fn action(&self) -> ReactAction {
         self.action
-    }
-}
-
-/// Kills the processes other than the (killed) caller that hold the control file the crossing
-/// allocation was made through: while one does, the driver keeps the allocation, whatever its
-/// size, and the cgroup stays over its limit.
-fn kill_other_holders(attr: &Attribution, ev: &LimitEvent) {
-    let key = gpud_common::ObjKey {
-        client: ev.client,
-        object: ev.object,
-    };
-    for pid in attr.other_holders(key, ev.pid) {
-        // SAFETY: kill takes a pid and a signal number.
-        let sent = unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) } == 0;
-        if sent {
-            warn!(
-                pid,
-                caller = ev.pid,
-                "killed: it holds the control file through which the caller crossed its limit"
-            );
-        } else {
-            warn!(
-                pid,
-                "cannot kill a holder of the file of a crossing allocation: {}",
-                std::io::Error::last_os_error()
-            );
-        }
     }
 }

@@ -74,9 +74,6 @@ pub struct LimitEvent {
     pub usage: u64,
     /// The allocation's size.
     pub bytes: u64,
-    /// The allocation's RM client and handle (what `OBJECTS` records it under).
-    pub client: u32,
-    pub object: u32,
 }
 
 /// A tenant's scheduling control, as the guard saw it.
@@ -225,8 +222,6 @@ impl KernelEvent {
             gpu: ev.gpu,
             usage: ev.value,
             bytes: ev.bytes,
-            client: ev.client,
-            object: ev.object,
         };
         Ok(match ev.kind {
             EVENT_PROC_NEW => Self::ProcessTracked {
@@ -414,7 +409,7 @@ mod fuzz {
             prop_assert_eq!(
                 Record::decode(&buf[offset..]),
                 Ok(Record::Event(KernelEvent::LimitCrossed(LimitEvent {
-                    pid: tgid, cgroup_id, gpu, usage: value, bytes, client, object,
+                    pid: tgid, cgroup_id, gpu, usage: value, bytes,
                 })))
             );
         }

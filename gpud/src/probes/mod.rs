@@ -465,18 +465,6 @@ impl Probes {
         Ok(self.run_program(programs::FILE_HELD, &[file])? == 0)
     }
 
-    /// Whether the daemon's own descriptor `fd` is the control file at kernel address `file`,
-    /// by running the `gpud_fd_is_file` program in the daemon's context.
-    pub fn fd_is_file(
-        &self,
-        fd: std::os::fd::BorrowedFd<'_>,
-        file: u64,
-    ) -> Result<bool, ProbeError> {
-        use std::os::fd::AsRawFd as _;
-        let fd = u64::try_from(fd.as_raw_fd()).unwrap_or(u64::MAX);
-        Ok(self.run_program(programs::FD_IS_FILE, &[fd, file])? == 0)
-    }
-
     pub fn mode(&self) -> AttachMode {
         self.mode
     }

@@ -444,6 +444,9 @@ async fn one_claim_in_two_containers_and_a_sidecar_is_one_limit_on_the_pod() {
     in_sidecar.send("recv-fd");
     in_a.ok(&format!("send-fd {}", socket.display()));
     assert_eq!(in_sidecar.recv()["ok"], true, "the sidecar got the file");
+    // The sidecar is the file's only holder now (a file another process keeps open outlives
+    // the killed caller in the react tier: docs/design.md, the threat model).
+    in_a.ok("close");
     let (client, device) = in_sidecar.client_device(0);
     let answer = in_sidecar.try_cmd(&format!("alloc {client} {device} {}", 400 * MIB));
     assert!(
@@ -451,14 +454,7 @@ async fn one_claim_in_two_containers_and_a_sidecar_is_one_limit_on_the_pod() {
         "the sidecar took the pod past its claim: {answer:?}\n{}",
         rig.log_text()
     );
-    // Container a, which still holds the file the crossing went through, goes too (the react
-    // tier's `kill`): the file's last reference goes, and with it what was allocated through it.
-    let status = in_a.wait();
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&status),
-        Some(libc::SIGKILL),
-        "{status:?}"
-    );
+    // Its death releases the file, and with it what was allocated through it.
     let within = rig
         .fake()
         .wait(Duration::from_secs(5), |s| s.used_total() <= 512 * MIB);

@@ -364,7 +364,7 @@ pub fn on_gpu(g: &ChannelGroup, gpu: u32) -> bool {
 }
 
 /// A descriptor of the file behind `fd` of the process behind `pidfd`.
-pub(crate) fn take_fd(pidfd: RawFd, fd: RawFd) -> io::Result<OwnedFd> {
+fn take_fd(pidfd: RawFd, fd: RawFd) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_getfd takes two descriptors numbers and flags, returns a new descriptor or -1.
     let new = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0) };
     if new < 0 {
@@ -375,7 +375,7 @@ pub(crate) fn take_fd(pidfd: RawFd, fd: RawFd) -> io::Result<OwnedFd> {
 }
 
 /// The process's open NVIDIA files that can own RM clients, control files first.
-pub(crate) fn nvidia_fds(matcher: &Matcher, pid: u32) -> impl Iterator<Item = RawFd> + use<> {
+fn nvidia_fds(matcher: &Matcher, pid: u32) -> impl Iterator<Item = RawFd> + use<> {
     let mut found: Vec<(u8, RawFd)> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .into_iter()
         .flatten()
