@@ -133,6 +133,31 @@ pub fn root() -> Option<PathBuf> {
     cgroup2_mount_from(&std::fs::read_to_string("/proc/self/mountinfo").ok()?)
 }
 
+/// Removes the JSON records (`*.json` of type `T`) in `dir` whose cgroup (`cgroup_of`, a path
+/// relative to the cgroup v2 `root`) is gone, and returns them. Best effort: what cannot be
+/// read, parsed or removed is left.
+pub fn remove_records_of_gone<T: serde::de::DeserializeOwned>(
+    dir: &std::path::Path,
+    root: &std::path::Path,
+    cgroup_of: impl Fn(&T) -> &str,
+) -> Vec<T> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|path| path.extension().is_some_and(|x| x == "json"))
+        .filter_map(|path| {
+            let record: T = serde_json::from_str(&std::fs::read_to_string(&path).ok()?).ok()?;
+            let gone = !root
+                .join(cgroup_of(&record).trim_start_matches('/'))
+                .exists();
+            (gone && std::fs::remove_file(&path).is_ok()).then_some(record)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -124,17 +124,27 @@ impl Client {
     /// and its limits already dropped by gpud) is not an error.
     pub async fn clear(&self, cgroup: &str, gpus: &[String]) -> Result<(), RuntimeError> {
         for gpu in gpus {
-            let call = format!("ClearLimits({cgroup}, {gpu})");
-            match self
-                .bounded(&call, self.proxy.clear_limits(cgroup, gpu, &[]))
-                .await
-            {
-                Ok(()) => {}
-                Err(RuntimeError::Refused { name, .. }) if name == names::NOT_FOUND => {}
-                Err(e) => return Err(e),
-            }
+            self.clear_names(cgroup, gpu, &[]).await?;
         }
         Ok(())
+    }
+
+    /// Clears the limits named in `limits` (all when empty) of `cgroup` on `gpu`; nothing to clear is
+    /// not an error.
+    async fn clear_names(
+        &self,
+        cgroup: &str,
+        gpu: &str,
+        limits: &[&str],
+    ) -> Result<(), RuntimeError> {
+        let call = format!("ClearLimits({cgroup}, {gpu})");
+        match self
+            .bounded(&call, self.proxy.clear_limits(cgroup, gpu, limits))
+            .await
+        {
+            Err(RuntimeError::Refused { name, .. }) if name == names::NOT_FOUND => Ok(()),
+            r => r,
+        }
     }
 
     /// A pod's limits after a change of its claims ([`crate::pod::Ledger`]): what it has now
@@ -148,20 +158,14 @@ impl Client {
             return (applied, result);
         }
         for (gpu, kinds) in crate::pod::removed(&change.before, &change.after) {
-            let gpu = gpu.to_string();
             let names: Vec<&str> = kinds.iter().map(|k| k.dbus_name()).collect();
-            let call = format!("ClearLimits({}, {gpu})", change.cgroup);
-            match self
-                .bounded(&call, self.proxy.clear_limits(&change.cgroup, &gpu, &names))
-                .await
+            let cleared = self
+                .clear_names(&change.cgroup, &gpu.to_string(), &names)
+                .await;
+            if let Err(e) = cleared
+                && result.is_ok()
             {
-                Ok(()) => {}
-                Err(RuntimeError::Refused { name, .. }) if name == names::NOT_FOUND => {}
-                Err(e) => {
-                    if result.is_ok() {
-                        result = Err(e);
-                    }
-                }
+                result = Err(e);
             }
         }
         (applied, result)

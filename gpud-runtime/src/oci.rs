@@ -196,31 +196,15 @@ pub fn prune_records(dir: &Path) -> usize {
     let Some(root) = super::cgroup::root() else {
         return 0;
     };
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    let mut removed = 0;
-    for path in entries.flatten().map(|e| e.path()) {
-        if path.extension().is_none_or(|x| x != "json") {
-            continue;
-        }
-        let Some(record) = std::fs::read_to_string(&path)
-            .ok()
-            .and_then(|t| serde_json::from_str::<Record>(&t).ok())
-        else {
-            continue;
-        };
-        let cgroup = root.join(record.cgroup.trim_start_matches('/'));
-        if !cgroup.exists() && std::fs::remove_file(&path).is_ok() {
-            tracing::info!(
-                container = %record.id,
-                cgroup = %record.cgroup,
-                "record of a container whose cgroup is gone removed"
-            );
-            removed += 1;
-        }
+    let gone = super::cgroup::remove_records_of_gone(dir, &root, |r: &Record| &r.cgroup);
+    for record in &gone {
+        tracing::info!(
+            container = %record.id,
+            cgroup = %record.cgroup,
+            "record of a container whose cgroup is gone removed"
+        );
     }
-    removed + crate::pod::Ledger::new(dir.join("pods")).prune(&root)
+    gone.len() + crate::pod::Ledger::new(dir.join("pods")).prune(&root)
 }
 
 /// The `createRuntime`/`prestart` stage.

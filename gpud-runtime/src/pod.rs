@@ -170,25 +170,12 @@ impl Ledger {
     /// Removes the records of pods whose cgroup (under the cgroup v2 `root`) is gone: gpud
     /// dropped their limits with the cgroup. Best effort; returns how many went.
     pub fn prune(&self, root: &Path) -> usize {
-        let Ok(entries) = std::fs::read_dir(&self.dir) else {
-            return 0;
-        };
-        let mut removed = 0;
-        for path in entries.flatten().map(|e| e.path()) {
-            let Some(record) = std::fs::read_to_string(&path)
-                .ok()
-                .and_then(|t| serde_json::from_str::<PodRecord>(&t).ok())
-            else {
-                continue;
-            };
-            if !root.join(record.cgroup.trim_start_matches('/')).exists()
-                && std::fs::remove_file(&path).is_ok()
-            {
-                tracing::info!(pod = %record.cgroup, "record of a pod whose cgroup is gone removed");
-                removed += 1;
-            }
+        let gone =
+            crate::cgroup::remove_records_of_gone(&self.dir, root, |r: &PodRecord| &r.cgroup);
+        for record in &gone {
+            tracing::info!(pod = %record.cgroup, "record of a pod whose cgroup is gone removed");
         }
-        removed
+        gone.len()
     }
 
     /// `container` stopped: the claims it used lose it as a user, and go with their last.

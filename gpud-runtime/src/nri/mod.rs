@@ -135,6 +135,12 @@ fn status(e: &RuntimeError) -> ttrpc::Error {
     ttrpc::Error::RpcStatus(ttrpc::get_status(code, format!("gpud: {}", Chain(e))))
 }
 
+/// Whether a container's pod is a Kubernetes pod: CRI pods carry their namespace; containers of
+/// other clients have no pod.
+fn kubernetes_pod(pod: Option<&nri::PodSandbox>) -> bool {
+    pod.is_some_and(|p| !p.namespace.is_empty())
+}
+
 /// A short name of a container for logs: `namespace/pod/container (id)`.
 fn describe(pod: Option<&nri::PodSandbox>, c: &nri::Container) -> String {
     let short: String = c.id.chars().take(12).collect();
@@ -220,8 +226,7 @@ impl Handler {
             asked: pod_ann,
             granted: &own,
             name: (!c.name.is_empty()).then_some(c.name.as_str()),
-            // CRI pods carry their namespace; containers of other clients have no pod.
-            kubernetes: pod.is_some_and(|p| !p.namespace.is_empty()),
+            kubernetes: kubernetes_pod(pod),
         };
         Ok(trust::decide(&src, self.cfg().trust)?)
     }
@@ -280,18 +285,14 @@ impl Handler {
                 info!(container = %describe(pod, c), gpu = %gpu, "stored, pending: {why}");
             }
             // Tracked whatever failed, so that removal clears what was set (a retry adds to it).
-            let mut tracked = self.inner.tracked.lock().await;
-            let t = tracked.entry(c.id.clone()).or_insert_with(|| Tracked {
-                cgroup: cgroup.clone(),
-                gpus: Vec::new(),
-                pod: None,
-            });
-            t.cgroup = cgroup.clone();
-            for gpu in applied.gpus {
-                if !t.gpus.contains(&gpu) {
-                    t.gpus.push(gpu);
+            self.track(&c.id, &cgroup, |t| {
+                for gpu in applied.gpus {
+                    if !t.gpus.contains(&gpu) {
+                        t.gpus.push(gpu);
+                    }
                 }
-            }
+            })
+            .await;
         }
         if let Err(e) = result.and(pod_result) {
             self.on_error(&e).await;
@@ -311,8 +312,7 @@ impl Handler {
         client: &Client,
     ) -> Result<(), RuntimeError> {
         let cfg = self.cfg();
-        let kubernetes = pod.is_some_and(|p| !p.namespace.is_empty());
-        if !cfg.pod_limits || !kubernetes || grant.is_empty() {
+        if !cfg.pod_limits || !kubernetes_pod(pod) || grant.is_empty() {
             return Ok(());
         }
         let Some(pod_cg) = crate::pod::pod_cgroup_of(cgroup) else {
@@ -329,14 +329,20 @@ impl Handler {
                 "the pod's cgroup carries its containers' grants"
             );
         }
+        self.track(&c.id, cgroup, |t| t.pod = Some(pod_cg)).await;
+        result
+    }
+
+    /// Records on container `id` (in `cgroup`) what `update` adds, for its removal to clear.
+    async fn track(&self, id: &str, cgroup: &str, update: impl FnOnce(&mut Tracked)) {
         let mut tracked = self.inner.tracked.lock().await;
-        let t = tracked.entry(c.id.clone()).or_insert_with(|| Tracked {
+        let t = tracked.entry(id.to_owned()).or_insert_with(|| Tracked {
             cgroup: cgroup.to_owned(),
             gpus: Vec::new(),
             pod: None,
         });
-        t.pod = Some(pod_cg);
-        result
+        t.cgroup = cgroup.to_owned();
+        update(t);
     }
 
     /// Clears what was set on a container, if anything.
