@@ -173,8 +173,7 @@ impl Attribution {
     /// Releases what was made through the control file at address `file` before `before` (the
     /// file's last reference went; the driver freed its clients without RM_FREE).
     pub fn release_file(&mut self, file: u64, before: u64) -> usize {
-        let objects = self.objects();
-        self.release_file_of(&objects, file, before)
+        self.release_files(&[(file, before)])
     }
 
     /// [`Self::release_file`] for several releases with one read of `OBJECTS` (a run of them from

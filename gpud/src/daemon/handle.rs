@@ -38,7 +38,7 @@ pub struct Figures {
 pub struct Handle {
     tx: mpsc::Sender<Message>,
     /// The state task's inbox for changes, taken before kernel events ([`super::task::run_state`]).
-    writes: mpsc::Sender<Message>,
+    writes: mpsc::Sender<Request>,
     reader: Reader,
     /// Published by the compute controller (its own task) after every period; `None` when
     /// compute shares are off.
@@ -48,7 +48,7 @@ pub struct Handle {
 impl Handle {
     pub(super) fn new(
         tx: mpsc::Sender<Message>,
-        writes: mpsc::Sender<Message>,
+        writes: mpsc::Sender<Request>,
         reader: Reader,
         compute: Option<watch::Receiver<ComputeStats>>,
     ) -> Self {
@@ -74,16 +74,15 @@ impl Handle {
         let request = make(reply);
         // Changes go ahead of the kernel's backlog; a stale cgroup's read stays in line with
         // the events it must reflect.
-        let inbox = match request {
-            Request::GetCgroup { .. } => &self.tx,
+        let sent = match request {
+            Request::GetCgroup { .. } => self.tx.send(Message::Request(request)).await.is_ok(),
             Request::SetLimits { .. } | Request::ClearLimits { .. } | Request::Reconfigure(..) => {
-                &self.writes
+                self.writes.send(request).await.is_ok()
             }
         };
-        inbox
-            .send(Message::Request(request))
-            .await
-            .map_err(|_| DaemonError::Stopped)?;
+        if !sent {
+            return Err(DaemonError::Stopped);
+        }
         rx.await.map_err(|_| DaemonError::Stopped)
     }
 

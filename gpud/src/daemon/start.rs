@@ -105,7 +105,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
     let (shutdown, shutdown_rx) = watch::channel(false);
     let (tx, rx) = mpsc::channel::<Message>(1024);
     // The API's changes, taken before the backlog of `rx` (`run_state`).
-    let (writes, writes_rx) = mpsc::channel::<Message>(64);
+    let (writes, writes_rx) = mpsc::channel(64);
     let (limited_dirs, limited_dirs_rx) = watch::channel(BTreeSet::new());
 
     let state = State {

@@ -38,7 +38,7 @@ fn timer(every: Duration) -> tokio::time::Interval {
 /// (kernel events, NVML samples, scans, removals, readers' refreshes) in `rx`, whose sender `tx`
 /// the task keeps for the scans it starts.
 pub(super) struct Inbox {
-    pub writes: mpsc::Receiver<Message>,
+    pub writes: mpsc::Receiver<Request>,
     pub tx: mpsc::Sender<Message>,
     pub rx: mpsc::Receiver<Message>,
 }
@@ -80,7 +80,7 @@ pub(super) async fn run_state(
     loop {
         let msg = tokio::select! {
             biased;
-            Some(msg) = writes.recv() => msg,
+            Some(request) = writes.recv() => Message::Request(request),
             _ = shutdown.changed() => break,
             () = &mut recheck, if recheck_armed => {
                 recheck_armed = false;
