@@ -84,9 +84,14 @@ pub struct Decision {
     /// The admitted asks alone (all of them where annotations count fully).
     pub asked: Shares,
     pub ignored: Vec<Ignored>,
+}
+
+impl Decision {
     /// Whether the cluster granted the container anything through gpud (so that gpud is
     /// expected to enforce it).
-    pub granted: bool,
+    pub fn granted(&self) -> bool {
+        !self.grant.is_empty()
+    }
 }
 
 /// An annotation not applied because it would widen what the cluster granted.
@@ -102,42 +107,33 @@ pub struct Ignored {
 /// them (as [`annotations::resolve`] reports them); a guarantee above the cap after narrowing too.
 pub fn decide(src: &Sources<'_>, trust: Trust) -> Result<Decision, AnnotationError> {
     let Levels { pod: asked, own } = annotations::levels(src.asked, src.granted, src.name)?;
-    let granted = !own.is_empty();
-    let grant = annotations::shares_of(own.clone())?;
-    if !trust.narrows(src.kubernetes) {
-        let mut merged = asked.clone();
-        merged.extend(own);
-        return Ok(Decision {
-            shares: annotations::shares_of(merged)?,
-            grant,
-            asked: annotations::shares_of(asked)?,
-            ignored: Vec::new(),
-            granted,
-        });
-    }
-    let mut merged = own;
+    let narrow = trust.narrows(src.kubernetes);
     let mut admitted = annotations::Level::new();
     let mut ignored = Vec::new();
     for ((gpu, kind), (key, value)) in asked {
-        let grant = merged.get(&(gpu.clone(), kind)).map(|(_, v)| v);
+        let grant = own.get(&(gpu.clone(), kind)).map(|(_, v)| v);
         match narrows(kind, grant, &value) {
-            Ok(()) => {
-                admitted.insert((gpu.clone(), kind), (key.clone(), value.clone()));
-                merged.insert((gpu, kind), (key, value));
-            }
-            Err(reason) => ignored.push(Ignored {
+            Err(reason) if narrow => ignored.push(Ignored {
                 key,
                 value: kind.render(&value),
                 reason,
             }),
+            _ => {
+                admitted.insert((gpu, kind), (key, value));
+            }
         }
     }
+    // Key by key, the narrower word wins where annotations only narrow, the grant otherwise.
+    let merged = if narrow {
+        own.clone().into_iter().chain(admitted.clone()).collect()
+    } else {
+        admitted.clone().into_iter().chain(own.clone()).collect()
+    };
     Ok(Decision {
         shares: annotations::shares_of(merged)?,
-        grant,
+        grant: annotations::shares_of(own)?,
         asked: annotations::shares_of(admitted)?,
         ignored,
-        granted,
     })
 }
 

@@ -390,7 +390,7 @@ impl Handler {
         r: Result<(), RuntimeError>,
     ) -> ttrpc::Result<()> {
         let Err(e) = r else { return Ok(()) };
-        let granted = self.decision(pod, c).is_ok_and(|d| d.granted);
+        let granted = self.decision(pod, c).is_ok_and(|d| d.granted());
         match self.cfg().policy.mode_for(&e, granted) {
             FailMode::Closed => {
                 warn!(container = %describe(pod, c), "{what}: {}; failing the container (closed)", Chain(&e));

@@ -61,7 +61,7 @@ fn annotations_never_widen_a_grant_where_they_only_narrow() {
     let mut want = vec![&*cap, &*mem, &*prio, &*min, &*weight];
     want.sort_unstable();
     assert_eq!(keys, want);
-    assert!(d.granted);
+    assert!(d.granted());
     let text = d
         .ignored
         .iter()
@@ -147,7 +147,7 @@ fn without_a_grant_only_caps_and_lower_classes_pass() {
         &[],
         Trust::Auto,
     );
-    assert!(!d.granted);
+    assert!(!d.granted());
     let mut kept: Vec<LimitKind> = d.shares.gpus[&GpuSelector::All].keys().copied().collect();
     kept.sort();
     assert_eq!(kept, vec![LimitKind::MemoryMax, LimitKind::ComputeMax]);
