@@ -33,6 +33,12 @@ pub const EVENT_SCHED_GUARD: u32 = 7;
 /// Record kind of a [`GuardRestore`]: sent at the exit of a tenant's control that neither a hook
 /// nor a rewrite could stop, for the daemon to undo what it did.
 pub const EVENT_GUARD_RESTORE: u32 = 8;
+/// `Event::kind`: a tenant's RM control on a control file that holds channel groups returned,
+/// and the guard's reading of its parameters at the entry proves nothing of what the driver ran
+/// (another thread may have rewritten the command, the object or the parameters in between):
+/// the daemon reads the driver's state back (`value`: the `struct file` address; `bytes`: the
+/// caller's timeslice allowance, µs). At most one is outstanding per file (`SCHED_FILES`).
+pub const EVENT_GUARD_READ_BACK: u32 = 9;
 /// Guard events a cgroup may send at once (see [`EVENT_SCHED_GUARD`]).
 pub const GUARD_EVENT_BURST: u64 = 64;
 /// The rate the burst refills at: one event per this many nanoseconds (100 per second).

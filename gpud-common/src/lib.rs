@@ -336,8 +336,19 @@ pub mod stat {
     /// RM calls whose `NV_ESC_IOCTL_XFER_CMD` header changed while the driver ran: what the
     /// driver did is not what the entry side saw (a limited caller counts as crossing).
     pub const RACED: u32 = 19;
+    /// Read-backs asked of the daemon after tenants' controls on files with channel groups
+    /// ([`EVENT_GUARD_READ_BACK`](crate::EVENT_GUARD_READ_BACK)).
+    pub const READ_BACKS: u32 = 20;
+    /// Channel groups not entered in `SCHED_GROUPS` (map full): their timeslice is not read back.
+    pub const SCHED_GROUPS_FULL: u32 = 21;
+    /// Releases of control files through which no object was recorded, not sent: nothing to
+    /// release (a tenant opening and closing `/dev/nvidiactl` in a loop costs gpud nothing).
+    pub const FILE_RELEASES_SKIPPED: u32 = 22;
+    /// Control files not entered in `FILE_MARKS` (map full): their release is found by the
+    /// daemon's sweep instead of an event.
+    pub const FILE_MARKS_FULL: u32 = 23;
     /// Number of counters.
-    pub const COUNT: u32 = 20;
+    pub const COUNT: u32 = 24;
 }
 
 pub use events::*;
@@ -503,9 +514,18 @@ pub mod maps {
     /// Hash charge ([`ObjEntry::charge`](crate::ObjEntry)) → `u64`: the references to a
     /// charged allocation beyond one (its duplicates); absent for memory never duplicated.
     pub const SHARES: &str = "SHARES";
+    /// Hash control file (`struct file` address) → `u32`: files through which gpud saw channel
+    /// groups made; 1 while a read-back of them is asked and not yet begun, else 0.
+    pub const SCHED_FILES: &str = "SCHED_FILES";
+    /// Hash [`ObjKey`](crate::ObjKey) of a channel group → the control file (`struct file`
+    /// address) it was made through: what a read-back of that file reads.
+    pub const SCHED_GROUPS: &str = "SCHED_GROUPS";
+    /// Hash control file (`struct file` address) → `u32` (1): files through which an object was
+    /// recorded in `OBJECTS`; only their releases are sent to the daemon.
+    pub const FILE_MARKS: &str = "FILE_MARKS";
 
     /// Every pinned map: the daemon checks each one's layout before adopting its pin.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 19] = [
         CONFIG,
         EXTRA_FILES,
         PROCS,
@@ -522,6 +542,9 @@ pub mod maps {
         GUARD_COUNTS,
         GUARD_BUCKET,
         SHARES,
+        SCHED_FILES,
+        SCHED_GROUPS,
+        FILE_MARKS,
     ];
 }
 
@@ -645,6 +668,12 @@ pub const MAX_HELD_GROUPS: u32 = 16_384;
 pub const MAX_GUARD_COUNTS: u32 = 16_384;
 /// Capacity of `GUARD_BUCKET` (an LRU: the least recent cgroup's bucket goes, refilled).
 pub const MAX_GUARD_BUCKETS: u32 = 4_096;
+/// Capacity of `FILE_MARKS`: control files with recorded objects at once.
+pub const MAX_FILE_MARKS: u32 = 65_536;
+/// Capacity of `SCHED_FILES`: control files with channel groups at once.
+pub const MAX_SCHED_FILES: u32 = 16_384;
+/// Capacity of `SCHED_GROUPS`: channel groups whose timeslice a read-back checks.
+pub const MAX_SCHED_GROUPS: u32 = 65_536;
 
 #[cfg(feature = "user")]
 mod pod {

@@ -36,7 +36,7 @@ use crate::{
     ledger::{current_ancestry, user},
     maps::{
         EVENTS, GUARD_BUCKET, GUARD_COUNTS, GUARD_PENDING, HELD_GROUPS, OBJECTS, RESTORE_SCRATCH,
-        SCHED_ALLOW, bump_stat, noting, send,
+        SCHED_ALLOW, SCHED_FILES, SCHED_GROUPS, bump_stat, config, noting, send,
     },
 };
 
@@ -260,6 +260,82 @@ pub(crate) fn restore_at_exit(id: u64) {
         bump_stat(stat::EVENTS_LOST);
     }
     let _ = GUARD_PENDING.remove(id);
+}
+
+// ---- read-back ----------------------------------------------------------------------------------
+//
+// Everything the entry side judges is user memory: another thread of the caller can rewrite the
+// command (`GET_TIMESLICE` into `SET_TIMESLICE`), the object or the parameters between the
+// guard's read and the driver's copy, and put them back before the exit. What the driver ran
+// is known only from the driver: after a tenant's control on a control file that holds
+// channel groups, whatever the guard saw, the daemon reads those groups' timeslices back
+// (`GET_TIMESLICE`) and sets back any above the allowance. One read-back at a time per file
+// (`SCHED_FILES` 1 from the request until the daemon begins it), so a tenant looping on
+// controls costs one ring record per read-back, not one per call.
+
+/// A channel group was made through control file `file`: its file is one whose controls are
+/// read back.
+#[inline(always)]
+pub(crate) fn watch_group(file: u64, group: ObjKey) {
+    if SCHED_GROUPS.insert(group, file, 0).is_err() {
+        bump_stat(stat::SCHED_GROUPS_FULL);
+        return;
+    }
+    let _ = SCHED_FILES.insert(file, 0, BPF_NOEXIST as u64);
+}
+
+/// Whether a control on `file` by the caller is read back at its exit: a tenant's (not gpud's)
+/// on a file with channel groups, with the guard enforcing.
+#[inline(always)]
+pub(crate) fn reads_back(cfg: &ProbeConfig, file: u64) -> bool {
+    cfg.flags & CFG_SCHED_ENFORCE != 0
+        && current_tgid() != cfg.daemon_tgid
+        && unsafe { SCHED_FILES.get(file) }.is_some()
+}
+
+/// Exit side of a tenant's control on `file` (or of an XFER, whose inner call another thread
+/// may have turned into one): asks the daemon for a read-back unless one is already asked.
+/// The record is written in the ring's own memory: the exit programs' stack has no room for one.
+#[inline(always)]
+pub(crate) fn read_back_at_exit(file: u64) {
+    let Some(cfg) = config() else { return };
+    if !reads_back(cfg, file) {
+        return;
+    }
+    let Some(asked) = SCHED_FILES.get_ptr_mut(file) else {
+        return;
+    };
+    if unsafe { *asked } != 0 {
+        return;
+    }
+    let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
+        // The next control asks again.
+        bump_stat(stat::EVENTS_LOST);
+        return;
+    };
+    unsafe { *asked = 1 };
+    let e = entry.as_mut_ptr();
+    // SAFETY: `e` is the reserved record, written field by field before it is submitted.
+    unsafe {
+        (*e).kind = gpud_common::EVENT_GUARD_READ_BACK;
+        (*e).tgid = current_tgid();
+        (*e).cgroup_id = bpf_get_current_cgroup_id();
+        (*e).client = 0;
+        (*e).object = 0;
+        (*e).value = file;
+        (*e).bytes = allowance(cfg);
+        (*e).gpu = 0;
+        (*e)._pad = 0;
+    }
+    entry.submit(0);
+    bump_stat(stat::READ_BACKS);
+}
+
+/// The control file at `file` is gone: nothing of it is read back any more (its groups' entries
+/// are pruned by the daemon).
+#[inline(always)]
+pub(crate) fn forget_file(file: u64) {
+    let _ = SCHED_FILES.remove(file);
 }
 
 /// One more call under `key` in `GUARD_COUNTS`.

@@ -10,9 +10,10 @@ use aya_ebpf::{
 };
 use gpud_common::{
     Ancestry, CFG_READY, EVENTS_BYTES, Event, FileKey, GuardBucket, GuardKey, GuardRestore,
-    IoctlCounts, KernelLimit, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS,
-    MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PROCS, MAX_SCHED_ALLOW, MAX_SHARES, MAX_USAGE,
-    ObjEntry, ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
+    IoctlCounts, KernelLimit, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_FILE_MARKS, MAX_GUARD_BUCKETS,
+    MAX_GUARD_COUNTS, MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PROCS, MAX_SCHED_ALLOW,
+    MAX_SCHED_FILES, MAX_SCHED_GROUPS, MAX_SHARES, MAX_USAGE, ObjEntry, ObjKey, Pending,
+    ProbeConfig, ProcEntry, UsageKey, stat,
 };
 
 #[map]
@@ -65,6 +66,19 @@ pub(crate) static SCHED_ALLOW: HashMap<u64, u64> = HashMap::pinned(MAX_SCHED_ALL
 /// Channel groups the daemon holds off the runlist (value 1).
 #[map]
 pub(crate) static HELD_GROUPS: HashMap<ObjKey, u32> = HashMap::pinned(MAX_HELD_GROUPS, 0);
+
+/// Control files with channel groups, and whether a read-back of them is asked (value 1) or
+/// not (0); see `gpud_common::maps::SCHED_FILES`.
+#[map]
+pub(crate) static SCHED_FILES: HashMap<u64, u32> = HashMap::pinned(MAX_SCHED_FILES, 0);
+
+/// Control files through which objects were recorded (`gpud_common::maps::FILE_MARKS`).
+#[map]
+pub(crate) static FILE_MARKS: HashMap<u64, u32> = HashMap::pinned(MAX_FILE_MARKS, 0);
+
+/// Channel groups by the control file they were made through (`gpud_common::maps::SCHED_GROUPS`).
+#[map]
+pub(crate) static SCHED_GROUPS: HashMap<ObjKey, u64> = HashMap::pinned(MAX_SCHED_GROUPS, 0);
 
 /// Every call the scheduler guard acted on, by cgroup, command and verdict.
 #[map]
@@ -188,16 +202,36 @@ pub(crate) fn noting() -> Option<&'static mut Pending> {
     Some(p)
 }
 
-/// Takes the calling thread's noted RM call, if any.
+/// Whether the calling thread has an RM call noted (by the guard, for an undo at its exit).
 #[inline(always)]
-pub(crate) fn take_call() -> Option<Pending> {
+pub(crate) fn noted() -> bool {
+    CALLS
+        .current(false)
+        .is_some_and(|slot| unsafe { (*slot).file } != 0)
+}
+
+/// Takes the calling thread's noted RM call, if any: read in place (a copy would take room the
+/// exit programs' stack does not have), and no longer noted once the taker is dropped.
+#[inline(always)]
+pub(crate) fn take_call() -> Option<Taken> {
     let slot = CALLS.current(false)?;
-    unsafe {
-        if (*slot).file == 0 {
-            return None;
-        }
-        let p = *slot;
-        (*slot).file = 0;
-        Some(p)
+    let p = unsafe { &mut *slot };
+    (p.file != 0).then_some(Taken(p))
+}
+
+/// A noted RM call being handled at its exit ([`take_call`]).
+pub(crate) struct Taken(&'static mut Pending);
+
+impl core::ops::Deref for Taken {
+    type Target = Pending;
+
+    fn deref(&self) -> &Pending {
+        self.0
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        self.0.file = 0;
     }
 }

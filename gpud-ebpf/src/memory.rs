@@ -28,7 +28,7 @@ use gpud_common::{
 use crate::{
     kernel::{ProbeRead, current_tgid, device_kind, read_at, sole_reference},
     ledger::{current_ancestry, each_limit, gpu_of, usage, user},
-    maps::{ANCESTRY, OBJECTS, SHARES, USAGE, bump_stat, config, send},
+    maps::{ANCESTRY, FILE_MARKS, OBJECTS, SHARES, USAGE, bump_stat, config, send},
 };
 
 const SIGKILL: u32 = 9;
@@ -338,6 +338,11 @@ fn track_object(t: &Track) -> bool {
     };
     if !inserted {
         bump_stat(stat::OBJECTS_FULL);
+    } else if unsafe { FILE_MARKS.get(t.file) }.is_none()
+        && FILE_MARKS.insert(t.file, 1, 0).is_err()
+    {
+        // Its release goes unsent: the daemon's sweep finds the file gone.
+        bump_stat(stat::FILE_MARKS_FULL);
     }
     inserted
 }
@@ -455,6 +460,7 @@ pub(crate) fn account_alloc(p: &Pending) {
         rm::class::SUBDEVICE => (t.kind, t.gpu) = (OBJ_SUBDEVICE, gpu_of(p.client, p.parent)),
         rm::class::CHANNEL_GROUP => {
             (t.kind, t.gpu) = (OBJ_CHANNEL_GROUP, gpu_of(p.client, p.parent));
+            crate::guard::watch_group(p.file, t.key);
         }
         c if rm::class::is_gpfifo_channel(c) => {
             // Its group's GPU (a group's entry carries its device's).
@@ -686,9 +692,17 @@ pub(crate) fn account_free(p: &Pending) {
     });
 }
 
-/// Announces the release of a control file's last reference (its clients go with it).
+/// Announces the release of a control file's last reference (its clients go with it), if any
+/// object was recorded through it (`FILE_MARKS`): the releases of files that made nothing, a
+/// tenant's open/close loop, are counted, not sent.
 #[inline(always)]
 pub(crate) fn file_released(file: u64) {
+    crate::guard::forget_file(file);
+    // Nothing was recorded through it: nothing for the daemon to release.
+    if FILE_MARKS.remove(file).is_err() {
+        bump_stat(stat::FILE_RELEASES_SKIPPED);
+        return;
+    }
     send(&Event {
         kind: EVENT_FILE_RELEASE,
         tgid: current_tgid(),

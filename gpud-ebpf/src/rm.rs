@@ -12,7 +12,7 @@ use crate::{
     guard,
     kernel::current_tgid,
     ledger::{current_ancestry, gpu_of, user},
-    maps::{bump_stat, config, noting, send, take_call},
+    maps::{bump_stat, config, noted, noting, send, take_call},
     meminfo,
     memory::{self, account_alloc, account_dup, account_free, note_entry, over_limit},
 };
@@ -63,14 +63,20 @@ pub(crate) fn rm_entry<const REWRITE: bool>(file: u64, cmd: u32, arg: u64, deny:
     // up.
     let (mut view_cmd, mut view_gpu) = (0, GPU_UNKNOWN);
     if watched && nr == nv::NV_ESC_RM_CONTROL {
+        // Noted for its exit if its driver state is read back there, whatever the guard saw.
+        let mut read_back = false;
         if let Some(cfg) = config()
             && cfg.flags & (CFG_VIRT_MEMINFO | CFG_SCHED_GUARD) != 0
             && let Some(c) = unsafe { user::<rm::Nvos54>(params) }
         {
-            if cfg.flags & CFG_SCHED_GUARD != 0
-                && let Some(verdict) = guard::control::<REWRITE>(cfg, file, params, &c, deny)
-            {
-                return verdict;
+            if cfg.flags & CFG_SCHED_GUARD != 0 {
+                let verdict = guard::control::<REWRITE>(cfg, file, params, &c, deny);
+                read_back = guard::reads_back(cfg, file);
+                match verdict {
+                    Some(0) if read_back && !noted() => {}
+                    Some(verdict) => return verdict,
+                    None => {}
+                }
             }
             if cfg.flags & CFG_VIRT_MEMINFO != 0
                 && let Some((c, g)) = meminfo::control_entry(&c)
@@ -78,7 +84,7 @@ pub(crate) fn rm_entry<const REWRITE: bool>(file: u64, cmd: u32, arg: u64, deny:
                 (view_cmd, view_gpu) = (c, g);
             }
         }
-        if view_cmd == 0 && xfer == 0 {
+        if view_cmd == 0 && xfer == 0 && !read_back {
             return 0;
         }
     } else if watched
@@ -129,6 +135,10 @@ pub(crate) fn rm_exit<const REWRITE: bool>(ret: i64) {
     let Some(p) = take_call() else {
         return;
     };
+    // An XFER's inner call is user memory too: it may have been a control when the driver read it.
+    if p.nr == nv::NV_ESC_RM_CONTROL || p.xfer != 0 {
+        guard::read_back_at_exit(p.file);
+    }
     if p.xfer != 0 && raced(&p) {
         return;
     }

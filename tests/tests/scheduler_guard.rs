@@ -444,3 +444,53 @@ async fn next(signals: &mut gpud_api::proxy::SchedulerControlGuardedStream) -> S
 async fn rig_denies(p: &gpud_api::Manager1Proxy<'_>) -> bool {
     p.enforcement_tier().await.is_ok_and(|t| t == "deny")
 }
+
+/// A tenant's second thread turns its `GET_TIMESLICE` into a 1 s `SET_TIMESLICE` (and back)
+/// while the call is in flight, so that the guard, reading the call at its entry, sees the
+/// harmless `GET` and the driver, copying it microseconds later, runs the `SET`. gpud reads the
+/// driver's timeslice back after the tenant's controls: 5 ms after the attack, the group runs
+/// with no more than its allowance.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_timeslice_raced_past_the_guard_is_read_back_and_set_back() {
+    let Some(mut rig) = Rig::new("guard-race").fake_device(1) else {
+        return;
+    };
+    rig.start(rig.config().react_action("notify")).await;
+    let cg = Cgroup::new("guard-race");
+    let ctl = rig.ctl();
+    let (mut a, [ca, _, ga, _]) = tenant(&cg, &ctl);
+    let sets = |rig: &Rig| {
+        rig.fake()
+            .snapshot()
+            .channel_groups
+            .iter()
+            .find(|g| g.client == ca && g.handle == ga)
+            .map_or(0, |g| g.timeslice_sets)
+    };
+    let before = sets(&rig);
+    let mut rounds = Vec::new();
+    for _ in 0..5 {
+        let r = a.ok(&format!("race-timeslice {ca} {ga} 1000000 2000"));
+        std::thread::sleep(Duration::from_millis(5));
+        let got = a.ok(&format!("get-timeslice {ca} {ga}"))["timeslice_us"]
+            .as_u64()
+            .expect("timeslice_us");
+        rounds.push((r["refused"].as_u64().unwrap_or(0), got));
+    }
+    let reached = sets(&rig) - before;
+    println!(
+        "RACE timeslice: 5 rounds of 2,000 raced calls; SET_TIMESLICE reaching the driver: \
+         {reached}; (refused, in force 5 ms later) per round: {rounds:?}"
+    );
+    assert!(reached > 0, "no raced SET_TIMESLICE reached the driver");
+    for (i, (_, got)) in rounds.iter().enumerate() {
+        assert!(
+            *got <= 2048,
+            "round {i}: a timeslice of {got} µs in force 5 ms after the race:\n{}",
+            rig.log_text()
+        );
+    }
+    let (_conn, p) = rig.proxy().await;
+    let stats = p.get_kernel_stats().await.expect("GetKernelStats");
+    assert!(stats["guard_read_backs"] > 0, "{stats:?}");
+}

@@ -30,6 +30,10 @@ const NAMES: [(u32, &str); stat::COUNT as usize] = [
     (stat::DUPLICATES, "duplicates"),
     (stat::UNCONFIRMED, "unconfirmed_charges"),
     (stat::RACED, "raced_calls"),
+    (stat::READ_BACKS, "guard_read_backs"),
+    (stat::SCHED_GROUPS_FULL, "sched_groups_map_full"),
+    (stat::FILE_RELEASES_SKIPPED, "file_releases_skipped"),
+    (stat::FILE_MARKS_FULL, "file_marks_map_full"),
 ];
 
 /// The counters that move whenever the kernel changes what a cgroup's record shows without

@@ -286,6 +286,33 @@ impl Attribution {
         released
     }
 
+    /// Marks in the kernel (`FILE_MARKS`) every control file that recorded objects were made
+    /// through, so that its release is sent: objects recorded by a build before the marks, kept
+    /// in the pins across a restart, would otherwise wait for the sweep. Run at start; returns
+    /// the files marked.
+    pub fn mark_recorded_files(&mut self) -> usize {
+        let files: BTreeSet<u64> = self
+            .objects()
+            .iter()
+            .map(|(_, e)| e.file)
+            .filter(|f| *f != 0)
+            .collect();
+        let mut marked = 0;
+        for file in files {
+            match self.maps.file_marks.insert(file, 1, 0) {
+                Ok(()) => marked += 1,
+                Err(e) => {
+                    warn!(
+                        "cannot mark a control file for its release (the sweep will find it): {}",
+                        crate::report::Chain(&e)
+                    );
+                    break;
+                }
+            }
+        }
+        marked
+    }
+
     /// The guard rail behind the release rules: objects older than `before` with neither a
     /// client record nor a known control file, which no rule would ever release. Each is
     /// released, counted (`orphans_released`) and logged at warn.

@@ -173,21 +173,25 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
     };
     let matcher = Matcher { majors, extra };
     // Where neither a hook nor a rewrite can stop a tenant's control, the kernel asks for it to
-    // be undone.
-    let restorer = if probes.guard().reacts() {
-        Restorer::new(matcher.clone(), probes.base_dir())
-            .inspect_err(|e| {
-                warn!(
-                    "the scheduler guard cannot undo tenants' controls: {}",
-                    Chain(e)
-                )
-            })
-            .ok()
-    } else {
-        None
-    };
+    // be undone; on every kernel, for the driver's state to be read back after tenants'
+    // controls (what the guard read at their entry may not be what the driver ran).
+    let restorer = Restorer::new(matcher.clone(), probes.base_dir())
+        .inspect_err(|e| {
+            warn!(
+                "the scheduler guard cannot undo tenants' controls: {}",
+                Chain(e)
+            )
+        })
+        .ok();
     let mut attribution =
         Attribution::new(probes, cgroups, matcher.clone()).map_err(StartError::Attribution)?;
+    let marked = attribution.mark_recorded_files();
+    if marked > 0 {
+        info!(
+            files = marked,
+            "control files of recorded objects marked for their release"
+        );
+    }
     let found = attribution.scan();
     attribution.sweep();
     info!(found, "start-up scan of /proc done");
@@ -275,19 +279,19 @@ impl Core {
         out
     }
 
-    /// Reads every record waiting in `ring`: events routed ([`Self::route_all`]), undo requests
-    /// handed to `restore`. Returns the notices, in order. For callers without a state task (the
+    /// Reads every record waiting in `ring`: events routed ([`Self::route_all`]), undo and
+    /// read-back requests handed to `restore`. Returns the notices, in order. For callers without a state task (the
     /// daemon reads its ring asynchronously, `ring.rs`).
     pub fn drain(
         &mut self,
         ring: &mut RingBuf<MapData>,
-        mut restore: impl FnMut(gpud_common::GuardRestore),
+        mut restore: impl FnMut(Record),
     ) -> Vec<Notice> {
         let mut events = Vec::new();
         while let Some(item) = ring.next() {
             match Record::decode(&item) {
                 Ok(Record::Event(ev)) => events.push(ev),
-                Ok(Record::Restore(r)) => restore(*r),
+                Ok(other) => restore(other),
                 Err(e) => warn!(len = item.len(), "ring-buffer record dropped: {e}"),
             }
         }

@@ -34,6 +34,13 @@ pub(super) async fn read_events(
                     Some(tx) => tx.send(*r),
                     None => warn!(pid = r.tgid, "a tenant's control to undo, and no restorer"),
                 },
+                Ok(Record::ReadBack(r)) => match &restore {
+                    Some(tx) => tx.read_back(r),
+                    None => warn!(
+                        pid = r.pid,
+                        "a tenant's control to read back, and no restorer"
+                    ),
+                },
                 Err(e) => warn!(len = item.len(), "ring-buffer record dropped: {e}"),
             }
         }

@@ -8,6 +8,10 @@
 //!   a copy of each victim's own file, on a subdevice of the victim's client (the driver binds a
 //!   client to the file that made it, so the victim's file is the one that works even after the
 //!   caller was killed).
+//! - a read-back ([`ReadBack`]): after any tenant control on a control file with channel groups,
+//!   the driver's timeslice of each of them is read (`GET_TIMESLICE`) and set back to the
+//!   caller's allowance where above, whatever the guard saw at the call's entry (another thread
+//!   may have rewritten the command or the parameters before the driver copied them).
 //!
 //! It runs on its own thread ([`spawn`]): the undo is a few blocking ioctls, and must not wait
 //! behind the state task's work.
@@ -28,7 +32,10 @@ use gpud_common::{
 use tracing::{debug, warn};
 
 use super::compute::channel::{ControlError, Controls, RmObject};
-use crate::{probes::Matcher, report::Chain};
+use crate::{
+    probes::{Matcher, events::ReadBack},
+    report::Chain,
+};
 
 /// Why an undo could not be done.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +55,12 @@ pub enum RestoreError {
     NoSubdevice { client: u32 },
     #[error("record with reason {0} has nothing to undo")]
     Nothing(u32),
+    #[error("cannot update the pinned map {map}")]
+    Map {
+        map: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
 }
 
 /// What an undo did.
@@ -57,29 +70,142 @@ pub enum Restored {
     Timeslice(u64),
     /// This many channels enabled again.
     Channels(u32),
+    /// A read-back: this many channel groups read, of which `set_back` were above the allowance
+    /// and set back to it.
+    ReadBack { groups: u32, set_back: u32 },
 }
 
 /// Undoes what tenants' controls did; see the module docs.
 pub struct Restorer {
     controls: Controls,
     objects: HashMap<MapData, ObjKey, ObjEntry>,
+    /// Files with channel groups, and whether a read-back is asked (`SCHED_FILES`).
+    files: HashMap<MapData, u64, u32>,
+    /// Channel groups by the file they were made through (`SCHED_GROUPS`).
+    groups: HashMap<MapData, ObjKey, u64>,
+    /// When `groups` was last pruned of groups and files that are gone.
+    pruned: Option<Instant>,
+}
+
+/// `bpf_map_update_elem`'s flag: update an entry that exists, never make one.
+const BPF_EXIST: u64 = 2;
+
+/// How often at most the read-back prunes `SCHED_GROUPS` (a walk of the whole map).
+const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Opens the pinned hash map `name` under `pins`.
+fn pinned<K: aya::Pod, V: aya::Pod>(
+    pins: &Path,
+    name: &str,
+) -> Result<HashMap<MapData, K, V>, RestoreError> {
+    let path = pins.join(name);
+    let oerr = |source| RestoreError::OpenMap {
+        path: path.clone(),
+        source,
+    };
+    let data = MapData::from_pin(&path).map_err(oerr)?;
+    HashMap::try_from(Map::HashMap(data)).map_err(oerr)
 }
 
 impl Restorer {
     /// `pins`: the probes' pin directory (the `OBJECTS` map, read for the victims' processes and
     /// subdevices).
     pub fn new(matcher: Matcher, pins: &Path) -> Result<Self, RestoreError> {
-        let path = pins.join(gpud_common::maps::OBJECTS);
-        let oerr = |source| RestoreError::OpenMap {
-            path: path.clone(),
-            source,
-        };
-        let data = MapData::from_pin(&path).map_err(oerr)?;
-        let objects = HashMap::try_from(Map::HashMap(data)).map_err(oerr)?;
+        use gpud_common::maps;
         Ok(Self {
             controls: Controls::new(matcher, None),
-            objects,
+            objects: pinned(pins, maps::OBJECTS)?,
+            files: pinned(pins, maps::SCHED_FILES)?,
+            groups: pinned(pins, maps::SCHED_GROUPS)?,
+            pruned: None,
         })
+    }
+
+    /// Reads back the timeslice of every channel group made through `r.file` and sets back to
+    /// `r.allowed` those above it. The file's request is cleared first: a control that returns
+    /// meanwhile asks again, so none is left unread.
+    pub fn read_back(&mut self, r: &ReadBack) -> Result<Restored, RestoreError> {
+        match self.files.insert(r.file, 0, BPF_EXIST) {
+            Ok(()) => {}
+            // The file was released meanwhile: its groups went with it.
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                return Ok(Restored::ReadBack {
+                    groups: 0,
+                    set_back: 0,
+                });
+            }
+            Err(source) => {
+                return Err(RestoreError::Map {
+                    map: gpud_common::maps::SCHED_FILES,
+                    source,
+                });
+            }
+        }
+        self.prune();
+        let groups: Vec<ObjKey> = crate::probes::map_entries(&self.groups)
+            .into_iter()
+            .filter(|(_, file)| *file == r.file)
+            .map(|(k, _)| k)
+            .collect();
+        let (mut read, mut set_back) = (0, 0);
+        for g in groups {
+            let group = RmObject {
+                pid: r.pid,
+                client: g.client,
+                object: g.object,
+            };
+            let mut params = tsg::TimesliceParams { timeslice_us: 0 };
+            match self
+                .controls
+                .control_on(group, tsg::GET_TIMESLICE, &mut params)
+            {
+                Ok(()) => read += 1,
+                // Freed meanwhile (or the caller is gone, and its file with it).
+                Err(ControlError::Refused { .. } | ControlError::Gone { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            if params.timeslice_us <= r.allowed {
+                continue;
+            }
+            warn!(
+                pid = r.pid,
+                cgroup_id = r.cgroup_id,
+                group = format_args!("{:#x}", g.object),
+                timeslice_us = params.timeslice_us,
+                allowed_us = r.allowed,
+                "a tenant's channel group runs with a timeslice above its allowance, which the \
+                 guard did not see asked (its control was changed after the guard read it): set back"
+            );
+            let mut back = tsg::TimesliceParams {
+                timeslice_us: r.allowed,
+            };
+            self.controls
+                .control_on(group, tsg::SET_TIMESLICE, &mut back)?;
+            set_back += 1;
+        }
+        Ok(Restored::ReadBack {
+            groups: read,
+            set_back,
+        })
+    }
+
+    /// Removes from `SCHED_GROUPS` the groups whose file was released or which were freed (at
+    /// most once per [`PRUNE_EVERY`]).
+    fn prune(&mut self) {
+        if self.pruned.is_some_and(|at| at.elapsed() < PRUNE_EVERY) {
+            return;
+        }
+        self.pruned = Some(Instant::now());
+        let gone: Vec<ObjKey> = crate::probes::map_entries(&self.groups)
+            .into_iter()
+            .filter(|(k, file)| self.files.get(file, 0).is_err() || self.objects.get(k, 0).is_err())
+            .map(|(k, _)| k)
+            .collect();
+        for k in gone {
+            let _ = self.groups.remove(&k);
+        }
     }
 
     /// Undoes one call.
@@ -203,7 +329,10 @@ struct Queue {
     /// every (client, channel) any of them disabled. Merged, not replaced: each call may name
     /// other victims.
     foreign: BTreeMap<Target, (GuardRestore, BTreeSet<(u32, u32)>)>,
-    /// Entries held: one per `latest`, one per channel in `foreign`.
+    /// Read-backs per control file: the latest request (the kernel sends one per file until
+    /// the restorer begins it, so this holds at most one per file anyway).
+    read_backs: BTreeMap<u64, ReadBack>,
+    /// Entries held: one per `latest`, one per channel in `foreign`, one per read-back.
     held: usize,
     /// Requests (or channels of one) left out because [`QUEUE_MAX`] entries were waiting.
     dropped: u64,
@@ -253,9 +382,26 @@ impl Queue {
         left_out
     }
 
+    /// Adds a read-back request; false if it did not fit.
+    fn push_read_back(&mut self, r: ReadBack) -> bool {
+        if !self.read_backs.contains_key(&r.file) && self.held >= QUEUE_MAX {
+            self.dropped += 1;
+            return false;
+        }
+        if self.read_backs.insert(r.file, r).is_none() {
+            self.held += 1;
+        }
+        true
+    }
+
     /// Everything waiting, as requests to undo (a target's merged channels in as many requests
-    /// as they need); the queue is left empty.
-    fn take(&mut self) -> Vec<GuardRestore> {
+    /// as they need) and read-backs; the queue is left empty.
+    fn take(&mut self) -> (Vec<GuardRestore>, Vec<ReadBack>) {
+        let read_backs = std::mem::take(&mut self.read_backs).into_values().collect();
+        (self.take_undos(), read_backs)
+    }
+
+    fn take_undos(&mut self) -> Vec<GuardRestore> {
         self.held = 0;
         let mut out: Vec<GuardRestore> = std::mem::take(&mut self.latest).into_values().collect();
         for (first, channels) in std::mem::take(&mut self.foreign).into_values() {
@@ -276,7 +422,7 @@ impl Queue {
     }
 
     fn is_empty(&self) -> bool {
-        self.latest.is_empty() && self.foreign.is_empty()
+        self.latest.is_empty() && self.foreign.is_empty() && self.read_backs.is_empty()
     }
 }
 
@@ -321,6 +467,22 @@ impl RestoreSender {
     }
 }
 
+impl RestoreSender {
+    /// Queues a read-back. One that does not fit is counted; the kernel asks again at the
+    /// file's next control only once this one was begun, so a lost request is said at once.
+    pub fn read_back(&self, r: ReadBack) {
+        let fitted = self.0.lock().push_read_back(r);
+        self.0.ready.notify_one();
+        if !fitted {
+            warn!(
+                pid = r.pid,
+                "the scheduler guard's undo queue is full ({QUEUE_MAX} entries): a read-back of \
+                 a tenant's channel groups left out"
+            );
+        }
+    }
+}
+
 impl Drop for RestoreSender {
     fn drop(&mut self) {
         self.0.lock().closed = true;
@@ -350,14 +512,31 @@ pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
                     }
                     q.take()
                 };
-                for r in batch {
+                let (undos, read_backs) = batch;
+                for r in undos {
                     undo(&mut restorer, &r);
+                }
+                for r in read_backs {
+                    read_back(&mut restorer, &r);
                 }
                 // Processes come and go: keep only the pidfds of live ones.
                 restorer.retain(|pid| Path::new(&format!("/proc/{pid}")).exists());
             }
         })?;
     Ok(RestoreSender(shared))
+}
+
+/// One read-back, logged where it failed (a set-back is logged by the restorer).
+fn read_back(restorer: &mut Restorer, r: &ReadBack) {
+    match restorer.read_back(r) {
+        Ok(done) => debug!(pid = r.pid, "read back a tenant's channel groups: {done:?}"),
+        Err(e) => warn!(
+            pid = r.pid,
+            cgroup_id = r.cgroup_id,
+            "cannot read back a tenant's channel groups: {}",
+            Chain(&e)
+        ),
+    }
 }
 
 /// One undo, logged.
@@ -418,7 +597,7 @@ mod tests {
             q.push(timeslice(7, 0x10, allowed));
         }
         q.push(timeslice(7, 0x11, 50));
-        let mut out = q.take();
+        let mut out = q.take_undos();
         out.sort_by_key(|r| r.object);
         assert_eq!(out.len(), 2);
         assert_eq!((out[0].object, out[0].allowed), (0x10, 300));
@@ -432,7 +611,7 @@ mod tests {
         let mut q = Queue::default();
         q.push(disable(7, &[(0xa, 1)]));
         q.push(disable(7, &[(0xb, 2), (0xa, 1)]));
-        let out = q.take();
+        let out = q.take_undos();
         assert_eq!(out.len(), 1);
         let r = out[0];
         let pairs: BTreeSet<(u32, u32)> = (0..r.num_channels as usize)
@@ -449,7 +628,7 @@ mod tests {
         for ch in 0..n + 3 {
             q.push(disable(7, &[(0xa, ch)]));
         }
-        let out = q.take();
+        let out = q.take_undos();
         let total: u32 = out.iter().map(|r| r.num_channels).sum();
         assert_eq!((out.len(), total), (2, n + 3));
     }
@@ -464,6 +643,33 @@ mod tests {
         // What waits is still coalesced: a known group updates in place.
         assert_eq!(q.push(timeslice(7, 0, 9)), 0);
         assert_eq!(q.push(disable(7, &[(0xa, 1)])), 1);
-        assert_eq!(q.take().len(), QUEUE_MAX);
+        assert_eq!(q.take_undos().len(), QUEUE_MAX);
+    }
+
+    #[test]
+    fn read_backs_are_one_per_file_and_bounded() {
+        let mut q = Queue::default();
+        let rb = |file, pid| ReadBack {
+            pid,
+            cgroup_id: 1,
+            file,
+            allowed: 2048,
+        };
+        assert!(q.push_read_back(rb(0x1000, 1)));
+        assert!(q.push_read_back(rb(0x1000, 2)));
+        assert!(q.push_read_back(rb(0x2000, 1)));
+        let (undos, read_backs) = q.take();
+        assert!(undos.is_empty());
+        assert_eq!(read_backs, vec![rb(0x1000, 2), rb(0x2000, 1)]);
+        assert!(q.is_empty());
+        for i in 0..QUEUE_MAX as u64 {
+            assert!(q.push_read_back(rb(i, 1)));
+        }
+        assert!(!q.push_read_back(rb(u64::MAX, 1)));
+        assert!(
+            q.push_read_back(rb(0, 3)),
+            "a file already waiting still fits"
+        );
+        assert_eq!(q.dropped, 1);
     }
 }

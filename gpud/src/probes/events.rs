@@ -3,11 +3,11 @@
 //! the one place that knows how. Everything past the ring reader sees a [`KernelEvent`].
 
 use gpud_common::{
-    EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_GUARD_RESTORE,
-    EVENT_LIMIT_CROSSED, EVENT_PROC_EXIT, EVENT_PROC_NEW, EVENT_SCHED_GUARD, Event, GUARD_AUDITED,
-    GUARD_CLAMPED, GUARD_DENIED, GUARD_KILLED, GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN,
-    GUARD_REASON_FOREIGN, GUARD_REASON_HELD, GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE,
-    GUARD_REFUSED, GUARD_RESTORED, GUARD_UNENFORCED, GuardRestore,
+    EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_GUARD_READ_BACK,
+    EVENT_GUARD_RESTORE, EVENT_LIMIT_CROSSED, EVENT_PROC_EXIT, EVENT_PROC_NEW, EVENT_SCHED_GUARD,
+    Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED, GUARD_KILLED, GUARD_REASON_FLAGS,
+    GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD, GUARD_REASON_LEGACY,
+    GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_RESTORED, GUARD_UNENFORCED, GuardRestore,
 };
 
 /// Why a ring-buffer record was not decoded.
@@ -29,6 +29,20 @@ pub enum DecodeError {
 pub enum Record {
     Event(KernelEvent),
     Restore(Box<GuardRestore>),
+    ReadBack(ReadBack),
+}
+
+/// A tenant's control on a control file with channel groups returned: the driver's state of
+/// those groups is to be read back (`EVENT_GUARD_READ_BACK`), whatever the guard saw at entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadBack {
+    /// The calling process.
+    pub pid: u32,
+    pub cgroup_id: u64,
+    /// The control file (`struct file` address).
+    pub file: u64,
+    /// The caller's timeslice allowance (µs).
+    pub allowed: u64,
 }
 
 /// What the kernel side reports.
@@ -209,6 +223,14 @@ impl Record {
         }
         // SAFETY: as above, for Event.
         let ev = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<Event>()) };
+        if ev.kind == EVENT_GUARD_READ_BACK {
+            return Ok(Self::ReadBack(ReadBack {
+                pid: ev.tgid,
+                cgroup_id: ev.cgroup_id,
+                file: ev.value,
+                allowed: ev.bytes,
+            }));
+        }
         KernelEvent::from_raw(&ev).map(Self::Event)
     }
 }
@@ -306,6 +328,27 @@ mod tests {
     }
 
     #[test]
+    fn a_read_back_request_names_the_file_and_the_allowance() {
+        let ev = Event {
+            kind: EVENT_GUARD_READ_BACK,
+            tgid: 7,
+            cgroup_id: 42,
+            value: 0xffff_8880_1234_5600,
+            bytes: 2048,
+            ..Default::default()
+        };
+        assert_eq!(
+            Record::decode(&bytes_of(&ev)),
+            Ok(Record::ReadBack(ReadBack {
+                pid: 7,
+                cgroup_id: 42,
+                file: 0xffff_8880_1234_5600,
+                allowed: 2048,
+            }))
+        );
+    }
+
+    #[test]
     fn a_guard_events_verdict_word_is_split_into_action_and_reason() {
         let ev = Event {
             kind: EVENT_SCHED_GUARD,
@@ -379,7 +422,9 @@ mod fuzz {
         #[test]
         fn any_record_decodes_or_is_refused(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
             match Record::decode(&bytes) {
-                Ok(Record::Event(_)) => prop_assert_eq!(bytes.len(), size_of::<Event>()),
+                Ok(Record::Event(_) | Record::ReadBack(_)) => {
+                    prop_assert_eq!(bytes.len(), size_of::<Event>())
+                }
                 Ok(Record::Restore(_)) => prop_assert_eq!(bytes.len(), size_of::<GuardRestore>()),
                 Err(DecodeError::Size(n)) => {
                     prop_assert_eq!(n, bytes.len());

@@ -26,6 +26,8 @@ pub struct KernelMaps {
     /// The memory limits, read back for the views: written only by [`super::KernelSettings`].
     pub limits: HashMap<MapData, UsageKey, KernelLimit>,
     pub ancestry: HashMap<MapData, u64, Ancestry>,
+    /// Control files whose releases the kernel sends (`FILE_MARKS`).
+    pub file_marks: HashMap<MapData, u64, u32>,
 }
 
 /// Entries per `BPF_MAP_LOOKUP_BATCH` call: far more than a hash bucket ever holds (a bucket

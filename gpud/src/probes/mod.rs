@@ -561,6 +561,7 @@ impl Probes {
             usage: maps::take(&mut self.ebpf, map_names::USAGE)?,
             limits: settings::limits_reader(&self.base_dir)?,
             ancestry: maps::take(&mut self.ebpf, map_names::ANCESTRY)?,
+            file_marks: maps::take(&mut self.ebpf, map_names::FILE_MARKS)?,
         })
     }
 

@@ -65,6 +65,9 @@ pub struct ChannelGroupState {
     /// On the runlist.
     pub enabled: bool,
     pub timeslice_us: u64,
+    /// `SET_TIMESLICE` controls that reached it (whoever issued them).
+    #[serde(default)]
+    pub timeslice_sets: u64,
     /// `GPFIFO_SCHEDULE` and `PREEMPT` controls that reached it.
     pub schedules: u64,
     pub preempts: u64,

@@ -51,6 +51,8 @@ struct Object {
 struct Sched {
     enabled: bool,
     timeslice_us: u64,
+    /// `SET_TIMESLICE` controls that reached it.
+    timeslice_sets: u64,
     schedules: u64,
     preempts: u64,
     /// `SET_INTERLEAVE_LEVEL` (of the group or one of its channels): LOW 0, MEDIUM 1, HIGH 2.
@@ -249,6 +251,7 @@ impl Rm {
                         gpu: o.gpu,
                         enabled: s.enabled,
                         timeslice_us: s.timeslice_us,
+                        timeslice_sets: s.timeslice_sets,
                         schedules: s.schedules,
                         preempts: s.preempts,
                         interleave: s.interleave,

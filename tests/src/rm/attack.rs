@@ -194,3 +194,78 @@ fn rewrite_on_answer(pp: usize, sp: usize, r: Race, ready: &AtomicBool, done: &A
         std::hint::spin_loop();
     }
 }
+
+/// How many of `n` racing controls the driver ran as the racer's `SET_TIMESLICE`, as far as the
+/// caller can tell, and the first call that failed outright (an `EPERM` is not a failure here:
+/// the guard refusing what it saw is one of the outcomes).
+#[derive(Clone, Debug, Default)]
+pub struct TimesliceRace {
+    /// Calls made.
+    pub calls: u32,
+    /// Calls refused with `EPERM` (the guard saw the `SET_TIMESLICE`).
+    pub refused: u32,
+}
+
+/// `n` `GET_TIMESLICE` controls on channel group `tsg`, raced by a second thread that turns the
+/// call into `SET_TIMESLICE` of `us` µs and back, over and over, while the calls are made: the
+/// guard, reading a call at its entry, may see the harmless `GET` while the driver, copying it a
+/// few microseconds later, runs the `SET` (or the other way round).
+pub fn race_timeslice(ctl: &Ctl, client: Handle, tsg: Handle, us: u64, n: u32) -> TimesliceRace {
+    let mut out = TimesliceRace::default();
+    let mut params = rm::tsg::TimesliceParams { timeslice_us: us };
+    let mut p = rm::Nvos54 {
+        h_client: client,
+        h_object: tsg,
+        cmd: rm::tsg::GET_TIMESLICE,
+        flags: 0,
+        params: addr_of_mut!(params) as u64,
+        params_size: size_of::<rm::tsg::TimesliceParams>() as u32,
+        status: 0,
+    };
+    let (ready, done) = (AtomicBool::new(false), AtomicBool::new(false));
+    let (pp, sp) = (addr_of_mut!(p) as usize, addr_of_mut!(params) as usize);
+    std::thread::scope(|s| {
+        s.spawn(|| flip_command(pp, sp, us, &ready, &done));
+        while !ready.load(Ordering::Acquire) {
+            std::hint::spin_loop();
+        }
+        let cmd = nv::nv_iowr(nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE);
+        for _ in 0..n {
+            // SAFETY: `p` and `params` live across the calls and are of the sizes the driver
+            // reads and writes; the racer's writes to them are the point.
+            let (ret, errno) = unsafe { ctl.raw(cmd, pp as *mut u8) };
+            out.calls += 1;
+            if ret != 0 && errno == libc::EPERM {
+                out.refused += 1;
+            }
+        }
+        done.store(true, Ordering::Release);
+    });
+    out
+}
+
+/// The second thread of [`race_timeslice`]: the call at `pp` as `SET_TIMESLICE` of `us` (its
+/// parameters at `sp`), then as `GET_TIMESLICE`, alternately, until the calls are done.
+fn flip_command(pp: usize, sp: usize, us: u64, ready: &AtomicBool, done: &AtomicBool) {
+    let p = pp as *mut rm::Nvos54;
+    let params = sp as *mut rm::tsg::TimesliceParams;
+    ready.store(true, Ordering::Release);
+    let mut set = false;
+    while !done.load(Ordering::Acquire) {
+        set = !set;
+        // SAFETY: both structs outlive the scope this thread runs in; racing the kernel's and
+        // the driver's reads is the point (volatile, word-sized).
+        unsafe {
+            addr_of_mut!((*params).timeslice_us).write_volatile(us);
+            addr_of_mut!((*p).cmd).write_volatile(if set {
+                rm::tsg::SET_TIMESLICE
+            } else {
+                rm::tsg::GET_TIMESLICE
+            });
+        }
+        // Each state held a little while: long enough for a read to land in it.
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
+    }
+}

@@ -22,6 +22,7 @@
 //! | `timeslice CLIENT GROUP US` | `NVA06C_CTRL_CMD_SET_TIMESLICE` |
 //! | `timeslice-loop CLIENT GROUP US N` | N `SET_TIMESLICE` calls back to back (the last reply) |
 //! | `get-timeslice CLIENT GROUP` | `NVA06C_CTRL_CMD_GET_TIMESLICE`: adds `timeslice_us` |
+//! | `race-timeslice CLIENT GROUP US N` | N `GET_TIMESLICE` calls a second thread turns into `SET_TIMESLICE` of US and back while each is in flight: `{"ok":true,"calls":…,"refused":…}` |
 //! | `channel CLIENT GROUP` | `HOPPER_CHANNEL_GPFIFO_A` under GROUP |
 //! | `disable-channels CLIENT SUBDEVICE 1\|0 [OWNER CHANNEL]...` | `NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS` on the (client, channel) pairs, whoever owns them |
 //! | `burn` | answers, then spins on the CPU until killed (a tenant whose CPU time stands for its GPU work) |
@@ -390,6 +391,16 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                     last = ctl.set_timeslice(n(0)?, n(1)?, u64::from(n(2)?));
                 }
                 reply_json(&last)
+            }
+            ("race-timeslice", 4) => {
+                let r = gpud_tests::rm::attack::race_timeslice(
+                    &ctl,
+                    n(0)?,
+                    n(1)?,
+                    u64::from(n(2)?),
+                    n(3)?,
+                );
+                json!({"ok": true, "calls": r.calls, "refused": r.refused})
             }
             ("get-timeslice", 2) => {
                 let (r, us) = ctl.get_timeslice(n(0)?, n(1)?);

@@ -40,6 +40,17 @@ pub(super) fn guard_tenant(
                 format!("{} got={got}", said(r))
             }
             ["get"] => rm.get_timeslice(client, tsg).1.to_string(),
+            // `GET_TIMESLICE` calls a second thread turns into `SET_TIMESLICE` while in flight.
+            ["race", us, n] => {
+                let r = gpud_tests::rm::attack::race_timeslice(
+                    &rm,
+                    client,
+                    tsg,
+                    us.parse().unwrap_or(0),
+                    n.parse().unwrap_or(0),
+                );
+                format!("calls={} refused={}", r.calls, r.refused)
+            }
             ["schedule", on] => {
                 let mut p = tsg::ScheduleParams {
                     enable: u8::from(on == "1"),

@@ -90,7 +90,7 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
     let Opened {
         core,
         events: mut ring,
-        mut restorer,
+        restorer,
         ..
     } = open_stack(
         &tag,
@@ -114,22 +114,22 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
         println!("[{tag}] {} not used: {why}", hook.as_str());
     }
     let reacts = probes.guard().reacts();
-    // The daemon's restorer, run here in turn with the ring (the tenants are forked: no threads).
-    ensure!(
-        restorer.is_some() == reacts,
-        "the guard reacts: {reacts}, a restorer: {}",
-        restorer.is_some()
-    );
-    let mut undone = 0;
+    // The daemon's restorer, run here in turn with the ring (the tenants are forked: no threads):
+    // undoes where the guard reacts, reads back on every row.
+    let mut restorer = restorer.context("no restorer")?;
+    let (mut undone, read_back) = (0, std::cell::Cell::new(0u32));
     let mut pump_all = |ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
                         attribution: &mut Attribution|
      -> anyhow::Result<()> {
         while let Some(item) = ring.next() {
             let record = Record::decode(&item);
-            if let Ok(Record::Restore(r)) = record {
-                let restorer = restorer
-                    .as_mut()
-                    .context("an undo asked of a guard that rewrites")?;
+            if let Ok(Record::ReadBack(r)) = record {
+                restorer
+                    .read_back(&r)
+                    .with_context(|| format!("reading back a tenant's groups (pid {})", r.pid))?;
+                read_back.set(read_back.get() + 1);
+            } else if let Ok(Record::Restore(r)) = record {
+                ensure!(reacts, "an undo asked of a guard that rewrites");
                 restorer.apply(&r).with_context(|| {
                     format!(
                         "undoing a tenant's control (pid {}, verdict {:#x}, object {:#x})",
@@ -236,6 +236,24 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
         guard == "report" || later <= allowance,
         "a timeslice of {later} µs in force 5 ms after a {guard} (allowance {allowance})"
     );
+    // The same through a second thread that turns the tenant's `GET_TIMESLICE` into the 1 s
+    // `SET_TIMESLICE` after the guard read it: the driver's state is read back after the calls.
+    let sets_before = group_sets(&fake, &mut a)?;
+    let raced = a.ask("race 1000000 2000")?;
+    pump_all(&mut ring, &mut attribution)?;
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let raced_later: u64 = a.ask("get")?.parse().context("GET_TIMESLICE")?;
+    println!(
+        "[{tag}] raced timeslice ({raced}; SET_TIMESLICE reaching the driver: {}; read-backs \
+         so far: {}): {raced_later} µs in force 5 ms later",
+        group_sets(&fake, &mut a)? - sets_before,
+        read_back.get()
+    );
+    ensure!(
+        guard == "report" || raced_later <= allowance,
+        "a timeslice of {raced_later} µs in force 5 ms after a raced SET_TIMESLICE (allowance \
+         {allowance})"
+    );
     // A neighbour's channels: disabled by a tenant naming them, and whether they stay so.
     let ib: Vec<String> = b.ask("ids")?.split(' ').map(str::to_owned).collect();
     // Killed before it answers where the guard reacts with `kill`.
@@ -318,6 +336,19 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
         "kernel-matrix: {row}: attacks got through: {redteam}"
     );
     Ok(format!("kernel-matrix: {row}: {line} redteam={redteam}"))
+}
+
+/// `SET_TIMESLICE` controls that reached the channel group of guard tenant `t` in the fake.
+fn group_sets(fake: &gpud_tests::fakenv::FakeNv, t: &mut inproc::Serving) -> anyhow::Result<u64> {
+    let ids = t.ask("ids")?;
+    let mut ids = ids.split(' ');
+    let (client, group) = (ids.next().unwrap_or(""), ids.next().unwrap_or(""));
+    fake.snapshot()
+        .channel_groups
+        .iter()
+        .find(|g| format!("{:#x}", g.client) == client && format!("{:#x}", g.handle) == group)
+        .map(|g| g.timeslice_sets)
+        .context("the tenant's channel group is not in the fake")
 }
 
 /// The limit the red-team tenant attacks.

@@ -224,7 +224,10 @@ impl Rm {
                 Err(st) => st,
             },
             tsg::SET_TIMESLICE => match params::<tsg::TimesliceParams>(c, p) {
-                Ok(t) => self.with_group(client, h, |g| g.timeslice_us = t.timeslice_us),
+                Ok(t) => self.with_group(client, h, |g| {
+                    g.timeslice_us = t.timeslice_us;
+                    g.timeslice_sets += 1;
+                }),
                 Err(st) => st,
             },
             tsg::GET_TIMESLICE => match params::<tsg::TimesliceParams>(c, p) {

@@ -316,6 +316,7 @@ impl Rm {
                 sched: matches!(kind, Kind::ChannelGroup).then_some(Sched {
                     enabled: true,
                     timeslice_us: DEFAULT_TIMESLICE_US,
+                    timeslice_sets: 0,
                     schedules: 0,
                     preempts: 0,
                     // kchangrpInit zeroes the levels: LOW.
