@@ -25,7 +25,7 @@ pub use model::{
     CgroupRecord, ComputeRecord, GpuRecord, IdleRecord, LimitRecord, LimitState, NvmlEventRecord,
     NvmlUsageRecord, ProcessRecord,
 };
-pub use proxy::{Gpu1Proxy, Manager1Proxy, connect_builder};
+pub use proxy::{Cgroup1Proxy, Gpu1Proxy, Manager1Proxy, connect_builder};
 
 /// The daemon's well-known name on the bus.
 pub const BUS_NAME: &str = "dev.gpud.Daemon1";
@@ -35,6 +35,49 @@ pub const OBJECT_PATH: &str = "/dev/gpud/Daemon1";
 pub const MANAGER_INTERFACE: &str = "dev.gpud.Manager1";
 /// One object per GPU and MIG device (see [`gpu_path`]).
 pub const GPU_INTERFACE: &str = "dev.gpud.Gpu1";
+/// One object per attributed cgroup (see [`cgroup_object_path`]).
+pub const CGROUP_INTERFACE: &str = "dev.gpud.Cgroup1";
+
+/// Object path of the cgroup at `path` (relative to the cgroup v2 root, `/a/b`):
+/// `/dev/gpud/Daemon1/cgroup/<label>`, the label escaped as systemd escapes its unit paths
+/// (`sd_bus_path_encode`: every byte but an ASCII letter, or a digit past the first, becomes `_`
+/// and two lowercase hex digits; the empty string is `_`), so `/a/b` is `_2fa_2fb`.
+pub fn cgroup_object_path(path: &str) -> String {
+    let mut label = String::with_capacity(path.len() * 3);
+    if path.is_empty() {
+        label.push('_');
+    }
+    for (i, b) in path.bytes().enumerate() {
+        if b.is_ascii_alphabetic() || (i > 0 && b.is_ascii_digit()) {
+            label.push(b as char);
+        } else {
+            label.push_str(&format!("_{b:02x}"));
+        }
+    }
+    format!("{OBJECT_PATH}/cgroup/{label}")
+}
+
+/// The cgroup path a [`cgroup_object_path`] names; `None` for any other object path or a label
+/// that is not a valid escape.
+pub fn cgroup_of_object_path(object: &str) -> Option<String> {
+    let label = object.strip_prefix(OBJECT_PATH)?.strip_prefix("/cgroup/")?;
+    if label == "_" {
+        return Some(String::new());
+    }
+    let mut out = Vec::with_capacity(label.len());
+    let mut bytes = label.bytes();
+    while let Some(b) = bytes.next() {
+        if b == b'_' {
+            let hex = [bytes.next()?, bytes.next()?];
+            out.push(u8::from_str_radix(std::str::from_utf8(&hex).ok()?, 16).ok()?);
+        } else if b.is_ascii_alphanumeric() {
+            out.push(b);
+        } else {
+            return None;
+        }
+    }
+    String::from_utf8(out).ok()
+}
 
 /// Methods (of any `dev.gpud.*` interface) that change state: only root and the admin group may
 /// call them. The shipped bus policy (systemd/dev.gpud.Daemon1.conf) allows every other method to

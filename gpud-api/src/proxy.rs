@@ -133,3 +133,45 @@ pub trait Gpu1 {
     #[zbus(signal)]
     fn xid(&self, xid: u64, pid: u32, cgroup_id: u64, cgroup: String) -> zbus::Result<()>;
 }
+
+/// Client side of `dev.gpud.Cgroup1`: one object per attributed cgroup, at
+/// [`cgroup_object_path`](crate::cgroup_object_path).
+#[zbus::proxy(interface = "dev.gpud.Cgroup1", default_service = "dev.gpud.Daemon1")]
+pub trait Cgroup1 {
+    #[zbus(property)]
+    fn path(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn id(&self) -> zbus::Result<u64>;
+    #[zbus(property)]
+    fn memory_current(&self) -> zbus::Result<BTreeMap<String, u64>>;
+    #[zbus(property)]
+    fn memory_max(&self) -> zbus::Result<BTreeMap<String, u64>>;
+    #[zbus(property)]
+    fn memory_events(&self) -> zbus::Result<u64>;
+    #[zbus(property)]
+    fn nvml_memory(&self) -> zbus::Result<BTreeMap<String, u64>>;
+    #[zbus(property)]
+    fn processes(&self) -> zbus::Result<Vec<u32>>;
+    #[zbus(property)]
+    fn ioctl_counts(&self) -> zbus::Result<BTreeMap<String, u64>>;
+    #[zbus(property)]
+    fn compute_share(&self) -> zbus::Result<f64>;
+    #[zbus(property)]
+    fn compute_target(&self) -> zbus::Result<f64>;
+    #[zbus(property)]
+    fn compute_measured(&self) -> zbus::Result<f64>;
+    #[zbus(property, name = "ThrottledUSec")]
+    fn throttled_usec(&self) -> zbus::Result<u64>;
+    #[zbus(property)]
+    fn nr_throttled(&self) -> zbus::Result<u64>;
+    #[zbus(property)]
+    fn limits(&self) -> zbus::Result<BTreeMap<String, BTreeMap<String, u64>>>;
+    #[zbus(property)]
+    fn idle(&self) -> zbus::Result<BTreeMap<String, u64>>;
+    fn set_limits(
+        &self,
+        gpu: &str,
+        limits: BTreeMap<&str, zbus::Variant<'_>>,
+    ) -> zbus::Result<(String, String)>;
+    fn clear_limits(&self, gpu: &str, names: &[&str]) -> zbus::Result<()>;
+}

@@ -43,6 +43,49 @@ fn check_len(what: &str, s: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// `SetLimits` after its caller was authorized, for the manager and the cgroup objects alike:
+/// the arguments checked, then the change asked of the state task.
+pub(super) async fn set_limits_of(
+    daemon: &Handle,
+    cgroup: &str,
+    gpu: &str,
+    limits: LimitDict,
+) -> Result<(String, String), ApiError> {
+    check_len("cgroup", cgroup)?;
+    check_len("gpu", gpu)?;
+    crate::cgroupfs::CgroupFs::normalize(cgroup)
+        .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
+    let update = LimitUpdate::from(
+        limits
+            .into_result()
+            .map_err(|e| ApiError::InvalidArgument(e.to_string()))?,
+    );
+    Ok(daemon.set_limits(cgroup, gpu, update).await?.to_wire())
+}
+
+/// `ClearLimits` after its caller was authorized (see [`set_limits_of`]).
+pub(super) async fn clear_limits_of(
+    daemon: &Handle,
+    cgroup: &str,
+    gpu: &str,
+    names: Vec<String>,
+) -> Result<(), ApiError> {
+    check_len("cgroup", cgroup)?;
+    check_len("gpu", gpu)?;
+    crate::cgroupfs::CgroupFs::normalize(cgroup)
+        .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
+    let mut seen = std::collections::BTreeSet::new();
+    for n in &names {
+        check_len("limit name", n)?;
+        if !seen.insert(n.as_str()) {
+            return Err(ApiError::InvalidArgument(format!(
+                "limit {n:?} is named more than once"
+            )));
+        }
+    }
+    Ok(daemon.clear_limits(cgroup, gpu, names).await?)
+}
+
 /// A `ListCgroups` reply and the view it was made from.
 type CachedListing = (Weak<View>, Arc<Vec<CgroupRecord>>);
 
@@ -194,16 +237,7 @@ impl Manager {
         limits: LimitDict,
     ) -> Result<(String, String), ApiError> {
         self.authz.check(conn, &header).await?;
-        check_len("cgroup", cgroup)?;
-        check_len("gpu", gpu)?;
-        crate::cgroupfs::CgroupFs::normalize(cgroup)
-            .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
-        let update = LimitUpdate::from(
-            limits
-                .into_result()
-                .map_err(|e| ApiError::InvalidArgument(e.to_string()))?,
-        );
-        Ok(self.daemon.set_limits(cgroup, gpu, update).await?.to_wire())
+        set_limits_of(&self.daemon, cgroup, gpu, limits).await
     }
 
     /// Clears the named limits (all of them when `names` is empty) of a cgroup on one GPU.
@@ -216,20 +250,7 @@ impl Manager {
         names: Vec<String>,
     ) -> Result<(), ApiError> {
         self.authz.check(conn, &header).await?;
-        check_len("cgroup", cgroup)?;
-        check_len("gpu", gpu)?;
-        crate::cgroupfs::CgroupFs::normalize(cgroup)
-            .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
-        let mut seen = std::collections::BTreeSet::new();
-        for n in &names {
-            check_len("limit name", n)?;
-            if !seen.insert(n.as_str()) {
-                return Err(ApiError::InvalidArgument(format!(
-                    "limit {n:?} is named more than once"
-                )));
-            }
-        }
-        Ok(self.daemon.clear_limits(cgroup, gpu, names).await?)
+        clear_limits_of(&self.daemon, cgroup, gpu, names).await
     }
 
     /// Every stored limit and its state, ordered by cgroup and GPU.

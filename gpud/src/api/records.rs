@@ -19,7 +19,7 @@ use crate::{
 };
 
 /// ioctl counts by class name; every class is present.
-fn class_map(c: &IoctlCounts) -> BTreeMap<String, u64> {
+pub(super) fn class_map(c: &IoctlCounts) -> BTreeMap<String, u64> {
     IOCTL_CLASS_NAMES
         .iter()
         .zip(c.by_class)

@@ -268,6 +268,11 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
             daemon.notices(),
             daemon.handle.clone(),
         )),
+        tokio::spawn(gpud::api::cgroup::publish_cgroups(
+            conn.clone(),
+            daemon.handle.clone(),
+            live.admin_group.subscribe(),
+        )),
     ];
     let metrics = metrics_listener.map(|listener| {
         if let Ok(addr) = listener.local_addr() {
