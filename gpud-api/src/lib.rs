@@ -86,6 +86,18 @@ pub fn cgroup_of_object_path(object: &str) -> Option<String> {
 /// must be classified here or in the policy file.
 pub const MUTATING_METHODS: &[&str] = &["SetLimits", "ClearLimits"];
 
+/// Every signal the daemon emits (of `dev.gpud.Manager1` and `dev.gpud.Gpu1`), by name: what
+/// `gpudctl events` decodes. A test compares it, and the proxies, with the running daemon's
+/// introspection, so a signal added to the daemon alone fails it.
+pub const SIGNALS: [&str; 6] = [
+    "MemoryLimitExceeded",
+    "SchedulerControlGuarded",
+    "ComputeThrottled",
+    "IdleChanged",
+    "Xid",
+    "KernelEventsLost",
+];
+
 /// Object path of a GPU (`mig == u32::MAX`) or of a MIG device under it.
 pub fn gpu_path(index: u32, mig: u32) -> String {
     if mig == u32::MAX {

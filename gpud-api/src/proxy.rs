@@ -117,19 +117,32 @@ pub trait Manager1 {
     fn kernel_events_lost(&self, lost: u64) -> zbus::Result<()>;
 }
 
-/// Client side of `dev.gpud.Gpu1`.
+/// Client side of `dev.gpud.Gpu1`. Its properties change without a signal (the inventory of
+/// the last sample): not cached by the proxy.
 #[zbus::proxy(interface = "dev.gpud.Gpu1", default_service = "dev.gpud.Daemon1")]
 pub trait Gpu1 {
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "false"))]
     fn index(&self) -> zbus::Result<u32>;
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "false"))]
     fn mig_device(&self) -> zbus::Result<u32>;
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "false"))]
     fn uuid(&self) -> zbus::Result<String>;
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "false"))]
     fn name(&self) -> zbus::Result<String>;
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn pci_bus_id(&self) -> zbus::Result<String>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn memory_total(&self) -> zbus::Result<u64>;
+    #[zbus(property(emits_changed_signal = "false"))]
     fn memory_used(&self) -> zbus::Result<u64>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn driver_version(&self) -> zbus::Result<String>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn cuda_version(&self) -> zbus::Result<String>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn compute_mode(&self) -> zbus::Result<String>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn mig_mode(&self) -> zbus::Result<String>;
     #[zbus(signal)]
     fn xid(&self, xid: u64, pid: u32, cgroup_id: u64, cgroup: String) -> zbus::Result<()>;
 }

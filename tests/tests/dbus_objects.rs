@@ -198,3 +198,216 @@ async fn each_attributed_cgroup_is_an_object_with_named_properties_that_signal_c
         rig.log_text()
     );
 }
+
+/// What a D-Bus member is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Method,
+    Property,
+    Signal,
+}
+
+/// `(interface, kind, member)` of every `dev.gpud.*` member the running daemon serves.
+type Members = std::collections::BTreeSet<(String, Kind, String)>;
+
+/// Every object path under `path` (depth first) with its introspection XML.
+async fn introspect_tree(conn: &zbus::Connection, path: &str, out: &mut Vec<(String, String)>) {
+    let proxy = zbus::fdo::IntrospectableProxy::builder(conn)
+        .destination(BUS_NAME)
+        .path(path.to_owned())
+        .build()
+        .await
+        .expect("proxy");
+    let xml = proxy.introspect().await.expect("Introspect");
+    let children: Vec<String> = roxmltree::Document::parse_with_options(
+        &xml,
+        roxmltree::ParsingOptions {
+            allow_dtd: true,
+            ..Default::default()
+        },
+    )
+    .expect("introspection XML")
+    .root_element()
+    .children()
+    .filter(|n| n.has_tag_name("node"))
+    .filter_map(|n| n.attribute("name").map(str::to_owned))
+    .collect();
+    out.push((path.to_owned(), xml));
+    for c in children {
+        let child = if path == "/" {
+            format!("/{c}")
+        } else {
+            format!("{path}/{c}")
+        };
+        Box::pin(introspect_tree(conn, &child, out)).await;
+    }
+}
+
+fn daemon_members(tree: &[(String, String)]) -> Members {
+    let mut out = Members::new();
+    for (_, xml) in tree {
+        let opts = roxmltree::ParsingOptions {
+            allow_dtd: true,
+            ..Default::default()
+        };
+        let doc = roxmltree::Document::parse_with_options(xml, opts).expect("introspection XML");
+        for iface in doc
+            .root_element()
+            .children()
+            .filter(|n| n.has_tag_name("interface"))
+        {
+            let Some(name) = iface
+                .attribute("name")
+                .filter(|n| n.starts_with("dev.gpud."))
+            else {
+                continue;
+            };
+            for m in iface.children().filter(|c| c.is_element()) {
+                let kind = match m.tag_name().name() {
+                    "method" => Kind::Method,
+                    "property" => Kind::Property,
+                    "signal" => Kind::Signal,
+                    _ => continue,
+                };
+                let member = m.attribute("name").expect("member name").to_owned();
+                out.insert((name.to_owned(), kind, member));
+            }
+        }
+    }
+    out
+}
+
+/// `snake_case` as zbus names it on the bus: `PascalCase`.
+fn pascal(snake: &str) -> String {
+    snake
+        .split('_')
+        .map(|w| {
+            let mut c = w.chars();
+            c.next()
+                .map(|f| f.to_uppercase().chain(c).collect::<String>())
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// The members gpud-api's `#[zbus::proxy]` traits declare (gpud-api/src/proxy.rs, read as Rust).
+fn proxy_members() -> Members {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../gpud-api/src/proxy.rs");
+    let src = std::fs::read_to_string(&path).expect("read proxy.rs");
+    let file = syn::parse_file(&src).expect("proxy.rs parses");
+    let mut out = Members::new();
+    for item in file.items {
+        let syn::Item::Trait(t) = item else { continue };
+        let mut interface = None;
+        for attr in t
+            .attrs
+            .iter()
+            .filter(|a| a.path().segments.last().is_some_and(|s| s.ident == "proxy"))
+        {
+            attr.parse_nested_meta(|m| {
+                let value: syn::Expr = m.value()?.parse()?;
+                if m.path.is_ident("interface")
+                    && let syn::Expr::Lit(syn::ExprLit {
+                        lit: syn::Lit::Str(s),
+                        ..
+                    }) = value
+                {
+                    interface = Some(s.value());
+                }
+                Ok(())
+            })
+            .expect("proxy attribute");
+        }
+        let Some(interface) = interface else { continue };
+        for f in t.items {
+            let syn::TraitItem::Fn(f) = f else { continue };
+            let (mut kind, mut name) = (Kind::Method, None);
+            for attr in f.attrs.iter().filter(|a| a.path().is_ident("zbus")) {
+                attr.parse_nested_meta(|m| {
+                    if m.path.is_ident("property") {
+                        kind = Kind::Property;
+                        if m.input.peek(syn::token::Paren) {
+                            m.parse_nested_meta(|inner| {
+                                let _: syn::Expr = inner.value()?.parse()?;
+                                Ok(())
+                            })?;
+                        }
+                    } else if m.path.is_ident("signal") {
+                        kind = Kind::Signal;
+                    } else if m.path.is_ident("name") {
+                        let s: syn::LitStr = m.value()?.parse()?;
+                        name = Some(s.value());
+                    } else if m.input.peek(syn::Token![=]) {
+                        let _: syn::Expr = m.value()?.parse()?;
+                    }
+                    Ok(())
+                })
+                .expect("zbus attribute");
+            }
+            let name = name.unwrap_or_else(|| pascal(&f.sig.ident.to_string()));
+            out.insert((interface.clone(), kind, name));
+        }
+    }
+    out
+}
+
+/// One definition of the interface: every member the running daemon serves on a `dev.gpud.*`
+/// interface (the manager, a GPU, a cgroup) is declared by gpud-api's proxies, and nothing else
+/// is; its signals are exactly those gpudctl decodes (`gpud_api::SIGNALS`); and each is
+/// documented in docs/dbus-api.md. A member added to the daemon alone fails here.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_daemons_interfaces_match_the_proxies_gpudctl_and_the_docs() {
+    let Some(rig) = Rig::new("dbus-drift").fake_device(1) else {
+        return;
+    };
+    let mut rig = rig.fake_nvml();
+    rig.nvml_scenario(&gpud_tests::one_gpu("Fake H100", []));
+    rig.start(rig.config().react_action("notify")).await;
+    let cg = Cgroup::new("dbus-drift");
+    let mut t = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    t.client_device(0);
+    let address = rig.bus.address.clone();
+    tree_with(&address, &cgroup_object_path(&cg.rel));
+    tree_with(&address, &gpud_api::gpu_path(0, u32::MAX));
+
+    let (_c, manager) = rig.proxy().await;
+    let mut tree = Vec::new();
+    introspect_tree(manager.inner().connection(), "/", &mut tree).await;
+    let served = daemon_members(&tree);
+    let declared = proxy_members();
+    let interfaces: std::collections::BTreeSet<&str> =
+        served.iter().map(|(i, _, _)| i.as_str()).collect();
+    assert_eq!(
+        interfaces,
+        ["dev.gpud.Cgroup1", "dev.gpud.Gpu1", "dev.gpud.Manager1"].into(),
+        "the daemon's interfaces"
+    );
+    let missing: Vec<_> = served.difference(&declared).collect();
+    let extra: Vec<_> = declared.difference(&served).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "served but not in gpud-api's proxies: {missing:?}\ndeclared but not served: {extra:?}"
+    );
+    let signals: std::collections::BTreeSet<&str> = served
+        .iter()
+        .filter(|(_, k, _)| *k == Kind::Signal)
+        .map(|(_, _, n)| n.as_str())
+        .collect();
+    assert_eq!(
+        signals,
+        gpud_api::SIGNALS.into_iter().collect(),
+        "the daemon's signals and those gpudctl decodes (gpud_api::SIGNALS)"
+    );
+    let docs = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/dbus-api.md"),
+    )
+    .expect("docs/dbus-api.md");
+    let undocumented: Vec<_> = served
+        .iter()
+        .filter(|(_, _, n)| !docs.contains(&format!("`{n}`")) && !docs.contains(&format!("`{n}(")))
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "not in docs/dbus-api.md: {undocumented:?}"
+    );
+}

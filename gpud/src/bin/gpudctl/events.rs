@@ -18,14 +18,7 @@ pub struct EventsArgs {
     types: Vec<String>,
 }
 
-const KNOWN: [&str; 6] = [
-    "MemoryLimitExceeded",
-    "SchedulerControlGuarded",
-    "ComputeThrottled",
-    "IdleChanged",
-    "Xid",
-    "KernelEventsLost",
-];
+const KNOWN: [&str; 6] = gpud_api::SIGNALS;
 
 /// One decoded signal: its name, a line for people and an object for scripts. A signal this
 /// gpudctl has no line for (a newer daemon's) is shown with its arguments as D-Bus text.
