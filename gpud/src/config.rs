@@ -305,16 +305,6 @@ pub struct EnforcementConfig {
     pub nvml_backstop_margin_bytes: u64,
 }
 
-impl EnforcementConfig {
-    /// The NVML backstop's rule.
-    pub fn backstop_rule(&self) -> crate::enforcement::backstop::BackstopRule {
-        crate::enforcement::backstop::BackstopRule::of(
-            self.nvml_backstop_secs,
-            self.nvml_backstop_margin_bytes,
-        )
-    }
-}
-
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct NvmlConfig {

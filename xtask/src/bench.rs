@@ -390,7 +390,7 @@ pub fn smoke_host() -> anyhow::Result<()> {
 /// (with the VM's part unless `vm` is false).
 pub fn smoke(vm: bool) -> anyhow::Result<()> {
     crate::setup::run()?;
-    crate::test::build_test_binaries("cargo build (the daemon, the benchmarks, fake NVML)")?;
+    crate::util::build_test_binaries("cargo build (the daemon, the benchmarks, fake NVML)")?;
     smoke_host()?;
     if vm {
         smoke_vm()?;

@@ -56,7 +56,7 @@ pub fn run(cases: u32, rm_rounds: u64) -> anyhow::Result<()> {
     println!(
         "fuzz: {rm_rounds} rounds of {RM_FUZZ_CALLS} corrupted RM calls through gpud's probes"
     );
-    crate::test::build_test_binaries("fuzz: cargo build (gpud, gpud-tests binaries)")?;
+    crate::util::build_test_binaries("fuzz: cargo build (gpud, gpud-tests binaries)")?;
     run_cmd(
         "fuzz: corrupted RM calls",
         cargo()

@@ -21,7 +21,7 @@ pub fn run(duration: Duration) -> anyhow::Result<()> {
         bail!("soak: --minutes must be at least 1");
     }
     crate::setup::run()?;
-    crate::test::build_test_binaries("soak: cargo build (gpud, gpud-tests binaries)")?;
+    crate::util::build_test_binaries("soak: cargo build (gpud, gpud-tests binaries)")?;
     run_cmd(
         "soak: churn",
         cargo()

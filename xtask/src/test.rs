@@ -18,7 +18,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::util::{cargo, describe, root, run as run_cmd};
+use crate::util::{build_test_binaries, cargo, describe, root, run as run_cmd};
 
 /// The VM test's verdict line.
 const VMTEST_PASS: &str = "VMTEST RESULT: PASS";
@@ -77,30 +77,6 @@ fn clippy_ebpf() -> anyhow::Result<()> {
 fn build() -> anyhow::Result<()> {
     build_test_binaries(
         "cargo build (gpud, gpud-runtime, gpud-k8s, gpud-tests binaries, fake NVML library)",
-    )
-}
-
-/// Builds what the integration tests start from target/debug (gpud, gpudctl, gpud-nri,
-/// gpud-oci-hook, gpud-k8s, the fixtures) and the fake NVML library they load into the daemon;
-/// also used by `fuzz` and `soak`.
-pub fn build_test_binaries(what: &str) -> anyhow::Result<()> {
-    run_cmd(
-        what,
-        cargo().args([
-            "build",
-            "--package",
-            "gpud",
-            "--package",
-            "gpud-runtime",
-            "--package",
-            "gpud-k8s",
-            "--package",
-            "gpud-tests",
-            "--package",
-            "fake-nvml",
-            "--bins",
-            "--lib",
-        ]),
     )
 }
 

@@ -99,3 +99,27 @@ pub fn which(name: &str) -> Option<PathBuf> {
 pub fn sh_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
+
+/// Builds what the integration tests start from target/debug (gpud, gpudctl, gpud-nri,
+/// gpud-oci-hook, gpud-k8s, the fixtures) and the fake NVML library they load into the daemon;
+/// also used by `fuzz` and `soak`.
+pub fn build_test_binaries(what: &str) -> anyhow::Result<()> {
+    run(
+        what,
+        cargo().args([
+            "build",
+            "--package",
+            "gpud",
+            "--package",
+            "gpud-runtime",
+            "--package",
+            "gpud-k8s",
+            "--package",
+            "gpud-tests",
+            "--package",
+            "fake-nvml",
+            "--bins",
+            "--lib",
+        ]),
+    )
+}

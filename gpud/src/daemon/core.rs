@@ -204,7 +204,7 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
     let mut memory = MemoryEnforcement::new(
         tier,
         config.enforcement.react_action,
-        config.enforcement.backstop_rule(),
+        crate::enforcement::backstop::BackstopRule::configured(&config.enforcement),
     );
     memory.restore(&mut attribution, &mut settings, &mut policies);
     guard::sync_allowances(&mut attribution, &mut settings, policies.policies());

@@ -246,7 +246,9 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
     state
         .core
         .memory
-        .set_backstop(config.enforcement.backstop_rule());
+        .set_backstop(crate::enforcement::backstop::BackstopRule::configured(
+            &config.enforcement,
+        ));
     if let Some(params) = &state.live.compute {
         params.send_replace(compute::params(config));
     }

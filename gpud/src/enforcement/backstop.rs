@@ -33,6 +33,11 @@ impl BackstopRule {
             margin,
         }
     }
+
+    /// The rule `[enforcement]` configures.
+    pub fn configured(c: &crate::config::EnforcementConfig) -> Self {
+        Self::of(c.nvml_backstop_secs, c.nvml_backstop_margin_bytes)
+    }
 }
 
 /// A limited cgroup NVML shows over its limit for the hold time.

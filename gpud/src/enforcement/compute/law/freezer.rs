@@ -51,7 +51,7 @@ pub(super) fn plan_freezer(
         };
         if u.off.is_some() || u.unsure {
             let mut undo = Vec::new();
-            super::gpu::unhold(u, &mut undo);
+            u.unhold(&mut undo);
             out.extend(undo.into_iter().map(|c| (now, c)));
         }
         if !slotted.contains(n) {

@@ -1,48 +1,11 @@
 //! One GPU's plan for a period: which of its units are controlled, the firmware probe, and the
-//! hand-over to hardware windows or freezer slots; and releasing a unit from control.
+//! hand-over to hardware windows or freezer slots.
 
 use std::collections::BTreeSet;
 
-use super::{Command, Firmware, Gpu, Law, LawParams, Lever, Nanos, Unit, probe, targets};
+use super::{Command, Firmware, Gpu, Law, LawParams, Nanos, probe, share::targets};
 use super::{freezer::plan_freezer, hardware::plan_hardware};
 use crate::policy::{Limits, Priority};
-
-/// Thaws a unit and lets its held work run again (with the lever that held it; with every
-/// lever where that is not known).
-pub(super) fn release(
-    name: &str,
-    u: &mut Unit,
-    memory_frozen: &BTreeSet<String>,
-    out: &mut Vec<Command>,
-) {
-    if (u.frozen || u.unsure) && !memory_frozen.contains(name) {
-        out.push(Command::Freeze {
-            unit: name.to_owned(),
-            frozen: false,
-        });
-        u.frozen = false;
-    }
-    unhold(u, out);
-}
-
-/// Lets a unit's held work run again: the lever that held it, or every lever when unsure.
-pub(super) fn unhold(u: &mut Unit, out: &mut Vec<Command>) {
-    let levers: Vec<Lever> = match (u.off, u.unsure) {
-        (_, true) => Lever::ALL.to_vec(),
-        (Some(l), false) => vec![l],
-        (None, false) => Vec::new(),
-    };
-    for lever in levers {
-        for &pid in &u.pids {
-            out.push(Command::Hold {
-                pid,
-                lever,
-                held: false,
-            });
-        }
-    }
-    u.off = None;
-}
 
 /// The units of a GPU that are active now, with their policies, in order.
 pub(super) fn active_units(
@@ -138,7 +101,7 @@ pub(super) fn plan_gpu(
     let mut released = Vec::new();
     for (name, u) in g.units.iter_mut() {
         if !needs_control || !active.contains(name) {
-            release(name, u, memory_frozen, &mut released);
+            u.release(name, memory_frozen, &mut released);
             u.stat.duty = 100.0;
             u.stat.target = 0.0;
         }

@@ -1,8 +1,8 @@
 //! The law where a lever holds queued work: exclusive windows for the units that share by
 //! targets.
 
-use super::{Command, Gpu, LawParams, Lever, MS, Nanos, Unit, gpu::unhold};
-use crate::{enforcement::compute::targets, policy::Limits};
+use super::{Command, Gpu, LawParams, Lever, MS, Nanos, Unit, share::targets};
+use crate::policy::Limits;
 
 /// Shares in hardware: every unit gets an exclusive window of the period in proportion to its
 /// target (let run alone; the others held with `lever`, their queued work stopped), so its share
@@ -22,7 +22,7 @@ pub(super) fn plan_hardware(
     let on = |u: &mut Unit, out: &mut Vec<(Nanos, Command)>, t: Nanos| {
         if u.off.is_some() || u.unsure {
             let mut undo = Vec::new();
-            unhold(u, &mut undo);
+            u.unhold(&mut undo);
             out.extend(undo.into_iter().map(|c| (t, c)));
         }
     };

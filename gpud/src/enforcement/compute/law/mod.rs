@@ -43,11 +43,12 @@ mod freezer;
 mod gpu;
 mod hardware;
 mod probe;
+mod share;
 
-use gpu::{active_units, plan_gpu, release};
+use gpu::{active_units, plan_gpu};
 
-use super::{ComputeStat, targets};
 use crate::policy::Limits;
+pub use share::{ComputeStat, targets};
 
 /// Nanoseconds of a monotonic clock (the daemon's `Instant`s, or virtual time).
 pub type Nanos = u64;
@@ -250,6 +251,40 @@ struct Unit {
     stat: ComputeStat,
 }
 
+impl Unit {
+    /// Thaws the unit (unless memory enforcement froze it, as `name` in `memory_frozen`) and
+    /// lets its held work run again.
+    fn release(&mut self, name: &str, memory_frozen: &BTreeSet<String>, out: &mut Vec<Command>) {
+        if (self.frozen || self.unsure) && !memory_frozen.contains(name) {
+            out.push(Command::Freeze {
+                unit: name.to_owned(),
+                frozen: false,
+            });
+            self.frozen = false;
+        }
+        self.unhold(out);
+    }
+
+    /// Lets its held work run again: the lever that held it, or every lever when unsure.
+    fn unhold(&mut self, out: &mut Vec<Command>) {
+        let levers: Vec<Lever> = match (self.off, self.unsure) {
+            (_, true) => Lever::ALL.to_vec(),
+            (Some(l), false) => vec![l],
+            (None, false) => Vec::new(),
+        };
+        for lever in levers {
+            for &pid in &self.pids {
+                out.push(Command::Hold {
+                    pid,
+                    lever,
+                    held: false,
+                });
+            }
+        }
+        self.off = None;
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Gpu {
     firmware: Firmware,
@@ -388,7 +423,7 @@ impl Law {
                 .collect();
             for name in gone {
                 if let Some(mut u) = g.units.remove(&name) {
-                    release(&name, &mut u, &self.memory_frozen, &mut g.leaving);
+                    u.release(&name, &self.memory_frozen, &mut g.leaving);
                 }
             }
             for (name, (pids, limits, hw)) in seen {
@@ -531,7 +566,7 @@ impl Law {
         let mut out = Vec::new();
         for g in self.gpus.values_mut() {
             for (name, u) in g.units.iter_mut() {
-                release(name, u, &self.memory_frozen, &mut out);
+                u.release(name, &self.memory_frozen, &mut out);
             }
         }
         out

@@ -7,9 +7,7 @@
 
 use std::collections::BTreeSet;
 
-use super::{
-    Command, DeviceSample, Firmware, Gpu, LawParams, Lever, MS, Nanos, Reading, gpu::release,
-};
+use super::{Command, DeviceSample, Firmware, Gpu, LawParams, Lever, MS, Nanos, Reading};
 
 /// Device windows a probe may not judge by: the first this long after the hold (the lever's own
 /// latency; on the H200 it stops queued work within 15 ms).
@@ -88,7 +86,7 @@ fn release_all(
 ) {
     let mut released = Vec::new();
     for (name, u) in g.units.iter_mut() {
-        release(name, u, memory_frozen, &mut released);
+        u.release(name, memory_frozen, &mut released);
     }
     out.extend(released.into_iter().map(|c| (now, c)));
 }
