@@ -285,16 +285,10 @@ impl Core {
     pub fn drain(
         &mut self,
         ring: &mut RingBuf<MapData>,
-        mut restore: impl FnMut(Record),
+        restore: impl FnMut(Record),
     ) -> Vec<Notice> {
         let mut events = Vec::new();
-        while let Some(item) = ring.next() {
-            match Record::decode(&item) {
-                Ok(Record::Event(ev)) => events.push(ev),
-                Ok(other) => restore(other),
-                Err(e) => warn!(len = item.len(), "ring-buffer record dropped: {e}"),
-            }
-        }
+        super::ring::read_records(ring, &mut events, restore);
         self.route_all(&events)
     }
 

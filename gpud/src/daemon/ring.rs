@@ -6,7 +6,25 @@ use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracing::warn;
 
 use super::messages::Message;
-use crate::probes::events::Record;
+use crate::probes::events::{KernelEvent, Record};
+
+/// Reads every record waiting in `ring`, each decoded once: events appended to `events`, undo
+/// and read-back requests handed to `requests`, undecodable records logged. The one loop over
+/// the ring, for the daemon's reader and for callers without a state task
+/// ([`super::core::Core::drain`]).
+pub(super) fn read_records(
+    ring: &mut RingBuf<MapData>,
+    events: &mut Vec<KernelEvent>,
+    mut requests: impl FnMut(Record),
+) {
+    while let Some(item) = ring.next() {
+        match Record::decode(&item) {
+            Ok(Record::Event(ev)) => events.push(ev),
+            Ok(other) => requests(other),
+            Err(e) => warn!(len = item.len(), "ring-buffer record dropped: {e}"),
+        }
+    }
+}
 
 /// Most events in one message to the state task: a message is handled whole, and the API's
 /// changes wait for at most the one in hand.
@@ -14,7 +32,7 @@ const BATCH: usize = 256;
 
 /// Forwards ring-buffer records to the state task, in batches of what one read found (the state
 /// task handles a batch's file releases together), until the channel closes.
-/// Undo requests (`GuardRestore` records) go to `restore` at once, not through the state task.
+/// Undo and read-back requests go to `restore` at once, not through the state task.
 pub(super) async fn read_events(
     ring: RingBuf<MapData>,
     tx: mpsc::Sender<Message>,
@@ -26,24 +44,21 @@ pub(super) async fn read_events(
         let mut guard = fd.readable_mut().await?;
         let ring = guard.get_inner_mut();
         let mut batch = Vec::new();
-        while let Some(item) = ring.next() {
-            match Record::decode(&item) {
-                Ok(Record::Event(ev)) => batch.push(ev),
-                Ok(Record::Restore(r)) => match &restore {
-                    // Never blocks: coalesced and bounded.
-                    Some(tx) => tx.send(*r),
-                    None => warn!(pid = r.tgid, "a tenant's control to undo, and no restorer"),
-                },
-                Ok(Record::ReadBack(r)) => match &restore {
-                    Some(tx) => tx.read_back(r),
-                    None => warn!(
-                        pid = r.pid,
-                        "a tenant's control to read back, and no restorer"
-                    ),
-                },
-                Err(e) => warn!(len = item.len(), "ring-buffer record dropped: {e}"),
+        read_records(ring, &mut batch, |r| match (r, &restore) {
+            // Never blocks: coalesced and bounded.
+            (Record::Undo(r), Some(tx)) => tx.send(r),
+            (Record::ReadBack(r), Some(tx)) => tx.read_back(r),
+            (Record::Undo(r), None) => {
+                warn!(pid = r.pid(), "a tenant's control to undo, and no restorer");
             }
-        }
+            (Record::ReadBack(r), None) => {
+                warn!(
+                    pid = r.pid,
+                    "a tenant's control to read back, and no restorer"
+                );
+            }
+            (Record::Event(_), _) => {}
+        });
         guard.clear_ready();
         while !batch.is_empty() {
             let rest = batch.split_off(batch.len().min(BATCH));

@@ -16,7 +16,7 @@ use crate::{
     policy::{Limits, Priority},
     probes::{
         KernelSettings,
-        events::{GuardAction, GuardEvent},
+        events::{GuardEvent, split_verdict},
     },
     report::Chain,
 };
@@ -111,7 +111,7 @@ pub fn counts(attr: &mut Attribution, settings: &KernelSettings) -> GuardCounts 
         let cgroup = attr
             .path_of(k.cgroup_id)
             .unwrap_or_else(|| format!("#{}", k.cgroup_id));
-        let action = GuardAction::from_code(k.verdict & 0xff).map_or("unknown", |a| a.as_str());
+        let action = split_verdict(k.verdict).map_or("unknown", |(a, _)| a.as_str());
         let key = (cgroup, control_name(k.cmd), action.to_owned());
         *out.entry(key).or_default() += n;
     }

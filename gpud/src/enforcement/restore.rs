@@ -25,15 +25,17 @@ use std::{
 
 use aya::maps::{HashMap, Map, MapData};
 use gpud_common::{
-    GUARD_REASON_FOREIGN, GUARD_REASON_TIMESLICE, GuardRestore, OBJ_CLIENT, OBJ_SUBDEVICE,
-    ObjEntry, ObjKey,
+    OBJ_CLIENT, OBJ_SUBDEVICE, ObjEntry, ObjKey,
     rm::{sched, tsg},
 };
 use tracing::{debug, warn};
 
 use super::compute::channel::{ControlError, Controls, RmObject};
 use crate::{
-    probes::{Matcher, events::ReadBack},
+    probes::{
+        Matcher,
+        events::{ReadBack, Undo},
+    },
     report::Chain,
 };
 
@@ -53,8 +55,6 @@ pub enum RestoreError {
     UnknownClient { client: u32 },
     #[error("client {client:#x} has no subdevice gpud knows of to enable its channels on")]
     NoSubdevice { client: u32 },
-    #[error("record with reason {0} has nothing to undo")]
-    Nothing(u32),
     #[error("cannot update the pinned map {map}")]
     Map {
         map: &'static str,
@@ -209,35 +209,36 @@ impl Restorer {
     }
 
     /// Undoes one call.
-    pub fn apply(&mut self, r: &GuardRestore) -> Result<Restored, RestoreError> {
-        match r.verdict >> 8 {
-            GUARD_REASON_TIMESLICE => {
+    pub fn apply(&mut self, u: &Undo) -> Result<Restored, RestoreError> {
+        match u {
+            Undo::Timeslice {
+                pid,
+                client,
+                group,
+                allowed,
+                ..
+            } => {
                 let mut params = tsg::TimesliceParams {
-                    timeslice_us: r.allowed,
+                    timeslice_us: *allowed,
                 };
                 let group = RmObject {
-                    pid: r.tgid,
-                    client: r.client,
-                    object: r.object,
+                    pid: *pid,
+                    client: *client,
+                    object: *group,
                 };
                 self.controls
                     .control_on(group, tsg::SET_TIMESLICE, &mut params)?;
-                Ok(Restored::Timeslice(r.allowed))
+                Ok(Restored::Timeslice(*allowed))
             }
-            GUARD_REASON_FOREIGN => self.enable(r),
-            reason => Err(RestoreError::Nothing(reason)),
+            Undo::Channels { channels, .. } => self.enable(channels),
         }
     }
 
-    /// Enables again the channels `r` names, each client's through its own process's file.
-    fn enable(&mut self, r: &GuardRestore) -> Result<Restored, RestoreError> {
-        let n = (r.num_channels as usize).min(sched::DISABLE_CHANNELS_MAX);
+    /// Enables again the (client, channel) pairs, each client's through its own process's file.
+    fn enable(&mut self, pairs: &[(u32, u32)]) -> Result<Restored, RestoreError> {
         let mut by_client: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
-        for i in 0..n {
-            by_client
-                .entry(r.clients[i])
-                .or_default()
-                .push(r.channels[i]);
+        for &(client, channel) in pairs {
+            by_client.entry(client).or_default().push(channel);
         }
         // One walk of the objects for every victim's subdevice.
         let mut subdevices: BTreeMap<u32, u32> = BTreeMap::new();
@@ -249,15 +250,17 @@ impl Restorer {
         let mut enabled = 0;
         let mut first_error = None;
         for (client, channels) in by_client {
-            match self.enable_client(client, subdevices.get(&client).copied(), &channels) {
-                Ok(()) => enabled += channels.len() as u32,
-                Err(e) => {
-                    warn!(
-                        client = format_args!("{client:#x}"),
-                        "cannot enable a tenant's channels disabled by another: {}",
-                        Chain(&e)
-                    );
-                    first_error.get_or_insert(e);
+            for chunk in channels.chunks(sched::DISABLE_CHANNELS_MAX) {
+                match self.enable_client(client, subdevices.get(&client).copied(), chunk) {
+                    Ok(()) => enabled += chunk.len() as u32,
+                    Err(e) => {
+                        warn!(
+                            client = format_args!("{client:#x}"),
+                            "cannot enable a tenant's channels disabled by another: {}",
+                            Chain(&e)
+                        );
+                        first_error.get_or_insert(e);
+                    }
                 }
             }
         }
@@ -322,17 +325,17 @@ type Target = (u32, u32, u32);
 /// control leaves one undo per object, not one per call.
 #[derive(Default)]
 struct Queue {
-    /// Per target and reason, the latest request: the allowance a timeslice is set back to is the
-    /// one in force at the last call.
-    latest: BTreeMap<(Target, u32), GuardRestore>,
-    /// `FIFO_DISABLE_CHANNELS` per (process, client, subdevice): the first request (its ids) and
-    /// every (client, channel) any of them disabled. Merged, not replaced: each call may name
-    /// other victims.
-    foreign: BTreeMap<Target, (GuardRestore, BTreeSet<(u32, u32)>)>,
+    /// Per channel group, the latest timeslice to set back: the allowance in force at the last
+    /// call.
+    timeslices: BTreeMap<Target, Undo>,
+    /// Per (process, client, subdevice) of `FIFO_DISABLE_CHANNELS` calls: every (client,
+    /// channel) any of them disabled, and the first call's cgroup. Merged, not replaced: each
+    /// call may name other victims.
+    foreign: BTreeMap<Target, (u64, BTreeSet<(u32, u32)>)>,
     /// Read-backs per control file: the latest request (the kernel sends one per file until
     /// the restorer begins it, so this holds at most one per file anyway).
     read_backs: BTreeMap<u64, ReadBack>,
-    /// Entries held: one per `latest`, one per channel in `foreign`, one per read-back.
+    /// Entries held: one per timeslice, one per channel in `foreign`, one per read-back.
     held: usize,
     /// Requests (or channels of one) left out because [`QUEUE_MAX`] entries were waiting.
     dropped: u64,
@@ -341,45 +344,50 @@ struct Queue {
 }
 
 impl Queue {
-    /// Adds `r`; how many of its entries did not fit.
-    fn push(&mut self, r: GuardRestore) -> u64 {
-        let target = (r.tgid, r.client, r.object);
-        let reason = r.verdict >> 8;
-        if reason != GUARD_REASON_FOREIGN {
-            let key = (target, reason);
-            if self.latest.contains_key(&key) || self.held < QUEUE_MAX {
-                if self.latest.insert(key, r).is_none() {
-                    self.held += 1;
+    /// Adds `u`; how many of its entries did not fit.
+    fn push(&mut self, u: Undo) -> u64 {
+        match u {
+            Undo::Timeslice {
+                pid, client, group, ..
+            } => {
+                let key = (pid, client, group);
+                if self.timeslices.contains_key(&key) || self.held < QUEUE_MAX {
+                    if self.timeslices.insert(key, u).is_none() {
+                        self.held += 1;
+                    }
+                    return 0;
                 }
-                return 0;
+                self.dropped += 1;
+                1
             }
-            self.dropped += 1;
-            return 1;
+            Undo::Channels {
+                pid,
+                cgroup_id,
+                client,
+                subdevice,
+                channels: pairs,
+            } => {
+                let held = &mut self.held;
+                let (_, channels) = self
+                    .foreign
+                    .entry((pid, client, subdevice))
+                    .or_insert_with(|| (cgroup_id, BTreeSet::new()));
+                let mut left_out = 0;
+                for pair in pairs {
+                    if channels.contains(&pair) {
+                        continue;
+                    }
+                    if *held < QUEUE_MAX {
+                        channels.insert(pair);
+                        *held += 1;
+                    } else {
+                        left_out += 1;
+                    }
+                }
+                self.dropped += left_out;
+                left_out
+            }
         }
-        let n = (r.num_channels as usize).min(sched::DISABLE_CHANNELS_MAX);
-        let held = &mut self.held;
-        let (_, channels) = self
-            .foreign
-            .entry(target)
-            .or_insert_with(|| (r, BTreeSet::new()));
-        let mut left_out = 0;
-        for pair in r.clients[..n]
-            .iter()
-            .copied()
-            .zip(r.channels[..n].iter().copied())
-        {
-            if channels.contains(&pair) {
-                continue;
-            }
-            if *held < QUEUE_MAX {
-                channels.insert(pair);
-                *held += 1;
-            } else {
-                left_out += 1;
-            }
-        }
-        self.dropped += left_out;
-        left_out
     }
 
     /// Adds a read-back request; false if it did not fit.
@@ -394,35 +402,34 @@ impl Queue {
         true
     }
 
-    /// Everything waiting, as requests to undo (a target's merged channels in as many requests
-    /// as they need) and read-backs; the queue is left empty.
-    fn take(&mut self) -> (Vec<GuardRestore>, Vec<ReadBack>) {
+    /// Everything waiting, as undos (a target's merged channels in one) and read-backs; the
+    /// queue is left empty.
+    fn take(&mut self) -> (Vec<Undo>, Vec<ReadBack>) {
         let read_backs = std::mem::take(&mut self.read_backs).into_values().collect();
         (self.take_undos(), read_backs)
     }
 
-    fn take_undos(&mut self) -> Vec<GuardRestore> {
+    fn take_undos(&mut self) -> Vec<Undo> {
         self.held = 0;
-        let mut out: Vec<GuardRestore> = std::mem::take(&mut self.latest).into_values().collect();
-        for (first, channels) in std::mem::take(&mut self.foreign).into_values() {
-            let pairs: Vec<(u32, u32)> = channels.into_iter().collect();
-            for chunk in pairs.chunks(sched::DISABLE_CHANNELS_MAX) {
-                let mut r = first;
-                r.num_channels = chunk.len() as u32;
-                r.clients = [0; sched::DISABLE_CHANNELS_MAX];
-                r.channels = [0; sched::DISABLE_CHANNELS_MAX];
-                for (i, (client, channel)) in chunk.iter().enumerate() {
-                    r.clients[i] = *client;
-                    r.channels[i] = *channel;
-                }
-                out.push(r);
+        let mut out: Vec<Undo> = std::mem::take(&mut self.timeslices).into_values().collect();
+        for ((pid, client, subdevice), (cgroup_id, channels)) in std::mem::take(&mut self.foreign) {
+            // A call none of whose channels fitted has nothing waiting.
+            if channels.is_empty() {
+                continue;
             }
+            out.push(Undo::Channels {
+                pid,
+                cgroup_id,
+                client,
+                subdevice,
+                channels: channels.into_iter().collect(),
+            });
         }
         out
     }
 
     fn is_empty(&self) -> bool {
-        self.latest.is_empty() && self.foreign.is_empty() && self.read_backs.is_empty()
+        self.timeslices.is_empty() && self.foreign.is_empty() && self.read_backs.is_empty()
     }
 }
 
@@ -448,7 +455,8 @@ pub struct RestoreSender(Arc<Shared>);
 impl RestoreSender {
     /// Queues `r`, coalesced with what waits for the same object; what does not fit in
     /// [`QUEUE_MAX`] entries is counted and said.
-    pub fn send(&self, r: GuardRestore) {
+    pub fn send(&self, r: Undo) {
+        let pid = r.pid();
         let (left_out, dropped) = {
             let mut q = self.0.lock();
             let left_out = q.push(r);
@@ -458,7 +466,7 @@ impl RestoreSender {
         // Said at the first and then at each doubling: a flood does not flood the log too.
         if left_out > 0 && (dropped - left_out).checked_ilog2() != dropped.checked_ilog2() {
             warn!(
-                pid = r.tgid,
+                pid,
                 dropped_total = dropped,
                 "the scheduler guard's undo queue is full ({QUEUE_MAX} entries): undo requests \
                  left out (an object's next guarded call queues it again)"
@@ -540,18 +548,18 @@ fn read_back(restorer: &mut Restorer, r: &ReadBack) {
 }
 
 /// One undo, logged.
-fn undo(restorer: &mut Restorer, r: &GuardRestore) {
+fn undo(restorer: &mut Restorer, r: &Undo) {
     let started = Instant::now();
     match restorer.apply(r) {
         Ok(done) => debug!(
-            pid = r.tgid,
-            cgroup_id = r.cgroup_id,
+            pid = r.pid(),
+            cgroup_id = r.cgroup_id(),
             us = started.elapsed().as_micros() as u64,
             "undid a tenant's scheduling control: {done:?}"
         ),
         Err(e) => warn!(
-            pid = r.tgid,
-            cgroup_id = r.cgroup_id,
+            pid = r.pid(),
+            cgroup_id = r.cgroup_id(),
             "cannot undo a tenant's scheduling control: {}",
             Chain(&e)
         ),
@@ -562,31 +570,31 @@ fn undo(restorer: &mut Restorer, r: &GuardRestore) {
 mod tests {
     use super::*;
 
-    fn timeslice(tgid: u32, group: u32, allowed: u64) -> GuardRestore {
-        GuardRestore {
-            tgid,
+    fn timeslice(pid: u32, group: u32, allowed: u64) -> Undo {
+        Undo::Timeslice {
+            pid,
+            cgroup_id: 1,
             client: 0xc1,
-            object: group,
-            verdict: GUARD_REASON_TIMESLICE << 8,
+            group,
             allowed,
-            ..Default::default()
         }
     }
 
-    fn disable(tgid: u32, victims: &[(u32, u32)]) -> GuardRestore {
-        let mut r = GuardRestore {
-            tgid,
+    fn disable(pid: u32, victims: &[(u32, u32)]) -> Undo {
+        Undo::Channels {
+            pid,
+            cgroup_id: 1,
             client: 0xc1,
-            object: 0x5d,
-            verdict: GUARD_REASON_FOREIGN << 8,
-            num_channels: victims.len() as u32,
-            ..Default::default()
-        };
-        for (i, (c, ch)) in victims.iter().enumerate() {
-            r.clients[i] = *c;
-            r.channels[i] = *ch;
+            subdevice: 0x5d,
+            channels: victims.to_vec(),
         }
-        r
+    }
+
+    fn group_and_allowance(u: &Undo) -> (u32, u64) {
+        match u {
+            Undo::Timeslice { group, allowed, .. } => (*group, *allowed),
+            Undo::Channels { .. } => panic!("not a timeslice: {u:?}"),
+        }
     }
 
     /// A loop on one channel group leaves one undo, with the last allowance.
@@ -597,10 +605,9 @@ mod tests {
             q.push(timeslice(7, 0x10, allowed));
         }
         q.push(timeslice(7, 0x11, 50));
-        let mut out = q.take_undos();
-        out.sort_by_key(|r| r.object);
-        assert_eq!(out.len(), 2);
-        assert_eq!((out[0].object, out[0].allowed), (0x10, 300));
+        let mut out: Vec<(u32, u64)> = q.take_undos().iter().map(group_and_allowance).collect();
+        out.sort();
+        assert_eq!(out, [(0x10, 300), (0x11, 50)]);
         assert!(q.is_empty() && q.held == 0);
     }
 
@@ -612,25 +619,16 @@ mod tests {
         q.push(disable(7, &[(0xa, 1)]));
         q.push(disable(7, &[(0xb, 2), (0xa, 1)]));
         let out = q.take_undos();
-        assert_eq!(out.len(), 1);
-        let r = out[0];
-        let pairs: BTreeSet<(u32, u32)> = (0..r.num_channels as usize)
-            .map(|i| (r.clients[i], r.channels[i]))
-            .collect();
-        assert_eq!(pairs, BTreeSet::from([(0xa, 1), (0xb, 2)]));
-    }
-
-    /// More channels than one request holds go in several requests.
-    #[test]
-    fn merged_channels_are_split_into_requests() {
-        let mut q = Queue::default();
-        let n = sched::DISABLE_CHANNELS_MAX as u32;
-        for ch in 0..n + 3 {
-            q.push(disable(7, &[(0xa, ch)]));
-        }
-        let out = q.take_undos();
-        let total: u32 = out.iter().map(|r| r.num_channels).sum();
-        assert_eq!((out.len(), total), (2, n + 3));
+        assert_eq!(
+            out,
+            [Undo::Channels {
+                pid: 7,
+                cgroup_id: 1,
+                client: 0xc1,
+                subdevice: 0x5d,
+                channels: vec![(0xa, 1), (0xb, 2)],
+            }]
+        );
     }
 
     /// A tenant making new objects faster than they are undone is bounded and counted.

@@ -21,15 +21,84 @@ pub enum DecodeError {
     GuardAction(u32),
     #[error("unknown scheduler guard reason {0}")]
     GuardReason(u32),
+    #[error("an undo request for reason {0}, which has nothing to undo")]
+    NothingToUndo(&'static str),
 }
 
-/// One record of the ring: an event for the state task, or an undo request for the restorer
-/// (boxed: it carries a channel list, ten times an event's size).
+/// One record of the ring: an event for the state task, or an undo or read-back request for
+/// the restorer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
     Event(KernelEvent),
-    Restore(Box<GuardRestore>),
+    Undo(Undo),
     ReadBack(ReadBack),
+}
+
+/// What a tenant's control did that the restorer must undo (a `GuardRestore` record, decoded:
+/// its packed verdict and its channel list read here and nowhere else).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Undo {
+    /// A timeslice above the caller's allowance on channel group `group` of `client`: set back
+    /// to `allowed` µs.
+    Timeslice {
+        pid: u32,
+        cgroup_id: u64,
+        client: u32,
+        group: u32,
+        allowed: u64,
+    },
+    /// Channels of other processes' clients disabled by a call on subdevice `subdevice` of
+    /// `client`: each (client, channel) pair enabled again.
+    Channels {
+        pid: u32,
+        cgroup_id: u64,
+        client: u32,
+        subdevice: u32,
+        channels: Vec<(u32, u32)>,
+    },
+}
+
+impl Undo {
+    /// The process whose control is undone.
+    pub fn pid(&self) -> u32 {
+        match self {
+            Self::Timeslice { pid, .. } | Self::Channels { pid, .. } => *pid,
+        }
+    }
+
+    pub fn cgroup_id(&self) -> u64 {
+        match self {
+            Self::Timeslice { cgroup_id, .. } | Self::Channels { cgroup_id, .. } => *cgroup_id,
+        }
+    }
+
+    /// From the kernel's record: what its reason says to undo.
+    fn of(r: &GuardRestore) -> Result<Self, DecodeError> {
+        Ok(match GuardReason::from_code(r.verdict >> 8)? {
+            GuardReason::Timeslice => Self::Timeslice {
+                pid: r.tgid,
+                cgroup_id: r.cgroup_id,
+                client: r.client,
+                group: r.object,
+                allowed: r.allowed,
+            },
+            GuardReason::ForeignClient => {
+                let n = (r.num_channels as usize).min(gpud_common::rm::sched::DISABLE_CHANNELS_MAX);
+                Self::Channels {
+                    pid: r.tgid,
+                    cgroup_id: r.cgroup_id,
+                    client: r.client,
+                    subdevice: r.object,
+                    channels: r.clients[..n]
+                        .iter()
+                        .copied()
+                        .zip(r.channels[..n].iter().copied())
+                        .collect(),
+                }
+            }
+            other => return Err(DecodeError::NothingToUndo(other.as_str())),
+        })
+    }
 }
 
 /// A tenant's control on a control file with channel groups returned: the driver's state of
@@ -214,7 +283,7 @@ impl Record {
             // valid); read_unaligned copes with any alignment of the ring-buffer slice.
             let r = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<GuardRestore>()) };
             return match r.kind {
-                EVENT_GUARD_RESTORE => Ok(Self::Restore(Box::new(r))),
+                EVENT_GUARD_RESTORE => Undo::of(&r).map(Self::Undo),
                 other => Err(DecodeError::Kind(other)),
             };
         }
@@ -313,15 +382,49 @@ mod tests {
             Err(DecodeError::Size(bytes.len() - 1))
         );
         assert_eq!(Record::decode(&[]), Err(DecodeError::Size(0)));
-        let r = GuardRestore {
+        let mut r = GuardRestore {
             kind: EVENT_GUARD_RESTORE,
             tgid: 9,
-            num_channels: 1,
+            cgroup_id: 3,
+            client: 0xc1,
+            object: 0x5d,
+            verdict: GUARD_RESTORED | GUARD_REASON_FOREIGN << 8,
+            num_channels: 2,
             ..Default::default()
         };
+        (r.clients[0], r.channels[0], r.clients[1], r.channels[1]) = (0xa, 0x1, 0xb, 0x2);
         assert_eq!(
             Record::decode(&bytes_of(&r)),
-            Ok(Record::Restore(Box::new(r)))
+            Ok(Record::Undo(Undo::Channels {
+                pid: 9,
+                cgroup_id: 3,
+                client: 0xc1,
+                subdevice: 0x5d,
+                channels: vec![(0xa, 0x1), (0xb, 0x2)],
+            }))
+        );
+        let ts = GuardRestore {
+            verdict: GUARD_RESTORED | GUARD_REASON_TIMESLICE << 8,
+            allowed: 2048,
+            ..r
+        };
+        assert_eq!(
+            Record::decode(&bytes_of(&ts)),
+            Ok(Record::Undo(Undo::Timeslice {
+                pid: 9,
+                cgroup_id: 3,
+                client: 0xc1,
+                group: 0x5d,
+                allowed: 2048,
+            }))
+        );
+        let nothing = GuardRestore {
+            verdict: GUARD_KILLED | GUARD_REASON_FORBIDDEN << 8,
+            ..r
+        };
+        assert_eq!(
+            Record::decode(&bytes_of(&nothing)),
+            Err(DecodeError::NothingToUndo("forbidden"))
         );
         let other = GuardRestore { kind: 0, ..r };
         assert_eq!(Record::decode(&bytes_of(&other)), Err(DecodeError::Kind(0)));
@@ -425,7 +528,7 @@ mod fuzz {
                 Ok(Record::Event(_) | Record::ReadBack(_)) => {
                     prop_assert_eq!(bytes.len(), size_of::<Event>())
                 }
-                Ok(Record::Restore(_)) => prop_assert_eq!(bytes.len(), size_of::<GuardRestore>()),
+                Ok(Record::Undo(_)) => prop_assert_eq!(bytes.len(), size_of::<GuardRestore>()),
                 Err(DecodeError::Size(n)) => {
                     prop_assert_eq!(n, bytes.len());
                     prop_assert!(n != size_of::<Event>() && n != size_of::<GuardRestore>());

@@ -128,14 +128,11 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
                     .read_back(&r)
                     .with_context(|| format!("reading back a tenant's groups (pid {})", r.pid))?;
                 read_back.set(read_back.get() + 1);
-            } else if let Ok(Record::Restore(r)) = record {
+            } else if let Ok(Record::Undo(r)) = record {
                 ensure!(reacts, "an undo asked of a guard that rewrites");
-                restorer.apply(&r).with_context(|| {
-                    format!(
-                        "undoing a tenant's control (pid {}, verdict {:#x}, object {:#x})",
-                        r.tgid, r.verdict, r.object
-                    )
-                })?;
+                restorer
+                    .apply(&r)
+                    .with_context(|| format!("undoing a tenant's control: {r:?}"))?;
                 undone += 1;
             } else if let Ok(Record::Event(ev)) = record {
                 attribution.on_kernel_event(&ev);
