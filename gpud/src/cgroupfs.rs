@@ -261,12 +261,6 @@ impl CgroupFs {
         path_in_proc_cgroup(&text)
     }
 
-    /// The memory enforcement's freeze of the cgroup at `path` (relative to the root), or its
-    /// release; through the one [`Freezer`].
-    pub fn freeze(&self, path: &str, frozen: bool) -> Result<(), CgroupError> {
-        self.freezer.set(Holder::Memory, path, frozen)
-    }
-
     /// Kills every process in the cgroup at `path` and below it (`cgroup.kill`, Linux 5.14+; a
     /// root-owned file, so no capability is needed whoever the processes run as).
     pub fn kill(&self, path: &str) -> Result<(), CgroupError> {
@@ -277,8 +271,8 @@ impl CgroupFs {
         std::fs::write(&file, "1").map_err(|source| CgroupError::Write { path: file, source })
     }
 
-    /// The one writer of `cgroup.freeze` below this root, for the other holders (the compute
-    /// actuator) to share.
+    /// The one writer of `cgroup.freeze` below this root, for its holders (the memory
+    /// enforcement, the compute actuator) to share.
     pub fn freezer(&self) -> Freezer {
         self.freezer.clone()
     }
@@ -336,6 +330,30 @@ impl Freezer {
         let want = frozen || other.contains(path);
         freeze_at(&self.root, path, want)
     }
+
+    /// Whether `holder` wants the cgroup at `path` frozen.
+    pub fn holds(&self, holder: Holder, path: &str) -> bool {
+        self.held_by(holder).contains(path)
+    }
+
+    /// Every cgroup `holder` wants frozen: the one record of who froze what.
+    pub fn held_by(&self, holder: Holder) -> std::collections::BTreeSet<String> {
+        let wishes = self.wishes.lock().unwrap_or_else(|e| e.into_inner());
+        match holder {
+            Holder::Memory => wishes.memory.clone(),
+            Holder::Compute => wishes.compute.clone(),
+        }
+    }
+
+    /// `holder` no longer wants the cgroup at `path` frozen because it is gone: forgotten,
+    /// nothing written (a new cgroup at that path starts thawed).
+    pub fn forget(&self, holder: Holder, path: &str) {
+        let mut wishes = self.wishes.lock().unwrap_or_else(|e| e.into_inner());
+        match holder {
+            Holder::Memory => wishes.memory.remove(path),
+            Holder::Compute => wishes.compute.remove(path),
+        };
+    }
 }
 
 /// The id of the cgroup at `path` (normalized, relative to `root`): its directory's inode.
@@ -364,9 +382,9 @@ pub fn path_in_proc_cgroup(text: &str) -> Option<String> {
         .map(|p| p.trim_end_matches(" (deleted)").to_owned())
 }
 
-/// Freezes or thaws the cgroup at `path` below the hierarchy mounted at `root` (for owners that
-/// hold only the root, like the compute controller).
-pub fn freeze_at(root: &Path, path: &str, frozen: bool) -> Result<(), CgroupError> {
+/// Freezes or thaws the cgroup at `path` below the hierarchy mounted at `root`: the write the
+/// [`Freezer`] makes, and nothing else.
+fn freeze_at(root: &Path, path: &str, frozen: bool) -> Result<(), CgroupError> {
     let file = root
         .join(path.trim_start_matches('/'))
         .join("cgroup.freeze");

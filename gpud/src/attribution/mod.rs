@@ -434,11 +434,6 @@ impl Attribution {
         false
     }
 
-    /// Freezes (or thaws) a cgroup through `cgroup.freeze`.
-    pub fn freeze(&mut self, path: &str, frozen: bool) -> Result<(), AttributionError> {
-        Ok(self.cgroups.freeze(path, frozen)?)
-    }
-
     /// Kills every process of the cgroup at `path` and its descendants (`cgroup.kill`).
     pub fn kill(&mut self, path: &str) -> Result<(), AttributionError> {
         Ok(self.cgroups.kill(path)?)

@@ -205,6 +205,7 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
         tier,
         config.enforcement.react_action,
         crate::enforcement::backstop::BackstopRule::configured(&config.enforcement),
+        freezer.clone(),
     );
     memory.restore(&mut attribution, &mut settings, &mut policies);
     guard::sync_allowances(&mut attribution, &mut settings, policies.policies());
@@ -295,7 +296,7 @@ impl Core {
     /// An orderly close: what the memory enforcement froze is thawed, the probes pinned or
     /// detached.
     pub fn close(mut self, keep_pinned: bool) {
-        self.memory.thaw_all(&mut self.attribution);
+        self.memory.thaw_all();
         self.attribution.shutdown(keep_pinned);
     }
 }

@@ -217,7 +217,7 @@ pub(super) fn feed_compute(
         at: nvml.updated.unwrap_or_else(Instant::now),
         tenants,
         readings: readings.into_values().collect(),
-        memory_frozen: memory.frozen().clone(),
+        memory_frozen: memory.frozen(),
         groups: feed.groups.clone(),
     };
     if feed.tx.try_send(input).is_err() {

@@ -90,7 +90,11 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
         // A crash may have left cgroups frozen mid-period: thaw every cgroup with a compute
         // policy before the controller starts.
         for (path, _, _) in core.policies.compute_policies() {
-            if crate::cgroupfs::freeze_at(&cgroup_root, &path, false).is_ok() {
+            if opened
+                .freezer
+                .set(crate::cgroupfs::Holder::Compute, &path, false)
+                .is_ok()
+            {
                 info!(cgroup = %path, "thawed at start-up");
             }
         }

@@ -21,7 +21,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     attribution::{Attribution, AttributionError, memory::gpu_name},
-    cgroupfs::CgroupError,
+    cgroupfs::{CgroupError, Freezer, Holder},
     config::ReactAction,
     notice::LimitNotice,
     nvml::ProcessSample,
@@ -45,8 +45,9 @@ pub enum EnforcementError {
 pub struct MemoryEnforcement {
     tier: Tier,
     action: ReactAction,
-    /// cgroups this module froze (react `freeze`), thawed when their limit is raised or cleared.
-    frozen: BTreeSet<String>,
+    /// The one writer of `cgroup.freeze`, and its record of the cgroups this module froze
+    /// (react `freeze`, as `Holder::Memory`), thawed when their limit is raised or cleared.
+    freezer: Freezer,
     /// The kernel key (GPU index or `GPU_ALL`) each stored entry's memory limit is in force
     /// under. An entry whose GPU is not known (a UUID set while NVML has not answered, an index
     /// NVML does not report) is stored but in force nowhere until the inventory names it
@@ -58,11 +59,11 @@ pub struct MemoryEnforcement {
 }
 
 impl MemoryEnforcement {
-    pub fn new(tier: Tier, action: ReactAction, backstop: BackstopRule) -> Self {
+    pub fn new(tier: Tier, action: ReactAction, backstop: BackstopRule, freezer: Freezer) -> Self {
         Self {
             tier,
             action,
-            frozen: BTreeSet::new(),
+            freezer,
             applied: BTreeMap::new(),
             backstop: Backstop::new(backstop),
         }
@@ -353,7 +354,7 @@ impl MemoryEnforcement {
         policies.remove(std::slice::from_ref(&key))?;
         self.applied.remove(&key);
         if !policies.entries().keys().any(|(cg, _)| cg == path) {
-            self.frozen.remove(path);
+            self.freezer.forget(Holder::Memory, path);
         }
         info!(cgroup = %path, gpu = %gpu, "limits of a removed cgroup cleared");
         Ok(())
@@ -373,7 +374,7 @@ impl MemoryEnforcement {
         for k in &gone {
             info!(cgroup = %k.0, gpu = %k.1, "cgroup removed; dropping its limit");
             self.applied.remove(k);
-            self.frozen.remove(&k.0);
+            self.freezer.forget(Holder::Memory, &k.0);
         }
         if let Err(e) = policies.remove(&gone) {
             error!("cannot persist limits: {}", Chain(&e));
@@ -402,11 +403,8 @@ impl MemoryEnforcement {
                 ReactAction::Kill => "killed",
                 ReactAction::Notify => "notified",
                 ReactAction::Freeze => match &path {
-                    Some(p) => match attr.freeze(p, true) {
-                        Ok(()) => {
-                            self.frozen.insert(p.clone());
-                            "frozen"
-                        }
+                    Some(p) => match self.freezer.set(Holder::Memory, p, true) {
+                        Ok(()) => "frozen",
                         Err(e) => {
                             error!(cgroup = %p, "cannot freeze: {}", Chain(&e));
                             "notified"
@@ -461,11 +459,8 @@ impl MemoryEnforcement {
                 }
                 if killed { "killed" } else { "notified" }
             }
-            ReactAction::Freeze => match attr.freeze(&o.cgroup, true) {
-                Ok(()) => {
-                    self.frozen.insert(o.cgroup.clone());
-                    "frozen"
-                }
+            ReactAction::Freeze => match self.freezer.set(Holder::Memory, &o.cgroup, true) {
+                Ok(()) => "frozen",
                 Err(e) => {
                     error!(cgroup = %o.cgroup, "cannot freeze: {}", Chain(&e));
                     "notified"
@@ -498,7 +493,7 @@ impl MemoryEnforcement {
         path: &str,
         id: u64,
     ) {
-        if !self.frozen.contains(path) {
+        if !self.freezer.holds(Holder::Memory, path) {
             return;
         }
         let limits = settings.limits();
@@ -506,11 +501,8 @@ impl MemoryEnforcement {
             .iter()
             .any(|((cg, gpu), max)| *cg == id && attr.usage_of(id, *gpu) > *max);
         if !over {
-            match attr.freeze(path, false) {
-                Ok(()) => {
-                    info!(cgroup = %path, "thawed: back within its limits");
-                    self.frozen.remove(path);
-                }
+            match self.freezer.set(Holder::Memory, path, false) {
+                Ok(()) => info!(cgroup = %path, "thawed: back within its limits"),
                 Err(e) => error!(cgroup = %path, "cannot thaw: {}", Chain(&e)),
             }
         }
@@ -518,9 +510,9 @@ impl MemoryEnforcement {
 
     /// Thaws every cgroup this module froze (clean shutdown: the daemon will not be there to
     /// thaw them later).
-    pub fn thaw_all(&mut self, attr: &mut Attribution) {
-        for p in std::mem::take(&mut self.frozen) {
-            if let Err(e) = attr.freeze(&p, false) {
+    pub fn thaw_all(&mut self) {
+        for p in self.freezer.held_by(Holder::Memory) {
+            if let Err(e) = self.freezer.set(Holder::Memory, &p, false) {
                 error!(cgroup = %p, "cannot thaw at shutdown: {}", Chain(&e));
             }
         }
@@ -538,8 +530,8 @@ impl MemoryEnforcement {
     }
 
     /// cgroups the `freeze` action froze (the compute controller leaves them alone).
-    pub fn frozen(&self) -> &BTreeSet<String> {
-        &self.frozen
+    pub fn frozen(&self) -> BTreeSet<String> {
+        self.freezer.held_by(Holder::Memory)
     }
 
     pub fn tier(&self) -> Tier {
