@@ -179,8 +179,14 @@ async fn each_attributed_cgroup_is_an_object_with_named_properties_that_signal_c
     // A cgroup that is no longer attributed loses its object.
     drop(tb);
     let _ = manager.clear_limits(&a.rel, "all", &[]).await;
+    let b_dir = b.dir.clone();
     drop(b);
-    let gone = eventually(Duration::from_secs(15), || async {
+    assert!(
+        !b_dir.exists(),
+        "the test could not remove {}",
+        b_dir.display()
+    );
+    let gone = eventually(Duration::from_secs(30), || async {
         let (ok, text) = busctl(&address, &["tree", "--list", BUS_NAME]);
         (ok && !text.lines().any(|l| l.trim() == ob)).then_some(())
     })

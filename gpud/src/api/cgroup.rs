@@ -292,12 +292,15 @@ pub async fn publish_cgroups(
             .cloned()
             .collect();
         for path in gone {
-            published.remove(&path);
-            if let Err(e) = server
+            match server
                 .remove::<Cgroup, _>(cgroup_object_path(&path).as_str())
                 .await
             {
-                tracing::debug!(cgroup = %path, "cgroup object already gone: {e}");
+                Ok(_) | Err(zbus::Error::InterfaceNotFound) => {
+                    published.remove(&path);
+                }
+                // Kept as published: removed again at the next pass.
+                Err(e) => tracing::warn!(cgroup = %path, "cannot remove the cgroup's object: {e}"),
             }
         }
         for (path, props) in want {
