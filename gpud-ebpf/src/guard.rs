@@ -277,11 +277,11 @@ pub(crate) fn restore_at_exit(id: u64) {
 /// read back.
 #[inline(always)]
 pub(crate) fn watch_group(file: u64, group: ObjKey) {
+    // The file first: the daemon prunes watched groups whose file is not marked.
+    let _ = SCHED_FILES.insert(file, 0, BPF_NOEXIST as u64);
     if SCHED_GROUPS.insert(group, file, 0).is_err() {
         bump_stat(stat::SCHED_GROUPS_FULL);
-        return;
     }
-    let _ = SCHED_FILES.insert(file, 0, BPF_NOEXIST as u64);
 }
 
 /// Whether a control on `file` by the caller is read back at its exit: a tenant's (not gpud's)

@@ -460,7 +460,6 @@ pub(crate) fn account_alloc(p: &Pending) {
         rm::class::SUBDEVICE => (t.kind, t.gpu) = (OBJ_SUBDEVICE, gpu_of(p.client, p.parent)),
         rm::class::CHANNEL_GROUP => {
             (t.kind, t.gpu) = (OBJ_CHANNEL_GROUP, gpu_of(p.client, p.parent));
-            crate::guard::watch_group(p.file, t.key);
         }
         c if rm::class::is_gpfifo_channel(c) => {
             // Its group's GPU (a group's entry carries its device's).
@@ -477,7 +476,10 @@ pub(crate) fn account_alloc(p: &Pending) {
         }
         _ => return,
     }
-    track_object(&t);
+    // Recorded first: the daemon prunes watched groups that `OBJECTS` does not hold.
+    if track_object(&t) && t.kind == OBJ_CHANNEL_GROUP {
+        crate::guard::watch_group(p.file, t.key);
+    }
 }
 
 /// Charges a video-memory allocation made through the control file `p.file` and applies the
