@@ -256,6 +256,16 @@ pub fn available() -> bool {
 /// Mounts a fake at `dir` (created if missing) and serves it on a background thread. Needs root
 /// (or a FUSE mount helper) and `/dev/fuse`.
 pub fn mount(dir: &Path, opts: Options) -> io::Result<FakeNv> {
+    // A mount left by a run that was killed, its server gone ("transport endpoint is not
+    // connected"): detached, so this run can mount there again.
+    if std::fs::metadata(dir).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN)) {
+        let c =
+            std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
+        // SAFETY: a valid NUL-terminated path.
+        if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
     std::fs::create_dir_all(dir)?;
     let rm = Arc::new(Mutex::new(Rm::new(&opts)));
     let fs = Fs {
