@@ -151,32 +151,54 @@ impl Restorer {
             .collect();
         let (mut read, mut set_back) = (0, 0);
         for g in groups {
-            let group = RmObject {
+            let mut group = RmObject {
                 pid: r.pid,
                 client: g.client,
                 object: g.object,
             };
             let mut params = tsg::TimesliceParams { timeslice_us: 0 };
-            match self
+            let mut got = self
                 .controls
-                .control_on(group, tsg::GET_TIMESLICE, &mut params)
+                .control_on(group, tsg::GET_TIMESLICE, &mut params);
+            // The caller exited, or no longer holds the file: through the group's creator, who
+            // may still hold it (a forked worker's parent).
+            if matches!(
+                got,
+                Err(ControlError::Gone { .. } | ControlError::NoFile { .. })
+            ) && let Some(creator) = self
+                .objects
+                .get(&g, 0)
+                .ok()
+                .map(|e| e.tgid)
+                .filter(|t| *t != r.pid)
             {
+                group.pid = creator;
+                got = self
+                    .controls
+                    .control_on(group, tsg::GET_TIMESLICE, &mut params);
+            }
+            match got {
                 Ok(()) => read += 1,
-                // Freed meanwhile (or the caller is gone, and its file with it).
-                Err(ControlError::Refused { .. } | ControlError::Gone { .. }) => continue,
+                // Freed meanwhile, or no process left that holds its file (which the driver then
+                // releases with the group).
+                Err(
+                    ControlError::Refused { .. }
+                    | ControlError::Gone { .. }
+                    | ControlError::NoFile { .. },
+                ) => continue,
                 Err(e) => return Err(e.into()),
             }
             if params.timeslice_us <= r.allowed {
                 continue;
             }
             warn!(
-                pid = r.pid,
+                pid = group.pid,
                 cgroup_id = r.cgroup_id,
                 group = format_args!("{:#x}", g.object),
                 timeslice_us = params.timeslice_us,
                 allowed_us = r.allowed,
-                "a tenant's channel group runs with a timeslice above its allowance, which the \
-                 guard did not see asked (its control was changed after the guard read it): set back"
+                "a tenant's channel group runs with a timeslice above its allowance, read back \
+                 after its control: set back"
             );
             let mut back = tsg::TimesliceParams {
                 timeslice_us: r.allowed,
