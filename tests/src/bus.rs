@@ -143,3 +143,43 @@ impl Drop for Bus {
         let _ = self.child.wait();
     }
 }
+
+/// D-Bus XML (introspection data, bus policies: both come with a DOCTYPE), parsed.
+pub fn parse_dbus_xml(text: &str) -> roxmltree::Document<'_> {
+    let opts = roxmltree::ParsingOptions {
+        allow_dtd: true,
+        ..Default::default()
+    };
+    roxmltree::Document::parse_with_options(text, opts).expect("D-Bus XML")
+}
+
+/// Every object path the daemon serves under `path` (depth first), each with its introspection
+/// XML.
+pub async fn introspect_tree(conn: &zbus::Connection, path: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut todo = vec![path.to_owned()];
+    while let Some(path) = todo.pop() {
+        let proxy = zbus::fdo::IntrospectableProxy::builder(conn)
+            .destination(crate::BUS_NAME)
+            .path(path.clone())
+            .build()
+            .await
+            .expect("Introspectable proxy");
+        let xml = proxy.introspect().await.expect("Introspect");
+        let children: Vec<String> = parse_dbus_xml(&xml)
+            .root_element()
+            .children()
+            .filter(|n| n.has_tag_name("node"))
+            .filter_map(|n| n.attribute("name").map(str::to_owned))
+            .collect();
+        for c in children.into_iter().rev() {
+            todo.push(if path == "/" {
+                format!("/{c}")
+            } else {
+                format!("{path}/{c}")
+            });
+        }
+        out.push((path, xml));
+    }
+    out
+}

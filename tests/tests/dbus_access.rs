@@ -315,42 +315,6 @@ fn allows(rules: &[(Option<String>, Option<String>)], interface: &str, member: &
     })
 }
 
-/// Bus policies and introspection data come with a DOCTYPE.
-fn parse_xml(text: &str) -> roxmltree::Document<'_> {
-    let opts = roxmltree::ParsingOptions {
-        allow_dtd: true,
-        ..Default::default()
-    };
-    roxmltree::Document::parse_with_options(text, opts).expect("XML")
-}
-
-/// Every object path under `path` with its introspection XML.
-async fn introspect_tree(conn: &zbus::Connection, path: &str, out: &mut Vec<(String, String)>) {
-    let proxy = zbus::fdo::IntrospectableProxy::builder(conn)
-        .destination(BUS_NAME)
-        .path(path.to_owned())
-        .build()
-        .await
-        .expect("proxy");
-    let xml = proxy.introspect().await.expect("Introspect");
-    let doc = parse_xml(&xml);
-    let children: Vec<String> = doc
-        .root_element()
-        .children()
-        .filter(|n| n.has_tag_name("node"))
-        .filter_map(|n| n.attribute("name").map(str::to_owned))
-        .collect();
-    out.push((path.to_owned(), xml));
-    for c in children {
-        let child = if path == "/" {
-            format!("/{c}")
-        } else {
-            format!("{path}/{c}")
-        };
-        Box::pin(introspect_tree(conn, &child, out)).await;
-    }
-}
-
 /// A method added later must be classified: listed in `MUTATING_METHODS` (and then allowed only
 /// to root and the admin group) or allowed to everyone by the shipped policy.
 #[tokio::test(flavor = "multi_thread")]
@@ -361,18 +325,17 @@ async fn every_method_is_either_mutating_or_open_to_everyone_in_the_policy() {
     let bus = rig.bus.address.as_str();
 
     let policy_text = std::fs::read_to_string(shipped_bus_policy()).expect("policy");
-    let policy = parse_xml(&policy_text);
+    let policy = gpud_tests::parse_dbus_xml(&policy_text);
     let open = allowed_in(&policy, "context", "default");
     let admins = allowed_in(&policy, "group", "gpud-admin");
     let root = allowed_in(&policy, "user", "root");
 
     let (conn, _p) = rig.proxy().await;
-    let mut tree = Vec::new();
-    introspect_tree(&conn, "/", &mut tree).await;
+    let tree = gpud_tests::introspect_tree(&conn, "/").await;
     let mut seen = BTreeSet::new();
     let mut interfaces = BTreeSet::new();
     for (path, xml) in &tree {
-        let doc = parse_xml(xml);
+        let doc = gpud_tests::parse_dbus_xml(xml);
         // Only this object's own interfaces (children may be inlined as nested nodes).
         for iface in doc
             .root_element()

@@ -216,47 +216,10 @@ enum Kind {
 /// `(interface, kind, member)` of every `dev.gpud.*` member the running daemon serves.
 type Members = std::collections::BTreeSet<(String, Kind, String)>;
 
-/// Every object path under `path` (depth first) with its introspection XML.
-async fn introspect_tree(conn: &zbus::Connection, path: &str, out: &mut Vec<(String, String)>) {
-    let proxy = zbus::fdo::IntrospectableProxy::builder(conn)
-        .destination(BUS_NAME)
-        .path(path.to_owned())
-        .build()
-        .await
-        .expect("proxy");
-    let xml = proxy.introspect().await.expect("Introspect");
-    let children: Vec<String> = roxmltree::Document::parse_with_options(
-        &xml,
-        roxmltree::ParsingOptions {
-            allow_dtd: true,
-            ..Default::default()
-        },
-    )
-    .expect("introspection XML")
-    .root_element()
-    .children()
-    .filter(|n| n.has_tag_name("node"))
-    .filter_map(|n| n.attribute("name").map(str::to_owned))
-    .collect();
-    out.push((path.to_owned(), xml));
-    for c in children {
-        let child = if path == "/" {
-            format!("/{c}")
-        } else {
-            format!("{path}/{c}")
-        };
-        Box::pin(introspect_tree(conn, &child, out)).await;
-    }
-}
-
 fn daemon_members(tree: &[(String, String)]) -> Members {
     let mut out = Members::new();
     for (_, xml) in tree {
-        let opts = roxmltree::ParsingOptions {
-            allow_dtd: true,
-            ..Default::default()
-        };
-        let doc = roxmltree::Document::parse_with_options(xml, opts).expect("introspection XML");
+        let doc = gpud_tests::parse_dbus_xml(xml);
         for iface in doc
             .root_element()
             .children()
@@ -377,8 +340,7 @@ async fn the_daemons_interfaces_match_the_proxies_gpudctl_and_the_docs() {
     tree_with(&address, &gpud_api::gpu_path(0, u32::MAX));
 
     let (_c, manager) = rig.proxy().await;
-    let mut tree = Vec::new();
-    introspect_tree(manager.inner().connection(), "/", &mut tree).await;
+    let tree = gpud_tests::introspect_tree(manager.inner().connection(), "/").await;
     let served = daemon_members(&tree);
     let declared = proxy_members();
     let interfaces: std::collections::BTreeSet<&str> =
