@@ -11,6 +11,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
+    sync::Arc,
     time::Duration,
 };
 
@@ -101,7 +102,8 @@ pub fn props_of(
 
 /// One cgroup's object.
 pub struct Cgroup {
-    props: CgroupProps,
+    /// Shared with the publisher's record of what it published: one copy per cgroup.
+    props: Arc<CgroupProps>,
     daemon: Handle,
     authz: Authorizer,
 }
@@ -213,7 +215,7 @@ impl Cgroup {
 }
 
 /// Stores `new` in the object behind `iface` and signals each property that changed.
-async fn update(iface: &InterfaceRef<Cgroup>, new: CgroupProps) -> zbus::Result<()> {
+async fn update(iface: &InterfaceRef<Cgroup>, new: Arc<CgroupProps>) -> zbus::Result<()> {
     let mut obj = iface.get_mut().await;
     let old = std::mem::replace(&mut obj.props, new);
     let (p, e) = (&obj.props, iface.signal_emitter());
@@ -272,7 +274,7 @@ pub async fn publish_cgroups(
         tracing::warn!("cannot serve the object manager: {e}");
     }
     let authz = Authorizer::new(admin_group);
-    let mut published: HashMap<String, CgroupProps> = HashMap::new();
+    let mut published: HashMap<String, Arc<CgroupProps>> = HashMap::new();
     let mut tick = tokio::time::interval(PUBLISH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -306,8 +308,9 @@ pub async fn publish_cgroups(
         for (path, props) in want {
             let object = cgroup_object_path(&path);
             match published.get(&path) {
-                Some(old) if *old == props => {}
+                Some(old) if **old == props => {}
                 Some(_) => {
+                    let props = Arc::new(props);
                     let updated = match server.interface::<_, Cgroup>(object.as_str()).await {
                         Ok(iface) => update(&iface, props.clone()).await,
                         Err(e) => Err(e),
@@ -318,6 +321,7 @@ pub async fn publish_cgroups(
                     published.insert(path, props);
                 }
                 None => {
+                    let props = Arc::new(props);
                     let obj = Cgroup {
                         props: props.clone(),
                         daemon: daemon.clone(),
