@@ -183,3 +183,21 @@ pub async fn introspect_tree(conn: &zbus::Connection, path: &str) -> Vec<(String
     }
     out
 }
+
+/// Calls `f` with each object's path and each of its own `dev.gpud.*` interfaces (children
+/// inlined as nested nodes are theirs, not its), from [`introspect_tree`]'s output.
+pub fn for_each_gpud_interface(
+    tree: &[(String, String)],
+    mut f: impl FnMut(&str, roxmltree::Node<'_, '_>),
+) {
+    for (path, xml) in tree {
+        let doc = parse_dbus_xml(xml);
+        for iface in doc.root_element().children().filter(|n| {
+            n.has_tag_name("interface")
+                && n.attribute("name")
+                    .is_some_and(|a| a.starts_with("dev.gpud."))
+        }) {
+            f(path, iface);
+        }
+    }
+}

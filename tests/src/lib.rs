@@ -18,7 +18,9 @@ pub use gpud_api::{
     Manager1Proxy, NvmlUsageRecord, OBJECT_PATH, connect_builder,
 };
 
-pub use bus::{Bus, TestGroup, introspect_tree, parse_dbus_xml, shipped_bus_policy};
+pub use bus::{
+    Bus, TestGroup, for_each_gpud_interface, introspect_tree, parse_dbus_xml, shipped_bus_policy,
+};
 pub use cgroup::{Cgroup, cgroup2_root, process_state, spawn_in_cgroup};
 pub use config::TestConfig;
 pub use daemon::Daemon;

@@ -334,61 +334,48 @@ async fn every_method_is_either_mutating_or_open_to_everyone_in_the_policy() {
     let tree = gpud_tests::introspect_tree(&conn, "/").await;
     let mut seen = BTreeSet::new();
     let mut interfaces = BTreeSet::new();
-    for (path, xml) in &tree {
-        let doc = gpud_tests::parse_dbus_xml(xml);
-        // Only this object's own interfaces (children may be inlined as nested nodes).
-        for iface in doc
-            .root_element()
-            .children()
-            .filter(|n| n.has_tag_name("interface"))
-        {
-            let Some(name) = iface
-                .attribute("name")
-                .filter(|n| n.starts_with("dev.gpud."))
-            else {
-                continue;
-            };
-            interfaces.insert(name.to_owned());
-            for prop in iface.children().filter(|c| c.has_tag_name("property")) {
-                assert_eq!(
-                    prop.attribute("access"),
-                    Some("read"),
-                    "{name}.{:?} on {path} is writable: Properties.Set would change state",
-                    prop.attribute("name")
+    gpud_tests::for_each_gpud_interface(&tree, |path, iface| {
+        let name = iface.attribute("name").unwrap_or_default();
+        interfaces.insert(name.to_owned());
+        for prop in iface.children().filter(|c| c.has_tag_name("property")) {
+            assert_eq!(
+                prop.attribute("access"),
+                Some("read"),
+                "{name}.{:?} on {path} is writable: Properties.Set would change state",
+                prop.attribute("name")
+            );
+        }
+        for m in iface.children().filter(|c| c.has_tag_name("method")) {
+            let member = m.attribute("name").expect("method name");
+            let takes_args = m
+                .children()
+                .any(|a| a.has_tag_name("arg") && a.attribute("direction") == Some("in"));
+            seen.insert(member.to_owned());
+            if MUTATING_METHODS.contains(&member) {
+                assert!(
+                    !allows(&open, name, member),
+                    "{name}.{member} changes state but the policy allows it to everyone"
                 );
-            }
-            for m in iface.children().filter(|c| c.has_tag_name("method")) {
-                let member = m.attribute("name").expect("method name");
-                let takes_args = m
-                    .children()
-                    .any(|a| a.has_tag_name("arg") && a.attribute("direction") == Some("in"));
-                seen.insert(member.to_owned());
-                if MUTATING_METHODS.contains(&member) {
-                    assert!(
-                        !allows(&open, name, member),
-                        "{name}.{member} changes state but the policy allows it to everyone"
-                    );
-                    assert!(
-                        allows(&admins, name, member) && allows(&root, name, member),
-                        "{name}.{member} changes state but the policy does not allow it to root \
-                         and the admin group"
-                    );
-                } else {
-                    assert!(
-                        allows(&open, name, member),
-                        "{name}.{member} is neither in MUTATING_METHODS nor allowed to everyone by \
-                         systemd/dev.gpud.Daemon1.conf: classify it"
-                    );
-                    if !takes_args {
-                        // And the bus really lets an unprivileged user call it.
-                        let (ok, text) =
-                            busctl(Who::Nobody, bus, &["call", BUS_NAME, path, name, member]);
-                        assert!(ok, "{name}.{member} refused to a non-member: {text}");
-                    }
+                assert!(
+                    allows(&admins, name, member) && allows(&root, name, member),
+                    "{name}.{member} changes state but the policy does not allow it to root \
+                     and the admin group"
+                );
+            } else {
+                assert!(
+                    allows(&open, name, member),
+                    "{name}.{member} is neither in MUTATING_METHODS nor allowed to everyone by \
+                     systemd/dev.gpud.Daemon1.conf: classify it"
+                );
+                if !takes_args {
+                    // And the bus really lets an unprivileged user call it.
+                    let (ok, text) =
+                        busctl(Who::Nobody, bus, &["call", BUS_NAME, path, name, member]);
+                    assert!(ok, "{name}.{member} refused to a non-member: {text}");
                 }
             }
         }
-    }
+    });
     assert!(
         interfaces.contains(MANAGER_INTERFACE) && interfaces.contains("dev.gpud.Gpu1"),
         "{interfaces:?}"

@@ -218,31 +218,19 @@ type Members = std::collections::BTreeSet<(String, Kind, String)>;
 
 fn daemon_members(tree: &[(String, String)]) -> Members {
     let mut out = Members::new();
-    for (_, xml) in tree {
-        let doc = gpud_tests::parse_dbus_xml(xml);
-        for iface in doc
-            .root_element()
-            .children()
-            .filter(|n| n.has_tag_name("interface"))
-        {
-            let Some(name) = iface
-                .attribute("name")
-                .filter(|n| n.starts_with("dev.gpud."))
-            else {
-                continue;
+    gpud_tests::for_each_gpud_interface(tree, |_, iface| {
+        let name = iface.attribute("name").unwrap_or_default();
+        for m in iface.children().filter(|c| c.is_element()) {
+            let kind = match m.tag_name().name() {
+                "method" => Kind::Method,
+                "property" => Kind::Property,
+                "signal" => Kind::Signal,
+                _ => continue,
             };
-            for m in iface.children().filter(|c| c.is_element()) {
-                let kind = match m.tag_name().name() {
-                    "method" => Kind::Method,
-                    "property" => Kind::Property,
-                    "signal" => Kind::Signal,
-                    _ => continue,
-                };
-                let member = m.attribute("name").expect("member name").to_owned();
-                out.insert((name.to_owned(), kind, member));
-            }
+            let member = m.attribute("name").expect("member name").to_owned();
+            out.insert((name.to_owned(), kind, member));
         }
-    }
+    });
     out
 }
 
