@@ -277,6 +277,9 @@ pub async fn publish_cgroups(
     let mut published: HashMap<String, Arc<CgroupProps>> = HashMap::new();
     let mut tick = tokio::time::interval(PUBLISH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // What the objects were last brought up to date from: an unchanged view and unchanged
+    // compute figures change no property, so nothing is rebuilt or compared.
+    let mut last: Option<(std::sync::Weak<View>, Option<crate::daemon::ComputeStats>)> = None;
     loop {
         tick.tick().await;
         let view = match daemon.view().await {
@@ -287,7 +290,16 @@ pub async fn publish_cgroups(
                 continue;
             }
         };
-        let want = props_of(&view, daemon.compute_stats().as_ref());
+        let compute = daemon.compute_stats();
+        if let Some((seen, stats)) = &last
+            && std::sync::Weak::ptr_eq(seen, &Arc::downgrade(&view))
+            && *stats == compute
+        {
+            continue;
+        }
+        let want = props_of(&view, compute.as_ref());
+        // Remembered only where every object was brought up to date; else the next pass retries.
+        let mut all_done = true;
         let gone: Vec<String> = published
             .keys()
             .filter(|p| !want.contains_key(*p))
@@ -302,7 +314,10 @@ pub async fn publish_cgroups(
                     published.remove(&path);
                 }
                 // Kept as published: removed again at the next pass.
-                Err(e) => tracing::warn!(cgroup = %path, "cannot remove the cgroup's object: {e}"),
+                Err(e) => {
+                    all_done = false;
+                    tracing::warn!(cgroup = %path, "cannot remove the cgroup's object: {e}");
+                }
             }
         }
         for (path, props) in want {
@@ -316,6 +331,7 @@ pub async fn publish_cgroups(
                         Err(e) => Err(e),
                     };
                     if let Err(e) = updated {
+                        all_done = false;
                         tracing::warn!(cgroup = %path, "cannot update the cgroup's object: {e}");
                     }
                     published.insert(path, props);
@@ -332,11 +348,15 @@ pub async fn publish_cgroups(
                             published.insert(path, props);
                         }
                         Err(e) => {
+                            all_done = false;
                             tracing::warn!(cgroup = %path, "cannot publish the cgroup's object: {e}");
                         }
                     }
                 }
             }
+        }
+        if all_done {
+            last = Some((Arc::downgrade(&view), compute));
         }
     }
 }
