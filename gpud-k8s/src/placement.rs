@@ -73,116 +73,173 @@ pub struct Context<'a> {
 
 /// The preferred device IDs for `req`: `must_include` first, then the chosen units.
 pub fn prefer(req: &Request<'_>, ctx: &Context<'_>) -> Result<Vec<String>, PlacementError> {
-    let r = req.resource;
-    // Free unit numbers per healthy slot, in inventory order.
-    let mut free: BTreeMap<&str, BTreeSet<u32>> = BTreeMap::new();
-    for id in req.available.iter().chain(req.must_include) {
-        let unit = Unit::parse(id).ok_or_else(|| PlacementError::UnknownDevice {
-            resource: r,
-            id: id.clone(),
-        })?;
-        let Some(slot) = ctx.inventory.slot(&unit.uuid) else {
-            return Err(PlacementError::UnknownDevice {
-                resource: r,
-                id: id.clone(),
-            });
-        };
-        if slot.healthy() || req.must_include.contains(id) {
-            free.entry(slot.uuid.as_str()).or_default().insert(unit.n);
-        }
-    }
-    let must: BTreeSet<&str> = req
-        .must_include
-        .iter()
-        .filter_map(|id| id.rsplit_once("::").map(|(u, _)| u))
-        .collect();
+    let free = free_units(req, ctx.inventory)?;
+    // The kubelet may name more units to include than it asks for: all of them are kept.
     let size = req
         .size
         .max(u32::try_from(req.must_include.len()).unwrap_or(u32::MAX));
     if size == 0 {
         return Ok(Vec::new());
     }
-    let slots: Vec<&Slot> = ctx
-        .inventory
-        .slots
-        .iter()
-        .filter(|s| free.contains_key(s.uuid.as_str()))
-        .filter(|s| ctx.partner.is_none_or(|p| p.contains(&s.uuid)))
-        .collect();
-    let n_free = |s: &Slot| {
-        u32::try_from(free.get(s.uuid.as_str()).map_or(0, BTreeSet::len)).unwrap_or(u32::MAX)
+    let candidates = Candidates::new(free, ctx);
+    let chosen = choose(req, size, &candidates, ctx)?;
+    Ok(unit_ids(req, size, &candidates, chosen))
+}
+
+/// Free unit numbers per slot UUID from the offered IDs: healthy slots only, but a unit the
+/// kubelet insists on counts wherever it is. An ID that names no slot is an error.
+fn free_units<'i>(
+    req: &Request<'_>,
+    inventory: &'i Inventory,
+) -> Result<BTreeMap<&'i str, BTreeSet<u32>>, PlacementError> {
+    let unknown = |id: &String| PlacementError::UnknownDevice {
+        resource: req.resource,
+        id: id.clone(),
     };
-    let total: u32 = slots.iter().map(|s| n_free(s)).sum();
-    let max_units = ctx
-        .inventory
-        .slots
-        .iter()
-        .filter(|s| s.healthy())
-        .map(|s| ctx.inventory.units_of(s, r))
-        .max()
-        .unwrap_or(0);
+    let mut free: BTreeMap<&str, BTreeSet<u32>> = BTreeMap::new();
+    for id in req.available.iter().chain(req.must_include) {
+        let unit = Unit::parse(id).ok_or_else(|| unknown(id))?;
+        let slot = inventory.slot(&unit.uuid).ok_or_else(|| unknown(id))?;
+        if slot.healthy() || req.must_include.contains(id) {
+            free.entry(slot.uuid.as_str()).or_default().insert(unit.n);
+        }
+    }
+    Ok(free)
+}
+
+/// The slots a request may use and their free units.
+struct Candidates<'i> {
+    /// Free unit numbers per slot UUID (from [`free_units`]).
+    free: BTreeMap<&'i str, BTreeSet<u32>>,
+    /// Slots with free units (within the partner's, if any), in inventory order.
+    slots: Vec<&'i Slot>,
+    /// Free units over `slots`.
+    total: u32,
+}
+
+impl<'i> Candidates<'i> {
+    fn new(free: BTreeMap<&'i str, BTreeSet<u32>>, ctx: &Context<'i>) -> Self {
+        let slots: Vec<&Slot> = ctx
+            .inventory
+            .slots
+            .iter()
+            .filter(|s| free.contains_key(s.uuid.as_str()))
+            .filter(|s| ctx.partner.is_none_or(|p| p.contains(&s.uuid)))
+            .collect();
+        let mut c = Self {
+            free,
+            slots,
+            total: 0,
+        };
+        c.total = c.slots.iter().map(|s| c.n_free(s)).sum();
+        c
+    }
+
+    /// Free units on `s`; 0 for a slot not offered.
+    fn n_free(&self, s: &Slot) -> u32 {
+        u32::try_from(self.free.get(s.uuid.as_str()).map_or(0, BTreeSet::len)).unwrap_or(u32::MAX)
+    }
+}
+
+/// The slots to take `size` units from: one GPU when the request fits one, else the fewest
+/// closest GPUs; or why none will do.
+fn choose<'i>(
+    req: &Request<'_>,
+    size: u32,
+    c: &Candidates<'i>,
+    ctx: &Context<'i>,
+) -> Result<Vec<&'i Slot>, PlacementError> {
+    let r = req.resource;
     if let Some(partner) = ctx.partner
-        && total < size
+        && c.total < size
     {
         return Err(PlacementError::PartnerFull {
             resource: r,
             other: r.other(),
             size,
             partner: partner.join(", "),
-            free: total,
+            free: c.total,
         });
     }
-    let chosen: Vec<&Slot> = if size <= max_units && must.len() <= 1 {
-        let other_room = |s: &Slot| {
-            let cap = ctx.inventory.units_of(s, r.other());
-            cap.saturating_sub(ctx.other_taken.get(&s.uuid).copied().unwrap_or(0)) > 0
-        };
-        let best = slots
-            .iter()
-            .filter(|s| n_free(s) >= size)
-            .filter(|s| must.is_empty() || must.contains(s.uuid.as_str()))
-            .min_by_key(|s| (!other_room(s), n_free(s), s.index, s.mig));
-        match best {
-            Some(s) => vec![*s],
-            None if total >= size && ctx.partner.is_none() => {
-                return Err(PlacementError::NoSingleGpu {
-                    resource: r,
-                    size,
-                    free: slots
-                        .iter()
-                        .map(|s| format!("{} {}", s.uuid, n_free(s)))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                });
-            }
-            None if total >= size => {
-                // The partner's GPUs hold it only together.
-                spread(&slots, size, ctx.topology, &n_free)
-            }
-            None => {
-                return Err(PlacementError::NotEnough {
-                    resource: r,
-                    size,
-                    free: total,
-                });
-            }
+    // The GPUs of units the kubelet insists on.
+    let must: BTreeSet<&str> = req
+        .must_include
+        .iter()
+        .filter_map(|id| id.rsplit_once("::").map(|(u, _)| u))
+        .collect();
+    if size <= max_units(ctx.inventory, r) && must.len() <= 1 {
+        if let Some(s) = best_fit(r, size, &must, c, ctx) {
+            return Ok(vec![s]);
         }
-    } else {
-        if total < size {
-            return Err(PlacementError::NotEnough {
+        // Without a partner a split would only be fragmentation; the partner's GPUs, though,
+        // may hold the request only together.
+        if ctx.partner.is_none() && c.total >= size {
+            return Err(PlacementError::NoSingleGpu {
                 resource: r,
                 size,
-                free: total,
+                free: c
+                    .slots
+                    .iter()
+                    .map(|s| format!("{} {}", s.uuid, c.n_free(s)))
+                    .collect::<Vec<_>>()
+                    .join(", "),
             });
         }
-        spread(&slots, size, ctx.topology, &n_free)
+    }
+    if c.total < size {
+        return Err(PlacementError::NotEnough {
+            resource: r,
+            size,
+            free: c.total,
+        });
+    }
+    Ok(spread(&c.slots, size, ctx.topology, &|s| c.n_free(s)))
+}
+
+/// The most units of `r` any healthy slot offers: requests up to it stay on one GPU.
+fn max_units(inventory: &Inventory, r: Resource) -> u32 {
+    inventory
+        .slots
+        .iter()
+        .filter(|s| s.healthy())
+        .map(|s| inventory.units_of(s, r))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Best fit on one GPU: the candidate with the fewest free units that still hold `size`,
+/// preferring GPUs where the other resource has room, limited to `must`'s GPU if it names one.
+fn best_fit<'i>(
+    r: Resource,
+    size: u32,
+    must: &BTreeSet<&str>,
+    c: &Candidates<'i>,
+    ctx: &Context<'_>,
+) -> Option<&'i Slot> {
+    let other_room = |s: &Slot| {
+        let cap = ctx.inventory.units_of(s, r.other());
+        cap.saturating_sub(ctx.other_taken.get(&s.uuid).copied().unwrap_or(0)) > 0
     };
-    // must_include first, then the lowest free units of the chosen slots, fullest first.
+    c.slots
+        .iter()
+        .copied()
+        .filter(|s| c.n_free(s) >= size)
+        .filter(|s| must.is_empty() || must.contains(s.uuid.as_str()))
+        .min_by_key(|s| (!other_room(s), c.n_free(s), s.index, s.mig))
+}
+
+/// `must_include` first, then the lowest free units of the chosen slots, fullest first, up to
+/// `size` IDs.
+fn unit_ids(
+    req: &Request<'_>,
+    size: u32,
+    c: &Candidates<'_>,
+    mut chosen: Vec<&Slot>,
+) -> Vec<String> {
     let mut out: Vec<String> = req.must_include.to_vec();
-    let mut order = chosen;
-    order.sort_by_key(|s| std::cmp::Reverse(n_free(s)));
-    for s in order {
-        for n in free.get(s.uuid.as_str()).into_iter().flatten() {
+    chosen.sort_by_key(|s| std::cmp::Reverse(c.n_free(s)));
+    for s in chosen {
+        for n in c.free.get(s.uuid.as_str()).into_iter().flatten() {
             if out.len() >= size as usize {
                 break;
             }
@@ -196,7 +253,7 @@ pub fn prefer(req: &Request<'_>, ctx: &Context<'_>) -> Result<Vec<String>, Place
             }
         }
     }
-    Ok(out)
+    out
 }
 
 /// The fewest slots holding `size` units, closest together: grown greedily from each slot by

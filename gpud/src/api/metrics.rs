@@ -4,7 +4,8 @@
 //! Every scrape asks the state task for one snapshot (it owns the data; nothing here caches or
 //! mutates it), turns it into the same records the D-Bus API serves, and builds a fresh registry
 //! from them, so a scrape shows one consistent moment and a vanished cgroup leaves no stale
-//! series behind. The metric names are documented in docs/metrics.md.
+//! series behind. [`build`] registers one group of families per helper, in a fixed order (the
+//! order of the text). The metric names are documented in docs/metrics.md.
 
 use std::{collections::BTreeMap, convert::Infallible, sync::Arc, time::Duration};
 
@@ -261,7 +262,24 @@ fn int(v: u64) -> i64 {
 /// The registry for one snapshot.
 pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -> Registry {
     let mut r = Registry::default();
+    // Families are encoded in registration order: keep the order stable for readers of the text.
+    register_daemon(&mut r, snap, info, started);
+    register_cgroups(&mut r, &snap.cgroups);
+    register_notices(&mut r, &snap.notices, &snap.guard_counts);
+    register_nvml_usage(&mut r, &snap.nvml_usage);
+    register_compute(&mut r, &snap.compute);
+    register_idle(&mut r, &snap.idle);
+    register_gpus(&mut r, &snap.gpus);
+    r
+}
 
+/// Registers what runs: build info, start time, NVML availability and the eBPF counters.
+fn register_daemon(
+    r: &mut Registry,
+    snap: &Scrape,
+    info: &DaemonInfo,
+    started: std::time::SystemTime,
+) {
     r.register(
         "gpud_build",
         "gpud version and how it enforces",
@@ -302,13 +320,16 @@ pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -
         "Counters kept by the eBPF programs (events_lost, limit_crossings, objects_map_full, ...)",
         kernel,
     );
+}
 
+/// Registers the probes' per-cgroup memory, limits, limit events, ioctls and processes.
+fn register_cgroups(r: &mut Registry, cgroups: &[CgroupRecord]) {
     let memory = int_gauges();
     let limit = int_gauges();
     let limit_events = counters();
     let ioctls = counters();
     let processes = int_gauges();
-    for c in &snap.cgroups {
+    for c in cgroups {
         let l = cgroup_labels(&c.path);
         for (gpu, bytes) in &c.memory_current {
             // "all" is the sum of the others: leave summing to PromQL.
@@ -356,9 +377,16 @@ pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -
         "Live processes attributed to the cgroup",
         processes,
     );
+}
 
+/// Registers the notices published by name and the guard's actions by cgroup and control.
+fn register_notices(
+    r: &mut Registry,
+    notices: &BTreeMap<&'static str, u64>,
+    guard_counts: &crate::enforcement::guard::GuardCounts,
+) {
     let guarded = counters();
-    for ((cgroup, control, action), n) in &snap.guard_counts {
+    for ((cgroup, control, action), n) in guard_counts {
         let l = with(
             with(cgroup_labels(cgroup), "control", control),
             "action",
@@ -366,9 +394,9 @@ pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -
         );
         guarded.get_or_create(&l).inc_by(*n);
     }
-    let notices = counters();
-    for (name, n) in &snap.notices {
-        notices
+    let by_name = counters();
+    for (name, n) in notices {
+        by_name
             .get_or_create(&vec![("notice".to_owned(), (*name).to_owned())])
             .inc_by(*n);
     }
@@ -376,7 +404,7 @@ pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -
         "gpud_notices",
         "Notices published since start (each a D-Bus signal, but Inventory, and a log line), \
          by name; `missed`: notices the counter fell behind on",
-        notices,
+        by_name,
     );
     r.register(
         "gpud_scheduler_guard",
@@ -384,10 +412,13 @@ pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -
          clamped) or reported (audited, unenforced), by control",
         guarded,
     );
+}
 
+/// Registers NVML's per-cgroup figures: memory and SM utilization by GPU.
+fn register_nvml_usage(r: &mut Registry, usage: &[NvmlUsageRecord]) {
     let nvml_memory = int_gauges();
     let util = gauges();
-    for u in &snap.nvml_usage {
+    for u in usage {
         let l = with(cgroup_labels(&u.cgroup), "gpu", u.gpu);
         nvml_memory.get_or_create(&l).set(int(u.nvml_memory_bytes));
         util.get_or_create(&l).set(f64::from(u.sm_util));
@@ -402,13 +433,16 @@ pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -
         "SM utilization of the cgroup's processes over the last NVML sample, by GPU index",
         util,
     );
+}
 
+/// Registers the compute controller's per-cgroup duty, target, measured share and throttling.
+fn register_compute(r: &mut Registry, compute: &daemon::ComputeStats) {
     let duty = gauges();
     let target = gauges();
     let measured = gauges();
     let throttled = seconds_counters();
     let periods = counters();
-    for (cgroup, s) in &snap.compute {
+    for (cgroup, s) in compute {
         let l = cgroup_labels(cgroup);
         duty.get_or_create(&l).set(s.duty);
         target.get_or_create(&l).set(s.target);
@@ -443,30 +477,36 @@ pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -
         "Compute periods in which the cgroup was frozen",
         periods,
     );
+}
 
-    let idle = int_gauges();
-    let idle_memory = int_gauges();
-    for i in &snap.idle {
+/// Registers the cgroups reported idle: how long, and the GPU memory they hold.
+fn register_idle(r: &mut Registry, idle: &[IdleRecord]) {
+    let secs = int_gauges();
+    let memory = int_gauges();
+    for i in idle {
         let l = with(cgroup_labels(&i.cgroup), "gpu", i.gpu);
-        idle.get_or_create(&l).set(int(i.idle_secs));
-        idle_memory.get_or_create(&l).set(int(i.memory_bytes));
+        secs.get_or_create(&l).set(int(i.idle_secs));
+        memory.get_or_create(&l).set(int(i.memory_bytes));
     }
     r.register(
         "gpud_cgroup_idle_seconds",
         "How long a cgroup reported idle ([idle]) has held GPU memory under the utilization threshold",
-        idle,
+        secs,
     );
     r.register(
         "gpud_cgroup_idle_memory_bytes",
         "GPU memory held by a cgroup reported idle, by GPU index",
-        idle_memory,
+        memory,
     );
+}
 
+/// Registers the per-GPU (and MIG device) figures: identity, memory and Xid errors.
+fn register_gpus(r: &mut Registry, gpus: &[GpuRecord]) {
     let gpu_info = int_gauges();
     let total = int_gauges();
     let used = int_gauges();
     let xid = counters();
-    for g in &snap.gpus {
+    for g in gpus {
         let mig = if g.mig == u32::MAX {
             String::new()
         } else {
@@ -508,7 +548,6 @@ pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -
         "Critical Xid errors seen since the daemon started",
         xid,
     );
-    r
 }
 
 #[cfg(test)]
