@@ -472,8 +472,8 @@ async fn emit(conn: &zbus::Connection, notice: Notice, idle_signal: bool) -> zbu
                 n.bytes,
                 n.usage,
                 n.max,
-                &n.action,
-                n.source,
+                n.action.as_str(),
+                n.source.as_str(),
             )
             .await
         }
@@ -482,9 +482,9 @@ async fn emit(conn: &zbus::Connection, notice: Notice, idle_signal: bool) -> zbu
                 &manager()?,
                 &n.cgroup,
                 n.pid,
-                &n.control,
-                &n.action,
-                &n.reason,
+                &n.control.to_string(),
+                n.action.as_str(),
+                n.reason.as_str(),
                 n.requested,
                 n.allowed,
             )

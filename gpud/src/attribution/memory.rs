@@ -255,7 +255,7 @@ impl Attribution {
         let checked = files.len();
         let mut gone = Vec::new();
         for file in files {
-            match self.probes.file_held(file) {
+            match self.runs.file_held(file) {
                 Ok(true) => {}
                 Ok(false) => {
                     debug!(file, "control file no longer referenced");
@@ -355,7 +355,7 @@ impl Attribution {
     }
 
     fn release_one(&mut self, key: ObjKey, e: &ObjEntry, orphan: bool) -> usize {
-        match self.probes.release(key, e.serial, orphan) {
+        match self.runs.release(key, e.serial, orphan) {
             Ok(true) => 1,
             Ok(false) => 0,
             Err(err) => {

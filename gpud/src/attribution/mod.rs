@@ -13,7 +13,9 @@ use tracing::{debug, info, warn};
 
 use crate::cgroupfs::{CgroupError, CgroupFs};
 use crate::{
-    probes::{KernelMaps, Matcher, Probes, events::KernelEvent, map_entries},
+    probes::{
+        AttachMode, KernelMaps, KernelRuns, Matcher, Probes, events::KernelEvent, map_entries,
+    },
     report::Chain,
 };
 pub use counters::KernelCounters;
@@ -100,9 +102,12 @@ pub struct TenantObjects {
     pub subdevices: Vec<RmRef>,
 }
 
-/// The attribution state, with the probes it reads (owned here so that one task owns both).
+/// The attribution state: the probes' accounting maps and the programs that change them, owned
+/// here (the probes themselves, their links and settings, are the core's).
 pub struct Attribution {
-    probes: Probes,
+    runs: KernelRuns,
+    /// Tracepoint mode has no file-release hook: exits are checked instead.
+    mode: AttachMode,
     maps: KernelMaps,
     cgroups: CgroupFs,
     matcher: Matcher,
@@ -116,15 +121,16 @@ pub struct Attribution {
 }
 
 impl Attribution {
+    /// Takes the accounting maps and the run programs of `probes`.
     pub fn new(
-        mut probes: Probes,
+        probes: &mut Probes,
         cgroups: CgroupFs,
         matcher: Matcher,
     ) -> Result<Self, AttributionError> {
-        let maps = probes.take_maps()?;
         Ok(Self {
-            probes,
-            maps,
+            runs: probes.runs()?,
+            mode: probes.mode(),
+            maps: probes.take_maps()?,
             cgroups,
             matcher,
             events_lost_seen: 0,
@@ -142,44 +148,9 @@ impl Attribution {
         new
     }
 
-    /// The in-container memory view: `on`, `off` or `unavailable: <why>`.
-    pub fn memory_info(&self) -> String {
-        self.probes.memory_info().describe()
-    }
-
-    /// The scheduler guard's state, as reported (see [`GuardState::describe`]).
-    ///
-    /// [`GuardState::describe`]: crate::probes::GuardState::describe
-    pub fn scheduler_guard(&self) -> String {
-        self.probes.guard().describe()
-    }
-
-    /// Changes the scheduler guard's mode (a reload); see [`Probes::set_guard`].
-    pub fn set_scheduler_guard(
-        &mut self,
-        mode: crate::config::GuardMode,
-    ) -> Result<(), AttributionError> {
-        Ok(self.probes.set_guard(mode)?)
-    }
-
-    /// Turns the memory view on or off (a reload); see [`Probes::set_memory_info`].
-    pub fn set_memory_info(&mut self, on: bool) -> Result<(), AttributionError> {
-        Ok(self.probes.set_memory_info(on)?)
-    }
-
-    /// Stops; see [`Probes::shutdown`].
-    pub fn shutdown(self, keep_pinned: bool) {
-        self.probes.shutdown(keep_pinned);
-    }
-
     /// What counts as an NVIDIA file (for scans run off the state task).
     pub fn matcher(&self) -> &Matcher {
         &self.matcher
-    }
-
-    /// The attached probes, for what they report (mode, tier, capabilities, hooks).
-    pub fn probes(&self) -> &Probes {
-        &self.probes
     }
 
     pub fn cgroup_root(&self) -> &std::path::Path {
@@ -346,7 +317,7 @@ impl Attribution {
                 // The probes saw it meanwhile.
                 Err(e) => debug!(pid, "scan insert skipped: {e}"),
             }
-            if let Err(e) = self.probes.seed(pid) {
+            if let Err(e) = self.runs.seed(pid) {
                 warn!(pid, "cannot mark process as tracked: {}", Chain(&e));
             }
         }
@@ -397,7 +368,7 @@ impl Attribution {
             },
             KernelEvent::ProcessExited { pid } => {
                 debug!(pid, "attributed process exited");
-                if self.probes.mode() == crate::probes::AttachMode::Tracepoint {
+                if self.mode == AttachMode::Tracepoint {
                     self.exits_unchecked += 1;
                     // Under a sustained stream of events the queue may never run empty.
                     if self.exits_unchecked >= EXIT_BATCH {

@@ -8,15 +8,16 @@
 use std::{collections::BTreeMap, path::PathBuf};
 
 use aya::maps::{MapData, RingBuf};
+use gpud_api::{LimitState, limits::LimitKind};
 use tracing::{info, warn};
 
 use crate::{
     attribution::{Attribution, AttributionError},
     cgroupfs::{CgroupError, CgroupFs, Freezer},
     config::Config,
-    enforcement::{MemoryEnforcement, guard, restore::Restorer},
+    enforcement::{EnforcementError, MemoryEnforcement, guard, restore::Restorer},
     notice::Notice,
-    policy::{GpuCatalog, LimitStore, PolicyError, PolicyStore},
+    policy::{GpuCatalog, GpuSelector, LimitStore, LimitUpdate, PolicyError, PolicyStore},
     probes::{
         self, DynamicMajors, KernelSettings, Matcher, ProbeError, ProbeSetup, Probes,
         caps::DmemRegion,
@@ -75,9 +76,11 @@ impl StartError {
     }
 }
 
-/// The state that kernel events change and the API's changes go through: the accounting, the
-/// stored policies, the memory limits put in force, and the one writer of the kernel's settings.
+/// The state that kernel events change and the API's changes go through: the loaded probes
+/// (their lifecycle and live toggles), the accounting, the stored policies, the memory limits put
+/// in force, and the one writer of the kernel's settings.
 pub struct Core {
+    pub probes: Probes,
     pub attribution: Attribution,
     pub policies: PolicyStore,
     pub memory: MemoryEnforcement,
@@ -184,7 +187,7 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
         })
         .ok();
     let mut attribution =
-        Attribution::new(probes, cgroups, matcher.clone()).map_err(StartError::Attribution)?;
+        Attribution::new(&mut probes, cgroups, matcher.clone()).map_err(StartError::Attribution)?;
     let marked = attribution.mark_recorded_files();
     if marked > 0 {
         info!(
@@ -211,6 +214,7 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
     guard::sync_allowances(&mut attribution, &mut settings, policies.policies());
     Ok(Opened {
         core: Core {
+            probes,
             attribution,
             policies,
             memory,
@@ -293,10 +297,120 @@ impl Core {
         self.route_all(&events)
     }
 
+    /// Sets limits on (cgroup, GPU selector): the policy store checks and persists them, then
+    /// each kind goes to its owner before this returns: a memory limit into the kernel (where
+    /// its GPU is known: an index or `all` always, a UUID once NVML names it), a priority class
+    /// into the guard's allowances (a tenant's next control meets it). Compute caps, weights
+    /// and guarantees reach the compute law with the next NVML sample, which reads the store.
+    /// Nothing changes on error. Returns the entry's state.
+    pub fn set_limits(
+        &mut self,
+        cgroup: &str,
+        gpu: &str,
+        update: &LimitUpdate,
+    ) -> Result<LimitState, EnforcementError> {
+        let gpu: GpuSelector = gpu.parse().map_err(PolicyError::from)?;
+        let checked = self.policies.checked_key(&gpu)?;
+        let (path, id) = self.attribution.id_of(cgroup)?;
+        // An entry in force keeps its GPU while NVML cannot name it.
+        let key = checked.or_else(|| self.memory.in_force_under(&path, &gpu));
+        if let Some(key) = key {
+            let memory = &self.memory;
+            let policies = &self.policies;
+            policies.check_one_selector(&path, &gpu, key, |c, g| memory.key_of(policies, c, g))?;
+        }
+        self.policies.set(&path, &gpu, update)?;
+        if update.touches(LimitKind::MemoryMax) {
+            self.memory.put_in_force(
+                &mut self.attribution,
+                &mut self.settings,
+                &self.policies,
+                (&path, id),
+                &gpu,
+                key,
+            )?;
+        }
+        if update.touches(LimitKind::Priority) {
+            self.sync_allowances();
+        }
+        Ok(self.memory.state_of(&self.policies, &path, &gpu))
+    }
+
+    /// Clears the named limits (all when `names` is empty) on (cgroup, GPU selector), persisted
+    /// by the policy store and taken out of force by each kind's owner as [`Self::set_limits`]
+    /// puts them in. A cgroup already removed has what is stored for it dropped.
+    pub fn clear_limits(
+        &mut self,
+        cgroup: &str,
+        gpu: &str,
+        names: &[String],
+    ) -> Result<(), EnforcementError> {
+        let gpu: GpuSelector = gpu.parse().map_err(PolicyError::from)?;
+        PolicyStore::check_names(names)?;
+        let (path, id) = match self.attribution.id_of(cgroup) {
+            Ok(found) => found,
+            Err(AttributionError::Cgroup(CgroupError::NotFound(missing))) => {
+                self.memory
+                    .forget_removed(&mut self.policies, &missing, &gpu)?;
+                self.sync_allowances();
+                return Ok(());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        // Where it is in force, whatever NVML says now (none: a UUID never applied).
+        let key = self.memory.key_of(&self.policies, &path, &gpu);
+        self.policies.clear(&path, &gpu, names)?;
+        let named =
+            |kind: LimitKind| names.is_empty() || names.iter().any(|n| n == kind.dbus_name());
+        if named(LimitKind::MemoryMax) {
+            self.memory.take_out_of_force(
+                &mut self.attribution,
+                &mut self.settings,
+                (&path, id),
+                &gpu,
+                key,
+            )?;
+        }
+        if named(LimitKind::Priority) {
+            self.sync_allowances();
+        }
+        info!(cgroup = %path, gpu = %gpu, "limit cleared");
+        Ok(())
+    }
+
+    /// Drops what is stored for cgroups that were removed (their kernel entries went with
+    /// their ids), and the allowances follow.
+    pub fn forget_removed_cgroups(&mut self) {
+        self.memory.sweep(&mut self.attribution, &mut self.policies);
+        self.sync_allowances();
+    }
+
+    /// The scheduler guard's allowances follow the stored policies' priority classes.
+    pub fn sync_allowances(&mut self) {
+        guard::sync_allowances(
+            &mut self.attribution,
+            &mut self.settings,
+            self.policies.policies(),
+        );
+    }
+
+    /// The in-container memory view: `on`, `off` or `unavailable: <why>`.
+    pub fn memory_info(&self) -> String {
+        self.probes.memory_info().describe()
+    }
+
+    /// The scheduler guard's state, as reported (see [`GuardState::describe`]).
+    ///
+    /// [`GuardState::describe`]: crate::probes::GuardState::describe
+    pub fn scheduler_guard(&self) -> String {
+        self.probes.guard().describe()
+    }
+
     /// An orderly close: what the memory enforcement froze is thawed, the probes pinned or
-    /// detached.
+    /// detached (after the attribution lets go of their maps).
     pub fn close(mut self, keep_pinned: bool) {
         self.memory.thaw_all();
-        self.attribution.shutdown(keep_pinned);
+        drop(self.attribution);
+        self.probes.shutdown(keep_pinned);
     }
 }

@@ -158,8 +158,7 @@ fn sweep_all(state: &mut State) {
     state.core.attribution.release_closed_files();
     state.core.attribution.sweep();
     state.core.attribution.sweep_memory();
-    let core = &mut state.core;
-    core.memory.sweep(&mut core.attribution, &mut core.policies);
+    state.core.forget_removed_cgroups();
     guard::sweep(&mut state.core.attribution, &mut state.core.settings);
     release_free_heap();
 }
@@ -171,10 +170,7 @@ fn handle(state: &mut State, msg: Message) -> Option<Intervals> {
         Message::Kernel(events) => on_kernel_events(state, &events),
         Message::Nvml(NvmlUpdate::Xid { uuid, xid }) => on_xid(state, uuid, xid),
         Message::Nvml(update) => on_nvml(state, update),
-        Message::CgroupRemoved => {
-            let core = &mut state.core;
-            core.memory.sweep(&mut core.attribution, &mut core.policies);
-        }
+        Message::CgroupRemoved => state.core.forget_removed_cgroups(),
         // Answered by the loop before it gets here.
         Message::Refresh => {}
         Message::Scanned(pids) => {
@@ -197,13 +193,10 @@ fn reply<T>(to: oneshot::Sender<T>, value: T) {
 
 /// Carries out one change asked through the API (or answers a question the view could not).
 fn answer(state: &mut State, request: Request) -> Option<Intervals> {
-    let attribution = &mut state.core.attribution;
-    let memory = &mut state.core.memory;
-    let settings = &mut state.core.settings;
-    let policies = &mut state.core.policies;
     match request {
         Request::GetCgroup { path, reply: to } => {
             // Answers reflect every exit read so far.
+            let attribution = &mut state.core.attribution;
             attribution.check_pending_files();
             reply(to, attribution.get(&path));
         }
@@ -215,7 +208,7 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             update,
             reply: to,
         } => {
-            let done = memory.set(attribution, settings, policies, &cgroup, &gpu, update);
+            let done = state.core.set_limits(&cgroup, &gpu, &update);
             limits_changed(state);
             reply(to, done);
         }
@@ -225,7 +218,7 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             names,
             reply: to,
         } => {
-            let done = memory.clear(attribution, settings, policies, &cgroup, &gpu, &names);
+            let done = state.core.clear_limits(&cgroup, &gpu, &names);
             limits_changed(state);
             reply(to, done);
         }
@@ -262,15 +255,15 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
     }
     if let Err(e) = state
         .core
-        .attribution
+        .probes
         .set_memory_info(config.enforcement.virtualize_memory_info)
     {
         warn!("memory view not changed: {}", Chain(&e));
     }
     if let Err(e) = state
         .core
-        .attribution
-        .set_scheduler_guard(config.enforcement.scheduler_guard)
+        .probes
+        .set_guard(config.enforcement.scheduler_guard)
     {
         warn!("scheduler guard not changed: {}", Chain(&e));
     }
@@ -283,8 +276,8 @@ fn reconfigure(state: &mut State, config: &Config) -> Intervals {
         idle_signal = config.idle.signal,
         compute_period_ms = config.compute.period_ms,
         nvml_sample_interval_ms = config.nvml.sample_interval_ms,
-        memory_view = state.core.attribution.memory_info(),
-        scheduler_guard = state.core.attribution.scheduler_guard(),
+        memory_view = state.core.memory_info(),
+        scheduler_guard = state.core.scheduler_guard(),
         "live settings applied"
     );
     intervals
@@ -386,10 +379,10 @@ fn publish_limited_dirs(state: &mut State) {
     });
 }
 
-/// What follows a change of limits: the removal watch's directories and the guard's allowances.
+/// What follows the memory limits in force: the removal watch's directories and the driver's
+/// own limits.
 fn limits_changed(state: &mut State) {
     publish_limited_dirs(state);
-    sync_allowances(state);
     sync_dmem(state);
 }
 
@@ -408,16 +401,6 @@ fn sync_dmem(state: &mut State) {
     ) {
         tracing::error!("the driver's limit is not in force: {}", Chain(&e));
     }
-}
-
-/// The scheduler guard's allowances follow the stored policies' priority classes.
-fn sync_allowances(state: &mut State) {
-    let core = &mut state.core;
-    guard::sync_allowances(
-        &mut core.attribution,
-        &mut core.settings,
-        core.policies.policies(),
-    );
 }
 
 /// Publishes the inventory (for the `Gpu1` objects) if it changed.

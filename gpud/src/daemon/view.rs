@@ -226,8 +226,8 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         },
         nvml_events: state.nvml.events.iter().cloned().collect(),
         idle: state.idle.list(std::time::Instant::now()),
-        memory_info: state.core.attribution.memory_info(),
-        scheduler_guard: state.core.attribution.scheduler_guard(),
+        memory_info: state.core.memory_info(),
+        scheduler_guard: state.core.scheduler_guard(),
         guard_counts: crate::enforcement::guard::counts(
             &mut state.core.attribution,
             &state.core.settings,

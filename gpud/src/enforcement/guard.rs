@@ -6,13 +6,12 @@
 
 use std::collections::BTreeMap;
 
-use gpud_common::rm::sched;
 use tracing::error;
 
 use super::compute::law::LawParams;
 use crate::{
     attribution::Attribution,
-    notice::GuardNotice,
+    notice::{GuardNotice, GuardedControl},
     policy::{Limits, Priority},
     probes::{
         KernelSettings,
@@ -35,15 +34,6 @@ pub fn allowance(priority: Option<Priority>) -> u64 {
 
 /// Calls acted on, by (cgroup, control, action).
 pub type GuardCounts = BTreeMap<(String, String, String), u64>;
-
-/// The control's name, or its number for one outside the table.
-pub fn control_name(cmd: u32) -> String {
-    match sched::control(cmd) {
-        Some(c) if cmd & sched::LEGACY_BIT != 0 => format!("{}(legacy {cmd:#x})", c.name),
-        Some(c) => c.name.to_owned(),
-        None => format!("{cmd:#010x}"),
-    }
-}
 
 /// Makes the kernel's allowances exactly those of `policies` (cgroup path → limits): the
 /// least of a cgroup's entries (one per GPU selector) where any names a priority class other
@@ -95,9 +85,9 @@ pub fn on_event(attr: &mut Attribution, ev: &GuardEvent) -> GuardNotice {
             .path_of(ev.cgroup_id)
             .unwrap_or_else(|| format!("#{}", ev.cgroup_id)),
         pid: ev.pid,
-        control: control_name(ev.command),
-        action: ev.action.as_str().to_owned(),
-        reason: ev.reason.as_str().to_owned(),
+        control: GuardedControl(ev.command),
+        action: ev.action,
+        reason: ev.reason,
         requested: ev.requested,
         allowed: ev.allowance,
         client: ev.client,
@@ -112,7 +102,7 @@ pub fn counts(attr: &mut Attribution, settings: &KernelSettings) -> GuardCounts 
             .path_of(k.cgroup_id)
             .unwrap_or_else(|| format!("#{}", k.cgroup_id));
         let action = split_verdict(k.verdict).map_or("unknown", |(a, _)| a.as_str());
-        let key = (cgroup, control_name(k.cmd), action.to_owned());
+        let key = (cgroup, GuardedControl(k.cmd).to_string(), action.to_owned());
         *out.entry(key).or_default() += n;
     }
     out
@@ -132,6 +122,7 @@ pub fn sweep(attr: &mut Attribution, settings: &mut KernelSettings) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpud_common::rm::sched;
 
     #[test]
     fn allowances_follow_the_laws_timeslices_and_names_the_drivers() {
@@ -143,12 +134,15 @@ mod tests {
             p.max_timeslice_us
         );
         assert_eq!(allowance(Some(Priority::BestEffort)), p.min_timeslice_us);
-        assert_eq!(control_name(0xa06c_0103), "SET_TIMESLICE");
+        assert_eq!(GuardedControl(0xa06c_0103).to_string(), "SET_TIMESLICE");
         assert_eq!(
-            control_name(0xa06c_8103),
+            GuardedControl(0xa06c_8103).to_string(),
             "SET_TIMESLICE(legacy 0xa06c8103)"
         );
-        assert_eq!(control_name(0x2080_110b), "FIFO_DISABLE_CHANNELS");
-        assert_eq!(control_name(0x1234_5678), "0x12345678");
+        assert_eq!(
+            GuardedControl(0x2080_110b).to_string(),
+            "FIFO_DISABLE_CHANNELS"
+        );
+        assert_eq!(GuardedControl(0x1234_5678).to_string(), "0x12345678");
     }
 }

@@ -23,9 +23,9 @@ use crate::{
     attribution::{Attribution, AttributionError, memory::gpu_name},
     cgroupfs::{CgroupError, Freezer, Holder},
     config::ReactAction,
-    notice::LimitNotice,
+    notice::{LimitAction, LimitNotice, LimitSource},
     nvml::ProcessSample,
-    policy::{GpuCatalog, GpuSelector, LimitEntry, LimitUpdate, PolicyError, PolicyStore},
+    policy::{GpuCatalog, GpuSelector, LimitEntry, PolicyError, PolicyStore},
     probes::{KernelSettings, SettingError, Tier, events::LimitEvent},
     report::Chain,
 };
@@ -70,8 +70,8 @@ impl MemoryEnforcement {
     }
 
     /// The kernel key of a stored entry: where it was applied, else what its selector names now.
-    fn key_of(&self, policies: &PolicyStore, cgroup: &str, gpu: &GpuSelector) -> Option<u32> {
-        policies.key_in(&self.applied, cgroup, gpu)
+    pub fn key_of(&self, policies: &PolicyStore, cgroup: &str, gpu: &GpuSelector) -> Option<u32> {
+        policies.key_in(self.in_force_under(cgroup, gpu), gpu)
     }
 
     /// A new inventory (or NVML going away). A known one moves every stored memory limit to
@@ -270,70 +270,55 @@ impl MemoryEnforcement {
         info!(limits = n, tier = self.tier.as_str(), "limits in force");
     }
 
-    /// Sets limits on (cgroup, GPU): validated and persisted by the policy store, the memory
-    /// limit in the kernel before it returns where the GPU is known (an index or `all` always;
-    /// a UUID once NVML names it: until then the entry is stored and pending). Nothing changes
-    /// on error. Returns the entry's state.
-    pub fn set(
+    /// Where the memory limit of (cgroup, GPU selector) is in force, if it is.
+    pub fn in_force_under(&self, cgroup: &str, gpu: &GpuSelector) -> Option<u32> {
+        self.applied.get(&(cgroup.to_owned(), gpu.clone())).copied()
+    }
+
+    /// Puts the stored memory limit of (cgroup `path` = `id`, `gpu`) in force under GPU `key`,
+    /// in the kernel before it returns; with no key (a UUID NVML has not named) it waits,
+    /// stored, for the inventory ([`Self::set_catalog`]). A cgroup this module froze is thawed
+    /// once it is within its limits.
+    pub fn put_in_force(
         &mut self,
         attr: &mut Attribution,
         settings: &mut KernelSettings,
-        policies: &mut PolicyStore,
-        cgroup: &str,
-        gpu: &str,
-        update: LimitUpdate,
-    ) -> Result<LimitState, EnforcementError> {
-        let gpu: GpuSelector = gpu.parse().map_err(PolicyError::from)?;
-        let checked = policies.checked_key(&gpu)?;
-        let (path, id) = attr.id_of(cgroup)?;
-        // An entry in force keeps its GPU while NVML cannot name it.
-        let key = checked.or_else(|| self.applied.get(&(path.clone(), gpu.clone())).copied());
-        let limits = policies.set(&path, &gpu, key, update, &self.applied)?;
-        match (limits.memory_max, key) {
+        policies: &PolicyStore,
+        (path, id): (&str, u64),
+        gpu: &GpuSelector,
+        key: Option<u32>,
+    ) -> Result<(), EnforcementError> {
+        match (policies.get(path, gpu).and_then(|l| l.memory_max), key) {
             (Some(max), Some(key)) => {
                 settings.set_limit(id, key, max)?;
-                self.applied.insert((path.clone(), gpu.clone()), key);
+                self.applied.insert((path.to_owned(), gpu.clone()), key);
                 info!(cgroup = %path, gpu = %gpu, memory_max = max, "limit set");
-                self.maybe_thaw(attr, settings, &path, id);
+                self.maybe_thaw(attr, settings, path, id);
             }
             (Some(max), None) => {
                 info!(cgroup = %path, gpu = %gpu, memory_max = max, "limit stored; in force once NVML names its GPU");
             }
             (None, _) => {}
         }
-        Ok(self.state_of(policies, &path, &gpu))
+        Ok(())
     }
 
-    /// Clears the named limits (all when `names` is empty) on (cgroup, GPU).
-    pub fn clear(
+    /// Takes the memory limit of (cgroup `path` = `id`, `gpu`) out of force, from under the
+    /// GPU `key` it was in force under (none: a UUID never applied); a cgroup this module froze
+    /// is thawed.
+    pub fn take_out_of_force(
         &mut self,
         attr: &mut Attribution,
         settings: &mut KernelSettings,
-        policies: &mut PolicyStore,
-        cgroup: &str,
-        gpu: &str,
-        names: &[String],
+        (path, id): (&str, u64),
+        gpu: &GpuSelector,
+        key: Option<u32>,
     ) -> Result<(), EnforcementError> {
-        let gpu: GpuSelector = gpu.parse().map_err(PolicyError::from)?;
-        PolicyStore::check_names(names)?;
-        let (path, id) = match attr.id_of(cgroup) {
-            Ok(found) => found,
-            Err(AttributionError::Cgroup(CgroupError::NotFound(missing))) => {
-                return self.forget_removed(policies, &missing, &gpu);
-            }
-            Err(e) => return Err(e.into()),
-        };
-        // Where it is in force, whatever NVML says now (none: a UUID never applied).
-        let key = self.key_of(policies, &path, &gpu);
-        let left = policies.clear(&path, &gpu, names)?;
-        if left.and_then(|l| l.memory_max).is_none() {
-            self.applied.remove(&(path.clone(), gpu.clone()));
-            if let Some(key) = key {
-                settings.clear_limit(id, key)?;
-            }
+        self.applied.remove(&(path.to_owned(), gpu.clone()));
+        if let Some(key) = key {
+            settings.clear_limit(id, key)?;
         }
-        info!(cgroup = %path, gpu = %gpu, "limit cleared");
-        self.maybe_thaw(attr, settings, &path, id);
+        self.maybe_thaw(attr, settings, path, id);
         Ok(())
     }
 
@@ -341,7 +326,7 @@ impl MemoryEnforcement {
     /// hook does: the runtime removes the container's cgroup first) drops what is stored for it
     /// at once rather than at the next sweep; its kernel entry went with its id. `NotFound` when
     /// nothing is stored for it either.
-    fn forget_removed(
+    pub fn forget_removed(
         &mut self,
         policies: &mut PolicyStore,
         path: &str,
@@ -397,20 +382,20 @@ impl MemoryEnforcement {
             .copied()
             .unwrap_or(0);
         let action = if denied {
-            "denied"
+            LimitAction::Denied
         } else {
             match self.action {
-                ReactAction::Kill => "killed",
-                ReactAction::Notify => "notified",
+                ReactAction::Kill => LimitAction::Killed,
+                ReactAction::Notify => LimitAction::Notified,
                 ReactAction::Freeze => match &path {
                     Some(p) => match self.freezer.set(Holder::Memory, p, true) {
-                        Ok(()) => "frozen",
+                        Ok(()) => LimitAction::Frozen,
                         Err(e) => {
                             error!(cgroup = %p, "cannot freeze: {}", Chain(&e));
-                            "notified"
+                            LimitAction::Notified
                         }
                     },
-                    None => "notified",
+                    None => LimitAction::Notified,
                 },
             }
         };
@@ -421,8 +406,8 @@ impl MemoryEnforcement {
             bytes: ev.bytes,
             usage: ev.usage,
             max,
-            action: action.to_owned(),
-            source: LimitNotice::KERNEL,
+            action,
+            source: LimitSource::Kernel,
         }
     }
 
@@ -457,16 +442,20 @@ impl MemoryEnforcement {
                         Err(e) => error!(cgroup = %cg, "cannot kill: {}", Chain(&e)),
                     }
                 }
-                if killed { "killed" } else { "notified" }
+                if killed {
+                    LimitAction::Killed
+                } else {
+                    LimitAction::Notified
+                }
             }
             ReactAction::Freeze => match self.freezer.set(Holder::Memory, &o.cgroup, true) {
-                Ok(()) => "frozen",
+                Ok(()) => LimitAction::Frozen,
                 Err(e) => {
                     error!(cgroup = %o.cgroup, "cannot freeze: {}", Chain(&e));
-                    "notified"
+                    LimitAction::Notified
                 }
             },
-            ReactAction::Notify => "notified",
+            ReactAction::Notify => LimitAction::Notified,
         };
         LimitNotice {
             pid: o.holders.first().map_or(0, |h| h.0),
@@ -474,8 +463,8 @@ impl MemoryEnforcement {
             bytes: o.usage.saturating_sub(o.max),
             usage: o.usage,
             max: o.max,
-            action: action.to_owned(),
-            source: LimitNotice::NVML,
+            action,
+            source: LimitSource::Nvml,
             cgroup: o.cgroup,
         }
     }

@@ -10,7 +10,7 @@ use std::{
 use tokio::sync::broadcast::{self, error::RecvError};
 use tracing::warn;
 
-use super::{GuardNotice, Notice};
+use super::{GuardNotice, GuardedControl, Notice};
 
 /// At most one guard line per (cgroup, control) in this long.
 pub const GUARD_LOG_EVERY: Duration = Duration::from_secs(10);
@@ -43,7 +43,7 @@ fn log(notice: &Notice, guard: &mut GuardLimiter, now: Instant) {
 
 /// Per (cgroup, control): when a line was last logged, and the lines skipped since.
 #[derive(Default)]
-struct GuardLimiter(HashMap<(String, String), (Instant, u64)>);
+struct GuardLimiter(HashMap<(String, GuardedControl), (Instant, u64)>);
 
 impl GuardLimiter {
     /// `Some(lines skipped before)` if this report gets a line.
@@ -53,15 +53,14 @@ impl GuardLimiter {
             self.0
                 .retain(|_, (at, _)| now.duration_since(*at) < GUARD_LOG_EVERY);
         }
-        match self.0.get_mut(&(n.cgroup.clone(), n.control.clone())) {
+        match self.0.get_mut(&(n.cgroup.clone(), n.control)) {
             Some((at, skipped)) if now.duration_since(*at) < GUARD_LOG_EVERY => {
                 *skipped += 1;
                 None
             }
             Some(slot) => Some(std::mem::replace(slot, (now, 0)).1),
             None => {
-                self.0
-                    .insert((n.cgroup.clone(), n.control.clone()), (now, 0));
+                self.0.insert((n.cgroup.clone(), n.control), (now, 0));
                 Some(0)
             }
         }
@@ -71,15 +70,16 @@ impl GuardLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::probes::events::{GuardAction, GuardReason};
 
     #[test]
     fn a_looping_tenant_gets_one_guard_line_per_interval_with_the_skipped_count() {
         let n = GuardNotice {
             cgroup: "/t".into(),
             pid: 1,
-            control: "SET_TIMESLICE".into(),
-            action: "clamped".into(),
-            reason: "timeslice".into(),
+            control: GuardedControl(gpud_common::rm::tsg::SET_TIMESLICE),
+            action: GuardAction::Clamped,
+            reason: GuardReason::Timeslice,
             requested: 1_000_000,
             allowed: 128,
             client: 0xc1d0_0001,
@@ -91,7 +91,7 @@ mod tests {
             assert_eq!(g.admit(&n, t0 + Duration::from_millis(i)), None);
         }
         let other = GuardNotice {
-            control: "FIFO_DISABLE_CHANNELS".into(),
+            control: GuardedControl(gpud_common::rm::sched::DISABLE_CHANNELS),
             ..n.clone()
         };
         assert_eq!(

@@ -3,7 +3,8 @@
 //! the `Gpu1` objects subscribe to it. A new kind of news is a variant here, its producer, and its D-Bus shape
 //! (api/dbus.rs): nothing is wired by hand in between.
 //!
-//! The payloads are what the signals carry; the producers build them, the subscribers only read.
+//! The payloads are what the signals carry, typed: the producers build them, the subscribers
+//! only read, and a payload becomes text only at its edge (the D-Bus signal, the log line).
 
 mod log;
 
@@ -15,7 +16,10 @@ use std::{
 use tokio::sync::broadcast;
 use tracing::{debug, info, warn};
 
-use crate::nvml::{AttributedXid, GpuStatus};
+use crate::{
+    nvml::{AttributedXid, GpuStatus},
+    probes::events::{GuardAction, GuardReason},
+};
 
 /// Notices a subscriber may fall behind by before it misses some (and is told how many).
 const CAPACITY: usize = 1024;
@@ -60,7 +64,7 @@ impl Notice {
         match self {
             Self::MemoryLimitExceeded(n) => warn!(
                 cgroup = %n.cgroup, gpu = %n.gpu, pid = n.pid, bytes = n.bytes, usage = n.usage,
-                max = n.max, action = n.action.as_str(), source = n.source,
+                max = n.max, action = n.action.as_str(), source = n.source.as_str(),
                 "GPU memory limit exceeded"
             ),
             Self::SchedulerControlGuarded(n) => warn!(
@@ -68,7 +72,7 @@ impl Notice {
                 action = n.action.as_str(), reason = n.reason.as_str(),
                 requested = n.requested, allowed = n.allowed,
                 client = format_args!("{:#x}", n.client), skipped,
-                "scheduling control of a tenant {}", n.action
+                "scheduling control of a tenant {}", n.action.as_str()
             ),
             Self::ComputeThrottled(cgroup) => {
                 debug!(cgroup = %cgroup, "compute throttling started")
@@ -103,18 +107,53 @@ pub struct LimitNotice {
     /// Usage of that cgroup after (react) or before (deny) the allocation.
     pub usage: u64,
     pub max: u64,
-    /// `denied`, `killed`, `frozen` or `notified`.
-    pub action: String,
-    /// What saw it: [`LimitNotice::KERNEL`] (the probes, at the allocation) or
-    /// [`LimitNotice::NVML`] (the backstop: NVML's per-process memory over the limit).
-    pub source: &'static str,
+    pub action: LimitAction,
+    pub source: LimitSource,
 }
 
-impl LimitNotice {
-    /// The probes met the limit at an allocation.
-    pub const KERNEL: &str = "kernel";
-    /// NVML's per-process used memory stayed over the limit (`bytes` is the excess).
-    pub const NVML: &str = "nvml";
+/// What gpud did about a memory limit met.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitAction {
+    /// The deny tier refused the allocation.
+    Denied,
+    /// The crossing process (or, from NVML, the holders' cgroups) killed.
+    Killed,
+    /// The limited cgroup frozen.
+    Frozen,
+    /// Reported only (`notify`, or the kill or freeze failed: logged apart).
+    Notified,
+}
+
+impl LimitAction {
+    /// The name in the signal and the log.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Denied => "denied",
+            Self::Killed => "killed",
+            Self::Frozen => "frozen",
+            Self::Notified => "notified",
+        }
+    }
+}
+
+/// What saw a memory limit met.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitSource {
+    /// The probes, at the allocation.
+    Kernel,
+    /// The backstop: NVML's per-process used memory stayed over the limit (`bytes` is the
+    /// excess).
+    Nvml,
+}
+
+impl LimitSource {
+    /// The name in the signal and the log.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kernel => "kernel",
+            Self::Nvml => "nvml",
+        }
+    }
 }
 
 /// One report of the scheduler guard, for the `SchedulerControlGuarded` signal.
@@ -123,20 +162,33 @@ pub struct GuardNotice {
     /// The caller's cgroup (path, or `#<id>` once gone).
     pub cgroup: String,
     pub pid: u32,
-    /// The control's driver name (`SET_TIMESLICE`, `FIFO_DISABLE_CHANNELS`, ...).
-    pub control: String,
-    /// `denied`, `refused` (rewritten to fail or to do nothing), `clamped`, `restored` (let
-    /// through and undone after), `killed` (its caller killed, what it did undone), `audited` or
-    /// `unenforced`.
-    pub action: String,
-    /// `forbidden`, `timeslice`, `foreign-client`, `legacy-path`, `flags` or `held-off`.
-    pub reason: String,
+    pub control: GuardedControl,
+    pub action: GuardAction,
+    pub reason: GuardReason,
     /// The timeslice asked (µs), or the foreign client named (0 otherwise).
     pub requested: u64,
     /// The caller's timeslice allowance (µs; 0 where none is involved).
     pub allowed: u64,
     /// The call's RM client (for the log).
     pub client: u32,
+}
+
+/// A tenant's RM control command, named by the driver's name for it (`SET_TIMESLICE`,
+/// `FIFO_DISABLE_CHANNELS`, ...; `NAME(legacy 0x…)` on the driver's legacy path, the number
+/// where gpud knows no name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GuardedControl(pub u32);
+
+impl std::fmt::Display for GuardedControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use gpud_common::rm::sched;
+        let cmd = self.0;
+        match sched::control(cmd) {
+            Some(c) if cmd & sched::LEGACY_BIT != 0 => write!(f, "{}(legacy {cmd:#x})", c.name),
+            Some(c) => f.write_str(c.name),
+            None => write!(f, "{cmd:#010x}"),
+        }
+    }
 }
 
 /// A cgroup crossing into idleness (after the minimum time) or out of it (active again, memory

@@ -161,6 +161,11 @@ impl From<LimitSet> for LimitUpdate {
 }
 
 impl LimitUpdate {
+    /// Whether it sets a limit of `kind` (what a change is routed by).
+    pub fn touches(&self, kind: LimitKind) -> bool {
+        self.0.get(kind).is_some()
+    }
+
     pub fn apply_to(&self, l: &mut Limits) {
         for (kind, value) in self.0.iter() {
             l.set(kind, value);

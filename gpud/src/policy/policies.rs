@@ -115,50 +115,51 @@ impl PolicyStore {
         self.key_now(gpu).ok()
     }
 
-    /// The GPU key a stored entry names: where `in_force` says it was put in force, whatever
-    /// NVML says by then, else what its selector resolves to now.
-    pub fn key_in(
-        &self,
-        in_force: &BTreeMap<(String, GpuSelector), u32>,
-        cgroup: &str,
-        gpu: &GpuSelector,
-    ) -> Option<u32> {
-        in_force
-            .get(&(cgroup.to_owned(), gpu.clone()))
-            .copied()
-            .or_else(|| self.resolve(gpu))
+    /// The GPU key a stored entry names: `in_force` (where it was put in force, whatever NVML
+    /// says by then), else what its selector resolves to now.
+    pub fn key_in(&self, in_force: Option<u32>, gpu: &GpuSelector) -> Option<u32> {
+        in_force.or_else(|| self.resolve(gpu))
     }
 
-    /// Sets limits on (cgroup `path`, `gpu`), validated and persisted: a second selector for a
-    /// card this cgroup has limits for (an index and a UUID naming one GPU: what an entry names
-    /// is where `in_force` says it was put in force, else what its selector resolves to) is
-    /// refused, as are guarantees over 100 % of a GPU and a guarantee above its cap. Returns the
-    /// limits now stored there. Nothing changes on error.
+    /// Refuses a selector `gpu` of `path` naming GPU `key` when another selector of `path` names
+    /// it (one card carries one selector's limits per cgroup: an index and a UUID naming one GPU
+    /// are refused), where `key_of` says what each stored entry names; `all` is never taken.
+    pub fn check_one_selector(
+        &self,
+        path: &str,
+        gpu: &GpuSelector,
+        key: u32,
+        key_of: impl Fn(&str, &GpuSelector) -> Option<u32>,
+    ) -> Result<(), PolicyError> {
+        if key == GPU_ALL {
+            return Ok(());
+        }
+        match self
+            .store
+            .iter()
+            .filter(|((c, g), _)| c == path && g != gpu)
+            .find(|((c, g), _)| key_of(c, g) == Some(key))
+        {
+            Some(((_, other), _)) => Err(PolicyError::SameGpu {
+                selector: gpu.to_string(),
+                index: key,
+                other: other.to_string(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Sets limits on (cgroup `path`, `gpu`), validated and persisted: guarantees over 100 % of
+    /// a GPU and a guarantee above its cap are refused. Returns the limits now stored there.
+    /// Nothing changes on error. (Whether the selector names a card this cgroup limits under
+    /// another one depends on where limits are in force: the caller checks it,
+    /// [`Self::check_one_selector`].)
     pub fn set(
         &mut self,
         path: &str,
         gpu: &GpuSelector,
-        key: Option<u32>,
-        update: LimitUpdate,
-        in_force: &BTreeMap<(String, GpuSelector), u32>,
+        update: &LimitUpdate,
     ) -> Result<Limits, PolicyError> {
-        let key_of = |c: &str, g: &GpuSelector| self.key_in(in_force, c, g);
-        // A selector that names no GPU yet is checked when it does (the enforcement keeps it
-        // aside then if the card is taken).
-        if let Some(key) = key
-            && key != GPU_ALL
-            && let Some(((_, other), _)) = self
-                .store
-                .iter()
-                .filter(|((c, g), _)| c == path && g != gpu)
-                .find(|((c, g), _)| key_of(c, g) == Some(key))
-        {
-            return Err(PolicyError::SameGpu {
-                selector: gpu.to_string(),
-                index: key,
-                other: other.to_string(),
-            });
-        }
         let mut entries = self.store.entries().clone();
         let mut limits = entries
             .get(&(path.to_owned(), gpu.clone()))

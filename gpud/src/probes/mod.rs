@@ -24,6 +24,7 @@ mod maps;
 mod modes;
 mod modify_return;
 mod pin;
+mod runs;
 mod settings;
 
 use std::{
@@ -47,6 +48,7 @@ use ladder::{LadderInputs, climb_ladder, load_probe, try_load};
 pub use maps::{KernelMaps, map_entries, remove_key};
 pub use modes::{GuardState, MemoryInfoState};
 pub use pin::{BPF_FS_MAGIC, TRACEFS, TRACEFS_MAGIC, ensure_mounted};
+pub use runs::KernelRuns;
 pub use settings::{KernelSettings, SettingError};
 
 use crate::{
@@ -227,242 +229,67 @@ impl Probes {
     /// Loads, probes and attaches (or adopts what a previous daemon left attached).
     pub fn start(setup: ProbeSetup<'_>) -> Result<Self, ProbeError> {
         let cfg = setup.config;
-        ensure_mounted(&cfg.bpffs, "bpf", BPF_FS_MAGIC)?;
-        if let Err(e) = ensure_mounted(Path::new(pin::TRACEFS), "tracefs", pin::TRACEFS_MAGIC) {
-            // Only tracepoint attachment needs it; fentry works without.
-            warn!("{}", Chain(&e));
-        }
-        let base_dir = Self::pin_base(&cfg.bpffs);
-        pin::remove_other_abi_versions(&cfg.bpffs)?;
-        pin::remove_if_foreign_layout(&base_dir)?;
-        let links = base_dir.join("links");
-        std::fs::create_dir_all(&links).map_err(io_err("create", &links))?;
-
-        let ring_bytes = cfg.events_ring_kib.saturating_mul(1024);
-        pin::warn_if_pinned_ring_differs(&base_dir, ring_bytes);
-        let kbtf = btf::KernelBtf::load()?;
-        let offsets = kbtf.kernel_offsets()?;
-        debug!(?offsets, "kernel offsets from BTF");
-        let compat_status = kbtf.task_compat_status();
-        let aya_btf = aya::Btf::from_sys_fs().map_err(ProbeError::LoaderBtf)?;
-
-        // fentry programs read struct fields directly; the verifier checks those loads
-        // against BTF using these offsets, frozen into the object's .rodata.
-        let mut ebpf = EbpfLoader::new()
-            .btf(Some(&aya_btf))
-            .default_map_pin_directory(&base_dir)
-            .override_global("BTF_FILE_INODE", &offsets.file_inode, true)
-            .override_global("BTF_INODE_RDEV", &offsets.inode_rdev, true)
-            .override_global("BTF_INODE_INO", &offsets.inode_ino, true)
-            .override_global("BTF_INODE_SB", &offsets.inode_sb, true)
-            .override_global("BTF_SB_DEV", &offsets.sb_dev, true)
-            .override_global("BTF_FILE_REFS", &offsets.file_refs, true)
-            .override_global("TASK_TI_STATUS", &compat_status.unwrap_or(0), true)
-            .map_max_entries(map_names::TRACKED, gpud_common::tracked_words(pid_max()))
-            .map_max_entries(map_names::EVENTS, ring_bytes)
-            .map_max_entries(map_names::OBJECTS, cfg.max_objects)
-            .map_max_entries(map_names::PROCS, cfg.max_procs)
-            // The per-task map of RM calls in flight (`CALLS`): aya has no type for task
-            // storage, and the daemon never reads it.
-            .allow_unsupported_maps()
-            .load(OBJECT)?;
-
-        let mut caps = KernelCaps {
-            file_ioctl_compat: kbtf.has_function("security_file_ioctl_compat"),
-            compat_syscalls: compat_status.is_some(),
-            dmem_cgroup: caps::dmem_available(setup.cgroup2_root),
-            dmem_nvidia: caps::dmem_nvidia_regions(
-                setup.cgroup2_root,
-                Path::new(caps::PCI_DEVICES),
-            )
-            .is_some_and(|r| !r.is_empty()),
-            ..KernelCaps::default()
-        };
-        let fentry_refusal = load_probe(&mut ebpf, programs::FENTRY_IOCTL, |p: &mut FEntry| {
-            p.load("security_file_ioctl", &aya_btf)
-        })
-        .err();
-        caps.fentry = fentry_refusal.is_none();
-        caps.tracepoint = try_load(&mut ebpf, programs::TP_IOCTL, |p: &mut TracePoint| p.load());
-        for name in attach::RUN_PROGRAMS {
-            let perr = move |source| ProbeError::LoadProgram { name, source };
-            let p: &mut RawTracePoint = ebpf
-                .program_mut(name)
-                .ok_or(ProbeError::NoProgram(name))?
-                .try_into()
-                .map_err(perr)?;
-            p.load().map_err(perr)?;
-        }
-
-        let mode = match (cfg.attach, caps.fentry, caps.tracepoint) {
-            (AttachPreference::Fentry, false, _) => return Err(ProbeError::FentryUnavailable),
-            (AttachPreference::Fentry | AttachPreference::Auto, true, _) => AttachMode::Fentry,
-            (_, _, true) => AttachMode::Tracepoint,
-            (_, _, false) => return Err(ProbeError::NoAttachMechanism),
-        };
-        let ladder = climb_ladder(
+        mount_filesystems(&cfg.bpffs)?;
+        let base_dir = prepare_pin_dir(cfg)?;
+        let btf = KernelTypes::read()?;
+        let mut ebpf = load_object(cfg, &base_dir, &btf)?;
+        let (mut caps, fentry_refusal) = probe_caps(&mut ebpf, &btf, setup.cgroup2_root)?;
+        let mode = choose_mode(cfg.attach, &caps)?;
+        let hooks = choose_hook_and_tier(
             &mut ebpf,
-            &aya_btf,
-            &LadderInputs {
-                preference: setup.deny_hook,
-                tier: setup.tier,
-                mode,
-                fentry_refusal: fentry_refusal.as_deref(),
-                attach: cfg.attach,
-            },
+            &btf.aya,
+            &setup,
+            mode,
+            fentry_refusal.as_deref(),
+            &mut caps,
         )?;
-        let (ladder, [bpf_lsm, fmod_ret], modify_return) = ladder;
-        caps.bpf_lsm = bpf_lsm;
-        caps.fmod_ret = fmod_ret;
-        let tier = match setup.tier {
-            TierPreference::Deny if ladder.in_force == DenyHook::None => {
-                return Err(ProbeError::DenyUnavailable(ladder.summary()));
-            }
-            TierPreference::Dmem if !caps.dmem_nvidia => return Err(ProbeError::DmemUnavailable),
-            TierPreference::Dmem => Tier::Dmem,
-            _ if ladder.in_force != DenyHook::None => Tier::Deny,
-            _ => Tier::React,
-        };
-        // The memory view's return side calls bpf_probe_write_user, which the verifier refuses
-        // under lockdown or without CAP_SYS_ADMIN: loading it is the probe.
-        let rewrite = match mode {
-            AttachMode::Tracepoint => load_probe(
-                &mut ebpf,
-                programs::TP_IOCTL_EXIT_RW,
-                |p: &mut TracePoint| p.load(),
-            ),
-            AttachMode::Fentry => {
-                load_probe(&mut ebpf, programs::FEXIT_IOCTL_RW, |p: &mut FExit| {
-                    p.load(SYS_IOCTL.0, &aya_btf)
-                })
-            }
-        };
-        caps.probe_write_user = rewrite.is_ok();
-        info!(?caps, "kernel capabilities");
-        let no_rewrite = rewrite
-            .err()
-            .map(|e| caps::write_user_refusal(&e, crate::privileges::sys_admin()));
-        let memory_info = match &no_rewrite {
-            None if setup.virtualize_memory_info => MemoryInfoState::On,
-            None => MemoryInfoState::Off,
-            Some(why) => MemoryInfoState::Unavailable(why.clone()),
-        };
-        let guard = GuardState {
-            mode: setup.scheduler_guard,
-            deny: tier == Tier::Deny,
-            no_rewrite,
-            kill: setup.guard_react_action == GuardReactAction::Kill,
-        };
-        maps::write_config(
-            &mut ebpf,
-            maps::Settings {
-                offsets,
-                majors: setup.majors,
-                extra: setup.extra,
-                mode,
-                react: setup.react_action,
-                memory_info: memory_info == MemoryInfoState::On,
-                guard_flags: GuardState::flags(guard.mode)
-                    | if guard.kill {
-                        gpud_common::CFG_GUARD_KILL
-                    } else {
-                        0
-                    },
-                guard_timeslice_us: setup.guard_timeslice_us,
-            },
-        )?;
-        info!(
-            mode = mode.as_str(),
-            tier = tier.as_str(),
-            deny_hook = ladder.in_force.as_str(),
-            "attach mode, enforcement tier and pre-driver hook"
-        );
-        for (hook, why) in &ladder.refused {
-            info!(hook = hook.as_str(), "pre-driver hook not used: {why}");
-        }
-        match &memory_info {
-            MemoryInfoState::Unavailable(why) => warn!(
-                "memory view unavailable ({why}): limited cgroups see the GPU's real memory size"
-            ),
-            state => info!(memory_view = state.describe(), "in-container memory view"),
-        }
-        if guard.mode == GuardMode::Enforce && guard.reacts() {
-            warn!(
-                "scheduler guard {}: a tenant's control holds until gpud undoes it",
-                guard.describe()
-            );
-        } else {
-            info!(scheduler_guard = guard.describe(), "scheduler guard");
-        }
+        let rewrite_refusal = probe_rewrite(&mut ebpf, mode, &btf.aya, &mut caps);
+        let (memory_info, guard) = memory_view_and_guard(&setup, hooks.tier, rewrite_refusal);
+        write_config(&mut ebpf, setup, btf.offsets, mode, &memory_info, &guard)?;
+        log_choices(mode, &hooks, &memory_info, &guard);
 
-        let mut probes = Self {
+        let probes = Self {
             ebpf,
             mode,
-            tier,
+            tier: hooks.tier,
             caps,
             base_dir,
             resumed: false,
             memory_info,
             guard,
-            ladder,
-            modify_return,
+            ladder: hooks.ladder,
+            modify_return: hooks.modify_return,
             unseen: BTreeMap::new(),
             follow_32bit: cfg.follow_32bit,
         };
-        probes.attach_or_adopt(&kbtf, &aya_btf)?;
-        for (calls, why) in &probes.unseen {
+        probes.attach(&btf)
+    }
+
+    /// Attaches (or adopts), then warns of the calls this kernel keeps from the probes.
+    fn attach(mut self, btf: &KernelTypes) -> Result<Self, ProbeError> {
+        self.attach_or_adopt(&btf.kernel, &btf.aya)?;
+        for (calls, why) in &self.unseen {
             warn!(
                 "the probes do not see {calls}: {why}; such calls are neither charged nor guarded"
             );
         }
         // Loaded programs hold their maps; the relocated copy is needed no more.
-        probes.modify_return = None;
-        Ok(probes)
+        self.modify_return = None;
+        Ok(self)
     }
 
-    /// Runs one of the daemon's own programs ([`attach::RUN_PROGRAMS`]) once in the kernel
-    /// with `args` (`BPF_PROG_TEST_RUN`); returns its return value.
-    fn run_program(&self, name: &'static str, args: &[u64]) -> Result<u32, ProbeError> {
-        use aya::programs::{RawTracePointRunOptions, TestRun as _};
-        let perr = move |source| ProbeError::Run { name, source };
-        let prog: &RawTracePoint = self
-            .ebpf
+    /// One of the daemon's own programs ([`attach::RUN_PROGRAMS`]), loaded.
+    fn program(&self, name: &'static str) -> Result<&RawTracePoint, ProbeError> {
+        self.ebpf
             .program(name)
             .ok_or(ProbeError::NoProgram(name))?
             .try_into()
-            .map_err(perr)?;
-        let mut opts = RawTracePointRunOptions::new();
-        for (slot, a) in opts.args.iter_mut().zip(args) {
-            *slot = *a;
-        }
-        Ok(prog.test_run(opts).map_err(perr)?.return_value)
+            .map_err(move |source| ProbeError::Run { name, source })
     }
 
-    /// Marks `pid` as holding an NVIDIA file in the tracepoint-mode filter, by running the
-    /// `gpud_seed` program in the kernel (the filter is only changed with atomic adds there).
-    pub fn seed(&self, pid: u32) -> Result<(), ProbeError> {
-        self.run_program(programs::SEED, &[u64::from(pid)])?;
-        Ok(())
-    }
-
-    /// Releases the object `(client, object)` if it still carries `serial`, uncharging its
-    /// bytes, by running the `gpud_release` program in the kernel (usage counters are only ever
-    /// changed atomically there); an `orphan` is also counted in the kernel's
-    /// `orphans_released`. Returns whether it was released.
-    pub fn release(&self, key: ObjKey, serial: u64, orphan: bool) -> Result<bool, ProbeError> {
-        let args = [
-            u64::from(key.client),
-            u64::from(key.object),
-            serial,
-            u64::from(orphan),
-        ];
-        Ok(self.run_program(programs::RELEASE, &args)? == 0)
-    }
-
-    /// Whether the control file at kernel address `file` is still referenced (so the driver
-    /// still holds the clients made through it), by running the `gpud_file_held` program.
-    pub fn file_held(&self, file: u64) -> Result<bool, ProbeError> {
-        Ok(self.run_program(programs::FILE_HELD, &[file])? == 0)
+    /// Handles on the daemon's own programs, for the attribution ([`KernelRuns`]).
+    pub fn runs(&self) -> Result<KernelRuns, ProbeError> {
+        KernelRuns::of(self)
     }
 
     pub fn mode(&self) -> AttachMode {
@@ -590,6 +417,284 @@ impl Probes {
         if let Some(parent) = self.base_dir.parent() {
             let _ = std::fs::remove_dir(parent);
         }
+    }
+}
+
+/// Mounts bpffs (required) and tracefs (only tracepoint attachment needs it; fentry works
+/// without, so a failure is a warning).
+fn mount_filesystems(bpffs: &Path) -> Result<(), ProbeError> {
+    ensure_mounted(bpffs, "bpf", BPF_FS_MAGIC)?;
+    if let Err(e) = ensure_mounted(Path::new(pin::TRACEFS), "tracefs", pin::TRACEFS_MAGIC) {
+        warn!("{}", Chain(&e));
+    }
+    Ok(())
+}
+
+/// The events ring's size in bytes.
+fn ring_bytes(cfg: &ProbesConfig) -> u32 {
+    cfg.events_ring_kib.saturating_mul(1024)
+}
+
+/// Clears pins this daemon cannot reuse (other ABI versions, a foreign map layout), creates the
+/// links directory, warns where the pinned events ring has another size, and returns the pin
+/// directory.
+fn prepare_pin_dir(cfg: &ProbesConfig) -> Result<PathBuf, ProbeError> {
+    let base_dir = Probes::pin_base(&cfg.bpffs);
+    pin::remove_other_abi_versions(&cfg.bpffs)?;
+    pin::remove_if_foreign_layout(&base_dir)?;
+    let links = base_dir.join("links");
+    std::fs::create_dir_all(&links).map_err(io_err("create", &links))?;
+    pin::warn_if_pinned_ring_differs(&base_dir, ring_bytes(cfg));
+    Ok(base_dir)
+}
+
+/// What start-up reads from the kernel's BTF.
+struct KernelTypes {
+    /// Parsed by gpud, for struct offsets and function lookups.
+    kernel: btf::KernelBtf,
+    offsets: gpud_common::KernelOffsets,
+    /// See [`btf::KernelBtf::task_compat_status`].
+    compat_status: Option<u32>,
+    /// Parsed by aya, for the loader and for loading BTF-typed programs.
+    aya: aya::Btf,
+}
+
+impl KernelTypes {
+    fn read() -> Result<Self, ProbeError> {
+        let kernel = btf::KernelBtf::load()?;
+        let offsets = kernel.kernel_offsets()?;
+        debug!(?offsets, "kernel offsets from BTF");
+        let compat_status = kernel.task_compat_status();
+        let aya = aya::Btf::from_sys_fs().map_err(ProbeError::LoaderBtf)?;
+        Ok(Self {
+            kernel,
+            offsets,
+            compat_status,
+            aya,
+        })
+    }
+}
+
+/// Loads the eBPF object with its maps pinned under `base_dir` and sized from `cfg`; no program
+/// is loaded yet.
+fn load_object(cfg: &ProbesConfig, base_dir: &Path, btf: &KernelTypes) -> Result<Ebpf, ProbeError> {
+    let offsets = &btf.offsets;
+    // fentry programs read struct fields directly; the verifier checks those loads
+    // against BTF using these offsets, frozen into the object's .rodata.
+    let ebpf = EbpfLoader::new()
+        .btf(Some(&btf.aya))
+        .default_map_pin_directory(base_dir)
+        .override_global("BTF_FILE_INODE", &offsets.file_inode, true)
+        .override_global("BTF_INODE_RDEV", &offsets.inode_rdev, true)
+        .override_global("BTF_INODE_INO", &offsets.inode_ino, true)
+        .override_global("BTF_INODE_SB", &offsets.inode_sb, true)
+        .override_global("BTF_SB_DEV", &offsets.sb_dev, true)
+        .override_global("BTF_FILE_REFS", &offsets.file_refs, true)
+        .override_global("TASK_TI_STATUS", &btf.compat_status.unwrap_or(0), true)
+        .map_max_entries(map_names::TRACKED, gpud_common::tracked_words(pid_max()))
+        .map_max_entries(map_names::EVENTS, ring_bytes(cfg))
+        .map_max_entries(map_names::OBJECTS, cfg.max_objects)
+        .map_max_entries(map_names::PROCS, cfg.max_procs)
+        // The per-task map of RM calls in flight (`CALLS`): aya has no type for task
+        // storage, and the daemon never reads it.
+        .allow_unsupported_maps()
+        .load(OBJECT)?;
+    Ok(ebpf)
+}
+
+/// Probes what the kernel offers before the ladder: the fentry and tracepoint programs load or
+/// not (an answer, not an error), and the daemon's own programs must load. Also returns why
+/// fentry was refused, which the ladder reports.
+fn probe_caps(
+    ebpf: &mut Ebpf,
+    btf: &KernelTypes,
+    cgroup2_root: &Path,
+) -> Result<(KernelCaps, Option<String>), ProbeError> {
+    let mut caps = KernelCaps {
+        file_ioctl_compat: btf.kernel.has_function("security_file_ioctl_compat"),
+        compat_syscalls: btf.compat_status.is_some(),
+        dmem_cgroup: caps::dmem_available(cgroup2_root),
+        dmem_nvidia: caps::dmem_nvidia_regions(cgroup2_root, Path::new(caps::PCI_DEVICES))
+            .is_some_and(|r| !r.is_empty()),
+        ..KernelCaps::default()
+    };
+    let fentry_refusal = load_probe(ebpf, programs::FENTRY_IOCTL, |p: &mut FEntry| {
+        p.load("security_file_ioctl", &btf.aya)
+    })
+    .err();
+    caps.fentry = fentry_refusal.is_none();
+    caps.tracepoint = try_load(ebpf, programs::TP_IOCTL, |p: &mut TracePoint| p.load());
+    for name in attach::RUN_PROGRAMS {
+        let perr = move |source| ProbeError::LoadProgram { name, source };
+        let p: &mut RawTracePoint = ebpf
+            .program_mut(name)
+            .ok_or(ProbeError::NoProgram(name))?
+            .try_into()
+            .map_err(perr)?;
+        p.load().map_err(perr)?;
+    }
+    Ok((caps, fentry_refusal))
+}
+
+/// The attach mode from the preference and what the kernel accepts.
+fn choose_mode(preference: AttachPreference, caps: &KernelCaps) -> Result<AttachMode, ProbeError> {
+    match (preference, caps.fentry, caps.tracepoint) {
+        (AttachPreference::Fentry, false, _) => Err(ProbeError::FentryUnavailable),
+        (AttachPreference::Fentry | AttachPreference::Auto, true, _) => Ok(AttachMode::Fentry),
+        (_, _, true) => Ok(AttachMode::Tracepoint),
+        (_, _, false) => Err(ProbeError::NoAttachMechanism),
+    }
+}
+
+/// The pre-driver hook and enforcement tier chosen at start-up.
+struct Enforcement {
+    ladder: HookLadder,
+    tier: Tier,
+    /// The object relocated for fmod_ret loads, while that hook is to be attached.
+    modify_return: Option<modify_return::Relocated>,
+}
+
+/// Climbs the ladder of pre-driver hooks (recording in `caps` which the kernel accepts), then
+/// picks the tier, refusing one the kernel cannot give.
+fn choose_hook_and_tier(
+    ebpf: &mut Ebpf,
+    aya_btf: &aya::Btf,
+    setup: &ProbeSetup<'_>,
+    mode: AttachMode,
+    fentry_refusal: Option<&str>,
+    caps: &mut KernelCaps,
+) -> Result<Enforcement, ProbeError> {
+    let inputs = LadderInputs {
+        preference: setup.deny_hook,
+        tier: setup.tier,
+        mode,
+        fentry_refusal,
+        attach: setup.config.attach,
+    };
+    let (ladder, [bpf_lsm, fmod_ret], modify_return) = climb_ladder(ebpf, aya_btf, &inputs)?;
+    caps.bpf_lsm = bpf_lsm;
+    caps.fmod_ret = fmod_ret;
+    let tier = match setup.tier {
+        TierPreference::Deny if ladder.in_force == DenyHook::None => {
+            return Err(ProbeError::DenyUnavailable(ladder.summary()));
+        }
+        TierPreference::Dmem if !caps.dmem_nvidia => return Err(ProbeError::DmemUnavailable),
+        TierPreference::Dmem => Tier::Dmem,
+        _ if ladder.in_force != DenyHook::None => Tier::Deny,
+        _ => Tier::React,
+    };
+    Ok(Enforcement {
+        ladder,
+        tier,
+        modify_return,
+    })
+}
+
+/// Loads the memory view's rewriting return program, whose `bpf_probe_write_user` the verifier
+/// refuses under lockdown or without CAP_SYS_ADMIN: loading it is the probe. Records the answer
+/// in `caps`, logs the capabilities (now all known) and returns the refusal, if any.
+fn probe_rewrite(
+    ebpf: &mut Ebpf,
+    mode: AttachMode,
+    aya_btf: &aya::Btf,
+    caps: &mut KernelCaps,
+) -> Option<String> {
+    let rewrite = match mode {
+        AttachMode::Tracepoint => {
+            load_probe(ebpf, programs::TP_IOCTL_EXIT_RW, |p: &mut TracePoint| {
+                p.load()
+            })
+        }
+        AttachMode::Fentry => load_probe(ebpf, programs::FEXIT_IOCTL_RW, |p: &mut FExit| {
+            p.load(SYS_IOCTL.0, aya_btf)
+        }),
+    };
+    caps.probe_write_user = rewrite.is_ok();
+    info!(?caps, "kernel capabilities");
+    rewrite.err()
+}
+
+/// The memory view and scheduler guard at start, from the configuration and whether the
+/// kernel lets the probes rewrite a call (`rewrite_refusal`).
+fn memory_view_and_guard(
+    setup: &ProbeSetup<'_>,
+    tier: Tier,
+    rewrite_refusal: Option<String>,
+) -> (MemoryInfoState, GuardState) {
+    let no_rewrite =
+        rewrite_refusal.map(|e| caps::write_user_refusal(&e, crate::privileges::sys_admin()));
+    let memory_info = match &no_rewrite {
+        None if setup.virtualize_memory_info => MemoryInfoState::On,
+        None => MemoryInfoState::Off,
+        Some(why) => MemoryInfoState::Unavailable(why.clone()),
+    };
+    let guard = GuardState {
+        mode: setup.scheduler_guard,
+        deny: tier == Tier::Deny,
+        no_rewrite,
+        kill: setup.guard_react_action == GuardReactAction::Kill,
+    };
+    (memory_info, guard)
+}
+
+/// Writes the configuration record (`CONFIG`) the programs read.
+fn write_config(
+    ebpf: &mut Ebpf,
+    setup: ProbeSetup<'_>,
+    offsets: gpud_common::KernelOffsets,
+    mode: AttachMode,
+    memory_info: &MemoryInfoState,
+    guard: &GuardState,
+) -> Result<(), ProbeError> {
+    let kill = if guard.kill {
+        gpud_common::CFG_GUARD_KILL
+    } else {
+        0
+    };
+    maps::write_config(
+        ebpf,
+        maps::Settings {
+            offsets,
+            majors: setup.majors,
+            extra: setup.extra,
+            mode,
+            react: setup.react_action,
+            memory_info: *memory_info == MemoryInfoState::On,
+            guard_flags: GuardState::flags(guard.mode) | kill,
+            guard_timeslice_us: setup.guard_timeslice_us,
+        },
+    )
+}
+
+/// Logs the attach mode, tier and hook, the hooks refused, the memory view and the guard.
+fn log_choices(
+    mode: AttachMode,
+    hooks: &Enforcement,
+    memory_info: &MemoryInfoState,
+    guard: &GuardState,
+) {
+    info!(
+        mode = mode.as_str(),
+        tier = hooks.tier.as_str(),
+        deny_hook = hooks.ladder.in_force.as_str(),
+        "attach mode, enforcement tier and pre-driver hook"
+    );
+    for (hook, why) in &hooks.ladder.refused {
+        info!(hook = hook.as_str(), "pre-driver hook not used: {why}");
+    }
+    match memory_info {
+        MemoryInfoState::Unavailable(why) => {
+            warn!("memory view unavailable ({why}): limited cgroups see the GPU's real memory size")
+        }
+        state => info!(memory_view = state.describe(), "in-container memory view"),
+    }
+    if guard.mode == GuardMode::Enforce && guard.reacts() {
+        warn!(
+            "scheduler guard {}: a tenant's control holds until gpud undoes it",
+            guard.describe()
+        );
+    } else {
+        info!(scheduler_guard = guard.describe(), "scheduler guard");
     }
 }
 

@@ -260,7 +260,7 @@ fn gpud_phase(
         .set("enforcement.deny_hook", hook.as_str())
         .parsed();
     let opened = gpud::daemon::core::open(&config).map_err(|e| anyhow::anyhow!("{}", Chain(&e)))?;
-    let probes = opened.core.attribution.probes();
+    let probes = &opened.core.probes;
     anyhow::ensure!(
         probes.ladder().in_force.as_str() == hook.as_str(),
         "hook in force: {:?}",

@@ -17,7 +17,7 @@ pub(super) fn memory_info_cost(
     const CYCLES: usize = 3;
     const LIMIT: u64 = 8 << 30;
     let (mut core, _ring) = setup(o, ctl, ReactAction::Notify, "view")?;
-    let state = core.attribution.memory_info();
+    let state = core.memory_info();
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
     let (c, dir) = (ctl.to_owned(), cg.to_owned());
@@ -56,8 +56,8 @@ pub(super) fn memory_info_cost(
             } else {
                 core.settings.clear_limit(id, gpud_common::GPU_ALL)?;
             }
-            core.attribution.set_memory_info(view)?;
-            if name == "limited_view_on" && core.attribution.memory_info() != "on" {
+            core.probes.set_memory_info(view)?;
+            if name == "limited_view_on" && core.memory_info() != "on" {
                 continue;
             }
             let before = prog_stats();
@@ -105,8 +105,8 @@ pub(super) fn scheduler_guard_cost(
     let calls = o.calls;
     const CYCLES: usize = 3;
     let (mut core, mut ring) = setup(o, ctl, ReactAction::Notify, "guard")?;
-    core.attribution.set_memory_info(false)?;
-    let state = core.attribution.scheduler_guard();
+    core.probes.set_memory_info(false)?;
+    let state = core.scheduler_guard();
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
     let (c, dir) = (ctl.to_owned(), cg.to_owned());
@@ -149,7 +149,7 @@ pub(super) fn scheduler_guard_cost(
     let mut per_call: Vec<Vec<f64>> = vec![Vec::new(); phases.len()];
     for _ in 0..CYCLES {
         for (i, (name, what, mode)) in phases.into_iter().enumerate() {
-            core.attribution.set_scheduler_guard(mode)?;
+            core.probes.set_guard(mode)?;
             let before = prog_stats();
             let status = tenant.ask(&format!("{what} {calls}"))?;
             let spent: u64 = prog_stats()

@@ -364,7 +364,7 @@ fn setup(
         .parsed();
     let Opened { core, events, .. } =
         gpud::daemon::core::open(&config).map_err(|e| anyhow::anyhow!("{}", Chain(&e)))?;
-    let mode = core.attribution.probes().mode();
+    let mode = core.probes.mode();
     ensure!(mode == o.mode, "attached in {mode:?}");
     Ok((core, events))
 }

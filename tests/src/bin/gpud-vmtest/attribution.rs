@@ -19,8 +19,8 @@ pub(super) fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Resu
         ],
     )
     .context("opening gpud's kernel stack")?;
+    let probes = core.probes;
     let mut attribution = core.attribution;
-    let probes = attribution.probes();
     println!("[{tag}] capabilities: {:?}", probes.caps());
     ensure!(
         probes.mode() == want,
@@ -132,7 +132,8 @@ pub(super) fn scenario(pref: AttachPreference, want: AttachMode) -> anyhow::Resu
         "list {listed:?}"
     );
 
-    attribution.shutdown(false);
+    drop(attribution);
+    probes.shutdown(false);
     let _ = std::fs::remove_dir(&cg_a);
     let _ = std::fs::remove_dir(&cg_b);
     println!("[{tag}] attribution checks passed");

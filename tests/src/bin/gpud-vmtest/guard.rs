@@ -41,8 +41,7 @@ pub(super) fn scheduler_guard(
         ],
     )
     .context("opening gpud's kernel stack")?;
-    let (mut attribution, mut settings, root) = parts(core, Some(want))?;
-    let probes = attribution.probes();
+    let (mut probes, mut attribution, mut settings, root) = parts(core, Some(want))?;
     let deny = probes.tier() == Tier::Deny;
     let held = gpud::enforcement::compute::channel::HeldGroups::new(held);
     let want_state = if deny {
@@ -85,7 +84,7 @@ pub(super) fn scheduler_guard(
     };
     let seen = |n: &[GuardNotice]| {
         n.iter()
-            .map(|n| format!("{}:{}:{}", n.control, n.action, n.reason))
+            .map(|n| format!("{}:{}:{}", n.control, n.action.as_str(), n.reason.as_str()))
             .collect::<Vec<_>>()
             .join(",")
     };
@@ -318,7 +317,7 @@ pub(super) fn scheduler_guard(
     println!("[guard-{tag}] channels gpud holds disabled stay disabled");
 
     // audit: everything through, and reported; off: nothing looked at.
-    attribution.set_scheduler_guard(gpud::config::GuardMode::Audit)?;
+    probes.set_guard(gpud::config::GuardMode::Audit)?;
     ensure!(a.ask("ts 1000000")? == ok_got(1_000_000), "audit: 1 s");
     disable_and_enable(&mut a, &ib, "audit: a disables b's channel")?;
     let n = drain(&mut attribution);
@@ -328,7 +327,7 @@ pub(super) fn scheduler_guard(
                 FIFO_DISABLE_CHANNELS:audited:foreign-client",
         "audit reports: {n:?}"
     );
-    attribution.set_scheduler_guard(gpud::config::GuardMode::Off)?;
+    probes.set_guard(gpud::config::GuardMode::Off)?;
     ensure!(a.ask("ts 999999")? == ok_got(999_999), "off: timeslice");
     ensure!(drain(&mut attribution).is_empty(), "off: reported");
     let stats = attribution.counters()?.stats();
@@ -341,7 +340,7 @@ pub(super) fn scheduler_guard(
     // Corrupted calls from the best-effort tenant, guard enforcing: whatever got through, the
     // driver holds no timeslice above its allowance, no interleave or realtime, and the
     // neighbour's channel runs.
-    attribution.set_scheduler_guard(gpud::config::GuardMode::Enforce)?;
+    probes.set_guard(gpud::config::GuardMode::Enforce)?;
     let ie = ids(&mut e)?;
     let hex = |s: &str| u32::from_str_radix(s.trim_start_matches("0x"), 16).unwrap_or(0);
     let (ec, eg) = (hex(&ie[0]), hex(&ie[1]));
@@ -384,7 +383,8 @@ pub(super) fn scheduler_guard(
     for t in [a, b, l, e] {
         t.release();
     }
-    attribution.shutdown(false);
+    drop(attribution);
+    probes.shutdown(false);
     drop(fake);
     for p in [&be, &lc, &pa, &pb, &base] {
         let _ = std::fs::remove_dir(root.join(&p[1..]));

@@ -65,13 +65,18 @@ fn open_stack(
 fn parts(
     core: gpud::daemon::core::Core,
     want: Option<AttachMode>,
-) -> anyhow::Result<(Attribution, gpud::probes::KernelSettings, PathBuf)> {
-    let mode = core.attribution.probes().mode();
+) -> anyhow::Result<(
+    gpud::probes::Probes,
+    Attribution,
+    gpud::probes::KernelSettings,
+    PathBuf,
+)> {
+    let mode = core.probes.mode();
     if let Some(want) = want {
         ensure!(mode == want, "attached in {mode:?}, wanted {want:?}");
     }
     let root = core.attribution.cgroup_root().to_owned();
-    Ok((core.attribution, core.settings, root))
+    Ok((core.probes, core.attribution, core.settings, root))
 }
 
 /// Waits (10 s at most) until the cgroup `id` holds no GPU memory, running `pump` (the ring's

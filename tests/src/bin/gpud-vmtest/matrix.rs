@@ -101,8 +101,7 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
         ],
     )
     .context("opening gpud's kernel stack with the defaults")?;
-    let (mut attribution, mut settings, root) = parts(core, None)?;
-    let probes = attribution.probes();
+    let (probes, mut attribution, mut settings, root) = parts(core, None)?;
     let rung = probes.ladder().in_force.as_str();
     let caps = probes.caps().clone();
     let deny = probes.tier() == Tier::Deny;
@@ -304,7 +303,8 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
     } else {
         through.join(",")
     };
-    attribution.shutdown(false);
+    drop(attribution);
+    probes.shutdown(false);
     drop(fake);
     let _ = std::fs::remove_dir(&cg);
 
@@ -402,8 +402,8 @@ pub(super) fn check_lsm_probe() -> anyhow::Result<()> {
     let standin = PathBuf::from("/tmp/vmtest-caps-standin");
     std::fs::write(&standin, b"")?;
     let Opened { core, .. } = open_stack("caps", &standin, &[("enforcement.tier", "react")])?;
-    let caps = core.attribution.probes().caps().clone();
-    let mode = core.attribution.probes().mode();
+    let caps = core.probes.caps().clone();
+    let mode = core.probes.mode();
     core.close(false);
     if !(caps.fentry && caps.bpf_lsm && caps.tracepoint) {
         bail!("expected fentry, bpf_lsm and tracepoint on this kernel: {caps:?}");

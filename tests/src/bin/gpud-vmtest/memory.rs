@@ -32,9 +32,9 @@ pub(super) fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
             hook.as_str()
         )
     })?;
+    let probes = core.probes;
     let mut attribution = core.attribution;
     let mut settings = core.settings;
-    let probes = attribution.probes();
     ensure!(probes.tier() == Tier::Deny, "tier {:?}", probes.tier());
     if hook != DenyHookPreference::Auto {
         ensure!(
@@ -153,7 +153,8 @@ pub(super) fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
             Ok(())
         },
     )?;
-    attribution.shutdown(false);
+    drop(attribution);
+    probes.shutdown(false);
     drop(fake);
     let _ = std::fs::remove_dir(&cg);
     println!("[{tag}] memory checks passed");

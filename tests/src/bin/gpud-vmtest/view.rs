@@ -183,8 +183,7 @@ pub(super) fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::R
         &[("probes.attach", pref.as_str())],
     )
     .context("opening gpud's kernel stack")?;
-    let (mut attribution, mut settings, root) = parts(core, Some(want))?;
-    let probes = attribution.probes();
+    let (mut probes, mut attribution, mut settings, root) = parts(core, Some(want))?;
     ensure!(
         probes.caps().probe_write_user && *probes.memory_info() == MemoryInfoState::On,
         "memory view {:?} (caps {:?})",
@@ -256,19 +255,19 @@ pub(super) fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::R
 
     // A reload turns the view off and on again.
     println!("[view-{tag}] malformed calls left alone");
-    attribution.set_memory_info(false)?;
+    probes.set_memory_info(false)?;
     println!("[view-{tag}] view turned off");
     ensure!(
-        attribution.memory_info() == "off",
+        probes.memory_info().describe() == "off",
         "{}",
-        attribution.memory_info()
+        probes.memory_info().describe()
     );
     ensure!(
         view(&mut c)? == real(&fake),
         "view off: {:?}",
         view(&mut c)?
     );
-    attribution.set_memory_info(true)?;
+    probes.set_memory_info(true)?;
     ensure!(
         view(&mut c)? == Seen::limited(16 * MIB, headroom),
         "view on again: {:?}",
@@ -292,7 +291,8 @@ pub(super) fn memory_view(pref: AttachPreference, want: AttachMode) -> anyhow::R
     for t in [c, d, s] {
         t.release();
     }
-    attribution.shutdown(false);
+    drop(attribution);
+    probes.shutdown(false);
     drop(fake);
     for p in [&pc, &pd, &parent, &sib] {
         let _ = std::fs::remove_dir(root.join(&p[1..]));

@@ -1,0 +1,76 @@
+//! The daemon's own programs, run once in the kernel on demand (`BPF_PROG_TEST_RUN`): marking a
+//! process in the tracepoint-mode filter, releasing an object's charge, asking whether a control
+//! file is still referenced. The kernel changes what these touch only with atomic operations, so
+//! the daemon changes it through the same code instead of writing the maps. [`KernelRuns`] holds
+//! its own descriptors of the loaded programs, so that the attribution, their one user, owns
+//! them while [`Probes`] (the object, its links and its settings) stays the core's.
+
+use aya::programs::{RawTracePoint, RawTracePointRunOptions, TestRun as _};
+use gpud_common::ObjKey;
+
+use super::{ProbeError, Probes, attach::RUN_PROGRAMS, programs};
+
+/// Handles on the run programs of one loaded object ([`Probes::runs`]).
+pub struct KernelRuns {
+    /// In the order of [`RUN_PROGRAMS`].
+    programs: [RawTracePoint; 3],
+}
+
+impl KernelRuns {
+    /// Takes a descriptor of each run program `probes` loaded.
+    pub(super) fn of(probes: &Probes) -> Result<Self, ProbeError> {
+        let handle = |name: &'static str| -> Result<RawTracePoint, ProbeError> {
+            let perr = move |source| ProbeError::Run { name, source };
+            let prog = probes.program(name)?;
+            let info = prog.info().map_err(perr)?;
+            RawTracePoint::from_program_info(info, name.into()).map_err(perr)
+        };
+        let [a, b, c] = RUN_PROGRAMS;
+        Ok(Self {
+            programs: [handle(a)?, handle(b)?, handle(c)?],
+        })
+    }
+
+    /// Runs `name` once with `args`; its return value.
+    fn run(&self, name: &'static str, args: &[u64]) -> Result<u32, ProbeError> {
+        let prog = RUN_PROGRAMS
+            .iter()
+            .position(|n| *n == name)
+            .map(|i| &self.programs[i])
+            .ok_or(ProbeError::NoProgram(name))?;
+        let mut opts = RawTracePointRunOptions::new();
+        for (slot, a) in opts.args.iter_mut().zip(args) {
+            *slot = *a;
+        }
+        prog.test_run(opts)
+            .map(|r| r.return_value)
+            .map_err(|source| ProbeError::Run { name, source })
+    }
+
+    /// Marks `pid` as holding an NVIDIA file in the tracepoint-mode filter (`gpud_seed`; the
+    /// filter is only changed with atomic adds).
+    pub fn seed(&self, pid: u32) -> Result<(), ProbeError> {
+        self.run(programs::SEED, &[u64::from(pid)])?;
+        Ok(())
+    }
+
+    /// Releases the object `(client, object)` if it still carries `serial`, uncharging its
+    /// bytes (`gpud_release`: usage counters are only ever changed atomically in the kernel);
+    /// an `orphan` is also counted in the kernel's `orphans_released`. Returns whether it was
+    /// released.
+    pub fn release(&self, key: ObjKey, serial: u64, orphan: bool) -> Result<bool, ProbeError> {
+        let args = [
+            u64::from(key.client),
+            u64::from(key.object),
+            serial,
+            u64::from(orphan),
+        ];
+        Ok(self.run(programs::RELEASE, &args)? == 0)
+    }
+
+    /// Whether the control file at kernel address `file` is still referenced (so the driver
+    /// still holds the clients made through it), by `gpud_file_held`.
+    pub fn file_held(&self, file: u64) -> Result<bool, ProbeError> {
+        Ok(self.run(programs::FILE_HELD, &[file])? == 0)
+    }
+}
