@@ -58,7 +58,7 @@ pub mod compat {
 
 /// Bumped whenever a map layout, map name or event record changes. Maps are pinned under
 /// `<bpffs>/gpud/v<ABI_VERSION>/`, so a daemon of another ABI never reads a foreign layout.
-pub const ABI_VERSION: u32 = 6;
+pub const ABI_VERSION: u32 = 7;
 
 /// Classes of ioctls on NVIDIA device files, as counted per cgroup and per process.
 #[repr(u32)]
@@ -279,6 +279,11 @@ pub struct ProbeConfig {
     /// The longest channel-group timeslice (µs) a tenant may set where no `SCHED_ALLOW` entry
     /// of its cgroup or an ancestor says otherwise.
     pub guard_timeslice_us: u64,
+    /// Most `OBJECTS` entries one cgroup may hold (`OBJ_COUNTS`); 0: no cap. One tenant making
+    /// RM clients in a loop (they cost no GPU memory) cannot fill the map the host shares.
+    pub objects_per_cgroup: u32,
+    /// Explicit padding (always 0), so the layout has no implicit holes.
+    pub _pad: u32,
 }
 
 /// `ProbeConfig::react_action`: only report the crossing (ring-buffer event, counter).
@@ -347,8 +352,13 @@ pub mod stat {
     /// Control files not entered in `FILE_MARKS` (map full): their release is found by the
     /// daemon's sweep instead of an event.
     pub const FILE_MARKS_FULL: u32 = 23;
+    /// Objects not recorded because their cgroup holds `ProbeConfig::objects_per_cgroup`
+    /// entries of `OBJECTS` already (a limited cgroup's allocation then counts as crossing).
+    pub const OBJECTS_CGROUP_CAP: u32 = 24;
+    /// cgroups whose objects are not counted (`OBJ_COUNTS` full): not capped.
+    pub const OBJ_COUNTS_FULL: u32 = 25;
     /// Number of counters.
-    pub const COUNT: u32 = 24;
+    pub const COUNT: u32 = 26;
 }
 
 pub use events::*;
@@ -523,9 +533,12 @@ pub mod maps {
     /// Hash control file (`struct file` address) → `u32` (1): files through which an object was
     /// recorded in `OBJECTS`; only their releases are sent to the daemon.
     pub const FILE_MARKS: &str = "FILE_MARKS";
+    /// Hash cgroup id → `u64`: the `OBJECTS` entries it holds, for the per-cgroup cap
+    /// ([`ProbeConfig::objects_per_cgroup`](crate::ProbeConfig)).
+    pub const OBJ_COUNTS: &str = "OBJ_COUNTS";
 
     /// Every pinned map: the daemon checks each one's layout before adopting its pin.
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 20] = [
         CONFIG,
         EXTRA_FILES,
         PROCS,
@@ -545,6 +558,7 @@ pub mod maps {
         SCHED_FILES,
         SCHED_GROUPS,
         FILE_MARKS,
+        OBJ_COUNTS,
     ];
 }
 
@@ -645,6 +659,8 @@ pub mod programs {
 pub const MAX_PROCS: u32 = 65_536;
 /// Capacity of `CGROUPS` and `ANCESTRY`: cgroups that used an NVIDIA file or were charged.
 pub const MAX_CGROUPS: u32 = 16_384;
+/// Capacity of `OBJ_COUNTS`: cgroups holding recorded objects, counted for their cap.
+pub const MAX_OBJ_COUNTS: u32 = MAX_CGROUPS;
 /// Capacity of `EXTRA_FILES`.
 pub const MAX_EXTRA_FILES: u32 = 256;
 /// The event ring's size in the object; the daemon sets it at load (`probes.events_ring_kib`,

@@ -28,7 +28,7 @@ use gpud_common::{
 use crate::{
     kernel::{ProbeRead, current_tgid, device_kind, read_at, sole_reference},
     ledger::{current_ancestry, each_limit, gpu_of, usage, user},
-    maps::{ANCESTRY, FILE_MARKS, OBJECTS, SHARES, USAGE, bump_stat, config, send},
+    maps::{ANCESTRY, FILE_MARKS, OBJ_COUNTS, OBJECTS, SHARES, USAGE, bump_stat, config, send},
 };
 
 const SIGKILL: u32 = 9;
@@ -328,6 +328,9 @@ fn track_object(t: &Track) -> bool {
             (_, c) => c,
         },
     };
+    if !count_object(entry.cgroup_id) {
+        return false;
+    }
     let inserted = match OBJECTS.insert(t.key, entry, BPF_NOEXIST as u64) {
         Ok(()) => true,
         Err(e) if e == -EEXIST && t.replace => {
@@ -337,6 +340,7 @@ fn track_object(t: &Track) -> bool {
         Err(_) => false,
     };
     if !inserted {
+        uncount_object(entry.cgroup_id);
         bump_stat(stat::OBJECTS_FULL);
     } else if unsafe { FILE_MARKS.get(t.file) }.is_none()
         && FILE_MARKS.insert(t.file, 1, 0).is_err()
@@ -367,8 +371,50 @@ fn release_entry(key: &ObjKey, e: &ObjEntry) -> bool {
     if OBJECTS.remove(key).is_err() {
         return false;
     }
+    uncount_object(e.cgroup_id);
     drop_reference(e);
     true
+}
+
+/// Counts one more `OBJECTS` entry for `cgroup_id`, unless it holds its cap
+/// (`ProbeConfig::objects_per_cgroup`) already: false then, counted. Without fetching atomics
+/// the check and the add are two steps, so inserts racing on several CPUs may pass the cap by as
+/// many. A cgroup `OBJ_COUNTS` has no room for is not capped (counted apart).
+#[inline(always)]
+fn count_object(cgroup_id: u64) -> bool {
+    let n = match OBJ_COUNTS.get_ptr_mut(cgroup_id) {
+        Some(n) => n,
+        None => {
+            let _ = OBJ_COUNTS.insert(cgroup_id, 0, BPF_NOEXIST as u64);
+            match OBJ_COUNTS.get_ptr_mut(cgroup_id) {
+                Some(n) => n,
+                None => {
+                    bump_stat(stat::OBJ_COUNTS_FULL);
+                    return true;
+                }
+            }
+        }
+    };
+    let cap = config().map_or(0, |c| c.objects_per_cgroup);
+    // Read as signed: releases racing past zero (entries recorded before the count began)
+    // must not make a full cgroup of an empty one.
+    let held = unsafe { core::ptr::read_volatile(n) } as i64;
+    if cap != 0 && held >= i64::from(cap) {
+        bump_stat(stat::OBJECTS_CGROUP_CAP);
+        return false;
+    }
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+    true
+}
+
+/// Counts one `OBJECTS` entry of `cgroup_id` less (none below zero, as far as a read shows).
+#[inline(always)]
+fn uncount_object(cgroup_id: u64) {
+    if let Some(n) = OBJ_COUNTS.get_ptr_mut(cgroup_id)
+        && unsafe { core::ptr::read_volatile(n) } as i64 > 0
+    {
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, u64::MAX) };
+    }
 }
 
 /// Gives back one reference to the charge memory entry `e` holds (its own, or a duplicate's

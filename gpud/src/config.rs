@@ -164,6 +164,8 @@ pub struct ProbesConfig {
     pub events_ring_kib: u32,
     /// Entries of the object map (RM clients, devices, memory, channels of every tenant).
     pub max_objects: u32,
+    /// Most entries of the object map one cgroup may hold (0: no cap).
+    pub max_objects_per_cgroup: u32,
     /// Entries of the process map (every process holding an NVIDIA file).
     pub max_procs: u32,
     /// Tracepoint mode follows 32-bit callers where every system call passes (x86-64).
@@ -464,6 +466,13 @@ impl Config {
                 "must be between 1024 and 16777216",
             ));
         }
+        let per_cgroup = self.probes.max_objects_per_cgroup;
+        if per_cgroup != 0 && !(64..=16 << 20).contains(&per_cgroup) {
+            return Err(invalid(
+                "probes.max_objects_per_cgroup",
+                "must be 0 (no cap) or between 64 and 16777216",
+            ));
+        }
         if !(1024..=4 << 20).contains(&self.probes.max_procs) {
             return Err(invalid(
                 "probes.max_procs",
@@ -716,6 +725,10 @@ mod tests {
             ("[nvml]\nsample_interval_ms = 5", "nvml.sample_interval_ms"),
             ("[probes]\nevents_ring_kib = 96", "probes.events_ring_kib"),
             ("[probes]\nmax_objects = 1000", "probes.max_objects"),
+            (
+                "[probes]\nmax_objects_per_cgroup = 10",
+                "probes.max_objects_per_cgroup",
+            ),
             ("[probes]\nmax_procs = 0", "probes.max_procs"),
             ("[probes]\nevents_ring_kib = 32", "probes.events_ring_kib"),
             (

@@ -206,6 +206,65 @@ async fn full_object_map_a_limited_tenant_fails_closed() {
     filler.finish();
 }
 
+/// Per-cgroup caps: a neighbour making RM clients in a loop (they cost no GPU memory) stops at
+/// its cgroup's cap (`probes.max_objects_per_cgroup`, 1,024 here, in a map of 4,096), so the map
+/// the host shares keeps room: the limited tenant beside it allocates within its limit, charged
+/// to the byte, and is still stopped at its crossing. Without the cap the neighbour fills the map
+/// and the tenant's allocation within its limit, which the map cannot record, counts as crossing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_neighbour_filling_the_object_map_stops_at_its_cgroup_cap() {
+    let Some(mut rig) = Rig::new("rt-objcap").fake_device(1) else {
+        return;
+    };
+    rig = rig.fake_gpus(1);
+    rig.start(
+        rig.config()
+            .react_action("kill")
+            .keep_pinned(true)
+            .set("probes.max_objects", 4096)
+            .set("probes.max_objects_per_cgroup", 1024),
+    )
+    .await;
+    rig.wait_for_gpus(1).await;
+    let cg = Cgroup::new("rt-objcap");
+    let other = Cgroup::new("rt-objcap-filler");
+    rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = tenant.client_device(0);
+    let mut filler = RmProcess::spawn(Some(&other.dir), &rig.ctl());
+    let filled = filler.cmd("clients 4096");
+    let line = format!("alloc {client} {device} {}", 48 * MIB);
+    if tenant.try_cmd(&line).is_none() {
+        panic!(
+            "the tenant died in an allocation within its limit after its neighbour made \
+             clients ({filled}): {:?}\n{}",
+            tenant.wait(),
+            rig.log_text()
+        );
+    }
+    let (_c, p) = rig.proxy().await;
+    let stats = eventually(Duration::from_secs(10), || async {
+        let stats = p.get_kernel_stats().await.ok()?;
+        (stats.get("objects_cgroup_cap").copied().unwrap_or(0) > 0).then_some(stats)
+    })
+    .await
+    .unwrap_or_else(|| panic!("the filler never met its cgroup's cap: {filled}"));
+    assert_eq!(
+        stats.get("objects_map_full").copied(),
+        Some(0),
+        "the host's map filled: {stats:?}"
+    );
+    let r = rig.get_cgroup(&cg.rel).await;
+    assert_eq!(
+        r.memory_current.get("all").copied(),
+        Some(48 * MIB),
+        "the tenant's allocation within its limit is charged\n{}",
+        rig.log_text()
+    );
+    crosses_and_dies(&rig, &mut tenant, client, device, 32 * MIB).await;
+    filler.finish();
+}
+
 /// A full process map: a neighbour's process holding an NVIDIA file forks children until the
 /// host's process map is full (1,024 entries here, 65,536 by default); the limited tenant then
 /// forks, and its child, which the map cannot record, allocates past the limit on the inherited

@@ -34,6 +34,8 @@ const NAMES: [(u32, &str); stat::COUNT as usize] = [
     (stat::SCHED_GROUPS_FULL, "sched_groups_map_full"),
     (stat::FILE_RELEASES_SKIPPED, "file_releases_skipped"),
     (stat::FILE_MARKS_FULL, "file_marks_map_full"),
+    (stat::OBJECTS_CGROUP_CAP, "objects_cgroup_cap"),
+    (stat::OBJ_COUNTS_FULL, "obj_counts_map_full"),
 ];
 
 /// The counters that move whenever the kernel changes what a cgroup's record shows without

@@ -28,6 +28,8 @@ pub struct KernelMaps {
     pub ancestry: HashMap<MapData, u64, Ancestry>,
     /// Control files whose releases the kernel sends (`FILE_MARKS`).
     pub file_marks: HashMap<MapData, u64, u32>,
+    /// `OBJECTS` entries per cgroup, for the per-cgroup cap (`OBJ_COUNTS`).
+    pub obj_counts: HashMap<MapData, u64, u64>,
 }
 
 /// Entries per `BPF_MAP_LOOKUP_BATCH` call: far more than a hash bucket ever holds (a bucket
@@ -120,6 +122,8 @@ pub(super) struct Settings<'a> {
     /// `CFG_SCHED_*` bits of the guard's mode.
     pub guard_flags: u32,
     pub guard_timeslice_us: u64,
+    /// `probes.max_objects_per_cgroup` (0: no cap).
+    pub objects_per_cgroup: u32,
 }
 
 pub(super) fn write_config(ebpf: &mut Ebpf, s: Settings<'_>) -> Result<(), ProbeError> {
@@ -132,6 +136,7 @@ pub(super) fn write_config(ebpf: &mut Ebpf, s: Settings<'_>) -> Result<(), Probe
         memory_info,
         guard_flags,
         guard_timeslice_us,
+        objects_per_cgroup,
     } = s;
     let map_err = |name| move |source| ProbeError::WriteMap { name, source };
     let mut files: HashMap<_, FileKey, u32> =
@@ -176,6 +181,8 @@ pub(super) fn write_config(ebpf: &mut Ebpf, s: Settings<'_>) -> Result<(), Probe
         },
         daemon_tgid: std::process::id(),
         guard_timeslice_us,
+        objects_per_cgroup,
+        _pad: 0,
     };
     config.set(0, value, 0).map_err(map_err(maps::CONFIG))
 }

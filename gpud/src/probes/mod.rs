@@ -389,6 +389,7 @@ impl Probes {
             limits: settings::limits_reader(&self.base_dir)?,
             ancestry: maps::take(&mut self.ebpf, map_names::ANCESTRY)?,
             file_marks: maps::take(&mut self.ebpf, map_names::FILE_MARKS)?,
+            obj_counts: maps::take(&mut self.ebpf, map_names::OBJ_COUNTS)?,
         })
     }
 
@@ -662,6 +663,7 @@ fn write_config(
             memory_info: *memory_info == MemoryInfoState::On,
             guard_flags: GuardState::flags(guard.mode) | kill,
             guard_timeslice_us: setup.guard_timeslice_us,
+            objects_per_cgroup: setup.config.max_objects_per_cgroup,
         },
     )
 }
