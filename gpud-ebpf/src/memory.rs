@@ -211,7 +211,12 @@ pub(crate) fn over_limit(anc: &Ancestry, gpu: u32, extra: u64) -> Option<(u64, u
 }
 
 #[inline(always)]
-fn limit_met(anc: &Ancestry, gpu: u32, extra: u64, any: bool) -> Option<(u64, u32, u64)> {
+pub(crate) fn limit_met(
+    anc: &Ancestry,
+    gpu: u32,
+    extra: u64,
+    any: bool,
+) -> Option<(u64, u32, u64)> {
     let mut hit = None;
     each_limit(anc, gpu, |id, g, l| {
         let now = usage(id, g);

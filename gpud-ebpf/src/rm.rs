@@ -14,7 +14,7 @@ use crate::{
     ledger::{current_ancestry, gpu_of, user},
     maps::{bump_stat, config, noted, noting, send, take_call},
     meminfo,
-    memory::{self, account_alloc, account_dup, account_free, note_entry, over_limit},
+    memory::{self, account_alloc, account_dup, account_free, limit_met, note_entry},
 };
 
 const ENOMEM: i32 = 12;
@@ -104,10 +104,12 @@ pub(crate) fn rm_entry<const REWRITE: bool>(file: u64, cmd: u32, arg: u64, deny:
         return 0;
     }
     note_entry(p);
-    if deny && p.op == OP_ALLOC && p.class == rm::class::MEMORY_LOCAL_USER && p.arg != 0 {
+    if deny && p.op == OP_ALLOC && p.class == rm::class::MEMORY_LOCAL_USER {
         let gpu = gpu_of(p.client, p.parent);
+        // An allocation of no size the entry side could read (FINN-serialized, unreadable)
+        // meets any limit: refused before the driver rather than acted on after it.
         if let Some((_, anc)) = current_ancestry()
-            && let Some((cg, g, now)) = over_limit(anc, gpu, p.arg)
+            && let Some((cg, g, now)) = limit_met(anc, gpu, p.arg, p.arg == 0)
         {
             bump_stat(stat::DENIED);
             send(&Event {

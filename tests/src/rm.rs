@@ -165,6 +165,9 @@ pub struct MemRequest {
     /// `NVOS32_ATTR_*` (bits 26:25 are the location; 0 is video memory).
     pub attr: u32,
     pub form: Form,
+    /// `NVOS64_PARAMETERS.flags` of the NVOS64 forms (`NVOS64_FLAGS_FINN_SERIALIZED`: the
+    /// parameters a serialized blob, of no size the probes can read).
+    pub nvos64_flags: u32,
 }
 
 impl MemRequest {
@@ -178,6 +181,7 @@ impl MemRequest {
             flags: 0,
             attr: 0,
             form,
+            nvos64_flags: 0,
         }
     }
 }
@@ -194,6 +198,8 @@ pub struct Alloc {
     pub params: *mut u8,
     /// NVOS64 (48 bytes) instead of NVOS21 (32 bytes).
     pub long: bool,
+    /// `NVOS64_PARAMETERS.flags` (NVOS64 only).
+    pub flags: u32,
     /// Wrapped in `NV_ESC_IOCTL_XFER_CMD`.
     pub xfer: bool,
 }
@@ -207,6 +213,7 @@ impl Alloc {
             class,
             params: std::ptr::null_mut(),
             long: false,
+            flags: 0,
             xfer: false,
         }
     }
@@ -309,6 +316,7 @@ impl<'f> Ctl<'f> {
                 h_object_new: a.new,
                 h_class: a.class,
                 p_alloc_parms: a.params as u64,
+                flags: a.flags,
                 ..Default::default()
             };
             let (ret, errno) = self.escape(nv::NV_ESC_RM_ALLOC, &mut p, a.xfer);
@@ -468,6 +476,7 @@ impl<'f> Ctl<'f> {
                     .handle(r.handle)
                     .params(ptr);
                 a.long = matches!(form, Form::Nvos64 | Form::Xfer64);
+                a.flags = r.nvos64_flags;
                 a.xfer = form.xfer();
                 // SAFETY: `params` is NV_MEMORY_ALLOCATION_PARAMS, the params of every memory
                 // class, and outlives the call; other classes read at most as much.

@@ -59,19 +59,30 @@ pub(super) fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
             (6 * MIB, Form::Xfer64),
             (2 * MIB, Form::VidHeap),
         ];
-        let (f, r) = match allocs_in(&c, &dir, &steps) {
+        let (f, client, dev) = match super::device_in(&c, &dir) {
             Ok(t) => t,
             Err(e) => return e,
         };
+        let rm = gpud_tests::rm::Ctl::new(&f);
+        let r: Vec<_> = steps
+            .iter()
+            .map(|&(size, form)| rm.alloc_vidmem(client, dev, size, form))
+            .collect();
+        // Of no size the entry side can read: refused under any limit.
+        let mut finn = gpud_tests::rm::MemRequest::vidmem(client, dev, MIB, Form::Nvos64);
+        finn.nvos64_flags = gpud_common::rm::NVOS64_FLAGS_FINN_SERIALIZED;
+        let unsized_ = rm.alloc_memory(&finn);
         let (first, denied, xfer_denied, fits) = (&r[0], &r[1], &r[2], &r[3]);
         let out = format!(
-            "first={} denied={}/{} xfer={}/{} fits={}",
+            "first={} denied={}/{} xfer={}/{} fits={} unsized={}/{}",
             first.ok(),
             denied.ret,
             denied.errno,
             xfer_denied.ret,
             xfer_denied.errno,
-            fits.ok()
+            fits.ok(),
+            unsized_.ret,
+            unsized_.errno
         );
         // A grandchild inherits the file and outlives its creator (a daemon's fork): the
         // driver keeps the client while it holds the file.
@@ -96,7 +107,7 @@ pub(super) fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
         format!("{out} heir={heir}")
     })?;
     let want = format!(
-        "first=true denied=-1/{e} xfer=-1/{e} fits=true",
+        "first=true denied=-1/{e} xfer=-1/{e} fits=true unsized=-1/{e}",
         e = libc::ENOMEM
     );
     let (report, heir) = held
@@ -113,12 +124,12 @@ pub(super) fn memory_deny(hook: DenyHookPreference) -> anyhow::Result<()> {
     pump(&mut ring, &mut attribution);
     let m = attribution.memory_of(id);
     ensure!(
-        m.current.get("all") == Some(&(6 * MIB)) && m.events == 2,
+        m.current.get("all") == Some(&(6 * MIB)) && m.events == 3,
         "accounting after denials: {m:?}"
     );
     let stats = attribution.counters()?.stats();
     ensure!(
-        stats.get("allocs_denied") == Some(&2),
+        stats.get("allocs_denied") == Some(&3),
         "kernel stats {stats:?}"
     );
     // The creator exits; the heir still holds the file, so the memory stays charged, and the
