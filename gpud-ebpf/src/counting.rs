@@ -16,7 +16,7 @@ use gpud_common::{
 
 use crate::{
     kernel::current_tgid,
-    maps::{CGROUPS, PROCS, TRACKED, bump_stat, emit},
+    maps::{CGROUPS, PROCS, TRACKED, bump_stat, config, emit},
 };
 
 /// The `TRACKED` word holding `tgid`'s counter, and the counter's bit shift.
@@ -110,8 +110,13 @@ pub(crate) fn account(kind: DeviceKind, cmd: u32, arg: u64) {
             Err(_) => IoctlClass::Other,
         },
     };
-    let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
     let tgid = current_tgid();
+    // gpud's own calls through copies of tenants' files (the compute law's controls, the free
+    // of a crossing allocation) are no tenant's: neither counted nor tracked.
+    if config().is_some_and(|c| c.daemon_tgid == tgid) {
+        return;
+    }
+    let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
 
     let counts = match CGROUPS.get_ptr_mut(cgroup_id) {
         Some(p) => Some(p),

@@ -44,8 +44,6 @@ pub mod status {
     pub const NV_ERR_INSUFFICIENT_PERMISSIONS: u32 = 0x1b;
     /// A (client, channel) pair that names no channel.
     pub const NV_ERR_INVALID_CHANNEL: u32 = 0x21;
-    /// `hObject` names no object of the client (`rs_client.c`).
-    pub const NV_ERR_OBJECT_NOT_FOUND: u32 = 0x57;
 }
 
 /// `NVOS54.flags` bits (`nvos.h`): raised IRQL and lock bypass are the kernel's own and refused

@@ -206,6 +206,59 @@ async fn full_object_map_a_limited_tenant_fails_closed() {
     filler.finish();
 }
 
+/// A crossing allocation kept by another holder of the file: the caller, a forked child sharing
+/// its parent's control file, is killed in its crossing call, but the parent keeps the file and
+/// with it everything made through it. gpud frees the crossing allocation itself through the
+/// parent's file, so the cgroup is back to what it held within its limit (the parent's and the
+/// child's allocations before the crossing stay, as the tenant made them).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crossing_allocation_kept_by_another_holder_is_freed() {
+    let Some(rig) = started("rt-keptfile", gpud_common::MAX_OBJECTS).await else {
+        return;
+    };
+    let cg = Cgroup::new("rt-keptfile");
+    rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = tenant.client_device(0);
+    tenant.ok(&format!("alloc {client} {device} {}", 16 * MIB));
+    let child = tenant.ok("fork");
+    tenant.ok(&format!("alloc {client} {device} {}", 32 * MIB));
+    let answer = tenant.try_cmd(&format!("alloc {client} {device} {}", 32 * MIB));
+    // The child is killed in its crossing call; its parent reaps it and answers for it.
+    let reaped = match answer {
+        Some(v) if v.get("reaped").is_some() => v,
+        other => panic!(
+            "the child {child} survived its crossing allocation: {other:?}\n{}",
+            rig.log_text()
+        ),
+    };
+    assert_eq!(reaped["code"], 128 + libc::SIGKILL, "{reaped}");
+    let within = eventually(Duration::from_secs(5), || async {
+        (rig.fake().snapshot().used_total() == 48 * MIB).then_some(())
+    })
+    .await;
+    assert!(
+        within.is_some(),
+        "the driver holds {} MiB for the tenant under its {} MiB limit (the crossing 32 MiB kept \
+         by the parent's file)\n{}",
+        rig.fake().snapshot().used_total() / MIB,
+        LIMIT / MIB,
+        rig.log_text()
+    );
+    let charged = eventually(Duration::from_secs(5), || async {
+        let r = rig.get_cgroup(&cg.rel).await;
+        (r.memory_current.get("all").copied() == Some(48 * MIB)).then_some(())
+    })
+    .await;
+    assert!(
+        charged.is_some(),
+        "gpud charges {:?}, the driver holds 48 MiB",
+        rig.get_cgroup(&cg.rel).await.memory_current
+    );
+    tenant.ok(&format!("free {client} {client}"));
+    ledger_empties(&rig).await;
+}
+
 /// Per-cgroup caps: a neighbour making RM clients in a loop (they cost no GPU memory) stops at
 /// its cgroup's cap (`probes.max_objects_per_cgroup`, 1,024 here, in a map of 4,096), so the map
 /// the host shares keeps room: the limited tenant beside it allocates within its limit, charged

@@ -43,6 +43,8 @@ pub mod status {
     pub const NV_ERR_INVALID_PARAM_STRUCT: u32 = 0x3a;
     /// The request is valid but not supported here.
     pub const NV_ERR_NOT_SUPPORTED: u32 = 0x56;
+    /// `hObject` names no object of the client (`rs_client.c`).
+    pub const NV_ERR_OBJECT_NOT_FOUND: u32 = 0x57;
 }
 
 /// RM classes (`hClass`) the accounting follows.

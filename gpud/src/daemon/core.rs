@@ -15,7 +15,10 @@ use crate::{
     attribution::{Attribution, AttributionError},
     cgroupfs::{CgroupError, CgroupFs, Freezer},
     config::Config,
-    enforcement::{EnforcementError, MemoryEnforcement, guard, restore::Restorer},
+    enforcement::{
+        EnforcementError, MemoryEnforcement, guard,
+        restore::{RestoreError, Restorer},
+    },
     notice::Notice,
     policy::{GpuCatalog, GpuSelector, LimitStore, LimitUpdate, PolicyError, PolicyStore},
     probes::{
@@ -177,8 +180,13 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
     let matcher = Matcher { majors, extra };
     // Where neither a hook nor a rewrite can stop a tenant's control, the kernel asks for it to
     // be undone; on every kernel, for the driver's state to be read back after tenants'
-    // controls (what the guard read at their entry may not be what the driver ran).
-    let restorer = Restorer::new(matcher.clone(), probes.base_dir())
+    // controls (what the guard read at their entry may not be what the driver ran), and for a
+    // crossing allocation the react tier's kill left in another process's file to be freed.
+    let kill = config.enforcement.react_action == crate::config::ReactAction::Kill;
+    let restorer = probes
+        .runs()
+        .map_err(RestoreError::from)
+        .and_then(|runs| Restorer::new(matcher.clone(), probes.base_dir(), runs, kill))
         .inspect_err(|e| {
             warn!(
                 "the scheduler guard cannot undo tenants' controls: {}",

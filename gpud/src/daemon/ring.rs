@@ -1,5 +1,5 @@
 //! The probes' event ring buffer: each record decoded once ([`Record::decode`]) and forwarded,
-//! in batches, to the state task; undo requests straight to the restorer.
+//! in batches, to the state task; undo requests and limit crossings straight to the restorer.
 
 use aya::maps::{MapData, RingBuf};
 use tokio::{io::unix::AsyncFd, sync::mpsc};
@@ -60,6 +60,14 @@ pub(super) async fn read_events(
             (Record::Event(_), _) => {}
         });
         guard.clear_ready();
+        // A crossing's allocation may outlive its killed caller in another holder's file.
+        if let Some(tx) = &restore {
+            for ev in &batch {
+                if let KernelEvent::LimitCrossed(l) = ev {
+                    tx.crossing(*l);
+                }
+            }
+        }
         while !batch.is_empty() {
             let rest = batch.split_off(batch.len().min(BATCH));
             if tx.send(Message::Kernel(batch)).await.is_err() {

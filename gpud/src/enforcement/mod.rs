@@ -8,6 +8,7 @@
 
 pub mod backstop;
 pub mod compute;
+pub mod crossing;
 pub mod dmem;
 pub mod guard;
 pub mod restore;

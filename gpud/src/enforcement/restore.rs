@@ -12,6 +12,8 @@
 //!   the driver's timeslice of each of them is read (`GET_TIMESLICE`) and set back to the
 //!   caller's allowance where above, whatever the guard saw at the call's entry (another thread
 //!   may have rewritten the command or the parameters before the driver copied them).
+//! - a crossing allocation the react tier's `kill` left in a file another process holds is
+//!   freed through that holder's file ([`super::crossing`]).
 //!
 //! It runs on its own thread ([`spawn`]): the undo is a few blocking ioctls, and must not wait
 //! behind the state task's work.
@@ -33,8 +35,8 @@ use tracing::{debug, warn};
 use super::compute::channel::{ControlError, Controls, RmObject};
 use crate::{
     probes::{
-        Matcher,
-        events::{ReadBack, Undo},
+        KernelRuns, Matcher,
+        events::{LimitEvent, ReadBack, Undo},
     },
     report::Chain,
 };
@@ -42,6 +44,8 @@ use crate::{
 /// Why an undo could not be done.
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
+    #[error("cannot take the kernel's run programs")]
+    Runs(#[from] crate::probes::ProbeError),
     #[error("cannot open the pinned map {path}")]
     OpenMap {
         path: std::path::PathBuf,
@@ -78,6 +82,12 @@ pub enum Restored {
 /// Undoes what tenants' controls did; see the module docs.
 pub struct Restorer {
     controls: Controls,
+    matcher: Matcher,
+    /// The kernel's release of an object's record and charge, for crossing allocations freed.
+    runs: KernelRuns,
+    /// The react tier kills the caller of a crossing allocation (`react_action = "kill"`): its
+    /// allocation is freed where another process keeps the file.
+    kill: bool,
     objects: HashMap<MapData, ObjKey, ObjEntry>,
     /// Files with channel groups, and whether a read-back is asked (`SCHED_FILES`).
     files: HashMap<MapData, u64, u32>,
@@ -109,11 +119,19 @@ fn pinned<K: aya::Pod, V: aya::Pod>(
 
 impl Restorer {
     /// `pins`: the probes' pin directory (the `OBJECTS` map, read for the victims' processes and
-    /// subdevices).
-    pub fn new(matcher: Matcher, pins: &Path) -> Result<Self, RestoreError> {
+    /// subdevices); `kill`: the react tier kills crossing callers.
+    pub fn new(
+        matcher: Matcher,
+        pins: &Path,
+        runs: KernelRuns,
+        kill: bool,
+    ) -> Result<Self, RestoreError> {
         use gpud_common::maps;
         Ok(Self {
-            controls: Controls::new(matcher, None),
+            controls: Controls::new(matcher.clone(), None),
+            matcher,
+            runs,
+            kill,
             objects: pinned(pins, maps::OBJECTS)?,
             files: pinned(pins, maps::SCHED_FILES)?,
             groups: pinned(pins, maps::SCHED_GROUPS)?,
@@ -330,6 +348,20 @@ impl Restorer {
         Ok(())
     }
 
+    /// Frees the allocation of a limit crossing whose caller the kernel killed where another
+    /// process keeps its file ([`super::crossing`]); nothing where the react tier does not kill.
+    pub fn free_crossing(&mut self, ev: &LimitEvent) -> Option<super::crossing::Outcome> {
+        self.kill.then(|| {
+            super::crossing::free(
+                &mut self.controls,
+                &self.objects,
+                &self.runs,
+                &self.matcher,
+                ev,
+            )
+        })
+    }
+
     /// Forgets the processes `keep` rejects (their pidfds are closed).
     pub fn retain(&mut self, keep: impl Fn(u32) -> bool) {
         self.controls.retain(keep);
@@ -357,6 +389,8 @@ struct Queue {
     /// Read-backs per control file: the latest request (the kernel sends one per file until
     /// the restorer begins it, so this holds at most one per file anyway).
     read_backs: BTreeMap<u64, ReadBack>,
+    /// Limit crossings whose allocation may outlive its killed caller, in order.
+    crossings: Vec<LimitEvent>,
     /// Entries held: one per timeslice, one per channel in `foreign`, one per read-back.
     held: usize,
     /// Requests (or channels of one) left out because [`QUEUE_MAX`] entries were waiting.
@@ -424,11 +458,27 @@ impl Queue {
         true
     }
 
-    /// Everything waiting, as undos (a target's merged channels in one) and read-backs; the
-    /// queue is left empty.
-    fn take(&mut self) -> (Vec<Undo>, Vec<ReadBack>) {
+    /// Adds a limit crossing; false if it did not fit.
+    fn push_crossing(&mut self, ev: LimitEvent) -> bool {
+        if self.held >= QUEUE_MAX {
+            self.dropped += 1;
+            return false;
+        }
+        self.crossings.push(ev);
+        self.held += 1;
+        true
+    }
+
+    /// Everything waiting, as limit crossings, undos (a target's merged channels in one) and
+    /// read-backs; the queue is left empty.
+    fn take(&mut self) -> Batch {
         let read_backs = std::mem::take(&mut self.read_backs).into_values().collect();
-        (self.take_undos(), read_backs)
+        let crossings = std::mem::take(&mut self.crossings);
+        Batch {
+            crossings,
+            undos: self.take_undos(),
+            read_backs,
+        }
     }
 
     fn take_undos(&mut self) -> Vec<Undo> {
@@ -451,8 +501,18 @@ impl Queue {
     }
 
     fn is_empty(&self) -> bool {
-        self.timeslices.is_empty() && self.foreign.is_empty() && self.read_backs.is_empty()
+        self.timeslices.is_empty()
+            && self.foreign.is_empty()
+            && self.read_backs.is_empty()
+            && self.crossings.is_empty()
     }
+}
+
+/// What the restorer thread takes from the queue at once.
+struct Batch {
+    crossings: Vec<LimitEvent>,
+    undos: Vec<Undo>,
+    read_backs: Vec<ReadBack>,
 }
 
 #[derive(Default)]
@@ -513,6 +573,22 @@ impl RestoreSender {
     }
 }
 
+impl RestoreSender {
+    /// Queues a limit crossing, whose allocation the restorer frees if another process keeps
+    /// the killed caller's file. One that does not fit is said.
+    pub fn crossing(&self, ev: LimitEvent) {
+        let fitted = self.0.lock().push_crossing(ev);
+        self.0.ready.notify_one();
+        if !fitted {
+            warn!(
+                pid = ev.pid,
+                "the restorer's queue is full ({QUEUE_MAX} entries): a crossing allocation is \
+                 not checked for another holder of its file"
+            );
+        }
+    }
+}
+
 impl Drop for RestoreSender {
     fn drop(&mut self) {
         self.0.lock().closed = true;
@@ -542,7 +618,14 @@ pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
                     }
                     q.take()
                 };
-                let (undos, read_backs) = batch;
+                let Batch {
+                    crossings,
+                    undos,
+                    read_backs,
+                } = batch;
+                for ev in crossings {
+                    free_crossing(&mut restorer, &ev);
+                }
                 for r in undos {
                     undo(&mut restorer, &r);
                 }
@@ -554,6 +637,35 @@ pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
             }
         })?;
     Ok(RestoreSender(shared))
+}
+
+/// One crossing allocation's check, logged where one was freed or could not be.
+fn free_crossing(restorer: &mut Restorer, ev: &LimitEvent) {
+    use super::crossing::Outcome;
+    match restorer.free_crossing(ev) {
+        // The caller itself, dying: the file's release would have freed it too.
+        Some(Outcome::Freed { holder }) if holder == ev.pid => {
+            debug!(
+                pid = ev.pid,
+                "freed a crossing allocation through its dying caller's file"
+            );
+        }
+        Some(Outcome::Freed { holder }) => warn!(
+            pid = ev.pid,
+            holder,
+            cgroup_id = ev.cgroup_id,
+            bytes = ev.bytes,
+            "freed a crossing allocation that another process kept through the killed caller's \
+             file"
+        ),
+        Some(Outcome::NoHolder) => warn!(
+            pid = ev.pid,
+            cgroup_id = ev.cgroup_id,
+            bytes = ev.bytes,
+            "a crossing allocation is held through a file no process gpud can reach holds"
+        ),
+        Some(Outcome::Gone) | None => {}
+    }
 }
 
 /// One read-back, logged where it failed (a set-back is logged by the restorer).
@@ -678,7 +790,9 @@ mod tests {
         assert!(q.push_read_back(rb(0x1000, 1)));
         assert!(q.push_read_back(rb(0x1000, 2)));
         assert!(q.push_read_back(rb(0x2000, 1)));
-        let (undos, read_backs) = q.take();
+        let Batch {
+            undos, read_backs, ..
+        } = q.take();
         assert!(undos.is_empty());
         assert_eq!(read_backs, vec![rb(0x1000, 2), rb(0x2000, 1)]);
         assert!(q.is_empty());

@@ -157,6 +157,9 @@ pub struct LimitEvent {
     pub usage: u64,
     /// The allocation's size.
     pub bytes: u64,
+    /// The allocation's RM client, and its handle (0 where it was refused: none was made).
+    pub client: u32,
+    pub object: u32,
 }
 
 /// A tenant's scheduling control, as the guard saw it.
@@ -313,6 +316,8 @@ impl KernelEvent {
             gpu: ev.gpu,
             usage: ev.value,
             bytes: ev.bytes,
+            client: ev.client,
+            object: ev.object,
         };
         Ok(match ev.kind {
             EVENT_PROC_NEW => Self::ProcessTracked {
@@ -557,7 +562,7 @@ mod fuzz {
             prop_assert_eq!(
                 Record::decode(&buf[offset..]),
                 Ok(Record::Event(KernelEvent::LimitCrossed(LimitEvent {
-                    pid: tgid, cgroup_id, gpu, usage: value, bytes,
+                    pid: tgid, cgroup_id, gpu, usage: value, bytes, client, object,
                 })))
             );
         }

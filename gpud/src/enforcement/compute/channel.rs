@@ -20,7 +20,7 @@ use std::{
 
 use gpud_common::{
     DeviceKind, GPU_UNKNOWN, ObjKey, nv,
-    rm::{Nvos54, sched, status, tsg},
+    rm::{Nvos00, Nvos54, sched, status, tsg},
 };
 
 use tracing::warn;
@@ -275,11 +275,75 @@ impl Controls {
         cmd: u32,
         params: &mut P,
     ) -> Result<(), ControlError> {
-        let RmObject {
-            pid,
-            client,
-            object,
-        } = o;
+        let mut req = Nvos54 {
+            h_client: o.client,
+            h_object: o.object,
+            cmd,
+            flags: 0,
+            params: std::ptr::from_mut(params) as u64,
+            params_size: size_of::<P>() as u32,
+            status: 0,
+        };
+        let request = nv::nv_iowr(nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE);
+        let status = self.through_owner(o.pid, o.client, cmd, |fd| {
+            // SAFETY: `req` is a live NVOS54 of the size the request encodes, and its `params`
+            // points to a live `P` of `params_size` bytes; both outlive the call.
+            let ret = unsafe { libc::ioctl(fd, request as _, &mut req) };
+            if ret < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(req.status)
+        })?;
+        match status {
+            status::NV_OK => Ok(()),
+            status => Err(ControlError::Refused {
+                cmd,
+                handle: o.object,
+                status,
+            }),
+        }
+    }
+
+    /// Frees object `o.object` of client `o.client` (`RM_FREE`: with its subtree) through the
+    /// file of process `o.pid` that owns the client. An object already gone is no error.
+    pub fn free_on(&mut self, o: RmObject) -> Result<(), ControlError> {
+        let mut req = Nvos00 {
+            h_root: o.client,
+            h_object_parent: 0,
+            h_object_old: o.object,
+            status: 0,
+        };
+        let request = nv::nv_iowr(nv::NV_ESC_RM_FREE, nv::NVOS00_SIZE);
+        let status = self.through_owner(o.pid, o.client, nv::NV_ESC_RM_FREE, |fd| {
+            // SAFETY: `req` is a live NVOS00 of the size the request encodes.
+            let ret = unsafe { libc::ioctl(fd, request as _, &mut req) };
+            if ret < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(req.status)
+        })?;
+        match status {
+            status::NV_OK | status::NV_ERR_OBJECT_NOT_FOUND => Ok(()),
+            status => Err(ControlError::Refused {
+                cmd: nv::NV_ESC_RM_FREE,
+                handle: o.object,
+                status,
+            }),
+        }
+    }
+
+    /// Makes one RM call (`call`, on a descriptor: its `NV_STATUS`, or the ioctl's error)
+    /// through the file of process `pid` that owns RM client `client`: the file remembered for
+    /// it first, then its NVIDIA files, control files first; a file that does not own the client
+    /// answers `NV_ERR_INVALID_CLIENT` and the next is tried. Each descriptor is closed right
+    /// after its call. Returns the status of the file that owns the client.
+    fn through_owner(
+        &mut self,
+        pid: u32,
+        client: u32,
+        cmd: u32,
+        mut call: impl FnMut(RawFd) -> io::Result<u32>,
+    ) -> Result<u32, ControlError> {
         let pidfd = self.pidfd(pid)?;
         let known = self.owners.get(&(pid, client)).copied();
         let candidates = known
@@ -295,41 +359,17 @@ impl Controls {
                 }
                 Err(source) => return Err(ControlError::TakeFd { pid, fd, source }),
             };
-            let mut req = Nvos54 {
-                h_client: client,
-                h_object: object,
-                cmd,
-                flags: 0,
-                params: std::ptr::from_mut(params) as u64,
-                params_size: size_of::<P>() as u32,
-                status: 0,
-            };
-            let request = nv::nv_iowr(nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE);
-            // SAFETY: `req` is a live NVOS54 of the size the request encodes, and its `params`
-            // points to a live `P` of `params_size` bytes; both outlive the call.
-            let ret = unsafe { libc::ioctl(file.as_raw_fd(), request as _, &mut req) };
-            let err = io::Error::last_os_error();
+            let answer = call(file.as_raw_fd());
             // Closed at once, before anything else: see the module documentation.
             drop(file);
-            if ret < 0 {
-                if err.raw_os_error() == Some(libc::EINVAL) {
-                    // Not an RM file after all (a device file without a control file).
-                    continue;
-                }
-                return Err(ControlError::Ioctl { cmd, source: err });
-            }
-            match req.status {
-                0 => {
+            match answer {
+                // Not an RM file after all (a device file without a control file).
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => continue,
+                Err(source) => return Err(ControlError::Ioctl { cmd, source }),
+                Ok(status::NV_ERR_INVALID_CLIENT) => continue,
+                Ok(status) => {
                     self.owners.insert((pid, client), fd);
-                    return Ok(());
-                }
-                status::NV_ERR_INVALID_CLIENT => continue,
-                status => {
-                    return Err(ControlError::Refused {
-                        cmd,
-                        handle: object,
-                        status,
-                    });
+                    return Ok(status);
                 }
             }
         }
