@@ -124,88 +124,17 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
     for e in &extra {
         info!(path = %e.path.display(), dev = e.key.dev, ino = e.key.ino, "extra device file");
     }
-    let mut probes = Probes::start(ProbeSetup {
-        config: &config.probes,
-        majors,
-        extra: &extra,
-        cgroup2_root: cgroups.root(),
-        tier: config.enforcement.tier,
-        react_action: config.enforcement.react_action,
-        virtualize_memory_info: config.enforcement.virtualize_memory_info,
-        scheduler_guard: config.enforcement.scheduler_guard,
-        guard_timeslice_us: guard::allowance(None),
-        deny_hook: config.enforcement.deny_hook,
-        guard_react_action: config.enforcement.guard_react_action,
-    })
-    .map_err(StartError::Probes)?;
+    let mut probes = start_probes(config, majors, &extra, &cgroups)?;
     let events = probes.take_events().map_err(StartError::Probes)?;
     let mut settings = probes.take_settings().map_err(StartError::Probes)?;
     let held = probes.take_held_groups().map_err(StartError::Probes)?;
-    let tier = probes.tier();
     let cgroup_root = cgroups.root().to_owned();
     let freezer = cgroups.freezer();
-    let dmem_regions = probes::caps::dmem_nvidia_regions(
-        &cgroup_root,
-        std::path::Path::new(probes::caps::PCI_DEVICES),
-    )
-    .unwrap_or_default();
-    let driver_limits = if dmem_regions.is_empty() {
-        "none: no NVIDIA region in dmem.capacity (the dmem controller needs Linux 6.14+, and \
-         NVIDIA's open module registers its GPUs from the 610/615 series)"
-            .to_owned()
-    } else {
-        format!(
-            "dmem: memory_max is also written to dmem.max of {}",
-            dmem_regions
-                .iter()
-                .map(|r| r.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )
-    };
-    info!(driver_limits = %driver_limits, "driver-native memory limits");
-    let info = DaemonInfo {
-        version: crate::VERSION.to_owned(),
-        attach_mode: probes.mode().as_str().to_owned(),
-        enforcement_tier: tier.as_str().to_owned(),
-        react_action: format!("{:?}", config.enforcement.react_action).to_lowercase(),
-        kernel_capabilities: probes.caps().as_map(),
-        deny_hook: probes.ladder().in_force.as_str().to_owned(),
-        deny_hook_refusals: probes.ladder().refusals(),
-        driver_limits,
-        cgroup_root: cgroups.root().display().to_string(),
-        probes_resumed: probes.resumed(),
-        unseen_calls: probes.unseen_calls().clone(),
-    };
+    let (dmem_regions, driver_limits) = driver_limits(&cgroup_root);
+    let info = daemon_info(config, &probes, driver_limits, &cgroup_root);
     let matcher = Matcher { majors, extra };
-    // Where neither a hook nor a rewrite can stop a tenant's control, the kernel asks for it to
-    // be undone; on every kernel, for the driver's state to be read back after tenants'
-    // controls (what the guard read at their entry may not be what the driver ran), and for a
-    // crossing allocation the react tier's kill left in another process's file to be freed.
-    let kill = config.enforcement.react_action == crate::config::ReactAction::Kill;
-    let restorer = probes
-        .runs()
-        .map_err(RestoreError::from)
-        .and_then(|runs| Restorer::new(matcher.clone(), probes.base_dir(), runs, kill))
-        .inspect_err(|e| {
-            warn!(
-                "the scheduler guard cannot undo tenants' controls: {}",
-                Chain(e)
-            )
-        })
-        .ok();
-    let mut attribution =
-        Attribution::new(&mut probes, cgroups, matcher.clone()).map_err(StartError::Attribution)?;
-    let marked = attribution.mark_recorded_files();
-    if marked > 0 {
-        info!(
-            files = marked,
-            "control files of recorded objects marked for their release"
-        );
-    }
-    let found = attribution.scan();
-    attribution.sweep();
-    info!(found, "start-up scan of /proc done");
+    let restorer = start_restorer(config, &probes, &matcher);
+    let mut attribution = open_attribution(&mut probes, cgroups, &matcher)?;
     let catalog = if config.nvml.enabled {
         GpuCatalog::Unavailable("NVML has not answered yet".into())
     } else {
@@ -213,7 +142,7 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
     };
     let mut policies = PolicyStore::new(store, catalog);
     let mut memory = MemoryEnforcement::new(
-        tier,
+        probes.tier(),
         config.enforcement.react_action,
         crate::enforcement::backstop::BackstopRule::configured(&config.enforcement),
         freezer.clone(),
@@ -237,6 +166,118 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
         dmem_regions,
         restorer,
     })
+}
+
+/// Loads and attaches the probes (or adopts what a previous daemon left) as `config` says.
+fn start_probes(
+    config: &Config,
+    majors: DynamicMajors,
+    extra: &[probes::ExtraFile],
+    cgroups: &CgroupFs,
+) -> Result<Probes, StartError> {
+    Probes::start(ProbeSetup {
+        config: &config.probes,
+        majors,
+        extra,
+        cgroup2_root: cgroups.root(),
+        tier: config.enforcement.tier,
+        react_action: config.enforcement.react_action,
+        virtualize_memory_info: config.enforcement.virtualize_memory_info,
+        scheduler_guard: config.enforcement.scheduler_guard,
+        guard_timeslice_us: guard::allowance(None),
+        deny_hook: config.enforcement.deny_hook,
+        guard_react_action: config.enforcement.guard_react_action,
+    })
+    .map_err(StartError::Probes)
+}
+
+/// NVIDIA's regions in the dmem controller, and what the driver's own limits are, as reported.
+fn driver_limits(cgroup_root: &std::path::Path) -> (Vec<DmemRegion>, String) {
+    let regions = probes::caps::dmem_nvidia_regions(
+        cgroup_root,
+        std::path::Path::new(probes::caps::PCI_DEVICES),
+    )
+    .unwrap_or_default();
+    let said = if regions.is_empty() {
+        "none: no NVIDIA region in dmem.capacity (the dmem controller needs Linux 6.14+, and \
+         NVIDIA's open module registers its GPUs from the 610/615 series)"
+            .to_owned()
+    } else {
+        format!(
+            "dmem: memory_max is also written to dmem.max of {}",
+            regions
+                .iter()
+                .map(|r| r.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
+    info!(driver_limits = %said, "driver-native memory limits");
+    (regions, said)
+}
+
+/// The start-up facts D-Bus and the metrics report.
+fn daemon_info(
+    config: &Config,
+    probes: &Probes,
+    driver_limits: String,
+    cgroup_root: &std::path::Path,
+) -> DaemonInfo {
+    DaemonInfo {
+        version: crate::VERSION.to_owned(),
+        attach_mode: probes.mode().as_str().to_owned(),
+        enforcement_tier: probes.tier().as_str().to_owned(),
+        react_action: format!("{:?}", config.enforcement.react_action).to_lowercase(),
+        kernel_capabilities: probes.caps().as_map(),
+        deny_hook: probes.ladder().in_force.as_str().to_owned(),
+        deny_hook_refusals: probes.ladder().refusals(),
+        driver_limits,
+        cgroup_root: cgroup_root.display().to_string(),
+        probes_resumed: probes.resumed(),
+        unseen_calls: probes.unseen_calls().clone(),
+    }
+}
+
+/// The restorer (started by the caller on its own thread). Where neither a hook nor a rewrite
+/// can stop a tenant's control, the kernel asks for it to be undone; on every kernel, for the
+/// driver's state to be read back after tenants' controls (what the guard read at their entry
+/// may not be what the driver ran), and for a crossing allocation the react tier's kill left in
+/// another process's file to be freed. `None` (logged) where it cannot be made.
+fn start_restorer(config: &Config, probes: &Probes, matcher: &Matcher) -> Option<Restorer> {
+    let kill = config.enforcement.react_action == crate::config::ReactAction::Kill;
+    probes
+        .runs()
+        .map_err(RestoreError::from)
+        .and_then(|runs| Restorer::new(matcher.clone(), probes.base_dir(), runs, kill))
+        .inspect_err(|e| {
+            warn!(
+                "the scheduler guard cannot undo tenants' controls: {}",
+                Chain(e)
+            )
+        })
+        .ok()
+}
+
+/// The attribution over the probes' maps, with the control files of recorded objects marked,
+/// the processes holding NVIDIA files found in `/proc`, and what is gone forgotten.
+fn open_attribution(
+    probes: &mut Probes,
+    cgroups: CgroupFs,
+    matcher: &Matcher,
+) -> Result<Attribution, StartError> {
+    let mut attribution =
+        Attribution::new(probes, cgroups, matcher.clone()).map_err(StartError::Attribution)?;
+    let marked = attribution.mark_recorded_files();
+    if marked > 0 {
+        info!(
+            files = marked,
+            "control files of recorded objects marked for their release"
+        );
+    }
+    let found = attribution.scan();
+    attribution.sweep();
+    info!(found, "start-up scan of /proc done");
+    Ok(attribution)
 }
 
 impl Core {
