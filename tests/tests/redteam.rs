@@ -41,6 +41,27 @@ async fn crosses_and_dies(rig: &Rig, tenant: &mut RmProcess, client: u32, device
     ledger_empties(rig).await;
 }
 
+/// The forked child `child` of `tenant` (sharing its file) allocates `bytes` past its limit: it
+/// is killed in the call, and its parent, which reaps it, answers for it.
+fn child_dies_crossing(
+    rig: &Rig,
+    tenant: &mut RmProcess,
+    child: &impl std::fmt::Display,
+    client: u32,
+    device: u32,
+    bytes: u64,
+) {
+    let answer = tenant.try_cmd(&format!("alloc {client} {device} {bytes}"));
+    let reaped = match answer {
+        Some(v) if v.get("reaped").is_some() => v,
+        other => panic!(
+            "the child {child} survived its crossing allocation: {other:?}\n{}",
+            rig.log_text()
+        ),
+    };
+    assert_eq!(reaped["code"], 128 + libc::SIGKILL, "{reaped}");
+}
+
 /// The fake driver holds no memory for anyone within 5 s.
 async fn ledger_empties(rig: &Rig) {
     let freed = eventually(Duration::from_secs(5), || async {
@@ -223,16 +244,7 @@ async fn a_crossing_allocation_kept_by_another_holder_is_freed() {
     tenant.ok(&format!("alloc {client} {device} {}", 16 * MIB));
     let child = tenant.ok("fork");
     tenant.ok(&format!("alloc {client} {device} {}", 32 * MIB));
-    let answer = tenant.try_cmd(&format!("alloc {client} {device} {}", 32 * MIB));
-    // The child is killed in its crossing call; its parent reaps it and answers for it.
-    let reaped = match answer {
-        Some(v) if v.get("reaped").is_some() => v,
-        other => panic!(
-            "the child {child} survived its crossing allocation: {other:?}\n{}",
-            rig.log_text()
-        ),
-    };
-    assert_eq!(reaped["code"], 128 + libc::SIGKILL, "{reaped}");
+    child_dies_crossing(&rig, &mut tenant, &child, client, device, 32 * MIB);
     let within = eventually(Duration::from_secs(5), || async {
         (rig.fake().snapshot().used_total() == 48 * MIB).then_some(())
     })
@@ -354,16 +366,7 @@ async fn full_process_map_a_forked_child_is_still_followed() {
 
     let child = tenant.ok("fork");
     tenant.ok(&format!("alloc {client} {device} {}", 48 * MIB));
-    let answer = tenant.try_cmd(&format!("alloc {client} {device} {}", 32 * MIB));
-    // The child is killed in its crossing call; its parent reaps it and answers for it.
-    let reaped = match answer {
-        Some(v) if v.get("reaped").is_some() => v,
-        other => panic!(
-            "the child {child} survived its crossing allocation: {other:?}\n{}",
-            rig.log_text()
-        ),
-    };
-    assert_eq!(reaped["code"], 128 + libc::SIGKILL, "{reaped}");
+    child_dies_crossing(&rig, &mut tenant, &child, client, device, 32 * MIB);
     tenant.ok(&format!("free {client} {client}"));
     ledger_empties(&rig).await;
     filler.finish();

@@ -284,15 +284,9 @@ impl Controls {
             params_size: size_of::<P>() as u32,
             status: 0,
         };
-        let request = nv::nv_iowr(nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE);
+        // The driver reads `params_size` bytes at `params`: a live `P`, for the whole call.
         let status = self.through_owner(o.pid, o.client, cmd, |fd| {
-            // SAFETY: `req` is a live NVOS54 of the size the request encodes, and its `params`
-            // points to a live `P` of `params_size` bytes; both outlive the call.
-            let ret = unsafe { libc::ioctl(fd, request as _, &mut req) };
-            if ret < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(req.status)
+            escape(fd, nv::NV_ESC_RM_CONTROL, &mut req).map(|()| req.status)
         })?;
         match status {
             status::NV_OK => Ok(()),
@@ -313,14 +307,8 @@ impl Controls {
             h_object_old: o.object,
             status: 0,
         };
-        let request = nv::nv_iowr(nv::NV_ESC_RM_FREE, nv::NVOS00_SIZE);
         let status = self.through_owner(o.pid, o.client, nv::NV_ESC_RM_FREE, |fd| {
-            // SAFETY: `req` is a live NVOS00 of the size the request encodes.
-            let ret = unsafe { libc::ioctl(fd, request as _, &mut req) };
-            if ret < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(req.status)
+            escape(fd, nv::NV_ESC_RM_FREE, &mut req).map(|()| req.status)
         })?;
         match status {
             status::NV_OK | status::NV_ERR_OBJECT_NOT_FOUND => Ok(()),
@@ -401,6 +389,18 @@ impl Controls {
 /// Whether a group belongs on `gpu` (a group whose GPU the probes could not tell goes with all).
 pub fn on_gpu(g: &ChannelGroup, gpu: u32) -> bool {
     g.gpu == gpu || g.gpu == GPU_UNKNOWN
+}
+
+/// RM escape `nr` with its parameter struct `req` (the request encodes its size) on `fd`.
+fn escape<T>(fd: RawFd, nr: u32, req: &mut T) -> io::Result<()> {
+    let request = nv::nv_iowr(nr, size_of::<T>() as u32);
+    // SAFETY: `req` is a live, exclusively borrowed T of the size the request encodes; what it
+    // points to is the caller's to keep alive for the call.
+    let ret = unsafe { libc::ioctl(fd, request as _, std::ptr::from_mut(req)) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// A descriptor of the file behind `fd` of the process behind `pidfd`.
