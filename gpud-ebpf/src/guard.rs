@@ -36,7 +36,7 @@ use crate::{
     ledger::{current_ancestry, user},
     maps::{
         EVENTS, GUARD_BUCKET, GUARD_COUNTS, GUARD_PENDING, HELD_GROUPS, OBJECTS, RESTORE_SCRATCH,
-        SCHED_ALLOW, SCHED_FILES, SCHED_GROUPS, bump_stat, config, noting, send,
+        SCHED_ALLOW, SCHED_FILES, SCHED_GROUPS, bump_stat, config, counter_slot, noting, send,
     },
 };
 
@@ -341,20 +341,12 @@ pub(crate) fn forget_file(file: u64) {
 /// One more call under `key` in `GUARD_COUNTS`.
 #[inline(always)]
 fn count(key: GuardKey) {
-    let slot = match GUARD_COUNTS.get_ptr_mut(key) {
-        Some(p) => p,
-        None => {
-            let _ = GUARD_COUNTS.insert(key, 0, BPF_NOEXIST as u64);
-            match GUARD_COUNTS.get_ptr_mut(key) {
-                Some(p) => p,
-                None => {
-                    bump_stat(stat::GUARD_COUNTS_FULL);
-                    return;
-                }
-            }
+    match counter_slot(&GUARD_COUNTS, key) {
+        Some(slot) => {
+            unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(slot, 1) };
         }
-    };
-    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(slot, 1) };
+        None => bump_stat(stat::GUARD_COUNTS_FULL),
+    }
 }
 
 /// Whether the cgroup's burst of events has one left (refilled one per `GUARD_EVENT_GAP_NS`

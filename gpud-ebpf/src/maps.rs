@@ -5,6 +5,7 @@
 //! through `gpud_common::maps`, so renaming one is an ABI change.
 
 use aya_ebpf::{
+    bindings::BPF_NOEXIST,
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
@@ -238,4 +239,15 @@ impl Drop for Taken {
     fn drop(&mut self) {
         self.0.file = 0;
     }
+}
+
+/// The `u64` counter under `key` in `map`, made at 0 where absent (of racing makers, one
+/// inserts and all use its entry); `None` when the map has no room for it.
+#[inline(always)]
+pub(crate) fn counter_slot<K: Copy>(map: &HashMap<K, u64>, key: K) -> Option<*mut u64> {
+    if let Some(p) = map.get_ptr_mut(key) {
+        return Some(p);
+    }
+    let _ = map.insert(key, 0, BPF_NOEXIST as u64);
+    map.get_ptr_mut(key)
 }

@@ -28,7 +28,10 @@ use gpud_common::{
 use crate::{
     kernel::{ProbeRead, current_tgid, device_kind, read_at, sole_reference},
     ledger::{current_ancestry, each_limit, gpu_of, usage, user},
-    maps::{ANCESTRY, FILE_MARKS, OBJ_COUNTS, OBJECTS, SHARES, USAGE, bump_stat, config, send},
+    maps::{
+        ANCESTRY, FILE_MARKS, OBJ_COUNTS, OBJECTS, SHARES, USAGE, bump_stat, config, counter_slot,
+        send,
+    },
 };
 
 const SIGKILL: u32 = 9;
@@ -176,15 +179,8 @@ fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
         gpu,
         _pad: 0,
     };
-    let slot = match USAGE.get_ptr_mut(key) {
-        Some(p) => p,
-        None => {
-            let _ = USAGE.insert(key, 0, BPF_NOEXIST as u64);
-            match USAGE.get_ptr_mut(key) {
-                Some(p) => p,
-                None => return,
-            }
-        }
+    let Some(slot) = counter_slot(&USAGE, key) else {
+        return;
     };
     unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(slot, delta) };
 }
@@ -387,18 +383,9 @@ fn release_entry(key: &ObjKey, e: &ObjEntry) -> bool {
 /// many. A cgroup `OBJ_COUNTS` has no room for is not capped (counted apart).
 #[inline(always)]
 fn count_object(cgroup_id: u64) -> bool {
-    let n = match OBJ_COUNTS.get_ptr_mut(cgroup_id) {
-        Some(n) => n,
-        None => {
-            let _ = OBJ_COUNTS.insert(cgroup_id, 0, BPF_NOEXIST as u64);
-            match OBJ_COUNTS.get_ptr_mut(cgroup_id) {
-                Some(n) => n,
-                None => {
-                    bump_stat(stat::OBJ_COUNTS_FULL);
-                    return true;
-                }
-            }
-        }
+    let Some(n) = counter_slot(&OBJ_COUNTS, cgroup_id) else {
+        bump_stat(stat::OBJ_COUNTS_FULL);
+        return true;
     };
     let cap = config().map_or(0, |c| c.objects_per_cgroup);
     // Read as signed: releases racing past zero (entries recorded before the count began)
