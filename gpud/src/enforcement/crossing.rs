@@ -18,7 +18,7 @@ use tracing::warn;
 use super::compute::channel::{ControlError, Controls, RmObject};
 use crate::{
     attribution::scan,
-    probes::{KernelRuns, Matcher, events::LimitEvent},
+    probes::{KernelRuns, events::LimitEvent},
     report::Chain,
 };
 
@@ -35,12 +35,12 @@ pub enum Outcome {
 }
 
 /// Frees the object `ev` made (see the module docs), through the first process that holds a
-/// file owning its client: the caller, then every process holding an NVIDIA file.
+/// file owning its client: the caller, then the client's creator (a forked worker's parent),
+/// then, only if neither does, every process holding an NVIDIA file.
 pub fn free(
     controls: &mut Controls,
     objects: &HashMap<MapData, ObjKey, ObjEntry>,
     runs: &KernelRuns,
-    matcher: &Matcher,
     ev: &LimitEvent,
 ) -> Outcome {
     let key = ObjKey {
@@ -59,17 +59,15 @@ pub fn free(
     if !held() {
         return Outcome::Gone;
     }
-    let own = std::process::id();
-    let others = scan::holders(matcher)
-        .into_iter()
-        .filter(|&pid| pid != ev.pid && pid != own);
-    for pid in std::iter::once(ev.pid).chain(others) {
+    // Taken before `through` borrows the controls, for the scan that may follow.
+    let matcher = controls.matcher().clone();
+    let mut through = |pid: u32| -> Option<Outcome> {
         // The handle is the client's to reuse once freed: only the object that crossed goes.
         if !objects
             .get(&key, 0)
             .is_ok_and(|now| now.serial == made.serial)
         {
-            return Outcome::Gone;
+            return Some(Outcome::Gone);
         }
         match controls.free_on(RmObject {
             pid,
@@ -84,15 +82,42 @@ pub fn free(
                         Chain(&e)
                     );
                 }
-                return Outcome::Freed { holder: pid };
+                Some(Outcome::Freed { holder: pid })
             }
-            Err(ControlError::NoFile { .. } | ControlError::Gone { .. }) => {}
-            Err(e) => warn!(
-                pid,
-                "cannot free a crossing allocation through this process: {}",
-                Chain(&e)
-            ),
+            Err(ControlError::NoFile { .. } | ControlError::Gone { .. }) => None,
+            Err(e) => {
+                warn!(
+                    pid,
+                    "cannot free a crossing allocation through this process: {}",
+                    Chain(&e)
+                );
+                None
+            }
         }
+    };
+    let creator = objects
+        .get(
+            &ObjKey {
+                client: ev.client,
+                object: ev.client,
+            },
+            0,
+        )
+        .ok()
+        .map(|c| c.tgid)
+        .filter(|&t| t != ev.pid);
+    let own = std::process::id();
+    let likely = std::iter::once(ev.pid).chain(creator);
+    if let Some(done) = likely.clone().find_map(&mut through) {
+        return done;
+    }
+    let tried: Vec<u32> = likely.chain([own]).collect();
+    if let Some(done) = scan::holders(&matcher)
+        .into_iter()
+        .filter(|pid| !tried.contains(pid))
+        .find_map(&mut through)
+    {
+        return done;
     }
     if held() {
         Outcome::NoHolder

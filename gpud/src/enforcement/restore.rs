@@ -82,7 +82,6 @@ pub enum Restored {
 /// Undoes what tenants' controls did; see the module docs.
 pub struct Restorer {
     controls: Controls,
-    matcher: Matcher,
     /// The kernel's release of an object's record and charge, for crossing allocations freed.
     runs: KernelRuns,
     /// The react tier kills the caller of a crossing allocation (`react_action = "kill"`): its
@@ -128,8 +127,7 @@ impl Restorer {
     ) -> Result<Self, RestoreError> {
         use gpud_common::maps;
         Ok(Self {
-            controls: Controls::new(matcher.clone(), None),
-            matcher,
+            controls: Controls::new(matcher, None),
             runs,
             kill,
             objects: pinned(pins, maps::OBJECTS)?,
@@ -349,17 +347,9 @@ impl Restorer {
     }
 
     /// Frees the allocation of a limit crossing whose caller the kernel killed where another
-    /// process keeps its file ([`super::crossing`]); nothing where the react tier does not kill.
-    pub fn free_crossing(&mut self, ev: &LimitEvent) -> Option<super::crossing::Outcome> {
-        self.kill.then(|| {
-            super::crossing::free(
-                &mut self.controls,
-                &self.objects,
-                &self.runs,
-                &self.matcher,
-                ev,
-            )
-        })
+    /// process keeps its file ([`super::crossing`]).
+    pub fn free_crossing(&mut self, ev: &LimitEvent) -> super::crossing::Outcome {
+        super::crossing::free(&mut self.controls, &self.objects, &self.runs, ev)
     }
 
     /// Forgets the processes `keep` rejects (their pidfds are closed).
@@ -519,6 +509,9 @@ struct Batch {
 struct Shared {
     queue: Mutex<Queue>,
     ready: Condvar,
+    /// The restorer frees crossing allocations (the react tier kills their callers): only then
+    /// are crossings queued.
+    kill: bool,
 }
 
 impl Shared {
@@ -535,16 +528,22 @@ impl Shared {
 pub struct RestoreSender(Arc<Shared>);
 
 impl RestoreSender {
+    /// Makes one change to the queue (`push`: whether the request fitted) and wakes the thread.
+    fn queue(&self, push: impl FnOnce(&mut Queue) -> bool) -> bool {
+        let fitted = push(&mut self.0.lock());
+        self.0.ready.notify_one();
+        fitted
+    }
+
     /// Queues `r`, coalesced with what waits for the same object; what does not fit in
     /// [`QUEUE_MAX`] entries is counted and said.
     pub fn send(&self, r: Undo) {
         let pid = r.pid();
-        let (left_out, dropped) = {
-            let mut q = self.0.lock();
-            let left_out = q.push(r);
-            (left_out, q.dropped)
-        };
-        self.0.ready.notify_one();
+        let (mut left_out, mut dropped) = (0, 0);
+        self.queue(|q| {
+            (left_out, dropped) = (q.push(r), q.dropped);
+            left_out == 0
+        });
         // Said at the first and then at each doubling: a flood does not flood the log too.
         if left_out > 0 && (dropped - left_out).checked_ilog2() != dropped.checked_ilog2() {
             warn!(
@@ -555,15 +554,11 @@ impl RestoreSender {
             );
         }
     }
-}
 
-impl RestoreSender {
     /// Queues a read-back. One that does not fit is counted; the kernel asks again at the
     /// file's next control only once this one was begun, so a lost request is said at once.
     pub fn read_back(&self, r: ReadBack) {
-        let fitted = self.0.lock().push_read_back(r);
-        self.0.ready.notify_one();
-        if !fitted {
+        if !self.queue(|q| q.push_read_back(r)) {
             warn!(
                 pid = r.pid,
                 "the scheduler guard's undo queue is full ({QUEUE_MAX} entries): a read-back of \
@@ -571,15 +566,15 @@ impl RestoreSender {
             );
         }
     }
-}
 
-impl RestoreSender {
     /// Queues a limit crossing, whose allocation the restorer frees if another process keeps
-    /// the killed caller's file. One that does not fit is said.
+    /// the killed caller's file (none where the react tier does not kill). One that does not fit
+    /// is said.
     pub fn crossing(&self, ev: LimitEvent) {
-        let fitted = self.0.lock().push_crossing(ev);
-        self.0.ready.notify_one();
-        if !fitted {
+        if !self.0.kill {
+            return;
+        }
+        if !self.queue(|q| q.push_crossing(ev)) {
             warn!(
                 pid = ev.pid,
                 "the restorer's queue is full ({QUEUE_MAX} entries): a crossing allocation is \
@@ -599,7 +594,10 @@ impl Drop for RestoreSender {
 /// Runs `restorer` on its own thread, undoing what is sent through the returned sender; the
 /// thread ends when the sender is dropped.
 pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
-    let shared = Arc::new(Shared::default());
+    let shared = Arc::new(Shared {
+        kill: restorer.kill,
+        ..Shared::default()
+    });
     let theirs = Arc::clone(&shared);
     std::thread::Builder::new()
         .name("gpud-restore".to_owned())
@@ -644,13 +642,13 @@ fn free_crossing(restorer: &mut Restorer, ev: &LimitEvent) {
     use super::crossing::Outcome;
     match restorer.free_crossing(ev) {
         // The caller itself, dying: the file's release would have freed it too.
-        Some(Outcome::Freed { holder }) if holder == ev.pid => {
+        Outcome::Freed { holder } if holder == ev.pid => {
             debug!(
                 pid = ev.pid,
                 "freed a crossing allocation through its dying caller's file"
             );
         }
-        Some(Outcome::Freed { holder }) => warn!(
+        Outcome::Freed { holder } => warn!(
             pid = ev.pid,
             holder,
             cgroup_id = ev.cgroup_id,
@@ -658,13 +656,13 @@ fn free_crossing(restorer: &mut Restorer, ev: &LimitEvent) {
             "freed a crossing allocation that another process kept through the killed caller's \
              file"
         ),
-        Some(Outcome::NoHolder) => warn!(
+        Outcome::NoHolder => warn!(
             pid = ev.pid,
             cgroup_id = ev.cgroup_id,
             bytes = ev.bytes,
             "a crossing allocation is held through a file no process gpud can reach holds"
         ),
-        Some(Outcome::Gone) | None => {}
+        Outcome::Gone => {}
     }
 }
 

@@ -8,36 +8,35 @@
 use aya::programs::{RawTracePoint, RawTracePointRunOptions, TestRun as _};
 use gpud_common::ObjKey;
 
-use super::{ProbeError, Probes, attach::RUN_PROGRAMS, programs};
+use super::{ProbeError, Probes, programs};
 
-/// Handles on the run programs of one loaded object ([`Probes::runs`]).
+/// Handles on the run programs of one loaded object ([`Probes::runs`]), each with its name.
 pub struct KernelRuns {
-    /// In the order of [`RUN_PROGRAMS`].
-    programs: [RawTracePoint; 3],
+    seed: (&'static str, RawTracePoint),
+    release: (&'static str, RawTracePoint),
+    file_held: (&'static str, RawTracePoint),
 }
 
 impl KernelRuns {
     /// Takes a descriptor of each run program `probes` loaded.
     pub(super) fn of(probes: &Probes) -> Result<Self, ProbeError> {
-        let handle = |name: &'static str| -> Result<RawTracePoint, ProbeError> {
+        let handle = |name: &'static str| -> Result<_, ProbeError> {
             let perr = move |source| ProbeError::Run { name, source };
-            let prog = probes.program(name)?;
-            let info = prog.info().map_err(perr)?;
-            RawTracePoint::from_program_info(info, name.into()).map_err(perr)
+            let info = probes.program(name)?.info().map_err(perr)?;
+            Ok((
+                name,
+                RawTracePoint::from_program_info(info, name.into()).map_err(perr)?,
+            ))
         };
-        let [a, b, c] = RUN_PROGRAMS;
         Ok(Self {
-            programs: [handle(a)?, handle(b)?, handle(c)?],
+            seed: handle(programs::SEED)?,
+            release: handle(programs::RELEASE)?,
+            file_held: handle(programs::FILE_HELD)?,
         })
     }
 
-    /// Runs `name` once with `args`; its return value.
-    fn run(&self, name: &'static str, args: &[u64]) -> Result<u32, ProbeError> {
-        let prog = RUN_PROGRAMS
-            .iter()
-            .position(|n| *n == name)
-            .map(|i| &self.programs[i])
-            .ok_or(ProbeError::NoProgram(name))?;
+    /// Runs `prog` once with `args`; its return value.
+    fn run((name, prog): &(&'static str, RawTracePoint), args: &[u64]) -> Result<u32, ProbeError> {
         let mut opts = RawTracePointRunOptions::new();
         for (slot, a) in opts.args.iter_mut().zip(args) {
             *slot = *a;
@@ -50,7 +49,7 @@ impl KernelRuns {
     /// Marks `pid` as holding an NVIDIA file in the tracepoint-mode filter (`gpud_seed`; the
     /// filter is only changed with atomic adds).
     pub fn seed(&self, pid: u32) -> Result<(), ProbeError> {
-        self.run(programs::SEED, &[u64::from(pid)])?;
+        Self::run(&self.seed, &[u64::from(pid)])?;
         Ok(())
     }
 
@@ -65,12 +64,12 @@ impl KernelRuns {
             serial,
             u64::from(orphan),
         ];
-        Ok(self.run(programs::RELEASE, &args)? == 0)
+        Ok(Self::run(&self.release, &args)? == 0)
     }
 
     /// Whether the control file at kernel address `file` is still referenced (so the driver
     /// still holds the clients made through it), by `gpud_file_held`.
     pub fn file_held(&self, file: u64) -> Result<bool, ProbeError> {
-        Ok(self.run(programs::FILE_HELD, &[file])? == 0)
+        Ok(Self::run(&self.file_held, &[file])? == 0)
     }
 }

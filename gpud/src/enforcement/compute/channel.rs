@@ -176,6 +176,11 @@ impl Controls {
         }
     }
 
+    /// What counts as an NVIDIA file here.
+    pub fn matcher(&self) -> &Matcher {
+        &self.matcher
+    }
+
     /// Puts the group on the runlist, or takes it off and preempts it (off the runlist alone, a
     /// group on the engine keeps it until its timeslice ends).
     pub fn schedule(&mut self, g: &ChannelGroup, enabled: bool) -> Result<(), ControlError> {
