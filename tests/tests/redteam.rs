@@ -6,7 +6,7 @@
 
 use std::{os::unix::process::ExitStatusExt as _, time::Duration};
 
-use gpud_tests::{Cgroup, Rig, RmProcess, eventually};
+use gpud_tests::{Cgroup, Rig, RmProcess, TestConfig, eventually};
 
 const MIB: u64 = 1 << 20;
 const LIMIT: u64 = 64 * MIB;
@@ -14,14 +14,19 @@ const LIMIT: u64 = 64 * MIB;
 /// gpud in the react tier with `kill`, its pins kept at exit (as in production), over the fake
 /// device with one GPU and the fake NVML naming it; `max_objects` entries in its object map.
 async fn started(tag: &str, max_objects: u32) -> Option<Rig> {
-    let mut rig = Rig::new(tag).fake_device(1)?.fake_gpus(1);
-    rig.start(
-        rig.config()
-            .react_action("kill")
+    started_with(tag, |c| {
+        c.react_action("kill")
             .keep_pinned(true)
-            .set("probes.max_objects", max_objects),
-    )
-    .await;
+            .set("probes.max_objects", max_objects)
+    })
+    .await
+}
+
+/// gpud with the configuration `config` makes of the rig's, over the fake device with one GPU
+/// and the fake NVML naming it, once NVML has answered.
+async fn started_with(tag: &str, config: impl FnOnce(TestConfig) -> TestConfig) -> Option<Rig> {
+    let mut rig = Rig::new(tag).fake_device(1)?.fake_gpus(1);
+    rig.start(config(rig.config())).await;
     rig.wait_for_gpus(1).await;
     Some(rig)
 }
@@ -278,19 +283,16 @@ async fn a_crossing_allocation_kept_by_another_holder_is_freed() {
 /// and the tenant's allocation within its limit, which the map cannot record, counts as crossing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_neighbour_filling_the_object_map_stops_at_its_cgroup_cap() {
-    let Some(mut rig) = Rig::new("rt-objcap").fake_device(1) else {
-        return;
-    };
-    rig = rig.fake_gpus(1);
-    rig.start(
-        rig.config()
-            .react_action("kill")
+    let Some(rig) = started_with("rt-objcap", |c| {
+        c.react_action("kill")
             .keep_pinned(true)
             .set("probes.max_objects", 4096)
-            .set("probes.max_objects_per_cgroup", 1024),
-    )
-    .await;
-    rig.wait_for_gpus(1).await;
+            .set("probes.max_objects_per_cgroup", 1024)
+    })
+    .await
+    else {
+        return;
+    };
     let cg = Cgroup::new("rt-objcap");
     let other = Cgroup::new("rt-objcap-filler");
     rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
@@ -337,17 +339,13 @@ async fn a_neighbour_filling_the_object_map_stops_at_its_cgroup_cap() {
 /// and it is killed.
 #[tokio::test(flavor = "multi_thread")]
 async fn full_process_map_a_forked_child_is_still_followed() {
-    let Some(mut rig) = Rig::new("rt-fullprocs").fake_device(1) else {
+    let Some(rig) = started_with("rt-fullprocs", |c| {
+        c.react_action("kill").set("probes.max_procs", 1024)
+    })
+    .await
+    else {
         return;
     };
-    rig = rig.fake_gpus(1);
-    rig.start(
-        rig.config()
-            .react_action("kill")
-            .set("probes.max_procs", 1024),
-    )
-    .await;
-    rig.wait_for_gpus(1).await;
     let cg = Cgroup::new("rt-fullprocs");
     let other = Cgroup::new("rt-forker");
     rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
