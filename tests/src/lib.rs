@@ -27,7 +27,7 @@ pub use daemon::Daemon;
 pub use fixtures::{Issuer, RmProcess};
 /// The fake NVML's scenario types, for typed scenarios ([`write_nvml_scenario`]).
 pub use nvidia_ml_fake::scenario;
-pub use nvml::{gpus_with, install_fake_nvml, one_gpu, write_nvml_scenario};
+pub use nvml::{LedgerNvml, gpus_with, install_fake_nvml, one_gpu, write_nvml_scenario};
 pub use paths::{TempDir, bin_dir, gpud_bin, gpudctl_bin};
 pub use rig::Rig;
 

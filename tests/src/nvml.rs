@@ -45,3 +45,54 @@ pub fn write_nvml_scenario(lib_dir: &Path, scenario: &Scenario) {
     std::fs::write(&tmp, text).expect("scenario");
     std::fs::rename(&tmp, lib_dir.join("fake-nvml.json")).expect("scenario");
 }
+
+/// The fake NVML reporting what the fake driver holds, as the real NVML reports RM's own
+/// per-process figures: every 100 ms, one process row per process and GPU holding video
+/// memory in the fake driver's ledger (its `state` file in `fake_dir`), over `gpus` GPUs.
+/// Stops when dropped.
+pub struct LedgerNvml {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LedgerNvml {
+    pub fn follow(fake_dir: &Path, lib_dir: &Path, gpus: u32) -> Self {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (fake_dir, lib_dir, stopping) = (fake_dir.to_owned(), lib_dir.to_owned(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut last = None;
+            while !stopping.load(Ordering::Relaxed) {
+                if let Ok(s) = crate::fakenv::read_state(&fake_dir) {
+                    let mut held = std::collections::BTreeMap::<(u32, u32), u64>::new();
+                    let mut seen = std::collections::BTreeSet::new();
+                    // Each allocation once, as `Snapshot::held_by` counts it.
+                    for o in s.memory().filter(|o| o.mem == 0 || seen.insert(o.mem)) {
+                        *held.entry((o.pid, o.gpu.unwrap_or(0))).or_default() += o.bytes;
+                    }
+                    if last.as_ref() != Some(&held) {
+                        let rows = held
+                            .iter()
+                            .map(|(&(pid, gpu), &b)| Process::on(pid, gpu, b));
+                        write_nvml_scenario(&lib_dir, &Scenario::gpus(gpus).with(rows));
+                        last = Some(held);
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        });
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for LedgerNvml {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -440,3 +440,102 @@ async fn unfollowed_32_bit_calls_are_reported() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("WARNING: unseen:  32-bit ioctls"), "{text}");
 }
+
+/// Params the probes cannot read: the tenant puts each allocation's params on a page it mapped
+/// and never touched (a fresh shared mapping of a memfd). The driver's copy faults the page in;
+/// a probe's read of user memory may not fault, so the entry side sees no size. An allocation
+/// the probes cannot size meets its caller's limit: killed in its first call, nothing held.
+#[tokio::test(flavor = "multi_thread")]
+async fn unsized_params_meet_the_limit() {
+    attack_dies("rt-unsized", |c, d| {
+        format!("unsized {c} {d} {} 12", 16 * MIB)
+    })
+    .await;
+}
+
+/// A route the probes cannot see by construction, performed so that it always succeeds: a
+/// second thread changes what the driver reads after the probes read it and puts it back once
+/// the driver answered. The fake driver answers 50 ms late (`delay-ioctl-ms`) so the racer's
+/// writes land inside the window every time; on a real driver the window is microseconds and
+/// a racer hits it by chance. The probes charge what they read; the driver holds more. What
+/// catches it is the NVML backstop: the fake NVML reports what the fake driver holds per process
+/// and GPU (as the real NVML reports RM's own figures), and a limited cgroup over its limit for
+/// the hold time (1 s, no margin here) is killed, its memory released with its file.
+async fn caught_by_the_backstop(
+    tag: &str,
+    gpus: u32,
+    limit_on: &str,
+    attack: impl FnOnce(&mut RmProcess) -> String,
+) {
+    let Some(mut rig) = Rig::new(tag).fake_device(gpus) else {
+        return;
+    };
+    rig = rig.fake_gpus(gpus);
+    rig.start(
+        rig.config()
+            .react_action("kill")
+            .set("enforcement.nvml_backstop_secs", 1)
+            .set("enforcement.nvml_backstop_margin_bytes", 0),
+    )
+    .await;
+    rig.wait_for_gpus(gpus).await;
+    let _nvml = gpud_tests::LedgerNvml::follow(rig.fake().dir(), rig.nvml_dir(), gpus);
+    let cg = Cgroup::new(tag);
+    rig.set_limit(&cg.rel, limit_on, "memory_max", LIMIT).await;
+    rig.fake()
+        .inject("delay-ioctl-ms 50")
+        .expect("delay the fake");
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let line = attack(&mut tenant);
+    match tenant.try_cmd(&line) {
+        // The racer lost the window and the probes caught the call itself: also stopped.
+        None => println!("`{line}`: killed in a call"),
+        Some(answer) => {
+            let held = rig.fake().snapshot().used_total();
+            let charged = rig.get_cgroup(&cg.rel).await.memory_current;
+            println!(
+                "`{line}` got past the probes: the driver holds {} MiB, gpud charged {charged:?}; \
+                 {answer}",
+                held / MIB
+            );
+            assert!(held > LIMIT, "the attack did not cross: {answer}");
+        }
+    }
+    let freed = eventually(Duration::from_secs(15), || async {
+        (rig.fake().snapshot().used_total() == 0).then_some(())
+    })
+    .await;
+    assert!(
+        freed.is_some(),
+        "the backstop never acted: the driver holds {} MiB under a {} MiB limit\n{}",
+        rig.fake().snapshot().used_total() / MIB,
+        LIMIT / MIB,
+        rig.log_text()
+    );
+    let status = tenant.wait();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+}
+
+/// Racing the driver's copy of a wrapped call: the tenant's XFER'd allocations read as 4 KiB
+/// at the entry, and a second thread points their `pAllocParms` at 16 MiB params while the
+/// driver has yet to copy them (and back once it answered).
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_the_drivers_copy_of_an_xfer_is_caught_by_the_nvml_backstop() {
+    caught_by_the_backstop("rt-racexfer", 1, "all", |t| {
+        let (c, d) = t.client_device(0);
+        format!("race-xfer {c} {d} {} 4096 12 10", 16 * MIB)
+    })
+    .await;
+}
+
+/// Racing the driver's copy of a device's `deviceId`: the probes record a device of GPU 1 that
+/// the driver made on GPU 0, so what the tenant allocates under it is charged to GPU 1, where
+/// its limit (on GPU 0) does not apply.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_device_raced_to_another_gpu_is_caught_by_the_nvml_backstop() {
+    caught_by_the_backstop("rt-racedevice", 2, "0", |t| {
+        let client = t.handle("client");
+        format!("race-device {client} 0 1 {} 12 10", 16 * MIB)
+    })
+    .await;
+}

@@ -6,8 +6,10 @@
 //! [`Outcome`]. A tenant the kernel kills returns nothing.
 
 use std::{
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
     ptr::{addr_of, addr_of_mut},
     sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
 };
 
 use gpud_common::{
@@ -34,7 +36,13 @@ fn answer(held: &[Handle], failed: Option<Reply>) -> Outcome {
 }
 
 /// The attacks by name, each run with `size` bytes per allocation, `n` times.
-pub const NAMES: [&str; 4] = ["dup-free", "race-status", "race-size", "compat32"];
+pub const NAMES: [&str; 5] = [
+    "dup-free",
+    "race-status",
+    "race-size",
+    "compat32",
+    "unsized",
+];
 
 /// Runs attack `name` ([`NAMES`]) on `client`'s `parent`; `None` for an unknown name.
 pub fn run(
@@ -50,6 +58,7 @@ pub fn run(
         "race-status" => race(ctl, client, parent, size, n, Race::Status),
         "race-size" => race(ctl, client, parent, size, n, Race::Size(4096)),
         "compat32" => compat32(ctl, client, parent, size, n),
+        "unsized" => unsized_params(ctl, client, parent, size, n),
         _ => return None,
     })
 }
@@ -268,4 +277,235 @@ fn flip_command(pp: usize, sp: usize, us: u64, ready: &AtomicBool, done: &Atomic
             std::hint::spin_loop();
         }
     }
+}
+
+/// `n` video-memory allocations of `size` bytes (NVOS21) whose params lie on a page the caller
+/// has mapped but never touched: a fresh shared mapping of a memfd that holds them. The
+/// driver's `copy_from_user` faults the page in and reads them; a probe's read of user memory
+/// may not fault, so the entry side sees no size at all.
+pub fn unsized_params(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32) -> Outcome {
+    use std::os::unix::fs::FileExt as _;
+    let failed = |e: std::io::Error| {
+        Some(Reply {
+            ret: -1,
+            errno: e.raw_os_error().unwrap_or(0),
+            ..Default::default()
+        })
+    };
+    // SAFETY: a plain system call on a NUL-terminated name.
+    let fd = unsafe { libc::memfd_create(c"gpud-rm-params".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return answer(&[], failed(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` was just made and is owned here alone.
+    let file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    const PAGE: usize = 4096;
+    let params = rm::MemoryAllocationParams {
+        size,
+        ..Default::default()
+    };
+    // The memfd's page cache holds the params; no mapping of this process has touched them.
+    if let Err(e) = file
+        .set_len(PAGE as u64)
+        .and_then(|()| file.write_all_at(super::bytes_of(&params), 0))
+    {
+        return answer(&[], failed(e));
+    }
+    let mut held = Vec::new();
+    for _ in 0..n {
+        // SAFETY: a new shared mapping of the memfd's first page; nothing else refers to it.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return answer(&held, failed(std::io::Error::last_os_error()));
+        }
+        let alloc = super::Alloc::new(client, parent, class::MEMORY_LOCAL_USER).params(map.cast());
+        // SAFETY: the mapping holds the class's params (128 bytes of a page) across the call.
+        let a = unsafe { ctl.alloc(&alloc) };
+        // The driver wrote the allocated size back: the next call's params start afresh.
+        let _ = file.write_all_at(super::bytes_of(&params), 0);
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(map, PAGE) };
+        if !a.ok() {
+            return answer(&held, Some(a));
+        }
+        held.push(a.handle);
+    }
+    answer(&held, None)
+}
+
+/// The driver's own read of a call raced: a second thread changes one word of the caller's
+/// memory `wait` after the call was entered (the probes have read it by then) and puts it back
+/// as soon as `answered` sees the driver's answer (before the return side reads it again). Only
+/// a window as wide as `wait` makes this repeatable; a real driver's is microseconds, which a
+/// racer can still hit by chance (docs/design.md, "Threat model").
+struct Timed<'a, T: Copy> {
+    at: *mut T,
+    driver_sees: T,
+    wait: Duration,
+    answered: &'a (dyn Fn() -> bool + Sync),
+}
+
+impl<T: Copy> Timed<'_, T> {
+    /// Runs `call` with the racer beside it; `call`'s result.
+    fn run<R>(&self, call: impl FnOnce() -> R) -> R {
+        let (entered, done) = (AtomicBool::new(false), AtomicBool::new(false));
+        let at = self.at as usize;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !entered.load(Ordering::Acquire) {
+                    std::hint::spin_loop();
+                }
+                std::thread::sleep(self.wait);
+                let at = at as *mut T;
+                // SAFETY: the word lives across the call (the caller's frame outlives the
+                // scope); racing the driver's read of it is the point.
+                let was = unsafe { at.read_volatile() };
+                // SAFETY: as above.
+                unsafe { at.write_volatile(self.driver_sees) };
+                while !done.load(Ordering::Acquire) && !(self.answered)() {
+                    std::hint::spin_loop();
+                }
+                // SAFETY: as above.
+                unsafe { at.write_volatile(was) };
+            });
+            entered.store(true, Ordering::Release);
+            let out = call();
+            done.store(true, Ordering::Release);
+            out
+        })
+    }
+}
+
+// SAFETY: the pointer is only written by the racer thread inside `run`'s scope, which the
+// pointee outlives.
+unsafe impl<T: Copy> Sync for Timed<'_, T> {}
+
+/// `n` allocations of `size` bytes through `NV_ESC_IOCTL_XFER_CMD` that the probes read as
+/// `small` ones: a second thread points the wrapped NVOS21's `pAllocParms` at a second params
+/// struct of `size` bytes `wait` into the call, while the driver has yet to copy it, and back
+/// at the first once the driver has answered.
+pub fn race_xfer(
+    ctl: &Ctl,
+    client: Handle,
+    parent: Handle,
+    size: u64,
+    small: u64,
+    n: u32,
+    wait: Duration,
+) -> Outcome {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let mut seen = rm::MemoryAllocationParams {
+            size: small,
+            ..Default::default()
+        };
+        let mut made = rm::MemoryAllocationParams {
+            size,
+            ..Default::default()
+        };
+        let mut p = rm::Nvos21 {
+            h_root: client,
+            h_object_parent: parent,
+            h_class: class::MEMORY_LOCAL_USER,
+            p_alloc_parms: addr_of_mut!(seen) as u64,
+            ..Default::default()
+        };
+        let made_at = addr_of_mut!(made) as usize;
+        // The driver copies the params back with their limit on success.
+        let answered = move || {
+            let made = made_at as *const rm::MemoryAllocationParams;
+            // SAFETY: `made` outlives the call the racer watches; the driver writes it.
+            unsafe { addr_of!((*made).limit).read_volatile() != 0 }
+        };
+        let race = Timed {
+            at: addr_of_mut!(p.p_alloc_parms),
+            driver_sees: made_at as u64,
+            wait,
+            answered: &answered,
+        };
+        let (ret, errno) = race.run(|| ctl.escape(nv::NV_ESC_RM_ALLOC, &mut p, true));
+        // SAFETY: a plain read of a live local the racer no longer touches.
+        let st = unsafe { addr_of!(p.status).read_volatile() };
+        if ret != 0 || st != status::NV_OK {
+            return answer(
+                &held,
+                Some(Reply {
+                    ret,
+                    errno,
+                    status: st,
+                    ..Default::default()
+                }),
+            );
+        }
+        held.push(p.h_object_new);
+    }
+    answer(&held, None)
+}
+
+/// A device of GPU `seen` as the probes read it, made by the driver for GPU `gpu`: a second
+/// thread changes the `NV01_DEVICE_0` params' `deviceId` `wait` into the call and back once the
+/// driver answered. Then `n` allocations of `size` bytes under it.
+pub fn race_device(
+    ctl: &Ctl,
+    client: Handle,
+    gpu: u32,
+    seen: u32,
+    size: u64,
+    n: u32,
+    wait: Duration,
+) -> Outcome {
+    let mut params = rm::Nv0080AllocParams {
+        device_id: seen,
+        ..Default::default()
+    };
+    let mut p = rm::Nvos21 {
+        h_root: client,
+        h_object_parent: client,
+        h_class: class::DEVICE,
+        p_alloc_parms: addr_of_mut!(params) as u64,
+        // Not NV_OK: the driver's write of NV_OK is what the racer waits for.
+        status: status::NV_ERR_NO_MEMORY,
+        ..Default::default()
+    };
+    let status_at = addr_of!(p.status) as usize;
+    // SAFETY: `p` outlives the call the racer watches; the kernel writes its status.
+    let answered = move || unsafe { (status_at as *const u32).read_volatile() } == status::NV_OK;
+    let race = Timed {
+        at: addr_of_mut!(params.device_id),
+        driver_sees: gpu,
+        wait,
+        answered: &answered,
+    };
+    let (ret, errno) = race.run(|| ctl.escape(nv::NV_ESC_RM_ALLOC, &mut p, false));
+    let st = unsafe { addr_of!(p.status).read_volatile() };
+    if ret != 0 || st != status::NV_OK {
+        return answer(
+            &[],
+            Some(Reply {
+                ret,
+                errno,
+                status: st,
+                ..Default::default()
+            }),
+        );
+    }
+    let device = p.h_object_new;
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let a = ctl.alloc_vidmem(client, device, size, Form::Nvos21);
+        if !a.ok() {
+            return answer(&held, Some(a));
+        }
+        held.push(a.handle);
+    }
+    answer(&held, None)
 }

@@ -33,6 +33,9 @@
 //! | `dup-free CLIENT PARENT SIZE N` | N rounds of allocate, duplicate, free the original (see [`gpud_tests::rm::attack`]) |
 //! | `race-status CLIENT PARENT SIZE N` | N allocations whose `status` a second thread rewrites to a failure once the driver answered |
 //! | `race-size CLIENT PARENT SIZE SMALL N` | N allocations whose params' `size` a second thread rewrites to SMALL once the driver answered |
+//! | `unsized CLIENT PARENT SIZE N` | N allocations whose params lie on a mapped page never touched (the driver faults it in; a probe cannot) |
+//! | `race-xfer CLIENT PARENT SIZE SMALL N WAIT_MS` | N XFER'd allocations of SMALL bytes whose `pAllocParms` a second thread points at SIZE bytes' WAIT_MS into the call, and back once answered |
+//! | `race-device CLIENT GPU SEEN SIZE N WAIT_MS` | a device read as GPU SEEN whose `deviceId` a second thread makes GPU WAIT_MS into the call (and puts back once answered), then N allocations under it |
 //! | `free CLIENT HANDLE` | `NV_ESC_RM_FREE` (HANDLE == CLIENT frees the client) |
 //! | `vidheap-free CLIENT PARENT HANDLE` | `NV_ESC_RM_VID_HEAP_CONTROL` FREE |
 //! | `ioctl CMD` | CMD on a zeroed buffer: `{"ok":…,"ret":…,"errno":…}` |
@@ -473,6 +476,32 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
             ("race-size", 5) => {
                 let small = attack::Race::Size(size(3)?);
                 outcome(&attack::race(&ctl, n(0)?, n(1)?, size(2)?, n(4)?, small))
+            }
+            ("unsized", 4) => outcome(&attack::unsized_params(&ctl, n(0)?, n(1)?, size(2)?, n(3)?)),
+            ("race-xfer", 6) => {
+                let wait = std::time::Duration::from_millis(n(5)?.into());
+                let (big, small) = (size(2)?, size(3)?);
+                outcome(&attack::race_xfer(
+                    &ctl,
+                    n(0)?,
+                    n(1)?,
+                    big,
+                    small,
+                    n(4)?,
+                    wait,
+                ))
+            }
+            ("race-device", 6) => {
+                let wait = std::time::Duration::from_millis(n(5)?.into());
+                outcome(&attack::race_device(
+                    &ctl,
+                    n(0)?,
+                    n(1)?,
+                    n(2)?,
+                    size(3)?,
+                    n(4)?,
+                    wait,
+                ))
             }
             ("free", 2) => reply_json(&ctl.free(n(0)?, n(1)?)),
             ("vidheap-free", 3) => reply_json(&ctl.vidheap_free(n(0)?, n(1)?, n(2)?)),
