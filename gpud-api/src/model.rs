@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use zbus::zvariant::Type;
 
-/// One attributed cgroup: signature `(tsaua{st}a{st}a{st}t)`.
+/// One attributed cgroup: signature `(tsaua{st}a{st}a{st}ta{ss})`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct CgroupRecord {
     /// cgroup v2 id (the inode number of its directory).
@@ -25,6 +25,10 @@ pub struct CgroupRecord {
     pub memory_max: BTreeMap<String, u64>,
     /// Allocations that crossed (react) or were refused by (deny) this cgroup's limits.
     pub memory_events: u64,
+    /// The Kubernetes workload the cgroup runs, as the runtime integration reported it
+    /// (`SetWorkload`): `namespace`, `pod` and, for a container's cgroup, `container`. Empty for
+    /// a cgroup no integration named.
+    pub workload: BTreeMap<String, String>,
 }
 
 /// A limit as listed by `ListLimits`: signature `(ssa{st}ss)`.

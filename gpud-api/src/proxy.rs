@@ -63,6 +63,7 @@ pub trait Manager1 {
         gpu: &str,
         limits: BTreeMap<&str, zbus::Variant<'_>>,
     ) -> zbus::Result<(String, String)>;
+    fn set_workload(&self, cgroup: &str, names: &BTreeMap<String, String>) -> zbus::Result<()>;
     fn clear_limits(&self, cgroup: &str, gpu: &str, names: &[&str]) -> zbus::Result<()>;
     fn list_limits(&self) -> zbus::Result<Vec<LimitRecord>>;
     // Not cached by the proxy: the daemon sends no change signal for these.
@@ -181,6 +182,8 @@ pub trait Cgroup1 {
     fn limits(&self) -> zbus::Result<BTreeMap<String, BTreeMap<String, u64>>>;
     #[zbus(property)]
     fn idle(&self) -> zbus::Result<BTreeMap<String, u64>>;
+    #[zbus(property)]
+    fn workload(&self) -> zbus::Result<BTreeMap<String, String>>;
     fn set_limits(
         &self,
         gpu: &str,

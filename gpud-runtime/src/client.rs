@@ -1,5 +1,5 @@
-//! Applying a container's shares through gpud's D-Bus API (`SetLimits`, `ClearLimits`), with
-//! every call bounded in time.
+//! Applying a container's shares through gpud's D-Bus API (`SetLimits`, `ClearLimits`), and
+//! naming its workload (`SetWorkload`), with every call bounded in time.
 
 use std::{collections::BTreeMap, time::Duration};
 
@@ -24,13 +24,18 @@ pub struct Client {
     timeout: Duration,
 }
 
+/// The answer of a gpud that lacks a method (one older than this client).
+const UNKNOWN_METHOD: &str = "org.freedesktop.DBus.Error.UnknownMethod";
+
 /// gpud's own answers (`dev.gpud.Error.*`) refuse the request, except `Failed` (it could not
-/// complete it, e.g. while shutting down); anything else (the bus's errors: no daemon on it, the
-/// bus policy) says gpud could not be asked.
+/// complete it, e.g. while shutting down), and so does an unknown method (gpud is there, only
+/// older); anything else (the bus's errors: no daemon on it, the bus policy) says gpud could not
+/// be asked.
 fn classify(call: &str, e: zbus::Error) -> RuntimeError {
     match e {
         zbus::Error::MethodError(name, message, _)
-            if name.as_str().starts_with(names::PREFIX) && name.as_str() != names::FAILED =>
+            if (name.as_str().starts_with(names::PREFIX) && name.as_str() != names::FAILED)
+                || name.as_str() == UNKNOWN_METHOD =>
         {
             RuntimeError::Refused {
                 call: call.to_owned(),
@@ -169,6 +174,21 @@ impl Client {
             }
         }
         (applied, result)
+    }
+
+    /// Records which Kubernetes workload `cgroup` runs ([`crate::workload`]); empty `names` clear
+    /// it. Names that [`gpud_api::workload::check`] refuses are not sent: that is an
+    /// [`RuntimeError::Input`].
+    pub async fn set_workload(
+        &self,
+        cgroup: &str,
+        names: &crate::workload::Names,
+    ) -> Result<(), RuntimeError> {
+        gpud_api::workload::check(names)
+            .map_err(|e| RuntimeError::Input(format!("workload names of {cgroup}: {e}")))?;
+        let call = format!("SetWorkload({cgroup})");
+        self.bounded(&call, self.proxy.set_workload(cgroup, names))
+            .await
     }
 
     /// Limits in force on `cgroup`, by GPU (for checks and logs).

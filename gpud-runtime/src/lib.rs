@@ -3,8 +3,9 @@
 //! annotations ([`annotations`], on gpud-api's limit schema); the OCI hook (`gpud-oci-hook`,
 //! [`oci`]) and the NRI plugin (`gpud-nri`, [`nri`]) find the container's cgroup ([`cgroup`])
 //! and set the shares through gpud's D-Bus API ([`client`]), and clear them when the container
-//! goes. gpud-k8s produces the same annotations ([`annotations::render`]) and logs like the two
-//! binaries ([`logging`]). docs/runtime-integration.md is the operator's guide.
+//! goes; they also tell gpud which Kubernetes workload each cgroup they limit runs
+//! ([`workload`]). gpud-k8s produces the same annotations ([`annotations::render`]) and logs like
+//! the two binaries ([`logging`]). docs/runtime-integration.md is the operator's guide.
 //!
 //! What happens when something goes wrong is the operator's choice ([`FailPolicy`]): an invalid
 //! request (a malformed annotation, a limit gpud refuses, a cgroup that cannot be found) fails
@@ -22,6 +23,7 @@ pub mod oci;
 pub mod pod;
 pub mod report;
 pub mod trust;
+pub mod workload;
 
 pub use annotations::AnnotationError;
 

@@ -5,7 +5,9 @@
 //!   container's process exists in its cgroup and the hook runs in the runtime's namespaces. The
 //!   hook reads the annotations (from the state; from the bundle's `config.json` when the state
 //!   has none), resolves the cgroup from the state's pid, sets the shares, and records what it
-//!   set in `<record dir>/<container id>.json`.
+//!   set in `<record dir>/<container id>.json`. It then names the container's Kubernetes
+//!   workload to gpud from the runtime's annotations ([`crate::workload`]), and the pod's on the
+//!   pod's cgroup where a claim's shares went there; a failure there is only a warning.
 //! - `poststop`: the process is gone and runc has already removed the cgroup, so nothing can be
 //!   learned from the container any more: the hook clears what the record says and removes it.
 //!   A record rather than re-deriving the path from `linux.cgroupsPath` because the record holds
@@ -81,12 +83,14 @@ impl HookConfig {
 pub enum Outcome {
     /// Shares set on the container's cgroup; `ignored`: annotations that would have widened what
     /// the cluster granted; `pod`: the pod's cgroup and what it has now, where the grant is a
-    /// claim's.
+    /// claim's; `warnings`: what went wrong without failing the container (the workload's names
+    /// not reported).
     Applied {
         cgroup: String,
         applied: Applied,
         ignored: Vec<Ignored>,
         pod: Option<(String, Applied)>,
+        warnings: Vec<String>,
     },
     /// The container has no shares (after leaving out `ignored`).
     NoShares { ignored: Vec<Ignored> },
@@ -290,11 +294,33 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
     }
     pod_result?;
     result?;
+    // Names for the cgroups that got something: the pod's, and the container's (also where the
+    // claim's shares all went to its pod, since its own usage is still its cgroup's).
+    let names = crate::workload::from_annotations(&ann);
+    let mut named = Vec::new();
+    if let Some((pod_cg, pod_applied)) = &pod
+        && !pod_applied.gpus.is_empty()
+    {
+        named.push((pod_cg.as_str(), crate::workload::of_pod(&names)));
+    }
+    if !applied.gpus.is_empty() || pod.is_some() {
+        named.push((cgroup.as_str(), names.clone()));
+    }
+    let mut warnings = Vec::new();
+    for (cg, names) in named.iter().filter(|(_, n)| !n.is_empty()) {
+        if let Err(e) = client.set_workload(cg, names).await {
+            warnings.push(format!(
+                "workload names of {cg} not reported: {}",
+                crate::report::Chain(&e)
+            ));
+        }
+    }
     Ok(Outcome::Applied {
         cgroup,
         applied,
         ignored,
         pod,
+        warnings,
     })
 }
 

@@ -617,7 +617,7 @@ async fn an_unreachable_gpud_fails_a_granted_container_by_default() {
 /// Two containers of a Kubernetes pod with device-plugin grants (1 GiB and 2 GiB) and a sidecar
 /// without one: the pod's cgroup carries the sum, so the sidecar (handed the GPU file, say) is
 /// inside the pod's grants; each container keeps its own; a stopped container's grant leaves the
-/// pod, the last one takes the pod's limit away.
+/// pod, the last one takes the pod's limit away. gpud learns each cgroup's workload names.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pods_cgroup_carries_the_sum_of_its_containers_grants() {
     let (rig, rt) = started("nri-podsum").await;
@@ -651,6 +651,22 @@ async fn a_pods_cgroup_carries_the_sum_of_its_containers_grants() {
     expect_limits(&rig, &plugin, &procs[1].0.rel, &[("all", 2 * GIB)]).await;
     rig.expect_in_force(&pod_cg.rel, &[("all", 3 * GIB)]).await;
     assert!(limits_of(&rig, &sidecar.rel).await.is_empty());
+    let names = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    };
+    assert_eq!(
+        rig.get_cgroup(&procs[0].0.rel).await.workload,
+        names(&[("namespace", "default"), ("pod", "web"), ("container", "a")]),
+        "{}",
+        plugin.log_text()
+    );
+    assert_eq!(
+        rig.get_cgroup(&pod_cg.rel).await.workload,
+        names(&[("namespace", "default"), ("pod", "web")])
+    );
 
     session
         .stop(&p, &containers[0])

@@ -218,7 +218,8 @@ async fn invalid_annotations_fail_the_container_unless_open_and_an_unreachable_g
 /// spec); the pod's author, whose annotations the runtime copied into the OCI spec, asks for the
 /// whole GPU, a guarantee and the top class. On a Kubernetes container (the runtime's markers in
 /// the spec) annotations only narrow: the grant holds and every widening key is reported in the
-/// hook's log. With gpud unreachable, such a container does not start unenforced.
+/// hook's log, and gpud learns the workload's names from the runtime's. With gpud unreachable,
+/// such a container does not start unenforced.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pods_annotations_never_widen_what_its_claim_granted() {
     let mut rig = Rig::new("oci-trust");
@@ -229,6 +230,8 @@ async fn a_pods_annotations_never_widen_what_its_claim_granted() {
     let records = dir.join("records");
     let pod_asks = [
         ("io.kubernetes.cri.sandbox-id", "0123abcd"),
+        ("io.kubernetes.cri.sandbox-namespace", "ml"),
+        ("io.kubernetes.cri.sandbox-name", "train-0"),
         ("io.kubernetes.cri.container-name", "app"),
         ("gpud.dev/compute-max", "100"),
         ("gpud.dev/compute-min", "20"),
@@ -271,6 +274,16 @@ async fn a_pods_annotations_never_widen_what_its_claim_granted() {
         );
     }
     assert!(!text.contains("annotation gpud.dev/memory-max="), "{text}");
+    let names = [
+        ("namespace", "ml"),
+        ("pod", "train-0"),
+        ("container", "app"),
+    ];
+    assert_eq!(
+        rig.get_cgroup(&cg).await.workload,
+        BTreeMap::from(names.map(|(k, v)| (k.to_owned(), v.to_owned()))),
+        "{text}"
+    );
     runc.kill_and_delete("app");
 
     // The same container with gpud unreachable: closed, since the cluster granted its shares.

@@ -390,3 +390,89 @@ async fn idle_cgroups_holding_memory_are_reported_and_followed() {
     let (code, _) = gpudctl(&bus, &["idle"]);
     assert_eq!(code, 3, "unreachable daemon");
 }
+
+/// Per-pod figures: the names a runtime integration reports for a container's cgroup
+/// (`SetWorkload`) label its record (`GetCgroup`, `ListCgroups`, `gpudctl list --json`) and every
+/// per-cgroup metric; names the daemon cannot take are refused and change nothing; they outlive a
+/// restart of gpud and go when the cgroup is removed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workloads_names_label_its_cgroup_everywhere_and_outlive_a_restart() {
+    use std::collections::BTreeMap;
+    let Some(rig) = Rig::new("ops-workload").fake_device(1) else {
+        return;
+    };
+    let mut rig = rig.fake_nvml();
+    scenario(&rig, &[]);
+    let port = free_port();
+    // Pins kept at exit, as in production: the restart keeps the kernel's counts.
+    rig.start(config(&rig, port, 3600).keep_pinned(true)).await;
+    let cg = Cgroup::new("ops-workload");
+    let mut t = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = t.client_device(0);
+    t.ok(&format!("alloc {client} {device} {}", 8 * MIB));
+    rig.expect_memory(&cg.rel, &[("0", 8 * MIB)]).await;
+
+    let names: BTreeMap<String, String> = [
+        ("namespace", "ml"),
+        ("pod", "train-0"),
+        ("container", "main"),
+    ]
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .into();
+    let (_c, p) = rig.proxy().await;
+    p.set_workload(&cg.rel, &names).await.expect("SetWorkload");
+    for bad in [("node", "n1"), ("pod", ""), ("pod", "a\nb")] {
+        let bad: BTreeMap<String, String> = [(bad.0.to_owned(), bad.1.to_owned())].into();
+        match p.set_workload(&cg.rel, &bad).await {
+            Err(zbus::Error::MethodError(name, _, _)) => {
+                assert_eq!(name.as_str(), "dev.gpud.Error.InvalidArgument", "{bad:?}");
+            }
+            other => panic!("{bad:?} was not refused: {other:?}"),
+        }
+    }
+    assert_eq!(rig.get_cgroup(&cg.rel).await.workload, names);
+
+    let labelled = |s: &Scrape| {
+        s.value(
+            "gpud_cgroup_memory_bytes",
+            &[
+                ("cgroup", cg.rel.as_str()),
+                ("namespace", "ml"),
+                ("pod", "train-0"),
+                ("container", "main"),
+                ("gpu", "0"),
+            ],
+        )
+    };
+    let s = scrape(port);
+    assert_eq!(labelled(&s), Some((8 * MIB) as f64), "{}", s.text);
+    let (code, out) = gpudctl(&rig.bus.address, &["list", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let rows: Value = serde_json::from_str(&out).expect("gpudctl list --json");
+    let row = rows
+        .as_array()
+        .and_then(|r| r.iter().find(|r| r["path"] == cg.rel.as_str()))
+        .unwrap_or_else(|| panic!("{} not listed: {out}", cg.rel));
+    assert_eq!(row["workload"]["pod"], "train-0", "{row}");
+
+    // A restart keeps them (the integrations do not name running containers again).
+    rig.restart().await;
+    assert_eq!(rig.get_cgroup(&cg.rel).await.workload, names);
+    let s = scrape(port);
+    assert_eq!(labelled(&s), Some((8 * MIB) as f64), "{}", s.text);
+
+    // The container goes: so do its names, from memory and from the state directory.
+    t.finish();
+    let (state, rel) = (rig.path().join("state/workloads.json"), cg.rel.clone());
+    drop(cg);
+    let gone = eventually(Duration::from_secs(10), || async {
+        let text = std::fs::read_to_string(&state).unwrap_or_default();
+        (!text.contains(&rel)).then_some(())
+    })
+    .await;
+    assert!(
+        gone.is_some(),
+        "{rel}'s names outlived it:\n{}",
+        rig.log_text()
+    );
+}

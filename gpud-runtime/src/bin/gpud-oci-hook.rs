@@ -165,9 +165,14 @@ fn report(log: &Log, outcome: &Outcome) {
             applied,
             ignored,
             pod,
+            warnings,
         } => {
-            for i in ignored {
-                log.line(&i.to_string());
+            for line in ignored
+                .iter()
+                .map(ToString::to_string)
+                .chain(warnings.iter().cloned())
+            {
+                log.line(&line);
             }
             if let Some((pod, applied)) = pod {
                 log.line(&format!(

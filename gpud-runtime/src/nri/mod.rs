@@ -18,6 +18,8 @@
 //!   the pid, else from `linux.cgroups_path`) and sets the shares.
 //! - `StopContainer`, `RemoveContainer`: clears what was set.
 //! - `StateChange`: the same for runtimes that deliver start and remove there (NRI < 0.12).
+//! - Wherever it sets shares (at start, synchronize, a retry), it also names the container's
+//!   workload to gpud ([`crate::workload`]), and the pod's on the pod's cgroup it limits.
 //! - `Shutdown` or a closed connection: the plugin exits (a service manager restarts it; the
 //!   next registration synchronizes again).
 
@@ -127,6 +129,12 @@ pub struct Handler {
     inner: Arc<Inner>,
 }
 
+/// Whether `r` failed because gpud could not be asked (another call would wait out the timeout
+/// again).
+fn unreachable(r: &Result<(), RuntimeError>) -> bool {
+    matches!(r, Err(e) if e.class() == super::FailureClass::Unreachable)
+}
+
 fn status(e: &RuntimeError) -> ttrpc::Error {
     let code = match e.class() {
         super::FailureClass::Invalid => ttrpc::Code::INVALID_ARGUMENT,
@@ -139,6 +147,16 @@ fn status(e: &RuntimeError) -> ttrpc::Error {
 /// other clients have no pod.
 fn kubernetes_pod(pod: Option<&nri::PodSandbox>) -> bool {
     pod.is_some_and(|p| !p.namespace.is_empty())
+}
+
+/// The workload names of a Kubernetes container ([`crate::workload`]); none for others.
+fn workload_of(pod: Option<&nri::PodSandbox>, c: &nri::Container) -> crate::workload::Names {
+    match pod {
+        Some(p) if kubernetes_pod(pod) => {
+            crate::workload::of_container(&p.namespace, &p.name, &c.name)
+        }
+        _ => crate::workload::Names::new(),
+    }
 }
 
 /// A short name of a container for logs: `namespace/pod/container (id)`.
@@ -274,6 +292,10 @@ impl Handler {
         let client = self.client().await?;
         let (applied, result) = client.apply(&cgroup, &shares).await;
         let pod_result = self.add_to_pod(pod, c, &cgroup, &grant, &client).await;
+        if !applied.gpus.is_empty() && !unreachable(&result) && !unreachable(&pod_result) {
+            self.name_workload(pod, c, &client, &cgroup, &workload_of(pod, c))
+                .await;
+        }
         if !applied.gpus.is_empty() {
             info!(
                 container = %describe(pod, c),
@@ -329,8 +351,36 @@ impl Handler {
                 "the pod's cgroup carries its containers' grants"
             );
         }
+        if !applied.gpus.is_empty() && !unreachable(&result) {
+            let names = crate::workload::of_pod(&workload_of(pod, c));
+            self.name_workload(pod, c, client, &pod_cg, &names).await;
+        }
         self.track(&c.id, cgroup, |t| t.pod = Some(pod_cg)).await;
         result
+    }
+
+    /// Reports `names` as the workload of `cgroup` (the container's or its pod's). Only a
+    /// warning when that fails: no limit depends on the names.
+    async fn name_workload(
+        &self,
+        pod: Option<&nri::PodSandbox>,
+        c: &nri::Container,
+        client: &Client,
+        cgroup: &str,
+        names: &crate::workload::Names,
+    ) {
+        if names.is_empty() {
+            return;
+        }
+        if let Err(e) = client.set_workload(cgroup, names).await {
+            self.on_error(&e).await;
+            warn!(
+                container = %describe(pod, c),
+                %cgroup,
+                "workload names not reported: {}",
+                Chain(&e)
+            );
+        }
     }
 
     /// Records on container `id` (in `cgroup`) what `update` adds, for its removal to clear.

@@ -49,6 +49,7 @@ pub struct CgroupProps {
     pub nr_throttled: u64,
     pub limits: BTreeMap<String, BTreeMap<String, u64>>,
     pub idle: BTreeMap<String, u64>,
+    pub workload: BTreeMap<String, String>,
 }
 
 /// Every attributed cgroup's properties, by path, from `view` and the compute controller's
@@ -69,6 +70,7 @@ pub fn props_of(
                 memory_events: c.memory.events,
                 processes: c.pids.clone(),
                 ioctl_counts: class_map(&c.ioctls),
+                workload: c.workload.clone(),
                 ..CgroupProps::default()
             };
             (c.path.clone(), p)
@@ -188,6 +190,12 @@ impl Cgroup {
     async fn idle(&self) -> BTreeMap<String, u64> {
         self.props.idle.clone()
     }
+    /// The Kubernetes workload it runs (`namespace`, `pod`, `container`), as the runtime
+    /// integrations reported it (`dev.gpud.Manager1.SetWorkload`); empty when none did.
+    #[zbus(property)]
+    async fn workload(&self) -> BTreeMap<String, String> {
+        self.props.workload.clone()
+    }
 
     /// `dev.gpud.Manager1.SetLimits` on this cgroup.
     async fn set_limits(
@@ -257,6 +265,9 @@ async fn update(iface: &InterfaceRef<Cgroup>, new: Arc<CgroupProps>) -> zbus::Re
     }
     if old.idle != p.idle {
         obj.idle_changed(e).await?;
+    }
+    if old.workload != p.workload {
+        obj.workload_changed(e).await?;
     }
     Ok(())
 }

@@ -253,6 +253,25 @@ impl Manager {
         clear_limits_of(&self.daemon, cgroup, gpu, names).await
     }
 
+    /// Names the Kubernetes workload a cgroup runs: `names` holds `namespace`, `pod` and, for
+    /// a container's cgroup, `container` (what the runtime integrations report); empty forgets
+    /// them. They label the cgroup's records and metrics (`CgroupRecord`'s `workload`) and are
+    /// kept across restarts until the cgroup is removed; no limit depends on them.
+    async fn set_workload(
+        &self,
+        #[zbus(connection)] conn: &zbus::Connection,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        cgroup: &str,
+        names: BTreeMap<String, String>,
+    ) -> Result<(), ApiError> {
+        self.authz.check(conn, &header).await?;
+        check_len("cgroup", cgroup)?;
+        let cgroup = crate::cgroupfs::CgroupFs::normalize(cgroup)
+            .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
+        gpud_api::workload::check(&names).map_err(ApiError::InvalidArgument)?;
+        Ok(self.daemon.set_workload(&cgroup, names).await?)
+    }
+
     /// Every stored limit and its state, ordered by cgroup and GPU.
     async fn list_limits(&self) -> Result<Vec<LimitRecord>, ApiError> {
         Ok(self

@@ -71,6 +71,8 @@ pub struct Scrape {
     pub guard_counts: crate::enforcement::guard::GuardCounts,
     /// Notices published since start, by name.
     pub notices: BTreeMap<&'static str, u64>,
+    /// Workload names by cgroup path.
+    pub workloads: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 /// Gathers snapshots and renders them.
@@ -168,6 +170,7 @@ impl From<daemon::Figures> for Scrape {
             compute: s.compute,
             guard_counts: s.guard_counts,
             notices: BTreeMap::new(),
+            workloads: s.workloads,
         }
     }
 }
@@ -222,14 +225,27 @@ pub async fn serve(
     }
 }
 
-fn cgroup_labels(path: &str) -> Labels {
-    vec![
-        ("cgroup".into(), path.to_owned()),
-        (
-            "container_id".into(),
-            container_id(path).unwrap_or_default(),
-        ),
-    ]
+/// The labels of a cgroup's series: its path, the container id the path names, and the
+/// workload names the runtime integrations reported (`namespace`, `pod`, `container`; each
+/// present, empty where unknown, so every series of a family has the same label names).
+struct Namer<'a>(&'a BTreeMap<String, BTreeMap<String, String>>);
+
+impl Namer<'_> {
+    fn cgroup_labels(&self, path: &str) -> Labels {
+        let names = self.0.get(path);
+        let mut l = vec![
+            ("cgroup".into(), path.to_owned()),
+            (
+                "container_id".into(),
+                container_id(path).unwrap_or_default(),
+            ),
+        ];
+        for key in gpud_api::workload::KEYS {
+            let v = names.and_then(|n| n.get(key)).cloned().unwrap_or_default();
+            l.push((key.to_owned(), v));
+        }
+        l
+    }
 }
 
 fn with(mut labels: Labels, k: &str, v: impl ToString) -> Labels {
@@ -264,11 +280,12 @@ pub fn build(snap: &Scrape, info: &DaemonInfo, started: std::time::SystemTime) -
     let mut r = Registry::default();
     // Families are encoded in registration order: keep the order stable for readers of the text.
     register_daemon(&mut r, snap, info, started);
-    register_cgroups(&mut r, &snap.cgroups);
-    register_notices(&mut r, &snap.notices, &snap.guard_counts);
-    register_nvml_usage(&mut r, &snap.nvml_usage);
-    register_compute(&mut r, &snap.compute);
-    register_idle(&mut r, &snap.idle);
+    let names = Namer(&snap.workloads);
+    register_cgroups(&mut r, &names, &snap.cgroups);
+    register_notices(&mut r, &names, &snap.notices, &snap.guard_counts);
+    register_nvml_usage(&mut r, &names, &snap.nvml_usage);
+    register_compute(&mut r, &names, &snap.compute);
+    register_idle(&mut r, &names, &snap.idle);
     register_gpus(&mut r, &snap.gpus);
     r
 }
@@ -323,14 +340,14 @@ fn register_daemon(
 }
 
 /// Registers the probes' per-cgroup memory, limits, limit events, ioctls and processes.
-fn register_cgroups(r: &mut Registry, cgroups: &[CgroupRecord]) {
+fn register_cgroups(r: &mut Registry, names: &Namer, cgroups: &[CgroupRecord]) {
     let memory = int_gauges();
     let limit = int_gauges();
     let limit_events = counters();
     let ioctls = counters();
     let processes = int_gauges();
     for c in cgroups {
-        let l = cgroup_labels(&c.path);
+        let l = names.cgroup_labels(&c.path);
         for (gpu, bytes) in &c.memory_current {
             // "all" is the sum of the others: leave summing to PromQL.
             if gpu != "all" {
@@ -382,13 +399,14 @@ fn register_cgroups(r: &mut Registry, cgroups: &[CgroupRecord]) {
 /// Registers the notices published by name and the guard's actions by cgroup and control.
 fn register_notices(
     r: &mut Registry,
+    names: &Namer,
     notices: &BTreeMap<&'static str, u64>,
     guard_counts: &crate::enforcement::guard::GuardCounts,
 ) {
     let guarded = counters();
     for ((cgroup, control, action), n) in guard_counts {
         let l = with(
-            with(cgroup_labels(cgroup), "control", control),
+            with(names.cgroup_labels(cgroup), "control", control),
             "action",
             action,
         );
@@ -415,11 +433,11 @@ fn register_notices(
 }
 
 /// Registers NVML's per-cgroup figures: memory and SM utilization by GPU.
-fn register_nvml_usage(r: &mut Registry, usage: &[NvmlUsageRecord]) {
+fn register_nvml_usage(r: &mut Registry, names: &Namer, usage: &[NvmlUsageRecord]) {
     let nvml_memory = int_gauges();
     let util = gauges();
     for u in usage {
-        let l = with(cgroup_labels(&u.cgroup), "gpu", u.gpu);
+        let l = with(names.cgroup_labels(&u.cgroup), "gpu", u.gpu);
         nvml_memory.get_or_create(&l).set(int(u.nvml_memory_bytes));
         util.get_or_create(&l).set(f64::from(u.sm_util));
     }
@@ -436,14 +454,14 @@ fn register_nvml_usage(r: &mut Registry, usage: &[NvmlUsageRecord]) {
 }
 
 /// Registers the compute controller's per-cgroup duty, target, measured share and throttling.
-fn register_compute(r: &mut Registry, compute: &daemon::ComputeStats) {
+fn register_compute(r: &mut Registry, names: &Namer, compute: &daemon::ComputeStats) {
     let duty = gauges();
     let target = gauges();
     let measured = gauges();
     let throttled = seconds_counters();
     let periods = counters();
     for (cgroup, s) in compute {
-        let l = cgroup_labels(cgroup);
+        let l = names.cgroup_labels(cgroup);
         duty.get_or_create(&l).set(s.duty);
         target.get_or_create(&l).set(s.target);
         measured.get_or_create(&l).set(s.measured);
@@ -480,11 +498,11 @@ fn register_compute(r: &mut Registry, compute: &daemon::ComputeStats) {
 }
 
 /// Registers the cgroups reported idle: how long, and the GPU memory they hold.
-fn register_idle(r: &mut Registry, idle: &[IdleRecord]) {
+fn register_idle(r: &mut Registry, names: &Namer, idle: &[IdleRecord]) {
     let secs = int_gauges();
     let memory = int_gauges();
     for i in idle {
-        let l = with(cgroup_labels(&i.cgroup), "gpu", i.gpu);
+        let l = with(names.cgroup_labels(&i.cgroup), "gpu", i.gpu);
         secs.get_or_create(&l).set(int(i.idle_secs));
         memory.get_or_create(&l).set(int(i.memory_bytes));
     }
@@ -567,7 +585,19 @@ mod tests {
                 memory_current: [("0".to_owned(), 4096), ("all".to_owned(), 4096)].into(),
                 memory_max: [("all".to_owned(), 8192)].into(),
                 memory_events: 1,
+                workload: BTreeMap::new(),
             }],
+            workloads: [(
+                format!("/system.slice/docker-{ID}.scope"),
+                [
+                    ("namespace", "ml"),
+                    ("pod", "train-0"),
+                    ("container", "main"),
+                ]
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .into(),
+            )]
+            .into(),
             kernel_stats: [("events_lost".to_owned(), 0)].into(),
             guard_counts: [(
                 (
@@ -596,7 +626,10 @@ mod tests {
         };
         let mut out = String::new();
         encode(&mut out, &build(&snap, &info, std::time::SystemTime::now())).expect("encode");
-        let labels = format!("cgroup=\"/system.slice/docker-{ID}.scope\",container_id=\"{ID}\"");
+        let labels = format!(
+            "cgroup=\"/system.slice/docker-{ID}.scope\",container_id=\"{ID}\",namespace=\"ml\",\
+             pod=\"train-0\",container=\"main\""
+        );
         for line in [
             format!("gpud_cgroup_memory_bytes{{{labels},gpu=\"0\"}} 4096"),
             format!("gpud_cgroup_memory_limit_bytes{{{labels},gpu=\"all\"}} 8192"),

@@ -37,6 +37,7 @@ impl From<CgroupView> for CgroupRecord {
             memory_current: c.memory.current,
             memory_max: c.memory.max,
             memory_events: c.memory.events,
+            workload: c.workload,
         }
     }
 }

@@ -57,6 +57,9 @@ pub struct CgroupView {
     pub ioctls: IoctlCounts,
     /// GPU memory charged to it (with its descendants) and its limits.
     pub memory: MemoryView,
+    /// The workload names the runtime integrations reported for it (the state task adds them;
+    /// the attribution knows none).
+    pub workload: std::collections::BTreeMap<String, String>,
 }
 
 /// One live attributed process.
@@ -229,6 +232,7 @@ impl Attribution {
                     pids: pids.remove(&id).unwrap_or_default(),
                     ioctls,
                     memory: memory.remove(&id).unwrap_or_else(MemoryView::empty),
+                    workload: Default::default(),
                 })
             })
             .collect();
@@ -280,6 +284,7 @@ impl Attribution {
             pids,
             ioctls: counts,
             memory: self.memory_of(id),
+            workload: Default::default(),
         })
     }
 

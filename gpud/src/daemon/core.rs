@@ -12,7 +12,7 @@ use gpud_api::{LimitState, limits::LimitKind};
 use tracing::{info, warn};
 
 use crate::{
-    attribution::{Attribution, AttributionError},
+    attribution::{Attribution, AttributionError, CgroupView},
     cgroupfs::{CgroupError, CgroupFs, Freezer},
     config::Config,
     enforcement::{
@@ -20,7 +20,10 @@ use crate::{
         restore::{RestoreError, Restorer},
     },
     notice::Notice,
-    policy::{GpuCatalog, GpuSelector, LimitStore, LimitUpdate, PolicyError, PolicyStore},
+    policy::{
+        GpuCatalog, GpuSelector, LimitStore, LimitUpdate, PolicyError, PolicyStore,
+        workloads::{Names, Workloads},
+    },
     probes::{
         self, DynamicMajors, KernelSettings, Matcher, ProbeError, ProbeSetup, Probes,
         caps::DmemRegion,
@@ -88,6 +91,8 @@ pub struct Core {
     pub policies: PolicyStore,
     pub memory: MemoryEnforcement,
     pub settings: KernelSettings,
+    /// Which workload each cgroup runs, as the runtime integrations said: labels only.
+    pub workloads: Workloads,
 }
 
 /// An opened kernel stack: the core, and what its other users take from it.
@@ -156,6 +161,7 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
             policies,
             memory,
             settings,
+            workloads: Workloads::load(&config.daemon.state_dir, &cgroup_root),
         },
         events,
         held,
@@ -432,6 +438,22 @@ impl Core {
     pub fn forget_removed_cgroups(&mut self) {
         self.memory.sweep(&mut self.attribution, &mut self.policies);
         self.sync_allowances();
+        if let Err(e) = self.workloads.forget_removed() {
+            warn!("cannot forget the workload names of removed cgroups: {e}");
+        }
+    }
+
+    /// Names the workload `cgroup` runs (no names: forgets them); persisted when it returns.
+    pub fn set_workload(&mut self, cgroup: &str, names: Names) -> Result<(), PolicyError> {
+        self.workloads.set(cgroup, names)
+    }
+
+    /// `view` with the workload names reported for its cgroup.
+    pub fn with_workload(&self, mut view: CgroupView) -> CgroupView {
+        if let Some(names) = self.workloads.of(&view.path) {
+            view.workload = names.clone();
+        }
+        view
     }
 
     /// The scheduler guard's allowances follow the stored policies' priority classes.

@@ -31,6 +31,8 @@ pub struct Figures {
     pub compute: ComputeStats,
     /// Tenants' scheduling controls the guard acted on, by (cgroup, control, action).
     pub guard_counts: crate::enforcement::guard::GuardCounts,
+    /// Workload names by cgroup path.
+    pub workloads: BTreeMap<String, crate::policy::workloads::Names>,
 }
 
 /// The state task's handle: cheap to clone, one per API object.
@@ -76,9 +78,10 @@ impl Handle {
         // the events it must reflect.
         let sent = match request {
             Request::GetCgroup { .. } => self.tx.send(Message::Request(request)).await.is_ok(),
-            Request::SetLimits { .. } | Request::ClearLimits { .. } | Request::Reconfigure(..) => {
-                self.writes.send(request).await.is_ok()
-            }
+            Request::SetLimits { .. }
+            | Request::ClearLimits { .. }
+            | Request::SetWorkload { .. }
+            | Request::Reconfigure(..) => self.writes.send(request).await.is_ok(),
         };
         if !sent {
             return Err(DaemonError::Stopped);
@@ -138,6 +141,22 @@ impl Handle {
             .await??)
     }
 
+    /// Names the workload `cgroup` runs (no names: forgets them); persisted when it returns.
+    pub async fn set_workload(
+        &self,
+        cgroup: &str,
+        names: crate::policy::workloads::Names,
+    ) -> Result<(), DaemonError> {
+        let cgroup = cgroup.to_owned();
+        Ok(self
+            .ask(|reply| Request::SetWorkload {
+                cgroup,
+                names,
+                reply,
+            })
+            .await??)
+    }
+
     /// Every stored limit and its state, ordered by cgroup and GPU.
     pub async fn list_limits(&self) -> Result<Vec<(LimitEntry, LimitState)>, DaemonError> {
         Ok(self.view().await?.limits.clone())
@@ -189,6 +208,7 @@ impl Handle {
             idle: view.idle(),
             compute: self.compute_stats().unwrap_or_default(),
             guard_counts: view.guard_counts.clone(),
+            workloads: view.workloads.clone(),
         })
     }
 

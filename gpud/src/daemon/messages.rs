@@ -72,6 +72,12 @@ pub(super) enum Request {
         names: Vec<String>,
         reply: oneshot::Sender<Result<(), EnforcementError>>,
     },
+    /// Names the workload a cgroup runs (labels only).
+    SetWorkload {
+        cgroup: String,
+        names: crate::policy::workloads::Names,
+        reply: oneshot::Sender<Result<(), EnforcementError>>,
+    },
     /// A reloaded configuration: each owner applies its live keys.
     Reconfigure(Box<Config>, oneshot::Sender<()>),
 }

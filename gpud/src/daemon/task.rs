@@ -198,7 +198,8 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             // Answers reflect every exit read so far.
             let attribution = &mut state.core.attribution;
             attribution.check_pending_files();
-            reply(to, attribution.get(&path));
+            let got = attribution.get(&path);
+            reply(to, got.map(|v| state.core.with_workload(v)));
         }
         // A change is in force when its caller hears back: the guard's allowances (a priority
         // class) are in the kernel before the reply, so a tenant's next control meets them.
@@ -221,6 +222,14 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             let done = state.core.clear_limits(&cgroup, &gpu, &names);
             limits_changed(state);
             reply(to, done);
+        }
+        Request::SetWorkload {
+            cgroup,
+            names,
+            reply: to,
+        } => {
+            let done = state.core.set_workload(&cgroup, names);
+            reply(to, done.map_err(Into::into));
         }
         Request::Reconfigure(config, to) => {
             let intervals = reconfigure(state, &config);

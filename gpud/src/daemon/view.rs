@@ -16,7 +16,7 @@
 //! and one map lookup per counter, and no work in the state task.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     path::PathBuf,
     sync::{
         Arc,
@@ -51,6 +51,8 @@ pub struct View {
     built: Instant,
     /// Every attributed cgroup, ordered by path.
     pub cgroups: Vec<CgroupView>,
+    /// Every cgroup's workload names (also of cgroups not attributed yet).
+    pub workloads: BTreeMap<String, crate::policy::workloads::Names>,
     /// Index into `cgroups` by path.
     by_path: HashMap<String, usize>,
     /// Every live attributed process, ordered by pid.
@@ -81,6 +83,7 @@ impl View {
             kernel_gen: 0,
             built: Instant::now(),
             cgroups: Vec::new(),
+            workloads: BTreeMap::new(),
             by_path: HashMap::new(),
             processes: Vec::new(),
             limits: Vec::new(),
@@ -205,7 +208,9 @@ impl Publisher {
 
 /// Builds a view of the state.
 fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
-    let cgroups = state.core.attribution.list();
+    let cgroups: Vec<_> = (state.core.attribution.list().into_iter())
+        .map(|c| state.core.with_workload(c))
+        .collect();
     let by_path = cgroups
         .iter()
         .enumerate()
@@ -228,6 +233,7 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         idle: state.idle.list(std::time::Instant::now()),
         memory_info: state.core.memory_info(),
         scheduler_guard: state.core.scheduler_guard(),
+        workloads: state.core.workloads.all().clone(),
         guard_counts: crate::enforcement::guard::counts(
             &mut state.core.attribution,
             &state.core.settings,
@@ -287,13 +293,17 @@ impl Reader {
         };
         // Looked up after the view: a cgroup removed since is reported gone.
         let id = id_at(&self.cgroup_root, &path).map_err(AttributionError::from)?;
-        Ok(view.cgroup(&path, id).cloned().unwrap_or(CgroupView {
-            id,
-            path,
-            pids: Vec::new(),
-            ioctls: Default::default(),
-            memory: MemoryView::empty(),
-        }))
+        Ok(view
+            .cgroup(&path, id)
+            .cloned()
+            .unwrap_or_else(|| CgroupView {
+                id,
+                workload: view.workloads.get(&path).cloned().unwrap_or_default(),
+                path,
+                pids: Vec::new(),
+                ioctls: Default::default(),
+                memory: MemoryView::empty(),
+            }))
     }
 
     /// The kernel's health counters, read now.

@@ -9,6 +9,7 @@
 pub mod idle;
 mod policies;
 mod store;
+pub mod workloads;
 
 use std::{collections::BTreeMap, path::PathBuf};
 

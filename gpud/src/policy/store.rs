@@ -144,16 +144,11 @@ fn set_aside(path: &Path, reason: &str) {
     }
 }
 
-/// Writes atomically: a temporary file in the same directory, fsynced, then renamed.
+/// Writes the limits' state file ([`write_atomically`]).
 fn write_state(
     path: &Path,
     entries: &BTreeMap<(String, GpuSelector), Limits>,
 ) -> Result<(), PolicyError> {
-    use std::io::Write as _;
-    let werr = |source| PolicyError::Write {
-        path: path.to_owned(),
-        source,
-    };
     let file = StateFile {
         version: STATE_VERSION,
         limits: entries
@@ -165,7 +160,18 @@ fn write_state(
             })
             .collect(),
     };
-    let text = serde_json::to_string_pretty(&file).map_err(|e| werr(std::io::Error::other(e)))?;
+    write_atomically(path, &file)
+}
+
+/// Writes `value` as JSON atomically: a temporary file in the same directory, fsynced, then
+/// renamed over `path`.
+pub(super) fn write_atomically(path: &Path, value: &impl Serialize) -> Result<(), PolicyError> {
+    use std::io::Write as _;
+    let werr = |source| PolicyError::Write {
+        path: path.to_owned(),
+        source,
+    };
+    let text = serde_json::to_string_pretty(value).map_err(|e| werr(std::io::Error::other(e)))?;
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(werr)?;
     }
