@@ -5,7 +5,8 @@
 //! scrape of the daemon under the test rig, in a scenario that gives each metric a series: a
 //! docker-style container allocating on the fake NVIDIA device past its limit, NVML memory, a
 //! compute cap throttling a simulated GPU user, an idle memory holder, and a tenant's scheduling
-//! control the guard reports.
+//! control the guard reports; the container is named as a pod's (`SetWorkload`), for the per-pod
+//! panels.
 //!
 //! The labels each expression's result carries are followed through the syntax tree
 //! (aggregations keep their `by` labels, `rate` and friends keep their argument's, a binary
@@ -440,6 +441,15 @@ async fn every_metric_and_label_the_dashboard_queries_is_served() {
     let (_conn, proxy) = rig.proxy().await;
     rig.wait_for_gpus(1).await;
 
+    // Its pod, as a runtime integration names it: the per-pod panels group by these.
+    let pod: BTreeMap<String, String> = [
+        ("namespace", "ml"),
+        ("pod", "train-0"),
+        ("container", "main"),
+    ]
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .into();
+    proxy.set_workload(&ctr, &pod).await.expect("SetWorkload");
     rm.ok(&format!("alloc {c} {d} {} nvos64", 6 * MIB));
     rig.set_limit(&ctr, "all", "memory_max", "64Mi").await;
     rig.set_limit(&ctr, "0", "memory_max", "32Mi").await;
@@ -505,6 +515,10 @@ async fn every_metric_and_label_the_dashboard_queries_is_served() {
     ] {
         assert!(metrics.contains(m), "the dashboard shows no {m}");
     }
+    assert!(
+        queries.iter().any(|q| q.legend.contains("{{pod}}")),
+        "the dashboard has no per-pod panel"
+    );
 
     for p in [&mut burner, &mut holder] {
         let _ = p.kill();
