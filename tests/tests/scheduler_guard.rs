@@ -518,3 +518,38 @@ async fn a_timeslice_raced_past_the_guard_is_read_back_and_set_back() {
     let stats = p.get_kernel_stats().await.expect("GetKernelStats");
     assert!(stats["guard_read_backs"] > 0, "{stats:?}");
 }
+
+/// A victim whose client outlived its maker: the victim's process made its client and channels,
+/// then handed the script over to a forked child and exited (a daemon's double fork), so the
+/// client's creator is gone and the child holds the file. A neighbour disables the victim's
+/// channels (`guard_react_action = "report"`: the call reaches the driver); the guard enables
+/// them again through the process that holds the file now (found among the holders of NVIDIA
+/// files), not only through the client's creator, which is gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_victims_channels_are_enabled_through_whoever_holds_its_file_now() {
+    let Some(mut rig) = Rig::new("guard-holder").fake_device(1) else {
+        return;
+    };
+    let config = rig
+        .config()
+        .react_action("notify")
+        .set("enforcement.guard_react_action", "report");
+    rig.start(config).await;
+    if !only_reacts(&rig).await {
+        return;
+    }
+    let (cg_a, cg_b) = (Cgroup::new("guard-holder-a"), Cgroup::new("guard-holder-b"));
+    let ctl = rig.ctl();
+    let (mut victim, [ca, _, _, cha]) = tenant(&cg_a, &ctl);
+    let handed = victim.ok("handoff");
+    assert_ne!(handed["pid"], handed["parent"], "{handed}");
+    let (mut b, [cb, sb, _, _]) = tenant(&cg_b, &ctl);
+    for round in 0..3 {
+        let t = std::time::Instant::now();
+        b.ok(&format!("disable-channels {cb} {sb} 1 {ca} {cha}"));
+        let ms = ms_until_enabled(&rig, ca, cha, t);
+        println!("round {round}: enabled again through its new holder in {ms:.2} ms");
+    }
+    b.finish();
+    victim.finish();
+}

@@ -8,6 +8,10 @@
 //!   a copy of each victim's own file, on a subdevice of the victim's client (the driver binds a
 //!   client to the file that made it, so the victim's file is the one that works even after the
 //!   caller was killed).
+//!
+//! Each goes through the process most likely to hold the file (the caller, the creator) and,
+//! where none of them does any more (exited after handing the file to a forked child or over a
+//! socket), through whichever process holds it now ([`through_a_holder`]).
 //! - a read-back ([`ReadBack`]): after any tenant control on a control file with channel groups,
 //!   the driver's timeslice of each of them is read (`GET_TIMESLICE`) and set back to the
 //!   caller's allowance where above, whatever the guard saw at the call's entry (another thread
@@ -96,6 +100,43 @@ pub struct Restorer {
     pruned: Option<Instant>,
 }
 
+/// Runs `attempt` (an RM call on a tenant's client, through the process it is given) through
+/// the first process that holds a file owning that client: `likely` in order (the caller, the
+/// client's or object's creator), then, only when none of them does, every process holding an
+/// NVIDIA file (the driver answers only through a file that owns the client, and `Controls`
+/// says `NoFile` for the others). With no holder left, the last `Gone` or `NoFile`.
+fn through_a_holder<T>(
+    controls: &mut Controls,
+    likely: &[Option<u32>],
+    mut attempt: impl FnMut(&mut Controls, u32) -> Result<T, ControlError>,
+) -> Result<T, ControlError> {
+    let elsewhere =
+        |e: &ControlError| matches!(e, ControlError::Gone { .. } | ControlError::NoFile { .. });
+    let mut tried = vec![std::process::id()];
+    let mut last = None;
+    for pid in likely.iter().flatten().copied() {
+        if tried.contains(&pid) {
+            continue;
+        }
+        tried.push(pid);
+        match attempt(controls, pid) {
+            Err(e) if elsewhere(&e) => last = Some(e),
+            done => return done,
+        }
+    }
+    let matcher = controls.matcher().clone();
+    for pid in crate::attribution::scan::holders(&matcher) {
+        if tried.contains(&pid) {
+            continue;
+        }
+        match attempt(controls, pid) {
+            Err(e) if elsewhere(&e) => last = Some(e),
+            done => return done,
+        }
+    }
+    Err(last.unwrap_or(ControlError::Gone { pid: 0 }))
+}
+
 /// `bpf_map_update_elem`'s flag: update an entry that exists, never make one.
 const BPF_EXIST: u64 = 2;
 
@@ -167,34 +208,24 @@ impl Restorer {
             .collect();
         let (mut read, mut set_back) = (0, 0);
         for g in groups {
-            let mut group = RmObject {
-                pid: r.pid,
-                client: g.client,
-                object: g.object,
-            };
             let mut params = tsg::TimesliceParams { timeslice_us: 0 };
-            let mut got = self
-                .controls
-                .control_on(group, tsg::GET_TIMESLICE, &mut params);
-            // The caller exited, or no longer holds the file: through the group's creator, who
-            // may still hold it (a forked worker's parent).
-            if matches!(
-                got,
-                Err(ControlError::Gone { .. } | ControlError::NoFile { .. })
-            ) && let Some(creator) = self
-                .objects
-                .get(&g, 0)
-                .ok()
-                .map(|e| e.tgid)
-                .filter(|t| *t != r.pid)
-            {
-                group.pid = creator;
-                got = self
-                    .controls
-                    .control_on(group, tsg::GET_TIMESLICE, &mut params);
-            }
-            match got {
-                Ok(()) => read += 1,
+            // The caller may have exited or let the file go: then the group's creator (a forked
+            // worker's parent), or whoever holds the file now.
+            let likely = [Some(r.pid), self.creator_of(&g)];
+            let got = through_a_holder(&mut self.controls, &likely, |c, pid| {
+                let group = RmObject {
+                    pid,
+                    client: g.client,
+                    object: g.object,
+                };
+                c.control_on(group, tsg::GET_TIMESLICE, &mut params)
+                    .map(|()| group)
+            });
+            let group = match got {
+                Ok(group) => {
+                    read += 1;
+                    group
+                }
                 // Freed meanwhile, or no process left that holds its file (which the driver then
                 // releases with the group).
                 Err(
@@ -203,7 +234,7 @@ impl Restorer {
                     | ControlError::NoFile { .. },
                 ) => continue,
                 Err(e) => return Err(e.into()),
-            }
+            };
             if params.timeslice_us <= r.allowed {
                 continue;
             }
@@ -259,13 +290,21 @@ impl Restorer {
                 let mut params = tsg::TimesliceParams {
                     timeslice_us: *allowed,
                 };
-                let group = RmObject {
-                    pid: *pid,
+                let key = ObjKey {
                     client: *client,
                     object: *group,
                 };
-                self.controls
-                    .control_on(group, tsg::SET_TIMESLICE, &mut params)?;
+                // A caller the guard killed in its call leaves the group to whoever holds the
+                // file: its creator, or another holder.
+                let likely = [Some(*pid), self.creator_of(&key)];
+                through_a_holder(&mut self.controls, &likely, |c, pid| {
+                    let group = RmObject {
+                        pid,
+                        client: key.client,
+                        object: key.object,
+                    };
+                    c.control_on(group, tsg::SET_TIMESLICE, &mut params)
+                })?;
                 Ok(Restored::Timeslice(*allowed))
             }
             Undo::Channels { channels, .. } => self.enable(channels),
@@ -336,14 +375,22 @@ impl Restorer {
             params.client_list[i] = client;
             params.channel_list[i] = *ch;
         }
-        let target = RmObject {
-            pid: owner.tgid,
-            client,
-            object: subdevice,
-        };
-        self.controls
-            .control_on(target, sched::DISABLE_CHANNELS, &mut params)?;
+        // The client's creator, or, where it exited (a daemon's double fork, a file handed to
+        // a worker), whoever holds its file now.
+        through_a_holder(&mut self.controls, &[Some(owner.tgid)], |c, pid| {
+            let target = RmObject {
+                pid,
+                client,
+                object: subdevice,
+            };
+            c.control_on(target, sched::DISABLE_CHANNELS, &mut params)
+        })?;
         Ok(())
+    }
+
+    /// The process that made `object`, as the probes recorded it.
+    fn creator_of(&self, object: &ObjKey) -> Option<u32> {
+        self.objects.get(object, 0).ok().map(|e| e.tgid)
     }
 
     /// Frees the allocation of a limit crossing whose caller the kernel killed where another
