@@ -454,6 +454,14 @@ async fn a_workloads_names_label_its_cgroup_everywhere_and_outlive_a_restart() {
         .and_then(|r| r.iter().find(|r| r["path"] == cg.rel.as_str()))
         .unwrap_or_else(|| panic!("{} not listed: {out}", cg.rel));
     assert_eq!(row["workload"]["pod"], "train-0", "{row}");
+    let (code, table) = gpudctl(&rig.bus.address, &["list"]);
+    assert_eq!(code, 0, "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with(cg.rel.as_str()) && l.contains("ml/train-0")),
+        "{table}"
+    );
 
     // A restart keeps them (the integrations do not name running containers again).
     rig.restart().await;

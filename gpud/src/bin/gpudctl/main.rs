@@ -530,10 +530,21 @@ fn print_records(records: &Records<'_>, json: bool) {
         println!("{}", to_json(&out));
         return;
     }
+    // A POD column only where a runtime integration named some cgroup's workload.
+    let pod_of =
+        |r: &gpud_api::CgroupRecord| match (r.workload.get("namespace"), r.workload.get("pod")) {
+            (Some(ns), Some(pod)) => format!("{ns}/{pod}"),
+            (None, Some(pod)) => pod.clone(),
+            _ => "-".to_owned(),
+        };
+    let pods = list.iter().any(|r| r.workload.contains_key("pod"));
     print!(
         "{:<40} {:>6} {:>12} {:>12}",
         "CGROUP", "PIDS", "GPU_MEM", "MEM_MAX"
     );
+    if pods {
+        print!(" {:<30}", "POD");
+    }
     for c in IOCTL_CLASS_NAMES {
         print!(" {c:>9}");
     }
@@ -552,6 +563,9 @@ fn print_records(records: &Records<'_>, json: bool) {
             human(cur),
             max
         );
+        if pods {
+            print!(" {:<30}", pod_of(r));
+        }
         for c in IOCTL_CLASS_NAMES {
             print!(" {:>9}", r.ioctls.get(c).copied().unwrap_or(0));
         }
