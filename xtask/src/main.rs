@@ -2,6 +2,7 @@
 //! (`setup`), so a fresh machine needs nothing but this repository, rustup and its `nightly`.
 
 mod bench;
+mod cluster;
 mod fuzz;
 mod install;
 mod package;
@@ -95,6 +96,12 @@ enum Task {
         #[arg(long, global = true)]
         check: bool,
     },
+    /// A real single-node Kubernetes 1.36 on this machine for tests (etcd, control plane,
+    /// containerd, kubelet, kube-proxy; state in target/cluster/run). Needs root.
+    Cluster {
+        #[command(subcommand)]
+        what: ClusterWhat,
+    },
     /// Only the kernel matrix of `test` (VM rows and this host), each row as one line.
     Matrix,
     /// Boot the Debian-kernel VM and run BINARY ARGS… inside it: `cargo xtask vm -- BINARY ARGS…`.
@@ -133,6 +140,19 @@ enum BenchWhat {
     /// The smoke run `cargo xtask test` makes: every benchmark once, briefly, from the debug
     /// build; fails when one does not complete or leaves a figure out.
     Smoke,
+}
+
+/// What `cluster` does.
+#[derive(Subcommand)]
+enum ClusterWhat {
+    /// Start the cluster (after taking down what an earlier one left) and wait for the node to be
+    /// Ready; prints the kubeconfig. Exits 77 when the Kubernetes binaries are absent.
+    Up,
+    /// Stop everything and remove its pods, mounts, cgroups, iptables rules and bridge; checks
+    /// that nothing is left.
+    Down,
+    /// Which components run, the node's readiness, `kubectl get nodes`.
+    Status,
 }
 
 /// What `package` builds.
@@ -178,6 +198,19 @@ impl std::fmt::Display for Reported {
 
 impl std::error::Error for Reported {}
 
+/// A task that could not run on this machine for want of something it says: exit 77 (the
+/// "skipped" status of automake and meson), never a silent pass.
+#[derive(Debug)]
+pub struct Skipped;
+
+impl std::fmt::Display for Skipped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("skipped (reported above)")
+    }
+}
+
+impl std::error::Error for Skipped {}
+
 fn main() -> ExitCode {
     let result = match Cli::parse().command {
         Task::Setup => setup::run(),
@@ -202,6 +235,11 @@ fn main() -> ExitCode {
             (PackageWhat::Deb, true) => package::test_deb(),
             (PackageWhat::Image, true) => package::test_image(),
         }),
+        Task::Cluster { what } => match what {
+            ClusterWhat::Up => cluster::up(),
+            ClusterWhat::Down => cluster::down(),
+            ClusterWhat::Status => cluster::status(),
+        },
         // The console is echoed as it comes.
         Task::Matrix => test::matrix_only(),
         Task::Vm {
@@ -218,6 +256,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<Reported>() => ExitCode::FAILURE,
+        Err(e) if e.is::<Skipped>() => ExitCode::from(77),
         Err(e) => {
             eprintln!("{e:#}");
             ExitCode::FAILURE

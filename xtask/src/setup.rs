@@ -1,6 +1,7 @@
 //! `cargo xtask setup`: idempotent bootstrap of a fresh machine of the project's kind (Debian 12,
 //! rustup, root): Debian packages, containerd 1.7 from Debian trixie and Debian sid's newest
-//! kernel unpacked under `/opt/gpud-test` for the NRI test and the kernel matrix, nightly `rust-src`, `bpf-linker` 0.13 against LLVM 22,
+//! kernel unpacked under `/opt/gpud-test` for the NRI test and the kernel matrix, etcd and kubectl
+//! from Debian sid for `cargo xtask cluster`, nightly `rust-src`, `bpf-linker` 0.13 against LLVM 22,
 //! stable rustfmt and clippy.
 //!
 //! Each step checks first and acts only when something is missing, so a machine that has
@@ -84,6 +85,31 @@ const PACKAGES: &[(&str, Probe, &str)] = &[
         "podman",
         Probe::Dpkg,
         "the OCI hook's tests under the real Podman (hooks.d)",
+    ),
+    (
+        "containernetworking-plugins",
+        Probe::Dpkg,
+        "bridge and host-local CNI plugins for `cargo xtask cluster` pods",
+    ),
+    (
+        "iptables",
+        Probe::Dpkg,
+        "kube-proxy and the CNI's masquerading (`cargo xtask cluster`)",
+    ),
+    (
+        "conntrack",
+        Probe::Dpkg,
+        "kube-proxy clears stale UDP flows with it (`cargo xtask cluster`)",
+    ),
+    (
+        "openssl",
+        Probe::Dpkg,
+        "the certificates of `cargo xtask cluster`",
+    ),
+    (
+        "xz-utils",
+        Probe::Command("xz"),
+        "unpacking the Kubernetes binaries (`cargo xtask cluster`)",
     ),
     ("cpio", Probe::Dpkg, "packing the VM's initramfs"),
     (
@@ -296,7 +322,7 @@ fn bpf_linker(installed: &mut Vec<String>) -> anyhow::Result<()> {
 pub const DEBIAN_MIRROR: &str = "http://deb.debian.org/debian";
 
 /// Where containerd 1.7 is unpacked for the NRI test (tests/src/containerd.rs reads it there).
-const CONTAINERD_PREFIX: &str = "/opt/gpud-test/containerd";
+pub const CONTAINERD_PREFIX: &str = "/opt/gpud-test/containerd";
 /// The Debian suite with containerd 1.7 (Debian 12 has 1.6, whose NRI the plugin does not
 /// speak).
 const CONTAINERD_SUITE: &str = "trixie";
@@ -304,6 +330,10 @@ const CONTAINERD_SUITE: &str = "trixie";
 /// Where Debian sid's newest kernel is unpacked for the kernel matrix (`usr/lib/modules/<release>/`
 /// holds `vmlinuz`, `config` and the modules; xtask/src/vm.rs boots it from there).
 pub const SID_KERNEL_PREFIX: &str = "/opt/gpud-test/kernels/sid";
+
+/// Where etcd and kubectl from Debian sid are unpacked for `cargo xtask cluster` (binaries in
+/// `usr/bin`).
+pub const KUBE_TOOLS_PREFIX: &str = "/opt/gpud-test/kube-tools";
 
 /// apt on a private sources list, lists and cache under `/opt/gpud-test/apt/<suite>`, for one
 /// Debian suite: packages are downloaded and unpacked with `dpkg -x`, never installed, and the
@@ -450,7 +480,7 @@ fn containerd_version() -> Option<String> {
 /// Unpacks Debian trixie's containerd 1.7 (`containerd`, `ctr`, the runc shim) into
 /// [`CONTAINERD_PREFIX`]: not installed, no service. Its only dependencies, libc6 >= 2.34 and
 /// runc, are Debian 12's.
-fn containerd(installed: &mut Vec<String>) -> anyhow::Result<()> {
+pub fn containerd(installed: &mut Vec<String>) -> anyhow::Result<()> {
     if containerd_version().is_some_and(|v| v.contains(" 1.7.")) {
         return Ok(());
     }
@@ -470,6 +500,47 @@ fn containerd(installed: &mut Vec<String>) -> anyhow::Result<()> {
         ),
     }
     installed.push(format!("containerd 1.7 ({CONTAINERD_PREFIX})"));
+    Ok(())
+}
+
+/// `etcd` and `kubectl` under [`KUBE_TOOLS_PREFIX`], if both run.
+pub fn kube_tools_present() -> bool {
+    let bin = PathBuf::from(KUBE_TOOLS_PREFIX).join("usr/bin");
+    let runs = |tool: &str, args: &[&str]| {
+        Command::new(bin.join(tool))
+            .args(args)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    runs("etcd", &["--version"]) && runs("kubectl", &["version", "--client"])
+}
+
+/// Unpacks Debian sid's etcd 3.5 (`etcd-server`) and kubectl 1.36 (`kubectl`, which
+/// `kubernetes-client` depends on) into [`KUBE_TOOLS_PREFIX`] for `cargo xtask cluster`: Debian 12's are
+/// too old for a 1.36 control plane, and nothing from sid is installed system-wide.
+pub fn kube_tools(installed: &mut Vec<String>) -> anyhow::Result<()> {
+    if kube_tools_present() {
+        return Ok(());
+    }
+    need_root("kube-tools", &format!("unpacking into {KUBE_TOOLS_PREFIX}"))?;
+    println!(
+        "setup: unpacking etcd and kubectl from Debian sid into {KUBE_TOOLS_PREFIX} \
+         (`cargo xtask cluster`)"
+    );
+    let apt = PrivateApt::new("kube-tools", "sid")?;
+    apt.update()?;
+    // `/sid`: a host may have another `kubectl` installed (e.g. Google Cloud's), which apt
+    // would otherwise take as the candidate.
+    apt.unpack(&["etcd-server/sid", "kubectl/sid"], KUBE_TOOLS_PREFIX)?;
+    if !kube_tools_present() {
+        bail!(
+            "setup: kube-tools: unpacked, but {KUBE_TOOLS_PREFIX}/usr/bin/etcd or kubectl does \
+             not run"
+        );
+    }
+    installed.push(format!(
+        "etcd and kubectl from Debian sid ({KUBE_TOOLS_PREFIX})"
+    ));
     Ok(())
 }
 
@@ -570,6 +641,7 @@ pub fn run() -> anyhow::Result<()> {
     packages(&mut installed)?;
     containerd(&mut installed)?;
     sid_kernel(&mut installed)?;
+    kube_tools(&mut installed)?;
     rustup_components(&mut installed)?;
     bpf_linker(&mut installed)?;
     cargo_deb(&mut installed)?;
