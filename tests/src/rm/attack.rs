@@ -104,6 +104,20 @@ pub fn dup_free(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32) ->
     answer(&held, None)
 }
 
+/// An NVOS21 allocation of `class` under `parent` with its params at `params`, for a raced
+/// call: its status starts as a failure, since the driver's write of `NV_OK` is what a racer
+/// waits for.
+fn raced_alloc<P>(client: Handle, parent: Handle, class: u32, params: *mut P) -> rm::Nvos21 {
+    rm::Nvos21 {
+        h_root: client,
+        h_object_parent: parent,
+        h_class: class,
+        p_alloc_parms: params as u64,
+        status: status::NV_ERR_NO_MEMORY,
+        ..Default::default()
+    }
+}
+
 /// What the second thread rewrites once the driver has written its answer back.
 #[derive(Clone, Copy, Debug)]
 pub enum Race {
@@ -123,15 +137,12 @@ pub fn race(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32, r: Rac
             size,
             ..Default::default()
         };
-        let mut p = rm::Nvos21 {
-            h_root: client,
-            h_object_parent: parent,
-            h_class: class::MEMORY_LOCAL_USER,
-            p_alloc_parms: addr_of_mut!(params) as u64,
-            // Not NV_OK: the driver's write of NV_OK is what the racer waits for.
-            status: status::NV_ERR_NO_MEMORY,
-            ..Default::default()
-        };
+        let mut p = raced_alloc(
+            client,
+            parent,
+            class::MEMORY_LOCAL_USER,
+            addr_of_mut!(params),
+        );
         let (ready, done) = (AtomicBool::new(false), AtomicBool::new(false));
         let (pp, sp) = (addr_of_mut!(p) as usize, addr_of_mut!(params) as usize);
         let (ret, errno) = std::thread::scope(|s| {
@@ -412,13 +423,7 @@ pub fn race_xfer(
             size,
             ..Default::default()
         };
-        let mut p = rm::Nvos21 {
-            h_root: client,
-            h_object_parent: parent,
-            h_class: class::MEMORY_LOCAL_USER,
-            p_alloc_parms: addr_of_mut!(seen) as u64,
-            ..Default::default()
-        };
+        let mut p = raced_alloc(client, parent, class::MEMORY_LOCAL_USER, addr_of_mut!(seen));
         let made_at = addr_of_mut!(made) as usize;
         // The driver copies the params back with their limit on success.
         let answered = move || {
@@ -467,15 +472,7 @@ pub fn race_device(
         device_id: seen,
         ..Default::default()
     };
-    let mut p = rm::Nvos21 {
-        h_root: client,
-        h_object_parent: client,
-        h_class: class::DEVICE,
-        p_alloc_parms: addr_of_mut!(params) as u64,
-        // Not NV_OK: the driver's write of NV_OK is what the racer waits for.
-        status: status::NV_ERR_NO_MEMORY,
-        ..Default::default()
-    };
+    let mut p = raced_alloc(client, client, class::DEVICE, addr_of_mut!(params));
     let status_at = addr_of!(p.status) as usize;
     // SAFETY: `p` outlives the call the racer watches; the kernel writes its status.
     let answered = move || unsafe { (status_at as *const u32).read_volatile() } == status::NV_OK;
