@@ -72,7 +72,7 @@ pub struct Scrape {
     /// Notices published since start, by name.
     pub notices: BTreeMap<&'static str, u64>,
     /// Workload names by cgroup path.
-    pub workloads: BTreeMap<String, BTreeMap<String, String>>,
+    pub workloads: crate::policy::workloads::ByCgroup,
 }
 
 /// Gathers snapshots and renders them.
@@ -228,7 +228,7 @@ pub async fn serve(
 /// The labels of a cgroup's series: its path, the container id the path names, and the
 /// workload names the runtime integrations reported (`namespace`, `pod`, `container`; each
 /// present, empty where unknown, so every series of a family has the same label names).
-struct Namer<'a>(&'a BTreeMap<String, BTreeMap<String, String>>);
+struct Namer<'a>(&'a BTreeMap<String, crate::policy::workloads::Names>);
 
 impl Namer<'_> {
     fn cgroup_labels(&self, path: &str) -> Labels {
@@ -587,7 +587,7 @@ mod tests {
                 memory_events: 1,
                 workload: BTreeMap::new(),
             }],
-            workloads: [(
+            workloads: std::sync::Arc::new(BTreeMap::from([(
                 format!("/system.slice/docker-{ID}.scope"),
                 [
                     ("namespace", "ml"),
@@ -596,8 +596,7 @@ mod tests {
                 ]
                 .map(|(k, v)| (k.to_owned(), v.to_owned()))
                 .into(),
-            )]
-            .into(),
+            )])),
             kernel_stats: [("events_lost".to_owned(), 0)].into(),
             guard_counts: [(
                 (

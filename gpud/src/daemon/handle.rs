@@ -32,7 +32,7 @@ pub struct Figures {
     /// Tenants' scheduling controls the guard acted on, by (cgroup, control, action).
     pub guard_counts: crate::enforcement::guard::GuardCounts,
     /// Workload names by cgroup path.
-    pub workloads: BTreeMap<String, crate::policy::workloads::Names>,
+    pub workloads: crate::policy::workloads::ByCgroup,
 }
 
 /// The state task's handle: cheap to clone, one per API object.

@@ -16,7 +16,7 @@
 //! and one map lookup per counter, and no work in the state task.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::HashMap,
     path::PathBuf,
     sync::{
         Arc,
@@ -52,7 +52,7 @@ pub struct View {
     /// Every attributed cgroup, ordered by path.
     pub cgroups: Vec<CgroupView>,
     /// Every cgroup's workload names (also of cgroups not attributed yet).
-    pub workloads: BTreeMap<String, crate::policy::workloads::Names>,
+    pub workloads: crate::policy::workloads::ByCgroup,
     /// Index into `cgroups` by path.
     by_path: HashMap<String, usize>,
     /// Every live attributed process, ordered by pid.
@@ -83,7 +83,7 @@ impl View {
             kernel_gen: 0,
             built: Instant::now(),
             cgroups: Vec::new(),
-            workloads: BTreeMap::new(),
+            workloads: Default::default(),
             by_path: HashMap::new(),
             processes: Vec::new(),
             limits: Vec::new(),
@@ -233,7 +233,7 @@ fn build(state: &mut State, state_gen: u64, kernel_gen: u64) -> View {
         idle: state.idle.list(std::time::Instant::now()),
         memory_info: state.core.memory_info(),
         scheduler_guard: state.core.scheduler_guard(),
-        workloads: state.core.workloads.all().clone(),
+        workloads: state.core.workloads.all(),
         guard_counts: crate::enforcement::guard::counts(
             &mut state.core.attribution,
             &state.core.settings,

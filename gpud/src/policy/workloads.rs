@@ -7,6 +7,7 @@
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use serde::{Deserialize, Serialize};
@@ -16,6 +17,10 @@ use super::PolicyError;
 
 /// A workload's names by key (`gpud_api::workload::KEYS`).
 pub type Names = BTreeMap<String, String>;
+
+/// Every labelled cgroup's names by path; shared with the published views as it is (a change
+/// makes a new one).
+pub type ByCgroup = Arc<BTreeMap<String, Names>>;
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -31,7 +36,7 @@ const STATE_VERSION: u32 = 1;
 pub struct Workloads {
     path: PathBuf,
     cgroup_root: PathBuf,
-    by_cgroup: BTreeMap<String, Names>,
+    by_cgroup: ByCgroup,
 }
 
 impl Workloads {
@@ -66,7 +71,7 @@ impl Workloads {
         Self {
             path,
             cgroup_root: cgroup_root.to_owned(),
-            by_cgroup,
+            by_cgroup: Arc::new(by_cgroup),
         }
     }
 
@@ -78,7 +83,7 @@ impl Workloads {
         {
             return Ok(());
         }
-        let mut next = self.by_cgroup.clone();
+        let mut next = BTreeMap::clone(&self.by_cgroup);
         if names.is_empty() {
             next.remove(cgroup);
         } else {
@@ -93,8 +98,8 @@ impl Workloads {
     }
 
     /// Every labelled cgroup's names.
-    pub fn all(&self) -> &BTreeMap<String, Names> {
-        &self.by_cgroup
+    pub fn all(&self) -> ByCgroup {
+        self.by_cgroup.clone()
     }
 
     /// Drops the names of cgroups whose directory is gone (a container removed).
@@ -118,7 +123,7 @@ impl Workloads {
             workloads: next,
         };
         super::store::write_atomically(&self.path, &file)?;
-        self.by_cgroup = file.workloads;
+        self.by_cgroup = Arc::new(file.workloads);
         Ok(())
     }
 }
