@@ -70,9 +70,21 @@ pub fn compat32(ctl: &Ctl, client: Handle, parent: Handle, size: u64, n: u32) ->
     if super::use_32bit_entry(true).is_err() {
         return answer(&[], None);
     }
+    allocations(ctl, client, parent, size, n, Form::Nvos64)
+}
+
+/// `n` plain video-memory allocations of `size` bytes in `form`, until one fails.
+fn allocations(
+    ctl: &Ctl,
+    client: Handle,
+    parent: Handle,
+    size: u64,
+    n: u32,
+    form: Form,
+) -> Outcome {
     let mut held = Vec::new();
     for _ in 0..n {
-        let a = ctl.alloc_vidmem(client, parent, size, Form::Nvos64);
+        let a = ctl.alloc_vidmem(client, parent, size, form);
         if !a.ok() {
             return answer(&held, Some(a));
         }
@@ -495,14 +507,5 @@ pub fn race_device(
             }),
         );
     }
-    let device = p.h_object_new;
-    let mut held = Vec::new();
-    for _ in 0..n {
-        let a = ctl.alloc_vidmem(client, device, size, Form::Nvos21);
-        if !a.ok() {
-            return answer(&held, Some(a));
-        }
-        held.push(a.handle);
-    }
-    answer(&held, None)
+    allocations(ctl, client, p.h_object_new, size, n, Form::Nvos21)
 }
