@@ -10,6 +10,8 @@
 //! - [`dra`]: the DRA kubelet plugin (API v1, Kubernetes 1.34+): plugin registration, the
 //!   node's ResourceSlice with memory and compute as consumable capacity, and
 //!   NodePrepareResources turning a claim's allocation into the same limits through CDI.
+//! - [`node`]: gpud as a node agent (the gpud DaemonSet): its host files installed from the
+//!   image and removed again, and the readiness the plugins wait on.
 //! - [`api`]: the kubelet's gRPC APIs, generated from `proto/`; [`grpc`]: gRPC on unix sockets.
 //!
 //! docs/kubernetes.md is the operator's guide.
@@ -19,6 +21,7 @@ pub mod device_plugin;
 pub mod dra;
 pub mod grpc;
 pub mod inventory;
+pub mod node;
 pub mod placement;
 pub mod topology;
 pub mod units;

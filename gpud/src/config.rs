@@ -112,6 +112,15 @@ pub struct DaemonConfig {
     pub log: String,
     /// What to do with a stored limits file that cannot be read back.
     pub on_corrupt_state: CorruptState,
+    /// Written once gpud is ready, removed when it stops; empty: none.
+    pub ready_file: PathBuf,
+}
+
+impl DaemonConfig {
+    /// The configured ready file, or `None`.
+    pub fn ready_file(&self) -> Option<&std::path::Path> {
+        (!self.ready_file.as_os_str().is_empty()).then_some(self.ready_file.as_path())
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -439,6 +448,12 @@ impl Config {
         if !self.daemon.state_dir.is_absolute() {
             return Err(invalid("daemon.state_dir", "must be an absolute path"));
         }
+        if self.daemon.ready_file().is_some_and(|p| !p.is_absolute()) {
+            return Err(invalid(
+                "daemon.ready_file",
+                "must be an absolute path (or \"\" for none)",
+            ));
+        }
         if let Err(e) = crate::logging::parse_filter(&self.daemon.log) {
             let reason = match e {
                 crate::logging::LogError::Filter { reason, .. } => reason,
@@ -713,6 +728,7 @@ mod tests {
             ("[probes]\nattach = \"kprobe\"", "kprobe"),
             ("[nope]\n", "nope"),
             ("[daemon]\nstate_dir = \"relative\"", "daemon.state_dir"),
+            ("[daemon]\nready_file = \"run/ready\"", "daemon.ready_file"),
             ("[devices]\nextra_paths = [\"x\"]", "devices.extra_paths"),
             (
                 "[attribution]\nsweep_interval_secs = 0",

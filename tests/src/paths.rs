@@ -33,14 +33,16 @@ impl Drop for TempDir {
     }
 }
 
-/// Directory of the workspace's built binaries (`target/debug`), next to this test executable.
+/// Directory of the workspace's built binaries (`target/debug`): beside this executable when it
+/// is one of them, else (a test, in `target/debug/deps`) one level up.
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    // target/debug/deps/<test> → target/debug
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .to_path_buf()
+    let dir = exe.parent().expect("target dir");
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.parent().expect("target dir").to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
 }
 
 pub fn gpud_bin() -> PathBuf {

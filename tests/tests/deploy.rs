@@ -1,7 +1,7 @@
 //! The Kubernetes manifests in `deploy/kubernetes/`: each parses, and names only fields of its
 //! kind's schema (deserialized into the Kubernetes API's own types from `k8s-openapi`, generated
 //! from the Kubernetes OpenAPI spec of the release gpud-k8s targets, 1.34; every key those types
-//! would ignore is reported, as `kubectl --validate=strict` would); the two kustomizations
+//! would ignore is reported, as `kubectl --validate=strict` would); the three kustomizations
 //! name every manifest; the DRA ClusterRole grants exactly what the DRA driver calls
 //! (`gpud_k8s::dra::RBAC`); the DeviceClass, the claim template and the example pods agree with
 //! the driver and each other; every workload runs the image `cargo xtask package image` builds
@@ -18,7 +18,7 @@ use std::{
 use k8s_openapi::api::{
     apps::v1::DaemonSet,
     core::v1::{Namespace, Pod, PodSpec, ServiceAccount},
-    rbac::v1::{ClusterRole, ClusterRoleBinding},
+    rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding},
     resource::v1::{DeviceClass, ResourceClaimTemplate},
 };
 use serde::de::DeserializeOwned;
@@ -148,6 +148,14 @@ fn check_schema(doc: &Doc) -> &'static str {
             doc.typed::<ClusterRoleBinding>();
             "ClusterRoleBinding"
         }
+        ("rbac.authorization.k8s.io/v1", "Role") => {
+            doc.typed::<Role>();
+            "Role"
+        }
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => {
+            doc.typed::<RoleBinding>();
+            "RoleBinding"
+        }
         ("resource.k8s.io/v1", "DeviceClass") => {
             doc.typed::<DeviceClass>();
             "DeviceClass"
@@ -172,6 +180,8 @@ fn every_manifest_names_only_fields_of_its_kinds_schema() {
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
         "DaemonSet",
         "DeviceClass",
         "ResourceClaimTemplate",
@@ -179,7 +189,7 @@ fn every_manifest_names_only_fields_of_its_kinds_schema() {
     ]
     .into();
     assert_eq!(kinds, want);
-    assert_eq!(docs.len(), 10, "documents in deploy/kubernetes");
+    assert_eq!(docs.len(), 16, "documents in deploy/kubernetes");
 }
 
 /// The check above is not blind: a misspelt field, a field of another kind and a wrong type are
@@ -222,6 +232,15 @@ fn kustomize_files(dir: &Path, out: &mut BTreeSet<PathBuf>) {
         api_version: String,
         kind: String,
         resources: Vec<String>,
+        #[serde(default)]
+        config_map_generator: Vec<Generator>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Generator {
+        name: String,
+        namespace: String,
+        files: Vec<String>,
     }
     let file = dir.join("kustomization.yaml");
     let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
@@ -229,6 +248,16 @@ fn kustomize_files(dir: &Path, out: &mut BTreeSet<PathBuf>) {
         .unwrap_or_else(|e| panic!("{}: not a kustomization: {e}", file.display()));
     assert_eq!(k.api_version, "kustomize.config.k8s.io/v1beta1");
     assert_eq!(k.kind, "Kustomization");
+    for g in &k.config_map_generator {
+        assert!(!g.name.is_empty() && g.namespace == "gpud-system");
+        for f in &g.files {
+            assert!(
+                dir.join(f).is_file(),
+                "{}: {f} does not exist",
+                file.display()
+            );
+        }
+    }
     for r in &k.resources {
         let p = dir.join(r);
         if p.is_dir() {
@@ -249,9 +278,10 @@ fn flavour(name: &str) -> (BTreeSet<PathBuf>, Vec<Doc>) {
 }
 
 #[test]
-fn the_two_kustomizations_apply_every_manifest_but_the_examples() {
+fn the_kustomizations_apply_every_manifest_but_the_examples() {
     let (dp_files, dp) = flavour("device-plugin");
     let (dra_files, dra) = flavour("dra");
+    let (gpud_files, gpud) = flavour("gpud");
     let examples = deploy_dir()
         .join("examples")
         .canonicalize()
@@ -262,7 +292,12 @@ fn the_two_kustomizations_apply_every_manifest_but_the_examples() {
         .map(|p| p.canonicalize().expect("canonical"))
         .filter(|p| !p.starts_with(&examples))
         .collect();
-    let applied: BTreeSet<PathBuf> = dp_files.union(&dra_files).cloned().collect();
+    let applied: BTreeSet<PathBuf> = dp_files
+        .iter()
+        .chain(&dra_files)
+        .chain(&gpud_files)
+        .cloned()
+        .collect();
     assert_eq!(applied, all, "manifests no kustomization applies");
 
     let kinds = |docs: &[Doc]| -> BTreeSet<(String, String)> {
@@ -271,8 +306,8 @@ fn the_two_kustomizations_apply_every_manifest_but_the_examples() {
             .collect()
     };
     let has = |k: &BTreeSet<(String, String)>, kind: &str| k.iter().any(|(x, _)| x == kind);
-    let (dp, dra) = (kinds(&dp), kinds(&dra));
-    for k in [&dp, &dra] {
+    let (dp, dra, gpud) = (kinds(&dp), kinds(&dra), kinds(&gpud));
+    for k in [&dp, &dra, &gpud] {
         assert!(has(k, "Namespace") && has(k, "ServiceAccount") && has(k, "DaemonSet"));
     }
     // The device plugin calls no API server: it is granted nothing.
@@ -284,6 +319,127 @@ fn the_two_kustomizations_apply_every_manifest_but_the_examples() {
         has(&dra, "ClusterRole") && has(&dra, "DeviceClass"),
         "{dra:?}"
     );
+    // gpud reads its own DaemonSet (a Role) and its own namespace (a ClusterRole).
+    assert!(
+        has(&gpud, "Role") && has(&gpud, "RoleBinding") && has(&gpud, "ClusterRole"),
+        "{gpud:?}"
+    );
+}
+
+/// The gpud DaemonSet's pods may read that DaemonSet and its namespace and nothing else; its init container checks
+/// that they can, and its preStop hook asks about that same DaemonSet (an update keeps gpud on
+/// the node, an uninstall removes it: docs/kubernetes.md).
+#[test]
+fn the_gpud_daemonset_asks_about_itself_and_may_read_only_itself() {
+    let (_, docs) = flavour("gpud");
+    let one = |kind: &str| -> &Doc {
+        let found: Vec<&Doc> = docs.iter().filter(|d| d.kind().1 == kind).collect();
+        assert_eq!(found.len(), 1, "one {kind}");
+        found[0]
+    };
+    let ds: DaemonSet = one("DaemonSet").typed();
+    let me = format!(
+        "{}/{}",
+        ds.metadata.namespace.as_deref().expect("namespace"),
+        ds.metadata.name.as_deref().expect("name")
+    );
+    let role: Role = one("Role").typed();
+    let rules = role.rules.unwrap_or_default();
+    assert_eq!(rules.len(), 1, "{rules:?}");
+    assert_eq!(
+        rules[0].api_groups.as_deref(),
+        Some(&["apps".to_owned()][..])
+    );
+    assert_eq!(
+        rules[0].resources.as_deref(),
+        Some(&["daemonsets".to_owned()][..])
+    );
+    assert_eq!(rules[0].verbs, ["get"]);
+    assert_eq!(
+        rules[0].resource_names.as_deref(),
+        Some(&[ds.metadata.name.clone().expect("name")][..])
+    );
+    let cluster_role: ClusterRole = one("ClusterRole").typed();
+    let rules = cluster_role.rules.unwrap_or_default();
+    assert_eq!(rules.len(), 1, "{rules:?}");
+    assert_eq!(rules[0].api_groups.as_deref(), Some(&[String::new()][..]));
+    assert_eq!(
+        rules[0].resources.as_deref(),
+        Some(&["namespaces".to_owned()][..])
+    );
+    assert_eq!(rules[0].verbs, ["get"]);
+    assert_eq!(
+        rules[0].resource_names.as_deref(),
+        Some(&[ds.metadata.namespace.clone().expect("namespace")][..])
+    );
+    let cluster_binding: ClusterRoleBinding = one("ClusterRoleBinding").typed();
+    assert_eq!(
+        cluster_binding.role_ref.name,
+        cluster_role.metadata.name.expect("name")
+    );
+    let binding: RoleBinding = one("RoleBinding").typed();
+    assert_eq!(binding.role_ref.name, role.metadata.name.expect("name"));
+    let spec = pod_spec(&ds);
+    let account = spec.service_account_name.clone().expect("service account");
+    let subjects = binding.subjects.unwrap_or_default();
+    assert!(
+        subjects
+            .iter()
+            .any(|s| s.kind == "ServiceAccount" && s.name == account),
+        "{subjects:?}"
+    );
+    assert!(
+        spec.host_pid == Some(true),
+        "gpud attributes host processes"
+    );
+    let install = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .find(|c| c.name == "install")
+        .expect("the install init container");
+    let cmd = install.command.clone().unwrap_or_default();
+    assert_eq!(cmd[..3], ["gpud-k8s", "node", "install"]);
+    assert_eq!(
+        cmd[cmd
+            .iter()
+            .position(|a| a == "--daemonset")
+            .expect("--daemonset")
+            + 1],
+        me
+    );
+    let gpud = spec
+        .containers
+        .iter()
+        .find(|c| c.name == "gpud")
+        .expect("gpud");
+    let pre_stop = gpud
+        .lifecycle
+        .as_ref()
+        .and_then(|l| l.pre_stop.as_ref())
+        .and_then(|h| h.exec.as_ref())
+        .and_then(|e| e.command.clone())
+        .expect("a preStop exec hook");
+    assert_eq!(pre_stop[..3], ["gpud-k8s", "node", "uninstall"]);
+    assert_eq!(
+        pre_stop[pre_stop
+            .iter()
+            .position(|a| a == "--keep-while-daemonset")
+            .expect("--keep-while-daemonset")
+            + 1],
+        me
+    );
+    // The configuration it mounts is the generated ConfigMap, and names the ready file the
+    // preStop hook removes.
+    let config = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find_map(|v| v.config_map.as_ref())
+        .expect("a ConfigMap volume");
+    assert_eq!(config.name, "gpud-config");
+    let toml = std::fs::read_to_string(deploy_dir().join("gpud/gpud.toml")).expect("gpud.toml");
+    assert!(toml.contains("ready_file = \"/run/gpud/ready\""), "{toml}");
 }
 
 /// (API group, resource, verb) triples.
@@ -465,7 +621,13 @@ fn every_workload_runs_the_packaged_image_of_this_version() {
     let mut seen = 0;
     for doc in all_docs().iter().filter(|d| d.kind().1 == "DaemonSet") {
         let ds: DaemonSet = doc.typed();
-        for c in &pod_spec(&ds).containers {
+        let spec = pod_spec(&ds);
+        for c in spec
+            .init_containers
+            .iter()
+            .flatten()
+            .chain(&spec.containers)
+        {
             assert_eq!(
                 c.image.as_deref(),
                 Some(want.as_str()),
@@ -476,11 +638,12 @@ fn every_workload_runs_the_packaged_image_of_this_version() {
             assert_eq!(c.image_pull_policy.as_deref(), Some("IfNotPresent"));
             let program = c.command.as_ref().and_then(|c| c.first()).expect("command");
             assert!(
-                ["gpud-k8s", "gpud-nri"].contains(&program.as_str()),
+                ["gpud-k8s", "gpud-nri", "gpud", "sh"].contains(&program.as_str()),
                 "{program}"
             );
             seen += 1;
         }
     }
-    assert_eq!(seen, 3, "device-plugin, nri, dra");
+    // device-plugin and dra with their wait-for-gpud; gpud's bpffs, install, gpud and nri.
+    assert_eq!(seen, 8);
 }

@@ -153,6 +153,10 @@ enum ClusterWhat {
     Down,
     /// Which components run, the node's readiness, `kubectl get nodes`.
     Status,
+    /// gpud end to end on the cluster: up, gpud's image imported, deploy/kubernetes/gpud and
+    /// the DRA flavour applied and checked (tests/src/bin/gpud-cluster-e2e.rs), down. Exits 77
+    /// when the Kubernetes binaries are absent.
+    E2e,
 }
 
 /// What `package` builds.
@@ -239,6 +243,7 @@ fn main() -> ExitCode {
             ClusterWhat::Up => cluster::up(),
             ClusterWhat::Down => cluster::down(),
             ClusterWhat::Status => cluster::status(),
+            ClusterWhat::E2e => cluster::e2e(),
         },
         // The console is echoed as it comes.
         Task::Matrix => test::matrix_only(),

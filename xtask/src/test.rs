@@ -2,7 +2,8 @@
 //! workspace, clippy on the eBPF crate with nightly), the unit and real-kernel integration tests
 //! (real cgroups, real dbus-daemon), a smoke run of every benchmark (they must complete and
 //! report every figure), the packages (the .deb installed, run and purged on this machine; the
-//! image loaded and run by Podman), then the VM tests on a kernel with fentry and BPF-LSM and the
+//! image loaded and run by Podman), gpud on a real single-node Kubernetes from that image
+//! (`cluster::e2e`; skipped, and said so, without the Kubernetes binaries), then the VM tests on a kernel with fentry and BPF-LSM and the
 //! benchmarks' smoke run there.
 //!
 //! Every step runs even when an earlier one failed (except after a failed setup), and every test
@@ -18,12 +19,18 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::util::{build_test_binaries, cargo, describe, root, run as run_cmd};
+use crate::util::{build_test_binaries, cargo, describe, free_bytes, gib, root, run as run_cmd};
 
 /// The VM test's verdict line.
 const VMTEST_PASS: &str = "VMTEST RESULT: PASS";
 /// The VM test boots an emulated (TCG) machine: generous.
 const VMTEST_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The disk a whole run takes from a clean clone: the debug and release builds, the eBPF lint's
+/// own target, the VM images and kernels, the packages, the cluster's containerd (measured: see
+/// the summary's `disk:` line), with room to spare. A machine with less is told so at once, not
+/// by a dozen steps failing with ENOSPC.
+const DISK_NEEDED: u64 = 24 << 30;
 
 /// A named step of the test run.
 struct Step {
@@ -281,6 +288,10 @@ fn steps(vm_tests: bool, lint: bool) -> Vec<Step> {
         name: "package: image",
         run: crate::package::test_image,
     });
+    steps.push(Step {
+        name: "kubernetes (real cluster)",
+        run: crate::cluster::e2e,
+    });
     if vm_tests {
         steps.push(Step {
             name: "VM tests (fentry, BPF-LSM)",
@@ -305,6 +316,24 @@ pub fn run(vm_tests: bool, lint: bool) -> anyhow::Result<()> {
         bail!("test: run as root: the tests load BPF programs, make cgroups and start a VM");
     }
     let total = Instant::now();
+    let target = root().join("target");
+    std::fs::create_dir_all(&target).with_context(|| format!("{}", target.display()))?;
+    let free_at_start = free_bytes(&target)?;
+    println!(
+        "disk: {} free for {} (a run from a clean clone needs about {})",
+        gib(free_at_start),
+        target.display(),
+        gib(DISK_NEEDED)
+    );
+    if free_at_start < DISK_NEEDED {
+        bail!(
+            "test: {} free on the file system of {}, a run from a clean clone needs about {}: \
+             free some space and run again",
+            gib(free_at_start),
+            target.display(),
+            gib(DISK_NEEDED)
+        );
+    }
     let all = std::iter::once(Step {
         name: "setup",
         run: crate::setup::run,
@@ -322,8 +351,15 @@ pub fn run(vm_tests: bool, lint: bool) -> anyhow::Result<()> {
         println!("\n==> {}", step.name);
         let started = Instant::now();
         let result = (step.run)();
-        if let Err(e) = &result {
-            println!("FAILED: {}: {e:#}", step.name);
+        match &result {
+            // Said why above; not a failure, never a pass.
+            Err(e) if e.is::<crate::Skipped>() => {
+                println!("SKIPPED: {}", step.name);
+                skipped.push(step.name);
+                continue;
+            }
+            Err(e) => println!("FAILED: {}: {e:#}", step.name),
+            Ok(()) => {}
         }
         results.push((
             step.name,
@@ -333,6 +369,13 @@ pub fn run(vm_tests: bool, lint: bool) -> anyhow::Result<()> {
     }
 
     println!("\n==> summary ({:.0}s)", total.elapsed().as_secs_f64());
+    if let Ok(free) = free_bytes(&target) {
+        println!(
+            "  disk: {} free at the start, {} at the end",
+            gib(free_at_start),
+            gib(free)
+        );
+    }
     for (name, took, error) in &results {
         let status = if error.is_none() { "ok" } else { "FAILED" };
         println!("  {status:<6} {name:<28} {:>6.1}s", took.as_secs_f64());
@@ -341,10 +384,14 @@ pub fn run(vm_tests: bool, lint: bool) -> anyhow::Result<()> {
         }
     }
     for name in &skipped {
-        println!("  {:<6} {name}", "-");
+        println!("  {:<6} {name}", "skipped");
     }
     let failed = results.iter().filter(|r| r.2.is_some()).count();
-    println!("{} passed, {failed} failed", results.len() - failed);
+    println!(
+        "{} passed, {failed} failed, {} skipped",
+        results.len() - failed,
+        skipped.len()
+    );
     if failed > 0 {
         return Err(crate::Reported.into());
     }

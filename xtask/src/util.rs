@@ -123,3 +123,23 @@ pub fn build_test_binaries(what: &str) -> anyhow::Result<()> {
         ]),
     )
 }
+
+/// Bytes free to an unprivileged writer on the file system holding `path` (statvfs's `f_bavail`).
+pub fn free_bytes(path: &Path) -> anyhow::Result<u64> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .with_context(|| format!("{}: path holds a NUL", path.display()))?;
+    // SAFETY: statvfs is plain data, all zero is a valid value for it.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid statvfs to fill.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("statvfs {}", path.display()));
+    }
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// `bytes` in GiB with one decimal, for messages.
+pub fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+}

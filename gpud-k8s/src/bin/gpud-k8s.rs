@@ -40,6 +40,90 @@ enum Command {
     DevicePlugin(DevicePluginArgs),
     /// Serve the DRA kubelet plugin (API v1.DRAPlugin, Kubernetes 1.34+).
     Dra(DraArgs),
+    /// gpud's files on the node, for the gpud DaemonSet (deploy/kubernetes/gpud).
+    #[command(subcommand)]
+    Node(NodeCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum NodeCommand {
+    /// Put gpud's bus policy, OCI hook, hooks.d files and gpudctl on the host (init container).
+    Install(InstallArgs),
+    /// Take them away again; with --keep-while-daemonset, only when that DaemonSet is gone
+    /// (then gpud's pins, state and ready file too): a pod replaced in an update keeps all.
+    Uninstall(UninstallArgs),
+    /// Wait until gpud is ready on this node: it answers on the bus (init container of the
+    /// plugin DaemonSets).
+    Wait(WaitArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct NodeArgs {
+    /// The host's `/` as mounted into this container.
+    #[arg(long, default_value = "/host")]
+    host_root: PathBuf,
+    /// The image's host files.
+    #[arg(long, default_value = gpud_k8s::node::IMAGE_SHARE)]
+    share: PathBuf,
+    /// The image's binaries.
+    #[arg(long, default_value = "/usr/bin")]
+    bin: PathBuf,
+}
+
+impl NodeArgs {
+    fn layout(&self) -> gpud_k8s::node::Layout {
+        gpud_k8s::node::Layout {
+            host_root: self.host_root.clone(),
+            share: self.share.clone(),
+            bin: self.bin.clone(),
+        }
+    }
+}
+
+#[derive(clap::Args, Debug)]
+struct InstallArgs {
+    #[command(flatten)]
+    node: NodeArgs,
+    /// NAMESPACE/NAME of the DaemonSet this pod belongs to: install checks that this pod may
+    /// read it, as `uninstall --keep-while-daemonset` will need to tell an update from an
+    /// uninstall (a Role that is wrong fails the pod now, not the node's limits later).
+    #[arg(long)]
+    daemonset: Option<String>,
+    /// kubeconfig of the API server (default: the pod's service account).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+struct UninstallArgs {
+    #[command(flatten)]
+    node: NodeArgs,
+    /// NAMESPACE/NAME of the DaemonSet this pod belongs to: while it exists (and is not being
+    /// deleted) nothing is removed. An API server that cannot be asked also removes nothing.
+    #[arg(long)]
+    keep_while_daemonset: Option<String>,
+    /// kubeconfig of the API server (default: the pod's service account).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// gpud's pins on the host (`[probes] bpffs`/gpud), removed with the node's gpud.
+    #[arg(long, default_value = "/sys/fs/bpf/gpud")]
+    pins: PathBuf,
+    /// gpud's state directory on the host, removed with the node's gpud.
+    #[arg(long, default_value = "/var/lib/gpud")]
+    state_dir: PathBuf,
+    /// gpud's ready file on the host.
+    #[arg(long, default_value = "/run/gpud/ready")]
+    ready_file: PathBuf,
+}
+
+#[derive(clap::Args, Debug)]
+struct WaitArgs {
+    /// Also wait for gpud's ready file (`[daemon] ready_file`), as this container sees it.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 600)]
+    timeout_secs: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -172,8 +256,125 @@ async fn run(args: Args) -> anyhow::Result<()> {
             };
             dra::run(config, api, memory_unit, shutdown).await?;
         }
+        Command::Node(c) => node(c, &args.bus_address).await?,
     }
     Ok(())
+}
+
+async fn node(command: NodeCommand, bus: &str) -> anyhow::Result<()> {
+    use gpud_k8s::node;
+    match command {
+        NodeCommand::Install(a) => {
+            if let Some(ds) = &a.daemonset {
+                let (ns, name) = split_daemonset(ds)?;
+                let api = gpud_k8s::dra::ApiServer::connect(a.kubeconfig.as_deref()).await?;
+                let going = api.namespace_going(ns).await.with_context(|| {
+                    format!("this pod cannot read its namespace {ns} (the ClusterRole in deploy/kubernetes/gpud)")
+                })?;
+                if going || !api.daemonset_remains(ns, name).await.with_context(|| {
+                    format!("this pod cannot read its DaemonSet {ds} (the Role in deploy/kubernetes/gpud)")
+                })? {
+                    anyhow::bail!("DaemonSet {ds} does not exist or is being deleted");
+                }
+            }
+            let m = node::install(&a.node.layout())?;
+            for f in &m.files {
+                tracing::info!(file = %f.display(), "installed");
+            }
+            // The policy must be in force before gpud asks for its name.
+            node::reload_bus(bus)
+                .await
+                .context("asking the host's bus to read gpud's policy")?;
+            tracing::info!(version = %m.version, "gpud's host files installed; bus policy reloaded");
+        }
+        NodeCommand::Uninstall(a) => {
+            if let Some(ds) = &a.keep_while_daemonset {
+                let (ns, name) = split_daemonset(ds)?;
+                if daemonset_remains(a.kubeconfig.as_deref(), ns, name).await {
+                    return Ok(());
+                }
+            }
+            let layout = a.node.layout();
+            for p in node::uninstall(&layout)? {
+                tracing::info!(path = %p.display(), "removed");
+            }
+            for tree in [&a.pins, &a.state_dir] {
+                if node::remove_tree(&layout, tree)? {
+                    tracing::info!(dir = %tree.display(), "removed");
+                }
+            }
+            let ready = layout
+                .host_root
+                .join(a.ready_file.strip_prefix("/").unwrap_or(&a.ready_file));
+            let _ = std::fs::remove_file(&ready);
+            // Its directory too, when gpud's DaemonSet made it and nothing else is in it.
+            if let Some(dir) = ready.parent() {
+                let _ = std::fs::remove_dir(dir);
+            }
+            if let Err(e) = node::reload_bus(bus).await {
+                tracing::warn!("the host's bus did not reload its policy: {e}");
+            }
+            tracing::info!("gpud's host files, pins and state removed");
+        }
+        NodeCommand::Wait(a) => {
+            node::wait_ready(
+                a.ready_file.as_deref(),
+                bus,
+                Duration::from_secs(a.timeout_secs),
+            )
+            .await?;
+            tracing::info!("gpud is ready on this node");
+        }
+    }
+    Ok(())
+}
+
+fn split_daemonset(ds: &str) -> anyhow::Result<(&str, &str)> {
+    ds.split_once('/')
+        .filter(|(ns, name)| !ns.is_empty() && !name.is_empty())
+        .with_context(|| format!("DaemonSet {ds:?}: not NAMESPACE/NAME"))
+}
+
+/// Whether the DaemonSet remains (an update or a restart of this pod: keep everything). Gone,
+/// being deleted, or this pod no longer allowed to ask (its Role or account deleted with it): an
+/// uninstall. No answer: keep everything, the safe side for a node that enforces limits.
+async fn daemonset_remains(kubeconfig: Option<&std::path::Path>, ns: &str, name: &str) -> bool {
+    let api = match gpud_k8s::dra::ApiServer::connect(kubeconfig).await {
+        Ok(api) => api,
+        Err(e) => {
+            tracing::warn!("cannot reach the API server ({e}): keeping gpud on this node");
+            return true;
+        }
+    };
+    let remains = match api.namespace_going(ns).await {
+        Ok(true) => Ok(false),
+        Ok(false) => api.daemonset_remains(ns, name).await,
+        Err(e) => Err(e),
+    };
+    match remains {
+        Ok(true) => {
+            tracing::info!("DaemonSet {ns}/{name} remains: keeping gpud's files, pins and state");
+            true
+        }
+        Ok(false) => {
+            tracing::info!(
+                "DaemonSet {ns}/{name} (or its namespace) is gone or being deleted: removing gpud from this node"
+            );
+            false
+        }
+        // `node install` checked that this pod could read it: now it cannot, its account or
+        // Role went with the DaemonSet (`kubectl delete -k` takes them all).
+        Err(e) if matches!(e.code(), Some(401 | 403)) => {
+            tracing::info!(
+                "{e}: this pod's account is gone with its DaemonSet; removing gpud from this node"
+            );
+            false
+        }
+        Err(e) => {
+            tracing::warn!("{e}: keeping gpud on this node");
+            true
+        }
+    }
 }
 
 #[tokio::main]

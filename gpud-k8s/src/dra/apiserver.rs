@@ -4,7 +4,11 @@
 
 use std::{path::Path, time::Duration};
 
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::api::{
+    apps::v1::DaemonSet,
+    core::v1::Namespace,
+    resource::v1::{ResourceClaim, ResourceSlice},
+};
 use kube::{
     Api, Client,
     api::PostParams,
@@ -139,6 +143,35 @@ impl ApiServer {
         config.default_retry = true;
         let client = Client::try_from(config).map_err(|e| ApiError::Config(e.to_string()))?;
         Ok(Self { client })
+    }
+
+    /// Whether the DaemonSet `namespace/name` exists and is not being deleted (`get
+    /// daemonsets`: not the DRA plugin's call but the gpud DaemonSet's, under its own Role in
+    /// deploy/kubernetes/gpud, when a pod of it stops and must tell an update from an uninstall).
+    pub async fn daemonset_remains(&self, namespace: &str, name: &str) -> Result<bool, ApiError> {
+        match Api::<DaemonSet>::namespaced(self.client.clone(), namespace)
+            .get(name)
+            .await
+        {
+            Ok(ds) => Ok(ds.metadata.deletion_timestamp.is_none()),
+            Err(e) => match ApiError::of("get", format!("daemonset {namespace}/{name}"), e) {
+                ApiError::NotFound { .. } => Ok(false),
+                e => Err(e),
+            },
+        }
+    }
+
+    /// Whether the namespace `name` is gone or being deleted (`get namespaces`, the gpud
+    /// DaemonSet's ClusterRole): deleting a namespace deletes its pods before, or while, the
+    /// namespace controller deletes their DaemonSet, so the DaemonSet alone cannot tell.
+    pub async fn namespace_going(&self, name: &str) -> Result<bool, ApiError> {
+        match Api::<Namespace>::all(self.client.clone()).get(name).await {
+            Ok(ns) => Ok(ns.metadata.deletion_timestamp.is_some()),
+            Err(e) => match ApiError::of("get", format!("namespace {name}"), e) {
+                ApiError::NotFound { .. } => Ok(true),
+                e => Err(e),
+            },
+        }
     }
 
     /// The ResourceClaim `namespace/name` (`get resourceclaims`).

@@ -222,6 +222,34 @@ impl Live {
 }
 
 /// Tells the service manager (systemd's `NOTIFY_SOCKET`) a state change; a no-op without one.
+/// `[daemon] ready_file`: written (gpud's pid) once ready, removed when dropped at shutdown.
+struct ReadyFile(PathBuf);
+
+impl ReadyFile {
+    fn write(path: &Path) -> anyhow::Result<Self> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("daemon.ready_file: creating {}", dir.display()))?;
+        }
+        // Through a rename: a reader never sees an empty file.
+        let tmp = path.with_extension("gpud-new");
+        std::fs::write(&tmp, format!("{}\n", std::process::id()))
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .with_context(|| format!("daemon.ready_file: writing {}", path.display()))?;
+        Ok(Self(path.to_owned()))
+    }
+}
+
+impl Drop for ReadyFile {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_file(&self.0)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!("daemon.ready_file: removing {}: {e}", self.0.display());
+        }
+    }
+}
+
 fn notify(states: &[NotifyState]) {
     if let Err(e) = sd_notify::notify(states) {
         warn!("cannot notify the service manager: {e}");
@@ -303,8 +331,14 @@ async fn run(config: Config, args: Args, mut live: Live) -> anyhow::Result<()> {
             info.attach_mode, info.enforcement_tier, info.deny_hook
         )),
     ]);
+    let ready_file = config
+        .daemon
+        .ready_file()
+        .map(ReadyFile::write)
+        .transpose()?;
 
     wait_for_signal(&mut live).await?;
+    drop(ready_file);
     notify(&[NotifyState::Stopping]);
     info!("shutting down");
     daemon.stop().await;

@@ -43,6 +43,9 @@ pub fn containerd(c: &Cluster, snapshotter: &str, runc: &Path) -> String {
     let d = c.dir.join("containerd");
     let d = d.display();
     let cni = c.dir.join("cni");
+    // Where /run/nri points (`NODE_LINKS`): plugins find the socket at its usual path.
+    let nri = c.dir.join("nri");
+    let nri = nri.display();
     format!(
         r#"version = 2
 root = "{d}/root"
@@ -63,7 +66,7 @@ disabled_plugins = [
 [plugins."io.containerd.nri.v1.nri"]
   disable = false
   disable_connections = false
-  socket_path = "{d}/nri.sock"
+  socket_path = "{nri}/nri.sock"
   plugin_path = "{d}/nri-plugins"
   plugin_config_path = "{d}/nri-conf.d"
   plugin_registration_timeout = "5s"

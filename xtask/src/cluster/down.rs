@@ -477,6 +477,12 @@ fn leftovers(c: &Cluster) -> Vec<String> {
             .into_iter()
             .map(|l| format!("log link {}", l.display())),
     );
+    left.extend(
+        super::NODE_LINKS
+            .iter()
+            .filter(|(path, dir)| std::fs::read_link(path).is_ok_and(|t| t == c.dir.join(dir)))
+            .map(|(path, _)| format!("link {path}")),
+    );
     left
 }
 
@@ -524,6 +530,16 @@ pub fn teardown(c: &Cluster, quiet: bool) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(link);
     }
     restore_sysctls(c);
+    for (path, dir) in super::NODE_LINKS {
+        if std::fs::read_link(path).is_ok_and(|t| t == c.dir.join(dir)) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    if c.root_made_shared().exists() {
+        let _ = Command::new("mount")
+            .args(["--make-rprivate", "/"])
+            .output();
+    }
     // A mount still there would take what it shows with it.
     let mounted = our_mounts(c);
     if !mounted.is_empty() {

@@ -16,6 +16,7 @@
 
 mod conf;
 mod down;
+mod e2e;
 mod image;
 mod pki;
 
@@ -34,6 +35,7 @@ use anyhow::{Context as _, bail};
 use sha2::{Digest as _, Sha256};
 
 pub use down::down;
+pub use e2e::e2e;
 
 use crate::{
     Reported, Skipped, setup,
@@ -75,6 +77,11 @@ const COMPONENTS: &[&str] = &[
     "kubelet",
     "kube-proxy",
 ];
+/// Paths that node plugins and runtimes name as such (the kubelet's root, where DRA and device
+/// plugins put their sockets; NRI's socket directory), made symbolic links into the cluster
+/// directory by `up` and removed by `down`: a DaemonSet's hostPath `/var/lib/kubelet/plugins`
+/// then works as on any node. Path, directory under the cluster's.
+const NODE_LINKS: [(&str, &str); 2] = [("/var/lib/kubelet", "kubelet"), ("/run/nri", "nri")];
 /// Sysctls the kubelet sets at start (`protectKernelDefaults: false`); `up` saves them and `down`
 /// puts them back, along with those `up` sets for the bridge.
 const SAVED_SYSCTLS: &[&str] = &[
@@ -132,6 +139,11 @@ impl Cluster {
 
     fn socket(&self) -> PathBuf {
         self.dir.join("containerd/containerd.sock")
+    }
+
+    /// Present when `up` made `/` shared (it was private).
+    fn root_made_shared(&self) -> PathBuf {
+        self.dir.join("root.made-shared")
     }
 
     /// Why kube-proxy was left out, if it was.
@@ -577,6 +589,8 @@ pub fn up() -> anyhow::Result<()> {
         let d = c.dir.join(d);
         std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
     }
+    make_root_shared(&c)?;
+    link_node_paths(&c)?;
     let host_ip = host_ip();
     pki::ensure(&c.dir.join("pki"), &c.node)?;
     for name in [
@@ -892,6 +906,58 @@ pub fn up() -> anyhow::Result<()> {
     );
     println!("export KUBECONFIG={}", c.kubeconfig().display());
     Ok(())
+}
+
+/// Makes each of [`NODE_LINKS`] a link into the cluster directory; refuses a path that is
+/// something else (another kubelet or runtime on this machine).
+fn link_node_paths(c: &Cluster) -> anyhow::Result<()> {
+    for (path, dir) in NODE_LINKS {
+        let (path, target) = (Path::new(path), c.dir.join(dir));
+        std::fs::create_dir_all(&target)
+            .with_context(|| format!("creating {}", target.display()))?;
+        match std::fs::read_link(path) {
+            Ok(t) if t == target => continue,
+            Ok(t) => bail!(
+                "cluster up: {} points to {}, not into this cluster: another cluster's? (`down` \
+                 of that one removes it)",
+                path.display(),
+                t.display()
+            ),
+            Err(_) if path.symlink_metadata().is_ok() => bail!(
+                "cluster up: {} exists: this machine runs another kubelet or runtime",
+                path.display()
+            ),
+            Err(_) => {}
+        }
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::os::unix::fs::symlink(&target, path)
+            .with_context(|| format!("linking {} to {}", path.display(), target.display()))?;
+    }
+    Ok(())
+}
+
+/// Whether `/` is a shared mount (mountinfo's optional field `shared:N`).
+fn root_is_shared() -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some("/"))
+        .is_some_and(|l| l.split(" - ").next().unwrap_or("").contains(" shared:"))
+}
+
+/// Makes `/` shared, as systemd does on every node: pods' `Bidirectional` mounts (the gpud
+/// DaemonSet's bpffs) need it. `down` makes it private again when `up` changed it.
+fn make_root_shared(c: &Cluster) -> anyhow::Result<()> {
+    if root_is_shared() {
+        return Ok(());
+    }
+    crate::util::run(
+        "mount --make-rshared /",
+        Command::new("mount").args(["--make-rshared", "/"]),
+    )?;
+    std::fs::write(c.root_made_shared(), "").context("cluster: recording that / was made shared")
 }
 
 /// Records the sysctls the cluster changes, once per `up`.

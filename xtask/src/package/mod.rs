@@ -17,6 +17,8 @@
 //! `cargo xtask test` runs both and checks them ([`test_deb`], [`test_image`]).
 
 use std::{
+    fs::Permissions,
+    os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
     process::Command,
 };
@@ -43,6 +45,22 @@ const IMAGE_PACKAGES: &str = "libelf1,ca-certificates";
 /// Where the debootstrapped root filesystem is kept between runs on one machine (a fresh clone's
 /// `target/` would lose it).
 const CACHE_DIR: &str = "/var/cache/gpud-xtask";
+/// The package's host files as the image carries them for `gpud-k8s node install`
+/// (gpud_k8s::node::IMAGE_SHARE): repository path, path in the image.
+const NODE_FILES: [(&str, &str); 3] = [
+    (
+        "systemd/dev.gpud.Daemon1.conf",
+        "usr/share/gpud/node/dev.gpud.Daemon1.conf",
+    ),
+    (
+        "config/oci-hooks.d/50-gpud-create.json",
+        "usr/share/gpud/node/hooks.d/50-gpud-create.json",
+    ),
+    (
+        "config/oci-hooks.d/50-gpud-poststop.json",
+        "usr/share/gpud/node/hooks.d/50-gpud-poststop.json",
+    ),
+];
 /// The binaries of the package and the image.
 const BINARIES: [&str; 5] = ["gpud", "gpudctl", "gpud-oci-hook", "gpud-nri", "gpud-k8s"];
 
@@ -101,19 +119,32 @@ pub fn image() -> anyhow::Result<PathBuf> {
     let stage = out_dir().join("image-stage");
     let _ = std::fs::remove_dir_all(&stage);
     std::fs::create_dir_all(stage.join("usr/bin"))?;
+    let mut added = Vec::new();
     for b in BINARIES {
-        std::fs::copy(bin.join(b), stage.join("usr/bin").join(b))
-            .with_context(|| format!("copying {b}"))?;
+        let to = format!("usr/bin/{b}");
+        std::fs::copy(bin.join(b), stage.join(&to)).with_context(|| format!("copying {b}"))?;
+        std::fs::set_permissions(stage.join(&to), Permissions::from_mode(0o755))?;
+        added.push(to);
     }
+    // What the gpud DaemonSet's `gpud-k8s node install` puts on the host: the package's files.
+    for (from, to) in NODE_FILES {
+        let to = stage.join(to);
+        if let Some(dir) = to.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::copy(root().join(from), &to).with_context(|| format!("copying {from}"))?;
+        std::fs::set_permissions(&to, Permissions::from_mode(0o644))?;
+    }
+    added.extend(NODE_FILES.map(|(_, to)| to.to_owned()));
     run_cmd(
-        "tar --append (binaries into the root filesystem)",
+        "tar --append (binaries and host files into the root filesystem)",
         Command::new("tar")
             .arg("--append")
             .arg("--file")
             .arg(&tar)
-            .args(["--owner=0", "--group=0", "--mode=0755", "--directory"])
+            .args(["--owner=0", "--group=0", "--directory"])
             .arg(&stage)
-            .args(BINARIES.map(|b| format!("./usr/bin/{b}"))),
+            .args(added.iter().map(|p| format!("./{p}"))),
     )?;
     let revision = output(
         "git rev-parse HEAD",

@@ -1,0 +1,862 @@
+//! Test program: gpud end to end on a real single-node Kubernetes (`cargo xtask cluster up`),
+//! the way an operator installs it, with the fake control device and the fake NVML standing in
+//! for two GPUs on the node. Run by `cargo xtask test` (the "kubernetes (real cluster)" stage)
+//! once the cluster is up and gpud's image is in its containerd; exits 0 when every check holds.
+//!
+//! `gpud-cluster-e2e --kubeconfig K --kubectl KUBECTL --image localhost/gpud:V --update-tag T`
+//!
+//! 1. The node: a system bus if it has none (the stock `dbus-daemon --system`), the fake
+//!    control device (two GPUs of 80 GiB) and the fake NVML following its ledger, under
+//!    `/run/gpud-e2e`.
+//! 2. `kubectl apply -k` of deploy/kubernetes/gpud (an overlay adds the fakes' paths to the
+//!    configuration and mounts them): gpud Ready, its files on the host, `gpudctl` on the host
+//!    answering over the host's bus.
+//! 3. The DRA flavour: a pod claiming 8 GiB + 30 % runs with exactly those limits on its
+//!    container's cgroup; a tenant in it (`gpud-rm`, through `kubectl exec`) crossing 8 GiB is
+//!    stopped; its metrics carry its pod's name; a second claim (80 % of compute) lands on the
+//!    other GPU.
+//! 4. A rolling update of the gpud DaemonSet (the same image under another tag): while the old
+//!    pod stops and the new one starts, the limit stays in force (the tenant is stopped at its
+//!    limit during the update) and afterwards gpud counts exactly the fake driver's ledger.
+//! 5. Deleting the pods clears their limits; deleting the flavour and gpud leaves the node as it
+//!    was (no host file, pin, state or bus name of gpud).
+//!
+//! Prints what it did, with `kubectl get pods -A -o wide` and `gpudctl list --json` along the
+//! way.
+
+use std::{
+    io::Write as _,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail, ensure};
+use clap::Parser;
+use gpud_tests::{
+    LedgerNvml,
+    fakenv::{self, Options},
+    install_fake_nvml,
+};
+use serde_json::Value;
+
+/// Where the node's fakes live (a host path the pods mount).
+const FAKES: &str = "/run/gpud-e2e";
+const GIB: u64 = 1 << 30;
+/// The claim of the first pod, as the example ResourceClaimTemplate has it.
+const CLAIM_MEMORY: u64 = 8 * GIB;
+
+#[derive(Parser)]
+struct Cli {
+    #[arg(long)]
+    kubeconfig: PathBuf,
+    #[arg(long)]
+    kubectl: PathBuf,
+    /// gpud's image as imported into the node's containerd.
+    #[arg(long)]
+    image: String,
+    /// A second tag of the same image, for the rolling update.
+    #[arg(long)]
+    update_tag: String,
+}
+
+struct E2e {
+    cli: Cli,
+    repo: PathBuf,
+    work: PathBuf,
+    started: Instant,
+}
+
+impl E2e {
+    fn step(&self, what: &str) {
+        println!("\n[{:>6.1}s] {what}", self.started.elapsed().as_secs_f64());
+    }
+
+    fn kubectl(&self) -> Command {
+        let mut c = Command::new(&self.cli.kubectl);
+        c.arg("--kubeconfig").arg(&self.cli.kubeconfig);
+        c
+    }
+
+    /// `kubectl ARGS` (stdin from `input`): its stdout, or an error with its stderr.
+    fn k_in(&self, args: &[&str], input: Option<&str>) -> anyhow::Result<String> {
+        let mut cmd = self.kubectl();
+        cmd.args(args)
+            .stdin(if input.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().context("starting kubectl")?;
+        if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
+            stdin.write_all(text.as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        ensure!(
+            out.status.success(),
+            "kubectl {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim(),
+            String::from_utf8_lossy(&out.stdout).trim()
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn k(&self, args: &[&str]) -> anyhow::Result<String> {
+        self.k_in(args, None)
+    }
+
+    fn k_json(&self, args: &[&str]) -> anyhow::Result<Value> {
+        let mut a = args.to_vec();
+        a.extend(["-o", "json"]);
+        Ok(serde_json::from_str(&self.k(&a)?)?)
+    }
+
+    /// Prints `kubectl get pods -A -o wide`.
+    fn show_pods(&self) {
+        match self.k(&["get", "pods", "-A", "-o", "wide"]) {
+            Ok(s) => print!("$ kubectl get pods -A -o wide\n{s}"),
+            Err(e) => println!("kubectl get pods: {e:#}"),
+        }
+    }
+
+    /// The host's gpudctl (installed by the DaemonSet), over the host's system bus.
+    fn gpudctl(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = Command::new("/opt/gpud/bin/gpudctl")
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .context("running /opt/gpud/bin/gpudctl")?;
+        ensure!(
+            out.status.success(),
+            "gpudctl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// `gpudctl --json list`'s rows.
+    fn cgroups(&self) -> anyhow::Result<Vec<Value>> {
+        let v: Value = serde_json::from_str(&self.gpudctl(&["--json", "list"])?)?;
+        Ok(v.as_array().cloned().unwrap_or_default())
+    }
+
+    /// The `gpudctl --json list` row of `cgroup`.
+    fn row_at(&self, cgroup: &str) -> anyhow::Result<Option<Value>> {
+        Ok(self.cgroups()?.into_iter().find(|r| r["path"] == cgroup))
+    }
+
+    /// The `gpudctl --json limits` entry on the cgroup of the pod with `uid` (cgroupfs names
+    /// it `pod<uid>`, systemd `pod<uid with _>.slice`).
+    fn limits_of(&self, uid: &str) -> anyhow::Result<Option<Value>> {
+        let v: Value = serde_json::from_str(&self.gpudctl(&["--json", "limits"])?)?;
+        let (a, b) = (format!("pod{uid}"), format!("pod{}", uid.replace('-', "_")));
+        Ok(v.as_array()
+            .into_iter()
+            .flatten()
+            .find(|l| {
+                l["cgroup"]
+                    .as_str()
+                    .and_then(|c| c.rsplit('/').next())
+                    .is_some_and(|last| last == a || last.starts_with(&b))
+            })
+            .cloned())
+    }
+
+    fn apply_k(&self, dir: &Path) -> anyhow::Result<()> {
+        let out = self.k(&["apply", "-k", &dir.to_string_lossy()])?;
+        print!("{out}");
+        Ok(())
+    }
+
+    /// Writes a kustomize overlay in `work/NAME` over `base` (a directory of
+    /// deploy/kubernetes) with the image tag and any further kustomization text.
+    fn overlay(&self, name: &str, base: &str, tag: &str, extra: &str) -> anyhow::Result<PathBuf> {
+        let dir = self.work.join(name);
+        std::fs::create_dir_all(&dir)?;
+        let base = self.repo.join("deploy/kubernetes").join(base);
+        let (repo, new_tag) = self.cli.image.rsplit_once(':').context("--image: no tag")?;
+        let new_tag = if tag.is_empty() { new_tag } else { tag };
+        std::fs::write(
+            dir.join("kustomization.yaml"),
+            format!(
+                "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+                 resources:\n  - {}\nimages:\n  - name: localhost/gpud\n    newName: {repo}\n    newTag: {new_tag}\n{extra}",
+                relative(&dir, &base).display()
+            ),
+        )?;
+        Ok(dir)
+    }
+}
+
+/// `to` as a path relative to `from` (kustomize takes bases outside its root only so).
+fn relative(from: &Path, to: &Path) -> PathBuf {
+    let from: Vec<_> = from.components().collect();
+    let to: Vec<_> = to.components().collect();
+    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
+    let mut p = PathBuf::new();
+    for _ in common..from.len() {
+        p.push("..");
+    }
+    for c in &to[common..] {
+        p.push(c);
+    }
+    p
+}
+
+/// Polls `check` every half second until it returns `Some`, or fails naming `what` and the
+/// last reason `check` gave.
+fn wait<T>(
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut() -> Result<T, String>,
+) -> anyhow::Result<T> {
+    let start = Instant::now();
+    loop {
+        match check() {
+            Ok(v) => return Ok(v),
+            Err(why) if start.elapsed() > timeout => {
+                bail!("{what}: not within {timeout:?}: {why}")
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    }
+}
+
+/// The node's system bus: the running one, or a stock `dbus-daemon --system` started here (a
+/// node without systemd, such as this test machine), stopped when dropped.
+struct SystemBus(Option<std::process::Child>);
+
+impl SystemBus {
+    fn ensure() -> anyhow::Result<Self> {
+        let socket = Path::new("/run/dbus/system_bus_socket");
+        if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+            println!("the node's system bus runs");
+            return Ok(Self(None));
+        }
+        let _ = std::fs::remove_file(socket);
+        std::fs::create_dir_all("/run/dbus")?;
+        let child = Command::new("dbus-daemon")
+            .args(["--system", "--nofork", "--nopidfile"])
+            .spawn()
+            .context("starting dbus-daemon --system")?;
+        wait("the system bus's socket", Duration::from_secs(10), || {
+            std::os::unix::net::UnixStream::connect(socket)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })?;
+        println!("started the node's system bus (dbus-daemon --system, its stock configuration)");
+        Ok(Self(Some(child)))
+    }
+}
+
+impl Drop for SystemBus {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+            let _ = std::fs::remove_file("/run/dbus/system_bus_socket");
+        }
+    }
+}
+
+/// What gpud leaves on a node, as paths: none of them exists before the install and after the
+/// uninstall.
+const NODE_TRACES: &[&str] = &[
+    "/etc/dbus-1/system.d/dev.gpud.Daemon1.conf",
+    "/opt/gpud",
+    "/etc/containers/oci/hooks.d/50-gpud-create.json",
+    "/sys/fs/bpf/gpud",
+    "/var/lib/gpud",
+    "/run/gpud",
+];
+
+/// The node's fakes and bus, owned outside [`run`]: on a failure the pods still hold the fake
+/// device's mount, so its server must not wait for them (the process exits instead, and
+/// `cargo xtask cluster e2e` removes what is left once the cluster is down).
+#[derive(Default)]
+struct Node {
+    bus: Option<SystemBus>,
+    nv: Option<fakenv::FakeNv>,
+    nvml: Option<LedgerNvml>,
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let repo = repo.canonicalize().unwrap_or(repo);
+    let work = repo.join("target/cluster/e2e");
+    let _ = std::fs::remove_dir_all(&work);
+    let e = E2e {
+        cli,
+        repo,
+        work,
+        started: Instant::now(),
+    };
+    let mut node = Node::default();
+    match run(&e, &mut node) {
+        Ok(()) => {
+            println!(
+                "\nE2E RESULT: PASS ({:.0} s)",
+                e.started.elapsed().as_secs_f64()
+            );
+            drop(node);
+            let _ = std::fs::remove_dir_all(FAKES);
+            std::process::ExitCode::SUCCESS
+        }
+        Err(err) => {
+            println!("\nE2E RESULT: FAIL: {err:#}");
+            e.show_pods();
+            if let Ok(s) = e.k(&[
+                "-n",
+                "gpud-system",
+                "logs",
+                "-l",
+                "app.kubernetes.io/part-of=gpud",
+                "--all-containers",
+                "--tail",
+                "40",
+                "--prefix",
+            ]) {
+                println!("--- gpud-system's logs:\n{s}");
+            }
+            if let Ok(s) = e.k(&["get", "events", "-A", "--sort-by=.lastTimestamp"]) {
+                println!("--- events:\n{s}");
+            }
+            drop(node.nvml.take());
+            drop(node.bus.take());
+            std::mem::forget(node.nv.take());
+            let _ = std::io::stdout().flush();
+            std::process::exit(1)
+        }
+    }
+}
+
+fn run(e: &E2e, node: &mut Node) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&e.work)?;
+    e.step("the node: its system bus, two fake GPUs and the fake NVML");
+    for t in NODE_TRACES {
+        ensure!(
+            !Path::new(t).exists(),
+            "{t} exists before gpud is installed: this node is not clean (gpud's package, or \
+             an earlier run?)"
+        );
+    }
+    node.bus = Some(SystemBus::ensure()?);
+    let fakes = Path::new(FAKES);
+    let nv_dir = fakes.join("nv");
+    let nvml_dir = fakes.join("nvml");
+    let nv = node.nv.insert(
+        fakenv::mount(
+            &nv_dir,
+            Options {
+                gpus: 2,
+                ..Options::default()
+            },
+        )
+        .context("mounting the fake control device")?,
+    );
+    install_fake_nvml(&nvml_dir);
+    node.nvml = Some(LedgerNvml::follow(&nv_dir, &nvml_dir, 2));
+    e.k(&[
+        "label",
+        "node",
+        "--all",
+        "--overwrite",
+        "gpud.dev/sharing=true",
+    ])?;
+
+    e.step("kubectl apply -k deploy/kubernetes/gpud (overlay: the fakes' paths)");
+    let config = format!(
+        "[daemon]\nready_file = \"/run/gpud/ready\"\n\n[metrics]\nlisten = \"127.0.0.1:9400\"\n\n\
+         [devices]\nextra_paths = [\"{nv}\"]\n\n[nvml]\nlibrary_path = \"{lib}\"\n",
+        nv = nv_dir.join("nvidiactl").display(),
+        lib = nvml_dir.join("libnvidia-ml.so.1").display(),
+    );
+    let patch = format!(
+        "configMapGenerator:\n  - name: gpud-config\n    namespace: gpud-system\n    behavior: replace\n    files:\n      - gpud.toml\n\
+         patches:\n  - target: {{ kind: DaemonSet, name: gpud }}\n    patch: |-\n\
+         \x20     - op: add\n        path: /spec/template/spec/volumes/-\n        value: {{ name: fakes, hostPath: {{ path: {FAKES}, type: Directory }} }}\n\
+         \x20     - op: add\n        path: /spec/template/spec/containers/0/volumeMounts/-\n        value: {{ name: fakes, mountPath: {FAKES} }}\n"
+    );
+    let gpud_overlay = e.overlay("gpud", "gpud", "", &patch)?;
+    std::fs::write(gpud_overlay.join("gpud.toml"), &config)?;
+    e.apply_k(&gpud_overlay)?;
+    e.k(&[
+        "-n",
+        "gpud-system",
+        "rollout",
+        "status",
+        "ds/gpud",
+        "--timeout=180s",
+    ])?;
+    for f in [
+        "/etc/dbus-1/system.d/dev.gpud.Daemon1.conf",
+        "/opt/gpud/bin/gpud-oci-hook",
+        "/opt/gpud/bin/gpudctl",
+        "/run/gpud/ready",
+        // On the host's bpffs, where they outlive the pod.
+        "/sys/fs/bpf/gpud",
+    ] {
+        ensure!(
+            Path::new(f).exists(),
+            "{f}: not on the node after the install"
+        );
+    }
+    let status = e.gpudctl(&["status"])?;
+    print!("$ /opt/gpud/bin/gpudctl status (on the node, over its system bus)\n{status}");
+    e.show_pods();
+
+    e.step("the DRA flavour: kubectl apply -k deploy/kubernetes/dra");
+    let dra_overlay = e.overlay("dra", "dra", "", "")?;
+    e.apply_k(&dra_overlay)?;
+    e.k(&[
+        "-n",
+        "gpud-system",
+        "rollout",
+        "status",
+        "ds/gpud-k8s-dra",
+        "--timeout=180s",
+    ])?;
+    wait("the node's ResourceSlice", Duration::from_secs(60), || {
+        let v = e
+            .k_json(&["get", "resourceslices"])
+            .map_err(|e| e.to_string())?;
+        let n = v["items"].as_array().map_or(0, Vec::len);
+        if n > 0 {
+            Ok(())
+        } else {
+            Err("none yet".into())
+        }
+    })?;
+
+    // A pod whose claim the kubelet cannot prepare yet is retried with a growing back-off: wait
+    // for the kubelet to have registered the driver first.
+    wait(
+        "the DRA driver's registration with the kubelet",
+        Duration::from_secs(60),
+        || {
+            let logs = e
+                .k(&["-n", "gpud-system", "logs", "ds/gpud-k8s-dra", "-c", "dra"])
+                .map_err(|e| e.to_string())?;
+            if logs.contains("registered with the kubelet") {
+                Ok(())
+            } else {
+                Err("not yet".into())
+            }
+        },
+    )?;
+
+    e.step("a pod claiming 8 GiB + 30 %");
+    let tenant = |name: &str, template: &str| -> String {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n\
+             \x20 terminationGracePeriodSeconds: 1\n\
+             \x20 resourceClaims:\n    - name: gpu\n      resourceClaimTemplateName: {template}\n\
+             \x20 containers:\n    - name: tenant\n      image: {image}\n      imagePullPolicy: IfNotPresent\n\
+             \x20     command: [sleep, infinity]\n      resources:\n        claims:\n          - name: gpu\n\
+             \x20     volumeMounts:\n        - {{ name: fakes, mountPath: {FAKES} }}\n        - {{ name: rm, mountPath: /e2e/gpud-rm }}\n\
+             \x20 volumes:\n    - {{ name: fakes, hostPath: {{ path: {FAKES}, type: Directory }} }}\n\
+             \x20   - {{ name: rm, hostPath: {{ path: {rm}, type: File }} }}\n",
+            image = e.cli.image,
+            rm = gpud_tests::bin_dir().join("gpud-rm").display(),
+        )
+    };
+    let template = |name: &str, memory: &str, compute: &str| -> String {
+        format!(
+            "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: {name}\n  namespace: default\n\
+             spec:\n  spec:\n    devices:\n      requests:\n        - name: gpu\n          exactly:\n\
+             \x20           deviceClassName: gpud-gpu\n            capacity:\n              requests:\n\
+             \x20               memory: {memory}\n                compute: \"{compute}\"\n"
+        )
+    };
+    e.k_in(
+        &["apply", "-f", "-"],
+        Some(&template("gpu-8g-30", "8Gi", "30")),
+    )?;
+    e.k_in(
+        &["apply", "-f", "-"],
+        Some(&tenant("tenant-a", "gpu-8g-30")),
+    )?;
+    e.k(&[
+        "wait",
+        "--for=condition=Ready",
+        "pod/tenant-a",
+        "--timeout=120s",
+    ])?;
+    let gpu_a = allocated_gpu(e, "tenant-a")?;
+    // The claim's limits go on the pod's cgroup (every container of the pod shares the claim).
+    let uid = e.k(&["get", "pod", "tenant-a", "-o", "jsonpath={.metadata.uid}"])?;
+    let limit = wait(
+        "tenant-a's limits in gpudctl limits",
+        Duration::from_secs(30),
+        || {
+            e.limits_of(uid.trim())
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| format!("no limit on a cgroup of pod {uid}"))
+        },
+    )?;
+    let cgroup = limit["cgroup"].as_str().unwrap_or_default().to_owned();
+    println!("tenant-a: GPU {gpu_a}, pod cgroup {cgroup}, limits {limit}");
+    ensure!(
+        limit["limits"]["memory_max"] == CLAIM_MEMORY && limit["limits"]["compute_max"] == 30,
+        "the limits on {cgroup} are not exactly 8 GiB and 30 %: {limit}"
+    );
+
+    e.step("the tenant crosses 8 GiB from inside the pod (kubectl exec gpud-rm)");
+    let (mut attacker, dev) = Holder::open_gpu(e, "tenant-a", 0xc1, gpu_a)?;
+    for _ in 0..3 {
+        let answer = attacker.say(&format!("alloc 0xc1 {dev} 3G"))?;
+        println!(
+            "alloc 3G: {}",
+            if answer.is_empty() {
+                "(no answer: the tenant is gone)"
+            } else {
+                &answer
+            }
+        );
+    }
+    drop(attacker);
+    within_limit(nv, gpu_a, "after the tenant's attack")?;
+    let row = e
+        .row_at(&cgroup)?
+        .context("tenant-a's pod cgroup in gpudctl list")?;
+    println!("tenant-a's pod after the attack: {row}");
+    ensure!(
+        row["workload"]["pod"] == "tenant-a" && row["workload"]["namespace"] == "default",
+        "tenant-a's pod cgroup does not carry its names: {}",
+        row["workload"]
+    );
+    ensure!(
+        row["memory_events"].as_u64().unwrap_or(0) >= 1,
+        "no memory event counted on tenant-a's cgroup"
+    );
+
+    e.step("its metrics carry its pod's name");
+    let scrape = ureq::get("http://127.0.0.1:9400/metrics")
+        .call()
+        .context("scraping gpud's metrics")?
+        .into_body()
+        .read_to_string()?;
+    let labelled: Vec<&str> = scrape
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.contains("pod=\"tenant-a\""))
+        .collect();
+    println!("{} series name pod=\"tenant-a\", e.g.:", labelled.len());
+    for l in labelled.iter().take(4) {
+        println!("  {l}");
+    }
+    ensure!(
+        labelled.iter().any(|l| l.contains("namespace=\"default\"")),
+        "no series labelled with tenant-a's namespace and pod"
+    );
+
+    e.step("a second claim (80 % of compute) lands on the other GPU");
+    e.k_in(
+        &["apply", "-f", "-"],
+        Some(&template("gpu-8g-80", "8Gi", "80")),
+    )?;
+    e.k_in(
+        &["apply", "-f", "-"],
+        Some(&tenant("tenant-b", "gpu-8g-80")),
+    )?;
+    e.k(&[
+        "wait",
+        "--for=condition=Ready",
+        "pod/tenant-b",
+        "--timeout=120s",
+    ])?;
+    let gpu_b = allocated_gpu(e, "tenant-b")?;
+    ensure!(gpu_b != gpu_a, "both claims on GPU {gpu_a}");
+    println!("tenant-b: GPU {gpu_b}");
+    e.show_pods();
+    println!("$ gpudctl --json list\n{}", e.gpudctl(&["--json", "list"])?);
+
+    e.step("a rolling update of gpud (another tag) while tenant-a holds 6 GiB");
+    let (mut holder, held_dev) = Holder::open_gpu(e, "tenant-a", 0xc3, gpu_a)?;
+    for _ in 0..2 {
+        let line = format!("alloc 0xc3 {held_dev} 3G");
+        let answer = holder.say(&line)?;
+        ensure!(answer.contains("\"ok\":true"), "{line}: {answer}");
+    }
+    let counted = |row: &Value| {
+        row["memory_current"][gpu_a.to_string()]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let before = wait("gpud to count the holder", Duration::from_secs(10), || {
+        let row = e
+            .row_at(&cgroup)
+            .map_err(|e| e.to_string())?
+            .ok_or("no row")?;
+        let ledger = nv.snapshot().used(gpu_a);
+        if counted(&row) == ledger {
+            Ok(row)
+        } else {
+            Err(format!(
+                "gpud counts {}, the ledger {ledger}",
+                counted(&row)
+            ))
+        }
+    })?;
+    println!(
+        "before: gpud counts {} on GPU {gpu_a}, the fake driver holds {}; limits {}",
+        counted(&before),
+        nv.snapshot().used(gpu_a),
+        before["memory_max"]
+    );
+    let updated = e.overlay("gpud-update", "gpud", &e.cli.update_tag, &patch)?;
+    std::fs::write(updated.join("gpud.toml"), &config)?;
+    e.apply_k(&updated)?;
+    // Until the new pod is ready: a tenant crossing the limit meanwhile is stopped by the
+    // programs gpud left attached, whether or not a gpud runs at that moment.
+    let update_started = Instant::now();
+    let (mut tries, mut while_down) = (0, 0);
+    loop {
+        let down = e.gpudctl(&["status"]).is_err();
+        let (mut t, dev) = Holder::open_gpu(e, "tenant-a", 0xc4, gpu_a)?;
+        let answers = t.say(&format!("alloc 0xc4 {dev} 3G"))?;
+        drop(t);
+        tries += 1;
+        while_down += usize::from(down);
+        within_limit(
+            nv,
+            gpu_a,
+            &format!("an attempt during the update ({answers:?})"),
+        )?;
+        let done = e
+            .k(&[
+                "-n",
+                "gpud-system",
+                "rollout",
+                "status",
+                "ds/gpud",
+                "--timeout=1s",
+            ])
+            .is_ok();
+        if done || update_started.elapsed() > Duration::from_secs(180) {
+            break;
+        }
+    }
+    e.k(&[
+        "-n",
+        "gpud-system",
+        "rollout",
+        "status",
+        "ds/gpud",
+        "--timeout=60s",
+    ])?;
+    println!(
+        "the update took {:.1} s: {tries} tries to cross the limit, {while_down} of them while \
+         gpudctl status got no answer, all stopped",
+        update_started.elapsed().as_secs_f64()
+    );
+    let after = wait(
+        "gpud to count the holder after the update",
+        Duration::from_secs(30),
+        || {
+            let row = e
+                .row_at(&cgroup)
+                .map_err(|e| e.to_string())?
+                .ok_or("no row")?;
+            let ledger = nv.snapshot().used(gpu_a);
+            if counted(&row) == ledger {
+                Ok(row)
+            } else {
+                Err(format!(
+                    "gpud counts {}, the ledger holds {ledger}",
+                    counted(&row)
+                ))
+            }
+        },
+    )?;
+    println!(
+        "after: gpud counts {} on GPU {gpu_a} (the ledger: {}), limits {}",
+        counted(&after),
+        nv.snapshot().used(gpu_a),
+        after["memory_max"]
+    );
+    ensure!(
+        counted(&after) == 6 * GIB,
+        "the holder's 6 GiB are not counted after the update"
+    );
+    ensure!(
+        after["memory_max"] == before["memory_max"],
+        "the limit changed across the update: {} then {}",
+        before["memory_max"],
+        after["memory_max"]
+    );
+    let answer = holder.say(&format!("alloc 0xc3 {held_dev} 3G"))?;
+    within_limit(
+        nv,
+        gpu_a,
+        &format!("the holder's crossing after the update ({answer})"),
+    )?;
+    drop(holder);
+
+    e.step("deleting the pods clears their limits");
+    e.k(&[
+        "delete",
+        "pod",
+        "tenant-a",
+        "tenant-b",
+        "--wait=true",
+        "--timeout=60s",
+    ])?;
+    wait("the tenants' limits to go", Duration::from_secs(30), || {
+        let limits = e
+            .gpudctl(&["--json", "limits"])
+            .map_err(|e| e.to_string())?;
+        if limits.contains(&cgroup) {
+            Err(format!("still listed: {limits}"))
+        } else {
+            Ok(())
+        }
+    })?;
+
+    e.step("uninstall: kubectl delete -k the DRA flavour, then gpud");
+    e.k(&["delete", "resourceclaimtemplate", "gpu-8g-30", "gpu-8g-80"])?;
+    // The namespace is common to both: deleting the flavour takes gpud's DaemonSet with it
+    // (its preStop hook then finds it gone), and the second delete finds what is left.
+    for overlay in [&dra_overlay, &updated] {
+        e.k(&[
+            "delete",
+            "-k",
+            &overlay.to_string_lossy(),
+            "--ignore-not-found",
+            "--wait=true",
+            "--timeout=120s",
+        ])?;
+    }
+    wait("gpud's pods to go", Duration::from_secs(120), || {
+        let pods = e
+            .k(&[
+                "get",
+                "pods",
+                "-A",
+                "-l",
+                "app.kubernetes.io/part-of=gpud",
+                "-o",
+                "name",
+            ])
+            .map_err(|e| e.to_string())?;
+        if pods.trim().is_empty() {
+            Ok(())
+        } else {
+            Err(pods)
+        }
+    })?;
+    let left: Vec<&&str> = NODE_TRACES
+        .iter()
+        .filter(|t| Path::new(t).exists())
+        .collect();
+    ensure!(
+        left.is_empty(),
+        "gpud left on the node after the uninstall: {left:?}"
+    );
+    e.k(&["label", "node", "--all", "gpud.dev/sharing-"])?;
+    e.show_pods();
+    Ok(())
+}
+
+/// Waits (a few seconds: a react tier kills at once, but asynchronously) until the fake driver
+/// holds no more than the claim on `gpu`.
+fn within_limit(nv: &fakenv::FakeNv, gpu: u32, when: &str) -> anyhow::Result<()> {
+    wait(
+        &format!("GPU {gpu} within the limit {when}"),
+        Duration::from_secs(5),
+        || {
+            let used = nv.snapshot().used(gpu);
+            if used <= CLAIM_MEMORY {
+                Ok(())
+            } else {
+                Err(format!("the fake driver holds {used} bytes"))
+            }
+        },
+    )
+}
+
+/// A `gpud-rm` in a pod that lives across steps: `kubectl exec -i` with its standard input kept
+/// open, one answer line per command.
+struct Holder {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Holder {
+    fn start(e: &E2e, pod: &str) -> anyhow::Result<Self> {
+        let nv = Path::new(FAKES).join("nv/nvidiactl");
+        let mut child = e
+            .kubectl()
+            .args(["exec", "-i", pod, "--", "/e2e/gpud-rm", "--file"])
+            .arg(&nv)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("kubectl exec")?;
+        let stdin = child.stdin.take();
+        let stdout = std::io::BufReader::new(child.stdout.take().context("stdout")?);
+        Ok(Self {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
+    /// A tenant in `pod` with a client `client` and a device on `gpu`: the device's handle.
+    fn open_gpu(e: &E2e, pod: &str, client: u32, gpu: u32) -> anyhow::Result<(Self, String)> {
+        let mut h = Self::start(e, pod)?;
+        let answer = h.say(&format!("client {client:#x}"))?;
+        ensure!(answer.contains("\"ok\":true"), "client: {answer:?}");
+        let answer = h.say(&format!("device {client:#x} {gpu}"))?;
+        let v: Value =
+            serde_json::from_str(&answer).with_context(|| format!("device: {answer:?}"))?;
+        ensure!(v["ok"] == true, "device: {answer}");
+        let handle = v["handle"].as_u64().context("device: no handle")?;
+        Ok((h, format!("{handle:#x}")))
+    }
+
+    /// Sends one command; its answer line, or "" once the tenant is gone (killed by gpud).
+    fn say(&mut self, line: &str) -> anyhow::Result<String> {
+        use std::io::BufRead as _;
+        let stdin = self.stdin.as_mut().context("closed")?;
+        if writeln!(stdin, "{line}")
+            .and_then(|()| stdin.flush())
+            .is_err()
+        {
+            return Ok(String::new());
+        }
+        let mut answer = String::new();
+        self.stdout.read_line(&mut answer)?;
+        Ok(answer.trim().to_owned())
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        // End of input: gpud-rm exits, its file closes, the driver frees what it held.
+        drop(self.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// The GPU index the DRA driver allocated to `pod`'s claim (its device `gpu-N`).
+fn allocated_gpu(e: &E2e, pod: &str) -> anyhow::Result<u32> {
+    let p = e.k_json(&["get", "pod", pod])?;
+    let claim = p["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        .as_str()
+        .context("the pod names no claim")?
+        .to_owned();
+    let c = e.k_json(&["get", "resourceclaim", &claim])?;
+    let device = c["status"]["allocation"]["devices"]["results"][0]["device"]
+        .as_str()
+        .context("the claim is not allocated")?;
+    device
+        .strip_prefix("gpu-")
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("device {device}: not gpu-N"))
+}
