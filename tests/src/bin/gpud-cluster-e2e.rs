@@ -18,8 +18,12 @@
 //! 4. A rolling update of the gpud DaemonSet (the same image under another tag): while the old
 //!    pod stops and the new one starts, the limit stays in force (the tenant is stopped at its
 //!    limit during the update) and afterwards gpud counts exactly the fake driver's ledger.
-//! 5. Deleting the pods clears their limits; deleting the flavour and gpud leaves the node as it
-//!    was (no host file, pin, state or bus name of gpud).
+//! 5. Deleting the pods clears their limits.
+//! 6. The device-plugin flavour in place of DRA: a container granted 8 GiB + 30 % has exactly
+//!    those limits (applied by gpud's NRI plugin), its tenant is stopped at 8 GiB, and deleting
+//!    it clears them.
+//! 7. Deleting the flavours and gpud leaves the node as it was (no host file, pin, state or
+//!    bus name of gpud).
 //!
 //! Prints what it did, with `kubectl get pods -A -o wide` and `gpudctl list --json` along the
 //! way.
@@ -38,7 +42,7 @@ use gpud_tests::{
     fakenv::{self, Options},
     install_fake_nvml,
 };
-use serde_json::Value;
+use serde_json::{Value, json};
 
 /// Where the node's fakes live (a host path the pods mount).
 const FAKES: &str = "/run/gpud-e2e";
@@ -149,8 +153,8 @@ impl E2e {
         Ok(self.cgroups()?.into_iter().find(|r| r["path"] == cgroup))
     }
 
-    /// The `gpudctl --json limits` entry on the cgroup of the pod with `uid` (cgroupfs names
-    /// it `pod<uid>`, systemd `pod<uid with _>.slice`).
+    /// The `gpudctl --json limits` entry on the cgroup of the pod with `uid` or one of its
+    /// containers (cgroupfs names the pod's `pod<uid>`, systemd `…pod<uid with _>.slice`).
     fn limits_of(&self, uid: &str) -> anyhow::Result<Option<Value>> {
         let v: Value = serde_json::from_str(&self.gpudctl(&["--json", "limits"])?)?;
         let (a, b) = (format!("pod{uid}"), format!("pod{}", uid.replace('-', "_")));
@@ -158,12 +162,123 @@ impl E2e {
             .into_iter()
             .flatten()
             .find(|l| {
-                l["cgroup"]
-                    .as_str()
-                    .and_then(|c| c.rsplit('/').next())
-                    .is_some_and(|last| last == a || last.starts_with(&b))
+                l["cgroup"].as_str().is_some_and(|c| {
+                    c.split('/')
+                        .any(|part| part == a || (part.starts_with(&b) && part.ends_with(".slice")))
+                })
             })
             .cloned())
+    }
+
+    /// Starts the tenant pod `name` (the image, `sleep infinity`, the fake device and `gpud-rm`
+    /// mounted) with its GPU share, waits until it runs; its UID.
+    fn run_tenant(&self, name: &str, gets: TenantGets) -> anyhow::Result<String> {
+        let mut container = json!({
+            "name": "tenant",
+            "image": self.cli.image,
+            "imagePullPolicy": "IfNotPresent",
+            "command": ["sleep", "infinity"],
+            "volumeMounts": [
+                { "name": "fakes", "mountPath": FAKES },
+                { "name": "rm", "mountPath": "/e2e/gpud-rm" },
+            ],
+        });
+        let mut spec = json!({
+            "terminationGracePeriodSeconds": 1,
+            "volumes": [
+                { "name": "fakes", "hostPath": { "path": FAKES, "type": "Directory" } },
+                { "name": "rm", "hostPath": {
+                    "path": gpud_tests::bin_dir().join("gpud-rm"), "type": "File" } },
+            ],
+        });
+        match gets {
+            TenantGets::Claim(template) => {
+                spec["resourceClaims"] =
+                    json!([{ "name": "gpu", "resourceClaimTemplateName": template }]);
+                container["resources"] = json!({ "claims": [{ "name": "gpu" }] });
+            }
+            TenantGets::Granted => {
+                container["resources"] = json!({ "limits": {
+                    "gpud.dev/gpu-memory": (CLAIM_MEMORY / GIB).to_string(),
+                    "gpud.dev/gpu-compute": "30",
+                } });
+            }
+        }
+        spec["containers"] = json!([container]);
+        let pod = json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": { "name": name, "namespace": "default" },
+            "spec": spec,
+        });
+        self.k_in(&["apply", "-f", "-"], Some(&pod.to_string()))?;
+        self.k(&[
+            "wait",
+            "--for=condition=Ready",
+            &format!("pod/{name}"),
+            "--timeout=120s",
+        ])?;
+        Ok(self
+            .k(&["get", "pod", name, "-o", "jsonpath={.metadata.uid}"])?
+            .trim()
+            .to_owned())
+    }
+
+    /// Waits for the limits gpud got for the pod with `uid` and checks they are exactly the
+    /// claim's 8 GiB and 30 %; the cgroup they are on.
+    fn exact_limits(&self, uid: &str, pod: &str) -> anyhow::Result<String> {
+        let limit = wait(&format!("{pod}'s limits"), Duration::from_secs(30), || {
+            self.limits_of(uid)
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| format!("no limit on a cgroup of pod {uid}"))
+        })?;
+        let cgroup = limit["cgroup"].as_str().unwrap_or_default().to_owned();
+        println!("{pod}: cgroup {cgroup}, limits {limit}");
+        ensure!(
+            limit["limits"]["memory_max"] == CLAIM_MEMORY && limit["limits"]["compute_max"] == 30,
+            "the limits on {cgroup} are not exactly 8 GiB and 30 %: {limit}"
+        );
+        Ok(cgroup)
+    }
+
+    /// A tenant in `pod` takes 3 GiB three times on `gpu`: the third crosses 8 GiB, and the
+    /// fake driver must hold no more than 8 GiB afterwards.
+    fn cross_the_limit(
+        &self,
+        nv: &fakenv::FakeNv,
+        pod: &str,
+        client: u32,
+        gpu: u32,
+    ) -> anyhow::Result<()> {
+        let (mut attacker, dev) = Holder::open_gpu(self, pod, client, gpu)?;
+        for _ in 0..3 {
+            let answer = attacker.say(&format!("alloc {client:#x} {dev} 3G"))?;
+            if answer.is_empty() {
+                println!("alloc 3G: (no answer: the tenant is gone)");
+            } else {
+                println!("alloc 3G: {answer}");
+            }
+        }
+        drop(attacker);
+        within_limit(nv, gpu, &format!("after {pod}'s tenant crossed it"))
+    }
+
+    /// Waits until no limit is listed on `cgroup`.
+    fn limits_gone(&self, cgroup: &str) -> anyhow::Result<()> {
+        wait(
+            &format!("the limits of {cgroup} to go"),
+            Duration::from_secs(30),
+            || {
+                let limits = self
+                    .gpudctl(&["--json", "limits"])
+                    .map_err(|e| e.to_string())?;
+                if limits.contains(cgroup) {
+                    Err(format!("still listed: {limits}"))
+                } else {
+                    Ok(())
+                }
+            },
+        )
     }
 
     fn apply_k(&self, dir: &Path) -> anyhow::Result<()> {
@@ -190,6 +305,35 @@ impl E2e {
         )?;
         Ok(dir)
     }
+}
+
+/// How a tenant pod gets its GPU share.
+enum TenantGets<'a> {
+    /// A DRA claim from this ResourceClaimTemplate.
+    Claim(&'a str),
+    /// The device plugin's resources: 8 units of `gpud.dev/gpu-memory` (1 GiB each) and 30 of
+    /// `gpud.dev/gpu-compute`.
+    Granted,
+}
+
+/// A ResourceClaimTemplate of the class `gpud-gpu` for 8 GiB and `compute` percent.
+fn claim_template(name: &str, compute: u32) -> String {
+    json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": { "name": name, "namespace": "default" },
+        "spec": { "spec": { "devices": { "requests": [{
+            "name": "gpu",
+            "exactly": {
+                "deviceClassName": "gpud-gpu",
+                "capacity": { "requests": {
+                    "memory": format!("{}Gi", CLAIM_MEMORY / GIB),
+                    "compute": compute.to_string(),
+                } },
+            },
+        }] } } },
+    })
+    .to_string()
 }
 
 /// `to` as a path relative to `from` (kustomize takes bases outside its root only so).
@@ -451,76 +595,17 @@ fn run(e: &E2e, node: &mut Node) -> anyhow::Result<()> {
     )?;
 
     e.step("a pod claiming 8 GiB + 30 %");
-    let tenant = |name: &str, template: &str| -> String {
-        format!(
-            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n\
-             \x20 terminationGracePeriodSeconds: 1\n\
-             \x20 resourceClaims:\n    - name: gpu\n      resourceClaimTemplateName: {template}\n\
-             \x20 containers:\n    - name: tenant\n      image: {image}\n      imagePullPolicy: IfNotPresent\n\
-             \x20     command: [sleep, infinity]\n      resources:\n        claims:\n          - name: gpu\n\
-             \x20     volumeMounts:\n        - {{ name: fakes, mountPath: {FAKES} }}\n        - {{ name: rm, mountPath: /e2e/gpud-rm }}\n\
-             \x20 volumes:\n    - {{ name: fakes, hostPath: {{ path: {FAKES}, type: Directory }} }}\n\
-             \x20   - {{ name: rm, hostPath: {{ path: {rm}, type: File }} }}\n",
-            image = e.cli.image,
-            rm = gpud_tests::bin_dir().join("gpud-rm").display(),
-        )
-    };
-    let template = |name: &str, memory: &str, compute: &str| -> String {
-        format!(
-            "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: {name}\n  namespace: default\n\
-             spec:\n  spec:\n    devices:\n      requests:\n        - name: gpu\n          exactly:\n\
-             \x20           deviceClassName: gpud-gpu\n            capacity:\n              requests:\n\
-             \x20               memory: {memory}\n                compute: \"{compute}\"\n"
-        )
-    };
     e.k_in(
         &["apply", "-f", "-"],
-        Some(&template("gpu-8g-30", "8Gi", "30")),
+        Some(&claim_template("gpu-8g-30", 30)),
     )?;
-    e.k_in(
-        &["apply", "-f", "-"],
-        Some(&tenant("tenant-a", "gpu-8g-30")),
-    )?;
-    e.k(&[
-        "wait",
-        "--for=condition=Ready",
-        "pod/tenant-a",
-        "--timeout=120s",
-    ])?;
-    let gpu_a = allocated_gpu(e, "tenant-a")?;
     // The claim's limits go on the pod's cgroup (every container of the pod shares the claim).
-    let uid = e.k(&["get", "pod", "tenant-a", "-o", "jsonpath={.metadata.uid}"])?;
-    let limit = wait(
-        "tenant-a's limits in gpudctl limits",
-        Duration::from_secs(30),
-        || {
-            e.limits_of(uid.trim())
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| format!("no limit on a cgroup of pod {uid}"))
-        },
-    )?;
-    let cgroup = limit["cgroup"].as_str().unwrap_or_default().to_owned();
-    println!("tenant-a: GPU {gpu_a}, pod cgroup {cgroup}, limits {limit}");
-    ensure!(
-        limit["limits"]["memory_max"] == CLAIM_MEMORY && limit["limits"]["compute_max"] == 30,
-        "the limits on {cgroup} are not exactly 8 GiB and 30 %: {limit}"
-    );
+    let uid = e.run_tenant("tenant-a", TenantGets::Claim("gpu-8g-30"))?;
+    let gpu_a = allocated_gpu(e, "tenant-a")?;
+    let cgroup = e.exact_limits(&uid, "tenant-a")?;
 
     e.step("the tenant crosses 8 GiB from inside the pod (kubectl exec gpud-rm)");
-    let (mut attacker, dev) = Holder::open_gpu(e, "tenant-a", 0xc1, gpu_a)?;
-    for _ in 0..3 {
-        let answer = attacker.say(&format!("alloc 0xc1 {dev} 3G"))?;
-        println!(
-            "alloc 3G: {}",
-            if answer.is_empty() {
-                "(no answer: the tenant is gone)"
-            } else {
-                &answer
-            }
-        );
-    }
-    drop(attacker);
-    within_limit(nv, gpu_a, "after the tenant's attack")?;
+    e.cross_the_limit(nv, "tenant-a", 0xc1, gpu_a)?;
     let row = e
         .row_at(&cgroup)?
         .context("tenant-a's pod cgroup in gpudctl list")?;
@@ -557,18 +642,9 @@ fn run(e: &E2e, node: &mut Node) -> anyhow::Result<()> {
     e.step("a second claim (80 % of compute) lands on the other GPU");
     e.k_in(
         &["apply", "-f", "-"],
-        Some(&template("gpu-8g-80", "8Gi", "80")),
+        Some(&claim_template("gpu-8g-80", 80)),
     )?;
-    e.k_in(
-        &["apply", "-f", "-"],
-        Some(&tenant("tenant-b", "gpu-8g-80")),
-    )?;
-    e.k(&[
-        "wait",
-        "--for=condition=Ready",
-        "pod/tenant-b",
-        "--timeout=120s",
-    ])?;
+    e.run_tenant("tenant-b", TenantGets::Claim("gpu-8g-80"))?;
     let gpu_b = allocated_gpu(e, "tenant-b")?;
     ensure!(gpu_b != gpu_a, "both claims on GPU {gpu_a}");
     println!("tenant-b: GPU {gpu_b}");
@@ -587,6 +663,7 @@ fn run(e: &E2e, node: &mut Node) -> anyhow::Result<()> {
             .as_u64()
             .unwrap_or(0)
     };
+    let shares_before = e.limits_of(uid.trim())?.context("tenant-a's limits")?;
     let before = wait("gpud to count the holder", Duration::from_secs(10), || {
         let row = e
             .row_at(&cgroup)
@@ -689,6 +766,14 @@ fn run(e: &E2e, node: &mut Node) -> anyhow::Result<()> {
         before["memory_max"],
         after["memory_max"]
     );
+    let shares_after = e
+        .limits_of(uid.trim())?
+        .context("tenant-a's limits after the update")?;
+    ensure!(
+        shares_after == shares_before,
+        "tenant-a's limits and compute shares changed across the update: {shares_before} then {shares_after}"
+    );
+    println!("its limits and compute shares, before and after: {shares_after}");
     let answer = holder.say(&format!("alloc 0xc3 {held_dev} 3G"))?;
     within_limit(
         nv,
@@ -706,22 +791,79 @@ fn run(e: &E2e, node: &mut Node) -> anyhow::Result<()> {
         "--wait=true",
         "--timeout=60s",
     ])?;
-    wait("the tenants' limits to go", Duration::from_secs(30), || {
-        let limits = e
-            .gpudctl(&["--json", "limits"])
-            .map_err(|e| e.to_string())?;
-        if limits.contains(&cgroup) {
-            Err(format!("still listed: {limits}"))
-        } else {
-            Ok(())
-        }
-    })?;
+    e.limits_gone(&cgroup)?;
 
-    e.step("uninstall: kubectl delete -k the DRA flavour, then gpud");
+    e.step("the device-plugin flavour instead of DRA: a container granted 8 GiB + 30 %");
     e.k(&["delete", "resourceclaimtemplate", "gpu-8g-30", "gpu-8g-80"])?;
-    // The namespace is common to both: deleting the flavour takes gpud's DaemonSet with it
-    // (its preStop hook then finds it gone), and the second delete finds what is left.
-    for overlay in [&dra_overlay, &updated] {
+    // Only the DRA plugin's DaemonSet and class: the namespace (and gpud) stay.
+    e.k(&[
+        "-n",
+        "gpud-system",
+        "delete",
+        "ds",
+        "gpud-k8s-dra",
+        "--wait=true",
+        "--timeout=60s",
+    ])?;
+    e.k(&["delete", "deviceclass", "gpud-gpu"])?;
+    let dp_overlay = e.overlay("device-plugin", "device-plugin", "", "")?;
+    e.apply_k(&dp_overlay)?;
+    e.k(&[
+        "-n",
+        "gpud-system",
+        "rollout",
+        "status",
+        "ds/gpud-k8s",
+        "--timeout=180s",
+    ])?;
+    wait(
+        "the node's gpud.dev/gpu-memory",
+        Duration::from_secs(60),
+        || {
+            let n = e
+                .k(&[
+                    "get",
+                    "nodes",
+                    "-o",
+                    r"jsonpath={.items[0].status.allocatable.gpud\.dev/gpu-memory}",
+                ])
+                .map_err(|e| e.to_string())?;
+            if n.trim().parse::<u64>().unwrap_or(0) > 0 {
+                Ok(())
+            } else {
+                Err(format!("allocatable: {n:?}"))
+            }
+        },
+    )?;
+    let uid_c = e.run_tenant("tenant-c", TenantGets::Granted)?;
+    let cgroup_c = e.exact_limits(&uid_c, "tenant-c")?;
+    // Its GPU: the one the device plugin handed it (NVIDIA_VISIBLE_DEVICES, a UUID).
+    let visible = e.k(&[
+        "exec",
+        "tenant-c",
+        "--",
+        "printenv",
+        "NVIDIA_VISIBLE_DEVICES",
+    ])?;
+    let status: Value = serde_json::from_str(&e.gpudctl(&["--json", "status"])?)?;
+    let gpu_c = status["gpus"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|g| g["uuid"] == visible.trim())
+        .and_then(|g| g["index"].as_u64())
+        .with_context(|| {
+            format!("NVIDIA_VISIBLE_DEVICES={visible:?}: no such GPU in gpudctl status")
+        })?;
+    let gpu_c = u32::try_from(gpu_c)?;
+    e.cross_the_limit(nv, "tenant-c", 0xc5, gpu_c)?;
+    e.k(&["delete", "pod", "tenant-c", "--wait=true", "--timeout=60s"])?;
+    e.limits_gone(&cgroup_c)?;
+
+    e.step("uninstall: kubectl delete -k of the flavours, then of gpud");
+    // The namespace is common to all: deleting a flavour takes gpud's DaemonSet with it (its
+    // preStop hook then finds the namespace going), and the later deletes find what is left.
+    for overlay in [&dp_overlay, &dra_overlay, &updated] {
         e.k(&[
             "delete",
             "-k",

@@ -25,6 +25,8 @@ const E2E_TIMEOUT: Duration = Duration::from_secs(900);
 /// The stage: up, import, check, down.
 pub fn e2e() -> anyhow::Result<()> {
     super::need_root("e2e")?;
+    // Skipped (and said why) before anything is built for it.
+    super::kube_binaries(&Cluster::new())?;
     let image = crate::package::image_path();
     if !image.is_file() {
         crate::package::image()?;
