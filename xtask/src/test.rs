@@ -309,6 +309,46 @@ fn steps(vm_tests: bool, lint: bool) -> Vec<Step> {
     steps
 }
 
+/// What [`run_steps`] did: each step run, with its time and error, in order; and the steps
+/// skipped, for want of something they said (`Skipped`) or after a failed setup.
+struct Ran {
+    results: Vec<(&'static str, Duration, Option<String>)>,
+    skipped: Vec<&'static str>,
+}
+
+/// Runs every step, even after a failed one, except that nothing runs after a failed first
+/// step (setup: nothing works without the tools). A step that returns [`crate::Skipped`] is
+/// neither passed nor failed.
+fn run_steps(all: impl IntoIterator<Item = Step>) -> Ran {
+    let mut results: Vec<(&'static str, Duration, Option<String>)> = Vec::new();
+    let mut skipped = Vec::new();
+    for step in all {
+        if results.first().is_some_and(|(_, _, error)| error.is_some()) {
+            skipped.push(step.name);
+            continue;
+        }
+        println!("\n==> {}", step.name);
+        let started = Instant::now();
+        let result = (step.run)();
+        match &result {
+            // Said why above; not a failure, never a pass.
+            Err(e) if e.is::<crate::Skipped>() => {
+                println!("SKIPPED: {}", step.name);
+                skipped.push(step.name);
+                continue;
+            }
+            Err(e) => println!("FAILED: {}: {e:#}", step.name),
+            Ok(()) => {}
+        }
+        results.push((
+            step.name,
+            started.elapsed(),
+            result.err().map(|e| format!("{e:#}")),
+        ));
+    }
+    Ran { results, skipped }
+}
+
 /// Runs the steps; prints the summary. The error it returns on failure has been reported.
 pub fn run(vm_tests: bool, lint: bool) -> anyhow::Result<()> {
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -339,34 +379,7 @@ pub fn run(vm_tests: bool, lint: bool) -> anyhow::Result<()> {
         run: crate::setup::run,
     })
     .chain(steps(vm_tests, lint));
-    // Name, time taken, error.
-    let mut results: Vec<(&str, Duration, Option<String>)> = Vec::new();
-    let mut skipped = Vec::new();
-    for step in all {
-        if results.first().is_some_and(|(_, _, error)| error.is_some()) {
-            // Setup failed: nothing else can work without the tools.
-            skipped.push(step.name);
-            continue;
-        }
-        println!("\n==> {}", step.name);
-        let started = Instant::now();
-        let result = (step.run)();
-        match &result {
-            // Said why above; not a failure, never a pass.
-            Err(e) if e.is::<crate::Skipped>() => {
-                println!("SKIPPED: {}", step.name);
-                skipped.push(step.name);
-                continue;
-            }
-            Err(e) => println!("FAILED: {}: {e:#}", step.name),
-            Ok(()) => {}
-        }
-        results.push((
-            step.name,
-            started.elapsed(),
-            result.err().map(|e| format!("{e:#}")),
-        ));
-    }
+    let Ran { results, skipped } = run_steps(all);
 
     println!("\n==> summary ({:.0}s)", total.elapsed().as_secs_f64());
     if let Ok(free) = free_bytes(&target) {
@@ -400,7 +413,46 @@ pub fn run(vm_tests: bool, lint: bool) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::failed_targets;
+    use super::{Step, failed_targets, run_steps};
+
+    fn passes() -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn fails() -> anyhow::Result<()> {
+        anyhow::bail!("broken")
+    }
+
+    fn lacks_something() -> anyhow::Result<()> {
+        Err(crate::Skipped.into())
+    }
+
+    fn step(name: &'static str, run: fn() -> anyhow::Result<()>) -> Step {
+        Step { name, run }
+    }
+
+    /// A skipped step (no Kubernetes binaries, say) is reported as skipped, not as passed or
+    /// failed, and the steps after it run.
+    #[test]
+    fn a_skipped_step_is_neither_passed_nor_failed() {
+        let ran = run_steps([
+            step("setup", passes),
+            step("cluster", lacks_something),
+            step("after", fails),
+            step("last", passes),
+        ]);
+        assert_eq!(ran.skipped, ["cluster"]);
+        let names: Vec<_> = ran.results.iter().map(|r| (r.0, r.2.is_some())).collect();
+        assert_eq!(names, [("setup", false), ("after", true), ("last", false)]);
+    }
+
+    /// After a failed setup nothing else runs: every other step is skipped.
+    #[test]
+    fn nothing_runs_after_a_failed_setup() {
+        let ran = run_steps([step("setup", fails), step("a", passes), step("b", passes)]);
+        assert_eq!(ran.skipped, ["a", "b"]);
+        assert_eq!(ran.results.len(), 1);
+    }
 
     /// Both forms cargo prints, as cargo 1.95 prints them.
     #[test]
