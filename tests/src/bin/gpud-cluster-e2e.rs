@@ -552,6 +552,18 @@ fn run(e: &E2e, node: &mut Node) -> anyhow::Result<()> {
     }
     let status = e.gpudctl(&["status"])?;
     print!("$ /opt/gpud/bin/gpudctl status (on the node, over its system bus)\n{status}");
+    // busctl, as an operator on the node would (the policy lets anyone read).
+    let version = busctl(&[
+        "get-property",
+        gpud_api::BUS_NAME,
+        gpud_api::OBJECT_PATH,
+        "dev.gpud.Manager1",
+        "Version",
+    ])?;
+    println!(
+        "$ busctl --system get-property dev.gpud.Daemon1 … Version\n{}",
+        version.trim()
+    );
     e.show_pods();
 
     e.step("the DRA flavour: kubectl apply -k deploy/kubernetes/dra");
@@ -899,6 +911,12 @@ fn run(e: &E2e, node: &mut Node) -> anyhow::Result<()> {
         left.is_empty(),
         "gpud left on the node after the uninstall: {left:?}"
     );
+    let names = busctl(&["list", "--acquired"])?;
+    ensure!(
+        !names.contains(gpud_api::BUS_NAME),
+        "{} still owned on the node's bus after the uninstall:\n{names}",
+        gpud_api::BUS_NAME
+    );
     e.k(&["label", "node", "--all", "gpud.dev/sharing-"])?;
     e.show_pods();
     Ok(())
@@ -984,6 +1002,23 @@ impl Drop for Holder {
         drop(self.stdin.take());
         let _ = self.child.wait();
     }
+}
+
+/// `busctl --system ARGS` on the node, as root: its output.
+fn busctl(args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new("busctl")
+        .arg("--system")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .context("running busctl")?;
+    ensure!(
+        out.status.success(),
+        "busctl {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The GPU index the DRA driver allocated to `pod`'s claim (its device `gpu-N`).
