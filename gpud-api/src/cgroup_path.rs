@@ -44,18 +44,34 @@ pub fn normalize(path: &str) -> Result<String, InvalidCgroupPath> {
     Ok(format!("/{}", parts.join("/")))
 }
 
-/// Finds the cgroup2 mount point in a mountinfo text (fields per proc(5): the mount point is the
-/// 5th field; the filesystem type follows the " - " separator).
+/// Finds the cgroup2 mount point in a mountinfo text (fields per proc(5): the root of the mount
+/// is the 4th field, the mount point the 5th; the filesystem type follows the " - "
+/// separator). Where there are several (a pod with the host's `/` and its cgroup tree both
+/// mounted), the hierarchy's root at its usual place (`/sys/fs/cgroup`, or
+/// `/sys/fs/cgroup/unified` on a hybrid host) wins, then any mount of the hierarchy's root,
+/// then the first.
 pub fn cgroup2_mount_from(mountinfo: &str) -> Option<PathBuf> {
-    mountinfo.lines().find_map(|line| {
-        let (pre, post) = line.split_once(" - ")?;
-        let fstype = post.split_whitespace().next()?;
-        if fstype != "cgroup2" {
-            return None;
-        }
-        let mount_point = pre.split_whitespace().nth(4)?;
-        Some(PathBuf::from(unescape_mountinfo(mount_point)))
-    })
+    let mounts: Vec<(&str, PathBuf)> = mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (pre, post) = line.split_once(" - ")?;
+            if post.split_whitespace().next()? != "cgroup2" {
+                return None;
+            }
+            let mut fields = pre.split_whitespace();
+            let root = fields.nth(3)?;
+            let mount_point = fields.next()?;
+            Some((root, PathBuf::from(unescape_mountinfo(mount_point))))
+        })
+        .collect();
+    let usual =
+        |p: &Path| p == Path::new("/sys/fs/cgroup") || p == Path::new("/sys/fs/cgroup/unified");
+    mounts
+        .iter()
+        .find(|(root, p)| *root == "/" && usual(p))
+        .or_else(|| mounts.iter().find(|(root, _)| *root == "/"))
+        .or_else(|| mounts.first())
+        .map(|(_, p)| p.clone())
 }
 
 /// mountinfo escapes space, tab, newline and backslash as `\ooo`.
@@ -95,5 +111,26 @@ mod tests {
             assert!(normalize(bad).is_err(), "{bad:?}");
         }
         assert!(normalize(&"a".repeat(4097)).is_err());
+    }
+
+    /// gpud's pod mounts the host's `/` at /host and the host's cgroup tree at /sys/fs/cgroup:
+    /// the usual place wins over the first listed, and a subtree's mount (a cgroup namespace's
+    /// view) loses to the hierarchy's root.
+    #[test]
+    fn the_usual_mount_of_the_hierarchys_root_wins() {
+        let pod = "50 40 0:38 / /host/sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n\
+                   61 60 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(
+            cgroup2_mount_from(pod),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
+        let namespaced = "50 40 0:38 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n\
+                          61 60 0:38 / /mnt/cg rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(
+            cgroup2_mount_from(namespaced),
+            Some(PathBuf::from("/mnt/cg"))
+        );
+        let only_subtree = "50 40 0:38 /a /x rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(cgroup2_mount_from(only_subtree), Some(PathBuf::from("/x")));
     }
 }
