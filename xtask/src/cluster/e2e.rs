@@ -3,9 +3,10 @@
 //! from the image `cargo xtask package image` builds, checked by `gpud-cluster-e2e`
 //! (tests/src/bin; what it checks is in its docs).
 //!
-//! Brings the cluster up (skipped, exit 77, without the Kubernetes binaries), imports gpud's
-//! image into its containerd under its name and a second tag (the rolling update's), runs the
-//! checks, and always takes the cluster down again.
+//! Skipped (exit 77) without the Kubernetes binaries, before anything is built. Otherwise builds
+//! the image and the checks, brings the cluster up, imports the image into its containerd under
+//! its name and a second tag (the rolling update's), runs the checks, and always takes the
+//! cluster down again.
 
 use std::{
     process::{Command, Stdio},
@@ -27,14 +28,11 @@ pub fn e2e() -> anyhow::Result<()> {
     super::need_root("e2e")?;
     // Skipped (and said why) before anything is built for it.
     super::kube_binaries(&Cluster::new())?;
-    let image = crate::package::image_path();
-    if !image.is_file() {
-        crate::package::image()?;
-    }
+    // Built every time (both are quick when nothing changed): a stale image or checker would
+    // test something other than this tree.
+    let image = crate::package::image()?;
     let checker = root().join("target/debug/gpud-cluster-e2e");
-    if !checker.is_file() {
-        crate::util::build_test_binaries("cargo build (the cluster checks and their fixtures)")?;
-    }
+    crate::util::build_test_binaries("cargo build (the cluster checks and their fixtures)")?;
     super::up()?;
     let c = Cluster::new();
     let result = checks(&c, &image, &checker);
