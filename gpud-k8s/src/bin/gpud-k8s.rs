@@ -4,8 +4,10 @@
 //! - `gpud-k8s device-plugin`: the kubelet device plugin for `gpud.dev/gpu-memory` and
 //!   `gpud.dev/gpu-compute`.
 //! - `gpud-k8s dra`: the DRA kubelet plugin (driver `gpu.gpud.dev`, Kubernetes 1.34+).
+//! - `gpud-k8s node install|uninstall|wait`: gpud's host files for the gpud DaemonSet (its init
+//!   container and preStop hook), and the wait the plugin DaemonSets start with.
 //!
-//! Both stop cleanly on SIGTERM or SIGINT (exit 0), leaving gpud's limits in place.
+//! The plugins stop cleanly on SIGTERM or SIGINT (exit 0), leaving gpud's limits in place.
 
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
