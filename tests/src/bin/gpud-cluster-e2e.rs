@@ -128,18 +128,7 @@ impl E2e {
 
     /// The host's gpudctl (installed by the DaemonSet), over the host's system bus.
     fn gpudctl(&self, args: &[&str]) -> anyhow::Result<String> {
-        let out = Command::new("/opt/gpud/bin/gpudctl")
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .context("running /opt/gpud/bin/gpudctl")?;
-        ensure!(
-            out.status.success(),
-            "gpudctl {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        node_command("/opt/gpud/bin/gpudctl", args)
     }
 
     /// `gpudctl --json list`'s rows.
@@ -1006,15 +995,20 @@ impl Drop for Holder {
 
 /// `busctl --system ARGS` on the node, as root: its output.
 fn busctl(args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new("busctl")
-        .arg("--system")
+    node_command("busctl", &[&["--system"], args].concat())
+}
+
+/// `program ARGS` on the node, as root: its standard output, or an error with its standard
+/// error.
+fn node_command(program: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .context("running busctl")?;
+        .with_context(|| format!("running {program}"))?;
     ensure!(
         out.status.success(),
-        "busctl {}: {}",
+        "{program} {}: {}",
         args.join(" "),
         String::from_utf8_lossy(&out.stderr).trim()
     );
