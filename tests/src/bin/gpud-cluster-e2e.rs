@@ -665,21 +665,25 @@ fn run(e: &E2e, node: &mut Node) -> anyhow::Result<()> {
             .unwrap_or(0)
     };
     let shares_before = e.limits_of(uid.trim())?.context("tenant-a's limits")?;
-    let before = wait("gpud to count the holder", Duration::from_secs(10), || {
-        let row = e
-            .row_at(&cgroup)
-            .map_err(|e| e.to_string())?
-            .ok_or("no row")?;
-        let ledger = nv.snapshot().used(gpu_a);
-        if counted(&row) == ledger {
-            Ok(row)
-        } else {
-            Err(format!(
-                "gpud counts {}, the ledger {ledger}",
-                counted(&row)
-            ))
-        }
-    })?;
+    // tenant-a's row once gpud counts what the fake driver holds on its GPU.
+    let as_ledger = |what: &str, timeout| {
+        wait(what, timeout, || {
+            let row = e
+                .row_at(&cgroup)
+                .map_err(|e| e.to_string())?
+                .ok_or("no row")?;
+            let ledger = nv.snapshot().used(gpu_a);
+            if counted(&row) == ledger {
+                Ok(row)
+            } else {
+                Err(format!(
+                    "gpud counts {}, the ledger holds {ledger}",
+                    counted(&row)
+                ))
+            }
+        })
+    };
+    let before = as_ledger("gpud to count the holder", Duration::from_secs(10))?;
     println!(
         "before: gpud counts {} on GPU {gpu_a}, the fake driver holds {}; limits {}",
         counted(&before),
@@ -732,24 +736,9 @@ fn run(e: &E2e, node: &mut Node) -> anyhow::Result<()> {
          gpudctl status got no answer, all stopped",
         update_started.elapsed().as_secs_f64()
     );
-    let after = wait(
+    let after = as_ledger(
         "gpud to count the holder after the update",
         Duration::from_secs(30),
-        || {
-            let row = e
-                .row_at(&cgroup)
-                .map_err(|e| e.to_string())?
-                .ok_or("no row")?;
-            let ledger = nv.snapshot().used(gpu_a);
-            if counted(&row) == ledger {
-                Ok(row)
-            } else {
-                Err(format!(
-                    "gpud counts {}, the ledger holds {ledger}",
-                    counted(&row)
-                ))
-            }
-        },
     )?;
     println!(
         "after: gpud counts {} on GPU {gpu_a} (the ledger: {}), limits {}",
