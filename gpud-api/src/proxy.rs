@@ -49,6 +49,8 @@ pub trait Manager1 {
     fn cgroup_root(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn probes_resumed(&self) -> zbus::Result<bool>;
+    #[zbus(property)]
+    fn probes_taken_over(&self) -> zbus::Result<BTreeMap<String, String>>;
     fn list_cgroups(&self) -> zbus::Result<Vec<CgroupRecord>>;
     fn list_processes(&self) -> zbus::Result<Vec<ProcessRecord>>;
     fn get_cgroup(&self, path: &str) -> zbus::Result<CgroupRecord>;

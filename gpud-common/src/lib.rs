@@ -57,8 +57,9 @@ pub mod compat {
 }
 
 /// Bumped whenever a map layout, map name or event record changes. Maps are pinned under
-/// `<bpffs>/gpud/v<ABI_VERSION>/`, so a daemon of another ABI never reads a foreign layout.
-pub const ABI_VERSION: u32 = 7;
+/// `<bpffs>/gpud/v<ABI_VERSION>/`, so a daemon of another ABI never reads a foreign layout; a
+/// daemon takes over the maps of [`previous::ABI_VERSION`] (docs/design.md, "Upgrades").
+pub const ABI_VERSION: u32 = 8;
 
 /// Classes of ioctls on NVIDIA device files, as counted per cgroup and per process.
 #[repr(u32)]
@@ -357,8 +358,10 @@ pub mod stat {
     pub const OBJECTS_CGROUP_CAP: u32 = 24;
     /// cgroups whose objects are not counted (`OBJ_COUNTS` full): not capped.
     pub const OBJ_COUNTS_FULL: u32 = 25;
+    /// Objects of a previous ABI's maps the daemon took over (`gpud_adopt`) at an upgrade.
+    pub const ADOPTED: u32 = 26;
     /// Number of counters.
-    pub const COUNT: u32 = 26;
+    pub const COUNT: u32 = 27;
 }
 
 pub use events::*;
@@ -645,6 +648,10 @@ pub mod programs {
     /// Run by the daemon to ask whether a control file is still referenced (by a descriptor in
     /// any process, a mapping, a message in flight): its clients live exactly that long.
     pub const FILE_HELD: &str = "gpud_file_held";
+    /// Run by the daemon at an upgrade to record an object of the previous ABI's maps in this
+    /// ABI's (counted, its file marked, its memory charged or shared) unless one is recorded
+    /// under its key already.
+    pub const ADOPT: &str = "gpud_adopt";
     /// Benchmark reference (`xtask bench`): an empty tracepoint program.
     pub const NOOP_TP: &str = "gpud_noop_tp";
     /// Benchmark reference: an empty fentry program on `security_file_ioctl`.
@@ -652,6 +659,23 @@ pub mod programs {
     /// Benchmark reference: an empty fexit program on the ioctl syscall's entry (where fentry
     /// mode attaches its return side).
     pub const NOOP_FEXIT: &str = "gpud_noop_fexit";
+}
+
+/// The previous ABI, whose pinned maps a daemon of this one takes over at an upgrade
+/// (docs/design.md, "Upgrades"): its version and its layouts, defined here beside the current
+/// ones. ABI 8 changed `STATS` only (it gained [`stat::ADOPTED`](crate::stat::ADOPTED)); every
+/// other map has the same names, keys and values in both, so they are re-exported from the
+/// current definitions. A layout that changes moves here as it was, beside its conversion's
+/// input, and stays until the ABI after next.
+pub mod previous {
+    /// The previous ABI's version: its pins are under `<bpffs>/gpud/v7/`.
+    pub const ABI_VERSION: u32 = 7;
+    /// Counters in its `STATS` (the same indices as [`stat`](crate::stat) up to this).
+    pub const STAT_COUNT: u32 = 26;
+    pub use crate::{
+        Ancestry, FileKey, GuardBucket, GuardKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey,
+        ProcEntry, UsageKey, maps,
+    };
 }
 
 /// Capacity of `PROCS`, tracked processes on the host, as built; the daemon sets it at load time

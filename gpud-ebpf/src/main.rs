@@ -63,7 +63,7 @@ use crate::{
         sole_reference,
     },
     maps::{PROCS, bump_stat, config, emit, send},
-    memory::{file_released, release, release_files_at_exit},
+    memory::{adopt, file_released, release, release_files_at_exit},
     rm::{rm_entry, rm_exit},
 };
 
@@ -683,6 +683,36 @@ pub fn gpud_tp_exit(_ctx: TracePointContext) -> u32 {
         emit(EVENT_PROC_EXIT, tgid, cgroup_id);
     }
     0
+}
+
+run_program! {
+    /// Never attached: the daemon runs it with `BPF_PROG_TEST_RUN` at an upgrade, once per
+    /// object of the previous ABI's `OBJECTS` (arguments: the key as `client << 32 | object`,
+    /// `kind | parent << 32`, `gpu | tgid << 32`, cgroup, bytes, file, serial, charge, and
+    /// whether no other holder of its charge is recorded yet). Returns 0 when adopted, 1 when
+    /// an object is recorded under its key already, 2 when the map has no room.
+    fn gpud_adopt(ctx) -> i32 {
+        let key: u64 = ctx.arg(0);
+        let kind_parent: u64 = ctx.arg(1);
+        let gpu_tgid: u64 = ctx.arg(2);
+        let first: u64 = ctx.arg(8);
+        let key = ObjKey {
+            client: (key >> 32) as u32,
+            object: key as u32,
+        };
+        let entry = gpud_common::ObjEntry {
+            kind: kind_parent as u32,
+            parent: (kind_parent >> 32) as u32,
+            gpu: gpu_tgid as u32,
+            tgid: (gpu_tgid >> 32) as u32,
+            cgroup_id: ctx.arg(3),
+            bytes: ctx.arg(4),
+            file: ctx.arg(5),
+            serial: ctx.arg(6),
+            charge: ctx.arg(7),
+        };
+        adopt(&key, &entry, first != 0)
+    }
 }
 
 run_program! {

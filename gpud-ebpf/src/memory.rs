@@ -433,14 +433,58 @@ fn recorded(client: u32, handle: u32) -> bool {
 /// Takes `bytes` off `cgroup_id` and its ancestors (itself only when its ancestry is gone).
 #[inline(always)]
 fn uncharge(cgroup_id: u64, gpu: u32, bytes: u64) {
+    charge_recorded(cgroup_id, gpu, bytes.wrapping_neg());
+    bump_stat(stat::UNCHARGES);
+}
+
+/// Adds `delta` to `cgroup_id` and the ancestors `ANCESTRY` records for it (itself only where
+/// none are).
+#[inline(always)]
+fn charge_recorded(cgroup_id: u64, gpu: u32, delta: u64) {
     match unsafe { ANCESTRY.get(cgroup_id) } {
-        Some(anc) => charge(anc, gpu, bytes.wrapping_neg()),
+        Some(anc) => charge(anc, gpu, delta),
         None => {
-            add_usage(cgroup_id, gpu, bytes.wrapping_neg());
-            add_usage(cgroup_id, GPU_ALL, bytes.wrapping_neg());
+            add_usage(cgroup_id, gpu, delta);
+            add_usage(cgroup_id, GPU_ALL, delta);
         }
     }
-    bump_stat(stat::UNCHARGES);
+}
+
+/// Records `e`, an object of the previous ABI's maps, under `key` unless an object is there
+/// already (the new programs saw it made): counted for its cgroup (past the cap too: it exists),
+/// its file marked, and memory charged to its cgroup's recorded ancestry when `first` (no
+/// holder of its charge is recorded yet) or else shared. 0: adopted; 1: the key holds an
+/// object; 2: no room.
+#[inline(always)]
+pub(crate) fn adopt(key: &ObjKey, e: &ObjEntry, first: bool) -> i32 {
+    match OBJECTS.insert(key, e, BPF_NOEXIST as u64) {
+        Ok(()) => {}
+        Err(err) if err == -EEXIST => return 1,
+        Err(_) => {
+            bump_stat(stat::OBJECTS_FULL);
+            return 2;
+        }
+    }
+    match counter_slot(&OBJ_COUNTS, e.cgroup_id) {
+        Some(n) => {
+            unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+        }
+        None => bump_stat(stat::OBJ_COUNTS_FULL),
+    }
+    if unsafe { FILE_MARKS.get(e.file) }.is_none() && FILE_MARKS.insert(e.file, 1, 0).is_err() {
+        bump_stat(stat::FILE_MARKS_FULL);
+    }
+    if e.kind == OBJ_MEMORY && e.bytes != 0 && e.charge != 0 {
+        if first {
+            charge_recorded(e.cgroup_id, e.gpu, e.bytes);
+        } else {
+            // SHARES full: the charge goes with whichever holder is freed first, as for a
+            // duplicate the kernel could not count.
+            let _ = share(e.charge);
+        }
+    }
+    bump_stat(stat::ADOPTED);
+    0
 }
 
 /// The status and the handle the driver wrote back into an allocation's struct.

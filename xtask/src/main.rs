@@ -168,6 +168,10 @@ enum PackageWhat {
     /// The image for the Kubernetes side (gpud-k8s, gpud-nri, gpud): localhost/gpud:VERSION as
     /// an OCI archive, for `podman load` or `ctr images import`.
     Image,
+    /// This tree's package over the previous release's (built from its tag, kept in
+    /// /var/cache/gpud-xtask): with `--check`, the upgrade test (tenants holding memory while
+    /// `dpkg -i` upgrades gpud across an eBPF ABI change).
+    Upgrade,
 }
 
 /// Where `install` and `uninstall` work.
@@ -238,6 +242,10 @@ fn main() -> ExitCode {
             (PackageWhat::Image, false) => package::image().map(drop),
             (PackageWhat::Deb, true) => package::test_deb(),
             (PackageWhat::Image, true) => package::test_image(),
+            (PackageWhat::Upgrade, false) => {
+                package::previous_deb().and_then(|_| package::deb().map(drop))
+            }
+            (PackageWhat::Upgrade, true) => package::test_upgrade(),
         }),
         Task::Cluster { what } => match what {
             ClusterWhat::Up => cluster::up(),

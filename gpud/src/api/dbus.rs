@@ -209,6 +209,14 @@ impl Manager {
         self.info.probes_resumed
     }
 
+    /// What this daemon took over at start from the previous eBPF ABI's pinned maps (an
+    /// upgrade across an ABI change): `from_abi`, objects adopted, present, released and without
+    /// room, the maps copied, and what was not converted. Empty when nothing was taken over.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn probes_taken_over(&self) -> BTreeMap<String, String> {
+        self.info.probes_taken_over.clone()
+    }
+
     /// GPU-memory enforcement tier in force: `deny`, `react` or `dmem`.
     #[zbus(property(emits_changed_signal = "const"))]
     async fn enforcement_tier(&self) -> String {

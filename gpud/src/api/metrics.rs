@@ -622,6 +622,7 @@ mod tests {
             cgroup_root: "/".into(),
             probes_resumed: false,
             unseen_calls: BTreeMap::new(),
+            probes_taken_over: BTreeMap::new(),
         };
         let mut out = String::new();
         encode(&mut out, &build(&snap, &info, std::time::SystemTime::now())).expect("encode");

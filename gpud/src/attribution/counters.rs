@@ -36,16 +36,19 @@ const NAMES: [(u32, &str); stat::COUNT as usize] = [
     (stat::FILE_MARKS_FULL, "file_marks_map_full"),
     (stat::OBJECTS_CGROUP_CAP, "objects_cgroup_cap"),
     (stat::OBJ_COUNTS_FULL, "obj_counts_map_full"),
+    (stat::ADOPTED, "objects_adopted"),
 ];
 
 /// The counters that move whenever the kernel changes what a cgroup's record shows without
 /// telling the daemon: ioctl counts (every matched ioctl), charged bytes (charges and
-/// uncharges) and limit events (denials; a crossing is also a charge).
-const CHANGES: [u32; 4] = [
+/// uncharges, and the objects taken over at an upgrade) and limit events (denials; a crossing is
+/// also a charge).
+const CHANGES: [u32; 5] = [
     stat::MATCHED_IOCTLS,
     stat::CHARGES,
     stat::UNCHARGES,
     stat::DENIED,
+    stat::ADOPTED,
 ];
 
 /// A read-only handle on the kernel's counters.

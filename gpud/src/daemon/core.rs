@@ -53,6 +53,8 @@ pub struct DaemonInfo {
     pub probes_resumed: bool,
     /// Tenants' calls the probes do not see on this kernel, and why.
     pub unseen_calls: BTreeMap<String, String>,
+    /// What this start took over from the previous ABI's pins (empty: nothing).
+    pub probes_taken_over: BTreeMap<String, String>,
 }
 
 /// Why the daemon could not start.
@@ -78,6 +80,7 @@ impl StartError {
         matches!(
             self,
             Self::Limits(PolicyError::CorruptState { .. } | PolicyError::StateDir { .. })
+                | Self::Probes(ProbeError::NewerAbi { .. })
         )
     }
 }
@@ -100,6 +103,8 @@ pub struct Opened {
     pub core: Core,
     /// The probes' event ring (its reader's).
     pub events: RingBuf<MapData>,
+    /// The previous ABI's event ring after an upgrade's take-over, read once before `events`.
+    pub previous_events: Option<RingBuf<MapData>>,
     /// The kernel's map of channel groups gpud holds off (the compute actuator's).
     pub held: aya::maps::HashMap<MapData, gpud_common::ObjKey, u32>,
     /// Facts for D-Bus and the metrics.
@@ -131,6 +136,7 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
     }
     let mut probes = start_probes(config, majors, &extra, &cgroups)?;
     let events = probes.take_events().map_err(StartError::Probes)?;
+    let previous_events = probes.take_previous_events();
     let mut settings = probes.take_settings().map_err(StartError::Probes)?;
     let held = probes.take_held_groups().map_err(StartError::Probes)?;
     let cgroup_root = cgroups.root().to_owned();
@@ -164,6 +170,7 @@ pub fn open(config: &Config) -> Result<Opened, StartError> {
             workloads: Workloads::load(&config.daemon.state_dir, &cgroup_root),
         },
         events,
+        previous_events,
         held,
         info,
         matcher,
@@ -241,6 +248,7 @@ fn daemon_info(
         cgroup_root: cgroup_root.display().to_string(),
         probes_resumed: probes.resumed(),
         unseen_calls: probes.unseen_calls().clone(),
+        probes_taken_over: probes.take_over().as_map(),
     }
 }
 

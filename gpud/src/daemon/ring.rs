@@ -32,19 +32,45 @@ const BATCH: usize = 256;
 
 /// Forwards ring-buffer records to the state task, in batches of what one read found (the state
 /// task handles a batch's file releases together), until the channel closes.
-/// Undo and read-back requests go to `restore` at once, not through the state task.
+/// Undo and read-back requests go to `restore` at once, not through the state task. After an
+/// upgrade, `previous` (the previous ABI's ring, whose programs are detached) is read first:
+/// what its programs sent while no daemon read it, and while both sets of programs ran, is
+/// handled like the ring's own records (a release or a crossing handled twice changes nothing
+/// the second time).
 pub(super) async fn read_events(
     ring: RingBuf<MapData>,
+    previous: Option<RingBuf<MapData>>,
     tx: mpsc::Sender<Message>,
     restore: Option<crate::enforcement::restore::RestoreSender>,
 ) -> std::io::Result<()> {
+    if let Some(mut previous) = previous {
+        let n = forward(&mut previous, &tx, restore.as_ref()).await;
+        tracing::info!(records = n, "read the previous ABI's event ring");
+    }
     // SAFETY: the ring buffer owns its map fd for as long as the AsyncFd owns the ring buffer.
     let mut fd = unsafe { AsyncFd::register(ring) }.map_err(|e| e.into_parts().1)?;
     loop {
         let mut guard = fd.readable_mut().await?;
-        let ring = guard.get_inner_mut();
-        let mut batch = Vec::new();
-        read_records(ring, &mut batch, |r| match (r, &restore) {
+        let sent = forward(guard.get_inner_mut(), &tx, restore.as_ref()).await;
+        guard.clear_ready();
+        if sent.is_none() {
+            return Ok(());
+        }
+    }
+}
+
+/// Reads what `ring` holds and forwards it (see [`read_events`]); the records read, or `None`
+/// once the state task is gone.
+async fn forward(
+    ring: &mut RingBuf<MapData>,
+    tx: &mpsc::Sender<Message>,
+    restore: Option<&crate::enforcement::restore::RestoreSender>,
+) -> Option<usize> {
+    let mut batch = Vec::new();
+    let mut requests = 0;
+    read_records(ring, &mut batch, |r| {
+        requests += 1;
+        match (r, restore) {
             // Never blocks: coalesced and bounded.
             (Record::Undo(r), Some(tx)) => tx.send(r),
             (Record::ReadBack(r), Some(tx)) => tx.read_back(r),
@@ -58,22 +84,23 @@ pub(super) async fn read_events(
                 );
             }
             (Record::Event(_), _) => {}
-        });
-        guard.clear_ready();
-        // A crossing's allocation may outlive its killed caller in another holder's file.
-        if let Some(tx) = &restore {
-            for ev in &batch {
-                if let KernelEvent::LimitCrossed(l) = ev {
-                    tx.crossing(*l);
-                }
-            }
         }
-        while !batch.is_empty() {
-            let rest = batch.split_off(batch.len().min(BATCH));
-            if tx.send(Message::Kernel(batch)).await.is_err() {
-                return Ok(());
+    });
+    let read = batch.len() + requests;
+    // A crossing's allocation may outlive its killed caller in another holder's file.
+    if let Some(tx) = restore {
+        for ev in &batch {
+            if let KernelEvent::LimitCrossed(l) = ev {
+                tx.crossing(*l);
             }
-            batch = rest;
         }
     }
+    while !batch.is_empty() {
+        let rest = batch.split_off(batch.len().min(BATCH));
+        if tx.send(Message::Kernel(batch)).await.is_err() {
+            return None;
+        }
+        batch = rest;
+    }
+    Some(read)
 }

@@ -97,7 +97,7 @@ pub fn spawn(config: &Config) -> Result<Running, StartError> {
         .then(|| spawn_compute(config, opened.freezer, opened.matcher, opened.held, w.links));
     let reader = spawn_feeders(
         config,
-        opened.events,
+        (opened.events, opened.previous_events),
         restore,
         w.sampler_rx,
         w.limited_dirs_rx,
@@ -297,7 +297,8 @@ fn spawn_compute(
 /// the reader, which [`Running::stop`] aborts.
 fn spawn_feeders(
     config: &Config,
-    events: RingBuf<MapData>,
+    // The probes' ring, and the previous ABI's after a take-over (read first).
+    (events, previous_events): (RingBuf<MapData>, Option<RingBuf<MapData>>),
     restore: Option<RestoreSender>,
     sampler_rx: watch::Receiver<SamplerSettings>,
     limited_dirs_rx: watch::Receiver<BTreeSet<PathBuf>>,
@@ -307,7 +308,7 @@ fn spawn_feeders(
     if config.nvml.enabled {
         spawn_nvml_sampler(sampler_rx, tx.clone(), shutdown_rx.clone());
     }
-    let reader = tokio::spawn(read_events(events, tx.clone(), restore));
+    let reader = tokio::spawn(read_events(events, previous_events, tx.clone(), restore));
     tokio::spawn(super::removals::run(
         limited_dirs_rx,
         tx.clone(),

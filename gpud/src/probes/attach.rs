@@ -322,7 +322,12 @@ impl Attachment {
 }
 
 /// Programs the daemon runs itself (`BPF_PROG_TEST_RUN`), loaded in every mode and never attached.
-pub(super) const RUN_PROGRAMS: [&str; 3] = [programs::SEED, programs::RELEASE, programs::FILE_HELD];
+pub(super) const RUN_PROGRAMS: [&str; 4] = [
+    programs::SEED,
+    programs::RELEASE,
+    programs::FILE_HELD,
+    programs::ADOPT,
+];
 
 impl Probes {
     fn attachments(&self) -> Vec<&'static Attachment> {

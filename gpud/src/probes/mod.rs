@@ -26,6 +26,7 @@ mod modify_return;
 mod pin;
 mod runs;
 mod settings;
+mod takeover;
 
 use std::{
     collections::BTreeMap,
@@ -37,7 +38,7 @@ use aya::{
     maps::{MapData, RingBuf},
     programs::{FEntry, FExit, Lsm, RawTracePoint, TracePoint},
 };
-use gpud_common::{ObjKey, maps as map_names, programs};
+use gpud_common::{ABI_VERSION, ObjKey, maps as map_names, programs};
 use tracing::{debug, info, warn};
 
 pub use attach::{AttachMode, DenyHook, SYS_IOCTL, Tier};
@@ -50,6 +51,7 @@ pub use modes::{GuardState, MemoryInfoState};
 pub use pin::{BPF_FS_MAGIC, TRACEFS, TRACEFS_MAGIC, ensure_mounted};
 pub use runs::KernelRuns;
 pub use settings::{KernelSettings, SettingError};
+pub use takeover::TakeOver;
 
 use crate::{
     config::{
@@ -160,6 +162,14 @@ pub enum ProbeError {
         "enforcement.tier = \"dmem\" but the dmem cgroup controller lists no NVIDIA regions in dmem.capacity"
     )]
     DmemUnavailable,
+    /// Pins of a newer ABI: a downgrade would drop their accounting (docs/operations.md,
+    /// "Upgrading").
+    #[error(
+        "{path} holds the probes of eBPF ABI {found}, newer than this build's {ABI_VERSION}: \
+         this gpud cannot take them over and will not drop their accounting; start the newer \
+         gpud again, or remove {path} to start this one from empty maps"
+    )]
+    NewerAbi { found: u32, path: PathBuf },
 }
 
 /// `ProbeError::Io` for `action` ("create", "read", "remove") on `path`.
@@ -218,6 +228,10 @@ pub struct Probes {
     unseen: BTreeMap<String, String>,
     /// `probes.follow_32bit`: tracepoint mode follows 32-bit callers (where it can).
     follow_32bit: bool,
+    /// What was taken over from the previous ABI's pins (nothing: `from_abi` 0).
+    take_over: TakeOver,
+    /// The previous ABI's event ring after a take-over, for the daemon to read once.
+    previous_events: Option<RingBuf<MapData>>,
 }
 
 impl Probes {
@@ -230,7 +244,30 @@ impl Probes {
     pub fn start(setup: ProbeSetup<'_>) -> Result<Self, ProbeError> {
         let cfg = setup.config;
         mount_filesystems(&cfg.bpffs)?;
+        let previous = takeover::Previous::find(&cfg.bpffs, &Self::pin_base(&cfg.bpffs))?;
         let base_dir = prepare_pin_dir(cfg)?;
+        let taking_over = previous.is_some();
+        let started = Self::load_and_attach(setup, base_dir.clone(), previous);
+        if let Err(e) = &started
+            && taking_over
+        {
+            // This build's pins go (its links detach as this process exits); the previous
+            // ABI's, untouched, keep counting and enforcing.
+            warn!(
+                "taking over the previous ABI's probes failed ({}); they keep running",
+                Chain(e)
+            );
+            let _ = std::fs::remove_dir_all(&base_dir);
+        }
+        started
+    }
+
+    fn load_and_attach(
+        setup: ProbeSetup<'_>,
+        base_dir: PathBuf,
+        previous: Option<takeover::Previous>,
+    ) -> Result<Self, ProbeError> {
+        let cfg = setup.config;
         let btf = KernelTypes::read()?;
         let mut ebpf = load_object(cfg, &base_dir, &btf)?;
         let (mut caps, fentry_refusal) = probe_caps(&mut ebpf, &btf, setup.cgroup2_root)?;
@@ -261,8 +298,19 @@ impl Probes {
             modify_return: hooks.modify_return,
             unseen: BTreeMap::new(),
             follow_32bit: cfg.follow_32bit,
+            take_over: TakeOver::default(),
+            previous_events: None,
         };
-        probes.attach(&btf)
+        let Some(previous) = previous else {
+            return probes.attach(&btf);
+        };
+        // Before the new programs attach, what they need from their first call.
+        let mut report = previous.copy_settled(&probes.base_dir)?;
+        let mut probes = probes.attach(&btf)?;
+        let runs = probes.runs()?;
+        probes.previous_events = previous.finish(&runs, &probes.base_dir, &mut report)?;
+        probes.take_over = report;
+        Ok(probes)
     }
 
     /// Attaches (or adopts), then warns of the calls this kernel keeps from the probes.
@@ -362,6 +410,17 @@ impl Probes {
         self.resumed
     }
 
+    /// What this start took over from the previous ABI's pins (`from_abi` 0: nothing).
+    pub fn take_over(&self) -> &TakeOver {
+        &self.take_over
+    }
+
+    /// The previous ABI's event ring after a take-over: its unread records (those its programs
+    /// sent while no daemon read them, and while both sets ran), for the daemon to read once.
+    pub fn take_previous_events(&mut self) -> Option<RingBuf<MapData>> {
+        self.previous_events.take()
+    }
+
     pub fn base_dir(&self) -> &Path {
         &self.base_dir
     }
@@ -436,12 +495,12 @@ fn ring_bytes(cfg: &ProbesConfig) -> u32 {
     cfg.events_ring_kib.saturating_mul(1024)
 }
 
-/// Clears pins this daemon cannot reuse (other ABI versions, a foreign map layout), creates the
+/// Clears pins this daemon cannot reuse (a foreign map layout; other ABIs' are
+/// [`takeover::Previous::find`]'s), creates the
 /// links directory, warns where the pinned events ring has another size, and returns the pin
 /// directory.
 fn prepare_pin_dir(cfg: &ProbesConfig) -> Result<PathBuf, ProbeError> {
     let base_dir = Probes::pin_base(&cfg.bpffs);
-    pin::remove_other_abi_versions(&cfg.bpffs)?;
     pin::remove_if_foreign_layout(&base_dir)?;
     let links = base_dir.join("links");
     std::fs::create_dir_all(&links).map_err(io_err("create", &links))?;

@@ -146,20 +146,3 @@ pub(super) fn remove_if_foreign_layout(base_dir: &Path) -> Result<(), ProbeError
     }
     Ok(())
 }
-
-/// Removes pins of other ABI versions: their programs would count with a foreign layout.
-pub(super) fn remove_other_abi_versions(bpffs: &Path) -> Result<(), ProbeError> {
-    let root = bpffs.join("gpud");
-    let Ok(entries) = std::fs::read_dir(&root) else {
-        return Ok(());
-    };
-    let current = format!("v{ABI_VERSION}");
-    for entry in entries.flatten() {
-        if entry.file_name() != current.as_str() {
-            let path = entry.path();
-            warn!(path = %path.display(), "removing pins of another ABI version");
-            std::fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
-        }
-    }
-    Ok(())
-}

@@ -6,7 +6,7 @@
 //! them while [`Probes`] (the object, its links and its settings) stays the core's.
 
 use aya::programs::{RawTracePoint, RawTracePointRunOptions, TestRun as _};
-use gpud_common::ObjKey;
+use gpud_common::{ObjEntry, ObjKey};
 
 use super::{ProbeError, Probes, programs};
 
@@ -15,6 +15,18 @@ pub struct KernelRuns {
     seed: (&'static str, RawTracePoint),
     release: (&'static str, RawTracePoint),
     file_held: (&'static str, RawTracePoint),
+    adopt: (&'static str, RawTracePoint),
+}
+
+/// What [`KernelRuns::adopt`] did with an object of the previous ABI's maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Adopted {
+    /// Recorded, counted and (memory) charged or shared.
+    Yes,
+    /// An object is recorded under its key already: the programs saw it made.
+    Present,
+    /// `OBJECTS` has no room.
+    Full,
 }
 
 impl KernelRuns {
@@ -32,6 +44,7 @@ impl KernelRuns {
             seed: handle(programs::SEED)?,
             release: handle(programs::RELEASE)?,
             file_held: handle(programs::FILE_HELD)?,
+            adopt: handle(programs::ADOPT)?,
         })
     }
 
@@ -71,5 +84,27 @@ impl KernelRuns {
     /// still holds the clients made through it), by `gpud_file_held`.
     pub fn file_held(&self, file: u64) -> Result<bool, ProbeError> {
         Ok(Self::run(&self.file_held, &[file])? == 0)
+    }
+
+    /// Records `entry`, an object of the previous ABI's maps, under `key` in this ABI's
+    /// (`gpud_adopt`): counted, its file marked, its memory charged (`first`: no other holder of
+    /// its charge is recorded) or shared, all with the kernel's own atomic updates.
+    pub fn adopt(&self, key: ObjKey, entry: &ObjEntry, first: bool) -> Result<Adopted, ProbeError> {
+        let args = [
+            u64::from(key.client) << 32 | u64::from(key.object),
+            u64::from(entry.kind) | u64::from(entry.parent) << 32,
+            u64::from(entry.gpu) | u64::from(entry.tgid) << 32,
+            entry.cgroup_id,
+            entry.bytes,
+            entry.file,
+            entry.serial,
+            entry.charge,
+            u64::from(first),
+        ];
+        Ok(match Self::run(&self.adopt, &args)? {
+            0 => Adopted::Yes,
+            1 => Adopted::Present,
+            _ => Adopted::Full,
+        })
     }
 }

@@ -173,7 +173,7 @@ pub fn test_deb() -> anyhow::Result<()> {
 }
 
 /// `dpkg ARGS` with its output (stdout and stderr) returned; fails on a non-zero exit.
-fn dpkg(args: &[&str]) -> anyhow::Result<String> {
+pub(super) fn dpkg(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new("dpkg")
         .args(args)
         .env("DEBIAN_FRONTEND", "noninteractive")
@@ -194,7 +194,7 @@ fn dpkg(args: &[&str]) -> anyhow::Result<String> {
     Ok(text)
 }
 
-fn dpkg_status(package: &str) -> Option<String> {
+pub(super) fn dpkg_status(package: &str) -> Option<String> {
     Command::new("dpkg-query")
         .args(["--showformat=${Status}", "--show", package])
         .output()
@@ -412,13 +412,13 @@ impl Drop for TermOnDrop<'_> {
 }
 
 /// Paths moved out of the way for the test and moved back when dropped.
-struct Aside {
+pub(super) struct Aside {
     dir: PathBuf,
     moved: Vec<(PathBuf, PathBuf)>,
 }
 
 impl Aside {
-    fn new(paths: &[&str]) -> anyhow::Result<Self> {
+    pub(super) fn new(paths: &[&str]) -> anyhow::Result<Self> {
         let dir = PathBuf::from(format!("/var/tmp/gpud-xtask-aside-{}", std::process::id()));
         let mut aside = Self {
             dir: dir.clone(),

@@ -29,9 +29,11 @@ use crate::util::{cargo, output, root, run as run_cmd};
 
 mod check_deb;
 mod check_image;
+mod upgrade;
 
 pub use check_deb::test_deb;
 pub use check_image::test_image;
+pub use upgrade::{previous_deb, test_upgrade};
 
 /// The image's name without its tag (the tag is the version); the manifests in
 /// deploy/kubernetes run `IMAGE_REPOSITORY:<version>`.

@@ -313,6 +313,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
     let driver_limits = proxy.driver_limits().await.map_err(daemon_err)?;
     let root = proxy.cgroup_root().await.map_err(daemon_err)?;
     let resumed = proxy.probes_resumed().await.map_err(daemon_err)?;
+    let taken_over = proxy.probes_taken_over().await.map_err(daemon_err)?;
     let stats = proxy.get_kernel_stats().await.map_err(daemon_err)?;
     let cgroups = proxy.list_cgroups().await.map_err(daemon_err)?.len();
     let tier = proxy.enforcement_tier().await.map_err(daemon_err)?;
@@ -344,6 +345,7 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
             "kernel_capabilities": caps,
             "cgroup_root": root,
             "probes_resumed": resumed,
+            "probes_taken_over": taken_over,
             "kernel_stats": stats,
             "cgroups": cgroups,
         });
@@ -355,6 +357,18 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
         "  attach mode:      {mode}{}",
         if resumed { " (resumed)" } else { "" }
     );
+    if let Some(from) = taken_over.get("from_abi") {
+        let get = |k: &str| taken_over.get(k).map_or("0", String::as_str);
+        println!(
+            "  taken over:       ABI {from}'s maps: {} objects adopted, {} released while both ran, {} without room",
+            get("objects_adopted"),
+            get("objects_released"),
+            get("objects_no_room"),
+        );
+        if let Some(why) = taken_over.get("unconverted") {
+            println!("  WARNING: not taken over: {why}");
+        }
+    }
     let offered: Vec<&str> = caps
         .iter()
         .filter(|(_, v)| **v)

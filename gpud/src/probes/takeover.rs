@@ -1,0 +1,546 @@
+//! Taking over the previous ABI's pinned maps at an upgrade (docs/design.md, "Upgrades").
+//!
+//! A daemon of a new ABI finds the previous one's pins under `<bpffs>/gpud/v<previous>/`, with
+//! its programs still attached and counting. Nothing of the old is touched until the new is
+//! attached and holds everything, so every failure before that leaves the old probes running
+//! (the new daemon removes its own pins and exits with the reason):
+//!
+//! 1. before the new programs attach, the maps only the daemon writes or that change slowly
+//!    (limits, allowances, held groups, guard counts, ancestry, processes, ioctl counts,
+//!    channel groups, the tracked-process filter, the health counters) are copied into the new
+//!    ones, converted where the layout changed ([`gpud_common::previous`]);
+//! 2. the new programs attach (both sets run; each counts into its own maps);
+//! 3. processes the old filter marked meanwhile are marked in the new; every object of the old
+//!    `OBJECTS` is adopted by the kernel (`gpud_adopt`), then those made while adopting:
+//!    recorded unless the new programs recorded them already, memory charged once per charge
+//!    (usage, shares and per-cgroup counts are rebuilt with the kernel's atomic updates, never
+//!    written from here); an adopted object the old map (its programs still running) no longer
+//!    holds was freed before its adoption, unseen by the new programs: it is released by serial;
+//! 4. the old links are unpinned: the old programs detach (the same look for freed objects
+//!    once more);
+//! 5. the old event ring is handed to the daemon, which reads its records like its own;
+//! 6. the old directory is removed.
+//!
+//! A map that cannot be converted is named in the log and in the report, never dropped
+//! silently. Pins of a newer ABI are refused: a downgrade would drop their accounting.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap as StdHashMap},
+    path::{Path, PathBuf},
+};
+
+use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues, RingBuf};
+use gpud_common::{ABI_VERSION, ObjEntry, ObjKey, TRACKED_PER_WORD, previous};
+use tracing::{info, warn};
+
+use super::{KernelRuns, ProbeError, io_err, map_entries, runs::Adopted};
+
+/// The previous ABI's pin directory, found at start.
+pub(super) struct Previous {
+    dir: PathBuf,
+    /// Directories of older ABIs, removed unconverted (no conversion is kept for them).
+    unconverted: Vec<String>,
+}
+
+/// What a take-over did: the D-Bus property `ProbesTakenOver` and the start-up log.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TakeOver {
+    /// The ABI taken over.
+    pub from_abi: u32,
+    /// Entries copied per map before the new programs attached.
+    pub copied: BTreeMap<&'static str, usize>,
+    /// Objects adopted (recorded and charged in the new maps).
+    pub adopted: usize,
+    /// Objects the new programs had recorded themselves.
+    pub present: usize,
+    /// Objects freed while both sets of programs ran, released from the new maps.
+    pub released: usize,
+    /// Objects `OBJECTS` had no room for.
+    pub no_room: usize,
+    /// Maps or pin directories not converted, with why.
+    pub unconverted: Vec<String>,
+}
+
+impl TakeOver {
+    /// The report as `ProbesTakenOver` gives it: empty where nothing was taken over.
+    pub fn as_map(&self) -> BTreeMap<String, String> {
+        let mut m = BTreeMap::new();
+        if self.from_abi == 0 {
+            return m;
+        }
+        m.insert("from_abi".into(), self.from_abi.to_string());
+        m.insert("objects_adopted".into(), self.adopted.to_string());
+        m.insert("objects_present".into(), self.present.to_string());
+        m.insert("objects_released".into(), self.released.to_string());
+        m.insert("objects_no_room".into(), self.no_room.to_string());
+        let copied: Vec<String> = self
+            .copied
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        m.insert("maps_copied".into(), copied.join(","));
+        if !self.unconverted.is_empty() {
+            m.insert("unconverted".into(), self.unconverted.join("; "));
+        }
+        m
+    }
+}
+
+/// `<bpffs>/gpud/v<N>` directories other than this ABI's, by version (`None`: not a version).
+fn other_versions(bpffs: &Path) -> Vec<(Option<u32>, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(bpffs.join("gpud")) else {
+        return Vec::new();
+    };
+    let mut out: Vec<_> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let version = name.strip_prefix('v').and_then(|v| v.parse::<u32>().ok());
+            (version != Some(ABI_VERSION)).then(|| (version, e.path()))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Whether `dir/links` holds any pinned link directory (the programs are attached).
+fn attached(dir: &Path) -> bool {
+    std::fs::read_dir(dir.join("links"))
+        .map(|mut d| d.next().is_some())
+        .unwrap_or(false)
+}
+
+impl Previous {
+    /// Looks at the pins beside this ABI's before anything is loaded: refuses a newer ABI's,
+    /// removes those of ABIs with no conversion (naming them), and returns the previous ABI's
+    /// directory where its probes are attached. A take-over interrupted after its new probes
+    /// attached is redone from the start while the old ones are still attached, and finished
+    /// (the old maps removed) once they are not.
+    pub(super) fn find(bpffs: &Path, current: &Path) -> Result<Option<Self>, ProbeError> {
+        let mut unconverted = Vec::new();
+        let mut previous = None;
+        for (version, path) in other_versions(bpffs) {
+            match version {
+                Some(v) if v > ABI_VERSION => {
+                    return Err(ProbeError::NewerAbi {
+                        found: v,
+                        path: path.clone(),
+                    });
+                }
+                Some(previous::ABI_VERSION) => previous = Some(path),
+                _ => {
+                    let why = format!(
+                        "{}: no conversion from it (this build converts ABI {} only); removed",
+                        path.display(),
+                        previous::ABI_VERSION
+                    );
+                    warn!("pins of another ABI: {why}");
+                    std::fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
+                    unconverted.push(why);
+                }
+            }
+        }
+        let Some(dir) = previous else {
+            return Ok(None);
+        };
+        if !attached(&dir) {
+            // Its programs are gone (a take-over stopped after detaching them, or a daemon
+            // that removed its links): nothing counts into these maps any more.
+            let why = format!(
+                "{}: its probes were not attached; removed, not converted",
+                dir.display()
+            );
+            warn!("pins of the previous ABI: {why}");
+            std::fs::remove_dir_all(&dir).map_err(io_err("remove", &dir))?;
+            unconverted.push(why);
+            return Ok(None);
+        }
+        if current.exists() {
+            warn!(
+                dir = %current.display(),
+                "a take-over of the previous ABI's probes was interrupted; starting it again"
+            );
+            std::fs::remove_dir_all(current).map_err(io_err("remove", current))?;
+        }
+        info!(dir = %dir.display(), from = previous::ABI_VERSION, to = ABI_VERSION, "taking over the previous ABI's probes");
+        Ok(Some(Self { dir, unconverted }))
+    }
+
+    /// Step 1: copies the maps the new programs need from their first call (see the module
+    /// docs) into `new`'s.
+    pub(super) fn copy_settled(&self, new: &Path) -> Result<TakeOver, ProbeError> {
+        use gpud_common::maps as m;
+        use previous as p;
+        let mut report = TakeOver {
+            from_abi: p::ABI_VERSION,
+            unconverted: self.unconverted.clone(),
+            ..TakeOver::default()
+        };
+        let old = &self.dir;
+        let mut copied = |name, n| {
+            report.copied.insert(name, n);
+        };
+        copied(
+            m::LIMITS,
+            copy_hash::<p::UsageKey, p::KernelLimit>(old, new, m::LIMITS)?,
+        );
+        copied(
+            m::SCHED_ALLOW,
+            copy_hash::<u64, u64>(old, new, m::SCHED_ALLOW)?,
+        );
+        copied(
+            m::HELD_GROUPS,
+            copy_hash::<p::ObjKey, u32>(old, new, m::HELD_GROUPS)?,
+        );
+        copied(
+            m::GUARD_COUNTS,
+            copy_hash::<p::GuardKey, u64>(old, new, m::GUARD_COUNTS)?,
+        );
+        copied(
+            m::GUARD_BUCKET,
+            copy_hash::<u64, p::GuardBucket>(old, new, m::GUARD_BUCKET)?,
+        );
+        copied(
+            m::ANCESTRY,
+            copy_hash::<u64, p::Ancestry>(old, new, m::ANCESTRY)?,
+        );
+        copied(
+            m::PROCS,
+            copy_hash::<u32, p::ProcEntry>(old, new, m::PROCS)?,
+        );
+        copied(
+            m::CGROUPS,
+            copy_hash::<u64, p::IoctlCounts>(old, new, m::CGROUPS)?,
+        );
+        copied(
+            m::SCHED_FILES,
+            copy_hash::<u64, u32>(old, new, m::SCHED_FILES)?,
+        );
+        copied(
+            m::SCHED_GROUPS,
+            copy_hash::<p::ObjKey, u64>(old, new, m::SCHED_GROUPS)?,
+        );
+        copied(m::TRACKED, copy_tracked(old, new)?);
+        copied(m::STATS, copy_stats(old, new)?);
+        Ok(report)
+    }
+
+    /// Steps 3 to 6, once the new programs are attached: adopts every object, releases those
+    /// freed meanwhile, detaches the old programs, and returns the old event ring for the daemon
+    /// to read. Before the old links go, an error leaves them attached.
+    pub(super) fn finish(
+        self,
+        runs: &KernelRuns,
+        new: &Path,
+        report: &mut TakeOver,
+    ) -> Result<Option<RingBuf<MapData>>, ProbeError> {
+        use gpud_common::maps as m;
+        let old_objects = open_hash::<ObjKey, ObjEntry>(&self.dir, m::OBJECTS)?;
+        let new_objects = open_hash::<ObjKey, ObjEntry>(new, m::OBJECTS)?;
+        // Charges some object in the new maps holds already (the new programs recorded a
+        // duplicate of adopted memory, or an allocation): adopting another holder shares it.
+        let mut held: BTreeSet<u64> = map_entries(&new_objects)
+            .into_iter()
+            .map(|(_, e)| e.charge)
+            .filter(|c| *c != 0)
+            .collect();
+        // Processes the old filter marked since the copy, and cgroups first charged since: the
+        // new programs follow them from here, and adopted memory is charged up their ancestry.
+        mark_tracked(runs, &self.dir, new)?;
+        copy_hash::<u64, previous::Ancestry>(&self.dir, new, m::ANCESTRY)?;
+        // Every object, then those made while adopting (the new programs saw most of them).
+        let mut adopted: StdHashMap<ObjKey, u64> = StdHashMap::new();
+        for _ in 0..2 {
+            for (key, entry) in map_entries(&old_objects) {
+                if adopted.get(&key) == Some(&entry.serial) {
+                    continue;
+                }
+                adopt_one(runs, key, &entry, &mut held, report)?;
+                adopted.insert(key, entry.serial);
+            }
+        }
+        // An object freed before its adoption (the new programs ignored a free of what they did
+        // not know) is gone from the old map, whose programs still run: released by serial.
+        self.release_freed(runs, &old_objects, &adopted, report);
+
+        // Step 4: the old programs detach with their links' pins.
+        let links = self.dir.join("links");
+        std::fs::remove_dir_all(&links).map_err(io_err("remove", &links))?;
+        info!(dir = %self.dir.display(), "the previous ABI's probes are detached");
+        // Step 5. Frees the new programs saw after the last look were theirs to release; this
+        // finds nothing more unless a free raced that look.
+        self.release_freed(runs, &old_objects, &adopted, report);
+        let ring = match MapData::from_pin(self.dir.join(m::EVENTS))
+            .and_then(Map::from_map_data)
+            .and_then(RingBuf::try_from)
+        {
+            Ok(r) => Some(r),
+            Err(e) => {
+                report.unconverted.push(format!(
+                    "{}: its unread events cannot be read: {}",
+                    m::EVENTS,
+                    crate::report::Chain(&e)
+                ));
+                None
+            }
+        };
+        // Step 6: the maps stay alive while the ring's descriptor is open.
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            warn!(dir = %self.dir.display(), "removing the previous ABI's pins: {e}");
+        }
+        for why in &report.unconverted {
+            warn!("not taken over: {why}");
+        }
+        info!(
+            from = report.from_abi,
+            adopted = report.adopted,
+            present = report.present,
+            released = report.released,
+            no_room = report.no_room,
+            "took over the previous ABI's maps"
+        );
+        Ok(ring)
+    }
+}
+
+impl Previous {
+    /// Releases from the new maps every adopted object the old map no longer holds with the
+    /// serial it was adopted with (freed, or freed and made again); a second release of one
+    /// finds nothing.
+    fn release_freed(
+        &self,
+        runs: &KernelRuns,
+        old_objects: &HashMap<MapData, ObjKey, ObjEntry>,
+        adopted: &StdHashMap<ObjKey, u64>,
+        report: &mut TakeOver,
+    ) {
+        let now: StdHashMap<ObjKey, u64> = map_entries(old_objects)
+            .into_iter()
+            .map(|(k, e)| (k, e.serial))
+            .collect();
+        for (key, serial) in adopted {
+            if now.get(key) == Some(serial) {
+                continue;
+            }
+            match runs.release(*key, *serial, false) {
+                Ok(true) => report.released += 1,
+                Ok(false) => {}
+                Err(e) => report
+                    .unconverted
+                    .push(format!("releasing {key:?}: {}", crate::report::Chain(&e))),
+            }
+        }
+    }
+}
+
+/// Adopts one object, sharing its charge where another holder is recorded.
+fn adopt_one(
+    runs: &KernelRuns,
+    key: ObjKey,
+    entry: &ObjEntry,
+    held: &mut BTreeSet<u64>,
+    report: &mut TakeOver,
+) -> Result<(), ProbeError> {
+    let first = entry.charge == 0 || !held.contains(&entry.charge);
+    match runs.adopt(key, entry, first)? {
+        Adopted::Yes => {
+            report.adopted += 1;
+            if entry.charge != 0 {
+                held.insert(entry.charge);
+            }
+        }
+        Adopted::Present => report.present += 1,
+        Adopted::Full => report.no_room += 1,
+    }
+    Ok(())
+}
+
+/// `ProbeError::TakeMap` for `name`.
+fn map_err(name: &'static str) -> impl Fn(MapError) -> ProbeError {
+    move |source| ProbeError::TakeMap { name, source }
+}
+
+fn open(dir: &Path, name: &'static str) -> Result<Map, ProbeError> {
+    MapData::from_pin(dir.join(name))
+        .and_then(Map::from_map_data)
+        .map_err(map_err(name))
+}
+
+fn open_hash<K: aya::Pod, V: aya::Pod>(
+    dir: &Path,
+    name: &'static str,
+) -> Result<HashMap<MapData, K, V>, ProbeError> {
+    HashMap::try_from(open(dir, name)?).map_err(map_err(name))
+}
+
+/// Copies every entry of the hash map `name` from `old` to `new` (same key and value types:
+/// a layout that changes gets a converting copy of its own); the entries copied.
+fn copy_hash<K: aya::Pod, V: aya::Pod>(
+    old: &Path,
+    new: &Path,
+    name: &'static str,
+) -> Result<usize, ProbeError> {
+    let from = open_hash::<K, V>(old, name)?;
+    let mut to = open_hash::<K, V>(new, name)?;
+    let entries = map_entries(&from);
+    for (k, v) in &entries {
+        to.insert(k, v, 0).map_err(map_err(name))?;
+    }
+    Ok(entries.len())
+}
+
+/// Copies the words of the tracked-process filter that mark a process; the words copied.
+fn copy_tracked(old: &Path, new: &Path) -> Result<usize, ProbeError> {
+    let name = gpud_common::maps::TRACKED;
+    let from: Array<MapData, u64> = Array::try_from(open(old, name)?).map_err(map_err(name))?;
+    let mut to: Array<MapData, u64> = Array::try_from(open(new, name)?).map_err(map_err(name))?;
+    let mut n = 0;
+    for i in 0..from.len().min(to.len()) {
+        let word = from.get(&i, 0).map_err(map_err(name))?;
+        if word != 0 {
+            to.set(i, word, 0).map_err(map_err(name))?;
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// Marks in the new filter (through `gpud_seed`, as the kernel marks) every process the old
+/// one marks: those it marked after [`copy_tracked`].
+fn mark_tracked(runs: &KernelRuns, old: &Path, new: &Path) -> Result<(), ProbeError> {
+    let name = gpud_common::maps::TRACKED;
+    let from: Array<MapData, u64> = Array::try_from(open(old, name)?).map_err(map_err(name))?;
+    let to: Array<MapData, u64> = Array::try_from(open(new, name)?).map_err(map_err(name))?;
+    for i in 0..from.len().min(to.len()) {
+        let (was, is) = (
+            from.get(&i, 0).map_err(map_err(name))?,
+            to.get(&i, 0).map_err(map_err(name))?,
+        );
+        for slot in 0..TRACKED_PER_WORD {
+            let shift = slot * 8;
+            if (was >> shift) & 0xff != 0 && (is >> shift) & 0xff == 0 {
+                runs.seed(i * TRACKED_PER_WORD + slot)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Copies the previous ABI's health counters (its [`previous::STAT_COUNT`], the same indices)
+/// so that they keep growing across the upgrade; the counters copied.
+fn copy_stats(old: &Path, new: &Path) -> Result<usize, ProbeError> {
+    let name = gpud_common::maps::STATS;
+    let from: PerCpuArray<MapData, u64> =
+        PerCpuArray::try_from(open(old, name)?).map_err(map_err(name))?;
+    let mut to: PerCpuArray<MapData, u64> =
+        PerCpuArray::try_from(open(new, name)?).map_err(map_err(name))?;
+    let n = previous::STAT_COUNT.min(from.len()).min(to.len());
+    for i in 0..n {
+        let values = from.get(&i, 0).map_err(map_err(name))?;
+        let values = PerCpuValues::try_from(values.iter().copied().collect::<Vec<u64>>())
+            .map_err(|source| map_err(name)(MapError::IoError(source)))?;
+        to.set(i, values, 0).map_err(map_err(name))?;
+    }
+    Ok(n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bpffs stand-in: `gpud/v<N>` directories, with a pinned link directory where `attached`.
+    struct Bpffs(PathBuf);
+
+    impl Bpffs {
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Bpffs {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn bpffs(versions: &[(u32, bool)]) -> Bpffs {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            Bpffs(std::env::temp_dir().join(format!("gpud-takeover-{}-{n}", std::process::id())));
+        for (v, attached) in versions {
+            let base = dir.path().join("gpud").join(format!("v{v}"));
+            std::fs::create_dir_all(base.join("links")).expect("mkdir");
+            if *attached {
+                std::fs::create_dir_all(base.join("links/0123-tracepoint-react")).expect("mkdir");
+            }
+        }
+        dir
+    }
+
+    fn base(dir: &Bpffs, v: u32) -> PathBuf {
+        dir.path().join("gpud").join(format!("v{v}"))
+    }
+
+    #[test]
+    fn pins_of_a_newer_abi_are_refused_and_left_alone() {
+        let dir = bpffs(&[(ABI_VERSION + 1, true), (previous::ABI_VERSION, true)]);
+        let err = Previous::find(dir.path(), &base(&dir, ABI_VERSION))
+            .err()
+            .expect("refused");
+        assert!(matches!(err, ProbeError::NewerAbi { found, .. } if found == ABI_VERSION + 1));
+        assert!(
+            err.to_string().contains("will not drop their accounting"),
+            "{err}"
+        );
+        assert!(base(&dir, ABI_VERSION + 1).exists());
+        assert!(base(&dir, previous::ABI_VERSION).exists());
+    }
+
+    #[test]
+    fn the_previous_abi_is_taken_over_and_older_ones_removed_by_name() {
+        let dir = bpffs(&[
+            (previous::ABI_VERSION - 1, true),
+            (previous::ABI_VERSION, true),
+        ]);
+        let found = Previous::find(dir.path(), &base(&dir, ABI_VERSION))
+            .expect("find")
+            .expect("the previous ABI");
+        assert_eq!(found.dir, base(&dir, previous::ABI_VERSION));
+        assert!(!base(&dir, previous::ABI_VERSION - 1).exists());
+        assert_eq!(found.unconverted.len(), 1);
+        assert!(found.unconverted[0].contains(&format!("v{}", previous::ABI_VERSION - 1)));
+    }
+
+    #[test]
+    fn an_interrupted_take_over_starts_again_while_the_old_probes_are_attached() {
+        let dir = bpffs(&[(previous::ABI_VERSION, true), (ABI_VERSION, true)]);
+        let found = Previous::find(dir.path(), &base(&dir, ABI_VERSION)).expect("find");
+        assert!(found.is_some());
+        assert!(!base(&dir, ABI_VERSION).exists(), "the half-made pins stay");
+    }
+
+    #[test]
+    fn previous_pins_without_programs_are_removed_not_converted() {
+        let dir = bpffs(&[(previous::ABI_VERSION, false), (ABI_VERSION, true)]);
+        let found = Previous::find(dir.path(), &base(&dir, ABI_VERSION)).expect("find");
+        assert!(found.is_none());
+        assert!(!base(&dir, previous::ABI_VERSION).exists());
+        assert!(base(&dir, ABI_VERSION).exists(), "this ABI's pins are kept");
+    }
+
+    #[test]
+    fn the_report_is_empty_without_a_take_over_and_names_what_was_not_converted() {
+        assert!(TakeOver::default().as_map().is_empty());
+        let r = TakeOver {
+            from_abi: 7,
+            adopted: 3,
+            unconverted: vec!["v5: no conversion".into()],
+            ..TakeOver::default()
+        };
+        let m = r.as_map();
+        assert_eq!(m["from_abi"], "7");
+        assert_eq!(m["objects_adopted"], "3");
+        assert_eq!(m["unconverted"], "v5: no conversion");
+    }
+}

@@ -1,0 +1,260 @@
+//! An upgrade of gpud across an eBPF ABI change, as `cargo xtask test`'s stage "package:
+//! upgrade" runs it: the previous release's package is installed, its gpud (`GPUD_BIN`, the
+//! installed `/usr/bin/gpud`) runs over the fake NVIDIA device with tenants holding memory under
+//! limits (per GPU and by GPU UUID) and one allocating and freeing all the while; then
+//! `GPUD_UPGRADE` (`dpkg -i` of this tree's package) replaces the binary, gpud is restarted as
+//! the package's maintainer scripts restart the unit, and a tenant tries to cross its limit
+//! while no gpud runs. What must hold: gpud's usage equals the fake driver's ledger before,
+//! after the new daemon's first answer and at the end; the crossing tenants are stopped; limits
+//! and compute shares are what they were; the new daemon took the old maps over.
+//!
+//! Without `GPUD_UPGRADE` the test says SKIPPED and passes: it needs two builds of gpud, which
+//! the stage makes (`cargo xtask package upgrade`).
+
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use gpud_tests::{Cgroup, Rig, RmProcess, eventually, scenario};
+
+const MIB: u64 = 1 << 20;
+const LIMIT: u64 = 64 * MIB;
+
+/// A tenant allocating and freeing 4 MiB in a loop on its own thread; the test takes the lock
+/// to look at a quiet moment (nothing of the loop's held).
+struct Churn {
+    tenant: Arc<Mutex<RmProcess>>,
+    stop: Arc<AtomicBool>,
+    rounds: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Churn {
+    fn start(tenant: RmProcess, client: u32, device: u32) -> Self {
+        let tenant = Arc::new(Mutex::new(tenant));
+        let stop = Arc::new(AtomicBool::new(false));
+        let rounds = Arc::new(AtomicU64::new(0));
+        let thread = {
+            let (tenant, stop, rounds) = (tenant.clone(), stop.clone(), rounds.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    {
+                        let mut t = tenant.lock().expect("churn lock");
+                        let a = t.ok(&format!("alloc {client} {device} {}", 4 * MIB));
+                        let h = a["handle"].as_u64().expect("handle");
+                        t.ok(&format!("free {client} {h}"));
+                    }
+                    rounds.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            })
+        };
+        Self {
+            tenant,
+            stop,
+            rounds,
+            thread: Some(thread),
+        }
+    }
+
+    fn finish(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            t.join().expect("churn thread");
+        }
+        self.rounds.load(Ordering::Relaxed)
+    }
+}
+
+/// Each tenant's cgroup, its process and what gpud must count for it.
+struct Tenant<'a> {
+    cg: &'a Cgroup,
+    pid: u32,
+}
+
+/// gpud's `all` figure for each tenant equals what the fake driver holds for its process (at
+/// a quiet moment of the churn); panics with both after 10 s.
+// The lock held across the awaits pauses the churn's plain thread, which no task waits for.
+#[allow(clippy::await_holding_lock)]
+async fn counts_match(rig: &Rig, tenants: &[Tenant<'_>], churn: &Churn, when: &str) {
+    let _quiet = churn.tenant.lock().expect("churn lock");
+    let last = Mutex::new(String::new());
+    let matched = eventually(Duration::from_secs(10), || async {
+        let snap = rig.fake().snapshot();
+        let mut lines = Vec::new();
+        let mut all = true;
+        for t in tenants {
+            let ledger = snap.held_by(&[t.pid]);
+            let counted = rig
+                .get_cgroup(&t.cg.rel)
+                .await
+                .memory_current
+                .get("all")
+                .copied()
+                .unwrap_or(0);
+            all &= ledger == counted;
+            lines.push(format!("{}: gpud {counted}, ledger {ledger}", t.cg.rel));
+        }
+        *last.lock().expect("last") = lines.join("; ");
+        all.then_some(())
+    })
+    .await;
+    let last = last.into_inner().expect("last");
+    assert!(
+        matched.is_some(),
+        "{when}: gpud's usage is not the driver's ledger: {last}\n{}",
+        rig.log_text()
+    );
+    println!("{when}: {last}");
+}
+
+/// A tenant of `cg` takes `bytes` past its limit on `gpu`: it must not survive the call.
+fn crossing_dies(rig: &Rig, cg: &Cgroup, gpu: u32, bytes: u64, when: &str) {
+    let mut attacker = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = attacker.client_device(gpu);
+    let answer = attacker.try_cmd(&format!("alloc {client} {device} {bytes}"));
+    assert!(
+        answer.is_none(),
+        "{when}: the crossing allocation returned {answer:?}"
+    );
+    let status = attacker.wait();
+    use std::os::unix::process::ExitStatusExt as _;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{when}: {status:?}");
+    println!("{when}: the tenant crossing its limit was killed in its call");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upgrade_across_an_abi_change_keeps_every_count_and_limit() {
+    let Some(upgrade) = std::env::var_os("GPUD_UPGRADE") else {
+        eprintln!("SKIPPED: GPUD_UPGRADE (the command installing the new gpud) is not set");
+        return;
+    };
+    let Some(rig) = Rig::new("upgrade").fake_device(2) else {
+        return;
+    };
+    let mut rig = rig.fake_gpus(2);
+    rig.start(rig.config().react_action("kill").keep_pinned(true))
+        .await;
+    rig.wait_for_gpus(2).await;
+    let (_c, p) = rig.proxy().await;
+    let old_abi = p.abi_version().await.expect("AbiVersion");
+    let old_version = p.version().await.expect("Version");
+    println!("before: gpud {old_version} (ABI {old_abi})");
+
+    // A per-GPU limit with a compute cap, a limit keyed by GPU UUID, and a churning tenant.
+    let (cg_a, cg_b, cg_c) = (
+        Cgroup::new("upgrade-a"),
+        Cgroup::new("upgrade-b"),
+        Cgroup::new("upgrade-c"),
+    );
+    rig.set_limit(&cg_a.rel, "0", "memory_max", LIMIT).await;
+    rig.set_limit(&cg_a.rel, "0", "compute_max", 30u32).await;
+    rig.set_limit(&cg_b.rel, &scenario::uuid(1), "memory_max", LIMIT)
+        .await;
+    rig.set_limit(&cg_c.rel, "all", "memory_max", 4 * LIMIT)
+        .await;
+    let mut a = RmProcess::spawn(Some(&cg_a.dir), &rig.ctl());
+    let (ca, da) = a.client_device(0);
+    a.ok(&format!("alloc {ca} {da} {}", 48 * MIB));
+    let mut b = RmProcess::spawn(Some(&cg_b.dir), &rig.ctl());
+    let (cb, db) = b.client_device(1);
+    b.ok(&format!("alloc {cb} {db} {}", 32 * MIB));
+    b.ok(&format!("alloc {cb} {db} {}", 16 * MIB));
+    let mut c = RmProcess::spawn(Some(&cg_c.dir), &rig.ctl());
+    let (cc, dc) = c.client_device(0);
+    c.ok(&format!("alloc {cc} {dc} {}", 16 * MIB));
+    let c_pid = c.pid;
+    let churn = Churn::start(c, cc, dc);
+    let tenants = [
+        Tenant {
+            cg: &cg_a,
+            pid: a.pid,
+        },
+        Tenant {
+            cg: &cg_b,
+            pid: b.pid,
+        },
+        Tenant {
+            cg: &cg_c,
+            pid: c_pid,
+        },
+    ];
+    rig.expect_in_force(&cg_b.rel, &[("1", LIMIT)]).await;
+    counts_match(&rig, &tenants, &churn, "before").await;
+    let limits_before: Vec<_> = [&cg_a, &cg_b, &cg_c]
+        .iter()
+        .map(|cg| cg.rel.clone())
+        .collect();
+    let mut before = Vec::new();
+    for cg in &limits_before {
+        before.push((rig.limits(cg).await, rig.in_force(cg).await));
+    }
+
+    // The package replaces the binary; the unit is restarted: stopped, then started.
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(&upgrade)
+        .output()
+        .expect("run GPUD_UPGRADE");
+    println!(
+        "upgrade: {}\n{}{}",
+        upgrade.to_string_lossy(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "GPUD_UPGRADE failed: {:?}",
+        out.status
+    );
+    let rounds_at_stop = churn.rounds.load(Ordering::Relaxed);
+    rig.stop();
+    crossing_dies(&rig, &cg_a, 0, 32 * MIB, "while no gpud runs");
+    rig.restart().await;
+    let (_c, p) = rig.proxy().await;
+    let abi = p.abi_version().await.expect("AbiVersion");
+    let version = p.version().await.expect("Version");
+    let taken = p.probes_taken_over().await.expect("ProbesTakenOver");
+    println!("after: gpud {version} (ABI {abi}); taken over: {taken:?}");
+    counts_match(&rig, &tenants, &churn, "at the new daemon's first answer").await;
+    if abi != old_abi {
+        assert_eq!(
+            taken.get("from_abi"),
+            Some(&old_abi.to_string()),
+            "the new daemon did not take over ABI {old_abi}'s maps: {taken:?}\n{}",
+            rig.log_text()
+        );
+        assert!(
+            !taken.contains_key("unconverted"),
+            "something was not converted: {taken:?}"
+        );
+    }
+    crossing_dies(&rig, &cg_a, 0, 32 * MIB, "after the upgrade");
+    // Tenant b allocates and frees under the new daemon, within its limit.
+    let h = b.ok(&format!("alloc {cb} {db} {}", 8 * MIB))["handle"]
+        .as_u64()
+        .expect("handle");
+    b.ok(&format!("free {cb} {h}"));
+    crossing_dies(&rig, &cg_b, 1, 32 * MIB, "after the upgrade, by UUID");
+    let rounds = churn.rounds.load(Ordering::Relaxed);
+    counts_match(&rig, &tenants, &churn, "at the end").await;
+    for (cg, (limits, in_force)) in limits_before.iter().zip(&before) {
+        assert_eq!(&rig.limits(cg).await, limits, "{cg}: limits changed");
+        assert_eq!(
+            &rig.in_force(cg).await,
+            in_force,
+            "{cg}: limits in force changed"
+        );
+    }
+    let churned = churn.finish();
+    println!(
+        "the churning tenant made {churned} allocate-and-free rounds ({} before the stop, {} by the new daemon's checks)",
+        rounds_at_stop, rounds
+    );
+    drop(a);
+    drop(b);
+}
