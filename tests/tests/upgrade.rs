@@ -19,7 +19,7 @@ use std::{
     time::Duration,
 };
 
-use gpud_tests::{Cgroup, Rig, RmProcess, eventually, scenario};
+use gpud_tests::{Cgroup, Rig, RmProcess, eventually, gpudctl_bin, scenario};
 
 const MIB: u64 = 1 << 20;
 const LIMIT: u64 = 64 * MIB;
@@ -112,6 +112,40 @@ async fn counts_match(rig: &Rig, tenants: &[Tenant<'_>], churn: &Churn, when: &s
     println!("{when}: {last}");
 }
 
+/// Prints `gpudctl list --json` (the installed gpudctl in the stage) for the tenants' cgroups,
+/// with the fake driver's ledger of their processes beside.
+fn print_list(rig: &Rig, tenants: &[Tenant<'_>], when: &str) {
+    let out = std::process::Command::new(gpudctl_bin())
+        .args(["--bus-address", &rig.bus.address, "list", "--json"])
+        .output()
+        .expect("run gpudctl");
+    assert!(out.status.success(), "gpudctl list failed: {out:?}");
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("gpudctl JSON");
+    let snap = rig.fake().snapshot();
+    println!(
+        "{when}: $ {} list --json (the tenants' rows)",
+        gpudctl_bin().display()
+    );
+    for t in tenants {
+        let row = rows.iter().find(|r| r["path"] == t.cg.rel.as_str());
+        let fields = row.map(|r| {
+            serde_json::json!({
+                "path": r["path"],
+                "memory_current": r["memory_current"],
+                "memory_max": r["memory_max"],
+                "memory_events": r["memory_events"],
+            })
+        });
+        println!(
+            "  {}    ledger: {}",
+            fields
+                .map(|f| f.to_string())
+                .unwrap_or_else(|| "(absent)".into()),
+            snap.held_by(&[t.pid])
+        );
+    }
+}
+
 /// A tenant of `cg` takes `bytes` past its limit on `gpu`: it must not survive the call.
 fn crossing_dies(rig: &Rig, cg: &Cgroup, gpu: u32, bytes: u64, when: &str) {
     let mut attacker = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
@@ -185,6 +219,7 @@ async fn an_upgrade_across_an_abi_change_keeps_every_count_and_limit() {
     ];
     rig.expect_in_force(&cg_b.rel, &[("1", LIMIT)]).await;
     counts_match(&rig, &tenants, &churn, "before").await;
+    print_list(&rig, &tenants, "before");
     let limits_before: Vec<_> = [&cg_a, &cg_b, &cg_c]
         .iter()
         .map(|cg| cg.rel.clone())
@@ -242,6 +277,10 @@ async fn an_upgrade_across_an_abi_change_keeps_every_count_and_limit() {
     crossing_dies(&rig, &cg_b, 1, 32 * MIB, "after the upgrade, by UUID");
     let rounds = churn.rounds.load(Ordering::Relaxed);
     counts_match(&rig, &tenants, &churn, "at the end").await;
+    {
+        let _quiet = churn.tenant.lock().expect("churn lock");
+        print_list(&rig, &tenants, "after");
+    }
     for (cg, (limits, in_force)) in limits_before.iter().zip(&before) {
         assert_eq!(&rig.limits(cg).await, limits, "{cg}: limits changed");
         assert_eq!(

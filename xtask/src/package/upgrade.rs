@@ -173,6 +173,7 @@ pub fn test_upgrade() -> anyhow::Result<()> {
                 "--nocapture",
             ])
             .env("GPUD_BIN", "/usr/bin/gpud")
+            .env("GPUDCTL_BIN", "/usr/bin/gpudctl")
             .env("GPUD_UPGRADE", &upgrade)
             .output()
             .context("cannot run cargo test --test upgrade")?;
