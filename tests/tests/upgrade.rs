@@ -8,8 +8,9 @@
 //! after the new daemon's first answer and at the end; the crossing tenants are stopped; limits
 //! and compute shares are what they were; the new daemon took the old maps over.
 //!
-//! Without `GPUD_UPGRADE` the test says SKIPPED and passes: it needs two builds of gpud, which
-//! the stage makes (`cargo xtask package upgrade`).
+//! Without `GPUD_UPGRADE` that test says SKIPPED and passes: it needs two builds of gpud, which
+//! the stage makes (`cargo xtask package upgrade --check`). The same scenario runs in every
+//! `cargo test` for an upgrade within one ABI (another build's eBPF object attached).
 
 use std::{
     sync::{
@@ -161,13 +162,58 @@ fn crossing_dies(rig: &Rig, cg: &Cgroup, gpu: u32, bytes: u64, when: &str) {
     println!("{when}: the tenant crossing its limit was killed in its call");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn an_upgrade_across_an_abi_change_keeps_every_count_and_limit() {
-    let Some(upgrade) = std::env::var_os("GPUD_UPGRADE") else {
-        eprintln!("SKIPPED: GPUD_UPGRADE (the command installing the new gpud) is not set");
-        return;
-    };
-    let Some(rig) = Rig::new("upgrade").fake_device(2) else {
+/// What changes while gpud is stopped for the upgrade.
+enum Upgrade {
+    /// A shell command that installs the new gpud where `GPUD_BIN` points (`dpkg -i`).
+    Install(std::ffi::OsString),
+    /// Another build of this ABI left its probes attached: its links' directory is renamed as
+    /// another eBPF object's would be named.
+    AnotherObject,
+}
+
+impl Upgrade {
+    fn run(&self, rig: &Rig) {
+        match self {
+            Self::Install(command) => {
+                let out = std::process::Command::new("sh")
+                    .arg("-c")
+                    .arg(command)
+                    .output()
+                    .expect("run GPUD_UPGRADE");
+                println!(
+                    "upgrade: {}\n{}{}",
+                    command.to_string_lossy(),
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                assert!(
+                    out.status.success(),
+                    "GPUD_UPGRADE failed: {:?}",
+                    out.status
+                );
+            }
+            Self::AnotherObject => {
+                let links = rig.pins().join("links");
+                for e in std::fs::read_dir(&links).expect("links").flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let (_, rest) = name.split_once('-').expect("<hash>-<mode>…");
+                    let other = links.join(format!("0000000000000000-{rest}"));
+                    std::fs::rename(e.path(), &other).expect("rename the links");
+                    println!(
+                        "upgrade: {name} renamed as another object's links: {}",
+                        other.display()
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// An upgrade while gpud is stopped: a per-GPU limit with a compute cap, a limit keyed by GPU
+/// UUID and a churning tenant before; a crossing while no gpud runs; the checks of the module
+/// docs after. `from`: the ABI the new daemon must say it took over.
+async fn upgrade_under_load(tag: &str, upgrade: Upgrade, from: impl FnOnce(u32) -> u32) {
+    let Some(rig) = Rig::new(tag).fake_device(2) else {
         return;
     };
     let mut rig = rig.fake_gpus(2);
@@ -181,9 +227,9 @@ async fn an_upgrade_across_an_abi_change_keeps_every_count_and_limit() {
 
     // A per-GPU limit with a compute cap, a limit keyed by GPU UUID, and a churning tenant.
     let (cg_a, cg_b, cg_c) = (
-        Cgroup::new("upgrade-a"),
-        Cgroup::new("upgrade-b"),
-        Cgroup::new("upgrade-c"),
+        Cgroup::new(&format!("{tag}-a")),
+        Cgroup::new(&format!("{tag}-b")),
+        Cgroup::new(&format!("{tag}-c")),
     );
     rig.set_limit(&cg_a.rel, "0", "memory_max", LIMIT).await;
     rig.set_limit(&cg_a.rel, "0", "compute_max", 30u32).await;
@@ -229,25 +275,10 @@ async fn an_upgrade_across_an_abi_change_keeps_every_count_and_limit() {
         before.push((rig.limits(cg).await, rig.in_force(cg).await));
     }
 
-    // The package replaces the binary; the unit is restarted: stopped, then started.
-    let out = std::process::Command::new("sh")
-        .arg("-c")
-        .arg(&upgrade)
-        .output()
-        .expect("run GPUD_UPGRADE");
-    println!(
-        "upgrade: {}\n{}{}",
-        upgrade.to_string_lossy(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "GPUD_UPGRADE failed: {:?}",
-        out.status
-    );
     let rounds_at_stop = churn.rounds.load(Ordering::Relaxed);
+    // The unit is stopped, the package replaces the binary, the unit is started again.
     rig.stop();
+    upgrade.run(&rig);
     crossing_dies(&rig, &cg_a, 0, 32 * MIB, "while no gpud runs");
     rig.restart().await;
     let (_c, p) = rig.proxy().await;
@@ -256,18 +287,17 @@ async fn an_upgrade_across_an_abi_change_keeps_every_count_and_limit() {
     let taken = p.probes_taken_over().await.expect("ProbesTakenOver");
     println!("after: gpud {version} (ABI {abi}); taken over: {taken:?}");
     counts_match(&rig, &tenants, &churn, "at the new daemon's first answer").await;
-    if abi != old_abi {
-        assert_eq!(
-            taken.get("from_abi"),
-            Some(&old_abi.to_string()),
-            "the new daemon did not take over ABI {old_abi}'s maps: {taken:?}\n{}",
-            rig.log_text()
-        );
-        assert!(
-            !taken.contains_key("unconverted"),
-            "something was not converted: {taken:?}"
-        );
-    }
+    let want = from(old_abi);
+    assert_eq!(
+        taken.get("from_abi"),
+        Some(&want.to_string()),
+        "the new daemon did not take over ABI {want}'s maps: {taken:?}\n{}",
+        rig.log_text()
+    );
+    assert!(
+        !taken.contains_key("unconverted"),
+        "something was not converted: {taken:?}"
+    );
     crossing_dies(&rig, &cg_a, 0, 32 * MIB, "after the upgrade");
     // Tenant b allocates and frees under the new daemon, within its limit.
     let h = b.ok(&format!("alloc {cb} {db} {}", 8 * MIB))["handle"]
@@ -296,4 +326,30 @@ async fn an_upgrade_across_an_abi_change_keeps_every_count_and_limit() {
     );
     drop(a);
     drop(b);
+}
+
+/// The previous release's gpud upgraded to this tree's (`cargo xtask package upgrade --check`
+/// sets `GPUD_BIN` and `GPUD_UPGRADE`): the previous ABI's maps taken over.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upgrade_across_an_abi_change_keeps_every_count_and_limit() {
+    let Some(command) = std::env::var_os("GPUD_UPGRADE") else {
+        eprintln!("SKIPPED: GPUD_UPGRADE (the command installing the new gpud) is not set");
+        return;
+    };
+    upgrade_under_load("upgrade", Upgrade::Install(command), |old| old).await;
+}
+
+/// Another build of the same ABI (a release changing the eBPF code, not its maps) takes the
+/// attached one's maps over as it would an older ABI's: no moment without programs, no call
+/// counted twice, nothing lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn another_build_of_the_same_abi_takes_over_without_a_gap() {
+    if std::env::var_os("GPUD_UPGRADE").is_some() {
+        eprintln!("SKIPPED: GPUD_BIN is the previous release's gpud in this run");
+        return;
+    }
+    upgrade_under_load("upgrade-same", Upgrade::AnotherObject, |_| {
+        gpud_common::ABI_VERSION
+    })
+    .await;
 }

@@ -321,6 +321,14 @@ impl Attachment {
     }
 }
 
+/// The embedded object's hash, which starts the name of its links' directory: a daemon tells
+/// links of its own object from another build's by it.
+pub(super) fn object_hash() -> String {
+    let mut h = DefaultHasher::new();
+    OBJECT.hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
 /// Programs the daemon runs itself (`BPF_PROG_TEST_RUN`), loaded in every mode and never attached.
 pub(super) const RUN_PROGRAMS: [&str; 4] = [
     programs::SEED,
@@ -354,8 +362,6 @@ impl Probes {
     }
 
     fn links_dir(&self) -> PathBuf {
-        let mut h = DefaultHasher::new();
-        OBJECT.hash(&mut h);
         let hook = match self.tier {
             Tier::Deny => format!("-{}", self.ladder.in_force.as_str()),
             _ => String::new(),
@@ -363,8 +369,8 @@ impl Probes {
         // Where 32-bit callers are not followed, their programs are not attached: another set.
         let no32 = self.mode == AttachMode::Tracepoint && !self.follow_32bit;
         self.base_dir.join("links").join(format!(
-            "{:016x}-{}-{}{hook}{}{}",
-            h.finish(),
+            "{}-{}-{}{hook}{}{}",
+            object_hash(),
             self.mode.as_str(),
             self.tier.as_str(),
             if self.rewriting() { "-rw" } else { "" },

@@ -5,14 +5,15 @@
 //! daemon runs itself, shutdown) and [`ProbeError`]. The rest is one file per concern, like aya's
 //! `maps/`: `attach` (modes, tiers, hooks, attachment tables, attaching or adopting),
 //! `modify_return` (loading fmod_ret programs, which aya 0.14 cannot), `pin` (bpffs and the pin
-//! directory's hygiene),
+//! directory's hygiene), `takeover` (an upgrade's take-over of the pins attached before),
 //! `maps` (taking and reading the maps, writing the configuration), [`btf`] (kernel struct
 //! offsets), [`caps`] (what the kernel offers) and [`devices`] (which files are NVIDIA devices).
 //!
 //! Pins live under `<bpffs>/gpud/v<ABI_VERSION>/`: maps by name, links under
 //! `links/<object-hash>-<mode>-<tier>/`. A daemon that finds the same object attached in the same
-//! mode and tier adopts it (no gap, no double counting); otherwise it removes the old links and
-//! attaches anew.
+//! mode and tier adopts it (no gap, no double counting); the same object in another mode or tier
+//! is detached and attached anew; another object's pins, and the previous ABI's, are taken over
+//! (`takeover`).
 
 mod attach;
 pub mod btf;
@@ -246,7 +247,7 @@ impl Probes {
         mount_filesystems(&cfg.bpffs)?;
         let previous = takeover::Previous::find(&cfg.bpffs, &Self::pin_base(&cfg.bpffs))?;
         let base_dir = prepare_pin_dir(cfg)?;
-        let taking_over = previous.is_some();
+        let taking_over = previous.taking_over();
         let started = Self::load_and_attach(setup, base_dir.clone(), previous);
         if let Err(e) = &started
             && taking_over
@@ -265,7 +266,7 @@ impl Probes {
     fn load_and_attach(
         setup: ProbeSetup<'_>,
         base_dir: PathBuf,
-        previous: Option<takeover::Previous>,
+        previous: takeover::Previous,
     ) -> Result<Self, ProbeError> {
         let cfg = setup.config;
         let btf = KernelTypes::read()?;
@@ -301,9 +302,11 @@ impl Probes {
             take_over: TakeOver::default(),
             previous_events: None,
         };
-        let Some(previous) = previous else {
-            return probes.attach(&btf);
-        };
+        if !previous.taking_over() {
+            let mut probes = probes.attach(&btf)?;
+            probes.take_over = previous.report();
+            return Ok(probes);
+        }
         // Before the new programs attach, what they need from their first call.
         let mut report = previous.copy_settled(&probes.base_dir)?;
         let mut probes = probes.attach(&btf)?;

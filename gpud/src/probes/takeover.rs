@@ -35,10 +35,16 @@ use tracing::{info, warn};
 
 use super::{KernelRuns, ProbeError, io_err, map_entries, runs::Adopted};
 
-/// The previous ABI's pin directory, found at start.
+/// What start-up found beside this ABI's pins: the directory to take over, if any, and what was
+/// removed unconverted.
 pub(super) struct Previous {
-    dir: PathBuf,
-    /// Directories of older ABIs, removed unconverted (no conversion is kept for them).
+    /// The pins to take over: the previous ABI's, or this ABI's of another eBPF object (moved
+    /// aside to [`replaced_dir`] first); `None`: nothing to take over.
+    dir: Option<PathBuf>,
+    /// Their ABI.
+    from_abi: u32,
+    /// Pins removed unconverted (no conversion is kept for their ABI, or no programs of theirs
+    /// were attached), with why.
     unconverted: Vec<String>,
 }
 
@@ -66,6 +72,9 @@ impl TakeOver {
     pub fn as_map(&self) -> BTreeMap<String, String> {
         let mut m = BTreeMap::new();
         if self.from_abi == 0 {
+            if !self.unconverted.is_empty() {
+                m.insert("unconverted".into(), self.unconverted.join("; "));
+            }
             return m;
         }
         m.insert("from_abi".into(), self.from_abi.to_string());
@@ -96,11 +105,27 @@ fn other_versions(bpffs: &Path) -> Vec<(Option<u32>, PathBuf)> {
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             let version = name.strip_prefix('v').and_then(|v| v.parse::<u32>().ok());
-            (version != Some(ABI_VERSION)).then(|| (version, e.path()))
+            (version != Some(ABI_VERSION) && e.path() != replaced_dir(bpffs))
+                .then(|| (version, e.path()))
         })
         .collect();
     out.sort();
     out
+}
+
+/// Where this ABI's pins of another eBPF object are moved while this one takes them over.
+fn replaced_dir(bpffs: &Path) -> PathBuf {
+    bpffs.join("gpud").join(format!("v{ABI_VERSION}-replaced"))
+}
+
+/// Whether `dir/links` holds links of an eBPF object other than this build's (another build of
+/// this ABI attached them).
+fn attached_by_another_object(dir: &Path) -> bool {
+    let ours = super::attach::object_hash();
+    std::fs::read_dir(dir.join("links")).is_ok_and(|d| {
+        d.flatten()
+            .any(|e| !e.file_name().to_string_lossy().starts_with(&ours))
+    })
 }
 
 /// Whether `dir/links` holds any pinned link directory (the programs are attached).
@@ -112,12 +137,18 @@ fn attached(dir: &Path) -> bool {
 
 impl Previous {
     /// Looks at the pins beside this ABI's before anything is loaded: refuses a newer ABI's,
-    /// removes those of ABIs with no conversion (naming them), and returns the previous ABI's
-    /// directory where its probes are attached. A take-over interrupted after its new probes
-    /// attached is redone from the start while the old ones are still attached, and finished
-    /// (the old maps removed) once they are not.
-    pub(super) fn find(bpffs: &Path, current: &Path) -> Result<Option<Self>, ProbeError> {
-        let mut unconverted = Vec::new();
+    /// removes those of ABIs with no conversion (naming them), and finds what to take over: the
+    /// previous ABI's pins where their probes are attached, or this ABI's where another eBPF
+    /// object (another build) attached them, moved aside first so that this build's maps start
+    /// empty beside them. A take-over interrupted after its new probes attached is redone from
+    /// the start while the old ones are still attached, and finished (the old maps removed) once
+    /// they are not.
+    pub(super) fn find(bpffs: &Path, current: &Path) -> Result<Self, ProbeError> {
+        let mut found = Self {
+            dir: None,
+            from_abi: 0,
+            unconverted: Vec::new(),
+        };
         let mut previous = None;
         for (version, path) in other_versions(bpffs) {
             match version {
@@ -136,12 +167,26 @@ impl Previous {
                     );
                     warn!("pins of another ABI: {why}");
                     std::fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
-                    unconverted.push(why);
+                    found.unconverted.push(why);
                 }
             }
         }
-        let Some(dir) = previous else {
-            return Ok(None);
+        let replaced = replaced_dir(bpffs);
+        let (dir, from_abi) = match previous {
+            Some(dir) => (dir, previous::ABI_VERSION),
+            None if replaced.exists() => (replaced, ABI_VERSION),
+            None if attached_by_another_object(current) => {
+                // Another build of this ABI: its maps are taken over like an older ABI's, so its
+                // programs run until this build's are attached and hold everything.
+                std::fs::rename(current, &replaced).map_err(io_err("move aside", current))?;
+                info!(from = %current.display(), to = %replaced.display(), "another eBPF object of this ABI is attached: taking its maps over");
+                return Ok(Self {
+                    dir: Some(replaced),
+                    from_abi: ABI_VERSION,
+                    ..found
+                });
+            }
+            None => return Ok(found),
         };
         if !attached(&dir) {
             // Its programs are gone (a take-over stopped after detaching them, or a daemon
@@ -150,20 +195,37 @@ impl Previous {
                 "{}: its probes were not attached; removed, not converted",
                 dir.display()
             );
-            warn!("pins of the previous ABI: {why}");
+            warn!("pins to take over: {why}");
             std::fs::remove_dir_all(&dir).map_err(io_err("remove", &dir))?;
-            unconverted.push(why);
-            return Ok(None);
+            found.unconverted.push(why);
+            return Ok(found);
         }
         if current.exists() {
             warn!(
                 dir = %current.display(),
-                "a take-over of the previous ABI's probes was interrupted; starting it again"
+                "a take-over of earlier probes was interrupted; starting it again"
             );
             std::fs::remove_dir_all(current).map_err(io_err("remove", current))?;
         }
-        info!(dir = %dir.display(), from = previous::ABI_VERSION, to = ABI_VERSION, "taking over the previous ABI's probes");
-        Ok(Some(Self { dir, unconverted }))
+        info!(dir = %dir.display(), from = from_abi, to = ABI_VERSION, "taking over the probes attached before");
+        Ok(Self {
+            dir: Some(dir),
+            from_abi,
+            ..found
+        })
+    }
+
+    /// Whether there is something to take over.
+    pub(super) fn taking_over(&self) -> bool {
+        self.dir.is_some()
+    }
+
+    /// What [`Self::find`] removed unconverted, where nothing is taken over.
+    pub(super) fn report(&self) -> TakeOver {
+        TakeOver {
+            unconverted: self.unconverted.clone(),
+            ..TakeOver::default()
+        }
     }
 
     /// Step 1: copies the maps the new programs need from their first call (see the module
@@ -172,11 +234,13 @@ impl Previous {
         use gpud_common::maps as m;
         use previous as p;
         let mut report = TakeOver {
-            from_abi: p::ABI_VERSION,
+            from_abi: self.from_abi,
             unconverted: self.unconverted.clone(),
             ..TakeOver::default()
         };
-        let old = &self.dir;
+        let Some(old) = &self.dir else {
+            return Ok(report);
+        };
         let mut copied = |name, n| {
             report.copied.insert(name, n);
         };
@@ -221,7 +285,12 @@ impl Previous {
             copy_hash::<p::ObjKey, u64>(old, new, m::SCHED_GROUPS)?,
         );
         copied(m::TRACKED, copy_tracked(old, new)?);
-        copied(m::STATS, copy_stats(old, new)?);
+        let counters = if self.from_abi == ABI_VERSION {
+            gpud_common::stat::COUNT
+        } else {
+            p::STAT_COUNT
+        };
+        copied(m::STATS, copy_stats(old, new, counters)?);
         Ok(report)
     }
 
@@ -235,7 +304,10 @@ impl Previous {
         report: &mut TakeOver,
     ) -> Result<Option<RingBuf<MapData>>, ProbeError> {
         use gpud_common::maps as m;
-        let old_objects = open_hash::<ObjKey, ObjEntry>(&self.dir, m::OBJECTS)?;
+        let Some(dir) = self.dir.clone() else {
+            return Ok(None);
+        };
+        let old_objects = open_hash::<ObjKey, ObjEntry>(&dir, m::OBJECTS)?;
         let new_objects = open_hash::<ObjKey, ObjEntry>(new, m::OBJECTS)?;
         // Charges some object in the new maps holds already (the new programs recorded a
         // duplicate of adopted memory, or an allocation): adopting another holder shares it.
@@ -246,8 +318,8 @@ impl Previous {
             .collect();
         // Processes the old filter marked since the copy, and cgroups first charged since: the
         // new programs follow them from here, and adopted memory is charged up their ancestry.
-        mark_tracked(runs, &self.dir, new)?;
-        copy_hash::<u64, previous::Ancestry>(&self.dir, new, m::ANCESTRY)?;
+        mark_tracked(runs, &dir, new)?;
+        copy_hash::<u64, previous::Ancestry>(&dir, new, m::ANCESTRY)?;
         // Every object, then those made while adopting (the new programs saw most of them).
         let mut adopted: StdHashMap<ObjKey, u64> = StdHashMap::new();
         for _ in 0..2 {
@@ -264,13 +336,13 @@ impl Previous {
         self.release_freed(runs, &old_objects, &adopted, report);
 
         // Step 4: the old programs detach with their links' pins.
-        let links = self.dir.join("links");
+        let links = dir.join("links");
         std::fs::remove_dir_all(&links).map_err(io_err("remove", &links))?;
-        info!(dir = %self.dir.display(), "the previous ABI's probes are detached");
+        info!(dir = %dir.display(), "the previous ABI's probes are detached");
         // Step 5. Frees the new programs saw after the last look were theirs to release; this
         // finds nothing more unless a free raced that look.
         self.release_freed(runs, &old_objects, &adopted, report);
-        let ring = match MapData::from_pin(self.dir.join(m::EVENTS))
+        let ring = match MapData::from_pin(dir.join(m::EVENTS))
             .and_then(Map::from_map_data)
             .and_then(RingBuf::try_from)
         {
@@ -285,8 +357,8 @@ impl Previous {
             }
         };
         // Step 6: the maps stay alive while the ring's descriptor is open.
-        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
-            warn!(dir = %self.dir.display(), "removing the previous ABI's pins: {e}");
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            warn!(dir = %dir.display(), "removing the previous ABI's pins: {e}");
         }
         for why in &report.unconverted {
             warn!("not taken over: {why}");
@@ -426,15 +498,15 @@ fn mark_tracked(runs: &KernelRuns, old: &Path, new: &Path) -> Result<(), ProbeEr
     Ok(())
 }
 
-/// Copies the previous ABI's health counters (its [`previous::STAT_COUNT`], the same indices)
-/// so that they keep growing across the upgrade; the counters copied.
-fn copy_stats(old: &Path, new: &Path) -> Result<usize, ProbeError> {
+/// Copies the first `counters` health counters (the previous ABI's [`previous::STAT_COUNT`], the
+/// same indices) so that they keep growing across the upgrade; the counters copied.
+fn copy_stats(old: &Path, new: &Path, counters: u32) -> Result<usize, ProbeError> {
     let name = gpud_common::maps::STATS;
     let from: PerCpuArray<MapData, u64> =
         PerCpuArray::try_from(open(old, name)?).map_err(map_err(name))?;
     let mut to: PerCpuArray<MapData, u64> =
         PerCpuArray::try_from(open(new, name)?).map_err(map_err(name))?;
-    let n = previous::STAT_COUNT.min(from.len()).min(to.len());
+    let n = counters.min(from.len()).min(to.len());
     for i in 0..n {
         let values = from.get(&i, 0).map_err(map_err(name))?;
         let values = PerCpuValues::try_from(values.iter().copied().collect::<Vec<u64>>())
@@ -503,10 +575,9 @@ mod tests {
             (previous::ABI_VERSION - 1, true),
             (previous::ABI_VERSION, true),
         ]);
-        let found = Previous::find(dir.path(), &base(&dir, ABI_VERSION))
-            .expect("find")
-            .expect("the previous ABI");
-        assert_eq!(found.dir, base(&dir, previous::ABI_VERSION));
+        let found = Previous::find(dir.path(), &base(&dir, ABI_VERSION)).expect("find");
+        assert_eq!(found.dir, Some(base(&dir, previous::ABI_VERSION)));
+        assert_eq!(found.from_abi, previous::ABI_VERSION);
         assert!(!base(&dir, previous::ABI_VERSION - 1).exists());
         assert_eq!(found.unconverted.len(), 1);
         assert!(found.unconverted[0].contains(&format!("v{}", previous::ABI_VERSION - 1)));
@@ -516,7 +587,7 @@ mod tests {
     fn an_interrupted_take_over_starts_again_while_the_old_probes_are_attached() {
         let dir = bpffs(&[(previous::ABI_VERSION, true), (ABI_VERSION, true)]);
         let found = Previous::find(dir.path(), &base(&dir, ABI_VERSION)).expect("find");
-        assert!(found.is_some());
+        assert!(found.taking_over());
         assert!(!base(&dir, ABI_VERSION).exists(), "the half-made pins stay");
     }
 
@@ -524,9 +595,39 @@ mod tests {
     fn previous_pins_without_programs_are_removed_not_converted() {
         let dir = bpffs(&[(previous::ABI_VERSION, false), (ABI_VERSION, true)]);
         let found = Previous::find(dir.path(), &base(&dir, ABI_VERSION)).expect("find");
-        assert!(found.is_none());
+        assert!(!found.taking_over());
         assert!(!base(&dir, previous::ABI_VERSION).exists());
         assert!(base(&dir, ABI_VERSION).exists(), "this ABI's pins are kept");
+        assert!(found.report().as_map().contains_key("unconverted"));
+    }
+
+    #[test]
+    fn another_objects_pins_of_this_abi_are_moved_aside_and_taken_over() {
+        // `bpffs` names the links as another object's ("0123-…").
+        let dir = bpffs(&[(ABI_VERSION, true)]);
+        let found = Previous::find(dir.path(), &base(&dir, ABI_VERSION)).expect("find");
+        let aside = replaced_dir(dir.path());
+        assert_eq!(found.dir.as_deref(), Some(aside.as_path()));
+        assert_eq!(found.from_abi, ABI_VERSION);
+        assert!(!base(&dir, ABI_VERSION).exists());
+        // Interrupted after that: the moved pins are found again, the half-made ones go.
+        std::fs::create_dir_all(base(&dir, ABI_VERSION).join("links")).expect("mkdir");
+        let again = Previous::find(dir.path(), &base(&dir, ABI_VERSION)).expect("find");
+        assert_eq!(again.dir, Some(aside));
+        assert!(!base(&dir, ABI_VERSION).exists());
+    }
+
+    #[test]
+    fn this_objects_own_links_are_not_taken_over() {
+        let dir = bpffs(&[]);
+        let links = base(&dir, ABI_VERSION).join("links").join(format!(
+            "{}-tracepoint-react",
+            super::super::attach::object_hash()
+        ));
+        std::fs::create_dir_all(&links).expect("mkdir");
+        let found = Previous::find(dir.path(), &base(&dir, ABI_VERSION)).expect("find");
+        assert!(!found.taking_over());
+        assert!(links.exists());
     }
 
     #[test]

@@ -33,6 +33,9 @@ fn deb_in(dir: &Path) -> Option<PathBuf> {
         .find(|p| p.extension().is_some_and(|e| e == "deb"))
 }
 
+/// The test of tests/tests/upgrade.rs the stage runs.
+const UPGRADE_TEST: &str = "an_upgrade_across_an_abi_change_keeps_every_count_and_limit";
+
 /// The previous release's package: from the cache, or built from its tag (its commit).
 pub fn previous_deb() -> anyhow::Result<PathBuf> {
     let cache = Path::new(CACHE_DIR).join("releases").join(PREVIOUS_RELEASE);
@@ -170,6 +173,8 @@ pub fn test_upgrade() -> anyhow::Result<()> {
                 "--test",
                 "upgrade",
                 "--",
+                UPGRADE_TEST,
+                "--exact",
                 "--nocapture",
             ])
             .env("GPUD_BIN", "/usr/bin/gpud")

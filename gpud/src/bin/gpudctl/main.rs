@@ -365,9 +365,9 @@ async fn status(proxy: &Manager1Proxy<'_>, json: bool) -> Result<(), Failure> {
             get("objects_released"),
             get("objects_no_room"),
         );
-        if let Some(why) = taken_over.get("unconverted") {
-            println!("  WARNING: not taken over: {why}");
-        }
+    }
+    if let Some(why) = taken_over.get("unconverted") {
+        println!("  WARNING: not taken over: {why}");
     }
     let offered: Vec<&str> = caps
         .iter()
