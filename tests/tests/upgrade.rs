@@ -353,3 +353,84 @@ async fn another_build_of_the_same_abi_takes_over_without_a_gap() {
     })
     .await;
 }
+
+/// A take-over that fails before the old programs detach leaves them attached and their pins
+/// where they were: here the new daemon is configured for fentry on a kernel that refuses it, so
+/// it stops after loading its object beside the old pins; the old programs still count and kill
+/// the crossing tenant, and a daemon started as before takes them over.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_take_over_leaves_the_attached_probes_running() {
+    if std::env::var_os("GPUD_UPGRADE").is_some() {
+        eprintln!("SKIPPED: GPUD_BIN is the previous release's gpud in this run");
+        return;
+    }
+    let Some(rig) = Rig::new("upgrade-fail").fake_device(1) else {
+        return;
+    };
+    let mut rig = rig.fake_gpus(1);
+    let config = rig.config().react_action("kill").keep_pinned(true);
+    rig.start(config.clone()).await;
+    rig.wait_for_gpus(1).await;
+    let (_c, p) = rig.proxy().await;
+    let caps = p.kernel_capabilities().await.expect("KernelCapabilities");
+    if caps.get("fentry").copied().unwrap_or(true) {
+        eprintln!("SKIPPED: this kernel offers fentry: a daemon asking for it would not fail");
+        return;
+    }
+    let cg = Cgroup::new("upgrade-fail");
+    rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = tenant.client_device(0);
+    tenant.ok(&format!("alloc {client} {device} {}", 48 * MIB));
+    rig.stop();
+    Upgrade::AnotherObject.run(&rig);
+    let links = std::fs::read_dir(rig.pins().join("links"))
+        .expect("links")
+        .flatten()
+        .map(|e| e.file_name())
+        .collect::<Vec<_>>();
+
+    let failing = config
+        .clone()
+        .set("probes.attach", "fentry")
+        .write_as("fentry.toml");
+    let out = std::process::Command::new(gpud_tests::gpud_bin())
+        .args(["--config"])
+        .arg(&failing)
+        .args(["--bus-address", &rig.bus.address])
+        .output()
+        .expect("run gpud");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "gpud started on fentry: {log}");
+    assert!(
+        log.contains("they keep running"),
+        "the failed take-over is not said: {log}"
+    );
+    let after: Vec<_> = std::fs::read_dir(rig.pins().join("links"))
+        .unwrap_or_else(|e| panic!("the pins are not back ({e}):\n{log}"))
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(after, links, "the links taken over are not back in place");
+    assert!(
+        !rig.pins()
+            .with_file_name(format!("v{}-replaced", gpud_common::ABI_VERSION))
+            .exists()
+    );
+    println!("the failed take-over left {links:?} attached");
+    crossing_dies(&rig, &cg, 0, 32 * MIB, "after the failed take-over");
+
+    rig.restart().await;
+    let (_c, p) = rig.proxy().await;
+    let taken = p.probes_taken_over().await.expect("ProbesTakenOver");
+    assert_eq!(
+        taken.get("from_abi"),
+        Some(&gpud_common::ABI_VERSION.to_string()),
+        "{taken:?}"
+    );
+    let held = rig.fake().snapshot().held_by(&[tenant.pid]);
+    assert_eq!(held, 48 * MIB);
+    rig.expect_memory(&cg.rel, &[("0", held), ("all", held)])
+        .await;
+    crossing_dies(&rig, &cg, 0, 32 * MIB, "after the take-over");
+}

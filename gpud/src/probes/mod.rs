@@ -229,9 +229,9 @@ pub struct Probes {
     unseen: BTreeMap<String, String>,
     /// `probes.follow_32bit`: tracepoint mode follows 32-bit callers (where it can).
     follow_32bit: bool,
-    /// What was taken over from the previous ABI's pins (nothing: `from_abi` 0).
+    /// What was taken over from the pins attached before (nothing: `from_abi` 0).
     take_over: TakeOver,
-    /// The previous ABI's event ring after a take-over, for the daemon to read once.
+    /// The event ring of the probes taken over, for the daemon to read once.
     previous_events: Option<RingBuf<MapData>>,
 }
 
@@ -252,13 +252,13 @@ impl Probes {
         if let Err(e) = &started
             && taking_over
         {
-            // This build's pins go (its links detach as this process exits); the previous
-            // ABI's, untouched, keep counting and enforcing.
+            // This build's pins go (its links detach as this process exits); those it was
+            // taking over, untouched, keep counting and enforcing, back where they were.
             warn!(
-                "taking over the previous ABI's probes failed ({}); they keep running",
+                "taking over the probes attached before failed ({}); they keep running",
                 Chain(e)
             );
-            let _ = std::fs::remove_dir_all(&base_dir);
+            takeover::put_back(&cfg.bpffs, &base_dir);
         }
         started
     }

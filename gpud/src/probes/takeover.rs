@@ -1,9 +1,12 @@
-//! Taking over the previous ABI's pinned maps at an upgrade (docs/design.md, "Upgrades").
+//! Taking over the pinned maps of the probes attached before, at an upgrade (docs/design.md,
+//! "Upgrades").
 //!
 //! A daemon of a new ABI finds the previous one's pins under `<bpffs>/gpud/v<previous>/`, with
-//! its programs still attached and counting. Nothing of the old is touched until the new is
-//! attached and holds everything, so every failure before that leaves the old probes running
-//! (the new daemon removes its own pins and exits with the reason):
+//! its programs still attached and counting; a daemon of the same ABI but another eBPF object
+//! (another build) finds that object's links in its own directory, and moves the directory
+//! aside to `v<ABI>-replaced` first. Nothing of the old is touched until the new is attached
+//! and holds everything, so every failure before that leaves the old probes running, put back
+//! where they were (the new daemon removes its own pins and exits with the reason):
 //!
 //! 1. before the new programs attach, the maps only the daemon writes or that change slowly
 //!    (limits, allowances, held groups, guard counts, ancestry, processes, ioctl counts,
@@ -116,6 +119,25 @@ fn other_versions(bpffs: &Path) -> Vec<(Option<u32>, PathBuf)> {
 /// Where this ABI's pins of another eBPF object are moved while this one takes them over.
 fn replaced_dir(bpffs: &Path) -> PathBuf {
     bpffs.join("gpud").join(format!("v{ABI_VERSION}-replaced"))
+}
+
+/// After a failed take-over: removes this build's pins at `current` and puts pins of this ABI
+/// that were moved aside back in their place (the previous ABI's were never moved).
+pub(super) fn put_back(bpffs: &Path, current: &Path) {
+    if let Err(e) = std::fs::remove_dir_all(current)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        warn!(dir = %current.display(), "removing this build's pins: {e}");
+    }
+    let replaced = replaced_dir(bpffs);
+    if replaced.exists() {
+        match std::fs::rename(&replaced, current) {
+            Ok(()) => info!(dir = %current.display(), "the pins taken over are back in place"),
+            Err(e) => {
+                warn!(from = %replaced.display(), to = %current.display(), "putting the pins back: {e}")
+            }
+        }
+    }
 }
 
 /// Whether `dir/links` holds links of an eBPF object other than this build's (another build of
@@ -338,7 +360,7 @@ impl Previous {
         // Step 4: the old programs detach with their links' pins.
         let links = dir.join("links");
         std::fs::remove_dir_all(&links).map_err(io_err("remove", &links))?;
-        info!(dir = %dir.display(), "the previous ABI's probes are detached");
+        info!(dir = %dir.display(), "the probes taken over are detached");
         // Step 5. Frees the new programs saw after the last look were theirs to release; this
         // finds nothing more unless a free raced that look.
         self.release_freed(runs, &old_objects, &adopted, report);
@@ -358,7 +380,7 @@ impl Previous {
         };
         // Step 6: the maps stay alive while the ring's descriptor is open.
         if let Err(e) = std::fs::remove_dir_all(&dir) {
-            warn!(dir = %dir.display(), "removing the previous ABI's pins: {e}");
+            warn!(dir = %dir.display(), "removing the pins taken over: {e}");
         }
         for why in &report.unconverted {
             warn!("not taken over: {why}");
@@ -369,7 +391,7 @@ impl Previous {
             present = report.present,
             released = report.released,
             no_room = report.no_room,
-            "took over the previous ABI's maps"
+            "took over the maps of the probes attached before"
         );
         Ok(ring)
     }
@@ -613,8 +635,18 @@ mod tests {
         // Interrupted after that: the moved pins are found again, the half-made ones go.
         std::fs::create_dir_all(base(&dir, ABI_VERSION).join("links")).expect("mkdir");
         let again = Previous::find(dir.path(), &base(&dir, ABI_VERSION)).expect("find");
-        assert_eq!(again.dir, Some(aside));
+        assert_eq!(again.dir, Some(aside.clone()));
         assert!(!base(&dir, ABI_VERSION).exists());
+        // A failed take-over puts them back where they were.
+        std::fs::create_dir_all(base(&dir, ABI_VERSION).join("links/new")).expect("mkdir");
+        put_back(dir.path(), &base(&dir, ABI_VERSION));
+        assert!(!aside.exists());
+        assert!(
+            base(&dir, ABI_VERSION)
+                .join("links/0123-tracepoint-react")
+                .exists()
+        );
+        assert!(!base(&dir, ABI_VERSION).join("links/new").exists());
     }
 
     #[test]
