@@ -65,9 +65,10 @@ async fn expect_limits(d: &Daemon, plugin: &NriPlugin, cgroup: &str, want: &[(&s
     .await;
     if got.is_none() {
         panic!(
-            "{cgroup}: wanted {want:?}, have {:?}\nplugin log:\n{}",
+            "{cgroup}: wanted {want:?}, have {:?}\nplugin log:\n{}\ngpud log:\n{}",
             limits_of(d, cgroup).await,
-            plugin.log_text()
+            plugin.log_text(),
+            d.log_text()
         );
     }
 }
@@ -140,11 +141,15 @@ async fn shares_missed_while_gpud_was_down_are_set_when_it_is_back() {
         .expect("open: the container starts");
     rig.restart().await;
     expect_limits(&rig, &plugin, &parent.rel, &[("all", 3 << 30)]).await;
-    assert!(
-        plugin.log_text().contains("GPU shares set late"),
-        "{}",
-        plugin.log_text()
-    );
+    // The plugin says so once its calls for the container are done, after the limits are in.
+    let said = eventually(WAIT, || async {
+        plugin
+            .log_text()
+            .contains("GPU shares set late")
+            .then_some(())
+    })
+    .await;
+    assert!(said.is_some(), "{}", plugin.log_text());
 }
 
 /// A pod asking for `memory_max` of `max` and its one created container in `parent`.
