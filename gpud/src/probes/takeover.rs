@@ -263,56 +263,33 @@ impl Previous {
         let Some(old) = &self.dir else {
             return Ok(report);
         };
-        let mut copied = |name, n| {
-            report.copied.insert(name, n);
-        };
-        copied(
-            m::LIMITS,
-            copy_hash::<p::UsageKey, p::KernelLimit>(old, new, m::LIMITS)?,
-        );
-        copied(
-            m::SCHED_ALLOW,
-            copy_hash::<u64, u64>(old, new, m::SCHED_ALLOW)?,
-        );
-        copied(
-            m::HELD_GROUPS,
-            copy_hash::<p::ObjKey, u32>(old, new, m::HELD_GROUPS)?,
-        );
-        copied(
-            m::GUARD_COUNTS,
-            copy_hash::<p::GuardKey, u64>(old, new, m::GUARD_COUNTS)?,
-        );
-        copied(
-            m::GUARD_BUCKET,
-            copy_hash::<u64, p::GuardBucket>(old, new, m::GUARD_BUCKET)?,
-        );
-        copied(
-            m::ANCESTRY,
-            copy_hash::<u64, p::Ancestry>(old, new, m::ANCESTRY)?,
-        );
-        copied(
-            m::PROCS,
-            copy_hash::<u32, p::ProcEntry>(old, new, m::PROCS)?,
-        );
-        copied(
-            m::CGROUPS,
-            copy_hash::<u64, p::IoctlCounts>(old, new, m::CGROUPS)?,
-        );
-        copied(
-            m::SCHED_FILES,
-            copy_hash::<u64, u32>(old, new, m::SCHED_FILES)?,
-        );
-        copied(
-            m::SCHED_GROUPS,
-            copy_hash::<p::ObjKey, u64>(old, new, m::SCHED_GROUPS)?,
-        );
-        copied(m::TRACKED, copy_tracked(old, new)?);
+        // Same layouts in both ABIs: entry by entry.
+        macro_rules! copy {
+            ($k:ty, $v:ty, $name:expr) => {
+                report
+                    .copied
+                    .insert($name, copy_hash::<$k, $v>(old, new, $name)?);
+            };
+        }
+        copy!(p::UsageKey, p::KernelLimit, m::LIMITS);
+        copy!(u64, u64, m::SCHED_ALLOW);
+        copy!(p::ObjKey, u32, m::HELD_GROUPS);
+        copy!(p::GuardKey, u64, m::GUARD_COUNTS);
+        copy!(u64, p::GuardBucket, m::GUARD_BUCKET);
+        copy!(u64, p::Ancestry, m::ANCESTRY);
+        copy!(u32, p::ProcEntry, m::PROCS);
+        copy!(u64, p::IoctlCounts, m::CGROUPS);
+        copy!(u64, u32, m::SCHED_FILES);
+        copy!(p::ObjKey, u64, m::SCHED_GROUPS);
+        report.copied.insert(m::TRACKED, copy_tracked(old, new)?);
         let counters = if self.from_abi == ABI_VERSION {
             gpud_common::stat::COUNT
         } else {
             p::STAT_COUNT
         };
-        copied(m::STATS, copy_stats(old, new, counters)?);
+        report
+            .copied
+            .insert(m::STATS, copy_stats(old, new, counters)?);
         Ok(report)
     }
 
