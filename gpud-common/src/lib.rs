@@ -673,8 +673,8 @@ pub mod previous {
     /// Counters in its `STATS` (the same indices as [`stat`](crate::stat) up to this).
     pub const STAT_COUNT: u32 = 26;
     pub use crate::{
-        Ancestry, FileKey, GuardBucket, GuardKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey,
-        ProcEntry, UsageKey, maps,
+        Ancestry, GuardBucket, GuardKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProcEntry,
+        UsageKey,
     };
 }
 

@@ -340,16 +340,22 @@ fn track_object(t: &Track) -> bool {
         }
         Err(_) => false,
     };
-    if !inserted {
+    if inserted {
+        mark_file(t.file);
+    } else {
         uncount_object(entry.cgroup_id);
         bump_stat(stat::OBJECTS_FULL);
-    } else if unsafe { FILE_MARKS.get(t.file) }.is_none()
-        && FILE_MARKS.insert(t.file, 1, 0).is_err()
-    {
+    }
+    inserted
+}
+
+/// Marks `file` as one through which an object was recorded, so its release is sent.
+#[inline(always)]
+fn mark_file(file: u64) {
+    if unsafe { FILE_MARKS.get(file) }.is_none() && FILE_MARKS.insert(file, 1, 0).is_err() {
         // Its release goes unsent: the daemon's sweep finds the file gone.
         bump_stat(stat::FILE_MARKS_FULL);
     }
-    inserted
 }
 
 /// Removes `key` if it still holds the object `expect` (any, when 0) and uncharges its bytes;
@@ -383,11 +389,16 @@ fn release_entry(key: &ObjKey, e: &ObjEntry) -> bool {
 /// many. A cgroup `OBJ_COUNTS` has no room for is not capped (counted apart).
 #[inline(always)]
 fn count_object(cgroup_id: u64) -> bool {
+    count_object_up_to(cgroup_id, config().map_or(0, |c| c.objects_per_cgroup))
+}
+
+/// [`count_object`] against `cap` (0: none).
+#[inline(always)]
+fn count_object_up_to(cgroup_id: u64, cap: u32) -> bool {
     let Some(n) = counter_slot(&OBJ_COUNTS, cgroup_id) else {
         bump_stat(stat::OBJ_COUNTS_FULL);
         return true;
     };
-    let cap = config().map_or(0, |c| c.objects_per_cgroup);
     // Read as signed: releases racing past zero (entries recorded before the count began)
     // must not make a full cgroup of an empty one.
     let held = unsafe { core::ptr::read_volatile(n) } as i64;
@@ -450,11 +461,10 @@ fn charge_recorded(cgroup_id: u64, gpu: u32, delta: u64) {
     }
 }
 
-/// Records `e`, an object of the previous ABI's maps, under `key` unless an object is there
-/// already (the new programs saw it made): counted for its cgroup (past the cap too: it exists),
-/// its file marked, and memory charged to its cgroup's recorded ancestry when `first` (no
-/// holder of its charge is recorded yet) or else shared. 0: adopted; 1: the key holds an
-/// object; 2: no room.
+/// Records `e`, an object of the maps taken over at an upgrade, under `key` unless an object is
+/// there already (the new programs saw it made): counted for its cgroup, its file marked, and
+/// memory charged to its cgroup's recorded ancestry when `first` (no holder of its charge is
+/// recorded yet) or else shared. 0: adopted; 1: the key holds an object; 2: no room.
 #[inline(always)]
 pub(crate) fn adopt(key: &ObjKey, e: &ObjEntry, first: bool) -> i32 {
     match OBJECTS.insert(key, e, BPF_NOEXIST as u64) {
@@ -465,15 +475,9 @@ pub(crate) fn adopt(key: &ObjKey, e: &ObjEntry, first: bool) -> i32 {
             return 2;
         }
     }
-    match counter_slot(&OBJ_COUNTS, e.cgroup_id) {
-        Some(n) => {
-            unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
-        }
-        None => bump_stat(stat::OBJ_COUNTS_FULL),
-    }
-    if unsafe { FILE_MARKS.get(e.file) }.is_none() && FILE_MARKS.insert(e.file, 1, 0).is_err() {
-        bump_stat(stat::FILE_MARKS_FULL);
-    }
+    // Past the cap too: the object exists.
+    count_object_up_to(e.cgroup_id, 0);
+    mark_file(e.file);
     if e.kind == OBJ_MEMORY && e.bytes != 0 && e.charge != 0 {
         if first {
             charge_recorded(e.cgroup_id, e.gpu, e.bytes);

@@ -215,6 +215,16 @@ impl RmProcess {
         self.try_recv()
     }
 
+    /// Sends `line`, which must kill this process in its call: no answer, then reaped with
+    /// `SIGKILL`. Panics with `what` and what happened otherwise.
+    pub fn killed_in(&mut self, line: &str, what: &str) {
+        let answer = self.try_cmd(line);
+        assert!(answer.is_none(), "{what}: `{line}` answered {answer:?}");
+        let status = self.wait();
+        use std::os::unix::process::ExitStatusExt as _;
+        assert_eq!(status.signal(), Some(libc::SIGKILL), "{what}: {status:?}");
+    }
+
     /// `handoff`: the script's process forks, the child takes over and the parent exits (one
     /// half of a daemon's double fork). Returns the new pid; the spawned process is reaped once
     /// it has left.

@@ -35,14 +35,10 @@ async fn started_with(tag: &str, config: impl FnOnce(TestConfig) -> TestConfig) 
 /// goes with it (the fake driver frees everything made through its file): the ledger is empty
 /// right after.
 async fn crosses_and_dies(rig: &Rig, tenant: &mut RmProcess, client: u32, device: u32, bytes: u64) {
-    let answer = tenant.try_cmd(&format!("alloc {client} {device} {bytes}"));
-    assert!(
-        answer.is_none(),
-        "the crossing allocation returned: {answer:?}\n{}",
-        rig.log_text()
+    tenant.killed_in(
+        &format!("alloc {client} {device} {bytes}"),
+        &format!("the crossing allocation\n{}", rig.log_text()),
     );
-    let status = tenant.wait();
-    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
     ledger_empties(rig).await;
 }
 

@@ -1,10 +1,10 @@
 //! An upgrade of gpud across an eBPF ABI change, as `cargo xtask test`'s stage "package:
 //! upgrade" runs it: the previous release's package is installed, its gpud (`GPUD_BIN`, the
 //! installed `/usr/bin/gpud`) runs over the fake NVIDIA device with tenants holding memory under
-//! limits (per GPU and by GPU UUID) and one allocating and freeing all the while; then
-//! `GPUD_UPGRADE` (`dpkg -i` of this tree's package) replaces the binary, gpud is restarted as
-//! the package's maintainer scripts restart the unit, and a tenant tries to cross its limit
-//! while no gpud runs. What must hold: gpud's usage equals the fake driver's ledger before,
+//! limits (per GPU and by GPU UUID) and one allocating and freeing all the while; then gpud is
+//! stopped, `GPUD_UPGRADE` (`dpkg -i` of this tree's package) replaces the binary, a tenant tries
+//! to cross its limit while no gpud runs, and gpud starts again, as the unit is restarted around
+//! an upgrade. What must hold: gpud's usage equals the fake driver's ledger before,
 //! after the new daemon's first answer and at the end; the crossing tenants are stopped; limits
 //! and compute shares are what they were; the new daemon took the old maps over.
 //!
@@ -151,14 +151,7 @@ fn print_list(rig: &Rig, tenants: &[Tenant<'_>], when: &str) {
 fn crossing_dies(rig: &Rig, cg: &Cgroup, gpu: u32, bytes: u64, when: &str) {
     let mut attacker = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
     let (client, device) = attacker.client_device(gpu);
-    let answer = attacker.try_cmd(&format!("alloc {client} {device} {bytes}"));
-    assert!(
-        answer.is_none(),
-        "{when}: the crossing allocation returned {answer:?}"
-    );
-    let status = attacker.wait();
-    use std::os::unix::process::ExitStatusExt as _;
-    assert_eq!(status.signal(), Some(libc::SIGKILL), "{when}: {status:?}");
+    attacker.killed_in(&format!("alloc {client} {device} {bytes}"), when);
     println!("{when}: the tenant crossing its limit was killed in its call");
 }
 

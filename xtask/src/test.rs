@@ -2,9 +2,10 @@
 //! workspace, clippy on the eBPF crate with nightly), the unit and real-kernel integration tests
 //! (real cgroups, real dbus-daemon), a smoke run of every benchmark (they must complete and
 //! report every figure), the packages (the .deb installed, run and purged on this machine; the
-//! previous release's .deb upgraded to this one's under load; the image loaded and run by Podman), gpud on a real single-node Kubernetes from that image
-//! (`cluster::e2e`; skipped, and said so, without the Kubernetes binaries), then the VM tests on a kernel with fentry and BPF-LSM and the
-//! benchmarks' smoke run there.
+//! previous release's .deb upgraded to this one's under load; the image loaded and run by
+//! Podman), gpud on a real single-node Kubernetes from that image (`cluster::e2e`; skipped, and
+//! said so, without the Kubernetes binaries), then the VM tests on a kernel with fentry and
+//! BPF-LSM and the benchmarks' smoke run there.
 //!
 //! Every step runs even when an earlier one failed (except after a failed setup), and every test
 //! binary runs even when an earlier one failed, so one run shows every problem. The output ends

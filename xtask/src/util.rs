@@ -43,6 +43,15 @@ pub fn run(what: &str, cmd: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A finished command's stdout followed by its stderr, for showing whole.
+pub fn stdout_and_stderr(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 /// Runs `cmd` in the workspace root and returns its stdout; fails (with its stderr) if it fails.
 pub fn output(what: &str, cmd: &mut Command) -> anyhow::Result<String> {
     let out = cmd

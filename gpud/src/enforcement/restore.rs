@@ -29,7 +29,7 @@ use std::{
     time::Instant,
 };
 
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{HashMap, MapData};
 use gpud_common::{
     OBJ_CLIENT, OBJ_SUBDEVICE, ObjEntry, ObjKey,
     rm::{sched, tsg},
@@ -148,13 +148,10 @@ fn pinned<K: aya::Pod, V: aya::Pod>(
     pins: &Path,
     name: &str,
 ) -> Result<HashMap<MapData, K, V>, RestoreError> {
-    let path = pins.join(name);
-    let oerr = |source| RestoreError::OpenMap {
-        path: path.clone(),
+    crate::probes::pinned(pins, name).map_err(|source| RestoreError::OpenMap {
+        path: pins.join(name),
         source,
-    };
-    let data = MapData::from_pin(&path).map_err(oerr)?;
-    HashMap::try_from(Map::HashMap(data)).map_err(oerr)
+    })
 }
 
 impl Restorer {

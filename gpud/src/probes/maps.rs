@@ -3,7 +3,7 @@
 
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, MapData, PerCpuArray},
+    maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray},
 };
 use gpud_common::{
     Ancestry, CFG_EXIT_RELEASE, CFG_HAS_EXTRA_FILES, CFG_READY, CFG_VIRT_MEMINFO, DeviceKind,
@@ -32,6 +32,17 @@ pub struct KernelMaps {
     pub obj_counts: HashMap<MapData, u64, u64>,
 }
 
+/// The map pinned at `dir/name`, as the type `T` (`HashMap`, `Array`, `RingBuf`, …): a second
+/// handle on a map of the loaded object, or a map of pins this process did not load.
+pub fn pinned<T: TryFrom<Map, Error = MapError>>(
+    dir: &std::path::Path,
+    name: &str,
+) -> Result<T, MapError> {
+    MapData::from_pin(dir.join(name))
+        .and_then(Map::from_map_data)
+        .and_then(T::try_from)
+}
+
 /// Entries per `BPF_MAP_LOOKUP_BATCH` call: far more than a hash bucket ever holds (a bucket
 /// larger than the batch is refused with `ENOSPC`).
 const LOOKUP_BATCH: usize = 1024;
@@ -41,15 +52,33 @@ const LOOKUP_BATCH: usize = 1024;
 /// thousands of processes and objects); by key walk where the kernel refuses batches. Entries
 /// changing meanwhile may be seen or not, as with any walk of a live map.
 pub fn map_entries<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> Vec<(K, V)> {
-    use std::os::fd::{AsFd as _, AsRawFd as _};
-    let fd = aya::maps::IterableMap::map(map).fd().as_fd().as_raw_fd();
-    match batch_entries(fd) {
+    match batch_entries(raw_fd(map)) {
         Ok(v) => v,
         Err(e) => {
             debug!("batched map read refused ({}); walking keys", Chain(&e));
             map.iter().filter_map(Result::ok).collect()
         }
     }
+}
+
+/// Every element of an array map with its index, batched as [`map_entries`] (an array sized
+/// to `pid_max` has hundreds of thousands); by index where the kernel refuses batches.
+pub(super) fn array_entries<V: aya::Pod>(map: &Array<MapData, V>) -> Vec<(u32, V)> {
+    match batch_entries(raw_fd(map)) {
+        Ok(v) => v,
+        Err(e) => {
+            debug!("batched map read refused ({}); reading by index", Chain(&e));
+            (0..map.len())
+                .filter_map(|i| map.get(&i, 0).ok().map(|v| (i, v)))
+                .collect()
+        }
+    }
+}
+
+/// The descriptor of `map`, for the batch calls aya does not make.
+fn raw_fd<K: aya::Pod, V: aya::Pod>(map: &impl aya::maps::IterableMap<K, V>) -> i32 {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    map.map().fd().as_fd().as_raw_fd()
 }
 
 fn batch_entries<K: aya::Pod, V: aya::Pod>(fd: i32) -> std::io::Result<Vec<(K, V)>> {

@@ -47,7 +47,7 @@ pub use caps::KernelCaps;
 pub use devices::{DynamicMajors, ExtraFile, Matcher};
 pub use ladder::HookLadder;
 use ladder::{LadderInputs, climb_ladder, load_probe, try_load};
-pub use maps::{KernelMaps, map_entries, remove_key};
+pub use maps::{KernelMaps, map_entries, pinned, remove_key};
 pub use modes::{GuardState, MemoryInfoState};
 pub use pin::{BPF_FS_MAGIC, TRACEFS, TRACEFS_MAGIC, ensure_mounted};
 pub use runs::KernelRuns;

@@ -107,7 +107,5 @@ pub(super) fn limits_reader(
     pins: &std::path::Path,
 ) -> Result<BpfHashMap<MapData, UsageKey, KernelLimit>, ProbeError> {
     let name = gpud_common::maps::LIMITS;
-    MapData::from_pin(pins.join(name))
-        .and_then(|data| BpfHashMap::try_from(aya::maps::Map::HashMap(data)))
-        .map_err(|source| ProbeError::TakeMap { name, source })
+    super::pinned(pins, name).map_err(|source| ProbeError::TakeMap { name, source })
 }

@@ -32,11 +32,15 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues, RingBuf};
+use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, RingBuf};
 use gpud_common::{ABI_VERSION, ObjEntry, ObjKey, TRACKED_PER_WORD, previous};
 use tracing::{info, warn};
 
-use super::{KernelRuns, ProbeError, io_err, map_entries, runs::Adopted};
+use super::{
+    KernelRuns, ProbeError, io_err, map_entries,
+    maps::{array_entries, pinned},
+    runs::Adopted,
+};
 
 /// What start-up found beside this ABI's pins: the directory to take over, if any, and what was
 /// removed unconverted.
@@ -74,23 +78,24 @@ impl TakeOver {
     /// The report as `ProbesTakenOver` gives it: empty where nothing was taken over.
     pub fn as_map(&self) -> BTreeMap<String, String> {
         let mut m = BTreeMap::new();
-        if self.from_abi == 0 {
-            if !self.unconverted.is_empty() {
-                m.insert("unconverted".into(), self.unconverted.join("; "));
-            }
-            return m;
+        if self.from_abi != 0 {
+            let copied: Vec<String> = self
+                .copied
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            m.extend(
+                [
+                    ("from_abi", self.from_abi.to_string()),
+                    ("objects_adopted", self.adopted.to_string()),
+                    ("objects_present", self.present.to_string()),
+                    ("objects_released", self.released.to_string()),
+                    ("objects_no_room", self.no_room.to_string()),
+                    ("maps_copied", copied.join(",")),
+                ]
+                .map(|(k, v)| (k.to_owned(), v)),
+            );
         }
-        m.insert("from_abi".into(), self.from_abi.to_string());
-        m.insert("objects_adopted".into(), self.adopted.to_string());
-        m.insert("objects_present".into(), self.present.to_string());
-        m.insert("objects_released".into(), self.released.to_string());
-        m.insert("objects_no_room".into(), self.no_room.to_string());
-        let copied: Vec<String> = self
-            .copied
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
-        m.insert("maps_copied".into(), copied.join(","));
         if !self.unconverted.is_empty() {
             m.insert("unconverted".into(), self.unconverted.join("; "));
         }
@@ -306,8 +311,8 @@ impl Previous {
         let Some(dir) = self.dir.clone() else {
             return Ok(None);
         };
-        let old_objects = open_hash::<ObjKey, ObjEntry>(&dir, m::OBJECTS)?;
-        let new_objects = open_hash::<ObjKey, ObjEntry>(new, m::OBJECTS)?;
+        let old_objects = open::<HashMap<MapData, ObjKey, ObjEntry>>(&dir, m::OBJECTS)?;
+        let new_objects = open::<HashMap<MapData, ObjKey, ObjEntry>>(new, m::OBJECTS)?;
         // Charges some object in the new maps holds already (the new programs recorded a
         // duplicate of adopted memory, or an allocation): adopting another holder shares it.
         let mut held: BTreeSet<u64> = map_entries(&new_objects)
@@ -332,7 +337,7 @@ impl Previous {
         }
         // An object freed before its adoption (the new programs ignored a free of what they did
         // not know) is gone from the old map, whose programs still run: released by serial.
-        self.release_freed(runs, &old_objects, &adopted, report);
+        release_freed(runs, &old_objects, &adopted, report);
 
         // Step 4: the old programs detach with their links' pins.
         let links = dir.join("links");
@@ -340,11 +345,8 @@ impl Previous {
         info!(dir = %dir.display(), "the probes taken over are detached");
         // Step 5. Frees the new programs saw after the last look were theirs to release; this
         // finds nothing more unless a free raced that look.
-        self.release_freed(runs, &old_objects, &adopted, report);
-        let ring = match MapData::from_pin(dir.join(m::EVENTS))
-            .and_then(Map::from_map_data)
-            .and_then(RingBuf::try_from)
-        {
+        release_freed(runs, &old_objects, &adopted, report);
+        let ring = match pinned::<RingBuf<MapData>>(&dir, m::EVENTS) {
             Ok(r) => Some(r),
             Err(e) => {
                 report.unconverted.push(format!(
@@ -374,32 +376,29 @@ impl Previous {
     }
 }
 
-impl Previous {
-    /// Releases from the new maps every adopted object the old map no longer holds with the
-    /// serial it was adopted with (freed, or freed and made again); a second release of one
-    /// finds nothing.
-    fn release_freed(
-        &self,
-        runs: &KernelRuns,
-        old_objects: &HashMap<MapData, ObjKey, ObjEntry>,
-        adopted: &StdHashMap<ObjKey, u64>,
-        report: &mut TakeOver,
-    ) {
-        let now: StdHashMap<ObjKey, u64> = map_entries(old_objects)
-            .into_iter()
-            .map(|(k, e)| (k, e.serial))
-            .collect();
-        for (key, serial) in adopted {
-            if now.get(key) == Some(serial) {
-                continue;
-            }
-            match runs.release(*key, *serial, false) {
-                Ok(true) => report.released += 1,
-                Ok(false) => {}
-                Err(e) => report
-                    .unconverted
-                    .push(format!("releasing {key:?}: {}", crate::report::Chain(&e))),
-            }
+/// Releases from the new maps every adopted object the old map no longer holds with the
+/// serial it was adopted with (freed, or freed and made again); a second release of one
+/// finds nothing.
+fn release_freed(
+    runs: &KernelRuns,
+    old_objects: &HashMap<MapData, ObjKey, ObjEntry>,
+    adopted: &StdHashMap<ObjKey, u64>,
+    report: &mut TakeOver,
+) {
+    let now: StdHashMap<ObjKey, u64> = map_entries(old_objects)
+        .into_iter()
+        .map(|(k, e)| (k, e.serial))
+        .collect();
+    for (key, serial) in adopted {
+        if now.get(key) == Some(serial) {
+            continue;
+        }
+        match runs.release(*key, *serial, false) {
+            Ok(true) => report.released += 1,
+            Ok(false) => {}
+            Err(e) => report
+                .unconverted
+                .push(format!("releasing {key:?}: {}", crate::report::Chain(&e))),
         }
     }
 }
@@ -431,17 +430,12 @@ fn map_err(name: &'static str) -> impl Fn(MapError) -> ProbeError {
     move |source| ProbeError::TakeMap { name, source }
 }
 
-fn open(dir: &Path, name: &'static str) -> Result<Map, ProbeError> {
-    MapData::from_pin(dir.join(name))
-        .and_then(Map::from_map_data)
-        .map_err(map_err(name))
-}
-
-fn open_hash<K: aya::Pod, V: aya::Pod>(
+/// The map `name` pinned under `dir`.
+fn open<T: TryFrom<Map, Error = MapError>>(
     dir: &Path,
     name: &'static str,
-) -> Result<HashMap<MapData, K, V>, ProbeError> {
-    HashMap::try_from(open(dir, name)?).map_err(map_err(name))
+) -> Result<T, ProbeError> {
+    pinned(dir, name).map_err(map_err(name))
 }
 
 /// Copies every entry of the hash map `name` from `old` to `new` (same key and value types:
@@ -451,8 +445,8 @@ fn copy_hash<K: aya::Pod, V: aya::Pod>(
     new: &Path,
     name: &'static str,
 ) -> Result<usize, ProbeError> {
-    let from = open_hash::<K, V>(old, name)?;
-    let mut to = open_hash::<K, V>(new, name)?;
+    let from: HashMap<MapData, K, V> = open(old, name)?;
+    let mut to: HashMap<MapData, K, V> = open(new, name)?;
     let entries = map_entries(&from);
     for (k, v) in &entries {
         to.insert(k, v, 0).map_err(map_err(name))?;
@@ -463,12 +457,11 @@ fn copy_hash<K: aya::Pod, V: aya::Pod>(
 /// Copies the words of the tracked-process filter that mark a process; the words copied.
 fn copy_tracked(old: &Path, new: &Path) -> Result<usize, ProbeError> {
     let name = gpud_common::maps::TRACKED;
-    let from: Array<MapData, u64> = Array::try_from(open(old, name)?).map_err(map_err(name))?;
-    let mut to: Array<MapData, u64> = Array::try_from(open(new, name)?).map_err(map_err(name))?;
+    let from: Array<MapData, u64> = open(old, name)?;
+    let mut to: Array<MapData, u64> = open(new, name)?;
     let mut n = 0;
-    for i in 0..from.len().min(to.len()) {
-        let word = from.get(&i, 0).map_err(map_err(name))?;
-        if word != 0 {
+    for (i, word) in array_entries(&from) {
+        if word != 0 && i < to.len() {
             to.set(i, word, 0).map_err(map_err(name))?;
             n += 1;
         }
@@ -480,13 +473,18 @@ fn copy_tracked(old: &Path, new: &Path) -> Result<usize, ProbeError> {
 /// one marks: those it marked after [`copy_tracked`].
 fn mark_tracked(runs: &KernelRuns, old: &Path, new: &Path) -> Result<(), ProbeError> {
     let name = gpud_common::maps::TRACKED;
-    let from: Array<MapData, u64> = Array::try_from(open(old, name)?).map_err(map_err(name))?;
-    let to: Array<MapData, u64> = Array::try_from(open(new, name)?).map_err(map_err(name))?;
-    for i in 0..from.len().min(to.len()) {
-        let (was, is) = (
-            from.get(&i, 0).map_err(map_err(name))?,
-            to.get(&i, 0).map_err(map_err(name))?,
-        );
+    let from: Array<MapData, u64> = open(old, name)?;
+    let to: Array<MapData, u64> = open(new, name)?;
+    let mut marked = vec![0u64; to.len() as usize];
+    for (i, word) in array_entries(&to) {
+        if let Some(w) = marked.get_mut(i as usize) {
+            *w = word;
+        }
+    }
+    for (i, was) in array_entries(&from) {
+        let Some(&is) = marked.get(i as usize) else {
+            continue;
+        };
         for slot in 0..TRACKED_PER_WORD {
             let shift = slot * 8;
             if (was >> shift) & 0xff != 0 && (is >> shift) & 0xff == 0 {
@@ -501,15 +499,11 @@ fn mark_tracked(runs: &KernelRuns, old: &Path, new: &Path) -> Result<(), ProbeEr
 /// same indices) so that they keep growing across the upgrade; the counters copied.
 fn copy_stats(old: &Path, new: &Path, counters: u32) -> Result<usize, ProbeError> {
     let name = gpud_common::maps::STATS;
-    let from: PerCpuArray<MapData, u64> =
-        PerCpuArray::try_from(open(old, name)?).map_err(map_err(name))?;
-    let mut to: PerCpuArray<MapData, u64> =
-        PerCpuArray::try_from(open(new, name)?).map_err(map_err(name))?;
+    let from: PerCpuArray<MapData, u64> = open(old, name)?;
+    let mut to: PerCpuArray<MapData, u64> = open(new, name)?;
     let n = counters.min(from.len()).min(to.len());
     for i in 0..n {
         let values = from.get(&i, 0).map_err(map_err(name))?;
-        let values = PerCpuValues::try_from(values.iter().copied().collect::<Vec<u64>>())
-            .map_err(|source| map_err(name)(MapError::IoError(source)))?;
         to.set(i, values, 0).map_err(map_err(name))?;
     }
     Ok(n as usize)

@@ -11,7 +11,7 @@ use std::{
 use anyhow::{Context as _, bail};
 
 use super::*;
-use crate::util::{describe, output, run as run_cmd};
+use crate::util::{describe, output, run as run_cmd, stdout_and_stderr};
 
 /// `cargo xtask test`'s .deb stage: build it, then on this machine `dpkg -i`,
 /// `systemd-analyze verify` the installed unit, `gpud --check-config` the installed config, run
@@ -179,11 +179,7 @@ pub(super) fn dpkg(args: &[&str]) -> anyhow::Result<String> {
         .env("DEBIAN_FRONTEND", "noninteractive")
         .output()
         .context("cannot run dpkg")?;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = stdout_and_stderr(&out);
     if !out.status.success() {
         bail!(
             "dpkg {} failed ({}):\n{text}",

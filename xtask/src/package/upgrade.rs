@@ -16,7 +16,7 @@ use std::{
 use anyhow::{Context as _, bail};
 
 use super::{CACHE_DIR, check_deb::Aside, check_deb::dpkg, check_deb::dpkg_status, deb};
-use crate::util::{cargo, describe, output, root};
+use crate::util::{cargo, describe, output, root, stdout_and_stderr};
 
 /// The release this tree upgrades from in the stage.
 pub const PREVIOUS_RELEASE: &str = "v0.1.0";
@@ -182,11 +182,7 @@ pub fn test_upgrade() -> anyhow::Result<()> {
             .env("GPUD_UPGRADE", &upgrade)
             .output()
             .context("cannot run cargo test --test upgrade")?;
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let text = stdout_and_stderr(&out);
         println!("{}", text.trim_end());
         if !out.status.success() {
             bail!("the upgrade test failed ({})", describe(out.status));
