@@ -39,6 +39,13 @@ pub const EVENT_GUARD_RESTORE: u32 = 8;
 /// the daemon reads the driver's state back (`value`: the `struct file` address; `bytes`: the
 /// caller's timeslice allowance, µs). At most one is outstanding per file (`SCHED_FILES`).
 pub const EVENT_GUARD_READ_BACK: u32 = 9;
+/// `Event::kind`: a video-memory object (or a duplicate of one) was made and charged by a
+/// caller under a limit (`tgid`: the caller; `cgroup_id`: its cgroup; `client`, `object`: the
+/// object's keys; `value`: its serial; `bytes`: its charge; `gpu`). The entry side read the
+/// request from the caller's memory before the driver copied it, and another thread of the
+/// caller may have changed it in between: the daemon asks the driver what it holds for the
+/// object and acts where that is more.
+pub const EVENT_MEM_READ_BACK: u32 = 10;
 /// Guard events a cgroup may send at once (see [`EVENT_SCHED_GUARD`]).
 pub const GUARD_EVENT_BURST: u64 = 64;
 /// The rate the burst refills at: one event per this many nanoseconds (100 per second).

@@ -360,8 +360,11 @@ pub mod stat {
     pub const OBJ_COUNTS_FULL: u32 = 25;
     /// Objects of a previous ABI's maps the daemon took over (`gpud_adopt`) at an upgrade.
     pub const ADOPTED: u32 = 26;
+    /// Sizes of limited cgroups' new memory objects asked of the daemon
+    /// ([`EVENT_MEM_READ_BACK`](crate::EVENT_MEM_READ_BACK)).
+    pub const MEMORY_READ_BACKS: u32 = 27;
     /// Number of counters.
-    pub const COUNT: u32 = 27;
+    pub const COUNT: u32 = 28;
 }
 
 pub use events::*;

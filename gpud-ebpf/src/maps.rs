@@ -137,11 +137,14 @@ pub(crate) fn emit(kind: u32, tgid: u32, cgroup_id: u64) {
     });
 }
 
+/// Sends `ev` to the daemon; false (counted) when the ring has no room.
 #[inline(always)]
-pub(crate) fn send(ev: &Event) {
+pub(crate) fn send(ev: &Event) -> bool {
     if EVENTS.output::<Event>(ev, 0).is_err() {
         bump_stat(stat::EVENTS_LOST);
+        return false;
     }
+    true
 }
 
 /// A per-task map (`BPF_MAP_TYPE_TASK_STORAGE`) as a BTF map definition: the kernel keeps the

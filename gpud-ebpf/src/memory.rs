@@ -2,7 +2,7 @@
 //!
 //! At an RM call's entry ([`crate::rm`]) the keys and sizes are read once ([`note_entry`]) and
 //! the `deny` tier refuses an allocation that would take a cgroup over a limit
-//! ([`over_limit`]). At its return the driver has written back `status`, a handle it picked and
+//! ([`limit_met`]). At its return the driver has written back `status`, a handle it picked and
 //! the allocated size, so calls are charged or uncharged ([`account_alloc`], [`account_free`],
 //! [`account_dup`]) by what the entry side read, never less. A duplicate of memory is a
 //! reference to its allocation's charge (`SHARES`): the bytes go with the last handle, as the
@@ -19,10 +19,10 @@ use aya_ebpf::{
     },
 };
 use gpud_common::{
-    Ancestry, DeviceKind, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, Event, GPU_ALL,
-    GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE,
-    OBJ_MEMORY, OBJ_SUBDEVICE, OP_ALLOC, OP_DUP, OP_FREE, ObjEntry, ObjKey, Pending, ProbeConfig,
-    REACT_KILL, UsageKey, nv, rm, stat,
+    Ancestry, DeviceKind, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED,
+    EVENT_MEM_READ_BACK, Event, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL,
+    OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY, OBJ_SUBDEVICE, OP_ALLOC, OP_DUP,
+    OP_FREE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv, rm, stat,
 };
 
 use crate::{
@@ -202,19 +202,27 @@ fn charge(anc: &Ancestry, gpu: u32, delta: u64) {
 /// `any`): the cgroup, the GPU key of the limit, and the usage it holds now. Bumps that limit's
 /// event counter.
 #[inline(always)]
-pub(crate) fn over_limit(anc: &Ancestry, gpu: u32, extra: u64) -> Option<(u64, u32, u64)> {
-    limit_met(anc, gpu, extra, false)
-}
-
-#[inline(always)]
 pub(crate) fn limit_met(
     anc: &Ancestry,
     gpu: u32,
     extra: u64,
     any: bool,
 ) -> Option<(u64, u32, u64)> {
+    first_limit(anc, gpu, extra, any, &mut false)
+}
+
+/// [`limit_met`], noting in `limited` whether any limit applies at all (one walk for both).
+#[inline(always)]
+fn first_limit(
+    anc: &Ancestry,
+    gpu: u32,
+    extra: u64,
+    any: bool,
+    limited: &mut bool,
+) -> Option<(u64, u32, u64)> {
     let mut hit = None;
     each_limit(anc, gpu, |id, g, l| {
+        *limited = true;
         let now = usage(id, g);
         if !any && now.saturating_add(extra) <= unsafe { (*l).max } {
             return false;
@@ -575,7 +583,7 @@ pub(crate) fn account_alloc(p: &Pending) {
 /// written that status), unlimited cgroups are not charged.
 #[inline(always)]
 fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
-    let Some((_, anc)) = current_ancestry() else {
+    let Some((leaf, anc)) = current_ancestry() else {
         return;
     };
     let gpu = gpu_of(p.client, p.parent);
@@ -621,18 +629,46 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
         // Only a call the driver confirmed proves the handle was free.
         replace: replace && confirmed,
     });
-    let met = if tracked {
+    let (met, under_a_limit) = if tracked {
         bump_stat(stat::CHARGES);
-        over_limit(anc, gpu, 0)
+        let mut any = false;
+        (first_limit(anc, gpu, 0, false, &mut any), any)
     } else {
         // The map is full: no free of this memory could ever be seen, so it cannot stay
         // charged. Under a limit that fails closed: it counts as crossing it.
         charge(anc, gpu, bytes.wrapping_neg());
-        limit_met(anc, gpu, 0, true)
+        (limit_met(anc, gpu, 0, true), false)
     };
     if let Some(hit) = met {
         crossed(p.client, handle, bytes, hit);
+    } else if under_a_limit && !ask_size(key, bytes, gpu, leaf) {
+        // The driver's size cannot be asked: under a limit that fails closed.
+        crossed(p.client, handle, bytes, (leaf, gpu, 0));
     }
+}
+
+/// Asks the daemon to read back what the driver holds for the memory object at `key`, made
+/// by a caller in limited cgroup `cgroup_id` and charged `bytes` on `gpu`
+/// (`EVENT_MEM_READ_BACK`): the entry side read the caller's struct before the driver copied
+/// it, and another thread may have changed it in between (the size, a wrapped call's params, a
+/// duplicate's source). False when the request cannot be sent (the ring full).
+#[inline(always)]
+fn ask_size(key: ObjKey, bytes: u64, gpu: u32, cgroup_id: u64) -> bool {
+    let Some(e) = (unsafe { OBJECTS.get(key) }) else {
+        return true;
+    };
+    bump_stat(stat::MEMORY_READ_BACKS);
+    send(&Event {
+        kind: EVENT_MEM_READ_BACK,
+        tgid: current_tgid(),
+        cgroup_id,
+        client: key.client,
+        object: key.object,
+        value: e.serial,
+        bytes,
+        gpu,
+        _pad: 0,
+    })
 }
 
 /// A limit crossed by the caller (`hit`: the cgroup, GPU key and usage of [`limit_met`]):
@@ -703,6 +739,18 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
         });
     if tracked {
         bump_stat(stat::DUPLICATES);
+        let key = ObjKey {
+            client: p.client,
+            object: handle,
+        };
+        // The source the driver duplicated may not be the one the entry side read.
+        if is_limited
+            && let Some((leaf, a)) = anc
+            && !ask_size(key, src.bytes, src.gpu, leaf)
+            && let Some(hit) = limit_met(a, src.gpu, 0, true)
+        {
+            crossed(p.client, handle, src.bytes, hit);
+        }
         return;
     }
     drop_reference(src);

@@ -449,33 +449,41 @@ async fn unsized_params_meet_the_limit() {
     .await;
 }
 
-/// A route the probes cannot see by construction, performed so that it always succeeds: a
-/// second thread changes what the driver reads after the probes read it and puts it back once
-/// the driver answered. The fake driver answers 50 ms late (`delay-ioctl-ms`) so the racer's
-/// writes land inside the window every time; on a real driver the window is microseconds and
-/// a racer hits it by chance. The probes charge what they read; the driver holds more. What
-/// catches it is the NVML backstop: the fake NVML reports what the fake driver holds per process
-/// and GPU (as the real NVML reports RM's own figures), and a limited cgroup over its limit for
-/// the hold time (1 s, no margin here) is killed, its memory released with its file.
-async fn caught_by_the_backstop(
+/// A route the probes cannot see at the call, performed so that it always succeeds: a second
+/// thread changes what the driver reads after the probes read it and puts it back once the
+/// driver answered. The fake driver answers 50 ms late (`delay-ioctl-ms`) so the racer's writes
+/// land inside the window every time; on a real driver the window is microseconds and a racer
+/// hits it by chance. The probes charge what they read; the driver holds more. What catches it:
+/// `Catch::ReadBack`, the driver's size of each object a limited cgroup makes, read back after
+/// the call (NVML off); `Catch::Backstop`, NVML, which reports what the fake driver holds per
+/// process and GPU (as the real NVML reports RM's own figures): a limited cgroup over its limit
+/// for the hold time (1 s, no margin here) is killed. Either way the tenant dies and its memory
+/// goes with its file.
+async fn caught_after_the_call(
     tag: &str,
     gpus: u32,
     limit_on: &str,
+    catch: Catch,
     attack: impl FnOnce(&mut RmProcess) -> String,
 ) {
     let Some(mut rig) = Rig::new(tag).fake_device(gpus) else {
         return;
     };
     rig = rig.fake_gpus(gpus);
+    let backstop_secs = match catch {
+        Catch::ReadBack => 0,
+        Catch::Backstop => 1,
+    };
     rig.start(
         rig.config()
             .react_action("kill")
-            .set("enforcement.nvml_backstop_secs", 1)
+            .set("enforcement.nvml_backstop_secs", backstop_secs)
             .set("enforcement.nvml_backstop_margin_bytes", 0),
     )
     .await;
     rig.wait_for_gpus(gpus).await;
-    let _nvml = gpud_tests::LedgerNvml::follow(rig.fake().dir(), rig.nvml_dir(), gpus);
+    let _nvml = (catch == Catch::Backstop)
+        .then(|| gpud_tests::LedgerNvml::follow(rig.fake().dir(), rig.nvml_dir(), gpus));
     let cg = Cgroup::new(tag);
     rig.set_limit(&cg.rel, limit_on, "memory_max", LIMIT).await;
     rig.fake()
@@ -483,9 +491,10 @@ async fn caught_by_the_backstop(
         .expect("delay the fake");
     let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
     let line = attack(&mut tenant);
+    let started = std::time::Instant::now();
     match tenant.try_cmd(&line) {
-        // The racer lost the window and the probes caught the call itself: also stopped.
-        None => println!("`{line}`: killed in a call"),
+        // Killed before its last call returned.
+        None => println!("`{line}`: killed in the attack"),
         Some(answer) => {
             let held = rig.fake().snapshot().used_total();
             let charged = rig.get_cgroup(&cg.rel).await.memory_current;
@@ -493,6 +502,11 @@ async fn caught_by_the_backstop(
                 "`{line}` got past the probes: the driver holds {} MiB, gpud charged {charged:?}; \
                  {answer}",
                 held / MIB
+            );
+            assert!(
+                catch == Catch::Backstop,
+                "the whole attack ran: the read-back never acted\n{}",
+                rig.log_text()
             );
             assert!(held > LIMIT, "the attack did not cross: {answer}");
         }
@@ -503,23 +517,66 @@ async fn caught_by_the_backstop(
     .await;
     assert!(
         freed.is_some(),
-        "the backstop never acted: the driver holds {} MiB under a {} MiB limit\n{}",
+        "never acted on: the driver holds {} MiB under a {} MiB limit\n{}",
         rig.fake().snapshot().used_total() / MIB,
         LIMIT / MIB,
         rig.log_text()
     );
+    println!(
+        "{catch:?}: the driver's ledger empty {} ms after the attack began",
+        started.elapsed().as_millis()
+    );
     let status = tenant.wait();
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    if catch == Catch::ReadBack {
+        // Logged once the object is freed, which may be after the kill emptied the ledger.
+        let said = eventually(Duration::from_secs(5), || async {
+            rig.log_text()
+                .contains(
+                    "the driver holds more for a limited tenant's allocations than the probes \
+                     charged",
+                )
+                .then_some(())
+        })
+        .await;
+        assert!(
+            said.is_some(),
+            "killed, but not by the read-back:\n{}",
+            rig.log_text()
+        );
+    }
+}
+
+/// What acts on a race of the driver's own copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Catch {
+    ReadBack,
+    Backstop,
 }
 
 /// Racing the driver's copy of a wrapped call: the tenant's XFER'd allocations read as 4 KiB
 /// at the entry, and a second thread points their `pAllocParms` at 16 MiB params while the
-/// driver has yet to copy them (and back once it answered).
+/// driver has yet to copy them (and back once it answered). The driver's size of each, read
+/// back after the call, takes the cgroup over its limit at the fifth.
 #[tokio::test(flavor = "multi_thread")]
-async fn racing_the_drivers_copy_of_an_xfer_is_caught_by_the_nvml_backstop() {
-    caught_by_the_backstop("rt-racexfer", 1, "all", |t| {
+async fn racing_the_drivers_copy_of_an_xfer_is_caught_by_the_size_read_back() {
+    caught_after_the_call("rt-racexfer", 1, "all", Catch::ReadBack, |t| {
         let (c, d) = t.client_device(0);
         format!("race-xfer {c} {d} {} 4096 12 10", 16 * MIB)
+    })
+    .await;
+}
+
+/// Racing the driver's copy of a duplicate's source: each round, an XFER'd duplicate the
+/// probes read as one of a 4 KiB allocation is made by the driver of a 16 MiB one (a second
+/// thread changes the wrapped NVOS55's `hObjectSrc` while the driver has yet to copy it), and
+/// the 16 MiB original is freed: the driver keeps it for the duplicate, the probes uncharge it.
+/// The duplicate's size, read back after the call, counts against the limit.
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_the_drivers_copy_of_a_duplicates_source_is_caught_by_the_size_read_back() {
+    caught_after_the_call("rt-racedup", 1, "all", Catch::ReadBack, |t| {
+        let (c, d) = t.client_device(0);
+        format!("race-dup {c} {d} {} 4096 12 10", 16 * MIB)
     })
     .await;
 }
@@ -529,7 +586,7 @@ async fn racing_the_drivers_copy_of_an_xfer_is_caught_by_the_nvml_backstop() {
 /// its limit (on GPU 0) does not apply.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_device_raced_to_another_gpu_is_caught_by_the_nvml_backstop() {
-    caught_by_the_backstop("rt-racedevice", 2, "0", |t| {
+    caught_after_the_call("rt-racedevice", 2, "0", Catch::Backstop, |t| {
         let client = t.handle("client");
         format!("race-device {client} 0 1 {} 12 10", 16 * MIB)
     })

@@ -352,6 +352,10 @@ pub mod sched;
 /// of drivers 580–595 (docs/driver/memory-info-controls.md, with the source lines).
 pub mod fb;
 
+/// The memory object's surface information control (`ctrl0041.h`): the size the driver
+/// allocated for a memory object, asked after the allocation returned.
+pub mod surface;
+
 /// Generated object handles start here, per client (`RS_UNIQUE_HANDLE_BASE`, range 0x80000).
 pub const RS_UNIQUE_HANDLE_BASE: Handle = 0xcaf0_0000;
 /// How many object handles RM generates per client from [`RS_UNIQUE_HANDLE_BASE`].

@@ -37,6 +37,7 @@ const NAMES: [(u32, &str); stat::COUNT as usize] = [
     (stat::OBJECTS_CGROUP_CAP, "objects_cgroup_cap"),
     (stat::OBJ_COUNTS_FULL, "obj_counts_map_full"),
     (stat::ADOPTED, "objects_adopted"),
+    (stat::MEMORY_READ_BACKS, "memory_read_backs"),
 ];
 
 /// The counters that move whenever the kernel changes what a cgroup's record shows without

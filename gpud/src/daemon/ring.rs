@@ -84,6 +84,13 @@ async fn forward(
                 "a tenant's control to read back, and no restorer"
             );
         }
+        (Record::SizeCheck(c), Some(tx)) => tx.check_size(c),
+        (Record::SizeCheck(c), None) => {
+            warn!(
+                pid = c.pid,
+                "a limited tenant's allocation to read back, and no restorer"
+            );
+        }
         (Record::Event(_), _) => {}
     });
     // A crossing's allocation may outlive its killed caller in another holder's file.

@@ -12,6 +12,7 @@ pub mod crossing;
 pub mod dmem;
 pub mod guard;
 pub mod restore;
+pub mod sizes;
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -18,6 +18,11 @@
 //!   may have rewritten the command or the parameters before the driver copied them).
 //! - a crossing allocation the react tier's `kill` left in a file another process holds is
 //!   freed through that holder's file ([`super::crossing`]).
+//! - a size check ([`SizeCheck`]): the driver's size of each memory object a limited cgroup
+//!   makes is read (`GET_SURFACE_INFO`) and judged against the limits with what the probes
+//!   charged ([`super::sizes`]); an object that takes its cgroup over a limit that way was
+//!   raced past the probes, and gets the crossing's treatment: its caller killed, the object
+//!   freed.
 //!
 //! It runs on its own thread ([`spawn`]): the undo is a few blocking ioctls, and must not wait
 //! behind the state task's work.
@@ -34,13 +39,16 @@ use gpud_common::{
     OBJ_CLIENT, OBJ_SUBDEVICE, ObjEntry, ObjKey,
     rm::{sched, tsg},
 };
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
-use super::compute::channel::{ControlError, Controls, RmObject};
+use super::{
+    compute::channel::{ControlError, Controls, RmObject},
+    sizes::{Crossed, Excess, Sizes},
+};
 use crate::{
     probes::{
         KernelRuns, Matcher,
-        events::{LimitEvent, ReadBack, Undo},
+        events::{LimitEvent, ReadBack, SizeCheck, Undo},
     },
     report::Chain,
 };
@@ -83,6 +91,40 @@ pub enum Restored {
     ReadBack { groups: u32, set_back: u32 },
 }
 
+/// What a size check found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SizeChecked {
+    /// The object was freed (or its handle reused) before the driver was asked.
+    Gone,
+    /// The driver did not answer for it (`status`): not a memory object it sizes.
+    Unanswered { status: u32 },
+    /// The driver holds `size` for it; with what else the driver holds beyond the charges, the
+    /// cgroup is within its limits.
+    Within { size: u64, excess: u64 },
+    /// The driver holds `size` where `charged` was charged, and what it holds beyond the
+    /// charges takes a cgroup over its limit: under `kill`, every object whose excess counts
+    /// against that limit was acted on (`acted`); else it is reported only.
+    Crossed {
+        size: u64,
+        charged: u64,
+        limit: Crossed,
+        acted: Vec<Raced>,
+    },
+}
+
+/// An object whose excess took its cgroup over a limit, acted on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Raced {
+    /// Its maker, killed (`killed`: the signal was sent).
+    pub pid: u32,
+    pub object: ObjKey,
+    /// What the driver held for it beyond the charge.
+    pub excess: u64,
+    pub killed: bool,
+    /// The object freed where another process kept its file.
+    pub freed: super::crossing::Outcome,
+}
+
 /// Undoes what tenants' controls did; see the module docs.
 pub struct Restorer {
     controls: Controls,
@@ -98,6 +140,8 @@ pub struct Restorer {
     groups: HashMap<MapData, ObjKey, u64>,
     /// When `groups` was last pruned of groups and files that are gone.
     pruned: Option<Instant>,
+    /// The charges and limits the size checks are judged against, and the excess found.
+    sizes: Sizes,
 }
 
 /// Runs `attempt` (an RM call on a tenant's client, through the process it is given) through
@@ -172,6 +216,102 @@ impl Restorer {
             files: pinned(pins, maps::SCHED_FILES)?,
             groups: pinned(pins, maps::SCHED_GROUPS)?,
             pruned: None,
+            sizes: Sizes::open(pins)?,
+        })
+    }
+
+    /// Asks the driver what it allocated for the object of `c` and judges the limits of its
+    /// cgroup with it ([`super::sizes`]); under `kill` a crossing kills the caller and frees the
+    /// object, as for an allocation the probes saw cross.
+    pub fn check_size(&mut self, c: &SizeCheck) -> Result<SizeChecked, RestoreError> {
+        let key = ObjKey {
+            client: c.client,
+            object: c.object,
+        };
+        let made = match self.objects.get(&key, 0) {
+            Ok(e) if e.serial == c.serial => e,
+            _ => return Ok(SizeChecked::Gone),
+        };
+        // The caller may have exited or handed the file on: the client's creator, or whoever
+        // holds the file now.
+        let likely = [Some(c.pid), self.creator_of(&key)];
+        let got = through_a_holder(&mut self.controls, &likely, |ctl, pid| {
+            ctl.surface_size(RmObject {
+                pid,
+                client: key.client,
+                object: key.object,
+            })
+        });
+        let size = match got {
+            Ok(size) => size,
+            Err(ControlError::Refused {
+                status: gpud_common::rm::status::NV_ERR_OBJECT_NOT_FOUND,
+                ..
+            })
+            | Err(ControlError::Gone { .. } | ControlError::NoFile { .. }) => {
+                return Ok(SizeChecked::Gone);
+            }
+            Err(ControlError::Refused { status, .. }) => {
+                return Ok(SizeChecked::Unanswered { status });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        // Counted against the caller's cgroup: a duplicate's record carries its source's
+        // charge, which may be a neighbour's.
+        let excess = Excess {
+            pid: c.pid,
+            serial: c.serial,
+            gpu: c.gpu,
+            bytes: size.saturating_sub(made.bytes),
+            levels: self.sizes.levels_of(c.cgroup_id),
+        };
+        let objects = &self.objects;
+        let crossed = self.sizes.note(key, excess, c.cgroup_id, |k, serial| {
+            objects.get(k, 0).is_ok_and(|e| e.serial == serial)
+        });
+        let Some((limit, raced)) = crossed else {
+            return Ok(SizeChecked::Within {
+                size,
+                excess: self.sizes.excess_of(&key),
+            });
+        };
+        let mut acted = Vec::new();
+        if self.kill {
+            for (object, e) in raced {
+                let killed = match self.controls.kill(e.pid) {
+                    Ok(()) => true,
+                    Err(ControlError::Gone { .. }) => false,
+                    Err(err) => return Err(err.into()),
+                };
+                let freed = super::crossing::free(
+                    &mut self.controls,
+                    &self.objects,
+                    &self.runs,
+                    &LimitEvent {
+                        pid: e.pid,
+                        cgroup_id: limit.cgroup_id,
+                        gpu: limit.gpu,
+                        usage: limit.usage,
+                        bytes: e.bytes,
+                        client: object.client,
+                        object: object.object,
+                    },
+                );
+                self.sizes.forget(&object);
+                acted.push(Raced {
+                    pid: e.pid,
+                    object,
+                    excess: e.bytes,
+                    killed,
+                    freed,
+                });
+            }
+        }
+        Ok(SizeChecked::Crossed {
+            size,
+            charged: made.bytes,
+            limit,
+            acted,
         })
     }
 
@@ -425,6 +565,11 @@ struct Queue {
     read_backs: BTreeMap<u64, ReadBack>,
     /// Limit crossings whose allocation may outlive its killed caller, in order.
     crossings: Vec<LimitEvent>,
+    /// Memory objects of limited cgroups whose size the driver is to be asked, in order.
+    sizes: Vec<SizeCheck>,
+    /// Callers of size checks that did not fit: killed under `kill` (a limited cgroup fails
+    /// closed where its allocations cannot be checked).
+    unchecked: BTreeSet<u32>,
     /// Entries held: one per timeslice, one per channel in `foreign`, one per read-back.
     held: usize,
     /// Requests (or channels of one) left out because [`QUEUE_MAX`] entries were waiting.
@@ -492,6 +637,18 @@ impl Queue {
         true
     }
 
+    /// Adds a size check; false (its caller noted) if it did not fit.
+    fn push_size_check(&mut self, c: SizeCheck) -> bool {
+        if self.held >= QUEUE_MAX {
+            self.dropped += 1;
+            self.unchecked.insert(c.pid);
+            return false;
+        }
+        self.sizes.push(c);
+        self.held += 1;
+        true
+    }
+
     /// Adds a limit crossing; false if it did not fit.
     fn push_crossing(&mut self, ev: LimitEvent) -> bool {
         if self.held >= QUEUE_MAX {
@@ -510,6 +667,8 @@ impl Queue {
         let crossings = std::mem::take(&mut self.crossings);
         Batch {
             crossings,
+            sizes: std::mem::take(&mut self.sizes),
+            unchecked: std::mem::take(&mut self.unchecked),
             undos: self.take_undos(),
             read_backs,
         }
@@ -539,12 +698,16 @@ impl Queue {
             && self.foreign.is_empty()
             && self.read_backs.is_empty()
             && self.crossings.is_empty()
+            && self.sizes.is_empty()
+            && self.unchecked.is_empty()
     }
 }
 
 /// What the restorer thread takes from the queue at once.
 struct Batch {
     crossings: Vec<LimitEvent>,
+    sizes: Vec<SizeCheck>,
+    unchecked: BTreeSet<u32>,
     undos: Vec<Undo>,
     read_backs: Vec<ReadBack>,
 }
@@ -611,6 +774,18 @@ impl RestoreSender {
         }
     }
 
+    /// Queues a size check. One that does not fit is said, and its caller killed under `kill`.
+    pub fn check_size(&self, c: SizeCheck) {
+        if !self.queue(|q| q.push_size_check(c)) {
+            warn!(
+                pid = c.pid,
+                cgroup_id = c.cgroup_id,
+                "the restorer's queue is full ({QUEUE_MAX} entries): a limited tenant's \
+                 allocation cannot be read back"
+            );
+        }
+    }
+
     /// Queues a limit crossing, whose allocation the restorer frees if another process keeps
     /// the killed caller's file (none where the react tier does not kill). One that does not fit
     /// is said.
@@ -662,11 +837,19 @@ pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
                 };
                 let Batch {
                     crossings,
+                    sizes,
+                    unchecked,
                     undos,
                     read_backs,
                 } = batch;
                 for ev in crossings {
                     free_crossing(&mut restorer, &ev);
+                }
+                for c in sizes {
+                    check_size(&mut restorer, &c);
+                }
+                for pid in unchecked {
+                    kill_unchecked(&mut restorer, pid);
                 }
                 for r in undos {
                     undo(&mut restorer, &r);
@@ -707,6 +890,61 @@ fn free_crossing(restorer: &mut Restorer, ev: &LimitEvent) {
             "a crossing allocation is held through a file no process gpud can reach holds"
         ),
         Outcome::Gone => {}
+    }
+}
+
+/// One size check, logged where the driver holds more than was charged or it failed.
+fn check_size(restorer: &mut Restorer, c: &SizeCheck) {
+    match restorer.check_size(c) {
+        Ok(SizeChecked::Crossed {
+            size,
+            charged,
+            limit,
+            acted,
+        }) => warn!(
+            pid = c.pid,
+            cgroup_id = limit.cgroup_id,
+            gpu = limit.gpu,
+            size,
+            charged,
+            usage = limit.usage,
+            max = limit.max,
+            acted = ?acted,
+            "the driver holds more for a limited tenant's allocations than the probes charged \
+             (their requests changed after the probes read them), and that takes it over its \
+             limit"
+        ),
+        Ok(SizeChecked::Within { size, excess }) if excess > 0 => info!(
+            pid = c.pid,
+            cgroup_id = c.cgroup_id,
+            size,
+            charged = c.charged,
+            "the driver holds more for a limited tenant's allocation than the probes charged; \
+             counted against its limits"
+        ),
+        Ok(done) => debug!(pid = c.pid, "read back an allocation's size: {done:?}"),
+        Err(e) => warn!(
+            pid = c.pid,
+            cgroup_id = c.cgroup_id,
+            "cannot read back a limited tenant's allocation: {}",
+            Chain(&e)
+        ),
+    }
+}
+
+/// A caller whose size check did not fit in the queue: killed under `kill`, since what it was
+/// allocating under a limit cannot be checked.
+fn kill_unchecked(restorer: &mut Restorer, pid: u32) {
+    if !restorer.kill {
+        return;
+    }
+    match restorer.controls.kill(pid) {
+        Ok(()) => warn!(
+            pid,
+            "killed a limited tenant whose allocations came faster than gpud could read them back"
+        ),
+        Err(ControlError::Gone { .. }) => {}
+        Err(e) => warn!(pid, "cannot kill a limited tenant: {}", Chain(&e)),
     }
 }
 

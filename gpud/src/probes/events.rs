@@ -4,10 +4,11 @@
 
 use gpud_common::{
     EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_GUARD_READ_BACK,
-    EVENT_GUARD_RESTORE, EVENT_LIMIT_CROSSED, EVENT_PROC_EXIT, EVENT_PROC_NEW, EVENT_SCHED_GUARD,
-    Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED, GUARD_KILLED, GUARD_REASON_FLAGS,
-    GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD, GUARD_REASON_LEGACY,
-    GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_RESTORED, GUARD_UNENFORCED, GuardRestore,
+    EVENT_GUARD_RESTORE, EVENT_LIMIT_CROSSED, EVENT_MEM_READ_BACK, EVENT_PROC_EXIT, EVENT_PROC_NEW,
+    EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED, GUARD_KILLED,
+    GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD,
+    GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_RESTORED, GUARD_UNENFORCED,
+    GuardRestore,
 };
 
 /// Why a ring-buffer record was not decoded.
@@ -32,6 +33,7 @@ pub enum Record {
     Event(KernelEvent),
     Undo(Undo),
     ReadBack(ReadBack),
+    SizeCheck(SizeCheck),
 }
 
 /// What a tenant's control did that the restorer must undo (a `GuardRestore` record, decoded:
@@ -112,6 +114,25 @@ pub struct ReadBack {
     pub file: u64,
     /// The caller's timeslice allowance (µs).
     pub allowed: u64,
+}
+
+/// A memory object made and charged under a limit, whose size the driver is to be asked
+/// (`EVENT_MEM_READ_BACK`): the probes charged what they read before the driver copied the
+/// request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SizeCheck {
+    /// The allocating (or duplicating) process.
+    pub pid: u32,
+    /// Its cgroup, under a limit.
+    pub cgroup_id: u64,
+    /// RM device instance, or `GPU_UNKNOWN`.
+    pub gpu: u32,
+    pub client: u32,
+    pub object: u32,
+    /// The object's serial in `OBJECTS` (a handle reused since is another object).
+    pub serial: u64,
+    /// What the probes charged for it.
+    pub charged: u64,
 }
 
 /// What the kernel side reports.
@@ -303,6 +324,17 @@ impl Record {
                 allowed: ev.bytes,
             }));
         }
+        if ev.kind == EVENT_MEM_READ_BACK {
+            return Ok(Self::SizeCheck(SizeCheck {
+                pid: ev.tgid,
+                cgroup_id: ev.cgroup_id,
+                gpu: ev.gpu,
+                client: ev.client,
+                object: ev.object,
+                serial: ev.value,
+                charged: ev.bytes,
+            }));
+        }
         KernelEvent::from_raw(&ev).map(Self::Event)
     }
 }
@@ -457,6 +489,33 @@ mod tests {
     }
 
     #[test]
+    fn a_size_check_names_the_object_its_serial_and_its_charge() {
+        let ev = Event {
+            kind: EVENT_MEM_READ_BACK,
+            tgid: 7,
+            cgroup_id: 42,
+            client: 0xc1d0_0001,
+            object: 0xcaf0_0002,
+            value: 123_456,
+            bytes: 4096,
+            gpu: 1,
+            _pad: 0,
+        };
+        assert_eq!(
+            Record::decode(&bytes_of(&ev)),
+            Ok(Record::SizeCheck(SizeCheck {
+                pid: 7,
+                cgroup_id: 42,
+                gpu: 1,
+                client: 0xc1d0_0001,
+                object: 0xcaf0_0002,
+                serial: 123_456,
+                charged: 4096,
+            }))
+        );
+    }
+
+    #[test]
     fn a_guard_events_verdict_word_is_split_into_action_and_reason() {
         let ev = Event {
             kind: EVENT_SCHED_GUARD,
@@ -530,7 +589,7 @@ mod fuzz {
         #[test]
         fn any_record_decodes_or_is_refused(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
             match Record::decode(&bytes) {
-                Ok(Record::Event(_) | Record::ReadBack(_)) => {
+                Ok(Record::Event(_) | Record::ReadBack(_) | Record::SizeCheck(_)) => {
                     prop_assert_eq!(bytes.len(), size_of::<Event>())
                 }
                 Ok(Record::Undo(_)) => prop_assert_eq!(bytes.len(), size_of::<GuardRestore>()),

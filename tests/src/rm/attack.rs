@@ -35,14 +35,25 @@ fn answer(held: &[Handle], failed: Option<Reply>) -> Outcome {
     }
 }
 
-/// The attacks by name, each run with `size` bytes per allocation, `n` times.
-pub const NAMES: [&str; 5] = [
+/// The attacks by name, each run with `size` bytes per allocation, `n` times. Those of
+/// [`RACING_THE_DRIVER`] win only where the driver copies their request well after the call
+/// began (the fake's `delay-ioctl-ms`).
+pub const NAMES: [&str; 7] = [
     "dup-free",
     "race-status",
     "race-size",
     "compat32",
     "unsized",
+    "race-xfer",
+    "race-dup",
 ];
+
+/// Attacks of [`NAMES`] that race the driver's own copy of the request, `RACE_WAIT` into the
+/// call.
+pub const RACING_THE_DRIVER: [&str; 2] = ["race-xfer", "race-dup"];
+
+/// When the attacks of [`RACING_THE_DRIVER`] change the request, into the call.
+pub const RACE_WAIT: Duration = Duration::from_millis(10);
 
 /// Runs attack `name` ([`NAMES`]) on `client`'s `parent`; `None` for an unknown name.
 pub fn run(
@@ -59,6 +70,8 @@ pub fn run(
         "race-size" => race(ctl, client, parent, size, n, Race::Size(4096)),
         "compat32" => compat32(ctl, client, parent, size, n),
         "unsized" => unsized_params(ctl, client, parent, size, n),
+        "race-xfer" => race_xfer(ctl, client, parent, size, 4096, n, RACE_WAIT),
+        "race-dup" => race_dup(ctl, client, parent, size, 4096, n, RACE_WAIT),
         _ => return None,
     })
 }
@@ -464,6 +477,78 @@ pub fn race_xfer(
             );
         }
         held.push(p.h_object_new);
+    }
+    answer(&held, None)
+}
+
+/// Duplicate-then-free with the duplicate's source raced, `n` times: each round allocates
+/// `small` bytes (the source the probes read, kept) and `size` bytes, duplicates through
+/// `NV_ESC_IOCTL_XFER_CMD` an NVOS55 naming the small one, whose `hObjectSrc` a second thread
+/// points at the large one `wait` into the call (while the driver has yet to copy the wrapped
+/// struct) and back once the driver answered, then frees the large original. The driver keeps
+/// the large memory for the duplicate; the probes see a duplicate of the small allocation.
+pub fn race_dup(
+    ctl: &Ctl,
+    client: Handle,
+    parent: Handle,
+    size: u64,
+    small: u64,
+    n: u32,
+    wait: Duration,
+) -> Outcome {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let seen = ctl.alloc_vidmem(client, parent, small, Form::Nvos21);
+        if !seen.ok() {
+            return answer(&held, Some(seen));
+        }
+        let made = ctl.alloc_vidmem(client, parent, size, Form::Nvos21);
+        if !made.ok() {
+            return answer(&held, Some(made));
+        }
+        let mut p = rm::Nvos55 {
+            h_client: client,
+            h_parent: parent,
+            h_object: 0,
+            h_client_src: client,
+            h_object_src: seen.handle,
+            status: u32::MAX,
+            ..Default::default()
+        };
+        let status_at = addr_of!(p.status) as usize;
+        // SAFETY: `p` outlives the call the racer watches; the driver writes its status.
+        let answered =
+            move || unsafe { (status_at as *const u32).read_volatile() } == status::NV_OK;
+        let race = Timed {
+            at: addr_of_mut!(p.h_object_src),
+            driver_sees: made.handle,
+            wait,
+            answered: &answered,
+        };
+        let (ret, errno) = race.run(|| ctl.escape(nv::NV_ESC_RM_DUP_OBJECT, &mut p, true));
+        // SAFETY: a plain read of a live local the racer no longer touches.
+        let (st, dup) = unsafe {
+            (
+                addr_of!(p.status).read_volatile(),
+                addr_of!(p.h_object).read_volatile(),
+            )
+        };
+        if ret != 0 || st != status::NV_OK {
+            return answer(
+                &held,
+                Some(Reply {
+                    ret,
+                    errno,
+                    status: st,
+                    ..Default::default()
+                }),
+            );
+        }
+        let f = ctl.free(client, made.handle);
+        if !f.ok() {
+            return answer(&held, Some(f));
+        }
+        held.push(dup);
     }
     answer(&held, None)
 }

@@ -16,6 +16,7 @@ unsafe impl Plain for rm::Nvos21 {}
 unsafe impl Plain for rm::Nvos55 {}
 unsafe impl Plain for rm::Nvos64 {}
 unsafe impl Plain for rm::Nvos32 {}
+unsafe impl Plain for rm::surface::GetSurfaceInfoParams {}
 unsafe impl Plain for rm::MemoryAllocationParams {}
 unsafe impl Plain for rm::Nv0080AllocParams {}
 unsafe impl Plain for rm::Nv2080AllocParams {}

@@ -20,7 +20,7 @@ use std::{
 
 use gpud_common::{
     DeviceKind, GPU_UNKNOWN, ObjKey, nv,
-    rm::{Nvos00, Nvos54, sched, status, tsg},
+    rm::{Nvos00, Nvos54, sched, status, surface, tsg},
 };
 
 use tracing::warn;
@@ -36,6 +36,12 @@ use crate::{
 pub enum ControlError {
     #[error("process {pid} is gone")]
     Gone { pid: u32 },
+    #[error("cannot signal process {pid}")]
+    Signal {
+        pid: u32,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot open a pidfd of process {pid}")]
     Pidfd {
         pid: u32,
@@ -300,6 +306,50 @@ impl Controls {
                 handle: o.object,
                 status,
             }),
+        }
+    }
+
+    /// The size the driver allocated for memory object `o.object` of client `o.client`
+    /// (`GET_SURFACE_INFO`'s `PHYS_SIZE`), asked through the file of process `o.pid` that owns
+    /// the client.
+    pub fn surface_size(&mut self, o: RmObject) -> Result<u64, ControlError> {
+        let mut list = [surface::Info {
+            index: surface::INDEX_PHYS_SIZE,
+            data: 0,
+        }];
+        let mut params = surface::GetSurfaceInfoParams {
+            list_size: list.len() as u32,
+            _pad: 0,
+            list: list.as_mut_ptr() as u64,
+        };
+        // The driver copies the list in and out through `params.list`: `list` lives on this
+        // frame for the whole call.
+        self.control_on(o, surface::GET_SURFACE_INFO, &mut params)?;
+        Ok(u64::from(list[0].data) * surface::PHYS_SIZE_UNIT)
+    }
+
+    /// Sends `SIGKILL` to process `pid` through its pidfd (never a pid reused since).
+    pub fn kill(&mut self, pid: u32) -> Result<(), ControlError> {
+        let pidfd = self.pidfd(pid)?;
+        // SAFETY: pidfd_send_signal takes a pidfd, a signal, a null siginfo and flags 0.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                pidfd,
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        match r {
+            0 => Ok(()),
+            _ => {
+                let source = io::Error::last_os_error();
+                if source.raw_os_error() == Some(libc::ESRCH) {
+                    return Err(ControlError::Gone { pid });
+                }
+                Err(ControlError::Signal { pid, source })
+            }
         }
     }
 

@@ -35,6 +35,7 @@
 //! | `race-size CLIENT PARENT SIZE SMALL N` | N allocations whose params' `size` a second thread rewrites to SMALL once the driver answered |
 //! | `unsized CLIENT PARENT SIZE N` | N allocations whose params lie on a mapped page never touched (the driver faults it in; a probe cannot) |
 //! | `race-xfer CLIENT PARENT SIZE SMALL N WAIT_MS` | N XFER'd allocations of SMALL bytes whose `pAllocParms` a second thread points at SIZE bytes' WAIT_MS into the call, and back once answered |
+//! | `race-dup CLIENT PARENT SIZE SMALL N WAIT_MS` | N rounds: SMALL and SIZE bytes allocated, an XFER'd duplicate of the SMALL one whose `hObjectSrc` a second thread points at the SIZE one WAIT_MS into the call (and back once answered), the SIZE original freed |
 //! | `race-device CLIENT GPU SEEN SIZE N WAIT_MS` | a device read as GPU SEEN whose `deviceId` a second thread makes GPU WAIT_MS into the call (and puts back once answered), then N allocations under it |
 //! | `free CLIENT HANDLE` | `NV_ESC_RM_FREE` (HANDLE == CLIENT frees the client) |
 //! | `vidheap-free CLIENT PARENT HANDLE` | `NV_ESC_RM_VID_HEAP_CONTROL` FREE |
@@ -487,6 +488,18 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                     n(1)?,
                     big,
                     small,
+                    n(4)?,
+                    wait,
+                ))
+            }
+            ("race-dup", 6) => {
+                let wait = std::time::Duration::from_millis(n(5)?.into());
+                outcome(&attack::race_dup(
+                    &ctl,
+                    n(0)?,
+                    n(1)?,
+                    size(2)?,
+                    size(3)?,
                     n(4)?,
                     wait,
                 ))

@@ -116,13 +116,17 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
     // The daemon's restorer, run here in turn with the ring (the tenants are forked: no threads):
     // undoes where the guard reacts, reads back on every row.
     let mut restorer = restorer.context("no restorer")?;
-    let (mut undone, read_back) = (0, std::cell::Cell::new(0u32));
+    let (undone, read_back) = (std::cell::Cell::new(0u32), std::cell::Cell::new(0u32));
     let mut pump_all = |ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
                         attribution: &mut Attribution|
      -> anyhow::Result<()> {
         while let Some(item) = ring.next() {
             let record = Record::decode(&item);
-            if let Ok(Record::ReadBack(r)) = record {
+            if let Ok(Record::SizeCheck(c)) = record {
+                restorer
+                    .check_size(&c)
+                    .with_context(|| format!("reading back an allocation (pid {})", c.pid))?;
+            } else if let Ok(Record::ReadBack(r)) = record {
                 restorer
                     .read_back(&r)
                     .with_context(|| format!("reading back a tenant's groups (pid {})", r.pid))?;
@@ -132,7 +136,7 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
                 restorer
                     .apply(&r)
                     .with_context(|| format!("undoing a tenant's control: {r:?}"))?;
-                undone += 1;
+                undone.set(undone.get() + 1);
             } else if let Ok(Record::Event(ev)) = record {
                 attribution.on_kernel_event(&ev);
             }
@@ -273,7 +277,10 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
     if reacts {
         // Under the default react action the caller of the foreign disable was killed.
         let caller_gone = a.ask("get").is_err();
-        println!("[{tag}] the foreign disable's caller killed: {caller_gone}; undone: {undone}");
+        println!(
+            "[{tag}] the foreign disable's caller killed: {caller_gone}; undone: {}",
+            undone.get()
+        );
         ensure!(caller_gone, "the caller of a foreign disable lives on");
     }
     drop((a, b));
@@ -288,8 +295,8 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
             &fake,
             &mut attribution,
             &mut settings,
+            &mut |a| pump_all(&mut ring, a),
         )?;
-        pump(&mut ring, &mut attribution);
         println!(
             "[{tag}] red team {name}: the driver holds {} MiB for it",
             held / MIB
@@ -355,6 +362,7 @@ const RED_TEAM_LIMIT: u64 = 64 << 20;
 /// 64 MiB limit, 16 MiB at a time, 12 times: the bytes the fake driver holds for it once it is
 /// done, or once it was killed and its file released. More than the limit: the attack got
 /// through (deny rows refuse the crossing allocation; react rows kill in it).
+#[allow(clippy::too_many_arguments)]
 fn red_team(
     tag: &str,
     name: &str,
@@ -363,12 +371,19 @@ fn red_team(
     fake: &gpud_tests::fakenv::FakeNv,
     attribution: &mut Attribution,
     settings: &mut gpud::probes::KernelSettings,
+    pump_all: &mut dyn FnMut(&mut Attribution) -> anyhow::Result<()>,
 ) -> anyhow::Result<u64> {
     let rel = format!("{tag}-rt-{name}");
     let dir = root.join(&rel);
     std::fs::create_dir_all(&dir)?;
     let (_, id) = attribution.id_of(&format!("/{rel}"))?;
     settings.set_limit(id, gpud_common::GPU_ALL, RED_TEAM_LIMIT)?;
+    // The driver's copy of the request is what these race: widened so that they win.
+    let racing = gpud_tests::rm::attack::RACING_THE_DRIVER.contains(&name);
+    if racing {
+        fake.inject("delay-ioctl-ms 50")
+            .map_err(anyhow::Error::msg)?;
+    }
     let (c, d, attack) = (ctl.to_owned(), dir.clone(), name.to_owned());
     let held = fork_held(move || {
         let (f, client, dev) = match device_in(&c, &d) {
@@ -381,13 +396,20 @@ fn red_team(
         std::mem::forget(f);
         format!("{out:?}")
     })?;
+    if racing {
+        fake.inject("delay-ioctl-ms 0")
+            .map_err(anyhow::Error::msg)?;
+    }
     let pid = held.pid;
-    // A tenant killed in its crossing call held that allocation at its death: the driver gives
-    // it back with the file, in a moment.
+    // The restorer reads back what the driver holds (here, in turn with the ring, once the
+    // tenant is done) and kills it where that crosses the limit.
+    pump_all(attribution)?;
+    // A tenant killed in (or right after) its crossing call held that allocation at its death:
+    // the driver gives it back with the file, in a moment.
     let killed = held.report.is_empty();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
     let mut bytes = fake.snapshot().held_by(&[pid]);
-    while killed && bytes > RED_TEAM_LIMIT && std::time::Instant::now() < deadline {
+    while bytes > RED_TEAM_LIMIT && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(20));
         bytes = fake.snapshot().held_by(&[pid]);
     }

@@ -53,6 +53,9 @@ fn param_size(cmd: u32) -> Option<u32> {
     if cmd == rm::fb::GET_INFO_V2 {
         return Some(size_of::<rm::fb::GetInfoV2Params>() as u32);
     }
+    if cmd == rm::surface::GET_SURFACE_INFO {
+        return Some(size_of::<rm::surface::GetSurfaceInfoParams>() as u32);
+    }
     sched::CONTROLS
         .iter()
         .find(|c| c.cmd == cmd)
@@ -72,6 +75,8 @@ fn exported(cmd: u32, object_class: u32) -> bool {
         }
         class::SUBDEVICE => c == 0x2080,
         class::DEVICE => c == 0x0080,
+        // Every memory class is a `Memory`, whose controls are `NV0041_*`.
+        class::MEMORY_LOCAL_USER | class::MEMORY_SYSTEM => c == 0x0041,
         _ => false,
     }
 }
@@ -210,6 +215,7 @@ impl Rm {
         let (client, h) = (p.h_client, p.h_object);
         match p.cmd {
             rm::fb::GET_INFO_V2 => self.fb_info(c, p, obj),
+            rm::surface::GET_SURFACE_INFO => self.surface_info(c, p, obj),
             tsg::GPFIFO_SCHEDULE => match params::<tsg::ScheduleParams>(c, p) {
                 Ok(s) => {
                     let st = self.with_group(client, h, |g| {
@@ -271,6 +277,41 @@ impl Rm {
                     Err(_) => status::NV_ERR_INVALID_POINTER,
                 }
             }
+        }
+    }
+
+    /// `GET_SURFACE_INFO` on a memory object: the list is copied in from the caller's
+    /// `surfaceInfoList` (at most `RMAPI_PARAM_COPY_MAX_PARAMS_SIZE`, 1 MiB, as the driver's
+    /// embedded-pointer copy takes), each index this fake knows filled (`PHYS_SIZE`: the bytes
+    /// the memory holds, duplicates included, in 4 KiB units), an unknown one answered
+    /// `NV_ERR_INVALID_ARGUMENT` (`memCtrlCmdGetSurfaceInfoLvm_IMPL`), and the list copied out.
+    fn surface_info(&self, c: Caller, p: &rm::Nvos54, obj: &Object) -> u32 {
+        use rm::surface;
+        let Ok(q) = params::<surface::GetSurfaceInfoParams>(c, p) else {
+            return status::NV_ERR_INVALID_ARGUMENT;
+        };
+        let n = q.list_size as usize;
+        let len = n * size_of::<surface::Info>();
+        if n == 0 || q.list == 0 || len > 1 << 20 {
+            return status::NV_ERR_INVALID_ARGUMENT;
+        }
+        let mut raw = vec![0u8; len];
+        if remote_read(c.tid, q.list, &mut raw).is_err() {
+            return status::NV_ERR_INVALID_POINTER;
+        }
+        let bytes = self.mems.get(&obj.mem).map_or(obj.bytes, |m| m.bytes);
+        for entry in raw.chunks_exact_mut(size_of::<surface::Info>()) {
+            let index = u32::from_ne_bytes([entry[0], entry[1], entry[2], entry[3]]);
+            let data = match index {
+                // Past 16 TiB the driver answers `NV_ERR_OUT_OF_RANGE`; no fake GPU holds that.
+                surface::INDEX_PHYS_SIZE => (bytes / surface::PHYS_SIZE_UNIT) as u32,
+                _ => return status::NV_ERR_INVALID_ARGUMENT,
+            };
+            entry[4..8].copy_from_slice(&data.to_ne_bytes());
+        }
+        match remote_write(c.tid, q.list, &raw) {
+            Ok(()) => status::NV_OK,
+            Err(_) => status::NV_ERR_INVALID_POINTER,
         }
     }
 
