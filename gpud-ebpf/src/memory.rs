@@ -641,9 +641,12 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     };
     if let Some(hit) = met {
         crossed(p.client, handle, bytes, hit);
-    } else if under_a_limit && !ask_size(key, bytes, gpu, leaf) {
+    } else if under_a_limit
+        && !ask_size(key, bytes, gpu, leaf)
+        && let Some(hit) = limit_met(anc, gpu, 0, true)
+    {
         // The driver's size cannot be asked: under a limit that fails closed.
-        crossed(p.client, handle, bytes, (leaf, gpu, 0));
+        crossed(p.client, handle, bytes, hit);
     }
 }
 

@@ -66,6 +66,8 @@ pub enum RestoreError {
     },
     #[error(transparent)]
     Control(#[from] ControlError),
+    #[error(transparent)]
+    Sizes(#[from] super::sizes::SizesError),
     /// A disabled channel's client is not one the probes saw made (older than gpud).
     #[error("client {client:#x} of a disabled channel is unknown to gpud")]
     UnknownClient { client: u32 },
@@ -278,7 +280,7 @@ impl Restorer {
         let mut acted = Vec::new();
         if self.kill {
             for (object, e) in raced {
-                let killed = match self.controls.kill(e.pid) {
+                let killed = match self.controls.kill(e.pid, false) {
                     Ok(()) => true,
                     Err(ControlError::Gone { .. }) => false,
                     Err(err) => return Err(err.into()),
@@ -938,7 +940,7 @@ fn kill_unchecked(restorer: &mut Restorer, pid: u32) {
     if !restorer.kill {
         return;
     }
-    match restorer.controls.kill(pid) {
+    match restorer.controls.kill(pid, true) {
         Ok(()) => warn!(
             pid,
             "killed a limited tenant whose allocations came faster than gpud could read them back"

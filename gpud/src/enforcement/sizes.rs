@@ -18,7 +18,16 @@ use std::{collections::BTreeMap, path::Path};
 use aya::maps::{HashMap, MapData};
 use gpud_common::{Ancestry, GPU_ALL, KernelLimit, MAX_CGROUP_DEPTH, ObjKey, UsageKey, maps};
 
-use super::restore::RestoreError;
+/// Why the maps the judgement reads could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum SizesError {
+    #[error("cannot open the pinned map {path}")]
+    OpenMap {
+        path: std::path::PathBuf,
+        #[source]
+        source: aya::maps::MapError,
+    },
+}
 
 /// What the driver holds for one object beyond what the probes charged.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,12 +115,12 @@ fn key(cgroup_id: u64, gpu: u32) -> UsageKey {
 
 impl Sizes {
     /// Opens the pinned `USAGE`, `LIMITS` and `ANCESTRY` under `pins`.
-    pub fn open(pins: &Path) -> Result<Self, RestoreError> {
+    pub fn open(pins: &Path) -> Result<Self, SizesError> {
         fn open<K: aya::Pod, V: aya::Pod>(
             pins: &Path,
             name: &str,
-        ) -> Result<HashMap<MapData, K, V>, RestoreError> {
-            crate::probes::pinned(pins, name).map_err(|source| RestoreError::OpenMap {
+        ) -> Result<HashMap<MapData, K, V>, SizesError> {
+            crate::probes::pinned(pins, name).map_err(|source| SizesError::OpenMap {
                 path: pins.join(name),
                 source,
             })

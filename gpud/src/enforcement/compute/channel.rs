@@ -328,9 +328,15 @@ impl Controls {
         Ok(u64::from(list[0].data) * surface::PHYS_SIZE_UNIT)
     }
 
-    /// Sends `SIGKILL` to process `pid` through its pidfd (never a pid reused since).
-    pub fn kill(&mut self, pid: u32) -> Result<(), ControlError> {
-        let pidfd = self.pidfd(pid)?;
+    /// Sends `SIGKILL` to process `pid` through a pidfd: the one opened when a control last
+    /// went through it, so never a process that took its pid since (`Gone` where none is kept);
+    /// with `just_seen` (the pid made an RM call moments ago) one is opened where none is.
+    pub fn kill(&mut self, pid: u32, just_seen: bool) -> Result<(), ControlError> {
+        let pidfd = match self.pidfds.get(&pid) {
+            Some(fd) => fd.as_raw_fd(),
+            None if just_seen => self.pidfd(pid)?,
+            None => return Err(ControlError::Gone { pid }),
+        };
         // SAFETY: pidfd_send_signal takes a pidfd, a signal, a null siginfo and flags 0.
         let r = unsafe {
             libc::syscall(
