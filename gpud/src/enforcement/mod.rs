@@ -3,6 +3,8 @@
 //! `freeze` action, notices).
 //! The `kill` and `deny` actions happen in the kernel itself; this module only reports them.
 //! What the probes cannot size, NVML's per-process memory shows: the [`backstop`] acts on it.
+//! What the probes sized from a request another thread changed before the driver copied it, the
+//! driver's own size of the object shows: [`sizes`] judges it, on the [`restore`] thread.
 //! Owned by the state task. Compute shares are [`compute`]'s, a task of their own; the scheduler
 //! guard's allowances and reports are [`guard`]'s.
 
