@@ -47,13 +47,14 @@ pub enum Clamp {
     Free,
 }
 
-/// `NV2080_CTRL_FB_INFO`: one pair of the list.
+/// `NV2080_CTRL_FB_INFO`: one pair of the list (`NVXXXX_CTRL_XXX_INFO`, the layout of every
+/// such list: the surface information's too, [`super::surface::Info`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Info {
-    /// `NV2080_CTRL_FB_INFO_INDEX_*`, set by the caller.
+    /// `NV2080_CTRL_FB_INFO_INDEX_*` (or the list's own index kind), set by the caller.
     pub index: u32,
-    /// The value, filled by the driver (KiB for the memory indices).
+    /// The value, filled by the driver (KiB for the FB memory indices).
     pub data: u32,
 }
 

@@ -9,15 +9,9 @@ pub const INDEX_PHYS_SIZE: u32 = 0x07;
 /// `NV0041_CTRL_SURFACE_INFO_PHYS_SIZE_SCALE_FACTOR`.
 pub const PHYS_SIZE_UNIT: u64 = 0x1000;
 
-/// `NV0041_CTRL_SURFACE_INFO`: one (index, value) pair of the list.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Info {
-    /// `NV0041_CTRL_SURFACE_INFO_INDEX_*`, set by the caller.
-    pub index: u32,
-    /// The value, filled by the driver.
-    pub data: u32,
-}
+/// `NV0041_CTRL_SURFACE_INFO`: one (index, value) pair of the list, the driver's one
+/// `NVXXXX_CTRL_XXX_INFO` layout, as the framebuffer information's.
+pub use super::fb::Info;
 
 /// `NV0041_CTRL_GET_SURFACE_INFO_PARAMS`: the list lives in the caller's memory (an embedded
 /// pointer the driver copies in and out).

@@ -525,30 +525,23 @@ pub fn race_dup(
             wait,
             answered: &answered,
         };
-        let (ret, errno) = race.run(|| ctl.escape(nv::NV_ESC_RM_DUP_OBJECT, &mut p, true));
-        // SAFETY: a plain read of a live local the racer no longer touches.
-        let (st, dup) = unsafe {
-            (
+        let call = race.run(|| ctl.escape(nv::NV_ESC_RM_DUP_OBJECT, &mut p, true));
+        // SAFETY: plain reads of a live local the racer no longer touches.
+        let dup = unsafe {
+            Reply::of(
+                call,
                 addr_of!(p.status).read_volatile(),
                 addr_of!(p.h_object).read_volatile(),
             )
         };
-        if ret != 0 || st != status::NV_OK {
-            return answer(
-                &held,
-                Some(Reply {
-                    ret,
-                    errno,
-                    status: st,
-                    ..Default::default()
-                }),
-            );
+        if !dup.ok() {
+            return answer(&held, Some(dup));
         }
         let f = ctl.free(client, made.handle);
         if !f.ok() {
             return answer(&held, Some(f));
         }
-        held.push(dup);
+        held.push(dup.handle);
     }
     answer(&held, None)
 }
