@@ -316,9 +316,10 @@ struct Track {
 /// reference goes, so an object is released by its own file even where its client's record is
 /// gone or was never seen (the release rule, docs/design.md). A stale entry under a key the
 /// entry side read (a free missed while nothing was attached) is released first; the insert
-/// tells, so the common case costs no lookup of its own.
+/// tells, so the common case costs no lookup of its own. The serial it was recorded under, or
+/// `None` where the map (or the cgroup's cap) left no room.
 #[inline(always)]
-fn track_object(t: &Track) -> bool {
+fn track_object(t: &Track) -> Option<u64> {
     let serial = serial_now();
     let entry = ObjEntry {
         kind: t.kind,
@@ -338,7 +339,7 @@ fn track_object(t: &Track) -> bool {
         },
     };
     if !count_object(entry.cgroup_id) {
-        return false;
+        return None;
     }
     let inserted = match OBJECTS.insert(t.key, entry, BPF_NOEXIST as u64) {
         Ok(()) => true,
@@ -350,11 +351,12 @@ fn track_object(t: &Track) -> bool {
     };
     if inserted {
         mark_file(t.file);
+        Some(serial)
     } else {
         uncount_object(entry.cgroup_id);
         bump_stat(stat::OBJECTS_FULL);
+        None
     }
-    inserted
 }
 
 /// Marks `file` as one through which an object was recorded, so its release is sent.
@@ -571,7 +573,7 @@ pub(crate) fn account_alloc(p: &Pending) {
         _ => return,
     }
     // Recorded first: the daemon prunes watched groups that `OBJECTS` does not hold.
-    if track_object(&t) && t.kind == OBJ_CHANNEL_GROUP {
+    if track_object(&t).is_some() && t.kind == OBJ_CHANNEL_GROUP {
         crate::guard::watch_group(p.file, t.key);
     }
 }
@@ -629,7 +631,7 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
         // Only a call the driver confirmed proves the handle was free.
         replace: replace && confirmed,
     });
-    let (met, under_a_limit) = if tracked {
+    let (met, under_a_limit) = if tracked.is_some() {
         bump_stat(stat::CHARGES);
         let mut any = false;
         (first_limit(anc, gpu, 0, false, &mut any), any)
@@ -642,7 +644,8 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     if let Some(hit) = met {
         crossed(p.client, handle, bytes, hit);
     } else if under_a_limit
-        && !ask_size(key, bytes, gpu, leaf)
+        && let Some(serial) = tracked
+        && !ask_size(key, serial, bytes, gpu, leaf)
         && let Some(hit) = limit_met(anc, gpu, 0, true)
     {
         // The driver's size cannot be asked: under a limit that fails closed.
@@ -650,16 +653,13 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     }
 }
 
-/// Asks the daemon to read back what the driver holds for the memory object at `key`, made
-/// by a caller in limited cgroup `cgroup_id` and charged `bytes` on `gpu`
+/// Asks the daemon to read back what the driver holds for the memory object recorded at `key`
+/// under `serial`, made by a caller in limited cgroup `cgroup_id` and charged `bytes` on `gpu`
 /// (`EVENT_MEM_READ_BACK`): the entry side read the caller's struct before the driver copied
 /// it, and another thread may have changed it in between (the size, a wrapped call's params, a
 /// duplicate's source). False when the request cannot be sent (the ring full).
 #[inline(always)]
-fn ask_size(key: ObjKey, bytes: u64, gpu: u32, cgroup_id: u64) -> bool {
-    let Some(e) = (unsafe { OBJECTS.get(key) }) else {
-        return true;
-    };
+fn ask_size(key: ObjKey, serial: u64, bytes: u64, gpu: u32, cgroup_id: u64) -> bool {
     bump_stat(stat::MEMORY_READ_BACKS);
     send(&Event {
         kind: EVENT_MEM_READ_BACK,
@@ -667,7 +667,7 @@ fn ask_size(key: ObjKey, bytes: u64, gpu: u32, cgroup_id: u64) -> bool {
         cgroup_id,
         client: key.client,
         object: key.object,
-        value: e.serial,
+        value: serial,
         bytes,
         gpu,
         _pad: 0,
@@ -723,13 +723,13 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
     let is_limited = anc.is_some_and(|(_, a)| limited(a, src.gpu));
     let confirmed = status == rm::status::NV_OK;
     let keep = ret == 0 && handle != 0 && (confirmed || is_limited);
-    let tracked = keep
-        && src.charge != 0
-        && track_object(&Track {
-            key: ObjKey {
-                client: p.client,
-                object: handle,
-            },
+    let key = ObjKey {
+        client: p.client,
+        object: handle,
+    };
+    let tracked = if keep && src.charge != 0 {
+        track_object(&Track {
+            key,
             kind: OBJ_MEMORY,
             parent: p.parent,
             gpu: src.gpu,
@@ -739,17 +739,16 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
             cgroup_id: src.cgroup_id,
             // Only a duplicate the driver confirmed proves the handle was free.
             replace: replace && confirmed,
-        });
-    if tracked {
+        })
+    } else {
+        None
+    };
+    if let Some(serial) = tracked {
         bump_stat(stat::DUPLICATES);
-        let key = ObjKey {
-            client: p.client,
-            object: handle,
-        };
         // The source the driver duplicated may not be the one the entry side read.
         if is_limited
             && let Some((leaf, a)) = anc
-            && !ask_size(key, src.bytes, src.gpu, leaf)
+            && !ask_size(key, serial, src.bytes, src.gpu, leaf)
             && let Some(hit) = limit_met(a, src.gpu, 0, true)
         {
             crossed(p.client, handle, src.bytes, hit);

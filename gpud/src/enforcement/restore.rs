@@ -66,8 +66,6 @@ pub enum RestoreError {
     },
     #[error(transparent)]
     Control(#[from] ControlError),
-    #[error(transparent)]
-    Sizes(#[from] super::sizes::SizesError),
     /// A disabled channel's client is not one the probes saw made (older than gpud).
     #[error("client {client:#x} of a disabled channel is unknown to gpud")]
     UnknownClient { client: u32 },
@@ -100,8 +98,8 @@ pub enum SizeChecked {
     Gone,
     /// The driver did not answer for it (`status`): not a memory object it sizes.
     Unanswered { status: u32 },
-    /// The driver holds `size` for it; with what else the driver holds beyond the charges, the
-    /// cgroup is within its limits.
+    /// The driver holds `size` for it, `excess` beyond its charge; with what else the driver
+    /// holds beyond the charges, the cgroup is within its limits.
     Within { size: u64, excess: u64 },
     /// The driver holds `size` where `charged` was charged, and what it holds beyond the
     /// charges takes a cgroup over its limit: under `kill`, every object whose excess counts
@@ -218,7 +216,11 @@ impl Restorer {
             files: pinned(pins, maps::SCHED_FILES)?,
             groups: pinned(pins, maps::SCHED_GROUPS)?,
             pruned: None,
-            sizes: Sizes::open(pins)?,
+            sizes: Sizes::new(
+                pinned(pins, maps::USAGE)?,
+                pinned(pins, maps::LIMITS)?,
+                pinned(pins, maps::ANCESTRY)?,
+            ),
         })
     }
 
@@ -265,17 +267,15 @@ impl Restorer {
             serial: c.serial,
             gpu: c.gpu,
             bytes: size.saturating_sub(made.bytes),
-            levels: self.sizes.levels_of(c.cgroup_id),
+            levels: self.sizes.levels(c.cgroup_id),
         };
+        let over = excess.bytes;
         let objects = &self.objects;
-        let crossed = self.sizes.note(key, excess, c.cgroup_id, |k, serial| {
+        let crossed = self.sizes.note(key, excess, |k, serial| {
             objects.get(k, 0).is_ok_and(|e| e.serial == serial)
         });
         let Some((limit, raced)) = crossed else {
-            return Ok(SizeChecked::Within {
-                size,
-                excess: self.sizes.excess_of(&key),
-            });
+            return Ok(SizeChecked::Within { size, excess: over });
         };
         let mut acted = Vec::new();
         if self.kill {

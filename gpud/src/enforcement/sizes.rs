@@ -13,21 +13,10 @@
 //! driver rounds differently than it wrote back is never acted on alone, only once it would
 //! really take the cgroup over its limit.
 
-use std::{collections::BTreeMap, path::Path};
+use std::collections::BTreeMap;
 
 use aya::maps::{HashMap, MapData};
-use gpud_common::{Ancestry, GPU_ALL, KernelLimit, MAX_CGROUP_DEPTH, ObjKey, UsageKey, maps};
-
-/// Why the maps the judgement reads could not be opened.
-#[derive(Debug, thiserror::Error)]
-pub enum SizesError {
-    #[error("cannot open the pinned map {path}")]
-    OpenMap {
-        path: std::path::PathBuf,
-        #[source]
-        source: aya::maps::MapError,
-    },
-}
+use gpud_common::{Ancestry, GPU_ALL, KernelLimit, MAX_CGROUP_DEPTH, ObjKey, UsageKey};
 
 /// What the driver holds for one object beyond what the probes charged.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,54 +103,47 @@ fn key(cgroup_id: u64, gpu: u32) -> UsageKey {
 }
 
 impl Sizes {
-    /// Opens the pinned `USAGE`, `LIMITS` and `ANCESTRY` under `pins`.
-    pub fn open(pins: &Path) -> Result<Self, SizesError> {
-        fn open<K: aya::Pod, V: aya::Pod>(
-            pins: &Path,
-            name: &str,
-        ) -> Result<HashMap<MapData, K, V>, SizesError> {
-            crate::probes::pinned(pins, name).map_err(|source| SizesError::OpenMap {
-                path: pins.join(name),
-                source,
-            })
-        }
-        Ok(Self {
-            usage: open(pins, maps::USAGE)?,
-            limits: open(pins, maps::LIMITS)?,
-            ancestry: open(pins, maps::ANCESTRY)?,
+    /// Over the kernel's `USAGE`, `LIMITS` and `ANCESTRY`.
+    pub fn new(
+        usage: HashMap<MapData, UsageKey, u64>,
+        limits: HashMap<MapData, UsageKey, KernelLimit>,
+        ancestry: HashMap<MapData, u64, Ancestry>,
+    ) -> Self {
+        Self {
+            usage,
+            limits,
+            ancestry,
             excess: BTreeMap::new(),
-        })
+        }
     }
 
     /// `cgroup_id` and its ancestors, root first, as the kernel recorded them at its first
-    /// charge (the cgroup alone where it did not).
-    fn levels(&self, cgroup_id: u64) -> Vec<u64> {
+    /// charge (the cgroup alone where it did not): an [`Excess`]'s `levels`.
+    pub fn levels(&self, cgroup_id: u64) -> Vec<u64> {
         match self.ancestry.get(&cgroup_id, 0) {
             Ok(a) => a.ids[..(a.depth as usize).min(MAX_CGROUP_DEPTH)].to_vec(),
             Err(_) => vec![cgroup_id],
         }
     }
 
-    /// Notes what the driver holds beyond the charge for the object at `object` (made in
-    /// `cgroup_id`) and returns the limit that excess takes over, if any, with the objects whose
-    /// excess counts against it (the raced ones, to act on). Excess of objects `live` says are
-    /// gone (freed, their handle reused) is forgotten first.
+    /// Notes what the driver holds beyond the charge for the object at `object` and returns the
+    /// limit over `excess.levels` that excess takes over, if any, with the objects whose excess
+    /// counts against it (the raced ones, to act on). Excess of objects `live` says are gone
+    /// (freed, their handle reused) is forgotten first.
     pub fn note(
         &mut self,
         object: ObjKey,
         excess: Excess,
-        cgroup_id: u64,
         live: impl Fn(&ObjKey, u64) -> bool,
     ) -> Option<(Crossed, Vec<(ObjKey, Excess)>)> {
         self.excess.retain(|k, e| live(k, e.serial));
-        let (gpu, own) = (excess.gpu, excess.bytes > 0);
+        let (gpu, own, levels) = (excess.gpu, excess.bytes > 0, excess.levels.clone());
         if own {
             self.excess.insert(object, excess);
         }
         if self.excess.is_empty() {
             return None;
         }
-        let levels = self.levels(cgroup_id);
         let crossed = first_crossed(
             &levels,
             gpu,
@@ -179,19 +161,9 @@ impl Sizes {
         Some((crossed, raced))
     }
 
-    /// What the driver holds beyond the charge for the object at `object`.
-    pub fn excess_of(&self, object: &ObjKey) -> u64 {
-        self.excess.get(object).map_or(0, |e| e.bytes)
-    }
-
     /// Forgets the object at `object` (freed).
     pub fn forget(&mut self, object: &ObjKey) {
         self.excess.remove(object);
-    }
-
-    /// The ancestry of `cgroup_id` for a new [`Excess`].
-    pub fn levels_of(&self, cgroup_id: u64) -> Vec<u64> {
-        self.levels(cgroup_id)
     }
 }
 
