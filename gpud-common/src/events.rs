@@ -46,6 +46,12 @@ pub const EVENT_GUARD_READ_BACK: u32 = 9;
 /// caller may have changed it in between: the daemon asks the driver what it holds for the
 /// object and acts where that is more.
 pub const EVENT_MEM_READ_BACK: u32 = 10;
+/// `Event::kind`: a device (`NV01_DEVICE_0`) was made by a caller under a limit on some GPU
+/// (`tgid`, `cgroup_id`: the caller and its cgroup; `client`, `object`: the device's keys;
+/// `value`: its serial; `gpu`: the instance the entry side read). The driver copied `deviceId`
+/// after the entry side read it: the daemon asks the driver which GPU the device is on and acts
+/// where that is another GPU than the one recorded.
+pub const EVENT_DEVICE_READ_BACK: u32 = 11;
 /// Guard events a cgroup may send at once (see [`EVENT_SCHED_GUARD`]).
 pub const GUARD_EVENT_BURST: u64 = 64;
 /// The rate the burst refills at: one event per this many nanoseconds (100 per second).

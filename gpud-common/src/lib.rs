@@ -363,8 +363,11 @@ pub mod stat {
     /// Sizes of limited cgroups' new memory objects asked of the daemon
     /// ([`EVENT_MEM_READ_BACK`](crate::EVENT_MEM_READ_BACK)).
     pub const MEMORY_READ_BACKS: u32 = 27;
+    /// GPUs of limited cgroups' new devices asked of the daemon
+    /// ([`EVENT_DEVICE_READ_BACK`](crate::EVENT_DEVICE_READ_BACK)).
+    pub const DEVICE_READ_BACKS: u32 = 28;
     /// Number of counters.
-    pub const COUNT: u32 = 28;
+    pub const COUNT: u32 = 29;
 }
 
 pub use events::*;

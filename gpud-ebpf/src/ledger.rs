@@ -101,3 +101,22 @@ pub(crate) fn each_limit(
         }
     }
 }
+
+/// Whether `anc` has a limit on `gpu` itself (an `all` limit does not count).
+#[inline(always)]
+pub(crate) fn limited_on(anc: &Ancestry, gpu: u32) -> bool {
+    for i in 0..MAX_CGROUP_DEPTH {
+        if i as u32 >= anc.depth {
+            break;
+        }
+        let key = UsageKey {
+            cgroup_id: anc.ids[i],
+            gpu,
+            _pad: 0,
+        };
+        if LIMITS.get_ptr_mut(key).is_some() {
+            return true;
+        }
+    }
+    false
+}

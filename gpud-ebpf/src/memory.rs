@@ -19,15 +19,15 @@ use aya_ebpf::{
     },
 };
 use gpud_common::{
-    Ancestry, DeviceKind, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED,
-    EVENT_MEM_READ_BACK, Event, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL,
-    OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY, OBJ_SUBDEVICE, OP_ALLOC, OP_DUP,
-    OP_FREE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv, rm, stat,
+    Ancestry, DeviceKind, EVENT_DEVICE_READ_BACK, EVENT_FILE_RELEASE, EVENT_FREE_TREE,
+    EVENT_LIMIT_CROSSED, EVENT_MEM_READ_BACK, Event, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH,
+    OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY, OBJ_SUBDEVICE, OP_ALLOC,
+    OP_DUP, OP_FREE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv, rm, stat,
 };
 
 use crate::{
     kernel::{ProbeRead, current_tgid, device_kind, read_at, sole_reference},
-    ledger::{current_ancestry, each_limit, gpu_of, usage, user},
+    ledger::{current_ancestry, each_limit, gpu_of, limited_on, usage, user},
     maps::{
         ANCESTRY, FILE_MARKS, OBJ_COUNTS, OBJECTS, SHARES, USAGE, bump_stat, config, counter_slot,
         send,
@@ -572,9 +572,56 @@ pub(crate) fn account_alloc(p: &Pending) {
         }
         _ => return,
     }
-    // Recorded first: the daemon prunes watched groups that `OBJECTS` does not hold.
-    if track_object(&t).is_some() && t.kind == OBJ_CHANNEL_GROUP {
-        crate::guard::watch_group(p.file, t.key);
+    // Recorded first: the daemon prunes watched groups that `OBJECTS` does not hold, and
+    // reads back only devices recorded under the serial it is sent.
+    match track_object(&t) {
+        Some(_) if t.kind == OBJ_CHANNEL_GROUP => crate::guard::watch_group(p.file, t.key),
+        Some(serial) if t.kind == OBJ_DEVICE => ask_device(t.key, serial, t.gpu),
+        _ => {}
+    }
+}
+
+/// Asks the daemon which GPU the driver made the device recorded at `key` under `serial` on
+/// (`EVENT_DEVICE_READ_BACK`), where its caller is under a limit on some GPU by itself: the
+/// entry side read `deviceId` before the driver copied it, and another thread may have changed
+/// it in between, so that what is allocated under the device is charged to a GPU the caller's
+/// limit does not name (an `all` limit names every GPU: nothing to ask). A request the ring
+/// cannot take fails closed: it counts as crossing the caller's first limit.
+#[inline(always)]
+fn ask_device(key: ObjKey, serial: u64, gpu: u32) {
+    let Some((leaf, anc)) = current_ancestry() else {
+        return;
+    };
+    let mut any = false;
+    for g in 0..RACED_GPUS {
+        if limited_on(anc, g) {
+            any = true;
+            break;
+        }
+    }
+    if !any {
+        return;
+    }
+    bump_stat(stat::DEVICE_READ_BACKS);
+    let sent = send(&Event {
+        kind: EVENT_DEVICE_READ_BACK,
+        tgid: current_tgid(),
+        cgroup_id: leaf,
+        client: key.client,
+        object: key.object,
+        value: serial,
+        bytes: 0,
+        gpu,
+        _pad: 0,
+    });
+    if sent {
+        return;
+    }
+    for g in 0..RACED_GPUS {
+        if let Some(hit) = limit_met(anc, g, 0, true) {
+            crossed(key.client, key.object, 0, hit);
+            return;
+        }
     }
 }
 
@@ -768,7 +815,8 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
 }
 
 /// GPUs an RM call that raced its XFER header is checked against (the driver's numbering): it
-/// may have been anything on any of them.
+/// may have been anything on any of them. Also the GPUs whose limits make a new device worth
+/// reading back.
 const RACED_GPUS: u32 = 8;
 
 /// An RM call whose XFER header changed while the driver ran (`rm::raced`): a reference the

@@ -453,37 +453,27 @@ async fn unsized_params_meet_the_limit() {
 /// thread changes what the driver reads after the probes read it and puts it back once the
 /// driver answered. The fake driver answers 50 ms late (`delay-ioctl-ms`) so the racer's writes
 /// land inside the window every time; on a real driver the window is microseconds and a racer
-/// hits it by chance. The probes charge what they read; the driver holds more. What catches it:
-/// `Catch::ReadBack`, the driver's size of each object a limited cgroup makes, read back after
-/// the call (NVML off); `Catch::Backstop`, NVML, which reports what the fake driver holds per
-/// process and GPU (as the real NVML reports RM's own figures): a limited cgroup over its limit
-/// for the hold time (1 s, no margin here) is killed. Either way the tenant dies and its memory
-/// goes with its file.
+/// hits it by chance. The probes charge what they read; the driver made something else. What
+/// catches it is what gpud reads back from the driver right after the call (NVML off): the
+/// tenant dies, its memory goes with its file, and gpud says why (`said`).
 async fn caught_after_the_call(
     tag: &str,
     gpus: u32,
     limit_on: &str,
-    catch: Catch,
+    said: &str,
     attack: impl FnOnce(&mut RmProcess) -> String,
 ) {
     let Some(mut rig) = Rig::new(tag).fake_device(gpus) else {
         return;
     };
     rig = rig.fake_gpus(gpus);
-    let backstop_secs = match catch {
-        Catch::ReadBack => 0,
-        Catch::Backstop => 1,
-    };
     rig.start(
         rig.config()
             .react_action("kill")
-            .set("enforcement.nvml_backstop_secs", backstop_secs)
-            .set("enforcement.nvml_backstop_margin_bytes", 0),
+            .set("enforcement.nvml_backstop_secs", 0),
     )
     .await;
     rig.wait_for_gpus(gpus).await;
-    let _nvml = (catch == Catch::Backstop)
-        .then(|| gpud_tests::LedgerNvml::follow(rig.fake().dir(), rig.nvml_dir(), gpus));
     let cg = Cgroup::new(tag);
     rig.set_limit(&cg.rel, limit_on, "memory_max", LIMIT).await;
     rig.fake()
@@ -503,12 +493,15 @@ async fn caught_after_the_call(
                  {answer}",
                 held / MIB
             );
-            assert!(
-                catch == Catch::Backstop,
-                "the whole attack ran: the read-back never acted\n{}",
+            panic!(
+                "the whole attack ran ({}): the read-back never acted\n{}",
+                if held > LIMIT {
+                    "crossing"
+                } else {
+                    "not even crossing"
+                },
                 rig.log_text()
             );
-            assert!(held > LIMIT, "the attack did not cross: {answer}");
         }
     }
     let freed = eventually(Duration::from_secs(15), || async {
@@ -523,36 +516,29 @@ async fn caught_after_the_call(
         rig.log_text()
     );
     println!(
-        "{catch:?}: the driver's ledger empty {} ms after the attack began",
+        "the driver's ledger empty {} ms after the attack began",
         started.elapsed().as_millis()
     );
     let status = tenant.wait();
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
-    if catch == Catch::ReadBack {
-        // Logged once the object is freed, which may be after the kill emptied the ledger.
-        let said = eventually(Duration::from_secs(5), || async {
-            rig.log_text()
-                .contains(
-                    "the driver holds more for a limited tenant's allocations than the probes \
-                     charged",
-                )
-                .then_some(())
-        })
-        .await;
-        assert!(
-            said.is_some(),
-            "killed, but not by the read-back:\n{}",
-            rig.log_text()
-        );
-    }
+    // Logged once the object is freed, which may be after the kill emptied the ledger.
+    let logged = eventually(Duration::from_secs(5), || async {
+        rig.log_text().contains(said).then_some(())
+    })
+    .await;
+    assert!(
+        logged.is_some(),
+        "killed, but not by the read-back:\n{}",
+        rig.log_text()
+    );
 }
 
-/// What acts on a race of the driver's own copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Catch {
-    ReadBack,
-    Backstop,
-}
+/// What gpud logs when the size read back takes a tenant over its limit.
+const SIZE_READ_BACK: &str =
+    "the driver holds more for a limited tenant's allocations than the probes charged";
+/// What gpud logs when a device read back is on a GPU where the tenant's limit applies.
+const DEVICE_READ_BACK: &str =
+    "a limited tenant's device is on another GPU than the probes recorded";
 
 /// Racing the driver's copy of a wrapped call: the tenant's XFER'd allocations read as 4 KiB
 /// at the entry, and a second thread points their `pAllocParms` at 16 MiB params while the
@@ -560,7 +546,7 @@ enum Catch {
 /// back after the call, takes the cgroup over its limit at the fifth.
 #[tokio::test(flavor = "multi_thread")]
 async fn racing_the_drivers_copy_of_an_xfer_is_caught_by_the_size_read_back() {
-    caught_after_the_call("rt-racexfer", 1, "all", Catch::ReadBack, |t| {
+    caught_after_the_call("rt-racexfer", 1, "all", SIZE_READ_BACK, |t| {
         let (c, d) = t.client_device(0);
         format!("race-xfer {c} {d} {} 4096 12 10", 16 * MIB)
     })
@@ -574,7 +560,7 @@ async fn racing_the_drivers_copy_of_an_xfer_is_caught_by_the_size_read_back() {
 /// The duplicate's size, read back after the call, counts against the limit.
 #[tokio::test(flavor = "multi_thread")]
 async fn racing_the_drivers_copy_of_a_duplicates_source_is_caught_by_the_size_read_back() {
-    caught_after_the_call("rt-racedup", 1, "all", Catch::ReadBack, |t| {
+    caught_after_the_call("rt-racedup", 1, "all", SIZE_READ_BACK, |t| {
         let (c, d) = t.client_device(0);
         format!("race-dup {c} {d} {} 4096 12 10", 16 * MIB)
     })
@@ -583,10 +569,11 @@ async fn racing_the_drivers_copy_of_a_duplicates_source_is_caught_by_the_size_re
 
 /// Racing the driver's copy of a device's `deviceId`: the probes record a device of GPU 1 that
 /// the driver made on GPU 0, so what the tenant allocates under it is charged to GPU 1, where
-/// its limit (on GPU 0) does not apply.
+/// its limit (on GPU 0) does not apply. The device's GPU, read back after the call, is GPU 0:
+/// the tenant is killed and the device freed with what it made below it.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_device_raced_to_another_gpu_is_caught_by_the_nvml_backstop() {
-    caught_after_the_call("rt-racedevice", 2, "0", Catch::Backstop, |t| {
+async fn a_device_raced_to_another_gpu_is_caught_by_the_device_read_back() {
+    caught_after_the_call("rt-racedevice", 2, "0", DEVICE_READ_BACK, |t| {
         let client = t.handle("client");
         format!("race-device {client} 0 1 {} 12 10", 16 * MIB)
     })

@@ -356,6 +356,10 @@ pub mod fb;
 /// allocated for a memory object, asked after the allocation returned.
 pub mod surface;
 
+/// Which GPU an object is on, as the driver answers it (`ctrl0080gpu.h`, `ctrl2080gpu.h`,
+/// `ctrl0000gpu.h`): a device's GPU, asked after the device was made.
+pub mod id;
+
 /// Generated object handles start here, per client (`RS_UNIQUE_HANDLE_BASE`, range 0x80000).
 pub const RS_UNIQUE_HANDLE_BASE: Handle = 0xcaf0_0000;
 /// How many object handles RM generates per client from [`RS_UNIQUE_HANDLE_BASE`].

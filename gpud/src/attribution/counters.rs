@@ -38,6 +38,7 @@ const NAMES: [(u32, &str); stat::COUNT as usize] = [
     (stat::OBJ_COUNTS_FULL, "obj_counts_map_full"),
     (stat::ADOPTED, "objects_adopted"),
     (stat::MEMORY_READ_BACKS, "memory_read_backs"),
+    (stat::DEVICE_READ_BACKS, "device_read_backs"),
 ];
 
 /// The counters that move whenever the kernel changes what a cgroup's record shows without

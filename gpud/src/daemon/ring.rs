@@ -91,6 +91,13 @@ async fn forward(
                 "a limited tenant's allocation to read back, and no restorer"
             );
         }
+        (Record::DeviceCheck(c), Some(tx)) => tx.check_device(c),
+        (Record::DeviceCheck(c), None) => {
+            warn!(
+                pid = c.pid,
+                "a limited tenant's device to read back, and no restorer"
+            );
+        }
         (Record::Event(_), _) => {}
     });
     // A crossing's allocation may outlive its killed caller in another holder's file.

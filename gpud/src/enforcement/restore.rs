@@ -36,7 +36,7 @@ use std::{
 
 use aya::maps::{HashMap, MapData};
 use gpud_common::{
-    OBJ_CLIENT, OBJ_SUBDEVICE, ObjEntry, ObjKey,
+    OBJ_CLIENT, OBJ_DEVICE, OBJ_SUBDEVICE, ObjEntry, ObjKey,
     rm::{sched, tsg},
 };
 use tracing::{debug, info, warn};
@@ -48,7 +48,7 @@ use super::{
 use crate::{
     probes::{
         KernelRuns, Matcher,
-        events::{LimitEvent, ReadBack, SizeCheck, Undo},
+        events::{DeviceCheck, LimitEvent, ReadBack, SizeCheck, Undo},
     },
     report::Chain,
 };
@@ -109,6 +109,28 @@ pub enum SizeChecked {
         charged: u64,
         limit: Crossed,
         acted: Vec<Raced>,
+    },
+}
+
+/// What a device check found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceChecked {
+    /// The device was freed (or its handle reused) before the driver was asked.
+    Gone,
+    /// The driver did not answer which GPU it is on (`status`).
+    Unanswered { status: u32 },
+    /// The driver made it on the GPU the probes recorded.
+    Same { gpu: u32 },
+    /// The driver made it on GPU `actual`, the probes recorded `recorded` (its caller changed
+    /// `deviceId` while the driver copied it). Where `actual` has a limit over the caller
+    /// (`limited`: the cgroup holding it) what is allocated under the device escapes it: under
+    /// `kill` the maker is killed (`killed`) and the device freed with all below it (`freed`).
+    Moved {
+        recorded: u32,
+        actual: u32,
+        limited: Option<u64>,
+        killed: bool,
+        freed: Option<super::crossing::Outcome>,
     },
 }
 
@@ -314,6 +336,80 @@ impl Restorer {
             charged: made.bytes,
             limit,
             acted,
+        })
+    }
+
+    /// Asks the driver which GPU the device of `c` is on. Where that is not the GPU the probes
+    /// recorded and the actual GPU has a limit over the caller's cgroup, what the caller
+    /// allocates under the device is charged where that limit does not see it: under `kill`
+    /// the caller is killed and the device freed (with everything below it), as for an
+    /// allocation that crossed the limit.
+    pub fn check_device(&mut self, c: &DeviceCheck) -> Result<DeviceChecked, RestoreError> {
+        let key = ObjKey {
+            client: c.client,
+            object: c.object,
+        };
+        match self.objects.get(&key, 0) {
+            Ok(e) if e.serial == c.serial && e.kind == OBJ_DEVICE => {}
+            _ => return Ok(DeviceChecked::Gone),
+        }
+        let likely = [Some(c.pid), self.creator_of(&key)];
+        let got = through_a_holder(&mut self.controls, &likely, |ctl, pid| {
+            ctl.device_instance(RmObject {
+                pid,
+                client: key.client,
+                object: key.object,
+            })
+        });
+        let actual = match got {
+            Ok(gpu) => gpu,
+            Err(ControlError::Refused {
+                status: gpud_common::rm::status::NV_ERR_OBJECT_NOT_FOUND,
+                ..
+            })
+            | Err(ControlError::Gone { .. } | ControlError::NoFile { .. }) => {
+                return Ok(DeviceChecked::Gone);
+            }
+            Err(ControlError::Refused { status, .. }) => {
+                return Ok(DeviceChecked::Unanswered { status });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if actual == c.recorded {
+            return Ok(DeviceChecked::Same { gpu: actual });
+        }
+        let levels = self.sizes.levels(c.cgroup_id);
+        let limited = self.sizes.limit_on(&levels, actual);
+        let (mut killed, mut freed) = (false, None);
+        if self.kill
+            && let Some((cgroup_id, max)) = limited
+        {
+            killed = match self.controls.kill(c.pid, false) {
+                Ok(()) => true,
+                Err(ControlError::Gone { .. }) => false,
+                Err(err) => return Err(err.into()),
+            };
+            freed = Some(super::crossing::free(
+                &mut self.controls,
+                &self.objects,
+                &self.runs,
+                &LimitEvent {
+                    pid: c.pid,
+                    cgroup_id,
+                    gpu: actual,
+                    usage: max,
+                    bytes: 0,
+                    client: key.client,
+                    object: key.object,
+                },
+            ));
+        }
+        Ok(DeviceChecked::Moved {
+            recorded: c.recorded,
+            actual,
+            limited: limited.map(|(id, _)| id),
+            killed,
+            freed,
         })
     }
 
@@ -567,10 +663,10 @@ struct Queue {
     read_backs: BTreeMap<u64, ReadBack>,
     /// Limit crossings whose allocation may outlive its killed caller, in order.
     crossings: Vec<LimitEvent>,
-    /// Memory objects of limited cgroups whose size the driver is to be asked, in order.
-    sizes: Vec<SizeCheck>,
-    /// Callers of size checks that did not fit: killed under `kill` (a limited cgroup fails
-    /// closed where its allocations cannot be checked).
+    /// Memory objects and devices of limited cgroups the driver is to be asked about, in order.
+    checks: Vec<Check>,
+    /// Callers of checks that did not fit: killed under `kill` (a limited cgroup fails closed
+    /// where what it makes cannot be checked).
     unchecked: BTreeSet<u32>,
     /// Entries held: one per timeslice, one per channel in `foreign`, one per read-back.
     held: usize,
@@ -578,6 +674,22 @@ struct Queue {
     dropped: u64,
     /// No more requests will come.
     closed: bool,
+}
+
+/// A request to ask the driver about an object a limited cgroup made.
+#[derive(Clone, Copy, Debug)]
+enum Check {
+    Size(SizeCheck),
+    Device(DeviceCheck),
+}
+
+impl Check {
+    fn pid(&self) -> u32 {
+        match self {
+            Self::Size(c) => c.pid,
+            Self::Device(c) => c.pid,
+        }
+    }
 }
 
 impl Queue {
@@ -639,14 +751,14 @@ impl Queue {
         true
     }
 
-    /// Adds a size check; false (its caller noted) if it did not fit.
-    fn push_size_check(&mut self, c: SizeCheck) -> bool {
+    /// Adds a size or device check; false (its caller noted) if it did not fit.
+    fn push_check(&mut self, c: Check) -> bool {
         if self.held >= QUEUE_MAX {
             self.dropped += 1;
-            self.unchecked.insert(c.pid);
+            self.unchecked.insert(c.pid());
             return false;
         }
-        self.sizes.push(c);
+        self.checks.push(c);
         self.held += 1;
         true
     }
@@ -669,7 +781,7 @@ impl Queue {
         let crossings = std::mem::take(&mut self.crossings);
         Batch {
             crossings,
-            sizes: std::mem::take(&mut self.sizes),
+            checks: std::mem::take(&mut self.checks),
             unchecked: std::mem::take(&mut self.unchecked),
             undos: self.take_undos(),
             read_backs,
@@ -700,7 +812,7 @@ impl Queue {
             && self.foreign.is_empty()
             && self.read_backs.is_empty()
             && self.crossings.is_empty()
-            && self.sizes.is_empty()
+            && self.checks.is_empty()
             && self.unchecked.is_empty()
     }
 }
@@ -708,7 +820,7 @@ impl Queue {
 /// What the restorer thread takes from the queue at once.
 struct Batch {
     crossings: Vec<LimitEvent>,
-    sizes: Vec<SizeCheck>,
+    checks: Vec<Check>,
     unchecked: BTreeSet<u32>,
     undos: Vec<Undo>,
     read_backs: Vec<ReadBack>,
@@ -778,12 +890,25 @@ impl RestoreSender {
 
     /// Queues a size check. One that does not fit is said, and its caller killed under `kill`.
     pub fn check_size(&self, c: SizeCheck) {
-        if !self.queue(|q| q.push_size_check(c)) {
+        if !self.queue(|q| q.push_check(Check::Size(c))) {
             warn!(
                 pid = c.pid,
                 cgroup_id = c.cgroup_id,
                 "the restorer's queue is full ({QUEUE_MAX} entries): a limited tenant's \
                  allocation cannot be read back"
+            );
+        }
+    }
+
+    /// Queues a device check. One that does not fit is said, and its caller killed under
+    /// `kill`.
+    pub fn check_device(&self, c: DeviceCheck) {
+        if !self.queue(|q| q.push_check(Check::Device(c))) {
+            warn!(
+                pid = c.pid,
+                cgroup_id = c.cgroup_id,
+                "the restorer's queue is full ({QUEUE_MAX} entries): a limited tenant's device \
+                 cannot be read back"
             );
         }
     }
@@ -839,7 +964,7 @@ pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
                 };
                 let Batch {
                     crossings,
-                    sizes,
+                    checks,
                     unchecked,
                     undos,
                     read_backs,
@@ -847,8 +972,11 @@ pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
                 for ev in crossings {
                     free_crossing(&mut restorer, &ev);
                 }
-                for c in sizes {
-                    check_size(&mut restorer, &c);
+                for c in checks {
+                    match c {
+                        Check::Size(c) => check_size(&mut restorer, &c),
+                        Check::Device(c) => check_device(&mut restorer, &c),
+                    }
                 }
                 for pid in unchecked {
                     kill_unchecked(&mut restorer, pid);
@@ -929,6 +1057,46 @@ fn check_size(restorer: &mut Restorer, c: &SizeCheck) {
             pid = c.pid,
             cgroup_id = c.cgroup_id,
             "cannot read back a limited tenant's allocation: {}",
+            Chain(&e)
+        ),
+    }
+}
+
+/// One device check, logged where the driver made the device on another GPU than the probes
+/// recorded or it failed.
+fn check_device(restorer: &mut Restorer, c: &DeviceCheck) {
+    match restorer.check_device(c) {
+        Ok(DeviceChecked::Moved {
+            recorded,
+            actual,
+            limited: Some(cgroup_id),
+            killed,
+            freed,
+        }) => warn!(
+            pid = c.pid,
+            cgroup_id,
+            recorded,
+            actual,
+            killed,
+            freed = ?freed,
+            "a limited tenant's device is on another GPU than the probes recorded (its deviceId \
+             changed after the probes read it), one where its limit applies"
+        ),
+        Ok(DeviceChecked::Moved {
+            recorded, actual, ..
+        }) => info!(
+            pid = c.pid,
+            cgroup_id = c.cgroup_id,
+            recorded,
+            actual,
+            "a tenant's device is on another GPU than the probes recorded (its deviceId changed \
+             after the probes read it); no limit of its own applies there"
+        ),
+        Ok(done) => debug!(pid = c.pid, "read back a device's GPU: {done:?}"),
+        Err(e) => warn!(
+            pid = c.pid,
+            cgroup_id = c.cgroup_id,
+            "cannot read back a limited tenant's device: {}",
             Chain(&e)
         ),
     }

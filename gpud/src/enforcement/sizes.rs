@@ -126,6 +126,17 @@ impl Sizes {
         }
     }
 
+    /// The first of `levels` (root first) with a limit of its own on `gpu` itself (not `all`),
+    /// and that limit.
+    pub fn limit_on(&self, levels: &[u64], gpu: u32) -> Option<(u64, u64)> {
+        levels.iter().find_map(|&id| {
+            self.limits
+                .get(&key(id, gpu), 0)
+                .ok()
+                .map(|l: KernelLimit| (id, l.max))
+        })
+    }
+
     /// Notes what the driver holds beyond the charge for the object at `object` and returns the
     /// limit over `excess.levels` that excess takes over, if any, with the objects whose excess
     /// counts against it (the raced ones, to act on). Excess of objects `live` says are gone

@@ -3,12 +3,12 @@
 //! the one place that knows how. Everything past the ring reader sees a [`KernelEvent`].
 
 use gpud_common::{
-    EVENT_ALLOC_DENIED, EVENT_FILE_RELEASE, EVENT_FREE_TREE, EVENT_GUARD_READ_BACK,
-    EVENT_GUARD_RESTORE, EVENT_LIMIT_CROSSED, EVENT_MEM_READ_BACK, EVENT_PROC_EXIT, EVENT_PROC_NEW,
-    EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED, GUARD_DENIED, GUARD_KILLED,
-    GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD,
-    GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_RESTORED, GUARD_UNENFORCED,
-    GuardRestore,
+    EVENT_ALLOC_DENIED, EVENT_DEVICE_READ_BACK, EVENT_FILE_RELEASE, EVENT_FREE_TREE,
+    EVENT_GUARD_READ_BACK, EVENT_GUARD_RESTORE, EVENT_LIMIT_CROSSED, EVENT_MEM_READ_BACK,
+    EVENT_PROC_EXIT, EVENT_PROC_NEW, EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED,
+    GUARD_DENIED, GUARD_KILLED, GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN,
+    GUARD_REASON_HELD, GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_RESTORED,
+    GUARD_UNENFORCED, GuardRestore,
 };
 
 /// Why a ring-buffer record was not decoded.
@@ -34,6 +34,7 @@ pub enum Record {
     Undo(Undo),
     ReadBack(ReadBack),
     SizeCheck(SizeCheck),
+    DeviceCheck(DeviceCheck),
 }
 
 /// What a tenant's control did that the restorer must undo (a `GuardRestore` record, decoded:
@@ -133,6 +134,23 @@ pub struct SizeCheck {
     pub serial: u64,
     /// What the probes charged for it.
     pub charged: u64,
+}
+
+/// A device made by a caller under a limit, whose GPU the driver is to be asked
+/// (`EVENT_DEVICE_READ_BACK`): the probes recorded the instance they read before the driver
+/// copied the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceCheck {
+    /// The process that made it.
+    pub pid: u32,
+    /// Its cgroup, under a limit on some GPU.
+    pub cgroup_id: u64,
+    pub client: u32,
+    pub object: u32,
+    /// The device's serial in `OBJECTS` (a handle reused since is another object).
+    pub serial: u64,
+    /// The RM device instance the probes recorded for it.
+    pub recorded: u32,
 }
 
 /// What the kernel side reports.
@@ -335,6 +353,16 @@ impl Record {
                 charged: ev.bytes,
             }));
         }
+        if ev.kind == EVENT_DEVICE_READ_BACK {
+            return Ok(Self::DeviceCheck(DeviceCheck {
+                pid: ev.tgid,
+                cgroup_id: ev.cgroup_id,
+                client: ev.client,
+                object: ev.object,
+                serial: ev.value,
+                recorded: ev.gpu,
+            }));
+        }
         KernelEvent::from_raw(&ev).map(Self::Event)
     }
 }
@@ -516,6 +544,32 @@ mod tests {
     }
 
     #[test]
+    fn a_device_check_names_the_device_its_serial_and_the_gpu_recorded() {
+        let ev = Event {
+            kind: EVENT_DEVICE_READ_BACK,
+            tgid: 7,
+            cgroup_id: 42,
+            client: 0xc1d0_0001,
+            object: 0xcaf0_0003,
+            value: 123_457,
+            bytes: 0,
+            gpu: 1,
+            _pad: 0,
+        };
+        assert_eq!(
+            Record::decode(&bytes_of(&ev)),
+            Ok(Record::DeviceCheck(DeviceCheck {
+                pid: 7,
+                cgroup_id: 42,
+                client: 0xc1d0_0001,
+                object: 0xcaf0_0003,
+                serial: 123_457,
+                recorded: 1,
+            }))
+        );
+    }
+
+    #[test]
     fn a_guard_events_verdict_word_is_split_into_action_and_reason() {
         let ev = Event {
             kind: EVENT_SCHED_GUARD,
@@ -589,7 +643,7 @@ mod fuzz {
         #[test]
         fn any_record_decodes_or_is_refused(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
             match Record::decode(&bytes) {
-                Ok(Record::Event(_) | Record::ReadBack(_) | Record::SizeCheck(_)) => {
+                Ok(Record::Event(_) | Record::ReadBack(_) | Record::SizeCheck(_) | Record::DeviceCheck(_)) => {
                     prop_assert_eq!(bytes.len(), size_of::<Event>())
                 }
                 Ok(Record::Undo(_)) => prop_assert_eq!(bytes.len(), size_of::<GuardRestore>()),

@@ -46,6 +46,23 @@ struct Object {
     channel: Option<Chan>,
 }
 
+impl Object {
+    /// The client itself, as the object a control names by the client's handle (the driver's
+    /// `RmClientResource`, which exports the `NV0000_*` controls).
+    fn client(c: Caller) -> Self {
+        Self {
+            parent: 0,
+            class: crate::rm::class::ROOT_CLIENT,
+            gpu: None,
+            bytes: 0,
+            mem: 0,
+            pid: tgid(c.tid),
+            sched: None,
+            channel: None,
+        }
+    }
+}
+
 /// A channel group's scheduling state, as its controls set it.
 #[derive(Clone, Copy, Debug)]
 struct Sched {

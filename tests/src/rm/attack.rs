@@ -37,8 +37,9 @@ fn answer(held: &[Handle], failed: Option<Reply>) -> Outcome {
 
 /// The attacks by name, each run with `size` bytes per allocation, `n` times. Those of
 /// [`RACING_THE_DRIVER`] win only where the driver copies their request well after the call
-/// began (the fake's `delay-ioctl-ms`).
-pub const NAMES: [&str; 7] = [
+/// began (the fake's `delay-ioctl-ms`). Each takes its caller's limit on GPU [`LIMITED_GPU`]
+/// or on all GPUs alike ([`per_gpu_limit`]).
+pub const NAMES: [&str; 8] = [
     "dup-free",
     "race-status",
     "race-size",
@@ -46,11 +47,22 @@ pub const NAMES: [&str; 7] = [
     "unsized",
     "race-xfer",
     "race-dup",
+    "race-device",
 ];
 
 /// Attacks of [`NAMES`] that race the driver's own copy of the request, `RACE_WAIT` into the
 /// call.
-pub const RACING_THE_DRIVER: [&str; 2] = ["race-xfer", "race-dup"];
+pub const RACING_THE_DRIVER: [&str; 3] = ["race-xfer", "race-dup", "race-device"];
+
+/// The GPU whose limit an attack of [`per_gpu_limit`] walks around (device 0 of one fake GPU).
+pub const LIMITED_GPU: u32 = 0;
+
+/// Whether attack `name` ([`NAMES`]) is one against a limit on one GPU (`race-device`: a
+/// device the probes record on GPU 1, where a limit on GPU 0 does not apply); the others are
+/// held to an `all` limit.
+pub fn per_gpu_limit(name: &str) -> bool {
+    name == "race-device"
+}
 
 /// When the attacks of [`RACING_THE_DRIVER`] change the request, into the call.
 pub const RACE_WAIT: Duration = Duration::from_millis(10);
@@ -72,6 +84,8 @@ pub fn run(
         "unsized" => unsized_params(ctl, client, parent, size, n),
         "race-xfer" => race_xfer(ctl, client, parent, size, 4096, n, RACE_WAIT),
         "race-dup" => race_dup(ctl, client, parent, size, 4096, n, RACE_WAIT),
+        // A device of its own, read as GPU 1 and made on GPU 0: `parent` unused.
+        "race-device" => race_device(ctl, client, LIMITED_GPU, 1, size, n, RACE_WAIT),
         _ => return None,
     })
 }

@@ -29,6 +29,9 @@ unsafe impl Plain for rm::tsg::PreemptParams {}
 unsafe impl Plain for rm::sched::DisableChannelsParams {}
 unsafe impl Plain for rm::sched::InterleaveParams {}
 unsafe impl Plain for rm::sched::RealtimeParams {}
+unsafe impl Plain for rm::id::FindSubdeviceHandleParams {}
+unsafe impl Plain for rm::id::GetIdParams {}
+unsafe impl Plain for rm::id::GetIdInfoV2Params {}
 
 /// The bytes of `v`.
 pub fn bytes_of<T: Plain>(v: &T) -> &[u8] {

@@ -20,7 +20,7 @@ use std::{
 
 use gpud_common::{
     DeviceKind, GPU_UNKNOWN, ObjKey, nv,
-    rm::{Nvos00, Nvos54, sched, status, surface, tsg},
+    rm::{Nv2080AllocParams, Nvos00, Nvos21, Nvos54, class, id, sched, status, surface, tsg},
 };
 
 use tracing::warn;
@@ -65,9 +65,7 @@ pub enum ControlError {
         #[source]
         source: io::Error,
     },
-    #[error(
-        "the driver refused control {cmd:#x} on channel group {handle:#x} (status {status:#x})"
-    )]
+    #[error("the driver refused call {cmd:#x} on object {handle:#x} (status {status:#x})")]
     Refused { cmd: u32, handle: u32, status: u32 },
 }
 
@@ -326,6 +324,105 @@ impl Controls {
         // frame for the whole call.
         self.control_on(o, surface::GET_SURFACE_INFO, &mut params)?;
         Ok(u64::from(list[0].data) * surface::PHYS_SIZE_UNIT)
+    }
+
+    /// The RM device instance of the GPU that device `o.object` of client `o.client` is on,
+    /// asked through the file of process `o.pid` that owns the client. A device answers no
+    /// query of its own instance; its subdevice does (`GPU_GET_ID`), and the client tells the
+    /// instance of that `gpuId` (`GET_ID_INFO_V2`). The client's subdevice 0 under the device
+    /// is used where it holds one (`FIND_SUBDEVICE_HANDLE`); else one is made for the question
+    /// (a handle RM picks) and freed after. The client's own calls racing these (a subdevice
+    /// made or freed meanwhile) are retried a few times, then refused.
+    pub fn device_instance(&mut self, o: RmObject) -> Result<u32, ControlError> {
+        let mut last = None;
+        for _ in 0..3 {
+            match self.try_device_instance(o) {
+                Err(e @ ControlError::Refused { status: s, .. })
+                    if s == status::NV_ERR_OBJECT_NOT_FOUND
+                        || s == status::NV_ERR_INSUFFICIENT_RESOURCES =>
+                {
+                    last = Some(e);
+                }
+                done => return done,
+            }
+        }
+        Err(last.unwrap_or(ControlError::Gone { pid: o.pid }))
+    }
+
+    fn try_device_instance(&mut self, o: RmObject) -> Result<u32, ControlError> {
+        let mut find = id::FindSubdeviceHandleParams::default();
+        let (subdevice, made) = match self.control_on(o, id::FIND_SUBDEVICE_HANDLE, &mut find) {
+            Ok(()) => (find.h_sub_device, false),
+            Err(ControlError::Refused {
+                status: status::NV_ERR_OBJECT_NOT_FOUND,
+                ..
+            }) => {
+                let mut params = Nv2080AllocParams { sub_device_id: 0 };
+                (self.alloc_on(o, class::SUBDEVICE, &mut params)?, true)
+            }
+            Err(e) => return Err(e),
+        };
+        let sub = RmObject {
+            object: subdevice,
+            ..o
+        };
+        let asked = self.instance_of(sub);
+        if made && let Err(e) = self.free_on(sub) {
+            warn!(
+                pid = o.pid,
+                client = format_args!("{:#x}", o.client),
+                "cannot free the subdevice gpud made to ask a device's GPU: {}",
+                Chain(&e)
+            );
+        }
+        asked
+    }
+
+    /// The device instance of subdevice `sub`'s GPU.
+    fn instance_of(&mut self, sub: RmObject) -> Result<u32, ControlError> {
+        let mut gpu = id::GetIdParams::default();
+        self.control_on(sub, id::GPU_GET_ID, &mut gpu)?;
+        let mut info = id::GetIdInfoV2Params {
+            gpu_id: gpu.gpu_id,
+            ..Default::default()
+        };
+        let client = RmObject {
+            object: sub.client,
+            ..sub
+        };
+        self.control_on(client, id::GET_ID_INFO_V2, &mut info)?;
+        Ok(info.device_instance)
+    }
+
+    /// Makes an object of `class` under `o.object` of client `o.client` with `params`, through
+    /// the file of process `o.pid` that owns the client: the handle RM picked.
+    fn alloc_on<P>(
+        &mut self,
+        o: RmObject,
+        class: u32,
+        params: &mut P,
+    ) -> Result<u32, ControlError> {
+        let mut req = Nvos21 {
+            h_root: o.client,
+            h_object_parent: o.object,
+            h_object_new: 0,
+            h_class: class,
+            p_alloc_parms: std::ptr::from_mut(params) as u64,
+            params_size: size_of::<P>() as u32,
+            status: 0,
+        };
+        // The driver copies the class's struct from `params`: a live `P`, for the whole call.
+        let status = self.through_owner(o.pid, o.client, nv::NV_ESC_RM_ALLOC, |fd| {
+            escape(fd, nv::NV_ESC_RM_ALLOC, &mut req).map(|()| req.status)
+        })?;
+        match status {
+            status::NV_OK => Ok(req.h_object_new),
+            status => Err(ControlError::Refused {
+                cmd: nv::NV_ESC_RM_ALLOC,
+                handle: o.object,
+                status,
+            }),
+        }
     }
 
     /// Sends `SIGKILL` to process `pid` through a pidfd: the one opened when a control last

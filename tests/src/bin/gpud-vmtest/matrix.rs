@@ -126,6 +126,10 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
                 restorer
                     .check_size(&c)
                     .with_context(|| format!("reading back an allocation (pid {})", c.pid))?;
+            } else if let Ok(Record::DeviceCheck(c)) = record {
+                restorer
+                    .check_device(&c)
+                    .with_context(|| format!("reading back a device (pid {})", c.pid))?;
             } else if let Ok(Record::ReadBack(r)) = record {
                 restorer
                     .read_back(&r)
@@ -377,7 +381,12 @@ fn red_team(
     let dir = root.join(&rel);
     std::fs::create_dir_all(&dir)?;
     let (_, id) = attribution.id_of(&format!("/{rel}"))?;
-    settings.set_limit(id, gpud_common::GPU_ALL, RED_TEAM_LIMIT)?;
+    let key = if gpud_tests::rm::attack::per_gpu_limit(name) {
+        gpud_tests::rm::attack::LIMITED_GPU
+    } else {
+        gpud_common::GPU_ALL
+    };
+    settings.set_limit(id, key, RED_TEAM_LIMIT)?;
     // The driver's copy of the request is what these race: widened so that they win.
     let racing = gpud_tests::rm::attack::RACING_THE_DRIVER.contains(&name);
     if racing {

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeSet;
 
-use gpud_common::rm::{self, Handle, sched};
+use gpud_common::rm::{self, Handle, id, sched};
 
 use super::{
     Caller, Object, Rm, Runlist, Sched,
@@ -56,6 +56,12 @@ fn param_size(cmd: u32) -> Option<u32> {
     if cmd == rm::surface::GET_SURFACE_INFO {
         return Some(size_of::<rm::surface::GetSurfaceInfoParams>() as u32);
     }
+    match cmd {
+        id::FIND_SUBDEVICE_HANDLE => return Some(size_of::<id::FindSubdeviceHandleParams>() as u32),
+        id::GPU_GET_ID => return Some(size_of::<id::GetIdParams>() as u32),
+        id::GET_ID_INFO_V2 => return Some(size_of::<id::GetIdInfoV2Params>() as u32),
+        _ => {}
+    }
     sched::CONTROLS
         .iter()
         .find(|c| c.cmd == cmd)
@@ -77,6 +83,8 @@ fn exported(cmd: u32, object_class: u32) -> bool {
         class::DEVICE => c == 0x0080,
         // Every memory class is a `Memory`, whose controls are `NV0041_*`.
         class::MEMORY_LOCAL_USER | class::MEMORY_SYSTEM => c == 0x0041,
+        // The client itself (`RmClientResource`): `NV0000_*`.
+        class::ROOT_CLIENT => c == 0x0000,
         _ => false,
     }
 }
@@ -167,7 +175,12 @@ impl Rm {
             return st;
         }
         let group_cmd = p.cmd >> 16 == class::CHANNEL_GROUP;
-        let Some(obj) = self.clients[&p.h_client].objects.get(&p.h_object).copied() else {
+        let found = if p.h_object == p.h_client {
+            Some(Object::client(c))
+        } else {
+            self.clients[&p.h_client].objects.get(&p.h_object).copied()
+        };
+        let Some(obj) = found else {
             return if group_cmd {
                 status::NV_ERR_INVALID_OBJECT_HANDLE
             } else {
@@ -216,6 +229,46 @@ impl Rm {
         match p.cmd {
             rm::fb::GET_INFO_V2 => self.fb_info(c, p, obj),
             rm::surface::GET_SURFACE_INFO => self.surface_info(c, p, obj),
+            id::FIND_SUBDEVICE_HANDLE => match params::<id::FindSubdeviceHandleParams>(c, p) {
+                Ok(q) if q.sub_device_inst != 0 => status::NV_ERR_INVALID_ARGUMENT,
+                Ok(_) => match self.subdevice_of(client, h) {
+                    Some(h_sub_device) => answer(
+                        c,
+                        p,
+                        &id::FindSubdeviceHandleParams {
+                            sub_device_inst: 0,
+                            h_sub_device,
+                        },
+                    ),
+                    None => status::NV_ERR_OBJECT_NOT_FOUND,
+                },
+                Err(st) => st,
+            },
+            id::GPU_GET_ID => match (params::<id::GetIdParams>(c, p), obj.gpu) {
+                (Ok(_), Some(g)) => answer(c, p, &id::GetIdParams { gpu_id: gpu_id(g) }),
+                (Ok(_), None) => status::NV_ERR_NOT_SUPPORTED,
+                (Err(st), _) => st,
+            },
+            id::GET_ID_INFO_V2 => match params::<id::GetIdInfoV2Params>(c, p) {
+                Ok(q) => match (0..self.gpus.len() as u32).find(|&g| gpu_id(g) == q.gpu_id) {
+                    Some(g) => answer(
+                        c,
+                        p,
+                        &id::GetIdInfoV2Params {
+                            gpu_id: q.gpu_id,
+                            gpu_flags: 1,
+                            device_instance: g,
+                            sub_device_instance: 0,
+                            sli_status: 0,
+                            board_id: q.gpu_id,
+                            gpu_instance: g,
+                            numa_id: -1,
+                        },
+                    ),
+                    None => status::NV_ERR_INVALID_ARGUMENT,
+                },
+                Err(st) => st,
+            },
             tsg::GPFIFO_SCHEDULE => match params::<tsg::ScheduleParams>(c, p) {
                 Ok(s) => {
                     let st = self.with_group(client, h, |g| {
@@ -313,6 +366,17 @@ impl Rm {
             Ok(()) => status::NV_OK,
             Err(_) => status::NV_ERR_INVALID_POINTER,
         }
+    }
+
+    /// The subdevice (instance 0, the only one this fake makes) `client` holds under device
+    /// `device`.
+    pub(super) fn subdevice_of(&self, client: Handle, device: Handle) -> Option<Handle> {
+        self.clients
+            .get(&client)?
+            .objects
+            .iter()
+            .find(|(_, o)| o.class == class::SUBDEVICE && o.parent == device)
+            .map(|(h, _)| *h)
     }
 
     /// The scheduling state of channel group `h` of `client`, or of the group of channel `h`.
@@ -468,5 +532,20 @@ impl Rm {
             unsafe { libc::kill(*pid as libc::pid_t, libc::SIGCONT) };
         }
         self.stopped = off;
+    }
+}
+
+/// The `gpuId` of this fake's GPU `index`: the driver's `NVGPU_GET_ID` of a GPU in PCI domain 0,
+/// bus `index + 1`, device 0 (`domain << 16 | bus << 8 | device`).
+fn gpu_id(index: u32) -> u32 {
+    (index + 1) << 8
+}
+
+/// Writes a control's out-parameters `out` back to the caller: `NV_OK`, or
+/// `NV_ERR_INVALID_POINTER` where its memory cannot be written.
+fn answer<T: crate::rm::Plain>(c: Caller, p: &rm::Nvos54, out: &T) -> u32 {
+    match remote_write(c.tid, p.params, bytes_of(out)) {
+        Ok(()) => status::NV_OK,
+        Err(_) => status::NV_ERR_INVALID_POINTER,
     }
 }

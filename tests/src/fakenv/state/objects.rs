@@ -242,6 +242,10 @@ impl Rm {
                 if id != 0 {
                     return Err(status::NV_ERR_INVALID_ARGUMENT);
                 }
+                // One subdevice per instance per device in a client (`subdeviceConstruct_IMPL`).
+                if self.subdevice_of(root, parent).is_some() {
+                    return Err(status::NV_ERR_INSUFFICIENT_RESOURCES);
+                }
                 (parent_gpu, None)
             }
             Kind::Vidmem(req) => {
