@@ -6,6 +6,12 @@
 pub const GPU_UNKNOWN: u32 = 0xffff_fffe;
 /// GPU index of the all-GPUs total kept beside each per-GPU usage, and of all-GPU limits.
 pub const GPU_ALL: u32 = 0xffff_ffff;
+/// The `LIMITS` entry under [`GPU_UNKNOWN`] of a cgroup with a limit on some GPU by itself,
+/// kept by the daemon beside those limits: memory on a GPU the probes cannot name may be on any
+/// GPU, so it meets every per-GPU limit (fail closed), and the kernel side finds that in the
+/// one lookup it makes for the key anyway. Its presence also tells the kernel side that the
+/// cgroup has per-GPU limits at all.
+pub const UNNAMED_GPU_MAX: u64 = 0;
 
 /// `ObjEntry::kind`: an RM client (`NV01_ROOT_CLIENT`), keyed by its own handle.
 pub const OBJ_CLIENT: u32 = 1;

@@ -586,20 +586,15 @@ pub(crate) fn account_alloc(p: &Pending) {
 /// entry side read `deviceId` before the driver copied it, and another thread may have changed
 /// it in between, so that what is allocated under the device is charged to a GPU the caller's
 /// limit does not name (an `all` limit names every GPU: nothing to ask). A request the ring
-/// cannot take fails closed: it counts as crossing the caller's first limit.
+/// cannot take fails closed: it counts as crossing the caller's limit on unnamed GPUs
+/// ([`UNNAMED_GPU_MAX`](gpud_common::UNNAMED_GPU_MAX)).
 #[inline(always)]
 fn ask_device(key: ObjKey, serial: u64, gpu: u32) {
     let Some((leaf, anc)) = current_ancestry() else {
         return;
     };
-    let mut any = false;
-    for g in 0..RACED_GPUS {
-        if limited_on(anc, g) {
-            any = true;
-            break;
-        }
-    }
-    if !any {
+    // A limit on some GPU by itself comes with a `GPU_UNKNOWN` entry (`UNNAMED_GPU_MAX`).
+    if !limited_on(anc, GPU_UNKNOWN) {
         return;
     }
     bump_stat(stat::DEVICE_READ_BACKS);
@@ -614,14 +609,8 @@ fn ask_device(key: ObjKey, serial: u64, gpu: u32) {
         gpu,
         _pad: 0,
     });
-    if sent {
-        return;
-    }
-    for g in 0..RACED_GPUS {
-        if let Some(hit) = limit_met(anc, g, 0, true) {
-            crossed(key.client, key.object, 0, hit);
-            return;
-        }
+    if !sent && let Some(hit) = limit_met(anc, GPU_UNKNOWN, 0, true) {
+        crossed(key.client, key.object, 0, hit);
     }
 }
 
@@ -815,8 +804,7 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
 }
 
 /// GPUs an RM call that raced its XFER header is checked against (the driver's numbering): it
-/// may have been anything on any of them. Also the GPUs whose limits make a new device worth
-/// reading back.
+/// may have been anything on any of them.
 const RACED_GPUS: u32 = 8;
 
 /// An RM call whose XFER header changed while the driver ran (`rm::raced`): a reference the

@@ -104,6 +104,33 @@ async fn attack_dies(tag: &str, attack: impl FnOnce(u32, u32) -> String) {
     ledger_empties(&rig).await;
 }
 
+/// A device made before gpud first ran (no pinned maps to remember it) is not recorded: what is
+/// allocated under it is on a GPU the probes cannot name, charged to `unknown`, where a limit on
+/// GPU 0 alone would not apply. Such memory meets every per-GPU limit of its caller (fail
+/// closed): the tenant is killed in its first allocation there, and nothing is held.
+#[tokio::test(flavor = "multi_thread")]
+async fn memory_on_a_gpu_the_probes_cannot_name_meets_a_per_gpu_limit() {
+    let tag = "rt-unknowngpu";
+    let Some(rig) = Rig::new(tag).fake_device(1) else {
+        return;
+    };
+    let mut rig = rig.fake_gpus(1);
+    let cg = Cgroup::new(tag);
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = tenant.client_device(0);
+    rig.start(rig.config().react_action("kill")).await;
+    rig.wait_for_gpus(1).await;
+    rig.set_limit(&cg.rel, "0", "memory_max", LIMIT).await;
+    tenant.killed_in(
+        &format!("alloc {client} {device} {}", 16 * MIB),
+        &format!(
+            "an allocation under a device gpud never saw made\n{}",
+            rig.log_text()
+        ),
+    );
+    ledger_empties(&rig).await;
+}
+
 /// Duplicate, then free the original: the driver keeps memory while a duplicate lives, so each
 /// round holds 16 MiB more. A duplicate is a reference to the original's charge: the bytes stay
 /// charged until the last handle goes, and the fifth round crosses the limit.

@@ -72,7 +72,11 @@ impl Attribution {
         for (k, l) in map_entries(&self.maps.limits) {
             if wanted(k.cgroup_id) {
                 let v = views.entry(k.cgroup_id).or_insert_with(MemoryView::empty);
-                v.max.insert(gpu_name(k.gpu), l.max);
+                // The limit on unnamed GPUs is the kernel's, beside per-GPU ones: not a limit
+                // anyone set, but its crossings are the cgroup's.
+                if k.gpu != GPU_UNKNOWN {
+                    v.max.insert(gpu_name(k.gpu), l.max);
+                }
                 v.events += l.events;
             }
         }

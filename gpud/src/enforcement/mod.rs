@@ -269,6 +269,12 @@ impl MemoryEnforcement {
                 let _ = settings.clear_limit(id, key);
             }
         }
+        if let Err(e) = settings.keep_all_unnamed() {
+            error!(
+                "cannot keep the limits on GPUs the probes cannot name: {}",
+                Chain(&e)
+            );
+        }
         let n = keep.len();
         policies.retain(keep);
         info!(limits = n, tier = self.tier.as_str(), "limits in force");

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use aya::maps::{HashMap as BpfHashMap, MapData};
-use gpud_common::{GuardKey, KernelLimit, UsageKey};
+use gpud_common::{GPU_ALL, GPU_UNKNOWN, GuardKey, KernelLimit, UNNAMED_GPU_MAX, UsageKey};
 use tracing::warn;
 
 use super::{ProbeError, map_entries, remove_key};
@@ -30,13 +30,27 @@ pub struct KernelSettings {
 }
 
 impl KernelSettings {
-    /// Sets a memory limit, keeping its event counter.
+    /// Sets a memory limit, keeping its event counter. A limit on one GPU comes with the
+    /// cgroup's limit on GPUs the probes cannot name ([`UNNAMED_GPU_MAX`]).
     pub fn set_limit(&mut self, cgroup_id: u64, gpu: u32, max: u64) -> Result<(), SettingError> {
-        let key = UsageKey {
-            cgroup_id,
-            gpu,
-            _pad: 0,
-        };
+        self.put(cgroup_id, gpu, max)?;
+        self.keep_unnamed(cgroup_id)
+    }
+
+    /// Removes a memory limit (absent is fine); the cgroup's limit on unnamed GPUs goes with
+    /// its last limit on one GPU.
+    pub fn clear_limit(&mut self, cgroup_id: u64, gpu: u32) -> Result<(), SettingError> {
+        remove_key(&mut self.limits, &limit_key(cgroup_id, gpu)).map_err(|source| {
+            SettingError {
+                map: gpud_common::maps::LIMITS,
+                source,
+            }
+        })?;
+        self.keep_unnamed(cgroup_id)
+    }
+
+    fn put(&mut self, cgroup_id: u64, gpu: u32, max: u64) -> Result<(), SettingError> {
+        let key = limit_key(cgroup_id, gpu);
         let events = self.limits.get(&key, 0).map(|l| l.events).unwrap_or(0);
         self.limits
             .insert(key, KernelLimit { max, events }, 0)
@@ -46,23 +60,39 @@ impl KernelSettings {
             })
     }
 
-    /// Removes a memory limit (absent is fine).
-    pub fn clear_limit(&mut self, cgroup_id: u64, gpu: u32) -> Result<(), SettingError> {
-        let key = UsageKey {
-            cgroup_id,
-            gpu,
-            _pad: 0,
-        };
-        remove_key(&mut self.limits, &key).map_err(|source| SettingError {
-            map: gpud_common::maps::LIMITS,
-            source,
+    /// Keeps `cgroup_id`'s `GPU_UNKNOWN` entry in step with its limits: present (at
+    /// [`UNNAMED_GPU_MAX`]) exactly while it has a limit on some GPU by itself.
+    fn keep_unnamed(&mut self, cgroup_id: u64) -> Result<(), SettingError> {
+        let per_gpu = map_entries(&self.limits)
+            .iter()
+            .any(|(k, _)| k.cgroup_id == cgroup_id && named(k.gpu));
+        if per_gpu {
+            return self.put(cgroup_id, GPU_UNKNOWN, UNNAMED_GPU_MAX);
+        }
+        remove_key(&mut self.limits, &limit_key(cgroup_id, GPU_UNKNOWN)).map_err(|source| {
+            SettingError {
+                map: gpud_common::maps::LIMITS,
+                source,
+            }
         })
     }
 
-    /// Memory limits in force: (cgroup id, GPU key) → max.
+    /// [`Self::keep_unnamed`] for every cgroup the map holds a limit of: after a start on
+    /// pinned maps a previous daemon may have left out of step (or an older one, without them).
+    pub fn keep_all_unnamed(&mut self) -> Result<(), SettingError> {
+        let cgroups: std::collections::BTreeSet<u64> = map_entries(&self.limits)
+            .into_iter()
+            .map(|(k, _)| k.cgroup_id)
+            .collect();
+        cgroups.into_iter().try_for_each(|id| self.keep_unnamed(id))
+    }
+
+    /// Memory limits in force: (cgroup id, GPU key) → max. The limits on unnamed GPUs that go
+    /// with per-GPU limits are not listed: they are the kernel's, kept here.
     pub fn limits(&self) -> HashMap<(u64, u32), u64> {
         map_entries(&self.limits)
             .into_iter()
+            .filter(|(k, _)| k.gpu != GPU_UNKNOWN)
             .map(|(k, l)| ((k.cgroup_id, k.gpu), l.max))
             .collect()
     }
@@ -99,6 +129,19 @@ impl KernelSettings {
             }
         }
     }
+}
+
+fn limit_key(cgroup_id: u64, gpu: u32) -> UsageKey {
+    UsageKey {
+        cgroup_id,
+        gpu,
+        _pad: 0,
+    }
+}
+
+/// Whether GPU key `gpu` names one GPU (not all of them, not an unnamed one).
+fn named(gpu: u32) -> bool {
+    gpu != GPU_ALL && gpu != GPU_UNKNOWN
 }
 
 /// A second handle on the limits map, read-only by convention (the attribution's views), from
