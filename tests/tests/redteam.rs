@@ -107,7 +107,9 @@ async fn attack_dies(tag: &str, attack: impl FnOnce(u32, u32) -> String) {
 /// A device made before gpud first ran (no pinned maps to remember it) is not recorded: what is
 /// allocated under it is on a GPU the probes cannot name, charged to `unknown`, where a limit on
 /// GPU 0 alone would not apply. Such memory meets every per-GPU limit of its caller (fail
-/// closed): the tenant is killed in its first allocation there, and nothing is held.
+/// closed): the tenant is killed in its first allocation there, and nothing is held. That rule
+/// is the kernel's, not a limit anyone set: it is not listed, and it goes with the last
+/// per-GPU limit (a second such tenant allocates there once the limit is cleared).
 #[tokio::test(flavor = "multi_thread")]
 async fn memory_on_a_gpu_the_probes_cannot_name_meets_a_per_gpu_limit() {
     let tag = "rt-unknowngpu";
@@ -118,9 +120,12 @@ async fn memory_on_a_gpu_the_probes_cannot_name_meets_a_per_gpu_limit() {
     let cg = Cgroup::new(tag);
     let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
     let (client, device) = tenant.client_device(0);
+    let mut later = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client2, device2) = later.client_device(0);
     rig.start(rig.config().react_action("kill")).await;
     rig.wait_for_gpus(1).await;
     rig.set_limit(&cg.rel, "0", "memory_max", LIMIT).await;
+    rig.expect_in_force(&cg.rel, &[("0", LIMIT)]).await;
     tenant.killed_in(
         &format!("alloc {client} {device} {}", 16 * MIB),
         &format!(
@@ -129,6 +134,13 @@ async fn memory_on_a_gpu_the_probes_cannot_name_meets_a_per_gpu_limit() {
         ),
     );
     ledger_empties(&rig).await;
+    let (_c, p) = rig.proxy().await;
+    p.clear_limits(&cg.rel, "0", &[])
+        .await
+        .expect("ClearLimits");
+    rig.expect_in_force(&cg.rel, &[]).await;
+    later.ok(&format!("alloc {client2} {device2} {}", 16 * MIB));
+    rig.expect_memory(&cg.rel, &[("unknown", 16 * MIB)]).await;
 }
 
 /// Duplicate, then free the original: the driver keeps memory while a duplicate lives, so each

@@ -4,7 +4,10 @@
 //! The `kill` and `deny` actions happen in the kernel itself; this module only reports them.
 //! What the probes cannot size, NVML's per-process memory shows: the [`backstop`] acts on it.
 //! What the probes sized from a request another thread changed before the driver copied it, the
-//! driver's own size of the object shows: [`sizes`] judges it, on the [`restore`] thread.
+//! driver's own size of the object shows: [`sizes`] judges it, on the [`restore`] thread, which
+//! also reads back the GPU of a device whose `deviceId` may have been changed the same way.
+//! Memory on a GPU the probes cannot name meets every per-GPU limit: the kernel settings keep
+//! the entry that says so beside them.
 //! Owned by the state task. Compute shares are [`compute`]'s, a task of their own; the scheduler
 //! guard's allowances and reports are [`guard`]'s.
 

@@ -23,6 +23,10 @@
 //!   charged ([`super::sizes`]); an object that takes its cgroup over a limit that way was
 //!   raced past the probes, and gets the crossing's treatment: its caller killed, the object
 //!   freed.
+//! - a device check ([`DeviceCheck`]): the driver's GPU of each device a cgroup with a per-GPU
+//!   limit makes is read ([`Controls::device_instance`]); a device on another GPU than the
+//!   probes recorded, where the caller has a limit, was raced past them: its caller killed, the
+//!   device freed with everything below it.
 //!
 //! It runs on its own thread ([`spawn`]): the undo is a few blocking ioctls, and must not wait
 //! behind the state task's work.
