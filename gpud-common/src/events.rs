@@ -52,6 +52,12 @@ pub const EVENT_MEM_READ_BACK: u32 = 10;
 /// after the entry side read it: the daemon asks the driver which GPU the device is on and acts
 /// where that is another GPU than the one recorded.
 pub const EVENT_DEVICE_READ_BACK: u32 = 11;
+/// `Event::kind`: a caller under a limit freed a recorded object (or its client) and the driver
+/// said it did (`tgid`, `cgroup_id`: the caller and its cgroup; `client`, `object`: the keys the
+/// entry side read; `value`: the serial clock after the driver answered). The driver copied the
+/// handle after the entry side read it, and the probes released what they read: the daemon asks
+/// the driver whether that object is gone, and acts where it is not (another object was freed).
+pub const EVENT_FREE_READ_BACK: u32 = 12;
 /// Guard events a cgroup may send at once (see [`EVENT_SCHED_GUARD`]).
 pub const GUARD_EVENT_BURST: u64 = 64;
 /// The rate the burst refills at: one event per this many nanoseconds (100 per second).

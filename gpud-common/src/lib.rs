@@ -366,8 +366,11 @@ pub mod stat {
     /// GPUs of limited cgroups' new devices asked of the daemon
     /// ([`EVENT_DEVICE_READ_BACK`](crate::EVENT_DEVICE_READ_BACK)).
     pub const DEVICE_READ_BACKS: u32 = 28;
+    /// Frees by limited cgroups whose object the daemon is asked to find gone
+    /// ([`EVENT_FREE_READ_BACK`](crate::EVENT_FREE_READ_BACK)).
+    pub const FREE_READ_BACKS: u32 = 29;
     /// Number of counters.
-    pub const COUNT: u32 = 29;
+    pub const COUNT: u32 = 30;
 }
 
 pub use events::*;

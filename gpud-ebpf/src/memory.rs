@@ -19,10 +19,11 @@ use aya_ebpf::{
     },
 };
 use gpud_common::{
-    Ancestry, DeviceKind, EVENT_DEVICE_READ_BACK, EVENT_FILE_RELEASE, EVENT_FREE_TREE,
-    EVENT_LIMIT_CROSSED, EVENT_MEM_READ_BACK, Event, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH,
-    OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY, OBJ_SUBDEVICE, OP_ALLOC,
-    OP_DUP, OP_FREE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL, UsageKey, nv, rm, stat,
+    Ancestry, DeviceKind, EVENT_DEVICE_READ_BACK, EVENT_FILE_RELEASE, EVENT_FREE_READ_BACK,
+    EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, EVENT_MEM_READ_BACK, Event, GPU_ALL, GPU_UNKNOWN,
+    MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY,
+    OBJ_SUBDEVICE, OP_ALLOC, OP_DUP, OP_FREE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL,
+    UsageKey, nv, rm, stat,
 };
 
 use crate::{
@@ -840,17 +841,19 @@ pub(crate) fn account_free(p: &Pending) {
         client: p.client,
         object: p.handle,
     };
+    let entry = (unsafe { OBJECTS.get(key) }).copied();
+    // A client is keyed by its own handle; other unknown handles own nothing we charged.
+    if entry.is_none() && p.handle != p.client {
+        return;
+    }
+    ask_freed(key);
     // Memory is released here; anything else may have objects below it, which the daemon
     // releases on the event.
-    match (unsafe { OBJECTS.get(key) }).copied() {
-        Some(e) if e.kind == OBJ_MEMORY => {
-            release_entry(&key, &e);
-            return;
-        }
-        Some(_) => {}
-        // A client is keyed by its own handle; other unknown handles own nothing we charged.
-        None if p.handle == p.client => {}
-        None => return,
+    if let Some(e) = entry
+        && e.kind == OBJ_MEMORY
+    {
+        release_entry(&key, &e);
+        return;
     }
     if p.nr != nv::NV_ESC_RM_FREE {
         return;
@@ -864,6 +867,38 @@ pub(crate) fn account_free(p: &Pending) {
         value: serial_now(),
         ..Event::default()
     });
+}
+
+/// Asks the daemon to check that the object at `key`, whose free by the caller the driver
+/// confirmed, is gone (`EVENT_FREE_READ_BACK`), where the caller is under any limit: the entry
+/// side read the handle before the driver copied it, and another thread may have changed it in
+/// between, so that the driver freed another object while the probes release this one (and what
+/// is below it). A request the ring cannot take fails closed: it counts as crossing the limit.
+#[inline(always)]
+fn ask_freed(key: ObjKey) {
+    let Some((leaf, anc)) = current_ancestry() else {
+        return;
+    };
+    // The `unknown` key holds the entry beside per-GPU limits, and `all` is walked with it: any
+    // limit at all.
+    if !limited(anc, GPU_UNKNOWN) {
+        return;
+    }
+    bump_stat(stat::FREE_READ_BACKS);
+    let sent = send(&Event {
+        kind: EVENT_FREE_READ_BACK,
+        tgid: current_tgid(),
+        cgroup_id: leaf,
+        client: key.client,
+        object: key.object,
+        value: serial_now(),
+        bytes: 0,
+        gpu: GPU_UNKNOWN,
+        _pad: 0,
+    });
+    if !sent && let Some(hit) = limit_met(anc, GPU_UNKNOWN, 0, true) {
+        crossed(key.client, key.object, 0, hit);
+    }
 }
 
 /// Announces the release of a control file's last reference (its clients go with it), if any

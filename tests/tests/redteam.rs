@@ -575,6 +575,8 @@ async fn caught_after_the_call(
 /// What gpud logs when the size read back takes a tenant over its limit.
 const SIZE_READ_BACK: &str =
     "the driver holds more for a limited tenant's allocations than the probes charged";
+/// What gpud logs when an object a limited tenant freed is still there.
+const FREE_READ_BACK: &str = "a limited tenant's freed object is still held by the driver";
 /// What gpud logs when a device read back is on a GPU where the tenant's limit applies.
 const DEVICE_READ_BACK: &str =
     "a limited tenant's device is on another GPU than the probes recorded";
@@ -602,6 +604,19 @@ async fn racing_the_drivers_copy_of_a_duplicates_source_is_caught_by_the_size_re
     caught_after_the_call("rt-racedup", 1, "all", SIZE_READ_BACK, |t| {
         let (c, d) = t.client_device(0);
         format!("race-dup {c} {d} {} 4096 12 10", 16 * MIB)
+    })
+    .await;
+}
+
+/// Racing the driver's copy of a free's handle: each round, 16 MiB and 4 KiB are allocated and
+/// a wrapped free the probes read as one of the 16 MiB allocation reaches the driver as one of the 4 KiB
+/// one (a second thread changes `hObjectOld` while the driver has yet to copy it). The probes
+/// release 16 MiB the driver keeps; read back after the call, the object is still there.
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_the_drivers_copy_of_a_free_is_caught_by_the_free_read_back() {
+    caught_after_the_call("rt-racefree", 1, "all", FREE_READ_BACK, |t| {
+        let (c, d) = t.client_device(0);
+        format!("race-free {c} {d} {} 4096 12 10", 16 * MIB)
     })
     .await;
 }

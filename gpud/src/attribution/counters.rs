@@ -39,6 +39,7 @@ const NAMES: [(u32, &str); stat::COUNT as usize] = [
     (stat::ADOPTED, "objects_adopted"),
     (stat::MEMORY_READ_BACKS, "memory_read_backs"),
     (stat::DEVICE_READ_BACKS, "device_read_backs"),
+    (stat::FREE_READ_BACKS, "free_read_backs"),
 ];
 
 /// The counters that move whenever the kernel changes what a cgroup's record shows without

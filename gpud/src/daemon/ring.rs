@@ -98,6 +98,13 @@ async fn forward(
                 "a limited tenant's device to read back, and no restorer"
             );
         }
+        (Record::FreeCheck(c), Some(tx)) => tx.check_free(c),
+        (Record::FreeCheck(c), None) => {
+            warn!(
+                pid = c.pid,
+                "a limited tenant's free to read back, and no restorer"
+            );
+        }
         (Record::Event(_), _) => {}
     });
     // A crossing's allocation may outlive its killed caller in another holder's file.

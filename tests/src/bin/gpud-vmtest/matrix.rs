@@ -130,6 +130,10 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
                 restorer
                     .check_device(&c)
                     .with_context(|| format!("reading back a device (pid {})", c.pid))?;
+            } else if let Ok(Record::FreeCheck(c)) = record {
+                restorer
+                    .check_free(&c)
+                    .with_context(|| format!("reading back a free (pid {})", c.pid))?;
             } else if let Ok(Record::ReadBack(r)) = record {
                 restorer
                     .read_back(&r)
