@@ -621,6 +621,18 @@ async fn racing_the_drivers_copy_of_a_free_is_caught_by_the_free_read_back() {
     .await;
 }
 
+/// The same race on a whole client: each round a new client with a device, 16 MiB and 4 KiB;
+/// the free the probes read as one of the client (everything in it released, by the daemon on
+/// the kernel's event) reaches the driver as one of the 4 KiB allocation. The client is still
+/// there when read back.
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_the_drivers_copy_of_a_clients_free_is_caught_by_the_free_read_back() {
+    caught_after_the_call("rt-racefreeclient", 1, "all", FREE_READ_BACK, |_| {
+        format!("race-free-client {} 4096 12 10", 16 * MIB)
+    })
+    .await;
+}
+
 /// Racing the driver's copy of a device's `deviceId`: the probes record a device of GPU 1 that
 /// the driver made on GPU 0, so what the tenant allocates under it is charged to GPU 1, where
 /// its limit (on GPU 0) does not apply. The device's GPU, read back after the call, is GPU 0:

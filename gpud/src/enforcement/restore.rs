@@ -146,7 +146,7 @@ pub enum DeviceChecked {
 pub enum FreeChecked {
     /// The driver no longer has the object, as the probes assumed.
     Gone,
-    /// The handle names an object the probes recorded (one made since): it is charged.
+    /// The handle names an object the probes recorded since the free: it is charged.
     Recorded,
     /// The driver did not answer for it (`status`).
     Unanswered { status: u32 },
@@ -437,16 +437,21 @@ impl Restorer {
     }
 
     /// Asks the driver whether the object of `c`, which a limited caller freed and the probes
-    /// released, is gone. Where it is not and the probes hold no record of it, it is held
-    /// uncharged: under `kill` its caller is killed and the object freed.
+    /// released, is gone. Where it is not and the probes hold no record of it made since, it is
+    /// held uncharged: under `kill` its caller is killed and the object freed.
     pub fn check_free(&mut self, c: &FreeCheck) -> Result<FreeChecked, RestoreError> {
         let key = ObjKey {
             client: c.client,
             object: c.object,
         };
-        // A record of the handle is charged, whatever it is: one made since (a legitimate reuse)
-        // or the object itself, if a racing release left it.
-        if self.objects.get(&key, 0).is_ok() {
+        // A record made after the free is a reuse of the handle (a program that frees a handle
+        // and makes it again does so once the free returned), charged. An older one is what the
+        // free releases: the state task drops a device's or a client's subtree on its event,
+        // maybe after this check.
+        let remade = |objects: &HashMap<MapData, ObjKey, ObjEntry>| {
+            objects.get(&key, 0).is_ok_and(|e| e.serial > c.at)
+        };
+        if remade(&self.objects) {
             return Ok(FreeChecked::Recorded);
         }
         let likely = [Some(c.pid), self.creator_of(&key)];
@@ -469,7 +474,7 @@ impl Restorer {
             Err(e) => return Err(e.into()),
         }
         // Made again under the same handle while the driver was asked.
-        if self.objects.get(&key, 0).is_ok() {
+        if remade(&self.objects) {
             return Ok(FreeChecked::Recorded);
         }
         let (mut killed, mut freed) = (false, false);

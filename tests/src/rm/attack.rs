@@ -39,7 +39,7 @@ fn answer(held: &[Handle], failed: Option<Reply>) -> Outcome {
 /// [`RACING_THE_DRIVER`] win only where the driver copies their request well after the call
 /// began (the fake's `delay-ioctl-ms`). Each takes its caller's limit on GPU [`LIMITED_GPU`]
 /// or on all GPUs alike ([`per_gpu_limit`]).
-pub const NAMES: [&str; 9] = [
+pub const NAMES: [&str; 10] = [
     "dup-free",
     "race-status",
     "race-size",
@@ -49,11 +49,18 @@ pub const NAMES: [&str; 9] = [
     "race-dup",
     "race-device",
     "race-free",
+    "race-free-client",
 ];
 
 /// Attacks of [`NAMES`] that race the driver's own copy of the request, `RACE_WAIT` into the
 /// call.
-pub const RACING_THE_DRIVER: [&str; 4] = ["race-xfer", "race-dup", "race-device", "race-free"];
+pub const RACING_THE_DRIVER: [&str; 5] = [
+    "race-xfer",
+    "race-dup",
+    "race-device",
+    "race-free",
+    "race-free-client",
+];
 
 /// The GPU whose limit an attack of [`per_gpu_limit`] walks around (device 0 of one fake GPU).
 pub const LIMITED_GPU: u32 = 0;
@@ -88,6 +95,7 @@ pub fn run(
         // A device of its own, read as GPU 1 and made on GPU 0: `parent` unused.
         "race-device" => race_device(ctl, client, LIMITED_GPU, 1, size, n, RACE_WAIT),
         "race-free" => race_free(ctl, client, parent, size, 4096, n, RACE_WAIT),
+        "race-free-client" => race_free_client(ctl, size, 4096, n, RACE_WAIT),
         _ => return None,
     })
 }
@@ -585,36 +593,76 @@ pub fn race_free(
         if !little.ok() {
             return answer(&held, Some(little));
         }
-        let mut p = rm::Nvos00 {
-            h_root: client,
-            h_object_parent: 0,
-            h_object_old: big.handle,
-            status: u32::MAX,
-        };
-        let status_at = addr_of!(p.status) as usize;
-        // SAFETY: `p` outlives the call the racer watches; the kernel writes its status.
-        let answered = move || unsafe { (status_at as *const u32).read_volatile() } != u32::MAX;
-        let race = Timed {
-            at: addr_of_mut!(p.h_object_old),
-            driver_sees: little.handle,
-            wait,
-            answered: &answered,
-        };
-        // Wrapped (XFER): the driver copies the inner struct from its pointer, well after the
-        // entry (the fake's delay); the bare call's struct is copied with the ioctl itself.
-        let call = race.run(|| ctl.escape(nv::NV_ESC_RM_FREE, &mut p, true));
-        // SAFETY: a plain read of a live local the racer no longer touches.
-        let freed = Reply::of(
-            call,
-            unsafe { addr_of!(p.status).read_volatile() },
-            big.handle,
-        );
+        let freed = raced_free(ctl, client, big.handle, little.handle, wait);
         if !freed.ok() {
             return answer(&held, Some(freed));
         }
         held.push(big.handle);
     }
     answer(&held, None)
+}
+
+/// [`race_free`] of a whole client, `n` rounds: a new client with a device, `size` and `small`
+/// bytes under it, and a wrapped free the probes read as one of the client (everything in it
+/// released) that reaches the driver as one of the `small` allocation. The client and its
+/// `size` bytes stay; `client` and `parent` are not used.
+pub fn race_free_client(ctl: &Ctl, size: u64, small: u64, n: u32, wait: Duration) -> Outcome {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let c = ctl.alloc_client();
+        if !c.ok() {
+            return answer(&held, Some(c));
+        }
+        let d = ctl.alloc_device(c.handle, 0);
+        if !d.ok() {
+            return answer(&held, Some(d));
+        }
+        let big = ctl.alloc_vidmem(c.handle, d.handle, size, Form::Nvos21);
+        if !big.ok() {
+            return answer(&held, Some(big));
+        }
+        let little = ctl.alloc_vidmem(c.handle, d.handle, small, Form::Nvos21);
+        if !little.ok() {
+            return answer(&held, Some(little));
+        }
+        let freed = raced_free(ctl, c.handle, c.handle, little.handle, wait);
+        if !freed.ok() {
+            return answer(&held, Some(freed));
+        }
+        held.push(big.handle);
+    }
+    answer(&held, None)
+}
+
+/// A wrapped (XFER) free of `object` in `client` whose `hObjectOld` a second thread changes to
+/// `driver_sees` `wait` into the call, and back once the driver answered. The driver copies the
+/// inner struct from its pointer, well after the entry (the fake's delay); a bare call's struct
+/// is copied with the ioctl itself.
+fn raced_free(
+    ctl: &Ctl,
+    client: Handle,
+    object: Handle,
+    driver_sees: Handle,
+    wait: Duration,
+) -> Reply {
+    let mut p = rm::Nvos00 {
+        h_root: client,
+        h_object_parent: 0,
+        h_object_old: object,
+        status: u32::MAX,
+    };
+    let status_at = addr_of!(p.status) as usize;
+    // SAFETY: `p` outlives the call the racer watches; the kernel writes its status.
+    let answered = move || unsafe { (status_at as *const u32).read_volatile() } != u32::MAX;
+    let race = Timed {
+        at: addr_of_mut!(p.h_object_old),
+        driver_sees,
+        wait,
+        answered: &answered,
+    };
+    let call = race.run(|| ctl.escape(nv::NV_ESC_RM_FREE, &mut p, true));
+    // SAFETY: a plain read of a live local the racer no longer touches.
+    Reply::of(call, unsafe { addr_of!(p.status).read_volatile() }, object)
 }
 
 /// A device of GPU `seen` as the probes read it, made by the driver for GPU `gpu`: a second

@@ -38,6 +38,7 @@
 //! | `race-dup CLIENT PARENT SIZE SMALL N WAIT_MS` | N rounds: SMALL and SIZE bytes allocated, an XFER'd duplicate of the SMALL one whose `hObjectSrc` a second thread points at the SIZE one WAIT_MS into the call (and back once answered), the SIZE original freed |
 //! | `race-device CLIENT GPU SEEN SIZE N WAIT_MS` | a device read as GPU SEEN whose `deviceId` a second thread makes GPU WAIT_MS into the call (and puts back once answered), then N allocations under it |
 //! | `race-free CLIENT PARENT SIZE SMALL N WAIT_MS` | N rounds: SIZE and SMALL bytes allocated, an XFER'd free of the SIZE one whose `hObjectOld` a second thread points at the SMALL one WAIT_MS into the call (and back once answered) |
+//! | `race-free-client SIZE SMALL N WAIT_MS` | N rounds: a new client with a device and SIZE and SMALL bytes, an XFER'd free of the client whose `hObjectOld` a second thread points at the SMALL allocation WAIT_MS into the call (and back once answered) |
 //! | `free CLIENT HANDLE` | `NV_ESC_RM_FREE` (HANDLE == CLIENT frees the client) |
 //! | `vidheap-free CLIENT PARENT HANDLE` | `NV_ESC_RM_VID_HEAP_CONTROL` FREE |
 //! | `ioctl CMD` | CMD on a zeroed buffer: `{"ok":…,"ret":…,"errno":…}` |
@@ -526,6 +527,16 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                     size(2)?,
                     size(3)?,
                     n(4)?,
+                    wait,
+                ))
+            }
+            ("race-free-client", 4) => {
+                let wait = std::time::Duration::from_millis(n(3)?.into());
+                outcome(&attack::race_free_client(
+                    &ctl,
+                    size(0)?,
+                    size(1)?,
+                    n(2)?,
                     wait,
                 ))
             }
