@@ -1374,3 +1374,64 @@ fn disable_channels_reaches_another_processs_channel() {
     a.ok(&format!("free {ac} {ag}"));
     assert!(fake.snapshot().channels.is_empty());
 }
+
+/// A device's GPU as gpud asks it (`Controls::device_instance`, through a `pidfd_getfd` copy of
+/// the caller's file): a device answers no query of its own instance, so the client's subdevice
+/// is asked where it holds one, else one is made for the question and freed after. A client
+/// holds one subdevice per instance under a device, as the driver allows. Whether an object is
+/// still there (`Controls::exists`): the driver answers for any object, not found once freed.
+#[test]
+fn a_devices_gpu_is_asked_through_its_subdevice() {
+    use gpud::{
+        enforcement::compute::channel::{Controls, RmObject},
+        probes::devices::{DynamicMajors, Matcher, resolve_extra_paths},
+    };
+    let Some((fake, mut p)) = caller("fk-devgpu", GIB) else {
+        return;
+    };
+    let client = p.handle("client");
+    let device = p.handle(&format!("device {client} 1"));
+    let pid = u(&p.ok("pid"), "pid") as u32;
+    let matcher = Matcher {
+        majors: DynamicMajors::read().expect("/proc/devices"),
+        extra: resolve_extra_paths(&[fake.ctl()]).expect("the fake's control file"),
+    };
+    let mut controls = Controls::new(matcher, None);
+    let at = |object| RmObject {
+        pid,
+        client,
+        object,
+    };
+    let subdevices = |fake: &Mounted| {
+        fake.snapshot()
+            .objects
+            .iter()
+            .filter(|o| o.client == client && o.class == class::SUBDEVICE)
+            .count()
+    };
+    assert_eq!(controls.device_instance(at(device)).expect("asked"), 1);
+    assert_eq!(subdevices(&fake), 0, "the subdevice made to ask is freed");
+
+    let sub = p.handle(&format!("subdevice {client} {device}"));
+    let again = p.cmd(&format!("subdevice {client} {device}"));
+    assert_eq!(
+        status_of(&again),
+        status::NV_ERR_INSUFFICIENT_RESOURCES,
+        "{again}"
+    );
+    assert_eq!(controls.device_instance(at(device)).expect("asked"), 1);
+    assert!(
+        fake.snapshot().object(client, sub).is_some(),
+        "the client's own subdevice stays"
+    );
+
+    let memory = u(
+        &p.ok(&format!("alloc {client} {device} {}", 4 * MIB)),
+        "handle",
+    ) as u32;
+    for object in [client, device, sub, memory] {
+        assert!(controls.exists(at(object)).expect("asked"), "{object:#x}");
+    }
+    p.ok(&format!("free {client} {memory}"));
+    assert!(!controls.exists(at(memory)).expect("asked"));
+}

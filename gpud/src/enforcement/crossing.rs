@@ -16,11 +16,7 @@ use gpud_common::{ObjEntry, ObjKey};
 use tracing::warn;
 
 use super::compute::channel::{ControlError, Controls, RmObject};
-use crate::{
-    attribution::scan,
-    probes::{KernelRuns, events::LimitEvent},
-    report::Chain,
-};
+use crate::{attribution::scan, probes::KernelRuns, report::Chain};
 
 /// What became of a crossing allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,21 +30,18 @@ pub enum Outcome {
     NoHolder,
 }
 
-/// Frees the object `ev` made (see the module docs), through the first process that holds a
-/// file owning its client: the caller, then the client's creator (a forked worker's parent),
-/// then, only if neither does, every process holding an NVIDIA file.
+/// Frees the object at `key` that process `pid` made (see the module docs), through the first
+/// process that holds a file owning its client: the maker, then the client's creator (a forked
+/// worker's parent), then, only if neither does, every process holding an NVIDIA file.
 pub fn free(
     controls: &mut Controls,
     objects: &HashMap<MapData, ObjKey, ObjEntry>,
     runs: &KernelRuns,
-    ev: &LimitEvent,
+    pid: u32,
+    key: ObjKey,
 ) -> Outcome {
-    let key = ObjKey {
-        client: ev.client,
-        object: ev.object,
-    };
     // A refused allocation made nothing; a client handle is never what an allocation made.
-    if ev.object == 0 || ev.object == ev.client {
+    if key.object == 0 || key.object == key.client {
         return Outcome::Gone;
     }
     let Ok(made) = objects.get(&key, 0) else {
@@ -61,7 +54,7 @@ pub fn free(
     }
     // Taken before `through` borrows the controls, for the scan that may follow.
     let matcher = controls.matcher().clone();
-    let mut through = |pid: u32| -> Option<Outcome> {
+    let mut through = |holder: u32| -> Option<Outcome> {
         // The handle is the client's to reuse once freed: only the object that crossed goes.
         if !objects
             .get(&key, 0)
@@ -70,24 +63,24 @@ pub fn free(
             return Some(Outcome::Gone);
         }
         match controls.free_on(RmObject {
-            pid,
-            client: ev.client,
-            object: ev.object,
+            pid: holder,
+            client: key.client,
+            object: key.object,
         }) {
             Ok(()) => {
                 if let Err(e) = runs.release(key, made.serial, false) {
                     warn!(
-                        pid,
+                        pid = holder,
                         "freed a crossing allocation, but cannot release its charge: {}",
                         Chain(&e)
                     );
                 }
-                Some(Outcome::Freed { holder: pid })
+                Some(Outcome::Freed { holder })
             }
             Err(ControlError::NoFile { .. } | ControlError::Gone { .. }) => None,
             Err(e) => {
                 warn!(
-                    pid,
+                    pid = holder,
                     "cannot free a crossing allocation through this process: {}",
                     Chain(&e)
                 );
@@ -98,16 +91,16 @@ pub fn free(
     let creator = objects
         .get(
             &ObjKey {
-                client: ev.client,
-                object: ev.client,
+                client: key.client,
+                object: key.client,
             },
             0,
         )
         .ok()
         .map(|c| c.tgid)
-        .filter(|&t| t != ev.pid);
+        .filter(|&t| t != pid);
     let own = std::process::id();
-    let likely = std::iter::once(ev.pid).chain(creator);
+    let likely = std::iter::once(pid).chain(creator);
     if let Some(done) = likely.clone().find_map(&mut through) {
         return done;
     }

@@ -334,15 +334,8 @@ impl Restorer {
                     &mut self.controls,
                     &self.objects,
                     &self.runs,
-                    &LimitEvent {
-                        pid: e.pid,
-                        cgroup_id: limit.cgroup_id,
-                        gpu: limit.gpu,
-                        usage: limit.usage,
-                        bytes: e.bytes,
-                        client: object.client,
-                        object: object.object,
-                    },
+                    e.pid,
+                    object,
                 );
                 self.sizes.forget(&object);
                 acted.push(Raced {
@@ -402,11 +395,9 @@ impl Restorer {
             return Ok(DeviceChecked::Same { gpu: actual });
         }
         let levels = self.sizes.levels(c.cgroup_id);
-        let limited = self.sizes.limit_on(&levels, actual);
+        let limited = self.sizes.limited_on(&levels, actual);
         let (mut killed, mut freed) = (false, None);
-        if self.kill
-            && let Some((cgroup_id, max)) = limited
-        {
+        if self.kill && limited.is_some() {
             killed = match self.controls.kill(c.pid, false) {
                 Ok(()) => true,
                 Err(ControlError::Gone { .. }) => false,
@@ -416,21 +407,14 @@ impl Restorer {
                 &mut self.controls,
                 &self.objects,
                 &self.runs,
-                &LimitEvent {
-                    pid: c.pid,
-                    cgroup_id,
-                    gpu: actual,
-                    usage: max,
-                    bytes: 0,
-                    client: key.client,
-                    object: key.object,
-                },
+                c.pid,
+                key,
             ));
         }
         Ok(DeviceChecked::Moved {
             recorded: c.recorded,
             actual,
-            limited: limited.map(|(id, _)| id),
+            limited,
             killed,
             freed,
         })
@@ -710,7 +694,11 @@ impl Restorer {
     /// Frees the allocation of a limit crossing whose caller the kernel killed where another
     /// process keeps its file ([`super::crossing`]).
     pub fn free_crossing(&mut self, ev: &LimitEvent) -> super::crossing::Outcome {
-        super::crossing::free(&mut self.controls, &self.objects, &self.runs, ev)
+        let key = ObjKey {
+            client: ev.client,
+            object: ev.object,
+        };
+        super::crossing::free(&mut self.controls, &self.objects, &self.runs, ev.pid, key)
     }
 
     /// Forgets the processes `keep` rejects (their pidfds are closed).
@@ -742,7 +730,7 @@ struct Queue {
     read_backs: BTreeMap<u64, ReadBack>,
     /// Limit crossings whose allocation may outlive its killed caller, in order.
     crossings: Vec<LimitEvent>,
-    /// Memory objects and devices of limited cgroups the driver is to be asked about, in order.
+    /// Objects limited cgroups made or freed that the driver is to be asked about, in order.
     checks: Vec<Check>,
     /// Callers of checks that did not fit: killed under `kill` (a limited cgroup fails closed
     /// where what it makes cannot be checked).
@@ -755,7 +743,7 @@ struct Queue {
     closed: bool,
 }
 
-/// A request to ask the driver about an object a limited cgroup made.
+/// A request to ask the driver about an object a limited cgroup made or freed.
 #[derive(Clone, Copy, Debug)]
 enum Check {
     Size(SizeCheck),
@@ -832,7 +820,7 @@ impl Queue {
         true
     }
 
-    /// Adds a size or device check; false (its caller noted) if it did not fit.
+    /// Adds a check; false (its caller noted) if it did not fit.
     fn push_check(&mut self, c: Check) -> bool {
         if self.held >= QUEUE_MAX {
             self.dropped += 1;

@@ -126,15 +126,12 @@ impl Sizes {
         }
     }
 
-    /// The first of `levels` (root first) with a limit of its own on `gpu` itself (not `all`),
-    /// and that limit.
-    pub fn limit_on(&self, levels: &[u64], gpu: u32) -> Option<(u64, u64)> {
-        levels.iter().find_map(|&id| {
-            self.limits
-                .get(&key(id, gpu), 0)
-                .ok()
-                .map(|l: KernelLimit| (id, l.max))
-        })
+    /// The first of `levels` (root first) with a limit of its own on `gpu` itself (not `all`).
+    pub fn limited_on(&self, levels: &[u64], gpu: u32) -> Option<u64> {
+        levels
+            .iter()
+            .copied()
+            .find(|&id| self.limits.get(&key(id, gpu), 0).is_ok())
     }
 
     /// Notes what the driver holds beyond the charge for the object at `object` and returns the
