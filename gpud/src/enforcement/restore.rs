@@ -325,11 +325,7 @@ impl Restorer {
         let mut acted = Vec::new();
         if self.kill {
             for (object, e) in raced {
-                let killed = match self.controls.kill(e.pid, false) {
-                    Ok(()) => true,
-                    Err(ControlError::Gone { .. }) => false,
-                    Err(err) => return Err(err.into()),
-                };
+                let killed = self.kill_maker(e.pid)?;
                 let freed = super::crossing::free(
                     &mut self.controls,
                     &self.objects,
@@ -398,11 +394,7 @@ impl Restorer {
         let limited = self.sizes.limited_on(&levels, actual);
         let (mut killed, mut freed) = (false, None);
         if self.kill && limited.is_some() {
-            killed = match self.controls.kill(c.pid, false) {
-                Ok(()) => true,
-                Err(ControlError::Gone { .. }) => false,
-                Err(err) => return Err(err.into()),
-            };
+            killed = self.kill_maker(c.pid)?;
             freed = Some(super::crossing::free(
                 &mut self.controls,
                 &self.objects,
@@ -463,17 +455,23 @@ impl Restorer {
         }
         let (mut killed, mut freed) = (false, false);
         if self.kill {
-            killed = match self.controls.kill(c.pid, false) {
-                Ok(()) => true,
-                Err(ControlError::Gone { .. }) => false,
-                Err(err) => return Err(err.into()),
-            };
+            killed = self.kill_maker(c.pid)?;
             freed = through_a_holder(&mut self.controls, &likely, |ctl, pid| {
                 ctl.free_on(object(pid))
             })
             .is_ok();
         }
         Ok(FreeChecked::Survived { killed, freed })
+    }
+
+    /// Kills process `pid`, the maker of an object raced past the probes, through the pidfd kept
+    /// from its own call (never a process that took its pid since): whether it was signalled.
+    fn kill_maker(&mut self, pid: u32) -> Result<bool, RestoreError> {
+        match self.controls.kill(pid, false) {
+            Ok(()) => Ok(true),
+            Err(ControlError::Gone { .. }) => Ok(false),
+            Err(err) => Err(err.into()),
+        }
     }
 
     /// Reads back the timeslice of every channel group made through `r.file` and sets back to
