@@ -412,6 +412,17 @@ pub struct UsageKey {
     pub _pad: u32,
 }
 
+impl UsageKey {
+    /// The key of `cgroup_id`'s usage or limit on GPU key `gpu`.
+    pub const fn new(cgroup_id: u64, gpu: u32) -> Self {
+        Self {
+            cgroup_id,
+            gpu,
+            _pad: 0,
+        }
+    }
+}
+
 /// Value of the `LIMITS` map. `USAGE` values are bare `u64` byte counts, hierarchical: an
 /// allocation is charged to its cgroup and every ancestor, per GPU and to `GPU_ALL`.
 #[repr(C)]

@@ -63,11 +63,7 @@ pub(crate) fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
 
 #[inline(always)]
 pub(crate) fn usage(cgroup_id: u64, gpu: u32) -> u64 {
-    let key = UsageKey {
-        cgroup_id,
-        gpu,
-        _pad: 0,
-    };
+    let key = UsageKey::new(cgroup_id, gpu);
     match USAGE.get_ptr(key) {
         Some(p) => unsafe { core::ptr::read_volatile(p) },
         None => 0,
@@ -88,11 +84,7 @@ pub(crate) fn each_limit(
         }
         let id = anc.ids[i];
         for g in [gpu, GPU_ALL] {
-            let key = UsageKey {
-                cgroup_id: id,
-                gpu: g,
-                _pad: 0,
-            };
+            let key = UsageKey::new(id, g);
             if let Some(l) = LIMITS.get_ptr_mut(key)
                 && f(id, g, l)
             {
@@ -109,11 +101,7 @@ pub(crate) fn limited_on(anc: &Ancestry, gpu: u32) -> bool {
         if i as u32 >= anc.depth {
             break;
         }
-        let key = UsageKey {
-            cgroup_id: anc.ids[i],
-            gpu,
-            _pad: 0,
-        };
+        let key = UsageKey::new(anc.ids[i], gpu);
         if LIMITS.get_ptr_mut(key).is_some() {
             return true;
         }

@@ -175,11 +175,7 @@ fn note_vidheap(p: &mut Pending) {
 
 #[inline(always)]
 fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
-    let key = UsageKey {
-        cgroup_id,
-        gpu,
-        _pad: 0,
-    };
+    let key = UsageKey::new(cgroup_id, gpu);
     let Some(slot) = counter_slot(&USAGE, key) else {
         return;
     };
@@ -598,21 +594,16 @@ fn ask_device(key: ObjKey, serial: u64, gpu: u32) {
     if !limited_on(anc, GPU_UNKNOWN) {
         return;
     }
-    bump_stat(stat::DEVICE_READ_BACKS);
-    let sent = send(&Event {
-        kind: EVENT_DEVICE_READ_BACK,
-        tgid: current_tgid(),
-        cgroup_id: leaf,
-        client: key.client,
-        object: key.object,
-        value: serial,
-        bytes: 0,
+    let asked = ask(
+        EVENT_DEVICE_READ_BACK,
+        stat::DEVICE_READ_BACKS,
+        key,
+        serial,
+        0,
         gpu,
-        _pad: 0,
-    });
-    if !sent && let Some(hit) = limit_met(anc, GPU_UNKNOWN, 0, true) {
-        crossed(key.client, key.object, 0, hit);
-    }
+        leaf,
+    );
+    fail_closed_unless(asked, anc, key);
 }
 
 /// Charges a video-memory allocation made through the control file `p.file` and applies the
@@ -697,18 +688,52 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
 /// duplicate's source). False when the request cannot be sent (the ring full).
 #[inline(always)]
 fn ask_size(key: ObjKey, serial: u64, bytes: u64, gpu: u32, cgroup_id: u64) -> bool {
-    bump_stat(stat::MEMORY_READ_BACKS);
+    ask(
+        EVENT_MEM_READ_BACK,
+        stat::MEMORY_READ_BACKS,
+        key,
+        serial,
+        bytes,
+        gpu,
+        cgroup_id,
+    )
+}
+
+/// Sends the daemon a request of `kind` (one of the `EVENT_*_READ_BACK`) to read the object at
+/// `key` back from the driver, from the caller in `cgroup_id`, counted in `counter`. False when
+/// the ring cannot take it.
+#[inline(always)]
+fn ask(
+    kind: u32,
+    counter: u32,
+    key: ObjKey,
+    value: u64,
+    bytes: u64,
+    gpu: u32,
+    cgroup_id: u64,
+) -> bool {
+    bump_stat(counter);
     send(&Event {
-        kind: EVENT_MEM_READ_BACK,
+        kind,
         tgid: current_tgid(),
         cgroup_id,
         client: key.client,
         object: key.object,
-        value: serial,
+        value,
         bytes,
         gpu,
         _pad: 0,
     })
+}
+
+/// A read-back of the object at `key` that could not be `asked` fails closed: it counts as
+/// crossing the caller's first limit of any kind (the `unknown` key holds the entry beside
+/// per-GPU limits, and `all` is walked with it).
+#[inline(always)]
+fn fail_closed_unless(asked: bool, anc: &Ancestry, key: ObjKey) {
+    if !asked && let Some(hit) = limit_met(anc, GPU_UNKNOWN, 0, true) {
+        crossed(key.client, key.object, 0, hit);
+    }
 }
 
 /// A limit crossed by the caller (`hit`: the cgroup, GPU key and usage of [`limit_met`]):
@@ -884,21 +909,16 @@ fn ask_freed(key: ObjKey) {
     if !limited(anc, GPU_UNKNOWN) {
         return;
     }
-    bump_stat(stat::FREE_READ_BACKS);
-    let sent = send(&Event {
-        kind: EVENT_FREE_READ_BACK,
-        tgid: current_tgid(),
-        cgroup_id: leaf,
-        client: key.client,
-        object: key.object,
-        value: serial_now(),
-        bytes: 0,
-        gpu: GPU_UNKNOWN,
-        _pad: 0,
-    });
-    if !sent && let Some(hit) = limit_met(anc, GPU_UNKNOWN, 0, true) {
-        crossed(key.client, key.object, 0, hit);
-    }
+    let asked = ask(
+        EVENT_FREE_READ_BACK,
+        stat::FREE_READ_BACKS,
+        key,
+        serial_now(),
+        0,
+        GPU_UNKNOWN,
+        leaf,
+    );
+    fail_closed_unless(asked, anc, key);
 }
 
 /// Announces the release of a control file's last reference (its clients go with it), if any

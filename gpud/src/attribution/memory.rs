@@ -87,14 +87,7 @@ impl Attribution {
     pub fn usage_of(&self, cgroup_id: u64, gpu: u32) -> u64 {
         self.maps
             .usage
-            .get(
-                &UsageKey {
-                    cgroup_id,
-                    gpu,
-                    _pad: 0,
-                },
-                0,
-            )
+            .get(&UsageKey::new(cgroup_id, gpu), 0)
             .unwrap_or(0)
     }
 

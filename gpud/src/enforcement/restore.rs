@@ -119,6 +119,15 @@ pub enum SizeChecked {
     },
 }
 
+/// What the driver answered about an object ([`Restorer::ask_object`]).
+enum Asked<T> {
+    Answer(T),
+    /// The object, or every process holding its file, is gone.
+    Gone,
+    /// The driver refused the question (`NV_STATUS`).
+    Unanswered(u32),
+}
+
 /// What a device check found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceChecked {
@@ -281,29 +290,10 @@ impl Restorer {
             Ok(e) if e.serial == c.serial => e,
             _ => return Ok(SizeChecked::Gone),
         };
-        // The caller may have exited or handed the file on: the client's creator, or whoever
-        // holds the file now.
-        let likely = [Some(c.pid), self.creator_of(&key)];
-        let got = through_a_holder(&mut self.controls, &likely, |ctl, pid| {
-            ctl.surface_size(RmObject {
-                pid,
-                client: key.client,
-                object: key.object,
-            })
-        });
-        let size = match got {
-            Ok(size) => size,
-            Err(ControlError::Refused {
-                status: gpud_common::rm::status::NV_ERR_OBJECT_NOT_FOUND,
-                ..
-            })
-            | Err(ControlError::Gone { .. } | ControlError::NoFile { .. }) => {
-                return Ok(SizeChecked::Gone);
-            }
-            Err(ControlError::Refused { status, .. }) => {
-                return Ok(SizeChecked::Unanswered { status });
-            }
-            Err(e) => return Err(e.into()),
+        let size = match self.ask_object(c.pid, key, Controls::surface_size)? {
+            Asked::Answer(size) => size,
+            Asked::Gone => return Ok(SizeChecked::Gone),
+            Asked::Unanswered(status) => return Ok(SizeChecked::Unanswered { status }),
         };
         // Counted against the caller's cgroup: a duplicate's record carries its source's
         // charge, which may be a neighbour's.
@@ -365,27 +355,10 @@ impl Restorer {
             Ok(e) if e.serial == c.serial && e.kind == OBJ_DEVICE => {}
             _ => return Ok(DeviceChecked::Gone),
         }
-        let likely = [Some(c.pid), self.creator_of(&key)];
-        let got = through_a_holder(&mut self.controls, &likely, |ctl, pid| {
-            ctl.device_instance(RmObject {
-                pid,
-                client: key.client,
-                object: key.object,
-            })
-        });
-        let actual = match got {
-            Ok(gpu) => gpu,
-            Err(ControlError::Refused {
-                status: gpud_common::rm::status::NV_ERR_OBJECT_NOT_FOUND,
-                ..
-            })
-            | Err(ControlError::Gone { .. } | ControlError::NoFile { .. }) => {
-                return Ok(DeviceChecked::Gone);
-            }
-            Err(ControlError::Refused { status, .. }) => {
-                return Ok(DeviceChecked::Unanswered { status });
-            }
-            Err(e) => return Err(e.into()),
+        let actual = match self.ask_object(c.pid, key, Controls::device_instance)? {
+            Asked::Answer(gpu) => gpu,
+            Asked::Gone => return Ok(DeviceChecked::Gone),
+            Asked::Unanswered(status) => return Ok(DeviceChecked::Unanswered { status }),
         };
         if actual == c.recorded {
             return Ok(DeviceChecked::Same { gpu: actual });
@@ -430,24 +403,10 @@ impl Restorer {
         if remade(&self.objects) {
             return Ok(FreeChecked::Recorded);
         }
-        let likely = [Some(c.pid), self.creator_of(&key)];
-        let object = |pid| RmObject {
-            pid,
-            client: key.client,
-            object: key.object,
-        };
-        let got = through_a_holder(&mut self.controls, &likely, |ctl, pid| {
-            ctl.exists(object(pid))
-        });
-        match got {
-            Ok(true) => {}
-            Ok(false) | Err(ControlError::Gone { .. } | ControlError::NoFile { .. }) => {
-                return Ok(FreeChecked::Gone);
-            }
-            Err(ControlError::Refused { status, .. }) => {
-                return Ok(FreeChecked::Unanswered { status });
-            }
-            Err(e) => return Err(e.into()),
+        match self.ask_object(c.pid, key, Controls::exists)? {
+            Asked::Answer(true) => {}
+            Asked::Answer(false) | Asked::Gone => return Ok(FreeChecked::Gone),
+            Asked::Unanswered(status) => return Ok(FreeChecked::Unanswered { status }),
         }
         // Made again under the same handle while the driver was asked.
         if remade(&self.objects) {
@@ -456,12 +415,45 @@ impl Restorer {
         let (mut killed, mut freed) = (false, false);
         if self.kill {
             killed = self.kill_maker(c.pid)?;
-            freed = through_a_holder(&mut self.controls, &likely, |ctl, pid| {
-                ctl.free_on(object(pid))
-            })
-            .is_ok();
+            freed = matches!(
+                self.ask_object(c.pid, key, Controls::free_on),
+                Ok(Asked::Answer(()))
+            );
         }
         Ok(FreeChecked::Survived { killed, freed })
+    }
+
+    /// Asks `ask` of the object at `key` made by process `pid`, through the first process that
+    /// holds a file owning its client: the maker, the client's creator, then whoever holds the
+    /// file now. The object gone (`NV_ERR_OBJECT_NOT_FOUND`) or no holder left is
+    /// [`Asked::Gone`]; another refusal of the driver [`Asked::Unanswered`].
+    fn ask_object<T>(
+        &mut self,
+        pid: u32,
+        key: ObjKey,
+        mut ask: impl FnMut(&mut Controls, RmObject) -> Result<T, ControlError>,
+    ) -> Result<Asked<T>, RestoreError> {
+        let likely = [Some(pid), self.creator_of(&key)];
+        let got = through_a_holder(&mut self.controls, &likely, |ctl, pid| {
+            ask(
+                ctl,
+                RmObject {
+                    pid,
+                    client: key.client,
+                    object: key.object,
+                },
+            )
+        });
+        match got {
+            Ok(answer) => Ok(Asked::Answer(answer)),
+            Err(ControlError::Refused {
+                status: gpud_common::rm::status::NV_ERR_OBJECT_NOT_FOUND,
+                ..
+            })
+            | Err(ControlError::Gone { .. } | ControlError::NoFile { .. }) => Ok(Asked::Gone),
+            Err(ControlError::Refused { status, .. }) => Ok(Asked::Unanswered(status)),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Kills process `pid`, the maker of an object raced past the probes, through the pidfd kept

@@ -94,14 +94,6 @@ pub struct Sizes {
     excess: BTreeMap<ObjKey, Excess>,
 }
 
-fn key(cgroup_id: u64, gpu: u32) -> UsageKey {
-    UsageKey {
-        cgroup_id,
-        gpu,
-        _pad: 0,
-    }
-}
-
 impl Sizes {
     /// Over the kernel's `USAGE`, `LIMITS` and `ANCESTRY`.
     pub fn new(
@@ -131,7 +123,7 @@ impl Sizes {
         levels
             .iter()
             .copied()
-            .find(|&id| self.limits.get(&key(id, gpu), 0).is_ok())
+            .find(|&id| self.limits.get(&UsageKey::new(id, gpu), 0).is_ok())
     }
 
     /// Notes what the driver holds beyond the charge for the object at `object` and returns the
@@ -155,8 +147,13 @@ impl Sizes {
         let crossed = first_crossed(
             &levels,
             gpu,
-            |id, g| self.usage.get(&key(id, g), 0).unwrap_or(0),
-            |id, g| self.limits.get(&key(id, g), 0).ok().map(|l| l.max),
+            |id, g| self.usage.get(&UsageKey::new(id, g), 0).unwrap_or(0),
+            |id, g| {
+                self.limits
+                    .get(&UsageKey::new(id, g), 0)
+                    .ok()
+                    .map(|l| l.max)
+            },
             &self.excess,
             own,
         )?;

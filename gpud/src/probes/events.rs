@@ -351,16 +351,14 @@ impl Record {
         }
         // SAFETY: as above, for Event.
         let ev = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<Event>()) };
-        if ev.kind == EVENT_GUARD_READ_BACK {
-            return Ok(Self::ReadBack(ReadBack {
+        Ok(match ev.kind {
+            EVENT_GUARD_READ_BACK => Self::ReadBack(ReadBack {
                 pid: ev.tgid,
                 cgroup_id: ev.cgroup_id,
                 file: ev.value,
                 allowed: ev.bytes,
-            }));
-        }
-        if ev.kind == EVENT_MEM_READ_BACK {
-            return Ok(Self::SizeCheck(SizeCheck {
+            }),
+            EVENT_MEM_READ_BACK => Self::SizeCheck(SizeCheck {
                 pid: ev.tgid,
                 cgroup_id: ev.cgroup_id,
                 gpu: ev.gpu,
@@ -368,28 +366,24 @@ impl Record {
                 object: ev.object,
                 serial: ev.value,
                 charged: ev.bytes,
-            }));
-        }
-        if ev.kind == EVENT_DEVICE_READ_BACK {
-            return Ok(Self::DeviceCheck(DeviceCheck {
+            }),
+            EVENT_DEVICE_READ_BACK => Self::DeviceCheck(DeviceCheck {
                 pid: ev.tgid,
                 cgroup_id: ev.cgroup_id,
                 client: ev.client,
                 object: ev.object,
                 serial: ev.value,
                 recorded: ev.gpu,
-            }));
-        }
-        if ev.kind == EVENT_FREE_READ_BACK {
-            return Ok(Self::FreeCheck(FreeCheck {
+            }),
+            EVENT_FREE_READ_BACK => Self::FreeCheck(FreeCheck {
                 pid: ev.tgid,
                 cgroup_id: ev.cgroup_id,
                 client: ev.client,
                 object: ev.object,
                 at: ev.value,
-            }));
-        }
-        KernelEvent::from_raw(&ev).map(Self::Event)
+            }),
+            _ => Self::Event(KernelEvent::from_raw(&ev)?),
+        })
     }
 }
 

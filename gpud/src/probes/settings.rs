@@ -4,7 +4,7 @@
 //! [`KernelSettings`]; the memory enforcement and the guard write through it. The attribution
 //! reads the limits back for its views through a handle of its own that it never writes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use aya::maps::{HashMap as BpfHashMap, MapData};
 use gpud_common::{GPU_ALL, GPU_UNKNOWN, GuardKey, KernelLimit, UNNAMED_GPU_MAX, UsageKey};
@@ -34,57 +34,58 @@ impl KernelSettings {
     /// cgroup's limit on GPUs the probes cannot name ([`UNNAMED_GPU_MAX`]).
     pub fn set_limit(&mut self, cgroup_id: u64, gpu: u32, max: u64) -> Result<(), SettingError> {
         self.put(cgroup_id, gpu, max)?;
-        self.keep_unnamed(cgroup_id)
+        if named(gpu) {
+            self.put(cgroup_id, GPU_UNKNOWN, UNNAMED_GPU_MAX)?;
+        }
+        Ok(())
     }
 
     /// Removes a memory limit (absent is fine); the cgroup's limit on unnamed GPUs goes with
     /// its last limit on one GPU.
     pub fn clear_limit(&mut self, cgroup_id: u64, gpu: u32) -> Result<(), SettingError> {
-        remove_key(&mut self.limits, &limit_key(cgroup_id, gpu)).map_err(|source| {
-            SettingError {
-                map: gpud_common::maps::LIMITS,
-                source,
-            }
-        })?;
-        self.keep_unnamed(cgroup_id)
+        self.remove(cgroup_id, gpu)?;
+        let last = named(gpu)
+            && !map_entries(&self.limits)
+                .iter()
+                .any(|(k, _)| k.cgroup_id == cgroup_id && named(k.gpu));
+        if last {
+            self.remove(cgroup_id, GPU_UNKNOWN)?;
+        }
+        Ok(())
     }
 
     fn put(&mut self, cgroup_id: u64, gpu: u32, max: u64) -> Result<(), SettingError> {
-        let key = limit_key(cgroup_id, gpu);
+        let key = UsageKey::new(cgroup_id, gpu);
         let events = self.limits.get(&key, 0).map(|l| l.events).unwrap_or(0);
         self.limits
             .insert(key, KernelLimit { max, events }, 0)
-            .map_err(|source| SettingError {
-                map: gpud_common::maps::LIMITS,
-                source,
-            })
+            .map_err(limits_error)
     }
 
-    /// Keeps `cgroup_id`'s `GPU_UNKNOWN` entry in step with its limits: present (at
-    /// [`UNNAMED_GPU_MAX`]) exactly while it has a limit on some GPU by itself.
-    fn keep_unnamed(&mut self, cgroup_id: u64) -> Result<(), SettingError> {
-        let per_gpu = map_entries(&self.limits)
-            .iter()
-            .any(|(k, _)| k.cgroup_id == cgroup_id && named(k.gpu));
-        if per_gpu {
-            return self.put(cgroup_id, GPU_UNKNOWN, UNNAMED_GPU_MAX);
-        }
-        remove_key(&mut self.limits, &limit_key(cgroup_id, GPU_UNKNOWN)).map_err(|source| {
-            SettingError {
-                map: gpud_common::maps::LIMITS,
-                source,
-            }
-        })
+    fn remove(&mut self, cgroup_id: u64, gpu: u32) -> Result<(), SettingError> {
+        remove_key(&mut self.limits, &UsageKey::new(cgroup_id, gpu)).map_err(limits_error)
     }
 
-    /// [`Self::keep_unnamed`] for every cgroup the map holds a limit of: after a start on
-    /// pinned maps a previous daemon may have left out of step (or an older one, without them).
+    /// Puts every cgroup's limit on unnamed GPUs in step with its limits, in one walk of the
+    /// map: present (at [`UNNAMED_GPU_MAX`]) exactly while it has a limit on some GPU by itself.
+    /// After a start on pinned maps a previous daemon may have left them out of step (or an
+    /// older one, without them).
     pub fn keep_all_unnamed(&mut self) -> Result<(), SettingError> {
-        let cgroups: std::collections::BTreeSet<u64> = map_entries(&self.limits)
-            .into_iter()
-            .map(|(k, _)| k.cgroup_id)
-            .collect();
-        cgroups.into_iter().try_for_each(|id| self.keep_unnamed(id))
+        let (mut per_gpu, mut unnamed) = (BTreeSet::new(), BTreeSet::new());
+        for (k, _) in map_entries(&self.limits) {
+            if named(k.gpu) {
+                per_gpu.insert(k.cgroup_id);
+            } else if k.gpu == GPU_UNKNOWN {
+                unnamed.insert(k.cgroup_id);
+            }
+        }
+        for &id in per_gpu.difference(&unnamed) {
+            self.put(id, GPU_UNKNOWN, UNNAMED_GPU_MAX)?;
+        }
+        for &id in unnamed.difference(&per_gpu) {
+            self.remove(id, GPU_UNKNOWN)?;
+        }
+        Ok(())
     }
 
     /// Memory limits in force: (cgroup id, GPU key) → max. The limits on unnamed GPUs that go
@@ -131,11 +132,10 @@ impl KernelSettings {
     }
 }
 
-fn limit_key(cgroup_id: u64, gpu: u32) -> UsageKey {
-    UsageKey {
-        cgroup_id,
-        gpu,
-        _pad: 0,
+fn limits_error(source: aya::maps::MapError) -> SettingError {
+    SettingError {
+        map: gpud_common::maps::LIMITS,
+        source,
     }
 }
 

@@ -64,11 +64,7 @@ pub(crate) fn pinned_limit(bpffs: &Path, cgroup_id: u64) -> Option<u64> {
         .join(format!("v{}", gpud_common::ABI_VERSION))
         .join(gpud_common::maps::LIMITS);
     let map = libbpf_rs::MapHandle::from_pinned_path(path).ok()?;
-    let key = gpud_common::UsageKey {
-        cgroup_id,
-        gpu: gpud_common::GPU_ALL,
-        ..Default::default()
-    };
+    let key = gpud_common::UsageKey::new(cgroup_id, gpud_common::GPU_ALL);
     // SAFETY: UsageKey is repr(C) plain data; the slice covers exactly its bytes.
     let bytes = unsafe {
         std::slice::from_raw_parts(
