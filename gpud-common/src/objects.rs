@@ -67,6 +67,40 @@ pub struct ObjEntry {
     /// Memory: the charge it holds, named by the serial of the allocation that made it (its own
     /// serial for an allocation, the original's for a duplicate). The driver frees the pages
     /// with their last handle, so the bytes are uncharged with the charge's last holder
-    /// (`SHARES` counts the others). 0 for other kinds.
+    /// (`SHARES` counts the others). A channel group: what its own process did to it
+    /// ([`OWNER_SCHEDULED`], [`OWNER_OFF_RUNLIST`], [`OWNER_DISABLES`]; [`ObjEntry::owner_holds`]).
+    /// 0 for other kinds.
     pub charge: u64,
+}
+
+/// A channel group's [`ObjEntry::charge`] bit: its own process took it off the runlist
+/// (`GPFIFO_SCHEDULE` disable) and has not put it back.
+pub const OWNER_OFF_RUNLIST: u64 = 1 << 63;
+
+/// A channel group's [`ObjEntry::charge`] bit: its own process put it on the runlist
+/// (`GPFIFO_SCHEDULE` enable: CUDA's last step in making a context's group).
+pub const OWNER_SCHEDULED: u64 = 1 << 62;
+
+/// The [`ObjEntry::charge`] bits of a channel group that count its own process's disables.
+pub const OWNER_DISABLES: u64 = !(OWNER_OFF_RUNLIST | OWNER_SCHEDULED);
+
+impl ObjEntry {
+    /// A channel group's holds by its own process, as the scheduler guard saw its controls: the
+    /// group off the runlist ([`OWNER_OFF_RUNLIST`]) and, below it, how many disables of its
+    /// channels (`FIFO_DISABLE_CHANNELS`) it made beyond its enables (the driver counts them).
+    /// Non-zero: the process holds its own work off, and gpud's sweep after a raced control
+    /// leaves the group alone.
+    pub fn owner_holds(&self) -> u64 {
+        if self.kind == OBJ_CHANNEL_GROUP {
+            self.charge & !OWNER_SCHEDULED
+        } else {
+            0
+        }
+    }
+
+    /// Whether a channel group's own process has put it on the runlist ([`OWNER_SCHEDULED`]):
+    /// before that its context is still being made, and gpud does not put it there first.
+    pub fn owner_scheduled(&self) -> bool {
+        self.kind == OBJ_CHANNEL_GROUP && self.charge & OWNER_SCHEDULED != 0
+    }
 }

@@ -23,7 +23,8 @@ use gpud_common::{
     GUARD_CLAMPED, GUARD_DENIED, GUARD_EVENT_BURST, GUARD_EVENT_GAP_NS, GUARD_KILLED,
     GUARD_REASON_FLAGS, GUARD_REASON_FORBIDDEN, GUARD_REASON_FOREIGN, GUARD_REASON_HELD,
     GUARD_REASON_LEGACY, GUARD_REASON_TIMESLICE, GUARD_REFUSED, GUARD_RESTORED, GUARD_UNENFORCED,
-    GuardBucket, GuardKey, ObjKey, ProbeConfig, nv,
+    GuardBucket, GuardKey, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OWNER_DISABLES,
+    OWNER_OFF_RUNLIST, OWNER_SCHEDULED, ObjKey, ProbeConfig, nv,
     rm::{
         self,
         sched::{self, Rule},
@@ -89,7 +90,7 @@ pub(crate) fn control<const REWRITE: bool>(
         },
         Rule::Timeslice => timeslice(cfg, c)?,
         Rule::DisableChannels => channels_rule(file, c)?,
-        Rule::Schedule => held_enable(c)?,
+        Rule::Schedule => held_enable(file, c)?,
     };
     bump_stat(stat::SCHED_GUARDED);
     let action = if cfg.flags & CFG_SCHED_ENFORCE == 0 {
@@ -278,10 +279,18 @@ pub(crate) fn restore_at_exit(id: u64) {
 #[inline(always)]
 pub(crate) fn watch_group(file: u64, group: ObjKey) {
     // The file first: the daemon prunes watched groups whose file is not marked.
-    let _ = SCHED_FILES.insert(file, 0, BPF_NOEXIST as u64);
+    watch_file(file);
     if SCHED_GROUPS.insert(group, file, 0).is_err() {
         bump_stat(stat::SCHED_GROUPS_FULL);
     }
+}
+
+/// A channel group or a subdevice was made through control file `file`: its controls are read
+/// back. A subdevice is all `FIFO_DISABLE_CHANNELS` needs, so a file with one and no channel
+/// group of its own can still disable a neighbour's channels.
+#[inline(always)]
+pub(crate) fn watch_file(file: u64) {
+    let _ = SCHED_FILES.insert(file, 0, BPF_NOEXIST as u64);
 }
 
 /// Whether a control on `file` by the caller is read back at its exit: a tenant's (not gpud's)
@@ -445,9 +454,11 @@ fn reject(nvos54: u64, c: &rm::Nvos54) -> bool {
 }
 
 /// `GPFIFO_SCHEDULE` putting back on the runlist a channel group gpud holds off it. `None` for
-/// any other (CUDA's own enables at context creation, a disable), or a malformed call.
+/// any other (CUDA's own enables at context creation, a disable), or a malformed call. A group
+/// of the caller's own that it takes off the runlist or puts back is noted on the group
+/// ([`owner_schedules`]).
 #[inline(always)]
-fn held_enable(c: &rm::Nvos54) -> Option<Finding> {
+fn held_enable(file: u64, c: &rm::Nvos54) -> Option<Finding> {
     if c.params_size as usize != size_of::<rm::tsg::ScheduleParams>() {
         return None;
     }
@@ -456,11 +467,92 @@ fn held_enable(c: &rm::Nvos54) -> Option<Finding> {
         client: c.h_client,
         object: c.h_object,
     };
-    (enable != 0 && unsafe { HELD_GROUPS.get(key) }.is_some()).then_some(Finding {
+    let held = enable != 0 && unsafe { HELD_GROUPS.get(key) }.is_some();
+    if !held && own_client(file, c.h_client) {
+        owner_schedules(key, enable != 0);
+    }
+    held.then_some(Finding {
         reason: GUARD_REASON_HELD,
         asked: 1,
         allowed: 0,
     })
+}
+
+// ---- the owner's own holds ---------------------------------------------------------------------
+//
+// A raced `FIFO_DISABLE_CHANNELS` (its client list naming the caller's own client when the guard
+// reads it and a neighbour's when the driver copies it) leaves no state the driver answers a
+// query of, so after a tenant's control the daemon puts other processes' channel groups back on
+// the runlist, which clears their channels' disables (the driver counts them). What a process
+// holds off itself must stay off: its own disables and runlist removals are noted on the group's
+// `OBJECTS` entry (`ObjEntry::owner_holds`), and the daemon leaves a group with any alone. Only
+// calls on the caller's own client are noted: a client named in user memory that another process
+// made is never the caller's to mark.
+
+/// Whether `client` is one the caller made, on `file` or in its own process (as the foreign-client
+/// rule tells them apart). False for a client gpud never saw made.
+#[inline(always)]
+fn own_client(file: u64, client: u32) -> bool {
+    unsafe {
+        OBJECTS.get(ObjKey {
+            client,
+            object: client,
+        })
+    }
+    .is_some_and(|e| e.kind == OBJ_CLIENT && (e.file == file || e.tgid == current_tgid()))
+}
+
+/// The caller took its own group `key` off the runlist (`enable` false) or put it on, which
+/// also clears its channels' disables in the driver.
+#[inline(always)]
+fn owner_schedules(key: ObjKey, enable: bool) {
+    let Some(g) = OBJECTS.get_ptr_mut(key) else {
+        return;
+    };
+    let g = unsafe { &mut *g };
+    if g.kind != OBJ_CHANNEL_GROUP {
+        return;
+    }
+    g.charge = if enable {
+        OWNER_SCHEDULED
+    } else {
+        g.charge | OWNER_OFF_RUNLIST
+    };
+}
+
+/// The caller disabled (or enabled) its own channel `(client, channel)`: one more (or one
+/// fewer) of its disables on the channel's group.
+#[inline(always)]
+fn owner_disables(client: u32, channel: u32, disable: bool) {
+    let Some(ch) = (unsafe {
+        OBJECTS.get(ObjKey {
+            client,
+            object: channel,
+        })
+    }) else {
+        return;
+    };
+    if ch.kind != OBJ_CHANNEL {
+        return;
+    }
+    let group = ObjKey {
+        client,
+        object: ch.parent,
+    };
+    let Some(g) = OBJECTS.get_ptr_mut(group) else {
+        return;
+    };
+    let g = unsafe { &mut *g };
+    if g.kind != OBJ_CHANNEL_GROUP {
+        return;
+    }
+    let count = g.charge & OWNER_DISABLES;
+    let count = if disable {
+        count + 1
+    } else {
+        count.saturating_sub(1)
+    };
+    g.charge = g.charge & !OWNER_DISABLES | count & OWNER_DISABLES;
 }
 
 /// Makes the call one the driver answers `NV_OK` without doing anything: the control's class
@@ -503,29 +595,33 @@ fn channels_rule(file: u64, c: &rm::Nvos54) -> Option<Finding> {
             client,
             object: client,
         };
-        if let Some(e) = unsafe { OBJECTS.get(key) }
-            && e.file != file
-            && e.tgid != tgid
-        {
-            return Some(Finding {
-                reason: GUARD_REASON_FOREIGN,
-                asked: client as u64,
-                allowed: 0,
-            });
-        }
-        if disable == 0 && held.is_none() {
-            let channel: u32 = unsafe { user(c.params + sched::DISABLE_CHANNEL_LIST as u64 + at)? };
-            let key = ObjKey {
-                client,
-                object: channel,
-            };
-            if unsafe { HELD_GROUPS.get(key) }.is_some() {
-                held = Some(Finding {
-                    reason: GUARD_REASON_HELD,
-                    asked: channel as u64,
+        let own = match unsafe { OBJECTS.get(key) } {
+            Some(e) if e.file != file && e.tgid != tgid => {
+                return Some(Finding {
+                    reason: GUARD_REASON_FOREIGN,
+                    asked: client as u64,
                     allowed: 0,
                 });
             }
+            Some(e) => e.kind == OBJ_CLIENT,
+            None => false,
+        };
+        let channel: u32 = unsafe { user(c.params + sched::DISABLE_CHANNEL_LIST as u64 + at)? };
+        let key = ObjKey {
+            client,
+            object: channel,
+        };
+        // An enable of a channel gpud holds is refused: not an enable of the owner's.
+        let held_here = disable == 0 && unsafe { HELD_GROUPS.get(key) }.is_some();
+        if held_here && held.is_none() {
+            held = Some(Finding {
+                reason: GUARD_REASON_HELD,
+                asked: channel as u64,
+                allowed: 0,
+            });
+        }
+        if own && !held_here {
+            owner_disables(client, channel, disable != 0);
         }
         at += 4;
     }

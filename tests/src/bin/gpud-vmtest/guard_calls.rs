@@ -5,7 +5,8 @@ use super::*;
 
 /// A tenant for the scheduler guard: its own client, device 0, subdevice, channel group and
 /// channel on the fake control device, answering `ids`, `ts US` (set, then read back), `get`,
-/// `schedule 0|1` (its group off or on the runlist), `fuzz SEED N CLIENT CHANNEL` (see
+/// `schedule 0|1` (its group off or on the runlist), `race-disable CLIENT CHANNEL N WAIT_MS` (see
+/// [`gpud_tests::rm::attack::race_disable`]), `fuzz SEED N CLIENT CHANNEL` (see
 /// [`guard_fuzz`]),
 /// `disable|enable CLIENT CHANNEL`, `ctl NAME` (a control tenants may not use) and `malformed`.
 pub(super) fn guard_tenant(
@@ -50,6 +51,23 @@ pub(super) fn guard_tenant(
                     n.parse().unwrap_or(0),
                 );
                 format!("calls={} refused={}", r.calls, r.refused)
+            }
+            // Disables of its own channel whose list a second thread points at (CLIENT,
+            // CHANNEL) WAIT_MS into each call.
+            ["race-disable", vc, vch, n, wait_ms] => {
+                let r = gpud_tests::rm::attack::race_disable(
+                    &rm,
+                    (client, sub, chan),
+                    (num(vc) as u32, num(vch) as u32),
+                    n.parse().unwrap_or(0),
+                    Some(std::time::Duration::from_millis(
+                        wait_ms.parse().unwrap_or(0),
+                    )),
+                );
+                format!(
+                    "calls={} refused={} failed={}",
+                    r.calls, r.refused, r.failed
+                )
             }
             ["schedule", on] => {
                 let mut p = tsg::ScheduleParams {

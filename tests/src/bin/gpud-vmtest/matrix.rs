@@ -116,7 +116,11 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
     // The daemon's restorer, run here in turn with the ring (the tenants are forked: no threads):
     // undoes where the guard reacts, reads back on every row.
     let mut restorer = restorer.context("no restorer")?;
-    let (undone, read_back) = (std::cell::Cell::new(0u32), std::cell::Cell::new(0u32));
+    let (undone, read_back, swept) = (
+        std::cell::Cell::new(0u32),
+        std::cell::Cell::new(0u32),
+        std::cell::Cell::new(0u32),
+    );
     let mut pump_all = |ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
                         attribution: &mut Attribution|
      -> anyhow::Result<()> {
@@ -139,6 +143,7 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
                     .read_back(&r)
                     .with_context(|| format!("reading back a tenant's groups (pid {})", r.pid))?;
                 read_back.set(read_back.get() + 1);
+                restorer.ask_sweep();
             } else if let Ok(Record::Undo(r)) = record {
                 ensure!(reacts, "an undo asked of a guard that rewrites");
                 restorer
@@ -148,6 +153,13 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
             } else if let Ok(Record::Event(ev)) = record {
                 attribution.on_kernel_event(&ev);
             }
+        }
+        if restorer
+            .sweep_due()
+            .is_some_and(|due| due <= std::time::Instant::now())
+        {
+            restorer.sweep().context("sweeping the channel groups")?;
+            swept.set(swept.get() + 1);
         }
         Ok(())
     };
@@ -264,18 +276,63 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
     );
     // A neighbour's channels: disabled by a tenant naming them, and whether they stay so.
     let ib: Vec<String> = b.ask("ids")?.split(' ').map(str::to_owned).collect();
+    let b_channel = |fake: &gpud_tests::fakenv::FakeNv| {
+        fake.snapshot()
+            .channels
+            .iter()
+            .find(|c| format!("{:#x}", c.handle) == ib[2] && format!("{:#x}", c.client) == ib[0])
+            .map(|c| (c.enabled, c.disabled_times))
+    };
+    // First through a second thread that points the tenant's disable of its own channel at
+    // the neighbour's after the guard read it: gpud puts the groups back on the runlist. The
+    // neighbour's context is made first (its group put on the runlist, CUDA's last step).
+    ensure!(
+        b.ask("schedule 1")? == "errno=0 status=0x0",
+        "the neighbour's group"
+    );
+    let disables_before = b_channel(&fake).map_or(0, |c| c.1);
+    // Widened so that it wins: the driver answers 50 ms late, the list turned 10 ms into each
+    // call (the guard has read the caller's own channel there by then).
+    fake.inject("delay-ioctl-ms 50")
+        .map_err(anyhow::Error::msg)?;
+    let raced = a
+        .ask(&format!("race-disable {} {} 4 10", ib[0], ib[2]))
+        .unwrap_or_else(|e| format!("no answer: {e}"));
+    fake.inject("delay-ioctl-ms 0")
+        .map_err(anyhow::Error::msg)?;
+    let started = std::time::Instant::now();
+    let mut back = false;
+    while started.elapsed() < std::time::Duration::from_secs(1) {
+        pump_all(&mut ring, &mut attribution)?;
+        if b_channel(&fake).is_some_and(|c| c.0) {
+            back = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let reached = b_channel(&fake).map_or(0, |c| c.1) - disables_before;
+    println!(
+        "[{tag}] raced disable ({raced}; the neighbour's disables reaching the driver: \
+         {reached}; sweeps: {}): the neighbour {} after {:?}",
+        swept.get(),
+        if back { "enabled" } else { "still disabled" },
+        started.elapsed()
+    );
+    ensure!(
+        reached > 0,
+        "no raced disable reached the neighbour's channel ({raced})"
+    );
+    ensure!(
+        back,
+        "the neighbour's channel left disabled 1 s after a raced FIFO_DISABLE_CHANNELS"
+    );
     // Killed before it answers where the guard reacts with `kill`.
     let r = a
         .ask(&format!("disable {} {}", ib[0], ib[2]))
         .unwrap_or_else(|e| format!("no answer: {e}"));
     pump_all(&mut ring, &mut attribution)?;
     std::thread::sleep(std::time::Duration::from_millis(5));
-    let enabled = fake
-        .snapshot()
-        .channels
-        .iter()
-        .find(|c| format!("{:#x}", c.handle) == ib[2] && format!("{:#x}", c.client) == ib[0])
-        .map(|c| c.enabled);
+    let enabled = b_channel(&fake).map(|c| c.0);
     let neighbour = match enabled {
         Some(true) => "kept",
         Some(false) => "left disabled",

@@ -455,11 +455,12 @@ impl Rm {
                 .and_then(|c| c.objects.get_mut(&h))
                 .and_then(|o| o.channel.as_mut())
             {
-                ch.disables = if d.disable == 0 {
-                    ch.disables.saturating_sub(1)
+                if d.disable == 0 {
+                    ch.disables = ch.disables.saturating_sub(1);
                 } else {
-                    ch.disables + 1
-                };
+                    ch.disables += 1;
+                    ch.disabled_times += 1;
+                }
             }
         }
         status::NV_OK

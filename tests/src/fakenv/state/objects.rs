@@ -327,7 +327,10 @@ impl Rm {
                     interleave: 0,
                     realtime: false,
                 }),
-                channel: matches!(kind, Kind::Channel).then_some(Chan { disables: 0 }),
+                channel: matches!(kind, Kind::Channel).then_some(Chan {
+                    disables: 0,
+                    disabled_times: 0,
+                }),
             },
         );
         self.stats.created += 1;
