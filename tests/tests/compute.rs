@@ -47,6 +47,8 @@ fn tenant(rig: &Rig, name: &str) -> Tenant {
     for _ in 0..2 {
         p.handle(&format!("channel {client} {group}"));
     }
+    // Its group put on the runlist, CUDA's last step in making a context.
+    p.ok(&format!("schedule {client} {group} 1"));
     p.ok("burn");
     Tenant { p, cg, group }
 }
@@ -426,6 +428,51 @@ async fn a_cap_alone_holds_in_hardware_and_clearing_it_sets_the_tenant_free() {
     );
 }
 
+/// The restorer's sweep (every group put back on the runlist after tenants' controls, which
+/// clears their channels' disables) must never lift a hold of the compute law: a neighbour making
+/// controls in a loop brings a sweep every 10 ms while a capped tenant's channels are disabled
+/// and enabled by the law, and the cap holds as it does alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cap_holds_while_a_neighbours_controls_bring_sweeps() {
+    let _serial = SERIAL.lock().await;
+    let Some((rig, ts)) = world("compute-sweep", "stop", true, &["sweep-cap"]).await else {
+        return;
+    };
+    set(&rig, &ts[0], &[("compute_max", zbus::Variant::from(30u32))]).await;
+    groups_until(&rig, "windows", |s| s.control_count(DISABLE_CHANNELS) >= 10);
+    let cg = Cgroup::new("sweep-noisy");
+    let mut noisy = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = noisy.client_device(0);
+    noisy.handle(&format!("subdevice {client} {device}"));
+    let group = noisy.handle(&format!("channel-group {client} {device}"));
+    noisy.handle(&format!("channel {client} {group}"));
+    noisy.ok(&format!("schedule {client} {group} 1"));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let looping = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut calls = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                noisy.ok(&format!("timeslice-loop {client} {group} 2048 200"));
+                calls += 200;
+            }
+            (noisy, calls)
+        })
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    expect_shares(
+        &rig,
+        "compute_max=30 with a neighbour's controls bringing sweeps",
+        &ts,
+        &[30.0],
+        5,
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (_noisy, calls) = looping.join().expect("the neighbour's loop");
+    println!("the neighbour made {calls} controls meanwhile");
+    assert!(calls > 1000, "the neighbour made only {calls} controls");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn where_the_firmware_ignores_the_controls_shares_fall_back_to_the_freezer() {
     let _serial = SERIAL.lock().await;
@@ -577,13 +624,15 @@ async fn with_hardware_off_no_control_is_issued_and_best_effort_yields_to_latenc
         got[0] <= 5.0 && got[1] >= 80.0,
         "best-effort / latency-critical: {got:?}"
     );
-    // compute.hardware = false: gpud issued no control at all.
+    // compute.hardware = false: the law issued no control (no group taken off the runlist and
+    // preempted, no timeslice set). The scheduler guard's sweeps after the tenants' own controls
+    // only put groups back on the runlist, which they never left.
     let s = rig.fake().snapshot();
     for t in [&be, &lc] {
         let g = group_of(&s, t);
         assert_eq!(
-            (g.schedules, g.preempts, g.timeslice_us),
-            (0, 0, 1024),
+            (g.enabled, g.preempts, g.timeslice_us),
+            (true, 0, 1024),
             "{g:?}"
         );
     }
