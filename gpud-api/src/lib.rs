@@ -85,7 +85,7 @@ pub fn cgroup_of_object_path(object: &str) -> Option<String> {
 /// everyone and these to root and the group only, and the daemon checks their callers again. A
 /// test introspects the daemon and fails on a method that is in neither list, so a new method
 /// must be classified here or in the policy file.
-pub const MUTATING_METHODS: &[&str] = &["SetLimits", "ClearLimits", "SetWorkload"];
+pub const MUTATING_METHODS: &[&str] = &["SetLimits", "ClearLimits", "SetWorkload", "ShareCharges"];
 
 /// Every signal the daemon emits (of `dev.gpud.Manager1` and `dev.gpud.Gpu1`), by name: what
 /// `gpudctl events` decodes. A test compares it, and the proxies, with the running daemon's

@@ -66,6 +66,7 @@ pub trait Manager1 {
         limits: BTreeMap<&str, zbus::Variant<'_>>,
     ) -> zbus::Result<(String, String)>;
     fn set_workload(&self, cgroup: &str, names: &BTreeMap<String, String>) -> zbus::Result<()>;
+    fn share_charges(&self, cgroup: &str, group: &str) -> zbus::Result<()>;
     fn clear_limits(&self, cgroup: &str, gpu: &str, names: &[&str]) -> zbus::Result<()>;
     fn list_limits(&self) -> zbus::Result<Vec<LimitRecord>>;
     // Not cached by the proxy: the daemon sends no change signal for these.

@@ -191,6 +191,14 @@ impl Client {
             .await
     }
 
+    /// GPU memory charged to `cgroup` from now on is also charged to `group` and held to its
+    /// limits (a claim's cgroup: [`crate::claim`]).
+    pub async fn share_charges(&self, cgroup: &str, group: &str) -> Result<(), RuntimeError> {
+        let call = format!("ShareCharges({cgroup}, {group})");
+        self.bounded(&call, self.proxy.share_charges(cgroup, group))
+            .await
+    }
+
     /// Limits in force on `cgroup`, by GPU (for checks and logs).
     pub async fn limits_of(
         &self,

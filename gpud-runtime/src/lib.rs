@@ -16,6 +16,7 @@
 
 pub mod annotations;
 pub mod cgroup;
+pub mod claim;
 pub mod client;
 pub mod logging;
 pub mod nri;

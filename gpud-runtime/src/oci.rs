@@ -90,6 +90,9 @@ pub enum Outcome {
         applied: Applied,
         ignored: Vec<Ignored>,
         pod: Option<(String, Applied)>,
+        /// The claim's own cgroup, where the container's memory is also charged
+        /// ([`crate::claim`]).
+        claim_group: Option<String>,
         warnings: Vec<String>,
     },
     /// The container has no shares (after leaving out `ignored`).
@@ -112,11 +115,54 @@ pub struct Record {
     /// The pod's cgroup whose ledger lists this container as a user of a claim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    /// The claim whose ledger lists this container as a user ([`crate::claim`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<String>,
 }
 
 /// The pod ledgers' directory under the record directory.
 fn ledger(cfg: &HookConfig) -> crate::pod::Ledger {
     crate::pod::Ledger::new(cfg.record_dir.join("pods"))
+}
+
+/// The claim ledgers' directory under the record directory.
+fn claims(cfg: &HookConfig) -> crate::claim::Claims {
+    crate::claim::Claims::new(cfg.record_dir.join("claims"))
+}
+
+/// The claim's own cgroup, shared by every pod using the claim, gets the claim's memory, and the
+/// container's charges go there too ([`crate::claim`]): however many pods use the claim, its
+/// memory is one limit. Before the container runs (it is charged nothing yet). The claim's
+/// cgroup where the claim's ledger now lists the container, with what went wrong.
+async fn share_claim(
+    client: &Client,
+    cfg: &HookConfig,
+    (claim, pod): (&str, &str),
+    (id, cgroup): (&str, &str),
+    grant: &crate::annotations::Shares,
+) -> (Option<String>, Result<(), RuntimeError>) {
+    let memory = crate::claim::memory_of(grant);
+    if memory.is_empty() {
+        return (None, Ok(()));
+    }
+    let Some(root) = super::cgroup::root() else {
+        return (
+            None,
+            Err(RuntimeError::Cgroup(
+                "no cgroup v2 hierarchy is mounted".to_owned(),
+            )),
+        );
+    };
+    let group = match claims(cfg).join(&root, claim, pod, id) {
+        Ok(g) => g,
+        Err(e) => return (None, Err(e)),
+    };
+    let result = async {
+        client.apply(&group, &memory).await.1?;
+        client.share_charges(cgroup, &group).await
+    }
+    .await;
+    (Some(group), result)
 }
 
 /// Reads and parses the OCI state from `input` (the hook's standard input).
@@ -201,12 +247,23 @@ pub fn prune_records(dir: &Path) -> usize {
         return 0;
     };
     let gone = super::cgroup::remove_records_of_gone(dir, &root, |r: &Record| &r.cgroup);
+    let claims = crate::claim::Claims::new(dir.join("claims"));
     for record in &gone {
         tracing::info!(
             container = %record.id,
             cgroup = %record.cgroup,
             "record of a container whose cgroup is gone removed"
         );
+        // Its poststop never ran: it leaves its claim here.
+        if let Some(claim) = &record.claim
+            && let Err(e) = claims.leave(&root, claim, &record.id)
+        {
+            tracing::warn!(
+                claim,
+                "cannot update the claim's ledger: {}",
+                crate::report::Chain(&e)
+            );
+        }
     }
     gone.len() + crate::pod::Ledger::new(dir.join("pods")).prune(&root)
 }
@@ -261,12 +318,25 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
     }
     let mut pod = None;
     let mut pod_result = Ok(());
+    let mut claim_group = None;
     let shares = match &pod_cgroup {
         Some((claim, pod_cg)) => {
             let change = ledger(cfg).join(pod_cg, claim, id, &decision.grant)?;
             let (applied, result) = client.apply_change(&change).await;
             pod = Some((pod_cg.clone(), applied));
             pod_result = result;
+            if pod_result.is_ok() {
+                let (group, result) = share_claim(
+                    &client,
+                    cfg,
+                    (claim, pod_cg),
+                    (id, &cgroup),
+                    &decision.grant,
+                )
+                .await;
+                claim_group = group.map(|g| ((*claim).clone(), g));
+                pod_result = result;
+            }
             decision.asked.clone()
         }
         None => decision.shares.clone(),
@@ -283,6 +353,7 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
             cgroup: cgroup.clone(),
             gpus: applied.gpus.clone(),
             pod: pod.as_ref().map(|(cg, _)| cg.clone()),
+            claim: claim_group.as_ref().map(|(c, _)| c.clone()),
         };
         if let Err(e) = save(&cfg.record_dir, &record) {
             // The limits stay until gpud sees the cgroup removed; not worth failing the
@@ -320,6 +391,7 @@ pub async fn create(state: &State, cfg: &HookConfig) -> Result<Outcome, RuntimeE
         applied,
         ignored,
         pod,
+        claim_group: claim_group.map(|(_, g)| g),
         warnings,
     })
 }
@@ -343,6 +415,17 @@ async fn poststop_of(id: &str, cfg: &HookConfig) -> Result<Outcome, RuntimeError
         Some(pod) => Some(ledger(cfg).leave(pod, &record.id)),
         None => None,
     };
+    // The claim's own cgroup goes with its last user (gpud drops its limits with it).
+    if let Some(claim) = &record.claim
+        && let Some(root) = super::cgroup::root()
+        && let Err(e) = claims(cfg).leave(&root, claim, &record.id)
+    {
+        tracing::warn!(
+            claim,
+            "cannot update the claim's ledger: {}",
+            crate::report::Chain(&e)
+        );
+    }
     let result = async {
         let client = Client::connect(&cfg.bus, cfg.timeout).await?;
         client.clear(&record.cgroup, &record.gpus).await?;
@@ -436,6 +519,7 @@ mod tests {
             cgroup: "/a/b".into(),
             gpus: vec!["all".into(), "0".into()],
             pod: None,
+            claim: Some("uid-gpu-0".into()),
         };
         assert!(save(&dir, &r).is_ok());
         // A record written before pods were kept reads as one without a pod.
@@ -458,12 +542,14 @@ mod tests {
             cgroup: format!("/gpud-no-such-cgroup-{}", std::process::id()),
             gpus: vec!["all".into()],
             pod: None,
+            claim: None,
         };
         let live = Record {
             id: "live".into(),
             cgroup: "/".into(),
             gpus: vec!["all".into()],
             pod: None,
+            claim: None,
         };
         for r in [&gone, &live] {
             save(&dir, r).expect("save");

@@ -86,19 +86,6 @@ impl Ledger {
         Self { dir: dir.into() }
     }
 
-    fn path(&self, pod: &str) -> PathBuf {
-        // One file name per cgroup path: every byte outside [A-Za-z0-9._-] escaped.
-        let mut name = String::new();
-        for b in pod.bytes() {
-            if b.is_ascii_alphanumeric() || b"._-".contains(&b) {
-                name.push(char::from(b));
-            } else {
-                name.push_str(&format!("%{b:02X}"));
-            }
-        }
-        self.dir.join(format!("{name}.json"))
-    }
-
     /// Runs `change` on the record of `pod` under the file's exclusive lock and writes it back
     /// (removes it when no claim is left).
     fn update(
@@ -106,48 +93,24 @@ impl Ledger {
         pod: &str,
         change: impl FnOnce(&mut PodRecord),
     ) -> Result<Change, RuntimeError> {
-        let io = |path: &Path| {
-            let path = path.to_owned();
-            move |source| RuntimeError::Io { path, source }
-        };
-        std::fs::create_dir_all(&self.dir).map_err(io(&self.dir))?;
-        let path = self.path(pod);
-        let mut file = File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(io(&path))?;
-        file.lock().map_err(io(&path))?;
-        let mut text = String::new();
-        file.read_to_string(&mut text).map_err(io(&path))?;
-        let mut record: PodRecord = if text.trim().is_empty() {
-            PodRecord {
-                cgroup: pod.to_owned(),
-                ..PodRecord::default()
-            }
-        } else {
-            serde_json::from_str(&text)
-                .map_err(|e| RuntimeError::Input(format!("{}: {e}", path.display())))?
-        };
-        let before = total(&record)?;
-        change(&mut record);
-        record.claims.retain(|_, c| !c.users.is_empty());
-        let after = total(&record)?;
-        if record.claims.is_empty() {
-            std::fs::remove_file(&path).map_err(io(&path))?;
-        } else {
-            let text = serde_json::to_string(&record)
-                .map_err(|e| RuntimeError::Input(format!("cannot encode the pod record: {e}")))?;
-            file.set_len(0).map_err(io(&path))?;
-            file.rewind().map_err(io(&path))?;
-            file.write_all(text.as_bytes()).map_err(io(&path))?;
-        }
-        Ok(Change {
+        let path = record_file(&self.dir, pod);
+        let fresh = || PodRecord {
             cgroup: pod.to_owned(),
-            before,
-            after,
+            ..PodRecord::default()
+        };
+        locked_update(&path, fresh, |record: &mut PodRecord| {
+            let before = total(record)?;
+            change(record);
+            record.claims.retain(|_, c| !c.users.is_empty());
+            let after = total(record)?;
+            Ok((
+                !record.claims.is_empty(),
+                Change {
+                    cgroup: pod.to_owned(),
+                    before,
+                    after,
+                },
+            ))
         })
     }
 
@@ -186,6 +149,70 @@ impl Ledger {
             }
         })
     }
+}
+
+/// `name` with every byte outside `[A-Za-z0-9._-]` written as `esc` and two hex digits: one
+/// distinct file or directory name per name.
+pub(crate) fn escaped(name: &str, esc: char) -> String {
+    let mut out = String::new();
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || (b"._-".contains(&b) && char::from(b) != esc) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("{esc}{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The ledger file of `key` (a pod's cgroup, a claim) under `dir`.
+pub(crate) fn record_file(dir: &Path, key: &str) -> PathBuf {
+    dir.join(format!("{}.json", escaped(key, '%')))
+}
+
+/// Runs `change` on the JSON record at `path` (`fresh()` where there is none) under the file's
+/// exclusive lock, so that hooks of several containers running at once each see the others'
+/// changes; writes it back where `change` answers true, else removes the file. The directory is
+/// made where missing.
+pub(crate) fn locked_update<T: Serialize + serde::de::DeserializeOwned, R>(
+    path: &Path,
+    fresh: impl FnOnce() -> T,
+    change: impl FnOnce(&mut T) -> Result<(bool, R), RuntimeError>,
+) -> Result<R, RuntimeError> {
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| RuntimeError::Io { path, source }
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+    }
+    let mut file = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(io(path))?;
+    file.lock().map_err(io(path))?;
+    let mut text = String::new();
+    file.read_to_string(&mut text).map_err(io(path))?;
+    let mut record: T = if text.trim().is_empty() {
+        fresh()
+    } else {
+        serde_json::from_str(&text)
+            .map_err(|e| RuntimeError::Input(format!("{}: {e}", path.display())))?
+    };
+    let (keep, out) = change(&mut record)?;
+    if keep {
+        let text = serde_json::to_string(&record)
+            .map_err(|e| RuntimeError::Input(format!("cannot encode {}: {e}", path.display())))?;
+        file.set_len(0).map_err(io(path))?;
+        file.rewind().map_err(io(path))?;
+        file.write_all(text.as_bytes()).map_err(io(path))?;
+    } else {
+        std::fs::remove_file(path).map_err(io(path))?;
+    }
+    Ok(out)
 }
 
 /// The pod's limits: per GPU, the claims' memory and compute summed (each within its range),

@@ -383,6 +383,84 @@ async fn limits_of_a_removed_cgroup_go_at_once() {
     );
 }
 
+/// `ShareCharges`: two cgroups in different subtrees (the containers of two pods sharing one
+/// grant) have their memory also charged to a third, whose `memory_max` then holds them
+/// together, to the byte; what frees it uncharges it. Bad requests are refused with a clear
+/// error and change nothing: the group below the cgroup or the other way round, a cgroup that
+/// does not exist, and a cgroup charged already (whose charges would be uncharged along another
+/// ancestry than they were charged along).
+#[tokio::test(flavor = "multi_thread")]
+async fn cgroups_sharing_charges_are_held_together_by_the_groups_limit() {
+    let Some(rig) = started("mem-share", "kill", false).await else {
+        return;
+    };
+    let (p1, p2) = (Cgroup::new("mem-share-pod1"), Cgroup::new("mem-share-pod2"));
+    let (a, b) = (p1.child("a"), p2.child("b"));
+    let group = Cgroup::new("mem-share-claim");
+    let (_c, p) = rig.proxy().await;
+    let refused = |r: zbus::Result<()>| match r {
+        Err(zbus::Error::MethodError(name, msg, _)) => {
+            format!("{name}: {}", msg.unwrap_or_default())
+        }
+        other => panic!("not refused: {other:?}"),
+    };
+    let below = refused(p.share_charges(&a.rel, &p1.rel).await);
+    assert!(
+        below.starts_with("dev.gpud.Error.InvalidArgument") && below.contains("below it"),
+        "{below}"
+    );
+    let missing = refused(p.share_charges(&a.rel, "/mem-share-no-such").await);
+    assert!(missing.starts_with("dev.gpud.Error.NotFound"), "{missing}");
+    for c in [&a, &b] {
+        p.share_charges(&c.rel, &group.rel)
+            .await
+            .expect("ShareCharges");
+        // Again: nothing changes.
+        p.share_charges(&c.rel, &group.rel)
+            .await
+            .expect("ShareCharges again");
+    }
+    rig.set_limit(&group.rel, "all", "memory_max", "64Mi").await;
+    let mut in_a = RmProcess::spawn(Some(&a.dir), &rig.ctl());
+    let (ca, da) = in_a.client_device(0);
+    let first = in_a.handle(&format!("alloc {ca} {da} {}", 40 * MIB));
+    let mut in_b = RmProcess::spawn(Some(&b.dir), &rig.ctl());
+    let (cb, db) = in_b.client_device(0);
+    let g = rig.get_cgroup(&group.rel).await;
+    assert_eq!(g.memory_current.get("all"), Some(&(40 * MIB)), "{g:?}");
+    // 40 + 30 MiB: the second pod's allocation crosses the group's limit and is killed.
+    assert!(
+        in_b.try_cmd(&format!("alloc {cb} {db} {}", 30 * MIB))
+            .is_none(),
+        "the second cgroup took the group past its limit:\n{}",
+        rig.log_text()
+    );
+    // A charged cgroup cannot join a group any more.
+    let charged = refused(
+        p.share_charges(&a.rel, &Cgroup::new("mem-share-other").rel)
+            .await,
+    );
+    assert!(charged.contains("charged to it already"), "{charged}");
+    // What is freed leaves the group too.
+    in_a.ok(&format!("free {ca} {first}"));
+    let freed = eventually(Duration::from_secs(5), || async {
+        let g = rig.get_cgroup(&group.rel).await;
+        (g.memory_current.get("all").copied().unwrap_or(0) == 0).then_some(())
+    })
+    .await;
+    assert!(freed.is_some(), "{:?}", rig.get_cgroup(&group.rel).await);
+    // Each pod's own cgroup saw only its own container's memory.
+    assert_eq!(
+        rig.get_cgroup(&p2.rel)
+            .await
+            .memory_current
+            .get("all")
+            .copied()
+            .unwrap_or(0),
+        0
+    );
+}
+
 /// Where the kernel refuses `bpf_probe_write_user` (this machine's lockdown; the VM test covers
 /// a kernel that allows it), gpud runs without the in-container memory view and says why: on
 /// D-Bus, in `gpudctl status` and in its log; a limited cgroup reads the driver's own figures;

@@ -165,6 +165,7 @@ fn report(log: &Log, outcome: &Outcome) {
             applied,
             ignored,
             pod,
+            claim_group,
             warnings,
         } => {
             for line in ignored
@@ -178,6 +179,12 @@ fn report(log: &Log, outcome: &Outcome) {
                 log.line(&format!(
                     "the claim's shares on the pod's cgroup {pod} (GPU {})",
                     applied.gpus.join(", ")
+                ));
+            }
+            if let Some(group) = claim_group {
+                log.line(&format!(
+                    "the claim's memory on its own cgroup {group}, which {cgroup}'s GPU memory is \
+                     also charged to"
                 ));
             }
             if !applied.gpus.is_empty() {

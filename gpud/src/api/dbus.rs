@@ -261,6 +261,26 @@ impl Manager {
         clear_limits_of(&self.daemon, cgroup, gpu, names).await
     }
 
+    /// GPU memory charged to `cgroup` from now on is also charged to `group` (both paths
+    /// relative to the cgroup v2 root, neither below the other), and `group`'s `memory_max`
+    /// limits hold it as an ancestor's would: one limit over cgroups of different subtrees, such
+    /// as the containers of several pods sharing one grant (`group` a cgroup made for it, with
+    /// no processes). Must come before `cgroup` is charged (a container's cgroup before the
+    /// container runs): a cgroup charged already is refused (`InvalidArgument`). Lasts as long
+    /// as `cgroup` does; cgroups below it charge without `group`.
+    async fn share_charges(
+        &self,
+        #[zbus(connection)] conn: &zbus::Connection,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        cgroup: &str,
+        group: &str,
+    ) -> Result<(), ApiError> {
+        self.authz.check(conn, &header).await?;
+        check_len("cgroup", cgroup)?;
+        check_len("group", group)?;
+        Ok(self.daemon.share_charges(cgroup, group).await?)
+    }
+
     /// Names the Kubernetes workload a cgroup runs: `names` holds `namespace`, `pod` and, for
     /// a container's cgroup, `container` (what the runtime integrations report); empty forgets
     /// them. They label the cgroup's records and metrics (`CgroupRecord`'s `workload`) and are

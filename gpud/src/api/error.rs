@@ -13,9 +13,8 @@ impl From<AttributionError> for ApiError {
         let text = Chain(&e).to_string();
         match e {
             AttributionError::Cgroup(CgroupError::NotFound(_)) => Self::NotFound(text),
-            AttributionError::Cgroup(CgroupError::InvalidPath { .. }) => {
-                Self::InvalidArgument(text)
-            }
+            AttributionError::Cgroup(CgroupError::InvalidPath { .. })
+            | AttributionError::ShareRefused { .. } => Self::InvalidArgument(text),
             _ => Self::Failed(text),
         }
     }

@@ -5,12 +5,12 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use gpud_common::{
-    GPU_ALL, GPU_UNKNOWN, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_SUBDEVICE, ObjEntry,
-    ObjKey, UsageKey,
+    Ancestry, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT,
+    OBJ_SUBDEVICE, ObjEntry, ObjKey, UsageKey,
 };
 use tracing::{debug, info, warn};
 
-use super::{Attribution, ChannelGroup, RmRef, TenantObjects};
+use super::{Attribution, AttributionError, ChannelGroup, RmRef, TenantObjects};
 use crate::probes::map_entries;
 
 /// Name of a GPU key in records: the index, `unknown`, or `all`.
@@ -367,6 +367,74 @@ impl Attribution {
         }
     }
 
+    /// From now on, GPU memory charged to the cgroup at `member` is also charged to the cgroup at
+    /// `group`, and `group`'s limits hold it as an ancestor's do: one limit over cgroups in
+    /// different subtrees (the containers of several pods that share one grant). The kernel
+    /// charges along the ancestry it records for a cgroup at its first charge (`ANCESTRY`); this
+    /// records `member`'s with `group` in it first, so it must come before `member` is charged
+    /// (a container's cgroup before the container runs): a cgroup charged already is refused,
+    /// as what it holds would be uncharged along another ancestry than it was charged along.
+    /// Asking again for the same group does nothing. The record goes with `member`'s cgroup
+    /// (the sweep); cgroups below `member` charge along their own ancestry, without `group`.
+    pub fn share_charges(&mut self, member: &str, group: &str) -> Result<(), AttributionError> {
+        let (member, member_id) = self.id_of(member)?;
+        let (group, group_id) = self.id_of(group)?;
+        let refused = |why| AttributionError::ShareRefused {
+            member: member.clone(),
+            group: group.clone(),
+            why,
+        };
+        let within = |outer: &str, inner: &str| {
+            outer == "/" || inner == outer || inner.starts_with(&format!("{outer}/"))
+        };
+        if within(&group, &member) || within(&member, &group) {
+            return Err(refused(
+                "one is the other or below it: the tree charges it already",
+            ));
+        }
+        // The ids from the root down to `member`, `group` put just above it.
+        let mut ids = vec![self.cgroups.id_of("/")?];
+        let mut at = String::new();
+        for part in member.trim_start_matches('/').split('/') {
+            at = format!("{at}/{part}");
+            ids.push(self.cgroups.id_of(&at)?);
+        }
+        ids.insert(ids.len() - 1, group_id);
+        if ids.len() > MAX_CGROUP_DEPTH {
+            return Err(refused(
+                "the cgroup is too deep for the kernel's ancestry record",
+            ));
+        }
+        let mut record = Ancestry {
+            depth: ids.len() as u32,
+            ..Ancestry::default()
+        };
+        record.ids[..ids.len()].copy_from_slice(&ids);
+        match self.maps.ancestry.get(&member_id, 0) {
+            Ok(a) if a == record => return Ok(()),
+            Ok(_) => {
+                let charged = map_entries(&self.maps.usage)
+                    .into_iter()
+                    .any(|(k, bytes)| k.cgroup_id == member_id && bytes != 0);
+                if charged {
+                    return Err(refused("memory is charged to it already"));
+                }
+                self.maps.ancestry.insert(member_id, record, 0)?;
+            }
+            // None yet: made here, unless the kernel made one meanwhile (a first charge).
+            Err(_) => match self.maps.ancestry.insert(member_id, record, BPF_NOEXIST) {
+                Ok(()) => {}
+                Err(_) => return Err(refused("memory is charged to it already")),
+            },
+        }
+        info!(
+            cgroup = %member,
+            group = %group,
+            "the cgroup's GPU memory is also charged to the group, and held to its limits"
+        );
+        Ok(())
+    }
+
     /// Forgets ancestry records and zero usage entries of removed cgroups that no object is
     /// charged to any more. The order matters: first which cgroups are gone, then which are
     /// still charged. An object charged to a cgroup was allocated before the cgroup could be
@@ -411,6 +479,9 @@ impl Attribution {
         }
     }
 }
+
+/// `bpf_map_update_elem`'s flag: make an entry, never replace one.
+const BPF_NOEXIST: u64 = 1;
 
 /// Now on the clock the probes stamp objects with (`CLOCK_MONOTONIC`, as `bpf_ktime_get_ns`).
 fn monotonic_ns() -> Option<u64> {

@@ -35,6 +35,12 @@ pub enum AttributionError {
     Map(#[from] aya::maps::MapError),
     #[error(transparent)]
     Probes(#[from] crate::probes::ProbeError),
+    #[error("the charges of {member} cannot also go to {group}: {why}")]
+    ShareRefused {
+        member: String,
+        group: String,
+        why: &'static str,
+    },
 }
 
 /// Whether a tracked process is shown as a user of NVIDIA files (a process forked by one is

@@ -81,6 +81,7 @@ impl Handle {
             Request::SetLimits { .. }
             | Request::ClearLimits { .. }
             | Request::SetWorkload { .. }
+            | Request::ShareCharges { .. }
             | Request::Reconfigure(..) => self.writes.send(request).await.is_ok(),
         };
         if !sent {
@@ -136,6 +137,19 @@ impl Handle {
                 cgroup,
                 gpu,
                 names,
+                reply,
+            })
+            .await??)
+    }
+
+    /// GPU memory charged to `cgroup` from now on is also charged to `group` and held to its
+    /// limits ([`crate::attribution::Attribution::share_charges`]).
+    pub async fn share_charges(&self, cgroup: &str, group: &str) -> Result<(), DaemonError> {
+        let (cgroup, group) = (cgroup.to_owned(), group.to_owned());
+        Ok(self
+            .ask(|reply| Request::ShareCharges {
+                cgroup,
+                group,
                 reply,
             })
             .await??)

@@ -72,6 +72,12 @@ pub(super) enum Request {
         names: Vec<String>,
         reply: oneshot::Sender<Result<(), EnforcementError>>,
     },
+    /// A cgroup's GPU memory also charged to, and held to the limits of, another cgroup.
+    ShareCharges {
+        cgroup: String,
+        group: String,
+        reply: oneshot::Sender<Result<(), EnforcementError>>,
+    },
     /// Names the workload a cgroup runs (labels only).
     SetWorkload {
         cgroup: String,

@@ -223,6 +223,14 @@ fn answer(state: &mut State, request: Request) -> Option<Intervals> {
             limits_changed(state);
             reply(to, done);
         }
+        Request::ShareCharges {
+            cgroup,
+            group,
+            reply: to,
+        } => {
+            let done = state.core.attribution.share_charges(&cgroup, &group);
+            reply(to, done.map_err(Into::into));
+        }
         Request::SetWorkload {
             cgroup,
             names,

@@ -363,13 +363,21 @@ async fn dra_claims_through_the_kubelets_grpc_go_get_their_limits_and_survive_re
 /// pod's cgroup, set once however many of its containers run the claim's hook; the containers
 /// together never hold more than the claim, and the sidecar is inside it. The pod keeps the
 /// claim's limit until its last user stops.
-#[tokio::test(flavor = "multi_thread")]
-async fn one_claim_in_two_containers_and_a_sidecar_is_one_limit_on_the_pod() {
-    const MIB: u64 = 1 << 20;
-    let Some(rig) = Rig::new("k8s-dra-pod").fake_device(1) else {
-        return;
-    };
-    let mut rig = rig.fake_gpus(1);
+/// A daemon on the fake device (react `kill`), gpud-k8s's DRA plugin registered with the
+/// faithful kubelet, and claim `uid` ("shared": 512 MiB and 30 % of GPU 0) prepared: its CDI
+/// spec, and where the hooks keep their records.
+struct Prepared {
+    rig: Rig,
+    _api: TestApiServer,
+    dra: DraProcess,
+    _kubelet: PluginWatcher,
+    spec: std::path::PathBuf,
+    records: std::path::PathBuf,
+    dir: std::path::PathBuf,
+}
+
+async fn prepared_shared_claim(tag: &str, uid: &str) -> Option<Prepared> {
+    let mut rig = Rig::new(tag).fake_device(1)?.fake_gpus(1);
     rig.start(
         rig.config()
             .react_action("kill")
@@ -378,8 +386,8 @@ async fn one_claim_in_two_containers_and_a_sidecar_is_one_limit_on_the_pod() {
     )
     .await;
     rig.wait_for_gpus(1).await;
-    let api = TestApiServer::start("dra-pod-token").await;
-    let mut shared = claim("uid-p", "shared", "gpu-0");
+    let api = TestApiServer::start(&format!("{tag}-token")).await;
+    let mut shared = claim(uid, "shared", "gpu-0");
     shared["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"] =
         json!({ "memory": "512Mi", "compute": "30" });
     api.put(shared);
@@ -387,18 +395,41 @@ async fn one_claim_in_two_containers_and_a_sidecar_is_one_limit_on_the_pod() {
     api.write_kubeconfig(&kubeconfig);
     let dra = DraProcess::start(&rig, &kubeconfig, &[], 0);
     let d = rig.path().to_owned();
-    let records = d.join("hook-records");
     let kubelet = PluginWatcher::start(&d.join("registry"));
     kubelet
         .wait_registered(DRIVER, WAIT)
         .await
         .unwrap_or_else(|log| panic!("not registered:\n{log}\n{}", dra.log_text()));
     let resp = kubelet
-        .prepare(DRIVER, vec![pb_claim("uid-p", "shared")])
+        .prepare(DRIVER, vec![pb_claim(uid, "shared")])
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", dra.log_text()));
-    assert_eq!(resp.claims["uid-p"].error, "", "{}", dra.log_text());
-    let spec = d.join("cdi/gpud.dev-claim_uid-p.json");
+    assert_eq!(resp.claims[uid].error, "", "{}", dra.log_text());
+    Some(Prepared {
+        spec: d.join(format!("cdi/gpud.dev-claim_{uid}.json")),
+        records: d.join("hook-records"),
+        dir: d,
+        rig,
+        _api: api,
+        dra,
+        _kubelet: kubelet,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_claim_in_two_containers_and_a_sidecar_is_one_limit_on_the_pod() {
+    const MIB: u64 = 1 << 20;
+    let Some(Prepared {
+        rig,
+        dra,
+        spec,
+        records,
+        dir: d,
+        ..
+    }) = prepared_shared_claim("k8s-dra-pod", "uid-p").await
+    else {
+        return;
+    };
 
     // The kubelet's layout: a pod cgroup (cgroupfs driver) with a cgroup per container.
     let kubepods = Cgroup::new("dra-kubepods");
@@ -474,4 +505,88 @@ async fn one_claim_in_two_containers_and_a_sidecar_is_one_limit_on_the_pod() {
         rig.limits(&pod.rel).await
     );
     drop((in_a, in_b));
+}
+
+/// One claim referenced by two pods (a shareable claim): the scheduler reserved it once, and
+/// each pod's cgroup carries it, so without more the two pods could hold twice its memory. The
+/// hook makes the claim a cgroup of its own beside the first pod (`gpud-claim-<claim>`) with the
+/// claim's `memory_max`, and has gpud charge each container using it there too: together the
+/// pods never pass the claim. The cgroup goes with the claim's last user.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_claim_in_two_pods_is_one_limit() {
+    const MIB: u64 = 1 << 20;
+    let Some(Prepared {
+        rig,
+        spec,
+        records,
+        dir: d,
+        ..
+    }) = prepared_shared_claim("k8s-dra-pods", "uid-s").await
+    else {
+        return;
+    };
+
+    // Two pods (the cgroupfs driver's layout), one container each, both using the claim.
+    let kubepods = Cgroup::new("dra-pods-kubepods");
+    let pod1 = kubepods.child("pod1b0c5e2a-0001");
+    let pod2 = kubepods.child("pod1b0c5e2a-0002");
+    let a = Container::from_spec_in(&spec, pod1.child("a"), "dra-pa", &d);
+    let b = Container::from_spec_in(&spec, pod2.child("b"), "dra-pb", &d);
+    a.run("createRuntime", &records);
+    b.run("createRuntime", &records);
+    let group = format!("{}/gpud-claim-uid-s-gpu-0", kubepods.rel);
+    rig.expect_in_force(&group, &[("0", 512 * MIB)]).await;
+    for pod in [&pod1, &pod2] {
+        rig.expect_in_force(&pod.rel, &[("0", 512 * MIB)]).await;
+    }
+
+    // 300 MiB in each pod: the second takes the claim past 512 MiB and is killed in the call.
+    let mut in_a = gpud_tests::RmProcess::spawn(Some(&a.cg.dir), &rig.ctl());
+    let (client, device) = in_a.client_device(0);
+    in_a.ok(&format!("alloc {client} {device} {}", 300 * MIB));
+    let mut in_b = gpud_tests::RmProcess::spawn(Some(&b.cg.dir), &rig.ctl());
+    let (client, device) = in_b.client_device(0);
+    let answer = in_b.try_cmd(&format!("alloc {client} {device} {}", 300 * MIB));
+    assert!(
+        answer.is_none(),
+        "the second pod took the claim past its memory: {answer:?}\n{}",
+        rig.log_text()
+    );
+    let group_view = rig.get_cgroup(&group).await;
+    println!(
+        "the claim's cgroup: charged {:?}, limit {:?}, crossings {}",
+        group_view.memory_current, group_view.memory_max, group_view.memory_events
+    );
+    assert!(group_view.memory_events > 0, "{group_view:?}");
+    let within = rig
+        .fake()
+        .wait(Duration::from_secs(5), |s| s.used_total() <= 512 * MIB);
+    assert!(
+        within.is_ok(),
+        "the two pods hold {} bytes",
+        rig.fake().snapshot().used_total()
+    );
+    // Within the claim, the second pod allocates (once gpud has released what the killed
+    // process held).
+    rig.expect_eventually("the killed allocation released", WAIT, || async {
+        let g = rig.get_cgroup(&group).await;
+        (g.memory_current.get("0").copied().unwrap_or(0) <= 300 * MIB).then_some(())
+    })
+    .await;
+    let mut in_b = gpud_tests::RmProcess::spawn(Some(&b.cg.dir), &rig.ctl());
+    let (client, device) = in_b.client_device(0);
+    in_b.ok(&format!("alloc {client} {device} {}", 200 * MIB));
+
+    // The claim's cgroup stays while a user is left, and goes with the last.
+    drop((in_a, in_b));
+    a.run("poststop", &records);
+    assert!(
+        kubepods.dir.join("gpud-claim-uid-s-gpu-0").is_dir(),
+        "b still uses the claim"
+    );
+    b.run("poststop", &records);
+    assert!(
+        !kubepods.dir.join("gpud-claim-uid-s-gpu-0").exists(),
+        "the claim's cgroup outlived its last user"
+    );
 }
