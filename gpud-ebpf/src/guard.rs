@@ -482,8 +482,8 @@ fn held_enable(file: u64, c: &rm::Nvos54) -> Option<Finding> {
 //
 // A raced `FIFO_DISABLE_CHANNELS` (its client list naming the caller's own client when the guard
 // reads it and a neighbour's when the driver copies it) leaves no state the driver answers a
-// query of, so after a tenant's control the daemon puts other processes' channel groups back on
-// the runlist, which clears their channels' disables (the driver counts them). What a process
+// query of, so after a tenant's control the daemon puts the recorded channel groups back on the
+// runlist, which clears their channels' disables (the driver counts them). What a process
 // holds off itself must stay off: its own disables and runlist removals are noted on the group's
 // `OBJECTS` entry (`ObjEntry::owner_holds`), and the daemon leaves a group with any alone. Only
 // calls on the caller's own client are noted: a client named in user memory that another process

@@ -606,9 +606,9 @@ impl Restorer {
 
     /// Puts back on the runlist every recorded channel group (where only groups the law held
     /// wait, those) that its own process put there and neither it nor the compute law holds
-    /// off: the driver
-    /// clears a group's channels' disables when it is put back (as the H200 showed), so any
-    /// disable another process raced into the driver is undone, whatever the guard read.
+    /// off: the driver clears a group's channels' disables when it is put back (as the H200
+    /// showed), so any disable another process raced into the driver is undone, whatever the
+    /// guard read.
     pub fn sweep(&mut self) -> Result<Swept, RestoreError> {
         let full = std::mem::take(&mut self.sweep_asked);
         self.swept = Some(Instant::now());
