@@ -56,6 +56,19 @@ fn tenant(cg: &Cgroup, ctl: &std::path::Path) -> (RmProcess, [u32; 4]) {
     (p, [c, s, g, ch])
 }
 
+/// A daemon on the fake device whose guard only reports the caller of a foreign disable
+/// (`guard_react_action = "report"`: it lives on, and what it did is undone); `None` without
+/// FUSE.
+async fn reporting(tag: &str) -> Option<Rig> {
+    let mut rig = Rig::new(tag).fake_device(1)?;
+    let config = rig
+        .config()
+        .react_action("notify")
+        .set("enforcement.guard_react_action", "report");
+    rig.start(config).await;
+    Some(rig)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn tenants_scheduling_controls_are_reported_with_their_allowance_and_the_mode_reloads() {
     let Some(mut rig) = Rig::new("guard").fake_device(1) else {
@@ -353,14 +366,9 @@ async fn where_the_guard_can_only_react_it_restores_and_kills_the_foreign_caller
 /// foreign disables (a `RESTORE LATENCY` line).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_victims_channels_are_enabled_again_after_each_foreign_disable() {
-    let Some(mut rig) = Rig::new("guard-victim").fake_device(1) else {
+    let Some(rig) = reporting("guard-victim").await else {
         return;
     };
-    let config = rig
-        .config()
-        .react_action("notify")
-        .set("enforcement.guard_react_action", "report");
-    rig.start(config).await;
     if !only_reacts(&rig).await {
         return;
     }
@@ -529,14 +537,9 @@ async fn a_timeslice_raced_past_the_guard_is_read_back_and_set_back() {
 /// where the guard does see the neighbour's client.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_disable_raced_past_the_guard_is_swept_back() {
-    let Some(mut rig) = Rig::new("guard-race-disable").fake_device(1) else {
+    let Some(rig) = reporting("guard-race-disable").await else {
         return;
     };
-    let config = rig
-        .config()
-        .react_action("notify")
-        .set("enforcement.guard_react_action", "report");
-    rig.start(config).await;
     let cg = Cgroup::new("guard-race-disable");
     let ctl = rig.ctl();
     let (mut a, [ca, sa, ga, cha]) = tenant(&cg, &ctl);
@@ -629,14 +632,9 @@ async fn a_disable_raced_past_the_guard_is_swept_back() {
 /// files), not only through the client's creator, which is gone.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_victims_channels_are_enabled_through_whoever_holds_its_file_now() {
-    let Some(mut rig) = Rig::new("guard-holder").fake_device(1) else {
+    let Some(rig) = reporting("guard-holder").await else {
         return;
     };
-    let config = rig
-        .config()
-        .react_action("notify")
-        .set("enforcement.guard_react_action", "report");
-    rig.start(config).await;
     if !only_reacts(&rig).await {
         return;
     }

@@ -413,19 +413,26 @@ impl Attribution {
         match self.maps.ancestry.get(&member_id, 0) {
             Ok(a) if a == record => return Ok(()),
             Ok(_) => {
-                let charged = map_entries(&self.maps.usage)
-                    .into_iter()
-                    .any(|(k, bytes)| k.cgroup_id == member_id && bytes != 0);
+                // Every charge on a GPU is also one under `all`.
+                let charged = self
+                    .maps
+                    .usage
+                    .get(&UsageKey::new(member_id, GPU_ALL), 0)
+                    .is_ok_and(|bytes| bytes != 0);
                 if charged {
                     return Err(refused("memory is charged to it already"));
                 }
                 self.maps.ancestry.insert(member_id, record, 0)?;
             }
             // None yet: made here, unless the kernel made one meanwhile (a first charge).
-            Err(_) => match self.maps.ancestry.insert(member_id, record, BPF_NOEXIST) {
-                Ok(()) => {}
-                Err(_) => return Err(refused("memory is charged to it already")),
-            },
+            Err(_) => {
+                if let Err(e) = self.maps.ancestry.insert(member_id, record, BPF_NOEXIST) {
+                    if self.maps.ancestry.get(&member_id, 0).is_ok() {
+                        return Err(refused("memory is charged to it already"));
+                    }
+                    return Err(e.into());
+                }
+            }
         }
         info!(
             cgroup = %member,

@@ -413,23 +413,13 @@ pub fn race_disable(
         return out;
     };
     for _ in 0..n {
-        let (entered, returned) = (AtomicBool::new(false), AtomicBool::new(false));
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                while !entered.load(Ordering::Acquire) {
-                    std::hint::spin_loop();
-                }
-                std::thread::sleep(wait);
-                set_entry(sp, victim);
-                while !returned.load(Ordering::Acquire) {
-                    std::hint::spin_loop();
-                }
-                set_entry(sp, (client, own));
-            });
-            entered.store(true, Ordering::Release);
-            call(&mut out);
-            returned.store(true, Ordering::Release);
-        });
+        timed_race(
+            wait,
+            &|| false,
+            || set_entry(sp, victim),
+            |()| set_entry(sp, (client, own)),
+            || call(&mut out),
+        );
     }
     out
 }
@@ -540,35 +530,57 @@ struct Timed<'a, T: Copy> {
     answered: &'a (dyn Fn() -> bool + Sync),
 }
 
-impl<T: Copy> Timed<'_, T> {
+impl<T: Copy + Send> Timed<'_, T> {
     /// Runs `call` with the racer beside it; `call`'s result.
     fn run<R>(&self, call: impl FnOnce() -> R) -> R {
-        let (entered, done) = (AtomicBool::new(false), AtomicBool::new(false));
-        let at = self.at as usize;
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                while !entered.load(Ordering::Acquire) {
-                    std::hint::spin_loop();
-                }
-                std::thread::sleep(self.wait);
+        let (at, driver_sees) = (self.at as usize, self.driver_sees);
+        timed_race(
+            self.wait,
+            self.answered,
+            move || {
                 let at = at as *mut T;
                 // SAFETY: the word lives across the call (the caller's frame outlives the
-                // scope); racing the driver's read of it is the point.
+                // race); racing the driver's read of it is the point.
                 let was = unsafe { at.read_volatile() };
                 // SAFETY: as above.
-                unsafe { at.write_volatile(self.driver_sees) };
-                while !done.load(Ordering::Acquire) && !(self.answered)() {
-                    std::hint::spin_loop();
-                }
-                // SAFETY: as above.
-                unsafe { at.write_volatile(was) };
-            });
-            entered.store(true, Ordering::Release);
-            let out = call();
-            done.store(true, Ordering::Release);
-            out
-        })
+                unsafe { at.write_volatile(driver_sees) };
+                was
+            },
+            // SAFETY: as above.
+            move |was| unsafe { (at as *mut T).write_volatile(was) },
+            call,
+        )
     }
+}
+
+/// Runs `call` with a second thread that, `wait` after the call was entered, does `turn` (what
+/// the driver is to see) and, as soon as `answered` holds or the call returned, `back` with
+/// what `turn` gave (what the return side is to see); `call`'s result.
+fn timed_race<R, B>(
+    wait: Duration,
+    answered: &(dyn Fn() -> bool + Sync),
+    turn: impl FnOnce() -> B + Send,
+    back: impl FnOnce(B) + Send,
+    call: impl FnOnce() -> R,
+) -> R {
+    let (entered, done) = (AtomicBool::new(false), AtomicBool::new(false));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !entered.load(Ordering::Acquire) {
+                std::hint::spin_loop();
+            }
+            std::thread::sleep(wait);
+            let was = turn();
+            while !done.load(Ordering::Acquire) && !answered() {
+                std::hint::spin_loop();
+            }
+            back(was);
+        });
+        entered.store(true, Ordering::Release);
+        let out = call();
+        done.store(true, Ordering::Release);
+        out
+    })
 }
 
 // SAFETY: the pointer is only written by the racer thread inside `run`'s scope, which the
