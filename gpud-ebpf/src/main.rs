@@ -410,7 +410,7 @@ fn ioctl_entered<const REWRITE: bool>(cmd: u64, fd_arg: impl FnOnce() -> (u64, u
     }
     let Some(cfg) = config() else { return };
     let (fd, arg) = fd_arg();
-    let Some(file) = (unsafe { file_of_fd(cfg, fd) }) else {
+    let Some(file) = (unsafe { file_of_fd(fd) }) else {
         return;
     };
     if let Some(kind) = unsafe { device_kind(&ProbeRead(&cfg.offsets), file) } {
@@ -457,7 +457,7 @@ pub fn gpud_tp_close(ctx: TracePointContext) -> u32 {
 #[inline(always)]
 fn closing(fd: u64) {
     let Some(cfg) = config() else { return };
-    let Some(file) = (unsafe { file_of_fd(cfg, fd) }) else {
+    let Some(file) = (unsafe { file_of_fd(fd) }) else {
         return;
     };
     let r = ProbeRead(&cfg.offsets);
@@ -482,7 +482,7 @@ pub fn gpud_tp_open(ctx: TracePointContext) -> u32 {
 #[inline(always)]
 fn opened(fd: u64) {
     let Some(cfg) = config() else { return };
-    let Some(file) = (unsafe { file_of_fd(cfg, fd) }) else {
+    let Some(file) = (unsafe { file_of_fd(fd) }) else {
         return;
     };
     let Some(kind) = (unsafe { device_kind(&ProbeRead(&cfg.offsets), file) }) else {

@@ -542,8 +542,9 @@ impl KernelTypes {
 /// is loaded yet.
 fn load_object(cfg: &ProbesConfig, base_dir: &Path, btf: &KernelTypes) -> Result<Ebpf, ProbeError> {
     let offsets = &btf.offsets;
-    // fentry programs read struct fields directly; the verifier checks those loads
-    // against BTF using these offsets, frozen into the object's .rodata.
+    // fentry programs read struct fields directly, and tracepoint programs the descriptor
+    // walk's links; the verifier checks those loads against BTF using these offsets, frozen
+    // into the object's .rodata.
     let ebpf = EbpfLoader::new()
         .btf(Some(&btf.aya))
         .default_map_pin_directory(base_dir)
@@ -553,6 +554,10 @@ fn load_object(cfg: &ProbesConfig, base_dir: &Path, btf: &KernelTypes) -> Result
         .override_global("BTF_INODE_SB", &offsets.inode_sb, true)
         .override_global("BTF_SB_DEV", &offsets.sb_dev, true)
         .override_global("BTF_FILE_REFS", &offsets.file_refs, true)
+        .override_global("BTF_TASK_FILES", &offsets.task_files, true)
+        .override_global("BTF_FILES_FDT", &offsets.files_fdt, true)
+        .override_global("BTF_FDT_MAX_FDS", &offsets.fdt_max_fds, true)
+        .override_global("BTF_FDT_FD", &offsets.fdt_fd, true)
         .override_global("TASK_TI_STATUS", &btf.compat_status.unwrap_or(0), true)
         .map_max_entries(map_names::TRACKED, gpud_common::tracked_words(pid_max()))
         .map_max_entries(map_names::EVENTS, ring_bytes(cfg))
