@@ -54,6 +54,8 @@ pub mod compat {
     pub const REGS_SI: usize = 104;
     /// `pt_regs.di`.
     pub const REGS_DI: usize = 112;
+    /// `pt_regs.orig_ax`: the system call's number, as `syscall_get_nr()` reads it.
+    pub const REGS_ORIG_AX: usize = 120;
 }
 
 /// Bumped whenever a map layout, map name or event record changes. Maps are pinned under

@@ -569,39 +569,44 @@ fn compat_enter<const REWRITE: bool>(ctx: &RawTracePointContext) {
     }
 }
 
-/// `raw_syscalls:sys_exit` (`id`, `ret`): a 32-bit ioctl's return, a 32-bit open of a tracked
+/// Raw tracepoint `sys_exit(regs, ret)`: a 32-bit ioctl's return, a 32-bit open of a tracked
 /// process. (An untracked 32-bit process becomes tracked at its first RM call, an 'F' escape,
 /// or by the daemon's periodic scan; its opens are not looked at, so that only tracked
-/// processes go past the `TRACKED` read here.)
-#[tracepoint]
-pub fn gpud_tp_compat_exit(ctx: TracePointContext) -> u32 {
+/// processes go past the `TRACKED` read here.) Raw, as the entry is: every system call on the
+/// host comes here, and a raw tracepoint runs the program without building the event record
+/// `raw_syscalls:sys_exit` fills for a perf-event program first (docs/benchmarks.md).
+#[raw_tracepoint(tracepoint = "sys_exit")]
+pub fn gpud_tp_compat_exit(ctx: RawTracePointContext) -> i32 {
     compat_exit::<false>(&ctx);
     0
 }
 
 /// [`gpud_tp_compat_exit`] that also gives limited cgroups their memory view.
-#[tracepoint]
-pub fn gpud_tp_compat_exit_rw(ctx: TracePointContext) -> u32 {
+#[raw_tracepoint(tracepoint = "sys_exit")]
+pub fn gpud_tp_compat_exit_rw(ctx: RawTracePointContext) -> i32 {
     compat_exit::<true>(&ctx);
     0
 }
 
-/// Offsets of `raw_syscalls:sys_exit`'s record: the `common_*` header, then `long id`, `long ret`.
-const TP_RAW_ID: usize = 8;
-const TP_RAW_RET: usize = 16;
-
 #[inline(always)]
-fn compat_exit<const REWRITE: bool>(ctx: &TracePointContext) {
+fn compat_exit<const REWRITE: bool>(ctx: &RawTracePointContext) {
+    // The caller first (a helper call and an array read), the number from its registers (a
+    // kernel read) only for a tracked one.
     if !is_tracked(current_tgid()) {
         return;
     }
-    let Some((call, x32)) = compat_call(tp_u64(ctx, TP_RAW_ID) as i64) else {
+    let regs: *const u8 = ctx.arg(0);
+    let Some(nr) = (unsafe { read_at::<i64>(regs, gpud_common::compat::REGS_ORIG_AX as u32) })
+    else {
+        return;
+    };
+    let Some((call, x32)) = compat_call(nr) else {
         return;
     };
     if call == Compat::Close || (!x32 && !kernel::in_ia32_syscall()) {
         return;
     }
-    let ret = tp_u64(ctx, TP_RAW_RET) as i64;
+    let ret: i64 = ctx.arg(1);
     match call {
         Compat::Ioctl => rm_exit::<REWRITE>(ret),
         Compat::Open if ret >= 0 => opened(ret as u64),

@@ -375,18 +375,19 @@ pub(crate) fn release(key: &ObjKey, expect: u64) -> bool {
     if expect != 0 && e.serial != expect {
         return false;
     }
-    release_entry(key, &e)
+    release_entry(key, &e, None)
 }
 
 /// [`release`] of an entry the caller has read as `e`. Memory is uncharged with the last
-/// reference to its charge (the allocation or a duplicate, whichever goes last).
+/// reference to its charge (the allocation or a duplicate, whichever goes last); `known` is an
+/// ancestry looked up already (see [`charge_recorded`]).
 #[inline(always)]
-fn release_entry(key: &ObjKey, e: &ObjEntry) -> bool {
+fn release_entry(key: &ObjKey, e: &ObjEntry, known: Known) -> bool {
     if OBJECTS.remove(key).is_err() {
         return false;
     }
     uncount_object(e.cgroup_id);
-    drop_reference(e);
+    drop_reference(e, known);
     true
 }
 
@@ -430,9 +431,9 @@ fn uncount_object(cgroup_id: u64) {
 /// Gives back one reference to the charge memory entry `e` holds (its own, or a duplicate's
 /// source's as noted at the entry), uncharging the bytes with the last; `e.charge` 0 holds none.
 #[inline(always)]
-fn drop_reference(e: &ObjEntry) {
+fn drop_reference(e: &ObjEntry, known: Known) {
     if e.kind == OBJ_MEMORY && e.bytes != 0 && e.charge != 0 && unshare(e.charge) {
-        uncharge(e.cgroup_id, e.gpu, e.bytes);
+        uncharge(e.cgroup_id, e.gpu, e.bytes, known);
     }
 }
 
@@ -450,16 +451,24 @@ fn recorded(client: u32, handle: u32) -> bool {
 
 /// Takes `bytes` off `cgroup_id` and its ancestors (itself only when its ancestry is gone).
 #[inline(always)]
-fn uncharge(cgroup_id: u64, gpu: u32, bytes: u64) {
-    charge_recorded(cgroup_id, gpu, bytes.wrapping_neg());
+fn uncharge(cgroup_id: u64, gpu: u32, bytes: u64, known: Known) {
+    charge_recorded(cgroup_id, gpu, bytes.wrapping_neg(), known);
     bump_stat(stat::UNCHARGES);
 }
 
+/// A cgroup and its `ANCESTRY` record, looked up already by the caller (a free's: its own
+/// cgroup's, which is most often the freed memory's too): one lookup fewer on that path.
+type Known = Option<(u64, &'static Ancestry)>;
+
 /// Adds `delta` to `cgroup_id` and the ancestors `ANCESTRY` records for it (itself only where
-/// none are).
+/// none are); `known` saves the lookup when it is `cgroup_id`'s.
 #[inline(always)]
-fn charge_recorded(cgroup_id: u64, gpu: u32, delta: u64) {
-    match unsafe { ANCESTRY.get(cgroup_id) } {
+fn charge_recorded(cgroup_id: u64, gpu: u32, delta: u64, known: Known) {
+    let anc = match known {
+        Some((id, anc)) if id == cgroup_id => Some(anc),
+        _ => unsafe { ANCESTRY.get(cgroup_id) },
+    };
+    match anc {
         Some(anc) => charge(anc, gpu, delta),
         None => {
             add_usage(cgroup_id, gpu, delta);
@@ -487,7 +496,7 @@ pub(crate) fn adopt(key: &ObjKey, e: &ObjEntry, first: bool) -> i32 {
     mark_file(e.file);
     if e.kind == OBJ_MEMORY && e.bytes != 0 && e.charge != 0 {
         if first {
-            charge_recorded(e.cgroup_id, e.gpu, e.bytes);
+            charge_recorded(e.cgroup_id, e.gpu, e.bytes, None);
         } else {
             // SHARES full: the charge goes with whichever holder is freed first, as for a
             // duplicate the kernel could not count.
@@ -818,7 +827,7 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
         }
         return;
     }
-    drop_reference(src);
+    drop_reference(src, None);
     // Unconfirmed under a handle already recorded: the driver refused a duplicate name.
     let refused = !confirmed && recorded(p.client, handle);
     if keep
@@ -839,7 +848,7 @@ const RACED_GPUS: u32 = 8;
 #[inline(always)]
 pub(crate) fn raced_call(p: &Pending) {
     if p.op == OP_DUP {
-        drop_reference(&p.src);
+        drop_reference(&p.src, None);
     }
     let Some((_, anc)) = current_ancestry() else {
         return;
@@ -872,13 +881,14 @@ pub(crate) fn account_free(p: &Pending) {
     if entry.is_none() && p.handle != p.client {
         return;
     }
-    ask_freed(key);
+    let caller = current_ancestry();
+    ask_freed(key, caller);
     // Memory is released here; anything else may have objects below it, which the daemon
     // releases on the event.
     if let Some(e) = entry
         && e.kind == OBJ_MEMORY
     {
-        release_entry(&key, &e);
+        release_entry(&key, &e, caller);
         return;
     }
     if p.nr != nv::NV_ESC_RM_FREE {
@@ -901,8 +911,8 @@ pub(crate) fn account_free(p: &Pending) {
 /// between, so that the driver freed another object while the probes release this one (and what
 /// is below it). A request the ring cannot take fails closed: it counts as crossing the limit.
 #[inline(always)]
-fn ask_freed(key: ObjKey) {
-    let Some((leaf, anc)) = current_ancestry() else {
+fn ask_freed(key: ObjKey, caller: Known) {
+    let Some((leaf, anc)) = caller else {
         return;
     };
     // The `unknown` key holds the entry beside per-GPU limits, and `all` is walked with it: any

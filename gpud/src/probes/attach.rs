@@ -260,7 +260,7 @@ pub(super) const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
     att_rw(
         programs::TP_COMPAT_EXIT,
         programs::TP_COMPAT_EXIT_RW,
-        Target::Tracepoint("raw_syscalls", "sys_exit"),
+        Target::RawTracepoint("sys_exit"),
         true,
     ),
     att(
