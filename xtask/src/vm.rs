@@ -462,6 +462,12 @@ pub fn run_booted(
     bail!("vm: the kernel did not reach init in {BOOT_ATTEMPTS} boots (console above)")
 }
 
+/// Whether a boot's console shows the init script running (its [`BOOT_MARK`] line): a boot
+/// that ended without it never ran the binary, and is booted again.
+fn reached_init(console: &str) -> bool {
+    console.lines().any(|l| l.contains(BOOT_MARK))
+}
+
 /// The kernel reaches the init script in about 5–10 s under TCG; an emulated boot that has not
 /// after this long has hung (seen rarely, early in boot) and is retried.
 const BOOT_DEADLINE: Duration = Duration::from_secs(120);
@@ -541,7 +547,7 @@ fn boot(
         std::thread::sleep(Duration::from_millis(100));
     };
     let console = reader.join().unwrap_or_default();
-    if !console.contains(BOOT_MARK) {
+    if !reached_init(&console) {
         return Ok(Err(format!(
             "the kernel stopped before init ({}, after {:.1}s)",
             describe(status),
@@ -580,6 +586,26 @@ mod tests {
             super::strip_escapes("\x1bc\x1b[?7l\x1b[2JVM BOOTED: 6.1\r\n"),
             "VM BOOTED: 6.1\r\n"
         );
+    }
+
+    /// A boot that crashed before init (sid's 7.2 under TCG, 2026-11-30: the lines around the
+    /// panic) is retried; one whose binary ran and then crashed is not.
+    #[test]
+    fn only_a_boot_that_stopped_before_init_is_retried() {
+        let before_init = "\
+[    1.329351] Oops: int3: 0000 [#1] SMP NOPTI
+[    1.330562] RSP: 0018:ff77190c000f0e70 EFLAGS: 00000082
+[    1.331828]  update_rq_clock+0x38/0x170
+[    1.332471]  sched_init_debug+0x2e/0x4b0
+[    1.333426] Kernel panic - not syncing: Fatal exception in interrupt
+";
+        assert!(!super::reached_init(before_init));
+        let after_init = "\
+VM BOOTED: 7.2.13+deb14-amd64 (expected 7.2.13+deb14-amd64), lsm=lockdown,capability,bpf
+[   30.100000] Oops: int3: 0000 [#1] SMP NOPTI
+[   30.200000] Kernel panic - not syncing: Fatal exception in interrupt
+";
+        assert!(super::reached_init(after_init));
     }
 
     #[test]
