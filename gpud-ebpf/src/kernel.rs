@@ -27,17 +27,15 @@ pub(crate) unsafe fn read_at<T>(base: *const u8, offset: u32) -> Option<T> {
     unsafe { bpf_probe_read_kernel(base.add(offset as usize).cast::<T>()).ok() }
 }
 
-/// `current->files->fdt->fd[fd]`, the file behind a descriptor of the calling process.
+/// The calling task's descriptor table: `current->files->fdt`'s `fd` array and `max_fds`.
 ///
 /// The task comes from `bpf_get_current_task_btf()`, so the verifier knows its type and the
-/// three pointers down to the descriptor array are direct loads it checks against the kernel's
-/// BTF (offsets frozen into `.rodata`: [`BTF_TASK_FILES`] and the two after it), which tracepoint
-/// programs may make as fentry programs do; a fault reads as zero. The array's slot and what the
-/// file points to stay helper reads: the verifier allows no variable offset into a BTF pointer,
-/// and the array is `struct file **`, which it does not type. Four helper calls fewer per
-/// matched ioctl than reading every link with `bpf_probe_read_kernel` (docs/benchmarks.md).
+/// pointers down to the array are direct loads it checks against the kernel's BTF (offsets
+/// frozen into `.rodata`: [`BTF_TASK_FILES`] and the three after it), which tracepoint programs
+/// may make as fentry programs do; a fault reads as zero. Four helper calls fewer per matched
+/// ioctl than reading every link with `bpf_probe_read_kernel` (docs/benchmarks.md).
 #[inline(always)]
-pub(crate) unsafe fn file_of_fd(fd: u64) -> Option<*const u8> {
+pub(crate) unsafe fn fd_table() -> Option<(*const u8, u32)> {
     let task = unsafe { aya_ebpf::helpers::generated::bpf_get_current_task_btf() } as *const u8;
     let files: *const u8 = unsafe { BtfRead.load(task, BTF_TASK_FILES.load())? };
     if files.is_null() {
@@ -48,16 +46,31 @@ pub(crate) unsafe fn file_of_fd(fd: u64) -> Option<*const u8> {
         return None;
     }
     let max_fds: u32 = unsafe { BtfRead.load(fdt, BTF_FDT_MAX_FDS.load())? };
-    if fd >= max_fds as u64 {
-        return None;
-    }
     let fd_array: *const u8 = unsafe { BtfRead.load(fdt, BTF_FDT_FD.load())? };
     if fd_array.is_null() {
-        return None;
+        None
+    } else {
+        Some((fd_array, max_fds))
     }
+}
+
+/// `fd_array[fd]`: a helper read, as the verifier allows no variable offset into a BTF pointer
+/// and the array is `struct file **`, which it does not type. Null slots read as `None`.
+#[inline(always)]
+pub(crate) unsafe fn file_at(fd_array: *const u8, fd: u64) -> Option<*const u8> {
     let file: *const u8 =
         unsafe { bpf_probe_read_kernel(fd_array.add(fd as usize * 8).cast::<*const u8>()).ok()? };
     if file.is_null() { None } else { Some(file) }
+}
+
+/// `current->files->fdt->fd[fd]`, the file behind a descriptor of the calling process.
+#[inline(always)]
+pub(crate) unsafe fn file_of_fd(fd: u64) -> Option<*const u8> {
+    let (fd_array, max_fds) = unsafe { fd_table()? };
+    if fd >= max_fds as u64 {
+        return None;
+    }
+    unsafe { file_at(fd_array, fd) }
 }
 
 /// How a program reads fields of kernel structs, with the offsets that go with it.
@@ -114,8 +127,8 @@ static BTF_INODE_SB: Global<u32> = Global::new(0);
 static BTF_SB_DEV: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static BTF_FILE_REFS: Global<u32> = Global::new(0);
-// The descriptor walk's links (`task_struct.files`, `files_struct.fdt`, `fdtable.max_fds`,
-// `fdtable.fd`), for [`file_of_fd`].
+// The descriptor table's links (`task_struct.files`, `files_struct.fdt`, `fdtable.max_fds`,
+// `fdtable.fd`), for [`fd_table`].
 #[unsafe(no_mangle)]
 static BTF_TASK_FILES: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]

@@ -13,10 +13,7 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
-    helpers::{
-        bpf_get_current_cgroup_id, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
-        bpf_send_signal,
-    },
+    helpers::{bpf_get_current_cgroup_id, bpf_ktime_get_ns, bpf_send_signal},
 };
 use gpud_common::{
     Ancestry, DeviceKind, EVENT_DEVICE_READ_BACK, EVENT_FILE_RELEASE, EVENT_FREE_READ_BACK,
@@ -27,7 +24,7 @@ use gpud_common::{
 };
 
 use crate::{
-    kernel::{ProbeRead, current_tgid, device_kind, read_at, sole_reference},
+    kernel::{ProbeRead, current_tgid, device_kind, fd_table, file_at, sole_reference},
     ledger::{current_ancestry, each_limit, gpu_of, limited_on, usage, user},
     maps::{
         ANCESTRY, FILE_MARKS, OBJ_COUNTS, OBJECTS, SHARES, USAGE, bump_stat, config, counter_slot,
@@ -962,37 +959,16 @@ const EXIT_FD_SCAN: u64 = 512;
 #[inline(always)]
 pub(crate) fn release_files_at_exit(cfg: &ProbeConfig) {
     let r = ProbeRead(&cfg.offsets);
-    let o = &cfg.offsets;
-    let task = unsafe { bpf_get_current_task() } as *const u8;
-    let Some(files) = (unsafe { read_at::<*const u8>(task, o.task_files) }) else {
-        return;
-    };
-    if files.is_null() {
-        return;
-    }
-    let Some(fdt) = (unsafe { read_at::<*const u8>(files, o.files_fdt) }) else {
-        return;
-    };
-    let (Some(max_fds), Some(fd_array)) = (unsafe {
-        (
-            read_at::<u32>(fdt, o.fdt_max_fds),
-            read_at::<*const u8>(fdt, o.fdt_fd),
-        )
-    }) else {
+    let Some((fd_array, max_fds)) = (unsafe { fd_table() }) else {
         return;
     };
     for fd in 0..EXIT_FD_SCAN {
         if fd >= max_fds as u64 {
             break;
         }
-        let Ok(file) =
-            (unsafe { bpf_probe_read_kernel(fd_array.add(fd as usize * 8).cast::<*const u8>()) })
-        else {
+        let Some(file) = (unsafe { file_at(fd_array, fd) }) else {
             continue;
         };
-        if file.is_null() {
-            continue;
-        }
         if let Some(DeviceKind::Control) = unsafe { device_kind(&r, file) }
             && unsafe { sole_reference(&r, file, cfg.offsets.file_one_ref) }
         {
