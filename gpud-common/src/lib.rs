@@ -12,12 +12,17 @@ pub mod nv;
 mod objects;
 pub mod rm;
 
-/// x86-64's 32-bit system-call entries, which the `syscalls:*` tracepoints skip
-/// (`ARCH_TRACE_IGNORE_COMPAT_SYSCALLS`) and tracepoint mode follows where every system call
-/// passes (the raw `sys_enter` tracepoint, the `raw_syscalls:sys_exit` event): the numbers of the calls it follows in the i386 table
-/// (`arch/x86/entry/syscalls/syscall_32.tbl`) and the x32 one (the 64-bit table's numbers with
-/// [`X32_SYSCALL_BIT`]), and where their arguments sit in `struct pt_regs`.
+/// The system calls tracepoint mode follows where every system call passes (the raw `sys_enter`
+/// and `sys_exit` tracepoints, x86-64): the 64-bit ioctl and close, and the 32-bit entries, which
+/// the `syscalls:*` tracepoints skip (`ARCH_TRACE_IGNORE_COMPAT_SYSCALLS`). Their numbers in the
+/// 64-bit table (`arch/x86/entry/syscalls/syscall_64.tbl`), the i386 one (`syscall_32.tbl`) and
+/// the x32 one (the 64-bit table's numbers with [`X32_SYSCALL_BIT`]), and where their arguments
+/// sit in `struct pt_regs`.
 pub mod compat {
+    /// `ioctl` in the 64-bit table (`lchown` in the i386 one: [`TS_COMPAT`] tells them apart).
+    pub const NATIVE_IOCTL: i64 = 16;
+    /// `close` in the 64-bit table (`read` in the i386 one).
+    pub const NATIVE_CLOSE: i64 = 3;
     /// `ioctl` in the i386 table (`setsockopt` in the 64-bit one: [`TS_COMPAT`] tells them apart).
     pub const IA32_IOCTL: i64 = 54;
     /// `close` in the i386 table (`lstat` in the 64-bit one).
@@ -650,15 +655,17 @@ pub mod programs {
     pub const TP_CLOSE: &str = "gpud_tp_close";
     /// `syscalls:sys_exit_open*`: marks processes that open an NVIDIA file.
     pub const TP_OPEN: &str = "gpud_tp_open";
-    /// Raw tracepoint `sys_enter` (tracepoint mode, x86-64): the entry of 32-bit (ia32 and x32)
-    /// ioctls and closes, which the `syscalls:*` tracepoints skip.
-    pub const TP_COMPAT_ENTER: &str = "gpud_tp_compat_enter";
-    /// [`TP_COMPAT_ENTER`] that may also rewrite a tenant's scheduling control.
-    pub const TP_COMPAT_ENTER_RW: &str = "gpud_tp_compat_enter_rw";
-    /// `raw_syscalls:sys_exit`: the return side of 32-bit ioctls and opens.
-    pub const TP_COMPAT_EXIT: &str = "gpud_tp_compat_exit";
-    /// [`TP_COMPAT_EXIT`] that also rewrites the memory-info replies of limited cgroups.
-    pub const TP_COMPAT_EXIT_RW: &str = "gpud_tp_compat_exit_rw";
+    /// Raw tracepoint `sys_enter` (tracepoint mode, x86-64): the entry of ioctls and closes,
+    /// 64-bit and 32-bit (ia32 and x32, which the `syscalls:*` tracepoints skip); attached
+    /// instead of [`TP_IOCTL`] and [`TP_CLOSE`] where 32-bit callers are followed.
+    pub const TP_SYS_ENTER: &str = "gpud_tp_sys_enter";
+    /// [`TP_SYS_ENTER`] that may also rewrite a tenant's scheduling control.
+    pub const TP_SYS_ENTER_RW: &str = "gpud_tp_sys_enter_rw";
+    /// Raw tracepoint `sys_exit`: the return side of ioctls, 64-bit and 32-bit, and of 32-bit
+    /// opens; attached instead of [`TP_IOCTL_EXIT`] beside [`TP_SYS_ENTER`].
+    pub const TP_SYS_EXIT: &str = "gpud_tp_sys_exit";
+    /// [`TP_SYS_EXIT`] that also rewrites the memory-info replies of limited cgroups.
+    pub const TP_SYS_EXIT_RW: &str = "gpud_tp_sys_exit_rw";
     /// Raw tracepoint `sched_process_fork`: children of tracked processes are tracked.
     pub const TP_FORK: &str = "gpud_tp_fork";
     /// `sched:sched_process_exit` (both modes): a tracked process is gone.
@@ -674,8 +681,8 @@ pub mod programs {
     /// ABI's (counted, its file marked, its memory charged or shared) unless one is recorded
     /// under its key already.
     pub const ADOPT: &str = "gpud_adopt";
-    /// Benchmark reference (`xtask bench`): an empty tracepoint program.
-    pub const NOOP_TP: &str = "gpud_noop_tp";
+    /// Benchmark reference (`xtask bench`): an empty raw tracepoint program.
+    pub const NOOP_RAW_TP: &str = "gpud_noop_raw_tp";
     /// Benchmark reference: an empty fentry program on `security_file_ioctl`.
     pub const NOOP_FENTRY: &str = "gpud_noop_fentry";
     /// Benchmark reference: an empty fexit program on the ioctl syscall's entry (where fentry

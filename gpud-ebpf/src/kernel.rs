@@ -8,7 +8,7 @@
 
 use aya_ebpf::{
     Global,
-    helpers::{bpf_get_current_pid_tgid, bpf_get_current_task, bpf_probe_read_kernel},
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel},
 };
 use gpud_common::{
     CFG_HAS_EXTRA_FILES, DeviceKind, FileKey, KERNEL_MINOR_BITS, KernelOffsets, compat, nv,
@@ -143,40 +143,57 @@ static BTF_FDT_FD: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static TASK_TI_STATUS: Global<u32> = Global::new(0);
 
-/// Whether the current task is in an i386 system call (the kernel's `in_ia32_syscall()`).
+/// Whether the current task is in an i386 system call (the kernel's `in_ia32_syscall()`): a
+/// BTF-checked load of `thread_info.status`, as [`fd_table`] loads, not a helper read (every
+/// 64-bit ioctl past the filter asks, since i386's table gives its number to `lchown`).
 #[inline(always)]
 pub(crate) fn in_ia32_syscall() -> bool {
     let off = TASK_TI_STATUS.load();
     if off == 0 {
         return false;
     }
-    let task = unsafe { bpf_get_current_task() } as *const u8;
-    unsafe { read_at::<u32>(task, off) }.is_some_and(|s| s & compat::TS_COMPAT != 0)
+    let task = unsafe { aya_ebpf::helpers::generated::bpf_get_current_task_btf() } as *const u8;
+    unsafe { BtfRead.load::<u32>(task, off) }.is_some_and(|s| s & compat::TS_COMPAT != 0)
 }
 
-/// The first three arguments of a 32-bit system call, from the registers saved at its entry:
-/// i386 passes them in ebx, ecx, edx, x32 in rdi, rsi, rdx. Each is 32 bits wide (x32's
-/// pointers too), whatever the upper halves of the registers hold.
+/// Which system-call table a followed call's number is from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Abi {
+    /// x86-64's own: arguments in rdi, rsi, rdx.
+    Native,
+    /// i386's (`int 0x80`, `sysenter`): ebx, ecx, edx.
+    I386,
+    /// x32's: rdi, rsi, rdx, each 32 bits wide.
+    X32,
+}
+
+/// The first three arguments of a system call of `abi`, from the registers saved at its entry
+/// (one helper read: a raw tracepoint's `regs` is untyped). A 32-bit call's are 32 bits wide
+/// (x32's pointers too), whatever the upper halves of the registers hold.
 #[inline(always)]
-pub(crate) unsafe fn compat_args(regs: *const u8, x32: bool) -> Option<[u64; 3]> {
-    const N: usize = (compat::REGS_DI - compat::REGS_BX) / 8 + 1;
-    let at = |off: usize| (off - compat::REGS_BX) / 8;
-    let r: [u64; N] =
-        unsafe { bpf_probe_read_kernel(regs.add(compat::REGS_BX).cast::<[u64; N]>()).ok()? };
-    let (a, b, c) = if x32 {
-        (
-            r[at(compat::REGS_DI)],
-            r[at(compat::REGS_SI)],
-            r[at(compat::REGS_DX)],
-        )
-    } else {
-        (
+pub(crate) unsafe fn syscall_args(regs: *const u8, abi: Abi) -> Option<[u64; 3]> {
+    if abi == Abi::I386 {
+        const N: usize = (compat::REGS_DX - compat::REGS_BX) / 8 + 1;
+        let at = |off: usize| (off - compat::REGS_BX) / 8;
+        let r: [u64; N] =
+            unsafe { bpf_probe_read_kernel(regs.add(compat::REGS_BX).cast::<[u64; N]>()).ok()? };
+        let (a, b, c) = (
             r[at(compat::REGS_BX)],
             r[at(compat::REGS_CX)],
             r[at(compat::REGS_DX)],
-        )
-    };
-    Some([a as u32 as u64, b as u32 as u64, c as u32 as u64])
+        );
+        return Some([a as u32 as u64, b as u32 as u64, c as u32 as u64]);
+    }
+    // dx, si, di lie side by side: one read of the three.
+    const _: () =
+        assert!(compat::REGS_SI == compat::REGS_DX + 8 && compat::REGS_DI == compat::REGS_SI + 8);
+    let [dx, si, di]: [u64; 3] =
+        unsafe { bpf_probe_read_kernel(regs.add(compat::REGS_DX).cast::<[u64; 3]>()).ok()? };
+    Some(if abi == Abi::X32 {
+        [di as u32 as u64, si as u32 as u64, dx as u32 as u64]
+    } else {
+        [di, si, dx]
+    })
 }
 
 /// Direct, BTF-checked loads (fentry/fexit/LSM programs only).

@@ -4,11 +4,13 @@
 //! - **fentry**: `security_file_ioctl` (and `_compat`) hand over the `struct file`, so only ioctls
 //!   pay, and only a few loads decide whether the file is an NVIDIA device; `security_file_open`
 //!   marks processes that open one.
-//! - **tracepoint**: `syscalls:sys_enter_ioctl` runs for every ioctl on the host. A process is
-//!   looked up in `TRACKED` first and leaves at once unless it is known to hold an NVIDIA file (it
-//!   opened one, `sys_exit_open*`; it was forked by such a process, `sched_process_fork`; or the
-//!   daemon found one in its fd table) or the command is an NVIDIA escape (type 'F': the file
-//!   may have been received). Only then is the fd table walked to the file.
+//! - **tracepoint**: a program runs for every ioctl on the host (on the raw `sys_enter`
+//!   tracepoint, or on `syscalls:sys_enter_ioctl` where 32-bit callers are not followed). A
+//!   process is looked up in `TRACKED` first and leaves at once unless it is known to hold an
+//!   NVIDIA file (it opened one, `sys_exit_open*`; it was forked by such a process,
+//!   `sched_process_fork`; or the daemon found one in its fd table) or the command is an NVIDIA
+//!   escape (type 'F': the file may have been received). Only then is the fd table walked to the
+//!   file.
 //!
 //! Both modes share the identification of the file and the accounting: per-cgroup and
 //! per-process counters by ioctl class, in pinned maps that outlive the daemon.
@@ -59,7 +61,7 @@ use gpud_common::{
 use crate::{
     counting::{account, clear_tracked, is_tracked, mark_opened, mark_tracked},
     kernel::{
-        BtfRead, ProbeRead, current_tgid, device_kind, file_of_fd, read_at, referenced,
+        Abi, BtfRead, ProbeRead, current_tgid, device_kind, file_of_fd, read_at, referenced,
         sole_reference,
     },
     maps::{PROCS, bump_stat, config, emit, send},
@@ -352,12 +354,14 @@ pub fn gpud_lsm_probe(_ctx: LsmContext) -> i32 {
 
 /// Benchmark reference only (`xtask bench`): an empty program, attached in place of gpud's to
 /// measure what any program on the same hook costs. The daemon never attaches it.
-#[tracepoint]
-pub fn gpud_noop_tp(_ctx: TracePointContext) -> u32 {
+/// Attached to the raw `sys_enter` and `sys_exit` tracepoints, as tracepoint mode's ioctl
+/// programs are.
+#[raw_tracepoint]
+pub fn gpud_noop_raw_tp(_ctx: RawTracePointContext) -> i32 {
     0
 }
 
-/// Benchmark reference only: the fentry counterpart of [`gpud_noop_tp`].
+/// Benchmark reference only: the fentry counterpart of [`gpud_noop_raw_tp`].
 #[fentry(function = "security_file_ioctl")]
 pub fn gpud_noop_fentry(_ctx: FEntryContext) -> i32 {
     0
@@ -387,29 +391,34 @@ pub fn gpud_tp_ioctl_rw(ctx: TracePointContext) -> u32 {
 #[inline(always)]
 fn tp_ioctl<const REWRITE: bool>(ctx: &TracePointContext) -> u32 {
     // fd and arg are loaded only past the filter: every ioctl on the host comes here.
-    ioctl_entered::<REWRITE>(tp_u64(ctx, TP_SYSCALL_ARG0 + 8), || {
-        (
+    let cmd = tp_u64(ctx, TP_SYSCALL_ARG0 + 8);
+    if ioctl_filtered(cmd) {
+        ioctl_entered::<REWRITE>(
+            cmd,
             tp_u64(ctx, TP_SYSCALL_ARG0),
             tp_u64(ctx, TP_SYSCALL_ARG0 + 16),
-        )
-    });
+        );
+    }
     0
 }
 
-/// The entry of an ioctl in tracepoint mode, 64-bit or 32-bit: `cmd`, and its fd and arg.
+/// Whether an ioctl of `cmd` by the calling process goes past the filter.
+///
+/// The one lookup every process on the host pays: an array read the verifier inlines. An
+/// untracked process goes on only with an RM or OS escape (`_IOC_TYPE` 'F'): it may have
+/// received an NVIDIA file (SCM_RIGHTS, pidfd_getfd), and its first call on it makes it
+/// tracked, so what it allocates is charged to its cgroup at once. Other drivers rarely use
+/// 'F'; UVM's commands carry no type, so a process that only ever received a UVM file is found
+/// by the periodic scan.
 #[inline(always)]
-fn ioctl_entered<const REWRITE: bool>(cmd: u64, fd_arg: impl FnOnce() -> (u64, u64)) {
-    // The one lookup every process on the host pays: an array read the verifier inlines.
-    // An untracked process goes on only with an RM or OS escape (`_IOC_TYPE` 'F'): it may
-    // have received an NVIDIA file (SCM_RIGHTS, pidfd_getfd), and its first call on it makes it
-    // tracked, so what it allocates is charged to its cgroup at once. Other drivers rarely use
-    // 'F'; UVM's commands carry no type, so a process that only ever received a UVM file is
-    // found by the periodic scan.
-    if !is_tracked(current_tgid()) && !nv::is_escape_type(cmd as u32) {
-        return;
-    }
+fn ioctl_filtered(cmd: u64) -> bool {
+    is_tracked(current_tgid()) || nv::is_escape_type(cmd as u32)
+}
+
+/// The entry of an ioctl past [`ioctl_filtered`] in tracepoint mode, 64-bit or 32-bit.
+#[inline(always)]
+fn ioctl_entered<const REWRITE: bool>(cmd: u64, fd: u64, arg: u64) {
     let Some(cfg) = config() else { return };
-    let (fd, arg) = fd_arg();
     let Some(file) = (unsafe { file_of_fd(fd) }) else {
         return;
     };
@@ -494,123 +503,145 @@ fn opened(fd: u64) {
     }
 }
 
-// ---- tracepoint mode: 32-bit callers -----------------------------------------------------------
+// ---- tracepoint mode: every system call -------------------------------------------------------
 //
-// The `syscalls:*` tracepoints skip 32-bit system calls on x86-64 (i386's `int 0x80`/`sysenter`
-// and x32's), which the driver serves through the same handlers with the same layouts. Every
-// system call passes the raw `sys_enter` tracepoint and the `raw_syscalls:sys_exit` event: these
-// programs pick the 32-bit ioctls, closes and opens from the number (free: a tracepoint argument
-// or a field of the record) and, for the i386 numbers, which the 64-bit table reuses, the task's
-// `TS_COMPAT`, then run what the 64-bit programs run. Every other system call on the host leaves
-// after the number (entry) or the `TRACKED` read (exit). Attached on x86-64 only; elsewhere
-// the daemon reports `UnseenCalls`.
+// Every system call passes the raw `sys_enter` and `sys_exit` tracepoints. Where 32-bit callers
+// are followed (x86-64), programs there take the ioctls and closes, 64-bit and 32-bit, and the
+// 32-bit opens, instead of programs on the `syscalls:*` events: those skip 32-bit system calls
+// (i386's `int 0x80`/`sysenter` and x32's), which the driver serves through the same handlers
+// with the same layouts, and each is an event record the kernel builds, for every ioctl and
+// close on the host, before its program runs (about a quarter of a µs a call,
+// docs/benchmarks.md), while a raw tracepoint runs its program at once. The entry picks the
+// calls from the number (a tracepoint argument) and tells i386's numbers, which the 64-bit table
+// reuses, by the task's `TS_COMPAT`; the return knows an RM call by the thread's note of it, and
+// reads the number from the saved registers only for a tracked caller's other calls. Every other system call on the host leaves after the number
+// (entry) or the `TRACKED` read (exit). Elsewhere the `syscalls:*` programs run and the daemon
+// reports 32-bit ioctls in `UnseenCalls`.
 
-/// A 32-bit system call gpud follows.
+/// A system call these programs follow.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Compat {
+enum Call {
     Ioctl,
     Close,
     Open,
 }
 
-/// The 32-bit call system call `nr` may be, and whether it is x32's (else i386's, which needs
-/// `TS_COMPAT` to tell it from the 64-bit call of that number).
+/// The call system call `nr` may be, and its table. The 64-bit opens are left to the
+/// `syscalls:sys_exit_open*` programs, which see every process's (an untracked process opening
+/// an NVIDIA file becomes tracked there), not only tracked ones'.
 #[inline(always)]
-fn compat_call(nr: i64) -> Option<(Compat, bool)> {
+fn followed_call(nr: i64) -> Option<(Call, Abi)> {
     use gpud_common::compat::*;
     Some(match nr {
-        IA32_IOCTL => (Compat::Ioctl, false),
-        IA32_CLOSE => (Compat::Close, false),
-        IA32_OPEN | IA32_OPENAT | IA32_OPENAT2 => (Compat::Open, false),
-        X32_IOCTL => (Compat::Ioctl, true),
-        X32_CLOSE => (Compat::Close, true),
-        X32_OPEN | X32_OPENAT | X32_OPENAT2 => (Compat::Open, true),
+        NATIVE_IOCTL => (Call::Ioctl, Abi::Native),
+        NATIVE_CLOSE => (Call::Close, Abi::Native),
+        IA32_IOCTL => (Call::Ioctl, Abi::I386),
+        IA32_CLOSE => (Call::Close, Abi::I386),
+        IA32_OPEN | IA32_OPENAT | IA32_OPENAT2 => (Call::Open, Abi::I386),
+        X32_IOCTL => (Call::Ioctl, Abi::X32),
+        X32_CLOSE => (Call::Close, Abi::X32),
+        X32_OPEN | X32_OPENAT | X32_OPENAT2 => (Call::Open, Abi::X32),
         _ => return None,
     })
 }
 
-/// Raw tracepoint `sys_enter(regs, id)`: a 32-bit ioctl's entry, a 32-bit close.
+/// Whether the calling task's system call is of `abi`'s table, where its number said it may be:
+/// i386's numbers are the 64-bit table's too.
+#[inline(always)]
+fn of_table(abi: Abi) -> bool {
+    match abi {
+        Abi::Native => !kernel::in_ia32_syscall(),
+        Abi::I386 => kernel::in_ia32_syscall(),
+        Abi::X32 => true,
+    }
+}
+
+/// Raw tracepoint `sys_enter(regs, id)`: an ioctl's entry, a close.
 #[raw_tracepoint(tracepoint = "sys_enter")]
-pub fn gpud_tp_compat_enter(ctx: RawTracePointContext) -> i32 {
-    compat_enter::<false>(&ctx);
+pub fn gpud_tp_sys_enter(ctx: RawTracePointContext) -> i32 {
+    sys_enter::<false>(&ctx);
     0
 }
 
-/// [`gpud_tp_compat_enter`] whose scheduler guard may rewrite a tenant's control.
+/// [`gpud_tp_sys_enter`] whose scheduler guard may rewrite a tenant's control.
 #[raw_tracepoint(tracepoint = "sys_enter")]
-pub fn gpud_tp_compat_enter_rw(ctx: RawTracePointContext) -> i32 {
-    compat_enter::<true>(&ctx);
+pub fn gpud_tp_sys_enter_rw(ctx: RawTracePointContext) -> i32 {
+    sys_enter::<true>(&ctx);
     0
 }
 
 #[inline(always)]
-fn compat_enter<const REWRITE: bool>(ctx: &RawTracePointContext) {
+fn sys_enter<const REWRITE: bool>(ctx: &RawTracePointContext) {
     let id: i64 = ctx.arg(1);
-    let Some((call, x32)) = compat_call(id) else {
+    let Some((call, abi)) = followed_call(id) else {
         return;
     };
     match call {
         // Seen at the return, where the descriptor is known.
-        Compat::Open => return,
-        Compat::Close if !is_tracked(current_tgid()) => return,
+        Call::Open => return,
+        Call::Close if !is_tracked(current_tgid()) => return,
         _ => {}
     }
-    if !x32 && !kernel::in_ia32_syscall() {
+    // The table first where that settles an i386 number cheaply; a 64-bit ioctl's command
+    // first (every ioctl on the host comes here, and few go past the filter).
+    if abi != Abi::Native && !of_table(abi) {
         return;
     }
     let regs: *const u8 = ctx.arg(0);
-    let Some([fd, cmd, arg]) = (unsafe { kernel::compat_args(regs, x32) }) else {
+    let Some([fd, cmd, arg]) = (unsafe { kernel::syscall_args(regs, abi) }) else {
         return;
     };
     match call {
-        Compat::Ioctl => ioctl_entered::<REWRITE>(cmd, || (fd, arg)),
-        Compat::Close => closing(fd),
-        Compat::Open => {}
+        Call::Ioctl if ioctl_filtered(cmd) && (abi != Abi::Native || of_table(abi)) => {
+            ioctl_entered::<REWRITE>(cmd, fd, arg)
+        }
+        Call::Close if abi != Abi::Native || of_table(abi) => closing(fd),
+        _ => {}
     }
 }
 
-/// Raw tracepoint `sys_exit(regs, ret)`: a 32-bit ioctl's return, a 32-bit open of a tracked
-/// process. (An untracked 32-bit process becomes tracked at its first RM call, an 'F' escape,
+/// Raw tracepoint `sys_exit(regs, ret)`: the return of an RM call noted at its entry, a 32-bit
+/// open of a tracked process. (An untracked 32-bit process becomes tracked at its first RM call, an 'F' escape,
 /// or by the daemon's periodic scan; its opens are not looked at, so that only tracked
-/// processes go past the `TRACKED` read here.) Raw, as the entry is: every system call on the
-/// host comes here, and a raw tracepoint runs the program without building the event record
-/// `raw_syscalls:sys_exit` fills for a perf-event program first (docs/benchmarks.md).
+/// processes go past the `TRACKED` read here.) Raw, as the entry is: a raw tracepoint runs the
+/// program without building the event record `raw_syscalls:sys_exit` fills for a perf-event
+/// program first (docs/benchmarks.md).
 #[raw_tracepoint(tracepoint = "sys_exit")]
-pub fn gpud_tp_compat_exit(ctx: RawTracePointContext) -> i32 {
-    compat_exit::<false>(&ctx);
+pub fn gpud_tp_sys_exit(ctx: RawTracePointContext) -> i32 {
+    sys_exit::<false>(&ctx);
     0
 }
 
-/// [`gpud_tp_compat_exit`] that also gives limited cgroups their memory view.
+/// [`gpud_tp_sys_exit`] that also gives limited cgroups their memory view.
 #[raw_tracepoint(tracepoint = "sys_exit")]
-pub fn gpud_tp_compat_exit_rw(ctx: RawTracePointContext) -> i32 {
-    compat_exit::<true>(&ctx);
+pub fn gpud_tp_sys_exit_rw(ctx: RawTracePointContext) -> i32 {
+    sys_exit::<true>(&ctx);
     0
 }
 
 #[inline(always)]
-fn compat_exit<const REWRITE: bool>(ctx: &RawTracePointContext) {
-    // The caller first (a helper call and an array read), the number from its registers (a
-    // kernel read) only for a tracked one.
+fn sys_exit<const REWRITE: bool>(ctx: &RawTracePointContext) {
+    // The caller first (a helper call and an array read).
     if !is_tracked(current_tgid()) {
         return;
     }
+    let ret: i64 = ctx.arg(1);
+    // An RM call the thread noted is this system call's own, 64-bit or 32-bit: a thread is in
+    // one system call at a time, and its entry noted the call. Its return needs no number.
+    if rm_exit::<REWRITE>(ret) {
+        return;
+    }
+    // Else only a 32-bit open is looked for: the number from the registers (a kernel read).
     let regs: *const u8 = ctx.arg(0);
     let Some(nr) = (unsafe { read_at::<i64>(regs, gpud_common::compat::REGS_ORIG_AX as u32) })
     else {
         return;
     };
-    let Some((call, x32)) = compat_call(nr) else {
-        return;
-    };
-    if call == Compat::Close || (!x32 && !kernel::in_ia32_syscall()) {
-        return;
-    }
-    let ret: i64 = ctx.arg(1);
-    match call {
-        Compat::Ioctl => rm_exit::<REWRITE>(ret),
-        Compat::Open if ret >= 0 => opened(ret as u64),
-        _ => {}
+    if let Some((Call::Open, abi)) = followed_call(nr)
+        && ret >= 0
+        && of_table(abi)
+    {
+        opened(ret as u64);
     }
 }
 

@@ -131,22 +131,30 @@ pub(crate) fn rm_entry<const REWRITE: bool>(file: u64, cmd: u32, arg: u64, deny:
 }
 
 /// Return side: accounts an RM call noted at entry; with `REWRITE` (the exit programs that may
-/// call `bpf_probe_write_user`) also gives memory-info replies the caller's view.
+/// call `bpf_probe_write_user`) also gives memory-info replies the caller's view. False where the
+/// calling thread had no call noted.
 #[inline(always)]
-pub(crate) fn rm_exit<const REWRITE: bool>(ret: i64) {
+pub(crate) fn rm_exit<const REWRITE: bool>(ret: i64) -> bool {
     let Some(p) = take_call() else {
-        return;
+        return false;
     };
+    rm_call_done::<REWRITE>(&p, ret);
+    true
+}
+
+/// [`rm_exit`]'s work on the call `p` the driver answered with `ret`.
+#[inline(always)]
+fn rm_call_done<const REWRITE: bool>(p: &Pending, ret: i64) {
     // An XFER's inner call is user memory too: it may have been a control when the driver read it.
     if p.nr == nv::NV_ESC_RM_CONTROL || p.xfer != 0 {
         guard::read_back_at_exit(p.file);
     }
-    if p.xfer != 0 && raced(&p) {
+    if p.xfer != 0 && raced(p) {
         return;
     }
     if p.op == OP_DUP {
         // Whatever it returned: a reference taken at the entry is kept or given back.
-        account_dup(&p, ret);
+        account_dup(p, ret);
         return;
     }
     if p.nr == nv::NV_ESC_RM_CONTROL && p.cmd == 0 {
@@ -161,15 +169,15 @@ pub(crate) fn rm_exit<const REWRITE: bool>(ret: i64) {
     if p.cmd != 0 {
         if REWRITE {
             match p.nr {
-                nv::NV_ESC_RM_CONTROL => meminfo::control_done(&p),
-                _ => meminfo::vidheap_done(&p),
+                nv::NV_ESC_RM_CONTROL => meminfo::control_done(p),
+                _ => meminfo::vidheap_done(p),
             }
         }
         return;
     }
     match p.op {
-        OP_ALLOC => account_alloc(&p),
-        OP_FREE => account_free(&p),
+        OP_ALLOC => account_alloc(p),
+        OP_FREE => account_free(p),
         _ => {}
     }
 }

@@ -177,7 +177,8 @@ pub struct ProbesConfig {
     pub max_objects_per_cgroup: u32,
     /// Entries of the process map (every process holding an NVIDIA file).
     pub max_procs: u32,
-    /// Tracepoint mode follows 32-bit callers where every system call passes (x86-64).
+    /// Tracepoint mode follows 32-bit callers where every system call passes (x86-64), and takes
+    /// 64-bit ioctls and closes there too (the raw `sys_enter` and `sys_exit` tracepoints).
     pub follow_32bit: bool,
 }
 

@@ -445,7 +445,9 @@ async fn a_32_bit_tenant_is_charged_and_held_to_its_limit() {
 
 /// Where 32-bit callers are not followed (`probes.follow_32bit = false`, for hosts with no 32-bit
 /// entry) their RM calls go unseen in tracepoint mode, and the daemon says so rather than leave
-/// it to a debug line: `UnseenCalls` on D-Bus, a warning at start and in `gpudctl status`.
+/// it to a debug line: `UnseenCalls` on D-Bus, a warning at start and in `gpudctl status`. The
+/// 64-bit calls, then on the `syscalls:*` tracepoints instead of the raw ones, are charged and
+/// released with their file's close.
 #[tokio::test(flavor = "multi_thread")]
 async fn unfollowed_32_bit_calls_are_reported() {
     let Some(mut rig) = Rig::new("rt-no32").fake_device(1) else {
@@ -474,6 +476,16 @@ async fn unfollowed_32_bit_calls_are_reported() {
         .expect("gpudctl status");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("WARNING: unseen:  32-bit ioctls"), "{text}");
+
+    let cg = Cgroup::new("rt-no32");
+    rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let (client, device) = tenant.client_device(0);
+    tenant.ok(&format!("alloc {client} {device} {}", 48 * MIB));
+    rig.expect_memory(&cg.rel, &[("all", 48 * MIB)]).await;
+    tenant.ok("close");
+    ledger_empties(&rig).await;
+    rig.expect_memory(&cg.rel, &[("all", 0)]).await;
 }
 
 /// Params the probes cannot read: the tenant puts each allocation's params on a page it mapped

@@ -2,9 +2,11 @@
 //! each, and attaching them (or adopting the links a previous daemon pinned).
 //!
 //! Links are pinned under `links/<object-hash>-<mode>-<tier>[-rw][-no32]/` (`-rw`: the ioctl
-//! programs are the twins that may rewrite user memory; `-no32`: tracepoint mode without the
-//! 32-bit callers' programs), one file per attachment, so a daemon that finds every required
-//! link of its own object, mode, tier and return side adopts them with no gap.
+//! programs are the twins that may rewrite user memory; `-no32`: tracepoint mode on the
+//! `syscalls:*` events, which 32-bit callers pass unseen, instead of the raw `sys_enter` and
+//! `sys_exit` tracepoints; `-raw-failed`: the same, where the raw ones would not attach), one
+//! file per attachment, so a daemon that finds every required link
+//! of its own object, mode, tier and return side adopts them with no gap.
 
 use std::{
     fmt,
@@ -232,37 +234,9 @@ pub(super) const MODIFY_RETURN_ATTACHMENTS: &[Attachment] = &[
     ),
 ];
 
+/// Tracepoint mode's programs whatever the system calls' route (opens are seen on the
+/// `syscalls:*` events, for every process: see `gpud_common::compat`).
 pub(super) const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
-    att_rw(
-        programs::TP_IOCTL,
-        programs::TP_IOCTL_RW,
-        Target::Tracepoint("syscalls", "sys_enter_ioctl"),
-        false,
-    ),
-    att_rw(
-        programs::TP_IOCTL_EXIT,
-        programs::TP_IOCTL_EXIT_RW,
-        Target::Tracepoint("syscalls", "sys_exit_ioctl"),
-        false,
-    ),
-    att(
-        programs::TP_CLOSE,
-        Target::Tracepoint("syscalls", "sys_enter_close"),
-        false,
-    ),
-    // 32-bit callers, whom the `syscalls:*` tracepoints skip (x86-64 only: `compat_syscalls`).
-    att_rw(
-        programs::TP_COMPAT_ENTER,
-        programs::TP_COMPAT_ENTER_RW,
-        Target::RawTracepoint("sys_enter"),
-        true,
-    ),
-    att_rw(
-        programs::TP_COMPAT_EXIT,
-        programs::TP_COMPAT_EXIT_RW,
-        Target::RawTracepoint("sys_exit"),
-        true,
-    ),
     att(
         programs::TP_OPEN,
         Target::Tracepoint("syscalls", "sys_exit_openat"),
@@ -290,14 +264,77 @@ pub(super) const TRACEPOINT_ATTACHMENTS: &[Attachment] = &[
     ),
 ];
 
+/// Ioctls and closes on the raw `sys_enter` and `sys_exit` tracepoints, 64-bit and 32-bit
+/// (x86-64, where 32-bit callers are followed: `compat_syscalls`): no event record is built for
+/// them, and 32-bit callers, whom the `syscalls:*` events skip, are seen.
+pub(super) const RAW_SYSCALL_ATTACHMENTS: &[Attachment] = &[
+    att_rw(
+        programs::TP_SYS_ENTER,
+        programs::TP_SYS_ENTER_RW,
+        Target::RawTracepoint("sys_enter"),
+        false,
+    ),
+    att_rw(
+        programs::TP_SYS_EXIT,
+        programs::TP_SYS_EXIT_RW,
+        Target::RawTracepoint("sys_exit"),
+        false,
+    ),
+];
+
+/// Ioctls and closes on the `syscalls:*` events, where the raw route is not taken: 64-bit
+/// callers only.
+pub(super) const EVENT_SYSCALL_ATTACHMENTS: &[Attachment] = &[
+    att_rw(
+        programs::TP_IOCTL,
+        programs::TP_IOCTL_RW,
+        Target::Tracepoint("syscalls", "sys_enter_ioctl"),
+        false,
+    ),
+    att_rw(
+        programs::TP_IOCTL_EXIT,
+        programs::TP_IOCTL_EXIT_RW,
+        Target::Tracepoint("syscalls", "sys_exit_ioctl"),
+        false,
+    ),
+    att(
+        programs::TP_CLOSE,
+        Target::Tracepoint("syscalls", "sys_enter_close"),
+        false,
+    ),
+];
+
+/// Why a set of programs did not attach: the raw system-call tracepoints (the daemon then takes
+/// the `syscalls:*` events) or anything else.
+enum Attach {
+    RawSyscalls(ProbeError),
+    Other(ProbeError),
+}
+
+impl Attach {
+    fn into_error(self) -> ProbeError {
+        match self {
+            Self::RawSyscalls(e) | Self::Other(e) => e,
+        }
+    }
+}
+
 /// The `unseen_calls` entry of 32-bit callers' ioctls.
 pub const UNSEEN_COMPAT: &str = "32-bit ioctls";
 
 impl Attachment {
-    /// Whether this is a 32-bit (compat) ioctl hook, without which a 32-bit tenant's RM calls
-    /// go unseen.
+    /// Whether this is fentry mode's 32-bit (compat) ioctl hook, without which a 32-bit
+    /// tenant's RM calls go unseen.
     fn is_compat(&self) -> bool {
         self.program.contains("compat")
+    }
+
+    /// Whether this is one of the raw system-call tracepoints' programs, which come and go as a
+    /// pair, with the 64-bit ioctls.
+    fn is_raw_syscall(&self) -> bool {
+        RAW_SYSCALL_ATTACHMENTS
+            .iter()
+            .any(|r| r.program == self.program)
     }
 
     /// The program attached here: the rewriting twin where `rewriting` holds.
@@ -345,7 +382,14 @@ impl Probes {
             _ => &[],
         };
         match self.mode {
-            AttachMode::Tracepoint => TRACEPOINT_ATTACHMENTS.iter().collect(),
+            AttachMode::Tracepoint => {
+                let syscalls = if self.raw_syscalls {
+                    RAW_SYSCALL_ATTACHMENTS
+                } else {
+                    EVENT_SYSCALL_ATTACHMENTS
+                };
+                syscalls.iter().chain(TRACEPOINT_ATTACHMENTS).collect()
+            }
             // The hook's programs count as the fentry ioctl programs do, and replace them.
             AttachMode::Fentry if !entry.is_empty() => entry
                 .iter()
@@ -366,15 +410,21 @@ impl Probes {
             Tier::Deny => format!("-{}", self.ladder.in_force.as_str()),
             _ => String::new(),
         };
-        // Where 32-bit callers are not followed, their programs are not attached: another set.
-        let no32 = self.mode == AttachMode::Tracepoint && !self.follow_32bit;
+        // The system calls' route is another set of programs; the events' route taken because
+        // the raw one would not attach is named apart from the one the configuration or the
+        // kernel chose, so that a daemon told to follow 32-bit callers adopts only the former.
+        let no32 = match self.mode {
+            AttachMode::Tracepoint if self.raw_failed => "-raw-failed",
+            AttachMode::Tracepoint if !self.raw_syscalls => "-no32",
+            _ => "",
+        };
         self.base_dir.join("links").join(format!(
             "{}-{}-{}{hook}{}{}",
             object_hash(),
             self.mode.as_str(),
             self.tier.as_str(),
             if self.rewriting() { "-rw" } else { "" },
-            if no32 { "-no32" } else { "" }
+            no32
         ))
     }
 
@@ -383,7 +433,6 @@ impl Probes {
         kbtf: &btf::KernelBtf,
         btf: &aya::Btf,
     ) -> Result<(), ProbeError> {
-        let dir = self.links_dir();
         let compat_unseen = match self.mode {
             AttachMode::Fentry => None,
             AttachMode::Tracepoint if !self.follow_32bit => Some(
@@ -402,32 +451,81 @@ impl Probes {
         if let Some(why) = &compat_unseen {
             self.unseen.insert(UNSEEN_COMPAT.to_owned(), why.clone());
         }
+        // The route's links; where the raw route is to be taken, also those of the events'
+        // route a daemon before took when the raw tracepoints would not attach.
+        let preferred = self.mode == AttachMode::Tracepoint && compat_unseen.is_none();
+        let routes: &[(bool, bool)] = if preferred {
+            &[(true, false), (false, true)]
+        } else {
+            &[(false, false)]
+        };
+        for &route in routes {
+            (self.raw_syscalls, self.raw_failed) = route;
+            if self.adopt()? {
+                if self.raw_failed {
+                    self.unseen.insert(
+                        UNSEEN_COMPAT.to_owned(),
+                        "the raw sys_enter and sys_exit tracepoints did not attach when these \
+                         probes were attached: ioctls are followed on the syscalls:* \
+                         tracepoints, which skip 32-bit callers"
+                            .to_owned(),
+                    );
+                }
+                return Ok(());
+            }
+        }
+        (self.raw_syscalls, self.raw_failed) = (preferred, false);
+        // Anything else under links/ is another object or mode: detach it before attaching, so
+        // no ioctl is counted twice.
+        self.detach_all()?;
+        match self.attach_all(kbtf, btf) {
+            Err(Attach::RawSyscalls(e)) => {
+                // The 64-bit ioctls are on that route too: take the events' instead.
+                self.unseen.insert(
+                    UNSEEN_COMPAT.to_owned(),
+                    format!(
+                        "the raw system-call tracepoints did not attach ({}): ioctls are followed \
+                         on the syscalls:* tracepoints, which skip 32-bit callers",
+                        Chain(&e)
+                    ),
+                );
+                self.detach_all()?;
+                (self.raw_syscalls, self.raw_failed) = (false, true);
+                self.attach_all(kbtf, btf).map_err(Attach::into_error)
+            }
+            r => r.map_err(Attach::into_error),
+        }
+    }
+
+    /// Adopts the links of this object, mode, tier and route where every required one is pinned.
+    fn adopt(&mut self) -> Result<bool, ProbeError> {
+        let dir = self.links_dir();
         let required_present = self
             .attachments()
             .iter()
             .filter(|a| !a.optional)
             .all(|a| PinnedLink::from_pin(dir.join(a.pin_name())).is_ok());
-        if required_present {
-            info!(dir = %dir.display(), mode = self.mode.as_str(), "adopting attached probes");
-            self.resumed = true;
-            for a in self.attachments() {
-                if a.is_compat()
-                    && compat_unseen.is_none()
-                    && PinnedLink::from_pin(dir.join(a.pin_name())).is_err()
-                {
-                    self.unseen.insert(
-                        UNSEEN_COMPAT.to_owned(),
-                        format!(
-                            "{} was not attached by the daemon that attached the probes",
-                            a.pin_name()
-                        ),
-                    );
-                }
-            }
-            return Ok(());
+        if !required_present {
+            return Ok(false);
         }
-        // Anything else under links/ is another object or mode: detach it before attaching, so
-        // no ioctl is counted twice.
+        info!(dir = %dir.display(), mode = self.mode.as_str(), "adopting attached probes");
+        self.resumed = true;
+        for a in self.attachments() {
+            if a.is_compat() && PinnedLink::from_pin(dir.join(a.pin_name())).is_err() {
+                self.unseen.insert(
+                    UNSEEN_COMPAT.to_owned(),
+                    format!(
+                        "{} was not attached by the daemon that attached the probes",
+                        a.pin_name()
+                    ),
+                );
+            }
+        }
+        Ok(true)
+    }
+
+    /// Detaches every set of links under `links/` (their pins removed).
+    fn detach_all(&self) -> Result<(), ProbeError> {
         let links_root = self.base_dir.join("links");
         for entry in std::fs::read_dir(&links_root)
             .map_err(io_err("read", &links_root))?
@@ -437,7 +535,13 @@ impl Probes {
             info!(path = %path.display(), "detaching stale probes");
             std::fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
         }
-        std::fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
+        Ok(())
+    }
+
+    /// Attaches this mode's, tier's and route's programs, pinning their links.
+    fn attach_all(&mut self, kbtf: &btf::KernelBtf, btf: &aya::Btf) -> Result<(), Attach> {
+        let dir = self.links_dir();
+        std::fs::create_dir_all(&dir).map_err(|e| Attach::Other(io_err("create", &dir)(e)))?;
         for a in self.attachments() {
             let func = match a.target {
                 Target::Fentry(f) | Target::Fexit(f) | Target::ModifyReturn(f) => {
@@ -454,15 +558,12 @@ impl Probes {
             {
                 continue;
             }
-            // Reported above; attached, they would only ever leave at once.
-            if a.is_compat() && compat_unseen.is_some() {
-                continue;
-            }
             let path = dir.join(a.pin_name());
             match self.attach_one(a, btf, &path) {
                 Ok(()) => {
                     debug!(program = a.program_of(self.rewriting()), pin = %path.display(), "attached");
                 }
+                Err(e) if a.is_raw_syscall() => return Err(Attach::RawSyscalls(e)),
                 Err(e) if a.is_compat() => {
                     self.unseen.insert(
                         UNSEEN_COMPAT.to_owned(),
@@ -477,7 +578,7 @@ impl Probes {
                         Chain(&e)
                     )
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(Attach::Other(e)),
             }
         }
         info!(mode = self.mode.as_str(), dir = %dir.display(), "probes attached");

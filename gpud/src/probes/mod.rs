@@ -229,6 +229,11 @@ pub struct Probes {
     unseen: BTreeMap<String, String>,
     /// `probes.follow_32bit`: tracepoint mode follows 32-bit callers (where it can).
     follow_32bit: bool,
+    /// Tracepoint mode's ioctls and closes are on the raw `sys_enter` and `sys_exit`
+    /// tracepoints (32-bit callers followed), not on the `syscalls:*` events.
+    raw_syscalls: bool,
+    /// The raw route was to be taken and its tracepoints would not attach.
+    raw_failed: bool,
     /// What was taken over from the pins attached before (nothing: `from_abi` 0).
     take_over: TakeOver,
     /// The event ring of the probes taken over, for the daemon to read once.
@@ -299,6 +304,8 @@ impl Probes {
             modify_return: hooks.modify_return,
             unseen: BTreeMap::new(),
             follow_32bit: cfg.follow_32bit,
+            raw_syscalls: false,
+            raw_failed: false,
             take_over: TakeOver::default(),
             previous_events: None,
         };
@@ -775,8 +782,9 @@ mod tests {
 
     use super::{
         attach::{
-            FENTRY_ATTACHMENTS, FENTRY_RETURN_ATTACHMENTS, LSM_ATTACHMENTS,
-            MODIFY_RETURN_ATTACHMENTS, RUN_PROGRAMS, TRACEPOINT_ATTACHMENTS,
+            EVENT_SYSCALL_ATTACHMENTS, FENTRY_ATTACHMENTS, FENTRY_RETURN_ATTACHMENTS,
+            LSM_ATTACHMENTS, MODIFY_RETURN_ATTACHMENTS, RAW_SYSCALL_ATTACHMENTS, RUN_PROGRAMS,
+            TRACEPOINT_ATTACHMENTS,
         },
         pin::expected_layouts,
         *,
@@ -817,6 +825,8 @@ mod tests {
             .chain(LSM_ATTACHMENTS)
             .chain(MODIFY_RETURN_ATTACHMENTS)
             .chain(TRACEPOINT_ATTACHMENTS)
+            .chain(RAW_SYSCALL_ATTACHMENTS)
+            .chain(EVENT_SYSCALL_ATTACHMENTS)
             .flat_map(|a| [Some(a.program), a.rewriting])
             .flatten()
             .collect();
@@ -825,7 +835,7 @@ mod tests {
         used.insert(programs::FMODRET_PROBE);
         // The benchmark's references (tests/src/bin/gpud-bench.rs).
         used.extend([
-            programs::NOOP_TP,
+            programs::NOOP_RAW_TP,
             programs::NOOP_FENTRY,
             programs::NOOP_FEXIT,
         ]);

@@ -3,8 +3,9 @@
 //! gpud's probes, measured in one run (run by `cargo xtask bench`; method in docs/benchmarks.md).
 //!
 //! Three phases in one process tree, alternated C times: no program attached; a no-op reference
-//! program on the same ioctl hooks as gpud (entry and return: `sys_enter_ioctl` and
-//! `sys_exit_ioctl`, or fentry on `security_file_ioctl` and fexit on the ioctl syscall); gpud's
+//! program on the same ioctl hooks as gpud (entry and return: the raw `sys_enter` and `sys_exit`
+//! tracepoints, which every system call passes, or fentry on `security_file_ioctl` and fexit on
+//! the ioctl syscall); gpud's
 //! probes attached in the given mode. Differences are taken within each cycle and the median over
 //! cycles is reported. In each phase, four workloads run in fresh forked children, R rounds of N
 //! calls each, fastest round:
@@ -29,7 +30,7 @@ use std::{
 use anyhow::Context as _;
 use aya::{
     EbpfLoader,
-    programs::{FEntry, FExit, TracePoint},
+    programs::{FEntry, FExit, RawTracePoint},
 };
 use clap::Parser;
 use gpud::{
@@ -204,14 +205,15 @@ fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
         .load(probes::ebpf_object())?;
     match o.mode {
         AttachMode::Tracepoint => {
-            let p: &mut TracePoint = ebpf
-                .program_mut(programs::NOOP_TP)
-                .context(programs::NOOP_TP)?
+            let p: &mut RawTracePoint = ebpf
+                .program_mut(programs::NOOP_RAW_TP)
+                .context(programs::NOOP_RAW_TP)?
                 .try_into()?;
             p.load()?;
-            // Both sides, as gpud attaches them: the reference pays the same two hooks.
-            p.attach("syscalls", "sys_enter_ioctl")?;
-            p.attach("syscalls", "sys_exit_ioctl")?;
+            // Both sides, as gpud attaches them where it follows 32-bit callers (the default):
+            // the reference pays the same two hooks, on every system call.
+            p.attach("sys_enter")?;
+            p.attach("sys_exit")?;
         }
         AttachMode::Fentry => {
             let p: &mut FEntry = ebpf

@@ -21,6 +21,7 @@ pub(super) fn memory_info_cost(
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
     let (c, dir) = (ctl.to_owned(), cg.to_owned());
+    let unfollowed = unfollowed_run_ns();
     let setup_tenant = move || inproc::rm_tenant(&c, &dir);
     // `calls N`: N queries; replies with the last HEAP_SIZE read (KiB).
     let serve = |s: &mut (std::fs::File, [u32; 3]), req: &str| -> String {
@@ -62,17 +63,15 @@ pub(super) fn memory_info_cost(
             }
             let before = prog_stats();
             let heap: u64 = tenant.ask(&format!("calls {calls}"))?.parse()?;
-            let spent: u64 = prog_stats()
-                .into_iter()
-                .filter(|(k, _)| k.contains("_ioc"))
-                .map(|(k, (t, _))| t.saturating_sub(before.get(&k).map_or(0, |b| b.0)))
+            let spent: f64 = on_ioctls(stats_since(&before), calls, &unfollowed)
+                .values()
                 .sum();
             let rewritten = heap == LIMIT >> 10;
             ensure!(
                 rewritten == (name == "limited_view_on"),
                 "{name}: the process read a heap of {heap} KiB"
             );
-            per_call[i].push(spent as f64 / calls as f64);
+            per_call[i].push(spent / calls as f64);
         }
     }
     let phases: serde_json::Map<String, serde_json::Value> = phases
@@ -109,6 +108,7 @@ pub(super) fn scheduler_guard_cost(
     let state = core.scheduler_guard();
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
+    let unfollowed = unfollowed_run_ns();
     let (c, dir) = (ctl.to_owned(), cg.to_owned());
     let setup_tenant = move || {
         let (f, [client, dev, sub]) = inproc::rm_tenant(&c, &dir)?;
@@ -152,13 +152,11 @@ pub(super) fn scheduler_guard_cost(
             core.probes.set_guard(mode)?;
             let before = prog_stats();
             let status = tenant.ask(&format!("{what} {calls}"))?;
-            let spent: u64 = prog_stats()
-                .into_iter()
-                .filter(|(k, _)| k.contains("_ioc"))
-                .map(|(k, (t, _))| t.saturating_sub(before.get(&k).map_or(0, |b| b.0)))
+            let spent: f64 = on_ioctls(stats_since(&before), calls, &unfollowed)
+                .values()
                 .sum();
             ensure!(status == "0", "{name}: the driver answered status {status}");
-            per_call[i].push(spent as f64 / calls as f64);
+            per_call[i].push(spent / calls as f64);
             // The guard's reports of this phase, read so the ring never fills.
             while ring.next().is_some() {}
         }
@@ -193,6 +191,7 @@ pub(super) fn pair_breakdown(o: &Opts, ctl: &Path, cg: &Path) -> anyhow::Result<
     let (mut core, mut ring) = setup(o, ctl, ReactAction::Notify, "pair")?;
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
+    let unfollowed = unfollowed_run_ns();
     let (c, dir) = (ctl.to_owned(), cg.to_owned());
     let setup_tenant = move || inproc::rm_tenant(&c, &dir).map(|(f, h)| (f, h, Vec::new()));
     // `alloc N`: N allocations of 2 MiB, kept; `free`: frees them. Replies with the count done.
@@ -232,13 +231,9 @@ pub(super) fn pair_breakdown(o: &Opts, ctl: &Path, cg: &Path) -> anyhow::Result<
                 done == n.to_string(),
                 "{request}: the tenant replied {done:?}"
             );
-            for (name, (t, _)) in prog_stats() {
-                let spent = t.saturating_sub(before.get(&name).map_or(0, |b| b.0));
-                if name.contains("_ioc") && spent > 0 {
-                    per_prog[i]
-                        .entry(name)
-                        .or_default()
-                        .push(spent as f64 / n as f64);
+            for (name, spent) in on_ioctls(stats_since(&before), n, &unfollowed) {
+                if spent > 0.0 {
+                    per_prog[i].entry(name).or_default().push(spent / n as f64);
                 }
             }
             let t = Instant::now();
@@ -275,5 +270,7 @@ pub(super) fn pair_breakdown(o: &Opts, ctl: &Path, cg: &Path) -> anyhow::Result<
         "alloc": alloc,
         "free": free,
         "programs_ns_per_pair": per_pair,
+        // What the other system calls' runs were taken out at (see `on_ioctls`).
+        "unfollowed_run_ns": unfollowed,
     }))
 }
