@@ -76,6 +76,17 @@ async fn ledger_empties(rig: &Rig) {
     );
 }
 
+/// `tenant` in `cg` allocates 48 MiB, which its cgroup is charged, and closes its file, which
+/// releases it: the driver holds nothing and the cgroup nothing.
+async fn charged_then_released_by_close(rig: &Rig, cg: &Cgroup, tenant: &mut RmProcess) {
+    let (client, device) = tenant.client_device(0);
+    tenant.ok(&format!("alloc {client} {device} {}", 48 * MIB));
+    rig.expect_memory(&cg.rel, &[("all", 48 * MIB)]).await;
+    tenant.ok("close");
+    ledger_empties(rig).await;
+    rig.expect_memory(&cg.rel, &[("all", 0)]).await;
+}
+
 /// An attack run as one `gpud-rm` command by a tenant under a 64 MiB limit must end with the
 /// tenant killed in the call that took it over (the react tier with `kill`) and the fake driver
 /// holding nothing; a tenant that answers got through, with what the ledger shows it holding.
@@ -428,12 +439,7 @@ async fn a_32_bit_tenant_is_charged_and_held_to_its_limit() {
     assert!(unseen.is_empty(), "reported unseen: {unseen:?}");
 
     // Charged, and released with the file by a 32-bit close.
-    let (client, device) = tenant.client_device(0);
-    tenant.ok(&format!("alloc {client} {device} {}", 48 * MIB));
-    rig.expect_memory(&cg.rel, &[("all", 48 * MIB)]).await;
-    tenant.ok("close");
-    ledger_empties(&rig).await;
-    rig.expect_memory(&cg.rel, &[("all", 0)]).await;
+    charged_then_released_by_close(&rig, &cg, &mut tenant).await;
 
     // Opened again through the i386 entry; crossing the limit is stopped in the call.
     tenant.ok("open");
@@ -480,12 +486,7 @@ async fn unfollowed_32_bit_calls_are_reported() {
     let cg = Cgroup::new("rt-no32");
     rig.set_limit(&cg.rel, "all", "memory_max", LIMIT).await;
     let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
-    let (client, device) = tenant.client_device(0);
-    tenant.ok(&format!("alloc {client} {device} {}", 48 * MIB));
-    rig.expect_memory(&cg.rel, &[("all", 48 * MIB)]).await;
-    tenant.ok("close");
-    ledger_empties(&rig).await;
-    rig.expect_memory(&cg.rel, &[("all", 0)]).await;
+    charged_then_released_by_close(&rig, &cg, &mut tenant).await;
 }
 
 /// Params the probes cannot read: the tenant puts each allocation's params on a page it mapped
