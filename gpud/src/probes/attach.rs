@@ -304,6 +304,18 @@ pub(super) const EVENT_SYSCALL_ATTACHMENTS: &[Attachment] = &[
     ),
 ];
 
+/// Where tracepoint mode takes ioctls and closes (fentry mode takes them on its hooks, whatever
+/// this says).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SyscallRoute {
+    /// The raw `sys_enter` and `sys_exit` tracepoints, 64-bit and 32-bit callers.
+    Raw,
+    /// The `syscalls:*` events, 64-bit callers only: 32-bit callers are not followed.
+    Events,
+    /// The same, because the raw tracepoints would not attach.
+    EventsRawFailed,
+}
+
 /// Why a set of programs did not attach: the raw system-call tracepoints (the daemon then takes
 /// the `syscalls:*` events) or anything else.
 enum Attach {
@@ -383,10 +395,11 @@ impl Probes {
         };
         match self.mode {
             AttachMode::Tracepoint => {
-                let syscalls = if self.raw_syscalls {
-                    RAW_SYSCALL_ATTACHMENTS
-                } else {
-                    EVENT_SYSCALL_ATTACHMENTS
+                let syscalls = match self.route {
+                    SyscallRoute::Raw => RAW_SYSCALL_ATTACHMENTS,
+                    SyscallRoute::Events | SyscallRoute::EventsRawFailed => {
+                        EVENT_SYSCALL_ATTACHMENTS
+                    }
                 };
                 syscalls.iter().chain(TRACEPOINT_ATTACHMENTS).collect()
             }
@@ -413,10 +426,10 @@ impl Probes {
         // The system calls' route is another set of programs; the events' route taken because
         // the raw one would not attach is named apart from the one the configuration or the
         // kernel chose, so that a daemon told to follow 32-bit callers adopts only the former.
-        let no32 = match self.mode {
-            AttachMode::Tracepoint if self.raw_failed => "-raw-failed",
-            AttachMode::Tracepoint if !self.raw_syscalls => "-no32",
-            _ => "",
+        let no32 = match (self.mode, self.route) {
+            (AttachMode::Fentry, _) | (_, SyscallRoute::Raw) => "",
+            (_, SyscallRoute::Events) => "-no32",
+            (_, SyscallRoute::EventsRawFailed) => "-raw-failed",
         };
         self.base_dir.join("links").join(format!(
             "{}-{}-{}{hook}{}{}",
@@ -454,15 +467,15 @@ impl Probes {
         // The route's links; where the raw route is to be taken, also those of the events'
         // route a daemon before took when the raw tracepoints would not attach.
         let preferred = self.mode == AttachMode::Tracepoint && compat_unseen.is_none();
-        let routes: &[(bool, bool)] = if preferred {
-            &[(true, false), (false, true)]
+        let routes: &[SyscallRoute] = if preferred {
+            &[SyscallRoute::Raw, SyscallRoute::EventsRawFailed]
         } else {
-            &[(false, false)]
+            &[SyscallRoute::Events]
         };
         for &route in routes {
-            (self.raw_syscalls, self.raw_failed) = route;
+            self.route = route;
             if self.adopt()? {
-                if self.raw_failed {
+                if route == SyscallRoute::EventsRawFailed {
                     self.unseen.insert(
                         UNSEEN_COMPAT.to_owned(),
                         "the raw sys_enter and sys_exit tracepoints did not attach when these \
@@ -474,7 +487,7 @@ impl Probes {
                 return Ok(());
             }
         }
-        (self.raw_syscalls, self.raw_failed) = (preferred, false);
+        self.route = routes[0];
         // Anything else under links/ is another object or mode: detach it before attaching, so
         // no ioctl is counted twice.
         self.detach_all()?;
@@ -490,7 +503,7 @@ impl Probes {
                     ),
                 );
                 self.detach_all()?;
-                (self.raw_syscalls, self.raw_failed) = (false, true);
+                self.route = SyscallRoute::EventsRawFailed;
                 self.attach_all(kbtf, btf).map_err(Attach::into_error)
             }
             r => r.map_err(Attach::into_error),

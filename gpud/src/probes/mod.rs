@@ -229,11 +229,8 @@ pub struct Probes {
     unseen: BTreeMap<String, String>,
     /// `probes.follow_32bit`: tracepoint mode follows 32-bit callers (where it can).
     follow_32bit: bool,
-    /// Tracepoint mode's ioctls and closes are on the raw `sys_enter` and `sys_exit`
-    /// tracepoints (32-bit callers followed), not on the `syscalls:*` events.
-    raw_syscalls: bool,
-    /// The raw route was to be taken and its tracepoints would not attach.
-    raw_failed: bool,
+    /// Where tracepoint mode takes ioctls and closes, settled when the probes attach.
+    route: attach::SyscallRoute,
     /// What was taken over from the pins attached before (nothing: `from_abi` 0).
     take_over: TakeOver,
     /// The event ring of the probes taken over, for the daemon to read once.
@@ -304,8 +301,7 @@ impl Probes {
             modify_return: hooks.modify_return,
             unseen: BTreeMap::new(),
             follow_32bit: cfg.follow_32bit,
-            raw_syscalls: false,
-            raw_failed: false,
+            route: attach::SyscallRoute::Events,
             take_over: TakeOver::default(),
             previous_events: None,
         };
