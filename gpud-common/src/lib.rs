@@ -208,7 +208,9 @@ pub const fn kernel_mkdev(major: u32, minor: u32) -> u64 {
 
 /// Field offsets of kernel structs, computed by the daemon from the running kernel's BTF and
 /// stored in the single-entry `CONFIG` array map (aya has no CO-RE for field accesses).
-/// All values are byte offsets.
+/// All values are byte offsets. The descriptor table's four (`task_files`, `files_fdt`,
+/// `fdt_max_fds`, `fdt_fd`) are also frozen into the object's `.rodata`, where the programs read
+/// them for BTF-checked loads; here they stay for the layout's sake.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KernelOffsets {

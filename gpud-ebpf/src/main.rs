@@ -353,9 +353,8 @@ pub fn gpud_lsm_probe(_ctx: LsmContext) -> i32 {
 }
 
 /// Benchmark reference only (`xtask bench`): an empty program, attached in place of gpud's to
-/// measure what any program on the same hook costs. The daemon never attaches it.
-/// Attached to the raw `sys_enter` and `sys_exit` tracepoints, as tracepoint mode's ioctl
-/// programs are.
+/// measure what any program on the same hook costs: on the raw `sys_enter` and `sys_exit`
+/// tracepoints, as tracepoint mode's ioctl programs are. The daemon never attaches it.
 #[raw_tracepoint]
 pub fn gpud_noop_raw_tp(_ctx: RawTracePointContext) -> i32 {
     0
@@ -514,9 +513,9 @@ fn opened(fd: u64) {
 // docs/benchmarks.md), while a raw tracepoint runs its program at once. The entry picks the
 // calls from the number (a tracepoint argument) and tells i386's numbers, which the 64-bit table
 // reuses, by the task's `TS_COMPAT`; the return knows an RM call by the thread's note of it, and
-// reads the number from the saved registers only for a tracked caller's other calls. Every other system call on the host leaves after the number
-// (entry) or the `TRACKED` read (exit). Elsewhere the `syscalls:*` programs run and the daemon
-// reports 32-bit ioctls in `UnseenCalls`.
+// reads the number from the saved registers only for a tracked caller's other calls. Every
+// other system call on the host leaves after the number (entry) or the `TRACKED` read (exit).
+// Elsewhere the `syscalls:*` programs run and the daemon reports 32-bit ioctls in `UnseenCalls`.
 
 /// A system call these programs follow.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -591,21 +590,22 @@ fn sys_enter<const REWRITE: bool>(ctx: &RawTracePointContext) {
     let Some([fd, cmd, arg]) = (unsafe { kernel::syscall_args(regs, abi) }) else {
         return;
     };
+    if (call == Call::Ioctl && !ioctl_filtered(cmd)) || (abi == Abi::Native && !of_table(abi)) {
+        return;
+    }
     match call {
-        Call::Ioctl if ioctl_filtered(cmd) && (abi != Abi::Native || of_table(abi)) => {
-            ioctl_entered::<REWRITE>(cmd, fd, arg)
-        }
-        Call::Close if abi != Abi::Native || of_table(abi) => closing(fd),
-        _ => {}
+        Call::Ioctl => ioctl_entered::<REWRITE>(cmd, fd, arg),
+        Call::Close => closing(fd),
+        Call::Open => {}
     }
 }
 
 /// Raw tracepoint `sys_exit(regs, ret)`: the return of an RM call noted at its entry, a 32-bit
-/// open of a tracked process. (An untracked 32-bit process becomes tracked at its first RM call, an 'F' escape,
-/// or by the daemon's periodic scan; its opens are not looked at, so that only tracked
-/// processes go past the `TRACKED` read here.) Raw, as the entry is: a raw tracepoint runs the
-/// program without building the event record `raw_syscalls:sys_exit` fills for a perf-event
-/// program first (docs/benchmarks.md).
+/// open of a tracked process. (An untracked 32-bit process becomes tracked at its first RM
+/// call, an 'F' escape, or by the daemon's periodic scan; its opens are not looked at, so that
+/// only tracked processes go past the `TRACKED` read here.) Raw, as the entry is: a raw
+/// tracepoint runs the program without building the event record `raw_syscalls:sys_exit` fills
+/// for a perf-event program first (docs/benchmarks.md).
 #[raw_tracepoint(tracepoint = "sys_exit")]
 pub fn gpud_tp_sys_exit(ctx: RawTracePointContext) -> i32 {
     sys_exit::<false>(&ctx);
