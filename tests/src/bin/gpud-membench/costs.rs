@@ -63,7 +63,7 @@ pub(super) fn memory_info_cost(
             }
             let before = prog_stats();
             let heap: u64 = tenant.ask(&format!("calls {calls}"))?.parse()?;
-            let spent: f64 = on_ioctls(stats_since(&before), calls, &unfollowed)
+            let spent: f64 = on_ioctls(&stats_since(&before), calls, &unfollowed)
                 .values()
                 .sum();
             let rewritten = heap == LIMIT >> 10;
@@ -152,7 +152,7 @@ pub(super) fn scheduler_guard_cost(
             core.probes.set_guard(mode)?;
             let before = prog_stats();
             let status = tenant.ask(&format!("{what} {calls}"))?;
-            let spent: f64 = on_ioctls(stats_since(&before), calls, &unfollowed)
+            let spent: f64 = on_ioctls(&stats_since(&before), calls, &unfollowed)
                 .values()
                 .sum();
             ensure!(status == "0", "{name}: the driver answered status {status}");
@@ -231,7 +231,7 @@ pub(super) fn pair_breakdown(o: &Opts, ctl: &Path, cg: &Path) -> anyhow::Result<
                 done == n.to_string(),
                 "{request}: the tenant replied {done:?}"
             );
-            for (name, spent) in on_ioctls(stats_since(&before), n, &unfollowed) {
+            for (name, spent) in on_ioctls(&stats_since(&before), n, &unfollowed) {
                 if spent > 0.0 {
                     per_prog[i].entry(name).or_default().push(spent / n as f64);
                 }

@@ -330,18 +330,18 @@ fn unfollowed_run_ns() -> std::collections::BTreeMap<String, f64> {
 /// calls were other system calls (the fake's server, the host), taken out at the cost
 /// [`unfollowed_run_ns`] measured.
 fn on_ioctls(
-    spent: impl IntoIterator<Item = (String, (u64, u64))>,
+    spent: &std::collections::BTreeMap<String, (u64, u64)>,
     ioctls: u64,
     unfollowed: &std::collections::BTreeMap<String, f64>,
 ) -> std::collections::BTreeMap<String, f64> {
     spent
-        .into_iter()
+        .iter()
         .filter(|(k, _)| ioctl_program(k))
-        .map(|(k, (t, n))| {
+        .map(|(k, &(t, n))| {
             let others =
-                n.saturating_sub(ioctls) as f64 * unfollowed.get(&k).copied().unwrap_or(0.0);
+                n.saturating_sub(ioctls) as f64 * unfollowed.get(k).copied().unwrap_or(0.0);
             let ns = (t as f64 - others).max(0.0);
-            (k, ns)
+            (k.clone(), ns)
         })
         .collect()
 }
@@ -486,13 +486,13 @@ fn main() -> anyhow::Result<()> {
         let unfollowed = unfollowed_run_ns();
         let before = prog_stats();
         with.push(alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?);
-        unfollowed_last = unfollowed.clone();
         let spent = stats_since(&before);
         // Two ioctls per pair, and the client's and the device's.
         let ioctls = 2 * (o.rounds as u64 * o.pairs + 1);
-        for (name, ns) in on_ioctls(spent.clone(), ioctls, &unfollowed) {
+        for (name, ns) in on_ioctls(&spent, ioctls, &unfollowed) {
             *probe_ns.entry(name).or_default() += ns;
         }
+        unfollowed_last = unfollowed;
         for (name, (t, n)) in spent {
             let e = per_prog.entry(name).or_default();
             e.0 += t;
