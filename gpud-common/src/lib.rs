@@ -266,6 +266,11 @@ pub const CFG_SCHED_ENFORCE: u32 = 1 << 5;
 /// `ProbeConfig::flags`: where no hook can refuse a forbidden control, kill its caller at the
 /// call's entry (`[enforcement] guard_react_action = "kill"`); otherwise only report it.
 pub const CFG_GUARD_KILL: u32 = 1 << 6;
+/// `ProbeConfig::flags`: the limit walks may skip the levels an ancestry record's
+/// [`limits_seen`] word says have no limit. Set where loads are not reordered with older loads
+/// (x86-64), which the word's validity relies on: a walk that read the generation the daemon
+/// wrote after a limit sees that limit.
+pub const CFG_LIMITS_SEEN: u32 = 1 << 7;
 
 /// The single value of the `CONFIG` array map.
 #[repr(C)]
@@ -459,6 +464,42 @@ pub struct Ancestry {
     pub _pad: u32,
     /// cgroup ids, root first; the last valid one is the cgroup itself.
     pub ids: [u64; MAX_CGROUP_DEPTH],
+    /// Which levels have no memory limit at all, as the kernel side last found them: see
+    /// [`limits_seen`]. Written by the programs in place; 0 in every record the daemon writes.
+    pub limits_seen: u64,
+}
+
+/// [`Ancestry::limits_seen`]: bit `i` of the low [`MAX_CGROUP_DEPTH`] bits set where `ids[i]`
+/// had no `LIMITS` entry on any GPU (no `GPU_UNKNOWN` entry, which comes with every per-GPU
+/// limit, and no `GPU_ALL` one), found under the `LIMITS_GEN` value in the bits above. The limit
+/// walks skip those levels' lookups while the value is still `LIMITS_GEN`'s: the daemon adds 1
+/// to it after every limit it writes and every `ANCESTRY` record it writes or removes, so a
+/// level that gains a limit is looked up again from then on (docs/design.md, "Levels without
+/// limits"). Generation 0 is never current (the daemon raises it when it starts), so 0, the
+/// state of a record the daemon wrote or converted, skips nothing.
+pub mod limits_seen {
+    use crate::MAX_CGROUP_DEPTH;
+
+    /// Bits of the level mask.
+    pub const LEVEL_BITS: u32 = MAX_CGROUP_DEPTH as u32;
+    const _: () = assert!(LEVEL_BITS <= 16);
+
+    /// The word for `levels` (the bits of levels without a limit) found under `generation`.
+    #[inline(always)]
+    pub const fn word(generation: u64, levels: u32) -> u64 {
+        (generation << LEVEL_BITS) | (levels as u64 & ((1 << LEVEL_BITS) - 1))
+    }
+
+    /// The levels `word` says have no limit, where it was found under `generation` (not 0);
+    /// `None` where it is of another generation (nothing known).
+    #[inline(always)]
+    pub const fn levels(word: u64, generation: u64) -> Option<u32> {
+        if generation != 0 && word >> LEVEL_BITS == generation {
+            Some((word & ((1 << LEVEL_BITS) - 1)) as u32)
+        } else {
+            None
+        }
+    }
 }
 
 /// An RM call seen at the ioctl's entry whose result the exit side reads, kept per thread in the
@@ -568,9 +609,12 @@ pub mod maps {
     /// Hash cgroup id → `u64`: the `OBJECTS` entries it holds, for the per-cgroup cap
     /// ([`ProbeConfig::objects_per_cgroup`](crate::ProbeConfig)).
     pub const OBJ_COUNTS: &str = "OBJ_COUNTS";
+    /// Array of one `u64`: the limits' generation, which the daemon raises after every limit
+    /// and ancestry record it writes (see [`limits_seen`](crate::limits_seen)).
+    pub const LIMITS_GEN: &str = "LIMITS_GEN";
 
     /// Every pinned map: the daemon checks each one's layout before adopting its pin.
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 21] = [
         CONFIG,
         EXTRA_FILES,
         PROCS,
@@ -591,6 +635,7 @@ pub mod maps {
         SCHED_GROUPS,
         FILE_MARKS,
         OBJ_COUNTS,
+        LIMITS_GEN,
     ];
 }
 
@@ -694,19 +739,45 @@ pub mod programs {
 
 /// The previous ABI, whose pinned maps a daemon of this one takes over at an upgrade
 /// (docs/design.md, "Upgrades"): its version and its layouts, defined here beside the current
-/// ones. ABI 8 changed `STATS` only (it gained [`stat::ADOPTED`](crate::stat::ADOPTED)); every
-/// other map has the same names, keys and values in both, so they are re-exported from the
-/// current definitions. A layout that changes moves here as it was, beside its conversion's
-/// input, and stays until the ABI after next.
+/// ones. ABI 8 changed `STATS` (it gained [`stat::ADOPTED`](crate::stat::ADOPTED)) and
+/// `ANCESTRY`'s records (they gained [`limits_seen`](crate::Ancestry::limits_seen)), and added
+/// `LIMITS_GEN`; every other map has the same names, keys and values in both, so they are
+/// re-exported from the current definitions. A layout that changes moves here as it was, beside
+/// its conversion's input, and stays until the ABI after next.
 pub mod previous {
+    use crate::MAX_CGROUP_DEPTH;
+
     /// The previous ABI's version: its pins are under `<bpffs>/gpud/v7/`.
     pub const ABI_VERSION: u32 = 7;
     /// Counters in its `STATS` (the same indices as [`stat`](crate::stat) up to this).
     pub const STAT_COUNT: u32 = 26;
     pub use crate::{
-        Ancestry, GuardBucket, GuardKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProcEntry,
-        UsageKey,
+        GuardBucket, GuardKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProcEntry, UsageKey,
     };
+
+    /// ABI 7's `ANCESTRY` record: [`crate::Ancestry`] without `limits_seen`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct Ancestry {
+        /// As [`crate::Ancestry::depth`].
+        pub depth: u32,
+        /// Explicit padding (always 0).
+        pub _pad: u32,
+        /// As [`crate::Ancestry::ids`].
+        pub ids: [u64; MAX_CGROUP_DEPTH],
+    }
+
+    impl From<Ancestry> for crate::Ancestry {
+        /// The same levels; nothing known yet of which have limits.
+        fn from(a: Ancestry) -> Self {
+            Self {
+                depth: a.depth,
+                _pad: 0,
+                ids: a.ids,
+                limits_seen: 0,
+            }
+        }
+    }
 }
 
 /// Capacity of `PROCS`, tracked processes on the host, as built; the daemon sets it at load time
@@ -763,4 +834,5 @@ mod pod {
     unsafe impl aya::Pod for super::Pending {}
     unsafe impl aya::Pod for super::GuardKey {}
     unsafe impl aya::Pod for super::GuardBucket {}
+    unsafe impl aya::Pod for super::previous::Ancestry {}
 }

@@ -1,17 +1,19 @@
 //! Reads of what the accounting keeps, shared by the memory tiers ([`crate::memory`]), the memory
 //! view ([`crate::meminfo`]) and the scheduler guard ([`crate::guard`]): user memory, the caller's
 //! cgroup ancestry, a cgroup's usage and limits, the GPU an object lives on. Only reads (and the
-//! ancestry's first recording), so that none of those modules needs another.
+//! ancestry's first recording, and which of its levels have no limit), so that none of those
+//! modules needs another.
 
-use aya_ebpf::helpers::{
-    bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_probe_read_user,
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_probe_read_user},
 };
 use gpud_common::{
-    Ancestry, GPU_ALL, GPU_UNKNOWN, KernelLimit, MAX_CGROUP_DEPTH, OBJ_DEVICE, OBJ_SUBDEVICE,
-    ObjKey, UsageKey,
+    Ancestry, CFG_LIMITS_SEEN, GPU_ALL, GPU_UNKNOWN, KernelLimit, MAX_CGROUP_DEPTH, OBJ_DEVICE,
+    OBJ_SUBDEVICE, ObjKey, UsageKey, limits_seen,
 };
 
-use crate::maps::{ANCESTRY, LIMITS, OBJECTS, SCRATCH, USAGE};
+use crate::maps::{ANCESTRY, LIMITS, LIMITS_GEN, OBJECTS, SCRATCH, USAGE, config};
 
 #[inline(always)]
 pub(crate) unsafe fn user<T>(addr: u64) -> Option<T> {
@@ -40,7 +42,8 @@ pub(crate) fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
     }
     let scratch = SCRATCH.get_ptr_mut(0)?;
     let a = unsafe { &mut *scratch };
-    a.depth = 0;
+    // The per-CPU scratch holds the last record built here.
+    (a.depth, a.limits_seen) = (0, 0);
     for level in 0..MAX_CGROUP_DEPTH {
         let id = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) };
         if id == 0 {
@@ -57,7 +60,8 @@ pub(crate) fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
         a.ids[0] = leaf;
         a.depth = 1;
     }
-    let _ = ANCESTRY.insert(leaf, a, 0);
+    // Never over a record another CPU made meanwhile: walks may be reading it.
+    let _ = ANCESTRY.insert(leaf, a, BPF_NOEXIST as u64);
     unsafe { ANCESTRY.get(leaf) }.map(|a| (leaf, a))
 }
 
@@ -70,17 +74,90 @@ pub(crate) fn usage(cgroup_id: u64, gpu: u32) -> u64 {
     }
 }
 
+/// The levels of `anc` its [`limits_seen`] word says have no limit at all, where the word is of
+/// the current generation (and trusted on this host, `CFG_LIMITS_SEEN`); otherwise none, and
+/// the levels are learnt for the next walks ([`learn_levels`]).
+#[inline(always)]
+fn levels_without_limits(anc: &Ancestry) -> u32 {
+    let Some(cfg) = config() else {
+        return 0;
+    };
+    if cfg.flags & CFG_LIMITS_SEEN == 0 {
+        return 0;
+    }
+    let Some(generation) = LIMITS_GEN.get_ptr(0) else {
+        return 0;
+    };
+    let generation = unsafe { core::ptr::read_volatile(generation) };
+    if generation == 0 {
+        // The daemon has not started counting: nothing to learn against.
+        return 0;
+    }
+    let word = unsafe { core::ptr::read_volatile(&anc.limits_seen) };
+    match limits_seen::levels(word, generation) {
+        Some(levels) => levels,
+        None => {
+            learn_levels(anc, generation);
+            0
+        }
+    }
+}
+
+/// Finds which levels of `anc` have no limit on any GPU (neither a `GPU_UNKNOWN` entry, which
+/// comes with every per-GPU limit, nor a `GPU_ALL` one) and writes them in its `limits_seen`
+/// under `generation`, read before these lookups: a limit the daemon wrote before raising the
+/// generation to it is seen. Written only while `anc` is still the record of its last level's
+/// cgroup (a record deeper than [`MAX_CGROUP_DEPTH`] ends above its own cgroup: never). Its own
+/// pass, apart from the limit walks: a mask built there would be a value per path for the
+/// verifier.
+#[inline(always)]
+fn learn_levels(anc: &Ancestry, generation: u64) {
+    // Read after the generation (volatile: not hoisted above it), as the levels are.
+    let depth = unsafe { core::ptr::read_volatile(&anc.depth) };
+    let mut without = 0u32;
+    for i in 0..MAX_CGROUP_DEPTH {
+        if i as u32 >= depth {
+            break;
+        }
+        let id = unsafe { core::ptr::read_volatile(&anc.ids[i]) };
+        if LIMITS.get_ptr(UsageKey::new(id, GPU_UNKNOWN)).is_none()
+            && LIMITS.get_ptr(UsageKey::new(id, GPU_ALL)).is_none()
+        {
+            without |= 1 << i;
+        }
+    }
+    let last = depth.wrapping_sub(1) as usize;
+    if last >= MAX_CGROUP_DEPTH {
+        return;
+    }
+    let Some(record) = ANCESTRY.get_ptr_mut(anc.ids[last]) else {
+        return;
+    };
+    if !core::ptr::eq(record.cast_const(), anc) {
+        return;
+    }
+    // In place, one aligned word; a racing walk's word is as good (each is of the generation
+    // it read before its lookups).
+    let at = unsafe { core::ptr::addr_of_mut!((*record).limits_seen) };
+    unsafe { core::ptr::write_volatile(at, limits_seen::word(generation, without)) };
+}
+
 /// Calls `f(cgroup, GPU key, limit)` for each limit that applies to `gpu` (its own and the
-/// all-GPU one) over `anc`, from the root down, until `f` returns true.
+/// all-GPU one) over `anc`, from the root down, until `f` returns true. Levels known to have
+/// no limit at all are not looked up.
 #[inline(always)]
 pub(crate) fn each_limit(
     anc: &Ancestry,
     gpu: u32,
     mut f: impl FnMut(u64, u32, *mut KernelLimit) -> bool,
 ) {
+    let skip = levels_without_limits(anc);
     for i in 0..MAX_CGROUP_DEPTH {
         if i as u32 >= anc.depth {
             break;
+        }
+        if skip & (1 << i) != 0 {
+            continue;
         }
         let id = anc.ids[i];
         for g in [gpu, GPU_ALL] {
@@ -97,9 +174,13 @@ pub(crate) fn each_limit(
 /// Whether `anc` has a limit on `gpu` itself (an `all` limit does not count).
 #[inline(always)]
 pub(crate) fn limited_on(anc: &Ancestry, gpu: u32) -> bool {
+    let skip = levels_without_limits(anc);
     for i in 0..MAX_CGROUP_DEPTH {
         if i as u32 >= anc.depth {
             break;
+        }
+        if skip & (1 << i) != 0 {
+            continue;
         }
         let key = UsageKey::new(anc.ids[i], gpu);
         if LIMITS.get_ptr_mut(key).is_some() {

@@ -60,6 +60,10 @@ pub(crate) static LIMITS: HashMap<UsageKey, KernelLimit> = HashMap::pinned(MAX_L
 #[map]
 pub(crate) static ANCESTRY: HashMap<u64, Ancestry> = HashMap::pinned(MAX_CGROUPS, 0);
 
+/// The limits' generation (`gpud_common::limits_seen`), raised by the daemon.
+#[map]
+pub(crate) static LIMITS_GEN: Array<u64> = Array::pinned(1, 0);
+
 /// The scheduler guard's timeslice allowance (µs) of cgroups whose policy sets one.
 #[map]
 pub(crate) static SCHED_ALLOW: HashMap<u64, u64> = HashMap::pinned(MAX_SCHED_ALLOW, 0);

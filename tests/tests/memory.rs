@@ -284,6 +284,56 @@ async fn crossing_a_limit_kills_the_allocator_only_and_signals_and_limits_persis
     assert!(proxy.list_limits().await.expect("ListLimits").is_empty());
 }
 
+/// The kernel side skips the lookups of ancestry levels it found without any limit until the
+/// daemon writes a limit: a level that gains its first limit after charges walked it unlimited
+/// holds the next allocation at once, whether the limit is on another GPU than the walks were
+/// on (found through the `unknown` entry that comes with it) or on every GPU, and after a limit
+/// went and came back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_level_limited_after_charges_walked_it_unlimited_holds_the_next_allocation() {
+    let Some(rig) = started("mem-learnt", "kill", false).await else {
+        return;
+    };
+    let ctl = rig.ctl();
+    let (_conn, proxy) = rig.proxy().await;
+    let parent = Cgroup::new("learnt-parent");
+    let leaf = parent.child("a");
+    // Charges through the root, the parent and the leaf, none of them limited.
+    let mut holder = RmProcess::spawn(Some(&leaf.dir), &ctl);
+    let (c, d) = holder.client_device(0);
+    // 2 MiB each: the fake driver rounds sizes up to its pages, as the real one does.
+    let alloc = format!("alloc {c} {d} {} nvos64", 2 * MIB);
+    for _ in 0..3 {
+        holder.ok(&alloc);
+    }
+    rig.expect_memory(&leaf.rel, &[("all", 6 * MIB)]).await;
+
+    // The parent gains a limit on GPU 1; the holder's next allocation (GPU 0) walks again.
+    rig.set_limit(&parent.rel, "1", "memory_max", 4 * MIB).await;
+    holder.ok(&alloc);
+    let mut other = RmProcess::spawn(Some(&leaf.dir), &ctl);
+    let (oc, od) = other.client_device(1);
+    other.killed_in(
+        &format!("alloc {oc} {od} {} nvos64", 6 * MIB),
+        "over the parent's new limit on GPU 1",
+    );
+    // Its charge goes with its file.
+    rig.expect_memory(&leaf.rel, &[("all", 8 * MIB)]).await;
+
+    // That limit goes (the holder allocates with none), then the leaf gains one on every GPU.
+    proxy
+        .clear_limits(&parent.rel, "1", &[])
+        .await
+        .expect("ClearLimits");
+    holder.ok(&alloc);
+    rig.set_limit(&leaf.rel, "all", "memory_max", 12 * MIB)
+        .await;
+    holder.killed_in(
+        &format!("alloc {c} {d} {} nvos64", 4 * MIB),
+        "over the leaf's new limit",
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn corrupted_rm_calls_never_charge_more_or_less_than_the_driver_allocated() {
     let Some(rig) = started("mem-fuzz", "notify", false).await else {

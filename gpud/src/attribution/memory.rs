@@ -11,7 +11,7 @@ use gpud_common::{
 use tracing::{debug, info, warn};
 
 use super::{Attribution, AttributionError, ChannelGroup, RmRef, TenantObjects};
-use crate::probes::map_entries;
+use crate::probes::{BPF_NOEXIST, map_entries};
 
 /// Name of a GPU key in records: the index, `unknown`, or `all`.
 pub fn gpu_name(gpu: u32) -> String {
@@ -411,7 +411,15 @@ impl Attribution {
         };
         record.ids[..ids.len()].copy_from_slice(&ids);
         match self.maps.ancestry.get(&member_id, 0) {
-            Ok(a) if a == record => return Ok(()),
+            // What the programs learnt of its levels' limits is no difference.
+            Ok(a)
+                if Ancestry {
+                    limits_seen: 0,
+                    ..a
+                } == record =>
+            {
+                return Ok(());
+            }
             Ok(_) => {
                 // Every charge on a GPU is also one under `all`.
                 let charged = self
@@ -423,6 +431,8 @@ impl Attribution {
                     return Err(refused("memory is charged to it already"));
                 }
                 self.maps.ancestry.insert(member_id, record, 0)?;
+                // A new level: the programs' memo of its levels without limits goes.
+                self.maps.limits_gen.raise()?;
             }
             // None yet: made here, unless the kernel made one meanwhile (a first charge).
             Err(_) => {
@@ -474,8 +484,13 @@ impl Attribution {
         for (_, e) in self.objects() {
             gone.remove(&e.cgroup_id);
         }
+        let mut removed = false;
         for id in ancestry.into_iter().filter(|id| gone.contains(id)) {
-            let _ = self.maps.ancestry.remove(&id);
+            removed |= self.maps.ancestry.remove(&id).is_ok();
+        }
+        // A removed record's place may be another cgroup's next: nothing learnt in it holds.
+        if removed && let Err(e) = self.maps.limits_gen.raise() {
+            warn!("{}", crate::report::Chain(&e));
         }
         // Nothing charges a removed cgroup, and with no object charged to it nothing uncharges
         // it: its usage entries stay as they are read here.
@@ -486,9 +501,6 @@ impl Attribution {
         }
     }
 }
-
-/// `bpf_map_update_elem`'s flag: make an entry, never replace one.
-const BPF_NOEXIST: u64 = 1;
 
 /// Now on the clock the probes stamp objects with (`CLOCK_MONOTONIC`, as `bpf_ktime_get_ns`).
 fn monotonic_ns() -> Option<u64> {

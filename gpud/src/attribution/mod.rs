@@ -14,7 +14,8 @@ use tracing::{debug, info, warn};
 use crate::cgroupfs::{CgroupError, CgroupFs};
 use crate::{
     probes::{
-        AttachMode, KernelMaps, KernelRuns, Matcher, Probes, events::KernelEvent, map_entries,
+        AttachMode, BPF_NOEXIST, KernelMaps, KernelRuns, Matcher, Probes, events::KernelEvent,
+        map_entries,
     },
     report::Chain,
 };
@@ -23,9 +24,6 @@ pub use memory::MemoryView;
 
 /// Most process exits answered by one check of control files while events keep coming.
 const EXIT_BATCH: u32 = 256;
-
-/// aya's `BPF_NOEXIST`: insert only if absent, so a kernel-side entry is never overwritten.
-const BPF_NOEXIST: u64 = 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AttributionError {

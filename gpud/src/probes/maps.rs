@@ -6,9 +6,9 @@ use aya::{
     maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray},
 };
 use gpud_common::{
-    Ancestry, CFG_EXIT_RELEASE, CFG_HAS_EXTRA_FILES, CFG_READY, CFG_VIRT_MEMINFO, DeviceKind,
-    FileKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProbeConfig, ProcEntry, REACT_FREEZE,
-    REACT_KILL, REACT_NOTIFY, UsageKey, maps,
+    Ancestry, CFG_EXIT_RELEASE, CFG_HAS_EXTRA_FILES, CFG_LIMITS_SEEN, CFG_READY, CFG_VIRT_MEMINFO,
+    DeviceKind, FileKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProbeConfig, ProcEntry,
+    REACT_FREEZE, REACT_KILL, REACT_NOTIFY, UsageKey, maps,
 };
 use tracing::debug;
 
@@ -30,6 +30,8 @@ pub struct KernelMaps {
     pub file_marks: HashMap<MapData, u64, u32>,
     /// `OBJECTS` entries per cgroup, for the per-cgroup cap (`OBJ_COUNTS`).
     pub obj_counts: HashMap<MapData, u64, u64>,
+    /// Raised after every `ANCESTRY` record written or removed here.
+    pub limits_gen: super::LimitsGeneration,
 }
 
 /// The map pinned at `dir/name`, as the type `T` (`HashMap`, `Array`, `RingBuf`, …): a second
@@ -42,6 +44,10 @@ pub fn pinned<T: TryFrom<Map, Error = MapError>>(
         .and_then(Map::from_map_data)
         .and_then(T::try_from)
 }
+
+/// `bpf_map_update_elem`'s flag: make an entry, never replace one (a kernel-side entry, or a
+/// record a program may be reading).
+pub const BPF_NOEXIST: u64 = 1;
 
 /// Entries per `BPF_MAP_LOOKUP_BATCH` call: far more than a hash bucket ever holds (a bucket
 /// larger than the batch is refused with `ENOSPC`).
@@ -202,6 +208,11 @@ pub(super) fn write_config(ebpf: &mut Ebpf, s: Settings<'_>) -> Result<(), Probe
                 AttachMode::Fentry => 0,
             }
             | if memory_info { CFG_VIRT_MEMINFO } else { 0 }
+            | if cfg!(target_arch = "x86_64") {
+                CFG_LIMITS_SEEN
+            } else {
+                0
+            }
             | guard_flags,
         react_action: match react {
             ReactAction::Kill => REACT_KILL,

@@ -47,11 +47,11 @@ pub use caps::KernelCaps;
 pub use devices::{DynamicMajors, ExtraFile, Matcher};
 pub use ladder::HookLadder;
 use ladder::{LadderInputs, climb_ladder, load_probe, try_load};
-pub use maps::{KernelMaps, map_entries, pinned, remove_key};
+pub use maps::{BPF_NOEXIST, KernelMaps, map_entries, pinned, remove_key};
 pub use modes::{GuardState, MemoryInfoState};
 pub use pin::{BPF_FS_MAGIC, TRACEFS, TRACEFS_MAGIC, ensure_mounted};
 pub use runs::KernelRuns;
-pub use settings::{KernelSettings, SettingError};
+pub use settings::{KernelSettings, LimitsGeneration, SettingError};
 pub use takeover::TakeOver;
 
 use crate::{
@@ -455,15 +455,24 @@ impl Probes {
             ancestry: maps::take(&mut self.ebpf, map_names::ANCESTRY)?,
             file_marks: maps::take(&mut self.ebpf, map_names::FILE_MARKS)?,
             obj_counts: maps::take(&mut self.ebpf, map_names::OBJ_COUNTS)?,
+            limits_gen: LimitsGeneration::open(&self.base_dir)?,
         })
     }
 
-    /// Takes the maps of the settings the daemon writes (for the state task's one writer).
+    /// Takes the maps of the settings the daemon writes (for the state task's one writer), and
+    /// raises the limits' generation: what the programs learnt of levels without limits before
+    /// this daemon (a previous one's, on pins kept) is learnt again.
     pub fn take_settings(&mut self) -> Result<KernelSettings, ProbeError> {
+        let mut generation = LimitsGeneration::open(&self.base_dir)?;
+        generation.raise().map_err(|source| ProbeError::WriteMap {
+            name: map_names::LIMITS_GEN,
+            source,
+        })?;
         Ok(KernelSettings {
             limits: maps::take(&mut self.ebpf, map_names::LIMITS)?,
             sched_allow: maps::take(&mut self.ebpf, map_names::SCHED_ALLOW)?,
             guard_counts: maps::take(&mut self.ebpf, map_names::GUARD_COUNTS)?,
+            generation,
         })
     }
 

@@ -1,4 +1,5 @@
-//! The kernel settings the daemon writes, in one owner: the memory limits (`LIMITS`), the
+//! The kernel settings the daemon writes, in one owner: the memory limits (`LIMITS`, and the
+//! generation the programs check what they learnt of them against, `LIMITS_GEN`), the
 //! scheduler guard's timeslice allowances (`SCHED_ALLOW`) and its call counts (`GUARD_COUNTS`,
 //! written by the kernel, forgotten here for removed cgroups). The state task owns the one
 //! [`KernelSettings`]; the memory enforcement and the guard write through it. The attribution
@@ -6,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use aya::maps::{HashMap as BpfHashMap, MapData};
+use aya::maps::{Array as BpfArray, HashMap as BpfHashMap, MapData};
 use gpud_common::{GPU_ALL, GPU_UNKNOWN, GuardKey, KernelLimit, UNNAMED_GPU_MAX, UsageKey};
 use tracing::warn;
 
@@ -27,6 +28,30 @@ pub struct KernelSettings {
     pub(super) limits: BpfHashMap<MapData, UsageKey, KernelLimit>,
     pub(super) sched_allow: BpfHashMap<MapData, u64, u64>,
     pub(super) guard_counts: BpfHashMap<MapData, GuardKey, u64>,
+    pub(super) generation: LimitsGeneration,
+}
+
+/// The limits' generation (`LIMITS_GEN`): raised after every write that may give a level of an
+/// ancestry record a limit it did not have (a limit; an ancestry record written or removed), so
+/// that what the programs learnt of levels without limits under the old value
+/// ([`gpud_common::limits_seen`]) is not trusted any more. Its writers (the settings, the
+/// attribution's ancestry records) are the state task's, one at a time.
+pub struct LimitsGeneration(BpfArray<MapData, u64>);
+
+impl LimitsGeneration {
+    /// A handle on the map pinned under `pins`.
+    pub(super) fn open(pins: &std::path::Path) -> Result<Self, ProbeError> {
+        let name = gpud_common::maps::LIMITS_GEN;
+        super::pinned(pins, name)
+            .map(Self)
+            .map_err(|source| ProbeError::TakeMap { name, source })
+    }
+
+    /// Raises the generation by one.
+    pub fn raise(&mut self) -> Result<(), aya::maps::MapError> {
+        let now = self.0.get(&0, 0)?;
+        self.0.set(0, now.wrapping_add(1), 0)
+    }
 }
 
 impl KernelSettings {
@@ -54,12 +79,18 @@ impl KernelSettings {
         Ok(())
     }
 
+    /// Writes a limit, then raises the generation: from then on the programs look the level
+    /// up again wherever they had found it without limits.
     fn put(&mut self, cgroup_id: u64, gpu: u32, max: u64) -> Result<(), SettingError> {
         let key = UsageKey::new(cgroup_id, gpu);
         let events = self.limits.get(&key, 0).map(|l| l.events).unwrap_or(0);
         self.limits
             .insert(key, KernelLimit { max, events }, 0)
-            .map_err(limits_error)
+            .map_err(limits_error)?;
+        self.generation.raise().map_err(|source| SettingError {
+            map: gpud_common::maps::LIMITS_GEN,
+            source,
+        })
     }
 
     fn remove(&mut self, cgroup_id: u64, gpu: u32) -> Result<(), SettingError> {

@@ -281,7 +281,10 @@ impl Previous {
         copy!(p::ObjKey, u32, m::HELD_GROUPS);
         copy!(p::GuardKey, u64, m::GUARD_COUNTS);
         copy!(u64, p::GuardBucket, m::GUARD_BUCKET);
-        copy!(u64, p::Ancestry, m::ANCESTRY);
+        report.copied.insert(
+            m::ANCESTRY,
+            copy_ancestry(old, new, self.from_abi, Replace::Yes)?,
+        );
         copy!(u32, p::ProcEntry, m::PROCS);
         copy!(u64, p::IoctlCounts, m::CGROUPS);
         copy!(u64, u32, m::SCHED_FILES);
@@ -323,7 +326,8 @@ impl Previous {
         // Processes the old filter marked since the copy, and cgroups first charged since: the
         // new programs follow them from here, and adopted memory is charged up their ancestry.
         mark_tracked(runs, &dir, new)?;
-        copy_hash::<u64, previous::Ancestry>(&dir, new, m::ANCESTRY)?;
+        // Only the records not there yet: a walk of the new programs may be reading the others.
+        copy_ancestry(&dir, new, self.from_abi, Replace::No)?;
         // Every object, then those made while adopting (the new programs saw most of them).
         let mut adopted: StdHashMap<ObjKey, u64> = StdHashMap::new();
         for _ in 0..2 {
@@ -452,6 +456,62 @@ fn copy_hash<K: aya::Pod, V: aya::Pod>(
         to.insert(k, v, 0).map_err(map_err(name))?;
     }
     Ok(entries.len())
+}
+
+/// Whether a copy replaces the entries the new map holds already.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Replace {
+    Yes,
+    No,
+}
+
+/// Copies the `ANCESTRY` records of pins of ABI `from_abi` into `new`'s, converted where ABI 7's
+/// layout is read, each with nothing known of its levels' limits: a record's `limits_seen` word
+/// is of the old `LIMITS_GEN`'s generations, which the new map does not continue. The records
+/// copied.
+fn copy_ancestry(
+    old: &Path,
+    new: &Path,
+    from_abi: u32,
+    replace: Replace,
+) -> Result<usize, ProbeError> {
+    use gpud_common::{Ancestry, maps::ANCESTRY};
+    let records: Vec<(u64, Ancestry)> = if from_abi == ABI_VERSION {
+        let from: HashMap<MapData, u64, Ancestry> = open(old, ANCESTRY)?;
+        map_entries(&from)
+            .into_iter()
+            .map(|(k, a)| {
+                (
+                    k,
+                    Ancestry {
+                        limits_seen: 0,
+                        ..a
+                    },
+                )
+            })
+            .collect()
+    } else {
+        let from: HashMap<MapData, u64, previous::Ancestry> = open(old, ANCESTRY)?;
+        map_entries(&from)
+            .into_iter()
+            .map(|(k, a)| (k, a.into()))
+            .collect()
+    };
+    let mut to: HashMap<MapData, u64, Ancestry> = open(new, ANCESTRY)?;
+    let flags = match replace {
+        Replace::Yes => 0,
+        Replace::No => super::BPF_NOEXIST,
+    };
+    let mut copied = 0;
+    for (k, a) in &records {
+        match to.insert(k, a, flags) {
+            Ok(()) => copied += 1,
+            Err(MapError::SyscallError(e))
+                if replace == Replace::No && e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(map_err(ANCESTRY)(e)),
+        }
+    }
+    Ok(copied)
 }
 
 /// Copies the words of the tracked-process filter that mark a process; the words copied.

@@ -27,6 +27,9 @@
 //!   statistics of each of gpud's ioctl programs over each phase, per call (median of the three;
 //!   the entry and the return program apart), the ring-buffer records the calls sent (as the
 //!   notices gpud's state code made of them) and that code's time handling them, per call.
+//!   `pair_breakdown_depth5`: the same from a cgroup five levels deep (the root and four below
+//!   it, as a Kubernetes container's: `kubepods`, the QoS class, the pod, the container), each
+//!   level charged and walked for limits at every call.
 //! - `kill_ns`: a process whose cgroup is over its limit allocates; from just before its ioctl to
 //!   its reaping by the parent (it is killed inside the ioctl's return path), minus the median
 //!   time of the same ioctl without a limit: the time the kill adds after the ioctl's work.
@@ -597,6 +600,16 @@ fn main() -> anyhow::Result<()> {
 
     // Where a pair's time goes: allocations and frees apart, program by program.
     let breakdown = pair_breakdown(&o, &fake.ctl, &cg)?;
+    // The same at a Kubernetes container's depth: the root, this cgroup (as `kubepods`), a QoS
+    // class, a pod and the container, five levels that every pair charges and walks for limits.
+    let levels = ["burstable", "pod", "container"];
+    let deep = levels.iter().fold(cg.clone(), |at, l| at.join(l));
+    std::fs::create_dir_all(&deep)?;
+    let deep_breakdown = pair_breakdown(&o, &fake.ctl, &deep);
+    for n in (1..=levels.len()).rev() {
+        let _ = std::fs::remove_dir(levels[..n].iter().fold(cg.clone(), |at, l| at.join(l)));
+    }
+    let deep_breakdown = deep_breakdown?;
 
     // The memory view: gpud's ioctl programs' time per FB_GET_INFO_V2 call.
     let (view_phases, memory_view) = memory_info_cost(&o, &fake.ctl, &cg, &rel)?;
@@ -642,6 +655,7 @@ fn main() -> anyhow::Result<()> {
         "unfollowed_run_ns": unfollowed_last,
         "programs": per_prog_json,
         "pair_breakdown": breakdown,
+        "pair_breakdown_depth5": deep_breakdown,
         "kill_ns": {
             "ioctl_alone_median": ioctl_median,
             "added_p50": percentile(kill_after.clone(), 0.5),
