@@ -662,7 +662,8 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
         bytes,
         file: p.file,
         charge: 0,
-        cgroup_id: 0,
+        // The caller's, read already (a helper call fewer).
+        cgroup_id: leaf,
         // Only a call the driver confirmed proves the handle was free.
         replace: replace && confirmed,
     });
