@@ -74,32 +74,41 @@ pub(crate) fn usage(cgroup_id: u64, gpu: u32) -> u64 {
     }
 }
 
-/// The levels of `anc` its [`limits_seen`] word says have no limit at all, where the word is of
-/// the current generation (and trusted on this host, `CFG_LIMITS_SEEN`); otherwise none, and
-/// the levels are learnt for the next walks ([`learn_levels`]).
+/// The generation the limits are at, where the walks may skip levels on this host
+/// (`CFG_LIMITS_SEEN`) and the daemon has started counting (not 0).
 #[inline(always)]
-fn levels_without_limits(anc: &Ancestry) -> u32 {
-    let Some(cfg) = config() else {
-        return 0;
-    };
+fn limits_generation() -> Option<u64> {
+    let cfg = config()?;
     if cfg.flags & CFG_LIMITS_SEEN == 0 {
-        return 0;
+        return None;
     }
-    let Some(generation) = LIMITS_GEN.get_ptr(0) else {
+    let generation = unsafe { core::ptr::read_volatile(LIMITS_GEN.get_ptr(0)?) };
+    (generation != 0).then_some(generation)
+}
+
+/// The levels of `anc` its [`limits_seen`] word says have no limit at all, where the word is of
+/// the current generation; otherwise none (every level is looked up). Only allocations learn
+/// the levels ([`learn_levels`]): every other walk reads what they found.
+#[inline(always)]
+pub(crate) fn levels_without_limits(anc: &Ancestry) -> u32 {
+    let Some(generation) = limits_generation() else {
         return 0;
     };
-    let generation = unsafe { core::ptr::read_volatile(generation) };
-    if generation == 0 {
-        // The daemon has not started counting: nothing to learn against.
-        return 0;
-    }
     let word = unsafe { core::ptr::read_volatile(&anc.limits_seen) };
-    match limits_seen::levels(word, generation) {
-        Some(levels) => levels,
-        None => {
-            learn_levels(anc, generation);
-            0
-        }
+    limits_seen::levels(word, generation).unwrap_or(0)
+}
+
+/// Learns which levels of `anc` have no limit, where its word is not of the current generation
+/// (see [`learn_levels`]). Called once per allocation, before its limit walks: one learning
+/// pass in the program instead of one per walk, which the verifier would explore at each.
+#[inline(always)]
+pub(crate) fn learn_levels_if_stale(anc: &Ancestry) {
+    let Some(generation) = limits_generation() else {
+        return;
+    };
+    let word = unsafe { core::ptr::read_volatile(&anc.limits_seen) };
+    if limits_seen::levels(word, generation).is_none() {
+        learn_levels(anc, generation);
     }
 }
 
@@ -133,7 +142,11 @@ fn learn_levels(anc: &Ancestry, generation: u64) {
     let Some(record) = ANCESTRY.get_ptr_mut(anc.ids[last]) else {
         return;
     };
-    if !core::ptr::eq(record.cast_const(), anc) {
+    // Compared with an address read back through the stack: from an equality with `anc` the
+    // compiler would infer the lookup non-null and drop its null check, which older verifiers
+    // (6.1) do not infer themselves.
+    let here = unsafe { core::ptr::read_volatile(&core::ptr::from_ref(anc)) };
+    if !core::ptr::eq(record.cast_const(), here) {
         return;
     }
     // In place, one aligned word; a racing walk's word is as good (each is of the generation
@@ -143,15 +156,18 @@ fn learn_levels(anc: &Ancestry, generation: u64) {
 }
 
 /// Calls `f(cgroup, GPU key, limit)` for each limit that applies to `gpu` (its own and the
-/// all-GPU one) over `anc`, from the root down, until `f` returns true. Levels known to have
-/// no limit at all are not looked up.
+/// all-GPU one) over `anc`, from the root down, until `f` returns true. The levels set in
+/// `skip` ([`levels_without_limits`]) are not looked up: only the walks every allocation and
+/// free make pass them, as each such walk adds paths for the verifier to explore; the others
+/// (unsized, unconfirmed or unrecorded calls, duplicates, devices, the memory view, the deny
+/// tier's entry) pass 0 and look every level up.
 #[inline(always)]
 pub(crate) fn each_limit(
     anc: &Ancestry,
     gpu: u32,
+    skip: u32,
     mut f: impl FnMut(u64, u32, *mut KernelLimit) -> bool,
 ) {
-    let skip = levels_without_limits(anc);
     for i in 0..MAX_CGROUP_DEPTH {
         if i as u32 >= anc.depth {
             break;
@@ -174,13 +190,9 @@ pub(crate) fn each_limit(
 /// Whether `anc` has a limit on `gpu` itself (an `all` limit does not count).
 #[inline(always)]
 pub(crate) fn limited_on(anc: &Ancestry, gpu: u32) -> bool {
-    let skip = levels_without_limits(anc);
     for i in 0..MAX_CGROUP_DEPTH {
         if i as u32 >= anc.depth {
             break;
-        }
-        if skip & (1 << i) != 0 {
-            continue;
         }
         let key = UsageKey::new(anc.ids[i], gpu);
         if LIMITS.get_ptr_mut(key).is_some() {

@@ -29,7 +29,7 @@ use crate::{
 #[inline(always)]
 fn view(anc: &Ancestry, gpu: u32) -> Option<(u64, u64)> {
     let (mut total, mut free, mut found) = (u64::MAX, u64::MAX, false);
-    each_limit(anc, gpu, |id, g, l| {
+    each_limit(anc, gpu, 0, |id, g, l| {
         let max = unsafe { (*l).max };
         found = true;
         total = total.min(max);

@@ -25,7 +25,10 @@ use gpud_common::{
 
 use crate::{
     kernel::{ProbeRead, current_tgid, device_kind, fd_table, file_at, sole_reference},
-    ledger::{current_ancestry, each_limit, gpu_of, limited_on, usage, user},
+    ledger::{
+        current_ancestry, each_limit, gpu_of, learn_levels_if_stale, levels_without_limits,
+        limited_on, usage, user,
+    },
     maps::{
         ANCESTRY, FILE_MARKS, OBJ_COUNTS, OBJECTS, SHARES, USAGE, bump_stat, config, counter_slot,
         send,
@@ -202,10 +205,11 @@ pub(crate) fn limit_met(
     extra: u64,
     any: bool,
 ) -> Option<(u64, u32, u64)> {
-    first_limit(anc, gpu, extra, any, &mut false)
+    first_limit(anc, gpu, extra, any, &mut false, 0)
 }
 
-/// [`limit_met`], noting in `limited` whether any limit applies at all (one walk for both).
+/// [`limit_met`], noting in `limited` whether any limit applies at all (one walk for both), and
+/// not looking up the levels in `skip` ([`each_limit`]).
 #[inline(always)]
 fn first_limit(
     anc: &Ancestry,
@@ -213,9 +217,10 @@ fn first_limit(
     extra: u64,
     any: bool,
     limited: &mut bool,
+    skip: u32,
 ) -> Option<(u64, u32, u64)> {
     let mut hit = None;
-    each_limit(anc, gpu, |id, g, l| {
+    each_limit(anc, gpu, skip, |id, g, l| {
         *limited = true;
         let now = usage(id, g);
         if !any && now.saturating_add(extra) <= unsafe { (*l).max } {
@@ -231,11 +236,12 @@ fn first_limit(
     hit
 }
 
-/// Whether any limit applies to `gpu` over `anc` (nothing counted).
+/// Whether any limit applies to `gpu` over `anc` (nothing counted), not looking up the levels
+/// in `skip` ([`each_limit`]).
 #[inline(always)]
-fn limited(anc: &Ancestry, gpu: u32) -> bool {
+fn limited(anc: &Ancestry, gpu: u32, skip: u32) -> bool {
     let mut any = false;
-    each_limit(anc, gpu, |_, _, _| {
+    each_limit(anc, gpu, skip, |_, _, _| {
         any = true;
         true
     });
@@ -623,6 +629,7 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     let Some((leaf, anc)) = current_ancestry() else {
         return;
     };
+    learn_levels_if_stale(anc);
     let gpu = gpu_of(p.client, p.parent);
     let key = ObjKey {
         client: p.client,
@@ -630,7 +637,7 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     };
     // Unconfirmed, a handle already recorded is the driver refusing a duplicate name (a live
     // object keeps its entry and its charge): nothing was made.
-    if !confirmed && (handle == 0 || !limited(anc, gpu) || recorded(p.client, handle)) {
+    if !confirmed && (handle == 0 || !limited(anc, gpu, 0) || recorded(p.client, handle)) {
         return;
     }
     let back = match p.size_at {
@@ -670,7 +677,8 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     let (met, under_a_limit) = if tracked.is_some() {
         bump_stat(stat::CHARGES);
         let mut any = false;
-        (first_limit(anc, gpu, 0, false, &mut any), any)
+        let skip = levels_without_limits(anc);
+        (first_limit(anc, gpu, 0, false, &mut any, skip), any)
     } else {
         // The map is full: no free of this memory could ever be seen, so it cannot stay
         // charged. Under a limit that fails closed: it counts as crossing it.
@@ -790,7 +798,7 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
         (Some(d), h) => (d.status, h, true),
     };
     let anc = current_ancestry();
-    let is_limited = anc.is_some_and(|(_, a)| limited(a, src.gpu));
+    let is_limited = anc.is_some_and(|(_, a)| limited(a, src.gpu, 0));
     let confirmed = status == rm::status::NV_OK;
     let keep = ret == 0 && handle != 0 && (confirmed || is_limited);
     let key = ObjKey {
@@ -915,7 +923,7 @@ fn ask_freed(key: ObjKey, caller: Known) {
     };
     // The `unknown` key holds the entry beside per-GPU limits, and `all` is walked with it: any
     // limit at all.
-    if !limited(anc, GPU_UNKNOWN) {
+    if !limited(anc, GPU_UNKNOWN, levels_without_limits(anc)) {
         return;
     }
     let asked = ask(
