@@ -86,16 +86,21 @@ fn limits_generation() -> Option<u64> {
     (generation != 0).then_some(generation)
 }
 
+/// The current generation, and the levels of `anc` its [`limits_seen`] word says have no limit
+/// under it (`None`: the word is of another generation); `None` where nothing may be skipped.
+#[inline(always)]
+fn seen_levels(anc: &Ancestry) -> Option<(u64, Option<u32>)> {
+    let generation = limits_generation()?;
+    let word = unsafe { core::ptr::read_volatile(&anc.limits_seen) };
+    Some((generation, limits_seen::levels(word, generation)))
+}
+
 /// The levels of `anc` its [`limits_seen`] word says have no limit at all, where the word is of
 /// the current generation; otherwise none (every level is looked up). Only allocations learn
 /// the levels ([`learn_levels`]): every other walk reads what they found.
 #[inline(always)]
 pub(crate) fn levels_without_limits(anc: &Ancestry) -> u32 {
-    let Some(generation) = limits_generation() else {
-        return 0;
-    };
-    let word = unsafe { core::ptr::read_volatile(&anc.limits_seen) };
-    limits_seen::levels(word, generation).unwrap_or(0)
+    seen_levels(anc).and_then(|(_, levels)| levels).unwrap_or(0)
 }
 
 /// Learns which levels of `anc` have no limit, where its word is not of the current generation
@@ -103,11 +108,7 @@ pub(crate) fn levels_without_limits(anc: &Ancestry) -> u32 {
 /// pass in the program instead of one per walk, which the verifier would explore at each.
 #[inline(always)]
 pub(crate) fn learn_levels_if_stale(anc: &Ancestry) {
-    let Some(generation) = limits_generation() else {
-        return;
-    };
-    let word = unsafe { core::ptr::read_volatile(&anc.limits_seen) };
-    if limits_seen::levels(word, generation).is_none() {
+    if let Some((generation, None)) = seen_levels(anc) {
         learn_levels(anc, generation);
     }
 }
