@@ -414,7 +414,7 @@ pub struct GuardBucket {
     pub at: u64,
 }
 
-/// Key of the `USAGE` and `LIMITS` maps.
+/// Key of the `LIMITS` map, and a cgroup's usage on one GPU key where the daemon names one.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct UsageKey {
@@ -437,8 +437,88 @@ impl UsageKey {
     }
 }
 
-/// Value of the `LIMITS` map. `USAGE` values are bare `u64` byte counts, hierarchical: an
-/// allocation is charged to its cgroup and every ancestor, per GPU and to `GPU_ALL`.
+/// GPU slots of a [`CgroupUsage`] record: the driver's device instances are below
+/// `NV_MAX_DEVICES` (32, `nvlimits.h`).
+pub const USAGE_GPUS: usize = 32;
+/// Slots of a [`CgroupUsage`] record: one per device instance, then [`GPU_UNKNOWN`]'s, then
+/// [`GPU_ALL`]'s.
+pub const USAGE_SLOTS: usize = USAGE_GPUS + 2;
+
+/// Value of the `USAGE` map, keyed by cgroup id: the bytes of video memory charged to the
+/// cgroup and its descendants, per GPU and in total, in one record so that a charge looks each
+/// ancestry level up once. Hierarchical: an allocation is charged to its cgroup and every
+/// ancestor, on its GPU's slot and on the `GPU_ALL` slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CgroupUsage {
+    /// Bytes by slot ([`CgroupUsage::slot`]).
+    pub bytes: [u64; USAGE_SLOTS],
+}
+
+impl Default for CgroupUsage {
+    fn default() -> Self {
+        Self {
+            bytes: [0; USAGE_SLOTS],
+        }
+    }
+}
+
+impl CgroupUsage {
+    /// The slot of GPU key `gpu`. A device instance the driver cannot have shares
+    /// [`GPU_UNKNOWN`]'s slot (the programs charge memory on such a device to `GPU_UNKNOWN`).
+    #[inline(always)]
+    pub const fn slot(gpu: u32) -> usize {
+        match gpu {
+            GPU_ALL => Self::ALL,
+            g => Self::charge_slot(g),
+        }
+    }
+
+    /// The slot of [`GPU_ALL`]'s total.
+    pub const ALL: usize = USAGE_GPUS + 1;
+
+    /// The slot memory on GPU key `gpu` is charged to besides [`Self::ALL`]: its own, or
+    /// [`GPU_UNKNOWN`]'s for any other key (`GPU_ALL` names no GPU memory is on); never
+    /// [`Self::ALL`].
+    #[inline(always)]
+    pub const fn charge_slot(gpu: u32) -> usize {
+        if (gpu as usize) < USAGE_GPUS {
+            gpu as usize
+        } else {
+            USAGE_GPUS
+        }
+    }
+
+    /// The GPU key of slot `slot` (below [`USAGE_SLOTS`]).
+    pub const fn gpu_of_slot(slot: usize) -> u32 {
+        match slot {
+            s if s < USAGE_GPUS => s as u32,
+            USAGE_GPUS => GPU_UNKNOWN,
+            _ => GPU_ALL,
+        }
+    }
+
+    /// Bytes charged under GPU key `gpu`.
+    pub const fn on(&self, gpu: u32) -> u64 {
+        self.bytes[Self::slot(gpu)]
+    }
+
+    /// Whether nothing is charged on any GPU.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.iter().all(|b| *b == 0)
+    }
+
+    /// (GPU key, bytes) of every slot holding bytes, `GPU_ALL`'s last.
+    pub fn charged(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+        self.bytes
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| **b != 0)
+            .map(|(s, b)| (Self::gpu_of_slot(s), *b))
+    }
+}
+
+/// Value of the `LIMITS` map, keyed by [`UsageKey`]: a cgroup's limit on one GPU key.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KernelLimit {
@@ -576,7 +656,7 @@ pub mod maps {
     pub const TRACKED: &str = "TRACKED";
     /// Hash [`ObjKey`](crate::ObjKey) → [`ObjEntry`](crate::ObjEntry): RM objects followed.
     pub const OBJECTS: &str = "OBJECTS";
-    /// Hash [`UsageKey`](crate::UsageKey) → bytes of video memory charged.
+    /// Hash cgroup id → [`CgroupUsage`](crate::CgroupUsage): bytes of video memory charged.
     pub const USAGE: &str = "USAGE";
     /// Hash [`UsageKey`](crate::UsageKey) → [`KernelLimit`](crate::KernelLimit).
     pub const LIMITS: &str = "LIMITS";
@@ -797,8 +877,8 @@ pub const EVENTS_BYTES: u32 = 1024 * 1024;
 pub const MAX_OBJECTS: u32 = 262_144;
 /// Capacity of `SHARES`: duplicated allocations followed at once.
 pub const MAX_SHARES: u32 = 65_536;
-/// Capacity of `USAGE`: (cgroup, GPU) pairs, each charged cgroup's ancestors included.
-pub const MAX_USAGE: u32 = 65_536;
+/// Capacity of `USAGE`: cgroups charged, each charged cgroup's ancestors included.
+pub const MAX_USAGE: u32 = MAX_CGROUPS;
 /// Capacity of `LIMITS`.
 pub const MAX_LIMITS: u32 = 16_384;
 /// Capacity of `SCHED_ALLOW`: cgroups with a timeslice allowance of their own.
@@ -828,6 +908,7 @@ mod pod {
     unsafe impl aya::Pod for super::Event {}
     unsafe impl aya::Pod for super::ObjKey {}
     unsafe impl aya::Pod for super::ObjEntry {}
+    unsafe impl aya::Pod for super::CgroupUsage {}
     unsafe impl aya::Pod for super::UsageKey {}
     unsafe impl aya::Pod for super::KernelLimit {}
     unsafe impl aya::Pod for super::Ancestry {}
@@ -835,4 +916,35 @@ mod pod {
     unsafe impl aya::Pod for super::GuardKey {}
     unsafe impl aya::Pod for super::GuardBucket {}
     unsafe impl aya::Pod for super::previous::Ancestry {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_slots_name_every_gpu_key_once_and_alias_impossible_instances_to_unknown() {
+        for s in 0..USAGE_SLOTS {
+            let gpu = CgroupUsage::gpu_of_slot(s);
+            assert_eq!(CgroupUsage::slot(gpu), s, "slot {s} ↔ GPU key {gpu:#x}");
+        }
+        assert_eq!(
+            CgroupUsage::slot(USAGE_GPUS as u32),
+            CgroupUsage::slot(GPU_UNKNOWN)
+        );
+        assert_eq!(
+            CgroupUsage::slot(0x8000_0000),
+            CgroupUsage::slot(GPU_UNKNOWN)
+        );
+
+        let mut r = CgroupUsage::default();
+        assert!(r.is_empty());
+        r.bytes[CgroupUsage::slot(3)] = 7;
+        r.bytes[CgroupUsage::slot(GPU_ALL)] = 7;
+        assert_eq!((r.on(3), r.on(GPU_ALL), r.on(0)), (7, 7, 0));
+        let mut charged = r.charged();
+        assert_eq!(charged.next(), Some((3, 7)));
+        assert_eq!(charged.next(), Some((GPU_ALL, 7)));
+        assert_eq!(charged.next(), None);
+    }
 }

@@ -9,8 +9,8 @@ use aya_ebpf::{
     helpers::{bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_probe_read_user},
 };
 use gpud_common::{
-    Ancestry, CFG_LIMITS_SEEN, GPU_ALL, GPU_UNKNOWN, KernelLimit, MAX_CGROUP_DEPTH, OBJ_DEVICE,
-    OBJ_SUBDEVICE, ObjKey, UsageKey, limits_seen,
+    Ancestry, CFG_LIMITS_SEEN, CgroupUsage, GPU_ALL, GPU_UNKNOWN, KernelLimit, MAX_CGROUP_DEPTH,
+    OBJ_DEVICE, OBJ_SUBDEVICE, ObjKey, USAGE_GPUS, UsageKey, limits_seen,
 };
 
 use crate::maps::{ANCESTRY, LIMITS, LIMITS_GEN, OBJECTS, SCRATCH, USAGE, config};
@@ -20,6 +20,10 @@ pub(crate) unsafe fn user<T>(addr: u64) -> Option<T> {
     unsafe { bpf_probe_read_user(addr as *const T).ok() }
 }
 
+/// The GPU of what is allocated under `parent`: its device's or subdevice's, `GPU_UNKNOWN`
+/// where that is not recorded or names a device instance the driver cannot have (a value a
+/// tenant rewrote before the daemon read the device back), which then meets every per-GPU
+/// limit.
 #[inline(always)]
 pub(crate) fn gpu_of(client: u32, parent: u32) -> u32 {
     match unsafe {
@@ -28,7 +32,12 @@ pub(crate) fn gpu_of(client: u32, parent: u32) -> u32 {
             object: parent,
         })
     } {
-        Some(e) if e.kind == OBJ_DEVICE || e.kind == OBJ_SUBDEVICE => e.gpu,
+        Some(e)
+            if (e.kind == OBJ_DEVICE || e.kind == OBJ_SUBDEVICE)
+                && (e.gpu as usize) < USAGE_GPUS =>
+        {
+            e.gpu
+        }
         _ => GPU_UNKNOWN,
     }
 }
@@ -65,13 +74,30 @@ pub(crate) fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
     unsafe { ANCESTRY.get(leaf) }.map(|a| (leaf, a))
 }
 
+/// [`CgroupUsage::charge_slot`] in a form whose bound every kernel's verifier sees: the device
+/// instance is masked after an opaque read, so that LLVM can neither drop the mask (it knows
+/// the instance is below 32 there) nor fold the two cases into one value it bounds no more.
+/// Linux 6.1's verifier refused both forms LLVM made of the plain computation.
+#[inline(always)]
+pub(crate) fn charge_slot(gpu: u32) -> usize {
+    if (gpu as usize) < USAGE_GPUS {
+        let g = unsafe { core::ptr::read_volatile(&gpu) } as usize;
+        return g & (USAGE_GPUS - 1);
+    }
+    USAGE_GPUS
+}
+
+/// Bytes charged to `cgroup_id` (and its descendants) under GPU key `gpu`.
 #[inline(always)]
 pub(crate) fn usage(cgroup_id: u64, gpu: u32) -> u64 {
-    let key = UsageKey::new(cgroup_id, gpu);
-    match USAGE.get_ptr(key) {
-        Some(p) => unsafe { core::ptr::read_volatile(p) },
-        None => 0,
-    }
+    let Some(p) = USAGE.get_ptr(cgroup_id) else {
+        return 0;
+    };
+    let slot = match gpu {
+        GPU_ALL => CgroupUsage::ALL,
+        g => charge_slot(g),
+    };
+    unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*p).bytes).cast::<u64>().add(slot)) }
 }
 
 /// The generation the limits are at, where the walks may skip levels on this host

@@ -10,11 +10,11 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use gpud_common::{
-    Ancestry, CFG_READY, EVENTS_BYTES, Event, FileKey, GuardBucket, GuardKey, GuardRestore,
-    IoctlCounts, KernelLimit, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_FILE_MARKS, MAX_GUARD_BUCKETS,
-    MAX_GUARD_COUNTS, MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJ_COUNTS, MAX_OBJECTS, MAX_PROCS,
-    MAX_SCHED_ALLOW, MAX_SCHED_FILES, MAX_SCHED_GROUPS, MAX_SHARES, MAX_USAGE, ObjEntry, ObjKey,
-    Pending, ProbeConfig, ProcEntry, UsageKey, stat,
+    Ancestry, CFG_READY, CgroupUsage, EVENTS_BYTES, Event, FileKey, GuardBucket, GuardKey,
+    GuardRestore, IoctlCounts, KernelLimit, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_FILE_MARKS,
+    MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS, MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJ_COUNTS, MAX_OBJECTS,
+    MAX_PROCS, MAX_SCHED_ALLOW, MAX_SCHED_FILES, MAX_SCHED_GROUPS, MAX_SHARES, MAX_USAGE, ObjEntry,
+    ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
 };
 
 #[map]
@@ -48,11 +48,12 @@ pub(crate) static OBJECTS: HashMap<ObjKey, ObjEntry> = HashMap::pinned(MAX_OBJEC
 #[map]
 pub(crate) static SHARES: HashMap<u64, u64> = HashMap::pinned(MAX_SHARES, 0);
 
-/// Hierarchical video-memory usage in bytes per (cgroup, GPU) and per (cgroup, `GPU_ALL`).
+/// Hierarchical video-memory usage in bytes per cgroup, by GPU and in total
+/// (`gpud_common::CgroupUsage`).
 #[map]
-pub(crate) static USAGE: HashMap<UsageKey, u64> = HashMap::pinned(MAX_USAGE, 0);
+pub(crate) static USAGE: HashMap<u64, CgroupUsage> = HashMap::pinned(MAX_USAGE, 0);
 
-/// Limits set by the daemon, keyed like `USAGE`.
+/// Limits set by the daemon, by cgroup and GPU key.
 #[map]
 pub(crate) static LIMITS: HashMap<UsageKey, KernelLimit> = HashMap::pinned(MAX_LIMITS, 0);
 
@@ -108,6 +109,11 @@ pub(crate) static GUARD_PENDING: LruHashMap<u64, GuardRestore> =
 /// Scratch space for building a [`GuardRestore`] (larger than the stack).
 #[map]
 pub(crate) static RESTORE_SCRATCH: PerCpuArray<GuardRestore> = PerCpuArray::with_max_entries(1, 0);
+
+/// A zeroed `CgroupUsage`, never written: what a cgroup's first charge inserts (larger than
+/// the stack left beside the callers).
+#[map]
+pub(crate) static ZERO_USAGE: PerCpuArray<CgroupUsage> = PerCpuArray::with_max_entries(1, 0);
 
 /// Scratch space for building an `Ancestry` (too large for the stack beside the callers).
 #[map]

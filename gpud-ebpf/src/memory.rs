@@ -16,22 +16,22 @@ use aya_ebpf::{
     helpers::{bpf_get_current_cgroup_id, bpf_ktime_get_ns, bpf_send_signal},
 };
 use gpud_common::{
-    Ancestry, DeviceKind, EVENT_DEVICE_READ_BACK, EVENT_FILE_RELEASE, EVENT_FREE_READ_BACK,
-    EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, EVENT_MEM_READ_BACK, Event, GPU_ALL, GPU_UNKNOWN,
-    MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE, OBJ_MEMORY,
-    OBJ_SUBDEVICE, OP_ALLOC, OP_DUP, OP_FREE, ObjEntry, ObjKey, Pending, ProbeConfig, REACT_KILL,
-    UsageKey, nv, rm, stat,
+    Ancestry, CgroupUsage, DeviceKind, EVENT_DEVICE_READ_BACK, EVENT_FILE_RELEASE,
+    EVENT_FREE_READ_BACK, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, EVENT_MEM_READ_BACK, Event,
+    GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE,
+    OBJ_MEMORY, OBJ_SUBDEVICE, OP_ALLOC, OP_DUP, OP_FREE, ObjEntry, ObjKey, Pending, ProbeConfig,
+    REACT_KILL, nv, rm, stat,
 };
 
 use crate::{
     kernel::{ProbeRead, current_tgid, device_kind, fd_table, file_at, sole_reference},
     ledger::{
-        current_ancestry, each_limit, gpu_of, learn_levels_if_stale, levels_without_limits,
-        limited_on, usage, user,
+        charge_slot, current_ancestry, each_limit, gpu_of, learn_levels_if_stale,
+        levels_without_limits, limited_on, usage, user,
     },
     maps::{
-        ANCESTRY, FILE_MARKS, OBJ_COUNTS, OBJECTS, SHARES, USAGE, bump_stat, config, counter_slot,
-        send,
+        ANCESTRY, FILE_MARKS, OBJ_COUNTS, OBJECTS, SHARES, USAGE, ZERO_USAGE, bump_stat, config,
+        counter_slot, send,
     },
 };
 
@@ -173,25 +173,42 @@ fn note_vidheap(p: &mut Pending) {
     p.arg = unsafe { user::<u64>(p.size_at) }.unwrap_or(0);
 }
 
+/// `cgroup_id`'s `USAGE` record, made at zero where absent (of racing makers, one inserts and
+/// all use its record); `None` when the map has no room for it.
 #[inline(always)]
-fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
-    let key = UsageKey::new(cgroup_id, gpu);
-    let Some(slot) = counter_slot(&USAGE, key) else {
-        return;
-    };
-    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(slot, delta) };
+fn usage_record(cgroup_id: u64) -> Option<*mut CgroupUsage> {
+    if let Some(p) = USAGE.get_ptr_mut(cgroup_id) {
+        return Some(p);
+    }
+    // Inserted from the map's memory, not copied to the stack.
+    let zero: &CgroupUsage = ZERO_USAGE.get(0)?;
+    let _ = USAGE.insert(cgroup_id, zero, BPF_NOEXIST as u64);
+    USAGE.get_ptr_mut(cgroup_id)
 }
 
-/// Adds `delta` (two's complement for an uncharge) to every level of `anc`, per GPU and in total.
+/// Adds `delta` to `cgroup_id`'s usage on GPU key `gpu` and in total: one lookup for both.
+#[inline(always)]
+fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
+    let Some(rec) = usage_record(cgroup_id) else {
+        return;
+    };
+    unsafe {
+        let bytes = core::ptr::addr_of_mut!((*rec).bytes).cast::<u64>();
+        let slot = charge_slot(gpu);
+        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(bytes.add(slot), delta);
+        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(bytes.add(CgroupUsage::ALL), delta);
+    }
+}
+
+/// Adds `delta` (two's complement for an uncharge) to every level of `anc`, on `gpu` and in
+/// total.
 #[inline(always)]
 fn charge(anc: &Ancestry, gpu: u32, delta: u64) {
     for i in 0..MAX_CGROUP_DEPTH {
         if i as u32 >= anc.depth {
             break;
         }
-        let id = anc.ids[i];
-        add_usage(id, gpu, delta);
-        add_usage(id, GPU_ALL, delta);
+        add_usage(anc.ids[i], gpu, delta);
     }
 }
 
@@ -473,10 +490,7 @@ fn charge_recorded(cgroup_id: u64, gpu: u32, delta: u64, known: Known) {
     };
     match anc {
         Some(anc) => charge(anc, gpu, delta),
-        None => {
-            add_usage(cgroup_id, gpu, delta);
-            add_usage(cgroup_id, GPU_ALL, delta);
-        }
+        None => add_usage(cgroup_id, gpu, delta),
     }
 }
 

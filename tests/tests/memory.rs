@@ -610,7 +610,7 @@ async fn the_memory_view_says_why_it_is_unavailable_and_limited_cgroups_read_the
 #[tokio::test(flavor = "multi_thread")]
 async fn an_orphan_is_released_within_one_sweep_counted_and_logged() {
     use aya::maps::{HashMap as BpfHashMap, Map, MapData};
-    use gpud_common::{GPU_ALL, OBJ_MEMORY, ObjEntry, ObjKey, UsageKey, maps};
+    use gpud_common::{CgroupUsage, GPU_ALL, OBJ_MEMORY, ObjEntry, ObjKey, maps};
     use std::os::unix::fs::MetadataExt as _;
 
     let Some(rig) = started("mem-orphan", "notify", false).await else {
@@ -627,20 +627,16 @@ async fn an_orphan_is_released_within_one_sweep_counted_and_logged() {
         .await;
 
     let pin = |name: &str| MapData::from_pin(rig.pins().join(name)).expect("pinned map");
-    let mut usage: BpfHashMap<_, UsageKey, u64> =
+    let mut usage: BpfHashMap<_, u64, CgroupUsage> =
         BpfHashMap::try_from(Map::HashMap(pin(maps::USAGE))).expect("USAGE");
     let mut objects: BpfHashMap<_, ObjKey, ObjEntry> =
         BpfHashMap::try_from(Map::HashMap(pin(maps::OBJECTS))).expect("OBJECTS");
     let bytes = 6 * MIB;
+    let mut record = usage.get(&id, 0).expect("the cgroup's usage");
     for gpu in [0, GPU_ALL] {
-        let key = UsageKey {
-            cgroup_id: id,
-            gpu,
-            _pad: 0,
-        };
-        let now = usage.get(&key, 0).expect("the cgroup's usage");
-        usage.insert(key, now + bytes, 0).expect("charge");
+        record.bytes[CgroupUsage::slot(gpu)] += bytes;
     }
+    usage.insert(id, record, 0).expect("charge");
     // The probes' serials are CLOCK_MONOTONIC nanoseconds; the sweep judges objects older than
     // its own start.
     let mut ts = libc::timespec {

@@ -658,3 +658,33 @@ async fn a_device_raced_to_another_gpu_is_caught_by_the_device_read_back() {
     })
     .await;
 }
+
+/// The same race to a device instance the driver cannot have (40; it has 32 at most): the probes
+/// record that instance, and what is allocated under the device is charged to `unknown`, never
+/// to a GPU 40 that no limit names. Unlimited here, so that no read-back moves it: the view
+/// shows where the programs charged it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_device_raced_to_an_impossible_instance_is_charged_to_unknown() {
+    let tag = "rt-device40";
+    let Some(rig) = Rig::new(tag).fake_device(1) else {
+        return;
+    };
+    let mut rig = rig.fake_gpus(1);
+    rig.start(rig.config()).await;
+    rig.wait_for_gpus(1).await;
+    let cg = Cgroup::new(tag);
+    rig.fake()
+        .inject("delay-ioctl-ms 50")
+        .expect("delay the fake");
+    let mut tenant = RmProcess::spawn(Some(&cg.dir), &rig.ctl());
+    let client = tenant.handle("client");
+    tenant.ok(&format!("race-device {client} 0 40 {} 2 10", 16 * MIB));
+    let r = rig
+        .expect_memory(&cg.rel, &[("unknown", 32 * MIB), ("all", 32 * MIB)])
+        .await;
+    assert!(
+        !r.memory_current.contains_key("40"),
+        "{:?}",
+        r.memory_current
+    );
+}

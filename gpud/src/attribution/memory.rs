@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use gpud_common::{
     Ancestry, GPU_ALL, GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT,
-    OBJ_SUBDEVICE, ObjEntry, ObjKey, UsageKey,
+    OBJ_SUBDEVICE, ObjEntry, ObjKey,
 };
 use tracing::{debug, info, warn};
 
@@ -57,16 +57,14 @@ impl Attribution {
         // `all` is the sum of the per-GPU figures read here, not the kernel's own total: the
         // kernel updates the two one after the other, so a walk can fall between them, and a
         // record whose GPU holds more than its `all` would be torn.
-        for (k, bytes) in map_entries(&self.maps.usage) {
-            if wanted(k.cgroup_id) && (bytes != 0 || k.gpu == GPU_ALL) {
-                let current = &mut views
-                    .entry(k.cgroup_id)
-                    .or_insert_with(MemoryView::empty)
-                    .current;
-                if k.gpu != GPU_ALL {
-                    current.insert(gpu_name(k.gpu), bytes);
-                    *current.entry(gpu_name(GPU_ALL)).or_default() += bytes;
-                }
+        for (id, record) in map_entries(&self.maps.usage) {
+            if !wanted(id) {
+                continue;
+            }
+            let current = &mut views.entry(id).or_insert_with(MemoryView::empty).current;
+            for (gpu, bytes) in record.charged().filter(|(gpu, _)| *gpu != GPU_ALL) {
+                current.insert(gpu_name(gpu), bytes);
+                *current.entry(gpu_name(GPU_ALL)).or_default() += bytes;
             }
         }
         for (k, l) in map_entries(&self.maps.limits) {
@@ -87,8 +85,8 @@ impl Attribution {
     pub fn usage_of(&self, cgroup_id: u64, gpu: u32) -> u64 {
         self.maps
             .usage
-            .get(&UsageKey::new(cgroup_id, gpu), 0)
-            .unwrap_or(0)
+            .get(&cgroup_id, 0)
+            .map_or(0, |record| record.on(gpu))
     }
 
     fn objects(&self) -> Vec<(ObjKey, ObjEntry)> {
@@ -425,8 +423,8 @@ impl Attribution {
                 let charged = self
                     .maps
                     .usage
-                    .get(&UsageKey::new(member_id, GPU_ALL), 0)
-                    .is_ok_and(|bytes| bytes != 0);
+                    .get(&member_id, 0)
+                    .is_ok_and(|record| record.on(GPU_ALL) != 0);
                 if charged {
                     return Err(refused("memory is charged to it already"));
                 }
@@ -452,7 +450,7 @@ impl Attribution {
         Ok(())
     }
 
-    /// Forgets ancestry records and zero usage entries of removed cgroups that no object is
+    /// Forgets ancestry records and empty usage records of removed cgroups that no object is
     /// charged to any more. The order matters: first which cgroups are gone, then which are
     /// still charged. An object charged to a cgroup was allocated before the cgroup could be
     /// removed, so the second read sees it; read the other way round, an object allocated just
@@ -463,15 +461,12 @@ impl Attribution {
             .into_iter()
             .map(|(k, _)| k)
             .collect();
-        let usage: Vec<UsageKey> = map_entries(&self.maps.usage)
+        let usage: Vec<u64> = map_entries(&self.maps.usage)
             .into_iter()
-            .map(|(k, _)| k)
+            .map(|(id, _)| id)
             .collect();
-        let ids: std::collections::HashSet<u64> = ancestry
-            .iter()
-            .copied()
-            .chain(usage.iter().map(|k| k.cgroup_id))
-            .collect();
+        let ids: std::collections::HashSet<u64> =
+            ancestry.iter().chain(usage.iter()).copied().collect();
         let mut gone: std::collections::HashSet<u64> = self
             .cgroups
             .paths_of(ids)
@@ -493,10 +488,10 @@ impl Attribution {
             warn!("{}", crate::report::Chain(&e));
         }
         // Nothing charges a removed cgroup, and with no object charged to it nothing uncharges
-        // it: its usage entries stay as they are read here.
-        for k in usage.into_iter().filter(|k| gone.contains(&k.cgroup_id)) {
-            if self.maps.usage.get(&k, 0).is_ok_and(|b| b == 0) {
-                let _ = self.maps.usage.remove(&k);
+        // it: its usage record stays as it is read here.
+        for id in usage.into_iter().filter(|id| gone.contains(id)) {
+            if self.maps.usage.get(&id, 0).is_ok_and(|r| r.is_empty()) {
+                let _ = self.maps.usage.remove(&id);
             }
         }
     }

@@ -16,7 +16,9 @@
 use std::collections::BTreeMap;
 
 use aya::maps::{HashMap, MapData};
-use gpud_common::{Ancestry, GPU_ALL, KernelLimit, MAX_CGROUP_DEPTH, ObjKey, UsageKey};
+use gpud_common::{
+    Ancestry, CgroupUsage, GPU_ALL, KernelLimit, MAX_CGROUP_DEPTH, ObjKey, UsageKey,
+};
 
 /// What the driver holds for one object beyond what the probes charged.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,7 +90,7 @@ fn under(e: &Excess, id: u64, key: u32) -> bool {
 
 /// The kernel's charges and limits, and the excess of live objects.
 pub struct Sizes {
-    usage: HashMap<MapData, UsageKey, u64>,
+    usage: HashMap<MapData, u64, CgroupUsage>,
     limits: HashMap<MapData, UsageKey, KernelLimit>,
     ancestry: HashMap<MapData, u64, Ancestry>,
     excess: BTreeMap<ObjKey, Excess>,
@@ -97,7 +99,7 @@ pub struct Sizes {
 impl Sizes {
     /// Over the kernel's `USAGE`, `LIMITS` and `ANCESTRY`.
     pub fn new(
-        usage: HashMap<MapData, UsageKey, u64>,
+        usage: HashMap<MapData, u64, CgroupUsage>,
         limits: HashMap<MapData, UsageKey, KernelLimit>,
         ancestry: HashMap<MapData, u64, Ancestry>,
     ) -> Self {
@@ -147,7 +149,7 @@ impl Sizes {
         let crossed = first_crossed(
             &levels,
             gpu,
-            |id, g| self.usage.get(&UsageKey::new(id, g), 0).unwrap_or(0),
+            |id, g| self.usage.get(&id, 0).map_or(0, |record| record.on(g)),
             |id, g| {
                 self.limits
                     .get(&UsageKey::new(id, g), 0)

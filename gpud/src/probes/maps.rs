@@ -7,8 +7,8 @@ use aya::{
 };
 use gpud_common::{
     Ancestry, CFG_EXIT_RELEASE, CFG_HAS_EXTRA_FILES, CFG_LIMITS_SEEN, CFG_READY, CFG_VIRT_MEMINFO,
-    DeviceKind, FileKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProbeConfig, ProcEntry,
-    REACT_FREEZE, REACT_KILL, REACT_NOTIFY, UsageKey, maps,
+    CgroupUsage, DeviceKind, FileKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProbeConfig,
+    ProcEntry, REACT_FREEZE, REACT_KILL, REACT_NOTIFY, UsageKey, maps,
 };
 use tracing::debug;
 
@@ -22,7 +22,7 @@ pub struct KernelMaps {
     pub cgroups: HashMap<MapData, u64, IoctlCounts>,
     pub stats: PerCpuArray<MapData, u64>,
     pub objects: HashMap<MapData, ObjKey, ObjEntry>,
-    pub usage: HashMap<MapData, UsageKey, u64>,
+    pub usage: HashMap<MapData, u64, CgroupUsage>,
     /// The memory limits, read back for the views: written only by [`super::KernelSettings`].
     pub limits: HashMap<MapData, UsageKey, KernelLimit>,
     pub ancestry: HashMap<MapData, u64, Ancestry>,

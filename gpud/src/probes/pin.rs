@@ -7,8 +7,8 @@ use std::{
 };
 
 use gpud_common::{
-    ABI_VERSION, Ancestry, FileKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProbeConfig,
-    ProcEntry, UsageKey, maps,
+    ABI_VERSION, Ancestry, CgroupUsage, FileKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey,
+    ProbeConfig, ProcEntry, UsageKey, maps,
 };
 use tracing::{info, warn};
 
@@ -64,7 +64,7 @@ pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 21] {
     use std::mem::size_of;
     [
         (maps::OBJECTS, size_of::<ObjKey>(), size_of::<ObjEntry>()),
-        (maps::USAGE, size_of::<UsageKey>(), size_of::<u64>()),
+        (maps::USAGE, size_of::<u64>(), size_of::<CgroupUsage>()),
         (
             maps::LIMITS,
             size_of::<UsageKey>(),

@@ -391,10 +391,11 @@ impl Soak<'_> {
         let r = settle(|| self.compare()).await;
         if let Err(e) = r {
             let parent = std::fs::metadata(&self.parent_dir).map_or(0, |m| m.ino());
-            let kernel: Vec<String> = pinned::<UsageKey, u64>(base, maps::USAGE)
+            let kernel: Vec<String> = pinned::<u64, CgroupUsage>(base, maps::USAGE)
                 .into_iter()
-                .filter(|(k, _)| k.cgroup_id == parent)
-                .map(|(k, b)| format!("{:#x}={b}", k.gpu))
+                .filter(|(id, _)| *id == parent)
+                .flat_map(|(_, r)| r.charged().collect::<Vec<_>>())
+                .map(|(gpu, b)| format!("{gpu:#x}={b}"))
                 .collect();
             panic!(
                 "usage differs from the driver's: {e}\nthe parent's USAGE entries now: {kernel:?}\n{}\n{}",
@@ -432,10 +433,10 @@ impl Soak<'_> {
             .filter(|(k, n)| **n > 0 && **k != maps::USAGE)
             .map(|(k, n)| format!("{k}={n}"))
             .chain(
-                pinned::<UsageKey, u64>(base, maps::USAGE)
+                pinned::<u64, CgroupUsage>(base, maps::USAGE)
                     .into_iter()
-                    .filter(|(k, b)| *b != 0 || !self.ancestors.contains(&k.cgroup_id))
-                    .map(|(k, b)| format!("USAGE ({}, {:#x})={b}", k.cgroup_id, k.gpu)),
+                    .filter(|(id, r)| !r.is_empty() || !self.ancestors.contains(id))
+                    .map(|(id, r)| format!("USAGE {id}: {:?}", r.charged().collect::<Vec<_>>())),
             )
             .chain((used > 0).then(|| format!("driver still holds {used} bytes")))
             .chain(

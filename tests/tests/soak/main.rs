@@ -30,7 +30,7 @@ use std::{
 
 use aya::maps::{Map, MapData};
 use gpud_common::{
-    Ancestry, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProcEntry, UsageKey, maps,
+    Ancestry, CgroupUsage, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProcEntry, UsageKey, maps,
 };
 use gpud_tests::{
     Cgroup, Daemon, Manager1Proxy, Rig, RmProcess,

@@ -107,7 +107,7 @@ pub(crate) fn map_entries(base: &Path) -> BTreeMap<&'static str, usize> {
             maps::OBJECTS,
             entries::<ObjKey, ObjEntry>(base, maps::OBJECTS),
         ),
-        (maps::USAGE, entries::<UsageKey, u64>(base, maps::USAGE)),
+        (maps::USAGE, entries::<u64, CgroupUsage>(base, maps::USAGE)),
         (
             maps::ANCESTRY,
             entries::<u64, Ancestry>(base, maps::ANCESTRY),
