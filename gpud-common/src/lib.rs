@@ -414,7 +414,7 @@ pub struct GuardBucket {
     pub at: u64,
 }
 
-/// Key of the `LIMITS` map, and a cgroup's usage on one GPU key where the daemon names one.
+/// Key of the `LIMITS` map: a cgroup and a GPU key.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct UsageKey {
