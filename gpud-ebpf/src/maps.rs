@@ -261,13 +261,19 @@ impl Drop for Taken {
     }
 }
 
-/// The `u64` counter under `key` in `map`, made at 0 where absent (of racing makers, one
-/// inserts and all use its entry); `None` when the map has no room for it.
+/// The entry under `key` in `map`, made as `init` where absent (of racing makers, one inserts
+/// and all use its entry); `None` when the map has no room for it.
 #[inline(always)]
-pub(crate) fn counter_slot<K: Copy>(map: &HashMap<K, u64>, key: K) -> Option<*mut u64> {
+pub(crate) fn entry_or_insert<K: Copy, V>(map: &HashMap<K, V>, key: K, init: &V) -> Option<*mut V> {
     if let Some(p) = map.get_ptr_mut(key) {
         return Some(p);
     }
-    let _ = map.insert(key, 0, BPF_NOEXIST as u64);
+    let _ = map.insert(key, init, BPF_NOEXIST as u64);
     map.get_ptr_mut(key)
+}
+
+/// The `u64` counter under `key` in `map`, made at 0 where absent ([`entry_or_insert`]).
+#[inline(always)]
+pub(crate) fn counter_slot<K: Copy>(map: &HashMap<K, u64>, key: K) -> Option<*mut u64> {
+    entry_or_insert(map, key, &0)
 }

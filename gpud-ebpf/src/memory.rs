@@ -31,7 +31,7 @@ use crate::{
     },
     maps::{
         ANCESTRY, FILE_MARKS, OBJ_COUNTS, OBJECTS, SHARES, USAGE, ZERO_USAGE, bump_stat, config,
-        counter_slot, send,
+        counter_slot, entry_or_insert, send,
     },
 };
 
@@ -173,23 +173,14 @@ fn note_vidheap(p: &mut Pending) {
     p.arg = unsafe { user::<u64>(p.size_at) }.unwrap_or(0);
 }
 
-/// `cgroup_id`'s `USAGE` record, made at zero where absent (of racing makers, one inserts and
-/// all use its record); `None` when the map has no room for it.
-#[inline(always)]
-fn usage_record(cgroup_id: u64) -> Option<*mut CgroupUsage> {
-    if let Some(p) = USAGE.get_ptr_mut(cgroup_id) {
-        return Some(p);
-    }
-    // Inserted from the map's memory, not copied to the stack.
-    let zero: &CgroupUsage = ZERO_USAGE.get(0)?;
-    let _ = USAGE.insert(cgroup_id, zero, BPF_NOEXIST as u64);
-    USAGE.get_ptr_mut(cgroup_id)
-}
-
 /// Adds `delta` to `cgroup_id`'s usage on GPU key `gpu` and in total: one lookup for both.
 #[inline(always)]
 fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
-    let Some(rec) = usage_record(cgroup_id) else {
+    // A first charge inserts the record from the map's zeros, not from the stack.
+    let Some(rec) = ZERO_USAGE
+        .get(0)
+        .and_then(|zero| entry_or_insert(&USAGE, cgroup_id, zero))
+    else {
         return;
     };
     unsafe {
