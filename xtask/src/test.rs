@@ -217,7 +217,7 @@ fn kernel_matrix() -> anyhow::Result<()> {
             Ok(console) => matrix_lines(&console),
             Err(e) => {
                 println!("kernel matrix: {row}: {e:#}");
-                failed.push(row);
+                failed.push(format!("{row} ({e:#})"));
             }
         }
     }
@@ -230,7 +230,7 @@ fn kernel_matrix() -> anyhow::Result<()> {
     eprint!("{}", String::from_utf8_lossy(&out.stderr));
     matrix_lines(&text);
     if !out.status.success() {
-        failed.push("host");
+        failed.push(format!("host (gpud-vmtest exited with {})", out.status));
     }
     println!("\nWhat gpud enforces on each kernel:");
     if let Ok(m) = MATRIX.lock() {
@@ -239,7 +239,7 @@ fn kernel_matrix() -> anyhow::Result<()> {
         }
     }
     if !failed.is_empty() {
-        bail!("kernel matrix rows failed: {}", failed.join(", "));
+        bail!("kernel matrix rows failed: {}", failed.join("; "));
     }
     Ok(())
 }
