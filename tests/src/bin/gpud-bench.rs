@@ -262,13 +262,13 @@ fn gpud_phase(
         .set("enforcement.deny_hook", hook.as_str())
         .parsed();
     let opened = gpud::daemon::core::open(&config).map_err(|e| anyhow::anyhow!("{}", Chain(&e)))?;
-    let probes = &opened.core.probes;
-    anyhow::ensure!(
-        probes.ladder().in_force.as_str() == hook.as_str(),
-        "hook in force: {:?}",
-        probes.ladder()
-    );
-    let r = workloads(o, standin);
+    let ladder = opened.core.probes.ladder();
+    // The probes are closed (unpinned) whatever happened, or they would stay attached.
+    let r = if ladder.in_force.as_str() == hook.as_str() {
+        workloads(o, standin)
+    } else {
+        Err(anyhow::anyhow!("hook in force: {ladder:?}"))
+    };
     opened.core.close(false);
     let _ = std::fs::remove_dir_all(&pins);
     let _ = std::fs::remove_dir_all(&dir);

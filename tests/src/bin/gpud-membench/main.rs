@@ -90,6 +90,9 @@ use serde_json::json;
 use costs::{memory_info_cost, pair_breakdown, scheduler_guard_cost};
 
 const MIB: u64 = 1 << 20;
+/// What the stand-in device holds: the breakdown keeps `--pairs` × `--rounds` allocations of
+/// 2 MiB at once.
+const FAKE_CAPACITY: u64 = 64 << 30;
 
 /// What GPU-memory accounting and enforcement cost and how fast they act; prints one
 /// `BENCH JSON: {…}` line.
@@ -429,7 +432,7 @@ fn setup(
     tag: &str,
 ) -> anyhow::Result<(Core, aya::maps::RingBuf<aya::maps::MapData>)> {
     // The daemon's own kernel stack (gpud::daemon::core::open), its state and bpffs apart.
-    let dir = std::env::temp_dir().join(format!("gpud-membench-{}-{tag}", std::process::id()));
+    let dir = setup_dir(tag);
     let config = TestConfig::new(&dir)
         .extra_paths([ctl])
         .nvml_off()
@@ -444,11 +447,42 @@ fn setup(
     Ok((core, events))
 }
 
+/// The setups' tags: each has its own directory ([`setup_dir`]).
+const SETUPS: [&str; 7] = ["acct", "kill", "freeze", "pair", "view", "guard", "files"];
+
+/// Where the setup `tag` keeps gpud's state and mounts its bpffs.
+fn setup_dir(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("gpud-membench-{}-{tag}", std::process::id()))
+}
+
+/// What the benchmark made on the host, taken away when it ends, failed or not: each setup's
+/// bpffs is unmounted (a phase that failed before closing its probes left them pinned there,
+/// attached to every process on the host) and its directory removed, and the benchmark's
+/// cgroup removed.
+struct Cleanup {
+    cgroup: PathBuf,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for tag in SETUPS {
+            let dir = setup_dir(tag);
+            if let Ok(c) = std::ffi::CString::new(dir.join("bpffs").as_os_str().as_encoded_bytes())
+            {
+                // SAFETY: a valid NUL-terminated path; unmounting a bpffs drops its pins.
+                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let _ = std::fs::remove_dir(&self.cgroup);
+    }
+}
+
 /// `--serve-fake DIR`: serves the fake device until standard input closes.
 fn serve_fake(dir: &Path) -> anyhow::Result<()> {
     use std::io::{Read as _, Write as _};
     let opts = gpud_tests::fakenv::Options {
-        capacity: 64 << 30,
+        capacity: FAKE_CAPACITY,
         ..Default::default()
     };
     let fake = gpud_tests::fakenv::mount(dir, opts).context("mounting the fake device")?;
@@ -462,6 +496,16 @@ fn serve_fake(dir: &Path) -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     let o = Opts::parse();
+    let kept = o.pairs.saturating_mul(o.rounds as u64);
+    ensure!(
+        kept.saturating_mul(2 * MIB) <= FAKE_CAPACITY,
+        "--pairs {} × --rounds {}: the breakdown keeps {kept} allocations of 2 MiB at once, more \
+         than the stand-in device's {} GiB hold ({} at most)",
+        o.pairs,
+        o.rounds,
+        FAKE_CAPACITY >> 30,
+        FAKE_CAPACITY / (2 * MIB)
+    );
     if let Some(dir) = &o.serve_fake {
         return serve_fake(dir);
     }
@@ -472,6 +516,7 @@ fn main() -> anyhow::Result<()> {
     let cg_root = CgroupFs::discover()?.root().to_owned();
     let cg = cg_root.join(format!("gpud-membench-{}", std::process::id()));
     std::fs::create_dir_all(&cg)?;
+    let _cleanup = Cleanup { cgroup: cg.clone() };
     let rel = format!("/{}", cg.file_name().unwrap_or_default().to_string_lossy());
 
     // Accounting overhead: alternate without and with probes, cycles of both; the programs'
@@ -638,11 +683,6 @@ fn main() -> anyhow::Result<()> {
     let check_median = median(check_ns);
 
     drop(fake);
-    let _ = std::fs::remove_dir(&cg);
-    // Each setup's bpffs directory (its pins went with its probes).
-    for tag in ["acct", "kill", "freeze", "pair", "view", "guard", "files"] {
-        let _ = std::fs::remove_dir(format!("/sys/fs/bpf/gpud-membench-{tag}"));
-    }
     let _ = std::fs::remove_dir_all(&work);
 
     let result = json!({
