@@ -23,14 +23,40 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
-        // A bpffs may be mounted inside (the daemon's own instance).
-        let bpffs = self.0.join("bpffs");
-        if let Ok(c) = std::ffi::CString::new(bpffs.as_os_str().as_encoded_bytes()) {
+        remove_state_dir(&self.0);
+    }
+}
+
+/// Removes a directory a test's daemon kept its state in. The bpffs instances mounted inside
+/// (the daemon's own, `<dir>/bpffs`, or one per hook a test tried) are unmounted first, innermost
+/// first, which drops their pins: probes a failed test left pinned there do not stay attached to
+/// the host.
+pub fn remove_state_dir(dir: &Path) {
+    let mut bpffs: Vec<PathBuf> = mount_points("bpf")
+        .into_iter()
+        .filter(|m| m.starts_with(dir))
+        .collect();
+    bpffs.sort_by_key(|m| std::cmp::Reverse(m.as_os_str().len()));
+    for m in bpffs {
+        if let Ok(c) = std::ffi::CString::new(m.as_os_str().as_encoded_bytes()) {
             // SAFETY: valid NUL-terminated path.
             unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
         }
-        let _ = std::fs::remove_dir_all(&self.0);
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Where filesystems of type `fstype` are mounted, from `/proc/self/mountinfo`.
+pub fn mount_points(fstype: &str) -> Vec<PathBuf> {
+    let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    mi.lines()
+        .filter_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            (post.split_whitespace().next()? == fstype)
+                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))
+                .flatten()
+        })
+        .collect()
 }
 
 /// Directory of the workspace's built binaries (`target/debug`): beside this executable when it

@@ -138,15 +138,7 @@ impl Drop for Runc {
 
 /// Mount points of cgroup v1 hierarchies (hybrid hosts have them beside the v2 one).
 pub fn cgroup_v1_mounts() -> Vec<PathBuf> {
-    let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    mi.lines()
-        .filter_map(|l| {
-            let (pre, post) = l.split_once(" - ")?;
-            (post.split_whitespace().next()? == "cgroup")
-                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))
-                .flatten()
-        })
-        .collect()
+    crate::paths::mount_points("cgroup")
 }
 
 /// runc (cgroupfs driver) also makes the container's path in every v1 hierarchy and, on delete,

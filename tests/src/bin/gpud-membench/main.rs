@@ -466,13 +466,7 @@ struct Cleanup {
 impl Drop for Cleanup {
     fn drop(&mut self) {
         for tag in SETUPS {
-            let dir = setup_dir(tag);
-            if let Ok(c) = std::ffi::CString::new(dir.join("bpffs").as_os_str().as_encoded_bytes())
-            {
-                // SAFETY: a valid NUL-terminated path; unmounting a bpffs drops its pins.
-                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-            }
-            let _ = std::fs::remove_dir_all(&dir);
+            gpud_tests::remove_state_dir(&setup_dir(tag));
         }
         let _ = std::fs::remove_dir(&self.cgroup);
     }
