@@ -240,20 +240,7 @@ impl Drop for Containerd {
         }
         // Mounts containerd made under its root and state (the native snapshotter's binds, the
         // sandbox's shm), innermost first.
-        let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let prefix = self.dir.display().to_string();
-        let mut mounts: Vec<&str> = mi
-            .lines()
-            .filter_map(|l| l.split_whitespace().nth(4))
-            .filter(|m| m.starts_with(&prefix))
-            .collect();
-        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in mounts {
-            if let Ok(c) = std::ffi::CString::new(m) {
-                // SAFETY: valid NUL-terminated path.
-                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-            }
-        }
+        crate::paths::unmount_under(&self.dir, None);
         // What a failed test left running under the pods' parent goes now, so that its cgroups
         // can: runc (cgroupfs driver) makes `<parent>/<id>` in cgroup v2 and every v1 hierarchy,
         // removes those of the containers it deleted, and never the parent (in v2 the test's

@@ -28,33 +28,47 @@ impl Drop for TempDir {
 }
 
 /// Removes a directory a test's daemon kept its state in. The bpffs instances mounted inside
-/// (the daemon's own, `<dir>/bpffs`, or one per hook a test tried) are unmounted first, innermost
-/// first, which drops their pins: probes a failed test left pinned there do not stay attached to
-/// the host.
+/// (the daemon's own, `<dir>/bpffs`, or one per hook a test tried) are unmounted first, which
+/// drops their pins: probes a failed test left pinned there do not stay attached to the host.
 pub fn remove_state_dir(dir: &Path) {
-    let mut bpffs: Vec<PathBuf> = mount_points("bpf")
+    unmount_under(dir, Some("bpf"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Detaches the mounts under `dir` (of type `fstype` only, where named), innermost first.
+pub fn unmount_under(dir: &Path, fstype: Option<&str>) {
+    let mut points: Vec<PathBuf> = mounts()
         .into_iter()
-        .filter(|m| m.starts_with(dir))
+        .filter(|(point, kind)| point.starts_with(dir) && fstype.is_none_or(|t| t == kind))
+        .map(|(point, _)| point)
         .collect();
-    bpffs.sort_by_key(|m| std::cmp::Reverse(m.as_os_str().len()));
-    for m in bpffs {
+    points.sort_by_key(|m| std::cmp::Reverse(m.as_os_str().len()));
+    for m in points {
         if let Ok(c) = std::ffi::CString::new(m.as_os_str().as_encoded_bytes()) {
             // SAFETY: valid NUL-terminated path.
             unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
         }
     }
-    let _ = std::fs::remove_dir_all(dir);
 }
 
-/// Where filesystems of type `fstype` are mounted, from `/proc/self/mountinfo`.
+/// Where filesystems of type `fstype` are mounted.
 pub fn mount_points(fstype: &str) -> Vec<PathBuf> {
+    mounts()
+        .into_iter()
+        .filter(|(_, kind)| kind == fstype)
+        .map(|(point, _)| point)
+        .collect()
+}
+
+/// Every mount of this process's namespace, from `/proc/self/mountinfo`: mount point and type.
+fn mounts() -> Vec<(PathBuf, String)> {
     let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     mi.lines()
         .filter_map(|l| {
             let (pre, post) = l.split_once(" - ")?;
-            (post.split_whitespace().next()? == fstype)
-                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))
-                .flatten()
+            let point = pre.split_whitespace().nth(4)?;
+            let kind = post.split_whitespace().next()?;
+            Some((PathBuf::from(point), kind.to_owned()))
         })
         .collect()
 }

@@ -612,8 +612,8 @@ fn boot(
 }
 
 /// The kernel's own words for a crash, from a console: its first oops, BUG or panic line and the
-/// function it was in (`RIP:`), as `: Oops: int3 … at trace_syscall_enter+0x…`; empty when the
-/// console shows none. A failed run's error carries it, so that a summary far below the console
+/// function it was in (the first `RIP:` line after it), as `: Oops: int3 …; RIP: 0010:
+/// trace_syscall_enter+0x…`; empty when the console shows none. A failed run's error carries it, so that a summary far below the console
 /// still says whether the kernel or the test failed.
 fn crash_digest(console: &str) -> String {
     const MARKS: [&str; 5] = [
@@ -632,14 +632,15 @@ fn crash_digest(console: &str) -> String {
             .trim()
             .to_owned()
     };
-    let Some(first) = console
-        .lines()
+    let mut lines = console.lines();
+    let Some(first) = lines
+        .by_ref()
         .find(|l| MARKS.iter().any(|m| l.contains(m)))
         .map(text)
     else {
         return String::new();
     };
-    match console.lines().find(|l| l.contains("RIP: ")).map(text) {
+    match lines.find(|l| l.contains("RIP: ")).map(text) {
         Some(rip) => format!(": {first}; {rip}"),
         None => format!(": {first}"),
     }

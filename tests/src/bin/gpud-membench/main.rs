@@ -490,6 +490,9 @@ fn serve_fake(dir: &Path) -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     let o = Opts::parse();
+    if let Some(dir) = &o.serve_fake {
+        return serve_fake(dir);
+    }
     let kept = o.pairs.saturating_mul(o.rounds as u64);
     ensure!(
         kept.saturating_mul(2 * MIB) <= FAKE_CAPACITY,
@@ -500,9 +503,6 @@ fn main() -> anyhow::Result<()> {
         FAKE_CAPACITY >> 30,
         FAKE_CAPACITY / (2 * MIB)
     );
-    if let Some(dir) = &o.serve_fake {
-        return serve_fake(dir);
-    }
     let work = std::env::temp_dir().join(format!("gpud-membench-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     inproc::refuse_foreign_probes()?;
