@@ -185,7 +185,14 @@ pub(super) fn scheduler_guard_cost(
 /// Where an alloc+free pair's time goes (see the module docs): gpud's programs' run time per
 /// call, allocations and frees apart, each program apart; and what the calls sent through the
 /// ring and cost gpud's state code to handle.
-pub(super) fn pair_breakdown(o: &Opts, ctl: &Path, cg: &Path) -> anyhow::Result<serde_json::Value> {
+/// `clock`: what the run-time statistics add to each run ([`super::stats_clock_ns`]), taken out
+/// of `programs_net_ns_per_pair`.
+pub(super) fn pair_breakdown(
+    o: &Opts,
+    ctl: &Path,
+    cg: &Path,
+    clock: f64,
+) -> anyhow::Result<serde_json::Value> {
     const CYCLES: usize = 3;
     let n = o.pairs * o.rounds as u64;
     let (mut core, mut ring) = setup(o, ctl, ReactAction::Notify, "pair")?;
@@ -258,6 +265,7 @@ pub(super) fn pair_breakdown(o: &Opts, ctl: &Path, cg: &Path) -> anyhow::Result<
         })
     };
     let (alloc, free) = (phase(0), phase(1));
+    let runs_per_pair: usize = per_prog.iter().map(|p| p.len()).sum();
     let per_pair = alloc["programs_total_ns_per_call"]
         .as_f64()
         .unwrap_or(f64::NAN)
@@ -270,6 +278,8 @@ pub(super) fn pair_breakdown(o: &Opts, ctl: &Path, cg: &Path) -> anyhow::Result<
         "alloc": alloc,
         "free": free,
         "programs_ns_per_pair": per_pair,
+        "programs_net_ns_per_pair": per_pair - runs_per_pair as f64 * clock,
+        "stats_clock_ns_per_run": clock,
         // What the other system calls' runs were taken out at (see `on_ioctls`).
         "unfollowed_run_ns": unfollowed,
     }))

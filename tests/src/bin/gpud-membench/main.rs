@@ -21,7 +21,9 @@
 //!   out at what a run costs on a `getppid` loop of this process (`unfollowed_run_ns`), which is
 //!   less than the same run costs interleaved with other work (cold caches), so the figure stays
 //!   an upper bound. The hooks' dispatch cost is not in it (see `gpud-bench`, whose wall-clock
-//!   `matched_ioctl` holds programs and dispatch together).
+//!   `matched_ioctl` holds programs and dispatch together). The statistics' own clock reading,
+//!   which every timed run holds (`stats_clock_ns_per_run`: what they give an empty program), is
+//!   taken out of `probe_net_ns_per_pair` and the breakdown's `programs_net_ns_per_pair`.
 //! - `pair_breakdown`: where a pair's time goes: a process in the cgroup makes N = pairs × rounds
 //!   allocations (2 MiB, NVOS64, kept), then frees them, three times; the kernel's run-time
 //!   statistics of each of gpud's ioctl programs over each phase, per call (median of the three;
@@ -117,6 +119,11 @@ struct Opts {
     /// Processes holding a control file each while the check of control files is timed.
     #[arg(long, default_value_t = 1000)]
     holders: usize,
+    /// Only the accounting cost: the pair loop and the breakdown at depth 2, printed alone. For
+    /// comparing two builds, whose figures move with the host between sittings: many short runs
+    /// of each, alternated (docs/benchmarks.md).
+    #[arg(long)]
+    only_pairs: bool,
     /// Serves the fake NVIDIA device at DIR until standard input closes (the measuring run
     /// starts this binary so).
     #[arg(long, value_name = "DIR", hide = true)]
@@ -331,6 +338,69 @@ fn unfollowed_run_ns() -> std::collections::BTreeMap<String, f64> {
         .collect()
 }
 
+/// What the run-time statistics add to each run they time, ns: the kernel reads its clock
+/// around every program run while they are on (`BPF_ENABLE_STATS`), and the run's time holds
+/// about one reading, which no run costs with them off. Measured as the time the statistics
+/// give an empty program (gpud's own benchmark reference, `gpud_noop_*`) on the hook the mode's
+/// ioctl programs use, over ioctls on `/dev/null` (which reach both hooks): what is left is
+/// that reading and the program's call, which the hooks' dispatch (`gpud-bench`'s
+/// `noop_program_added_ns`) holds already. Loaded into a bpffs of its own, its pins removed
+/// with it.
+fn stats_clock_ns(mode: AttachMode) -> anyhow::Result<f64> {
+    use aya::programs::{FEntry, RawTracePoint};
+    use gpud::probes::{self, BPF_FS_MAGIC};
+    use gpud_common::programs;
+    const CALLS: u64 = 200_000;
+    let bpffs = setup_dir("clock").join("bpffs");
+    std::fs::create_dir_all(&bpffs)?;
+    probes::ensure_mounted(&bpffs, "bpf", BPF_FS_MAGIC)?;
+    let btf = aya::Btf::from_sys_fs()?;
+    let mut ebpf = aya::EbpfLoader::new()
+        .btf(Some(&btf))
+        .allow_unsupported_maps()
+        .default_map_pin_directory(&bpffs)
+        .load(probes::ebpf_object())?;
+    let name = match mode {
+        AttachMode::Tracepoint => {
+            let p: &mut RawTracePoint = ebpf
+                .program_mut(programs::NOOP_RAW_TP)
+                .context(programs::NOOP_RAW_TP)?
+                .try_into()?;
+            p.load()?;
+            p.attach("sys_enter")?;
+            programs::NOOP_RAW_TP
+        }
+        AttachMode::Fentry => {
+            let p: &mut FEntry = ebpf
+                .program_mut(programs::NOOP_FENTRY)
+                .context(programs::NOOP_FENTRY)?
+                .try_into()?;
+            p.load("security_file_ioctl", &btf)?;
+            p.attach()?;
+            programs::NOOP_FENTRY
+        }
+    };
+    let null = std::fs::File::open("/dev/null")?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&null);
+    // The kernel keeps 15 bytes of a program's name.
+    let short: String = name.chars().take(15).collect();
+    let runs = |m: &std::collections::BTreeMap<String, (u64, u64)>| {
+        m.get(&short).copied().unwrap_or_default()
+    };
+    let before = runs(&prog_stats());
+    for _ in 0..CALLS {
+        let mut n: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int; /dev/null refuses it, after both hooks ran.
+        unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) };
+    }
+    let after = runs(&prog_stats());
+    drop(ebpf);
+    gpud_tests::remove_state_dir(&setup_dir("clock"));
+    let n = after.1.saturating_sub(before.1);
+    ensure!(n > 0, "{name} never ran");
+    Ok(after.0.saturating_sub(before.0) as f64 / n as f64)
+}
+
 /// The ns gpud's ioctl-path programs spent on a phase's `ioctls` calls, by program, from their
 /// run time and runs over the phase (`spent`): a raw system-call program's runs beyond those
 /// calls were other system calls (the fake's server, the host), taken out at the cost
@@ -448,7 +518,9 @@ fn setup(
 }
 
 /// The setups' tags: each has its own directory ([`setup_dir`]).
-const SETUPS: [&str; 7] = ["acct", "kill", "freeze", "pair", "view", "guard", "files"];
+const SETUPS: [&str; 8] = [
+    "acct", "kill", "freeze", "pair", "view", "guard", "files", "clock",
+];
 
 /// Where the setup `tag` keeps gpud's state and mounts its bpffs.
 fn setup_dir(tag: &str) -> PathBuf {
@@ -517,6 +589,7 @@ fn main() -> anyhow::Result<()> {
     // run-time statistics are read around the runs with probes.
     let stats_fd = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
+    let clock = stats_clock_ns(o.mode).context("timing an empty program's runs")?;
     let mut base = Vec::new();
     let mut with = Vec::new();
     let mut per_prog: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
@@ -549,6 +622,9 @@ fn main() -> anyhow::Result<()> {
     // The ioctl programs' time during the runs; other processes' ioctls on the host (which leave
     // after the first check) are in it too, so this is an upper bound for the matched path.
     let probe_total: f64 = probe_ns.values().sum();
+    let probe_per_pair = probe_total / pairs_run;
+    // Four program runs a pair (each ioctl's entry and return), each timed with the clock.
+    let probe_net = probe_per_pair - 4.0 * clock;
     let per_prog_json: serde_json::Map<String, serde_json::Value> = per_prog
         .iter()
         .filter(|(_, (_, n))| *n > 0)
@@ -559,6 +635,23 @@ fn main() -> anyhow::Result<()> {
             )
         })
         .collect();
+
+    if o.only_pairs {
+        let breakdown = pair_breakdown(&o, &fake.ctl, &cg, clock)?;
+        let result = json!({
+            "mode": o.mode.as_str(),
+            "pairs": o.pairs,
+            "rounds": o.rounds,
+            "alloc_free_ns": { "without_probes": base, "with_probes": with, "added": with - base },
+            "probe_ns_per_pair": probe_per_pair,
+            "probe_net_ns_per_pair": probe_net,
+            "stats_clock_ns_per_run": clock,
+            "programs": per_prog_json,
+            "pair_breakdown": breakdown,
+        });
+        println!("BENCH JSON: {result}");
+        return Ok(());
+    }
 
     // Kill: baseline ioctl time without a limit, then with the cgroup already over its limit.
     let shared = Shared::new()?;
@@ -638,13 +731,13 @@ fn main() -> anyhow::Result<()> {
     core.close(false);
 
     // Where a pair's time goes: allocations and frees apart, program by program.
-    let breakdown = pair_breakdown(&o, &fake.ctl, &cg)?;
+    let breakdown = pair_breakdown(&o, &fake.ctl, &cg, clock)?;
     // The same at a Kubernetes container's depth: the root, this cgroup (as `kubepods`), a QoS
     // class, a pod and the container, five levels that every pair charges and walks for limits.
     let levels = ["burstable", "pod", "container"];
     let deep = levels.iter().fold(cg.clone(), |at, l| at.join(l));
     std::fs::create_dir_all(&deep)?;
-    let deep_breakdown = pair_breakdown(&o, &fake.ctl, &deep);
+    let deep_breakdown = pair_breakdown(&o, &fake.ctl, &deep, clock);
     for n in (1..=levels.len()).rev() {
         let _ = std::fs::remove_dir(levels[..n].iter().fold(cg.clone(), |at, l| at.join(l)));
     }
@@ -685,7 +778,9 @@ fn main() -> anyhow::Result<()> {
         "rounds": o.rounds,
         "samples": o.samples,
         "alloc_free_ns": { "without_probes": base, "with_probes": with, "added": with - base },
-        "probe_ns_per_pair": probe_total / pairs_run,
+        "probe_ns_per_pair": probe_per_pair,
+        "probe_net_ns_per_pair": probe_net,
+        "stats_clock_ns_per_run": clock,
         "unfollowed_run_ns": unfollowed_last,
         "programs": per_prog_json,
         "pair_breakdown": breakdown,
