@@ -46,7 +46,7 @@ fn open_stack(
     device: &std::path::Path,
     keys: &[(&str, &str)],
 ) -> anyhow::Result<Opened> {
-    let dir = PathBuf::from(format!("/tmp/vmtest-stack-{tag}"));
+    let dir = stack_dir(tag);
     std::fs::create_dir_all(&dir)?;
     let _ = std::fs::remove_dir_all(Probes::pin_base(&dir.join("bpffs")));
     let _ = std::fs::remove_dir_all(dir.join("state"));
@@ -58,6 +58,11 @@ fn open_stack(
         config = config.set(k, *v);
     }
     gpud::daemon::core::open(&config.parsed()).map_err(|e| anyhow!("{}", Chain(&e)))
+}
+
+/// Where [`open_stack`] keeps the stack `tag`'s state and mounts its bpffs.
+fn stack_dir(tag: &str) -> PathBuf {
+    PathBuf::from(format!("/tmp/vmtest-stack-{tag}"))
 }
 
 /// An opened core as the checks use it: the attribution, the settings' one writer and the cgroup

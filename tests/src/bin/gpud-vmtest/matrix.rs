@@ -379,6 +379,8 @@ pub(super) fn matrix_row(row: &str) -> anyhow::Result<String> {
     probes.shutdown(false);
     drop(fake);
     let _ = std::fs::remove_dir(&cg);
+    // Its bpffs and state too: on the host row they would stay mounted after the run.
+    gpud_tests::remove_state_dir(&super::stack_dir(&tag));
 
     let line = format!("rung={rung} memory={memory} guard={guard} view={view}");
     let derived;
