@@ -294,7 +294,7 @@ pub struct ProbeConfig {
     /// The longest channel-group timeslice (µs) a tenant may set where no `SCHED_ALLOW` entry
     /// of its cgroup or an ancestor says otherwise.
     pub guard_timeslice_us: u64,
-    /// Most `OBJECTS` entries one cgroup may hold (`OBJ_COUNTS`); 0: no cap. One tenant making
+    /// Most `OBJECTS` entries one cgroup may hold ([`CgroupUsage::objects`]); 0: no cap. One tenant making
     /// RM clients in a loop (they cost no GPU memory) cannot fill the map the host shares.
     pub objects_per_cgroup: u32,
     /// Explicit padding (always 0), so the layout has no implicit holes.
@@ -370,7 +370,8 @@ pub mod stat {
     /// Objects not recorded because their cgroup holds `ProbeConfig::objects_per_cgroup`
     /// entries of `OBJECTS` already (a limited cgroup's allocation then counts as crossing).
     pub const OBJECTS_CGROUP_CAP: u32 = 24;
-    /// cgroups whose objects are not counted (`OBJ_COUNTS` full): not capped.
+    /// Objects whose cgroup has no `USAGE` record and `USAGE` no room for one: not counted,
+    /// so not capped.
     pub const OBJ_COUNTS_FULL: u32 = 25;
     /// Objects of a previous ABI's maps the daemon took over (`gpud_adopt`) at an upgrade.
     pub const ADOPTED: u32 = 26;
@@ -447,18 +448,25 @@ pub const USAGE_SLOTS: usize = USAGE_GPUS + 2;
 /// Value of the `USAGE` map, keyed by cgroup id: the bytes of video memory charged to the
 /// cgroup and its descendants, per GPU and in total, in one record so that a charge looks each
 /// ancestry level up once. Hierarchical: an allocation is charged to its cgroup and every
-/// ancestor, on its GPU's slot and on the `GPU_ALL` slot.
+/// ancestor, on its GPU's slot and on the `GPU_ALL` slot. The record also counts the cgroup's
+/// own `OBJECTS` entries, for its cap: an allocation's record and charge touch one record of
+/// its cgroup, not two of two maps.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CgroupUsage {
     /// Bytes by slot ([`CgroupUsage::slot`]).
     pub bytes: [u64; USAGE_SLOTS],
+    /// `OBJECTS` entries recorded for this cgroup itself (not its descendants), for the
+    /// per-cgroup cap ([`ProbeConfig::objects_per_cgroup`]). Read as signed: releases of
+    /// entries recorded before the count began may take it below zero.
+    pub objects: u64,
 }
 
 impl Default for CgroupUsage {
     fn default() -> Self {
         Self {
             bytes: [0; USAGE_SLOTS],
+            objects: 0,
         }
     }
 }
@@ -503,7 +511,7 @@ impl CgroupUsage {
         self.bytes[Self::slot(gpu)]
     }
 
-    /// Whether nothing is charged on any GPU.
+    /// Whether nothing is charged on any GPU (the object count aside).
     pub fn is_empty(&self) -> bool {
         self.bytes.iter().all(|b| *b == 0)
     }
@@ -656,7 +664,8 @@ pub mod maps {
     pub const TRACKED: &str = "TRACKED";
     /// Hash [`ObjKey`](crate::ObjKey) → [`ObjEntry`](crate::ObjEntry): RM objects followed.
     pub const OBJECTS: &str = "OBJECTS";
-    /// Hash cgroup id → [`CgroupUsage`](crate::CgroupUsage): bytes of video memory charged.
+    /// Hash cgroup id → [`CgroupUsage`](crate::CgroupUsage): bytes of video memory charged, and
+    /// the cgroup's own `OBJECTS` entries.
     pub const USAGE: &str = "USAGE";
     /// Hash [`UsageKey`](crate::UsageKey) → [`KernelLimit`](crate::KernelLimit).
     pub const LIMITS: &str = "LIMITS";
@@ -686,15 +695,12 @@ pub mod maps {
     /// Hash control file (`struct file` address) → `u32` (1): files through which an object was
     /// recorded in `OBJECTS`; only their releases are sent to the daemon.
     pub const FILE_MARKS: &str = "FILE_MARKS";
-    /// Hash cgroup id → `u64`: the `OBJECTS` entries it holds, for the per-cgroup cap
-    /// ([`ProbeConfig::objects_per_cgroup`](crate::ProbeConfig)).
-    pub const OBJ_COUNTS: &str = "OBJ_COUNTS";
     /// Array of one `u64`: the limits' generation, which the daemon raises after every limit
     /// and ancestry record it writes (see [`limits_seen`](crate::limits_seen)).
     pub const LIMITS_GEN: &str = "LIMITS_GEN";
 
     /// Every pinned map: the daemon checks each one's layout before adopting its pin.
-    pub const ALL: [&str; 21] = [
+    pub const ALL: [&str; 20] = [
         CONFIG,
         EXTRA_FILES,
         PROCS,
@@ -714,7 +720,6 @@ pub mod maps {
         SCHED_FILES,
         SCHED_GROUPS,
         FILE_MARKS,
-        OBJ_COUNTS,
         LIMITS_GEN,
     ];
 }
@@ -820,9 +825,11 @@ pub mod programs {
 /// The previous ABI, whose pinned maps a daemon of this one takes over at an upgrade
 /// (docs/design.md, "Upgrades"): its version and its layouts, defined here beside the current
 /// ones. ABI 8 changed `STATS` (it gained [`stat::ADOPTED`](crate::stat::ADOPTED)) and
-/// `ANCESTRY`'s records (they gained [`limits_seen`](crate::Ancestry::limits_seen)), and added
-/// `LIMITS_GEN`; every other map has the same names, keys and values in both, so they are
-/// re-exported from the current definitions. A layout that changes moves here as it was, beside
+/// `ANCESTRY`'s records (they gained [`limits_seen`](crate::Ancestry::limits_seen)), added
+/// `LIMITS_GEN`, and moved `OBJ_COUNTS` into the `USAGE` records ([`CgroupUsage`](crate::CgroupUsage),
+/// which also changed to one record per cgroup): neither is copied at an upgrade, the adoption of
+/// every object rebuilds both. Every other map has the same names, keys and values in both, so
+/// they are re-exported from the current definitions. A layout that changes moves here as it was, beside
 /// its conversion's input, and stays until the ABI after next.
 pub mod previous {
     use crate::MAX_CGROUP_DEPTH;
@@ -865,8 +872,6 @@ pub mod previous {
 pub const MAX_PROCS: u32 = 65_536;
 /// Capacity of `CGROUPS` and `ANCESTRY`: cgroups that used an NVIDIA file or were charged.
 pub const MAX_CGROUPS: u32 = 16_384;
-/// Capacity of `OBJ_COUNTS`: cgroups holding recorded objects, counted for their cap.
-pub const MAX_OBJ_COUNTS: u32 = MAX_CGROUPS;
 /// Capacity of `EXTRA_FILES`.
 pub const MAX_EXTRA_FILES: u32 = 256;
 /// The event ring's size in the object; the daemon sets it at load (`probes.events_ring_kib`,
@@ -877,7 +882,8 @@ pub const EVENTS_BYTES: u32 = 1024 * 1024;
 pub const MAX_OBJECTS: u32 = 262_144;
 /// Capacity of `SHARES`: duplicated allocations followed at once.
 pub const MAX_SHARES: u32 = 65_536;
-/// Capacity of `USAGE`: cgroups charged, each charged cgroup's ancestors included.
+/// Capacity of `USAGE`: cgroups charged, each charged cgroup's ancestors included, and cgroups
+/// holding recorded objects.
 pub const MAX_USAGE: u32 = MAX_CGROUPS;
 /// Capacity of `LIMITS`.
 pub const MAX_LIMITS: u32 = 16_384;

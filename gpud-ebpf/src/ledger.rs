@@ -26,6 +26,13 @@ pub(crate) unsafe fn user<T>(addr: u64) -> Option<T> {
 /// limit.
 #[inline(always)]
 pub(crate) fn gpu_of(client: u32, parent: u32) -> u32 {
+    parent_of(client, parent).0
+}
+
+/// [`gpu_of`], and the control file the parent's record was made through (0 where none is
+/// recorded), from the one lookup.
+#[inline(always)]
+pub(crate) fn parent_of(client: u32, parent: u32) -> (u32, u64) {
     match unsafe {
         OBJECTS.get(ObjKey {
             client,
@@ -36,9 +43,10 @@ pub(crate) fn gpu_of(client: u32, parent: u32) -> u32 {
             if (e.kind == OBJ_DEVICE || e.kind == OBJ_SUBDEVICE)
                 && (e.gpu as usize) < USAGE_GPUS =>
         {
-            e.gpu
+            (e.gpu, e.file)
         }
-        _ => GPU_UNKNOWN,
+        Some(e) => (GPU_UNKNOWN, e.file),
+        None => (GPU_UNKNOWN, 0),
     }
 }
 

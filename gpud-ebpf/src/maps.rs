@@ -12,9 +12,9 @@ use aya_ebpf::{
 use gpud_common::{
     Ancestry, CFG_READY, CgroupUsage, EVENTS_BYTES, Event, FileKey, GuardBucket, GuardKey,
     GuardRestore, IoctlCounts, KernelLimit, MAX_CGROUPS, MAX_EXTRA_FILES, MAX_FILE_MARKS,
-    MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS, MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJ_COUNTS, MAX_OBJECTS,
-    MAX_PROCS, MAX_SCHED_ALLOW, MAX_SCHED_FILES, MAX_SCHED_GROUPS, MAX_SHARES, MAX_USAGE, ObjEntry,
-    ObjKey, Pending, ProbeConfig, ProcEntry, UsageKey, stat,
+    MAX_GUARD_BUCKETS, MAX_GUARD_COUNTS, MAX_HELD_GROUPS, MAX_LIMITS, MAX_OBJECTS, MAX_PROCS,
+    MAX_SCHED_ALLOW, MAX_SCHED_FILES, MAX_SCHED_GROUPS, MAX_SHARES, MAX_USAGE, ObjEntry, ObjKey,
+    Pending, ProbeConfig, ProcEntry, UsageKey, stat,
 };
 
 #[map]
@@ -48,8 +48,8 @@ pub(crate) static OBJECTS: HashMap<ObjKey, ObjEntry> = HashMap::pinned(MAX_OBJEC
 #[map]
 pub(crate) static SHARES: HashMap<u64, u64> = HashMap::pinned(MAX_SHARES, 0);
 
-/// Hierarchical video-memory usage in bytes per cgroup, by GPU and in total
-/// (`gpud_common::CgroupUsage`).
+/// Hierarchical video-memory usage in bytes per cgroup, by GPU and in total, and each cgroup's
+/// own `OBJECTS` entries (`gpud_common::CgroupUsage`).
 #[map]
 pub(crate) static USAGE: HashMap<u64, CgroupUsage> = HashMap::pinned(MAX_USAGE, 0);
 
@@ -81,10 +81,6 @@ pub(crate) static SCHED_FILES: HashMap<u64, u32> = HashMap::pinned(MAX_SCHED_FIL
 /// Control files through which objects were recorded (`gpud_common::maps::FILE_MARKS`).
 #[map]
 pub(crate) static FILE_MARKS: HashMap<u64, u32> = HashMap::pinned(MAX_FILE_MARKS, 0);
-
-/// `OBJECTS` entries per cgroup, for its cap (`gpud_common::maps::OBJ_COUNTS`).
-#[map]
-pub(crate) static OBJ_COUNTS: HashMap<u64, u64> = HashMap::pinned(MAX_OBJ_COUNTS, 0);
 
 /// Channel groups by the control file they were made through (`gpud_common::maps::SCHED_GROUPS`).
 #[map]

@@ -27,11 +27,11 @@ use crate::{
     kernel::{ProbeRead, current_tgid, device_kind, fd_table, file_at, sole_reference},
     ledger::{
         charge_slot, current_ancestry, each_limit, gpu_of, learn_levels_if_stale,
-        levels_without_limits, limited_on, usage, user,
+        levels_without_limits, limited_on, parent_of, usage, user,
     },
     maps::{
-        ANCESTRY, FILE_MARKS, OBJ_COUNTS, OBJECTS, SHARES, USAGE, ZERO_USAGE, bump_stat, config,
-        counter_slot, entry_or_insert, send,
+        ANCESTRY, FILE_MARKS, OBJECTS, SHARES, USAGE, ZERO_USAGE, bump_stat, config,
+        entry_or_insert, send,
     },
 };
 
@@ -173,14 +173,23 @@ fn note_vidheap(p: &mut Pending) {
     p.arg = unsafe { user::<u64>(p.size_at) }.unwrap_or(0);
 }
 
+/// `cgroup_id`'s `USAGE` record, made where absent; `None` when the map has no room for it.
+#[inline(always)]
+fn usage_record(cgroup_id: u64) -> Option<*mut CgroupUsage> {
+    if let Some(rec) = USAGE.get_ptr_mut(cgroup_id) {
+        return Some(rec);
+    }
+    // A first charge or count inserts the record from the map's zeros, not from the stack (the
+    // zeros looked up only then).
+    ZERO_USAGE
+        .get(0)
+        .and_then(|zero| entry_or_insert(&USAGE, cgroup_id, zero))
+}
+
 /// Adds `delta` to `cgroup_id`'s usage on GPU key `gpu` and in total: one lookup for both.
 #[inline(always)]
 fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
-    // A first charge inserts the record from the map's zeros, not from the stack.
-    let Some(rec) = ZERO_USAGE
-        .get(0)
-        .and_then(|zero| entry_or_insert(&USAGE, cgroup_id, zero))
-    else {
+    let Some(rec) = usage_record(cgroup_id) else {
         return;
     };
     unsafe {
@@ -317,6 +326,8 @@ struct Track {
     /// picked is read back after the driver ran, where another thread may have rewritten it:
     /// it never replaces an entry.
     replace: bool,
+    /// `file` was marked already ([`mark_file`]): the object's parent was recorded through it.
+    marked: bool,
 }
 
 /// Records an object made through the control file `file`. Every object carries its file, not
@@ -358,7 +369,9 @@ fn track_object(t: &Track) -> Option<u64> {
         Err(_) => false,
     };
     if inserted {
-        mark_file(t.file);
+        if !t.marked {
+            mark_file(t.file);
+        }
         Some(serial)
     } else {
         uncount_object(entry.cgroup_id);
@@ -402,10 +415,11 @@ fn release_entry(key: &ObjKey, e: &ObjEntry, known: Known) -> bool {
     true
 }
 
-/// Counts one more `OBJECTS` entry for `cgroup_id`, unless it holds its cap
+/// Counts one more `OBJECTS` entry for `cgroup_id` (in its `USAGE` record, which an
+/// allocation's charge has just looked up), unless it holds its cap
 /// (`ProbeConfig::objects_per_cgroup`) already: false then, counted. Without fetching atomics
 /// the check and the add are two steps, so inserts racing on several CPUs may pass the cap by as
-/// many. A cgroup `OBJ_COUNTS` has no room for is not capped (counted apart).
+/// many. A cgroup `USAGE` has no room for is not capped (counted apart).
 #[inline(always)]
 fn count_object(cgroup_id: u64) -> bool {
     count_object_up_to(cgroup_id, config().map_or(0, |c| c.objects_per_cgroup))
@@ -414,10 +428,11 @@ fn count_object(cgroup_id: u64) -> bool {
 /// [`count_object`] against `cap` (0: none).
 #[inline(always)]
 fn count_object_up_to(cgroup_id: u64, cap: u32) -> bool {
-    let Some(n) = counter_slot(&OBJ_COUNTS, cgroup_id) else {
+    let Some(rec) = usage_record(cgroup_id) else {
         bump_stat(stat::OBJ_COUNTS_FULL);
         return true;
     };
+    let n = unsafe { core::ptr::addr_of_mut!((*rec).objects) };
     // Read as signed: releases racing past zero (entries recorded before the count began)
     // must not make a full cgroup of an empty one.
     let held = unsafe { core::ptr::read_volatile(n) } as i64;
@@ -432,9 +447,11 @@ fn count_object_up_to(cgroup_id: u64, cap: u32) -> bool {
 /// Counts one `OBJECTS` entry of `cgroup_id` less (none below zero, as far as a read shows).
 #[inline(always)]
 fn uncount_object(cgroup_id: u64) {
-    if let Some(n) = OBJ_COUNTS.get_ptr_mut(cgroup_id)
-        && unsafe { core::ptr::read_volatile(n) } as i64 > 0
-    {
+    let Some(rec) = USAGE.get_ptr_mut(cgroup_id) else {
+        return;
+    };
+    let n = unsafe { core::ptr::addr_of_mut!((*rec).objects) };
+    if unsafe { core::ptr::read_volatile(n) } as i64 > 0 {
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, u64::MAX) };
     }
 }
@@ -559,6 +576,7 @@ pub(crate) fn account_alloc(p: &Pending) {
         charge: 0,
         cgroup_id: 0,
         replace,
+        marked: false,
     };
     match p.class {
         c if rm::class::is_root(c) => {
@@ -635,7 +653,7 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
         return;
     };
     learn_levels_if_stale(anc);
-    let gpu = gpu_of(p.client, p.parent);
+    let (gpu, parent_file) = parent_of(p.client, p.parent);
     let key = ObjKey {
         client: p.client,
         object: handle,
@@ -678,6 +696,12 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
         cgroup_id: leaf,
         // Only a call the driver confirmed proves the handle was free.
         replace: replace && confirmed,
+        // The parent's record marked the file when it was made through it: the mark stays
+        // until that file's release, which also releases the parent. (A parent recorded through
+        // an earlier file at the same address, not yet released by the daemon, leaves the file
+        // unmarked: its release goes unsent and the sweep finds it, as where `FILE_MARKS` is
+        // full.)
+        marked: parent_file == p.file,
     });
     let (met, under_a_limit) = if tracked.is_some() {
         bump_stat(stat::CHARGES);
@@ -822,6 +846,7 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
             cgroup_id: src.cgroup_id,
             // Only a duplicate the driver confirmed proves the handle was free.
             replace: replace && confirmed,
+            marked: false,
         })
     } else {
         None

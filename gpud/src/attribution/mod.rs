@@ -360,18 +360,6 @@ impl Attribution {
             );
             let _ = self.maps.cgroups.remove(&id);
         }
-        // Object counts of removed cgroups that hold no object any more (a cgroup's id is never
-        // reused; one whose objects outlive it keeps its count until they are released).
-        let empty: Vec<u64> = map_entries(&self.maps.obj_counts)
-            .into_iter()
-            .filter_map(|(id, n)| (n == 0).then_some(id))
-            .collect();
-        let paths = self.cgroups.paths_of(empty.iter().copied());
-        for id in empty {
-            if !paths.get(&id).is_some_and(Option::is_some) {
-                let _ = self.maps.obj_counts.remove(&id);
-            }
-        }
     }
 
     /// Reacts to what the probes report about processes and objects: releases the kernel

@@ -28,8 +28,6 @@ pub struct KernelMaps {
     pub ancestry: HashMap<MapData, u64, Ancestry>,
     /// Control files whose releases the kernel sends (`FILE_MARKS`).
     pub file_marks: HashMap<MapData, u64, u32>,
-    /// `OBJECTS` entries per cgroup, for the per-cgroup cap (`OBJ_COUNTS`).
-    pub obj_counts: HashMap<MapData, u64, u64>,
     /// Raised after every `ANCESTRY` record written or removed here.
     pub limits_gen: super::LimitsGeneration,
 }

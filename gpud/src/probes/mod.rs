@@ -454,7 +454,6 @@ impl Probes {
             limits: settings::limits_reader(&self.base_dir)?,
             ancestry: maps::take(&mut self.ebpf, map_names::ANCESTRY)?,
             file_marks: maps::take(&mut self.ebpf, map_names::FILE_MARKS)?,
-            obj_counts: maps::take(&mut self.ebpf, map_names::OBJ_COUNTS)?,
             limits_gen: LimitsGeneration::open(&self.base_dir)?,
         })
     }

@@ -60,7 +60,7 @@ pub fn ensure_mounted(path: &Path, fstype: &str, magic: i64) -> Result<(), Probe
 }
 
 /// Key and value sizes of every pinned map, as this build defines them.
-pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 21] {
+pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 20] {
     use std::mem::size_of;
     [
         (maps::OBJECTS, size_of::<ObjKey>(), size_of::<ObjEntry>()),
@@ -93,7 +93,6 @@ pub(super) fn expected_layouts() -> [(&'static str, usize, usize); 21] {
         (maps::SCHED_FILES, size_of::<u64>(), size_of::<u32>()),
         (maps::SCHED_GROUPS, size_of::<ObjKey>(), size_of::<u64>()),
         (maps::FILE_MARKS, size_of::<u64>(), size_of::<u32>()),
-        (maps::OBJ_COUNTS, size_of::<u64>(), size_of::<u64>()),
         (maps::LIMITS_GEN, size_of::<u32>(), size_of::<u64>()),
         (maps::EVENTS, 0, 0),
     ]
