@@ -17,6 +17,54 @@ pub fn attach_mode(s: &str) -> Result<gpud::probes::AttachMode, String> {
     }
 }
 
+/// gpud's eBPF object loaded for a benchmark's empty reference programs, its maps pinned under
+/// `pins` (a bpffs directory), with the kernel's BTF; nothing attached yet.
+pub fn reference_object(pins: &Path) -> anyhow::Result<(aya::Ebpf, aya::Btf)> {
+    let btf = aya::Btf::from_sys_fs()?;
+    let ebpf = aya::EbpfLoader::new()
+        .btf(Some(&btf))
+        .allow_unsupported_maps()
+        .default_map_pin_directory(pins)
+        .load(gpud::probes::ebpf_object())?;
+    Ok((ebpf, btf))
+}
+
+/// Attaches the empty reference program of `mode`'s ioctl entry: `gpud_noop_raw_tp` on the raw
+/// tracepoints `raw` (tracepoint mode), or `gpud_noop_fentry` on `security_file_ioctl`. Returns
+/// its name.
+pub fn attach_noop_entry(
+    ebpf: &mut aya::Ebpf,
+    btf: &aya::Btf,
+    mode: gpud::probes::AttachMode,
+    raw: &[&str],
+) -> anyhow::Result<&'static str> {
+    use anyhow::Context as _;
+    use aya::programs::{FEntry, RawTracePoint};
+    use gpud_common::programs::{NOOP_FENTRY, NOOP_RAW_TP};
+    Ok(match mode {
+        gpud::probes::AttachMode::Tracepoint => {
+            let p: &mut RawTracePoint = ebpf
+                .program_mut(NOOP_RAW_TP)
+                .context(NOOP_RAW_TP)?
+                .try_into()?;
+            p.load()?;
+            for tp in raw {
+                p.attach(tp)?;
+            }
+            NOOP_RAW_TP
+        }
+        gpud::probes::AttachMode::Fentry => {
+            let p: &mut FEntry = ebpf
+                .program_mut(NOOP_FENTRY)
+                .context(NOOP_FENTRY)?
+                .try_into()?;
+            p.load("security_file_ioctl", btf)?;
+            p.attach()?;
+            NOOP_FENTRY
+        }
+    })
+}
+
 /// The names of gpud's programs already loaded in the kernel, and the pin directories of gpud's
 /// probes under `/sys/fs/bpf` (`…/gpud/v<ABI>`): a benchmark that finds any would measure a host
 /// where gpud's probes already run (a daemon, or probes a stopped one left pinned with

@@ -28,10 +28,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use aya::{
-    EbpfLoader,
-    programs::{FEntry, FExit, RawTracePoint},
-};
+use aya::programs::FExit;
 use clap::Parser;
 use gpud::{
     config::DenyHookPreference,
@@ -197,38 +194,18 @@ fn kernel_release() -> String {
 fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
     let pins = bpffs.join(format!("gpud-bench-noop-{}", std::process::id()));
     std::fs::create_dir_all(&pins)?;
-    let btf = aya::Btf::from_sys_fs()?;
-    let mut ebpf = EbpfLoader::new()
-        .btf(Some(&btf))
-        .allow_unsupported_maps()
-        .default_map_pin_directory(&pins)
-        .load(probes::ebpf_object())?;
-    match o.mode {
-        AttachMode::Tracepoint => {
-            let p: &mut RawTracePoint = ebpf
-                .program_mut(programs::NOOP_RAW_TP)
-                .context(programs::NOOP_RAW_TP)?
-                .try_into()?;
-            p.load()?;
-            // Both sides, as gpud attaches them where it follows 32-bit callers (the default):
-            // the reference pays the same two hooks, on every system call.
-            p.attach("sys_enter")?;
-            p.attach("sys_exit")?;
-        }
-        AttachMode::Fentry => {
-            let p: &mut FEntry = ebpf
-                .program_mut(programs::NOOP_FENTRY)
-                .context(programs::NOOP_FENTRY)?
-                .try_into()?;
-            p.load("security_file_ioctl", &btf)?;
-            p.attach()?;
-            let p: &mut FExit = ebpf
-                .program_mut(programs::NOOP_FEXIT)
-                .context(programs::NOOP_FEXIT)?
-                .try_into()?;
-            p.load(probes::SYS_IOCTL.0, &btf)?;
-            p.attach()?;
-        }
+    let (mut ebpf, btf) = inproc::reference_object(&pins)?;
+    // Both raw sides, as gpud attaches them where it follows 32-bit callers (the default): the
+    // reference pays the same two hooks, on every system call.
+    inproc::attach_noop_entry(&mut ebpf, &btf, o.mode, &["sys_enter", "sys_exit"])?;
+    if o.mode == AttachMode::Fentry {
+        // And the return side where fentry mode has its own.
+        let p: &mut FExit = ebpf
+            .program_mut(programs::NOOP_FEXIT)
+            .context(programs::NOOP_FEXIT)?
+            .try_into()?;
+        p.load(probes::SYS_IOCTL.0, &btf)?;
+        p.attach()?;
     }
     let r = workloads(o, standin);
     drop(ebpf);

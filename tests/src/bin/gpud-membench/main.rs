@@ -347,39 +347,13 @@ fn unfollowed_run_ns() -> std::collections::BTreeMap<String, f64> {
 /// `noop_program_added_ns`) holds already. Loaded into a bpffs of its own, its pins removed
 /// with it.
 fn stats_clock_ns(mode: AttachMode) -> anyhow::Result<f64> {
-    use aya::programs::{FEntry, RawTracePoint};
     use gpud::probes::{self, BPF_FS_MAGIC};
-    use gpud_common::programs;
     const CALLS: u64 = 200_000;
     let bpffs = setup_dir("clock").join("bpffs");
     std::fs::create_dir_all(&bpffs)?;
     probes::ensure_mounted(&bpffs, "bpf", BPF_FS_MAGIC)?;
-    let btf = aya::Btf::from_sys_fs()?;
-    let mut ebpf = aya::EbpfLoader::new()
-        .btf(Some(&btf))
-        .allow_unsupported_maps()
-        .default_map_pin_directory(&bpffs)
-        .load(probes::ebpf_object())?;
-    let name = match mode {
-        AttachMode::Tracepoint => {
-            let p: &mut RawTracePoint = ebpf
-                .program_mut(programs::NOOP_RAW_TP)
-                .context(programs::NOOP_RAW_TP)?
-                .try_into()?;
-            p.load()?;
-            p.attach("sys_enter")?;
-            programs::NOOP_RAW_TP
-        }
-        AttachMode::Fentry => {
-            let p: &mut FEntry = ebpf
-                .program_mut(programs::NOOP_FENTRY)
-                .context(programs::NOOP_FENTRY)?
-                .try_into()?;
-            p.load("security_file_ioctl", &btf)?;
-            p.attach()?;
-            programs::NOOP_FENTRY
-        }
-    };
+    let (mut ebpf, btf) = inproc::reference_object(&bpffs)?;
+    let name = inproc::attach_noop_entry(&mut ebpf, &btf, mode, &["sys_enter"])?;
     let null = std::fs::File::open("/dev/null")?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&null);
     // The kernel keeps 15 bytes of a program's name.
