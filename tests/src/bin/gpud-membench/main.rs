@@ -356,23 +356,22 @@ fn stats_clock_ns(mode: AttachMode) -> anyhow::Result<f64> {
     let name = inproc::attach_noop_entry(&mut ebpf, &btf, mode, &["sys_enter"])?;
     let null = std::fs::File::open("/dev/null")?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&null);
-    // The kernel keeps 15 bytes of a program's name.
-    let short: String = name.chars().take(15).collect();
-    let runs = |m: &std::collections::BTreeMap<String, (u64, u64)>| {
-        m.get(&short).copied().unwrap_or_default()
-    };
-    let before = runs(&prog_stats());
+    let before = prog_stats();
     for _ in 0..CALLS {
         let mut n: libc::c_int = 0;
         // SAFETY: FIONREAD writes one int; /dev/null refuses it, after both hooks ran.
         unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) };
     }
-    let after = runs(&prog_stats());
+    // The kernel keeps 15 bytes of a program's name.
+    let short: String = name.chars().take(15).collect();
+    let (t, n) = stats_since(&before)
+        .get(&short)
+        .copied()
+        .unwrap_or_default();
     drop(ebpf);
     gpud_tests::remove_state_dir(&setup_dir("clock"));
-    let n = after.1.saturating_sub(before.1);
     ensure!(n > 0, "{name} never ran");
-    Ok(after.0.saturating_sub(before.0) as f64 / n as f64)
+    Ok(t as f64 / n as f64)
 }
 
 /// The ns gpud's ioctl-path programs spent on a phase's `ioctls` calls, by program, from their
@@ -596,9 +595,6 @@ fn main() -> anyhow::Result<()> {
     // The ioctl programs' time during the runs; other processes' ioctls on the host (which leave
     // after the first check) are in it too, so this is an upper bound for the matched path.
     let probe_total: f64 = probe_ns.values().sum();
-    let probe_per_pair = probe_total / pairs_run;
-    // Four program runs a pair (each ioctl's entry and return), each timed with the clock.
-    let probe_net = probe_per_pair - 4.0 * clock;
     let per_prog_json: serde_json::Map<String, serde_json::Value> = per_prog
         .iter()
         .filter(|(_, (_, n))| *n > 0)
@@ -610,19 +606,21 @@ fn main() -> anyhow::Result<()> {
         })
         .collect();
 
+    // The accounting cost's figures, which `--only-pairs` prints alone.
+    let mut result = json!({
+        "mode": o.mode.as_str(),
+        "pairs": o.pairs,
+        "rounds": o.rounds,
+        "alloc_free_ns": { "without_probes": base, "with_probes": with, "added": with - base },
+        "probe_ns_per_pair": probe_total / pairs_run,
+        // Four program runs a pair (each ioctl's entry and return), each timed with the clock.
+        "probe_net_ns_per_pair": probe_total / pairs_run - 4.0 * clock,
+        "stats_clock_ns_per_run": clock,
+        "unfollowed_run_ns": unfollowed_last,
+        "programs": per_prog_json,
+    });
     if o.only_pairs {
-        let breakdown = pair_breakdown(&o, &fake.ctl, &cg, clock)?;
-        let result = json!({
-            "mode": o.mode.as_str(),
-            "pairs": o.pairs,
-            "rounds": o.rounds,
-            "alloc_free_ns": { "without_probes": base, "with_probes": with, "added": with - base },
-            "probe_ns_per_pair": probe_per_pair,
-            "probe_net_ns_per_pair": probe_net,
-            "stats_clock_ns_per_run": clock,
-            "programs": per_prog_json,
-            "pair_breakdown": breakdown,
-        });
+        result["pair_breakdown"] = pair_breakdown(&o, &fake.ctl, &cg, clock)?;
         println!("BENCH JSON: {result}");
         return Ok(());
     }
@@ -746,17 +744,8 @@ fn main() -> anyhow::Result<()> {
     drop(fake);
     let _ = std::fs::remove_dir_all(&work);
 
-    let result = json!({
-        "mode": o.mode.as_str(),
-        "pairs": o.pairs,
-        "rounds": o.rounds,
+    let rest = json!({
         "samples": o.samples,
-        "alloc_free_ns": { "without_probes": base, "with_probes": with, "added": with - base },
-        "probe_ns_per_pair": probe_per_pair,
-        "probe_net_ns_per_pair": probe_net,
-        "stats_clock_ns_per_run": clock,
-        "unfollowed_run_ns": unfollowed_last,
-        "programs": per_prog_json,
         "pair_breakdown": breakdown,
         "pair_breakdown_depth5": deep_breakdown,
         "kill_ns": {
@@ -779,6 +768,9 @@ fn main() -> anyhow::Result<()> {
             "max": percentile(freeze_ns, 1.0),
         },
     });
+    if let (Some(all), serde_json::Value::Object(rest)) = (result.as_object_mut(), rest) {
+        all.extend(rest);
+    }
     println!("BENCH JSON: {result}");
     Ok(())
 }
