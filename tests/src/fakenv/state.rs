@@ -445,13 +445,20 @@ fn known_size_escape(nr: u32) -> bool {
 }
 
 /// Thread group id of thread `tid` (the process to report), or `tid` itself when unknown.
+///
+/// One read of the status file's head (`Tgid` is its fourth line; a name is at most 64 bytes
+/// escaped): the fake answers every RM call with it, and each system call the server makes is
+/// one more run of gpud's raw system-call programs, which the benchmarks must take out of the
+/// caller's figures.
 pub(super) fn tgid(tid: u32) -> u32 {
-    std::fs::read_to_string(format!("/proc/{tid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Tgid:"))
-                .and_then(|v| v.trim().parse().ok())
-        })
+    use std::io::Read as _;
+    let mut head = [0u8; 512];
+    let n = std::fs::File::open(format!("/proc/{tid}/status"))
+        .and_then(|mut f| f.read(&mut head))
+        .unwrap_or(0);
+    String::from_utf8_lossy(&head[..n])
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
         .unwrap_or(tid)
 }
