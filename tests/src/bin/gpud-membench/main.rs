@@ -11,6 +11,12 @@
 //!   cgroup, without probes and with gpud's probes attached (accounting both calls); fastest of R
 //!   rounds of N pairs, per pair. The fake answers through FUSE (tens of µs, noisy), which is far
 //!   slower than the real driver, so this wall-clock difference is only a sanity check.
+//! - `pair_cpu_ns`: what a pair costs its caller, from the calling thread's CPU time
+//!   (`CLOCK_THREAD_CPUTIME_ID`: its system calls, gpud's programs and their dispatch included,
+//!   the fake's server and the waits for it not), fastest of R rounds, per pair: a run with gpud's
+//!   probes attached and the run-time statistics off, against the mean of a run before the attach
+//!   and one after the detach; `added` is the median of the five cycles' differences (each in
+//!   `added_by_cycle`). No program statistic and no estimate of other processes' runs enters it.
 //! - `probe_ns_per_pair`: the kernel's own run-time statistics of gpud's ioctl-path programs
 //!   (`BPF_ENABLE_STATS`), summed over the programs that ran during the pairs, per pair (the entry
 //!   and return programs of both ioctls, charge and uncharge included; other processes' ioctls
@@ -203,8 +209,30 @@ impl Drop for Fake {
     }
 }
 
-/// Fastest round of `pairs` alloc+free pairs in a child in `cg`, ns per pair.
-fn alloc_free(ctl: &Path, cg: &Path, pairs: u64, rounds: usize) -> anyhow::Result<f64> {
+/// What one [`alloc_free`] run measured, ns per pair, each the fastest of its rounds.
+#[derive(Clone, Copy)]
+struct PairTimes {
+    /// Wall-clock time.
+    wall: f64,
+    /// The calling thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`): its system calls, gpud's
+    /// programs on them included, without the fake's server's time or its waits for it.
+    cpu: f64,
+}
+
+/// The calling thread's CPU time, ns.
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Rounds of `pairs` alloc+free pairs in a child in `cg`: the fastest round's wall-clock and
+/// CPU time per pair.
+fn alloc_free(ctl: &Path, cg: &Path, pairs: u64, rounds: usize) -> anyhow::Result<PairTimes> {
     let ctl = ctl.to_owned();
     let cg = cg.to_owned();
     let report = inproc::in_child(move || {
@@ -222,20 +250,24 @@ fn alloc_free(ctl: &Path, cg: &Path, pairs: u64, rounds: usize) -> anyhow::Resul
         let rm = Ctl::new(&f);
         let c = rm.alloc_client().handle;
         let d = rm.alloc_device(c, 0).handle;
-        let mut best = f64::MAX;
+        let (mut wall, mut cpu) = (f64::MAX, f64::MAX);
         for _ in 0..rounds {
-            let t = Instant::now();
+            let (t, c0) = (Instant::now(), thread_cpu_ns());
             for _ in 0..pairs {
                 let a = rm.alloc_vidmem(c, d, 2 * MIB, Form::Nvos64);
                 rm.free(c, a.handle);
             }
-            best = best.min(t.elapsed().as_nanos() as f64 / pairs as f64);
+            let spent = thread_cpu_ns().saturating_sub(c0);
+            wall = wall.min(t.elapsed().as_nanos() as f64 / pairs as f64);
+            cpu = cpu.min(spent as f64 / pairs as f64);
         }
-        format!("{best}")
+        format!("{wall} {cpu}")
     })?;
-    report
-        .parse()
-        .map_err(|_| anyhow::anyhow!("child: {report}"))
+    let mut it = report.split(' ').map(str::parse::<f64>);
+    match (it.next(), it.next()) {
+        (Some(Ok(wall)), Some(Ok(cpu))) => Ok(PairTimes { wall, cpu }),
+        _ => anyhow::bail!("child: {report}"),
+    }
 }
 
 /// `n` children in `cg`, each holding its own control file with a client, a device and 2 MiB,
@@ -319,7 +351,10 @@ fn raw_syscall_program(name: &str) -> bool {
 /// What a raw system-call program costs on a system call it does not follow, by program (ns per
 /// run): measured on `getppid` calls of this process, which holds no NVIDIA file, with the run
 /// statistics on. Every system call on the host runs those programs, so a phase's figures take
-/// the runs beyond its own ioctls out at this cost ([`on_ioctls`]).
+/// the runs beyond its own ioctls out at this cost ([`on_ioctls`]). In a tight loop a run finds
+/// what it reads in cache; the fake's server's runs, between its round trips, cost more (a
+/// loop of reads of the fake's `state` file reads 5–35 ns more a run), so what is left of
+/// them in a phase's figure makes it an upper bound.
 fn unfollowed_run_ns() -> std::collections::BTreeMap<String, f64> {
     const CALLS: u64 = 200_000;
     let before = prog_stats();
@@ -558,23 +593,39 @@ fn main() -> anyhow::Result<()> {
     let _cleanup = Cleanup { cgroup: cg.clone() };
     let rel = format!("/{}", cg.file_name().unwrap_or_default().to_string_lossy());
 
-    // Accounting overhead: alternate without and with probes, cycles of both; the programs'
-    // run-time statistics are read around the runs with probes.
-    let stats_fd = aya::sys::enable_stats(aya::sys::Stats::RunTime)
-        .context("enabling BPF run-time statistics")?;
-    let clock = stats_clock_ns(o.mode).context("timing an empty program's runs")?;
+    // Accounting overhead, cycles of: a run without probes; gpud's probes attached, a run with
+    // the programs' run-time statistics on (what each program spends) and one with them off
+    // (what the caller pays, as on a host that keeps them off); detached, a run without again.
+    // The CPU time a pair adds is the run with probes against the mean of the two around it.
+    let clock = {
+        let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+            .context("enabling BPF run-time statistics")?;
+        stats_clock_ns(o.mode).context("timing an empty program's runs")?
+    };
     let mut base = Vec::new();
     let mut with = Vec::new();
+    let (mut cpu_base, mut cpu_with, mut cpu_added) = (Vec::new(), Vec::new(), Vec::new());
     let mut per_prog: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
     let mut probe_ns: std::collections::BTreeMap<String, f64> = Default::default();
     let mut unfollowed_last = Default::default();
     for _ in 0..5 {
-        base.push(alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?);
+        let before_attach = alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?;
+        base.push(before_attach.wall);
         let (core, _ring) = setup(&o, &fake.ctl, ReactAction::Notify, "acct")?;
+        let stats_fd = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+            .context("enabling BPF run-time statistics")?;
         let unfollowed = unfollowed_run_ns();
         let before = prog_stats();
-        with.push(alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?);
+        with.push(alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?.wall);
         let spent = stats_since(&before);
+        drop(stats_fd);
+        let attached = alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?;
+        core.close(false);
+        let after_detach = alloc_free(&fake.ctl, &cg, o.pairs, o.rounds)?;
+        let around = (before_attach.cpu + after_detach.cpu) / 2.0;
+        cpu_base.push(around);
+        cpu_with.push(attached.cpu);
+        cpu_added.push(attached.cpu - around);
         // Two ioctls per pair, and the client's and the device's.
         let ioctls = 2 * (o.rounds as u64 * o.pairs + 1);
         for (name, ns) in on_ioctls(&spent, ioctls, &unfollowed) {
@@ -586,9 +637,7 @@ fn main() -> anyhow::Result<()> {
             e.0 += t;
             e.1 += n;
         }
-        core.close(false);
     }
-    drop(stats_fd);
     let (base, with) = (median(base), median(with));
     // Each alloc_free run issues client + device + rounds × pairs pairs.
     let pairs_run = 5.0 * (o.rounds as f64 * o.pairs as f64 + 1.0);
@@ -612,6 +661,12 @@ fn main() -> anyhow::Result<()> {
         "pairs": o.pairs,
         "rounds": o.rounds,
         "alloc_free_ns": { "without_probes": base, "with_probes": with, "added": with - base },
+        "pair_cpu_ns": {
+            "without_probes": median(cpu_base),
+            "with_probes": median(cpu_with),
+            "added": median(cpu_added.clone()),
+            "added_by_cycle": cpu_added,
+        },
         "probe_ns_per_pair": probe_total / pairs_run,
         // Four program runs a pair (each ioctl's entry and return), each timed with the clock.
         "probe_net_ns_per_pair": probe_total / pairs_run - 4.0 * clock,
