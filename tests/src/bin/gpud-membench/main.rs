@@ -136,15 +136,20 @@ struct Opts {
     serve_fake: Option<PathBuf>,
 }
 
-/// CLOCK_MONOTONIC in ns: comparable between processes, unlike `Instant`.
-fn mono_ns() -> u64 {
+/// Clock `id` in ns.
+fn clock_ns(id: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: writes into ts.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    unsafe { libc::clock_gettime(id, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// CLOCK_MONOTONIC in ns: comparable between processes, unlike `Instant`.
+fn mono_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
 }
 
 /// A page of memory shared with forked children, for clock readings.
@@ -221,13 +226,7 @@ struct PairTimes {
 
 /// The calling thread's CPU time, ns.
 fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
 /// Rounds of `pairs` alloc+free pairs in a child in `cg`: the fastest round's wall-clock and
