@@ -352,8 +352,8 @@ fn raw_syscall_program(name: &str) -> bool {
 /// statistics on. Every system call on the host runs those programs, so a phase's figures take
 /// the runs beyond its own ioctls out at this cost ([`on_ioctls`]). In a tight loop a run finds
 /// what it reads in cache; the fake's server's runs, between its round trips, cost more (a
-/// loop of reads of the fake's `state` file reads 5–35 ns more a run), so what is left of
-/// them in a phase's figure makes it an upper bound.
+/// loop of reads of the fake's `state` file read 5–35 ns more a run: docs/benchmarks.md), so
+/// what is left of them in a phase's figure makes it an upper bound.
 fn unfollowed_run_ns() -> std::collections::BTreeMap<String, f64> {
     const CALLS: u64 = 200_000;
     let before = prog_stats();
