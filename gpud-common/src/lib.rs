@@ -775,6 +775,9 @@ pub mod programs {
     pub const FENTRY_OPEN: &str = "gpud_fentry_open";
     /// Loaded (never attached) to learn whether the kernel accepts BPF-LSM programs.
     pub const LSM_PROBE: &str = "gpud_lsm_probe";
+    /// Loaded (never attached) to learn whether the kernel lets programs call
+    /// `bpf_probe_write_user`, before a rewriting twin (`*_RW`) is loaded.
+    pub const WRITE_USER_PROBE: &str = "gpud_write_user_probe";
     /// `syscalls:sys_enter_ioctl` (tracepoint mode).
     pub const TP_IOCTL: &str = "gpud_tp_ioctl";
     /// [`TP_IOCTL`] that may also rewrite a tenant's scheduling control.

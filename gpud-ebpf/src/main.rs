@@ -352,6 +352,20 @@ pub fn gpud_lsm_probe(_ctx: LsmContext) -> i32 {
     0
 }
 
+/// Capability probe only: the daemon loads (never attaches) it to learn whether the kernel lets
+/// its programs call `bpf_probe_write_user` (CAP_SYS_ADMIN, no lockdown) before it loads a
+/// rewriting twin: the verifier walks a refused twin's thousands of instructions, and the
+/// loader again with a log, seconds of every start on a locked-down host. The write, were it
+/// ever run, targets address 0 and fails.
+#[raw_tracepoint]
+pub fn gpud_write_user_probe(_ctx: RawTracePointContext) -> i32 {
+    let byte = 0u8;
+    match unsafe { aya_ebpf::helpers::bpf_probe_write_user(core::ptr::null_mut::<u8>(), &byte) } {
+        Ok(()) => 0,
+        Err(_) => 1,
+    }
+}
+
 /// Benchmark reference only (`xtask bench`): an empty program, attached in place of gpud's to
 /// measure what any program on the same hook costs: on the raw `sys_enter` and `sys_exit`
 /// tracepoints, as tracepoint mode's ioctl programs are. The daemon never attaches it.

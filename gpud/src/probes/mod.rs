@@ -669,8 +669,11 @@ fn choose_hook_and_tier(
     })
 }
 
-/// Loads the memory view's rewriting return program, whose `bpf_probe_write_user` the verifier
-/// refuses under lockdown or without CAP_SYS_ADMIN: loading it is the probe. Records the answer
+/// Learns whether the programs may call `bpf_probe_write_user`, which the kernel refuses under
+/// lockdown or without CAP_SYS_ADMIN: first from a program of a few instructions that calls it,
+/// then, where that loads, by loading the memory view's rewriting return program (which must
+/// also pass the verifier). A refusal of the large program would cost the verifier, and the
+/// loader's retry with a log, seconds at every start on a locked-down kernel. Records the answer
 /// in `caps`, logs the capabilities (now all known) and returns the refusal, if any.
 fn probe_rewrite(
     ebpf: &mut Ebpf,
@@ -678,7 +681,10 @@ fn probe_rewrite(
     aya_btf: &aya::Btf,
     caps: &mut KernelCaps,
 ) -> Option<String> {
-    let rewrite = match mode {
+    let rewrite = load_probe(ebpf, programs::WRITE_USER_PROBE, |p: &mut RawTracePoint| {
+        p.load()
+    })
+    .and_then(|()| match mode {
         AttachMode::Tracepoint => {
             load_probe(ebpf, programs::TP_IOCTL_EXIT_RW, |p: &mut TracePoint| {
                 p.load()
@@ -687,7 +693,7 @@ fn probe_rewrite(
         AttachMode::Fentry => load_probe(ebpf, programs::FEXIT_IOCTL_RW, |p: &mut FExit| {
             p.load(SYS_IOCTL.0, aya_btf)
         }),
-    };
+    });
     caps.probe_write_user = rewrite.is_ok();
     info!(?caps, "kernel capabilities");
     rewrite.err()
@@ -836,6 +842,7 @@ mod tests {
             .collect();
         used.extend(RUN_PROGRAMS);
         used.insert(programs::LSM_PROBE);
+        used.insert(programs::WRITE_USER_PROBE);
         used.insert(programs::FMODRET_PROBE);
         // The benchmark's references (tests/src/bin/gpud-bench.rs).
         used.extend([

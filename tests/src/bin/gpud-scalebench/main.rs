@@ -256,7 +256,10 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         .log("info")
         .keep_pinned(true)
         .set("probes.events_ring_kib", i64::try_from(o.ring_kib)?);
+    // Exec to answering on the bus: probes loaded and attached, state restored.
+    let t_start = Instant::now();
     rig.start(config).await;
+    let start_ms = t_start.elapsed().as_secs_f64() * 1e3;
     let pid = rig.pid().context("daemon pid")?;
     let bpffs = rig.path().join("bpffs");
     let conn = connect_builder(&rig.bus.address).build().await?;
@@ -447,6 +450,17 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         }),
     );
     drop(ev_cg);
+
+    eprintln!("scalebench: a restart over the kept pins");
+    let t_restart = Instant::now();
+    rig.restart().await;
+    report.insert(
+        "start_ms".into(),
+        json!({
+            "first": start_ms,
+            "restart": t_restart.elapsed().as_secs_f64() * 1e3,
+        }),
+    );
 
     let targets = targets(&report);
     report.insert("targets".into(), targets);
