@@ -90,9 +90,9 @@ pub(crate) fn current_ancestry() -> Option<(u64, &'static Ancestry)> {
 pub(crate) fn charge_slot(gpu: u32) -> usize {
     if (gpu as usize) < USAGE_GPUS {
         let g = unsafe { core::ptr::read_volatile(&gpu) } as usize;
-        return g & (USAGE_GPUS - 1);
+        return (g & (USAGE_GPUS - 1)) + 1;
     }
-    USAGE_GPUS
+    CgroupUsage::UNKNOWN
 }
 
 /// Bytes charged to `cgroup_id` (and its descendants) under GPU key `gpu`.
