@@ -354,9 +354,9 @@ pub fn gpud_lsm_probe(_ctx: LsmContext) -> i32 {
 
 /// Capability probe only: the daemon loads (never attaches) it to learn whether the kernel lets
 /// its programs call `bpf_probe_write_user` (CAP_SYS_ADMIN, no lockdown) before it loads a
-/// rewriting twin: the verifier walks a refused twin's thousands of instructions, and the
-/// loader again with a log, seconds of every start on a locked-down host. The write, were it
-/// ever run, targets address 0 and fails.
+/// rewriting twin: a refused twin costs the verifier a walk of its thousands of instructions,
+/// and the loader's retries with a log, seconds of every start on a locked-down host. The
+/// write, were it ever run, targets address 0 and fails.
 #[raw_tracepoint]
 pub fn gpud_write_user_probe(_ctx: RawTracePointContext) -> i32 {
     let byte = 0u8;

@@ -30,7 +30,9 @@
 //!   over all cgroups (achieved rate from the kernel's own counter);
 //! - `events`: ring-buffer events (process fork/exit of tracked processes) consumed per second
 //!   with none lost, and the same burst with the daemon stopped (SIGSTOP): the ring fills, the
-//!   kernel counts the loss (`events_lost`), and the daemon reports it once resumed.
+//!   kernel counts the loss (`events_lost`), and the daemon reports it once resumed;
+//! - `start_ms`: the daemon's first start, from exec to its answer on the bus (`first`), and at
+//!   the end a restart over the pins it kept (`restart`), each polled every 100 ms.
 //!
 //! `gpud-scalebench [--cgroups N] [--clients N] [--trials N] [--seconds S] [--rate R]
 //! [--pace-ms MS] [--ring-kib KIB]` (`--ring-kib`: the daemon's `probes.events_ring_kib`;
