@@ -111,6 +111,11 @@ pub(crate) static RESTORE_SCRATCH: PerCpuArray<GuardRestore> = PerCpuArray::with
 #[map]
 pub(crate) static ZERO_USAGE: PerCpuArray<CgroupUsage> = PerCpuArray::with_max_entries(1, 0);
 
+/// What a charge walk did to the object count it was given (`memory::Counted`): a slot, not a
+/// value of the walk, so that the verifier need not explore the callers once per value.
+#[map]
+pub(crate) static WALK_COUNT: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
+
 /// Scratch space for building an `Ancestry` (too large for the stack beside the callers).
 #[map]
 pub(crate) static SCRATCH: PerCpuArray<Ancestry> = PerCpuArray::with_max_entries(1, 0);

@@ -30,7 +30,7 @@ use crate::{
         levels_without_limits, limited_on, parent_of, usage, user,
     },
     maps::{
-        ANCESTRY, FILE_MARKS, OBJECTS, SHARES, USAGE, ZERO_USAGE, bump_stat, config,
+        ANCESTRY, FILE_MARKS, OBJECTS, SHARES, USAGE, WALK_COUNT, ZERO_USAGE, bump_stat, config,
         entry_or_insert, send,
     },
 };
@@ -186,9 +186,36 @@ fn usage_record(cgroup_id: u64) -> Option<*mut CgroupUsage> {
         .and_then(|zero| entry_or_insert(&USAGE, cgroup_id, zero))
 }
 
-/// Adds `delta` to `cgroup_id`'s usage on GPU key `gpu` and in total: one lookup for both.
+/// What a charge walk does to the object count (`CgroupUsage::objects`) of one cgroup it
+/// passes: the count of an object recorded or released with the charge is kept in the record
+/// the walk has just looked up, not in a lookup of its own (docs/benchmarks.md).
+#[derive(Clone, Copy)]
+enum ObjCount {
+    /// Leave every count as it is.
+    Keep,
+    /// Count one more object for this cgroup, unless it holds `cap` already (0: no cap).
+    Add(u64, u32),
+    /// Count one object less for this cgroup.
+    Sub(u64),
+}
+
+/// What a charge walk did to the count it was given ([`ObjCount`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+enum Counted {
+    /// Not taken: the walk passed no record of that cgroup (none, or no room for one).
+    No,
+    /// Counted.
+    Yes,
+    /// The cgroup holds its cap of objects: not counted.
+    Capped,
+}
+
+/// Adds `delta` to `cgroup_id`'s usage on GPU key `gpu` and in total, and applies `count` where
+/// it names this cgroup: one lookup for all three. What the count came to is left in
+/// `WALK_COUNT` ([`walk_counted`]).
 #[inline(always)]
-fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
+fn add_usage(cgroup_id: u64, gpu: u32, delta: u64, count: ObjCount) {
     let Some(rec) = usage_record(cgroup_id) else {
         return;
     };
@@ -198,17 +225,60 @@ fn add_usage(cgroup_id: u64, gpu: u32, delta: u64) {
         atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(bytes.add(slot), delta);
         atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(bytes.add(CgroupUsage::ALL), delta);
     }
+    let counted = match count {
+        ObjCount::Add(id, cap) if id == cgroup_id => add_object(rec, cap),
+        ObjCount::Sub(id) if id == cgroup_id => {
+            sub_object(rec);
+            Counted::Yes
+        }
+        _ => return,
+    };
+    if let Some(out) = WALK_COUNT.get_ptr_mut(0) {
+        unsafe { core::ptr::write_volatile(out, counted as u32) };
+    }
 }
 
 /// Adds `delta` (two's complement for an uncharge) to every level of `anc`, on `gpu` and in
-/// total.
+/// total, applying `count` at the level it names.
 #[inline(always)]
-fn charge(anc: &Ancestry, gpu: u32, delta: u64) {
+fn charge(anc: &Ancestry, gpu: u32, delta: u64, count: ObjCount) -> Counted {
+    let counting = !matches!(count, ObjCount::Keep);
+    if counting {
+        walk_count_reset();
+    }
     for i in 0..MAX_CGROUP_DEPTH {
         if i as u32 >= anc.depth {
             break;
         }
-        add_usage(anc.ids[i], gpu, delta);
+        add_usage(anc.ids[i], gpu, delta, count);
+    }
+    if counting {
+        walk_counted()
+    } else {
+        Counted::No
+    }
+}
+
+/// Clears what the last walk counted ([`add_usage`]).
+#[inline(always)]
+fn walk_count_reset() {
+    if let Some(out) = WALK_COUNT.get_ptr_mut(0) {
+        unsafe { core::ptr::write_volatile(out, Counted::No as u32) };
+    }
+}
+
+/// What the walk since [`walk_count_reset`] counted. Carried in a per-CPU slot rather than a
+/// value of the walk's loop: the verifier would explore the rest of the program once per value
+/// such a variable could hold, which took the return programs past its limit.
+#[inline(always)]
+fn walk_counted() -> Counted {
+    match WALK_COUNT
+        .get_ptr(0)
+        .map(|p| unsafe { core::ptr::read_volatile(p) })
+    {
+        Some(v) if v == Counted::Yes as u32 => Counted::Yes,
+        Some(v) if v == Counted::Capped as u32 => Counted::Capped,
+        _ => Counted::No,
     }
 }
 
@@ -328,6 +398,8 @@ struct Track {
     replace: bool,
     /// `file` was marked already ([`mark_file`]): the object's parent was recorded through it.
     marked: bool,
+    /// The object is counted for its cgroup already (by the charge walk of its bytes).
+    counted: bool,
 }
 
 /// Records an object made through the control file `file`. Every object carries its file, not
@@ -357,7 +429,7 @@ fn track_object(t: &Track) -> Option<u64> {
             (_, c) => c,
         },
     };
-    if !count_object(entry.cgroup_id) {
+    if !t.counted && !count_object(entry.cgroup_id) {
         return None;
     }
     let inserted = match OBJECTS.insert(t.key, entry, BPF_NOEXIST as u64) {
@@ -410,8 +482,9 @@ fn release_entry(key: &ObjKey, e: &ObjEntry, known: Known) -> bool {
     if OBJECTS.remove(key).is_err() {
         return false;
     }
-    uncount_object(e.cgroup_id);
-    drop_reference(e, known);
+    if !drop_reference(e, known, ObjCount::Sub(e.cgroup_id)) {
+        uncount_object(e.cgroup_id);
+    }
     true
 }
 
@@ -432,24 +505,35 @@ fn count_object_up_to(cgroup_id: u64, cap: u32) -> bool {
         bump_stat(stat::OBJ_COUNTS_FULL);
         return true;
     };
+    add_object(rec, cap) != Counted::Capped
+}
+
+/// Counts one more object in `rec` unless it holds `cap` (0: none) already.
+#[inline(always)]
+fn add_object(rec: *mut CgroupUsage, cap: u32) -> Counted {
     let n = unsafe { core::ptr::addr_of_mut!((*rec).objects) };
     // Read as signed: releases racing past zero (entries recorded before the count began)
     // must not make a full cgroup of an empty one.
     let held = unsafe { core::ptr::read_volatile(n) } as i64;
     if cap != 0 && held >= i64::from(cap) {
         bump_stat(stat::OBJECTS_CGROUP_CAP);
-        return false;
+        return Counted::Capped;
     }
     unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
-    true
+    Counted::Yes
 }
 
 /// Counts one `OBJECTS` entry of `cgroup_id` less (none below zero, as far as a read shows).
 #[inline(always)]
 fn uncount_object(cgroup_id: u64) {
-    let Some(rec) = USAGE.get_ptr_mut(cgroup_id) else {
-        return;
-    };
+    if let Some(rec) = USAGE.get_ptr_mut(cgroup_id) {
+        sub_object(rec);
+    }
+}
+
+/// Counts one object less in `rec` (none below zero, as far as a read shows).
+#[inline(always)]
+fn sub_object(rec: *mut CgroupUsage) {
     let n = unsafe { core::ptr::addr_of_mut!((*rec).objects) };
     if unsafe { core::ptr::read_volatile(n) } as i64 > 0 {
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, u64::MAX) };
@@ -458,11 +542,13 @@ fn uncount_object(cgroup_id: u64) {
 
 /// Gives back one reference to the charge memory entry `e` holds (its own, or a duplicate's
 /// source's as noted at the entry), uncharging the bytes with the last; `e.charge` 0 holds none.
+/// True where that uncharge applied `count` (see [`add_usage`]).
 #[inline(always)]
-fn drop_reference(e: &ObjEntry, known: Known) {
+fn drop_reference(e: &ObjEntry, known: Known, count: ObjCount) -> bool {
     if e.kind == OBJ_MEMORY && e.bytes != 0 && e.charge != 0 && unshare(e.charge) {
-        uncharge(e.cgroup_id, e.gpu, e.bytes, known);
+        return uncharge(e.cgroup_id, e.gpu, e.bytes, known, count) == Counted::Yes;
     }
+    false
 }
 
 /// Whether `OBJECTS` records something under `client:handle`.
@@ -477,11 +563,12 @@ fn recorded(client: u32, handle: u32) -> bool {
     .is_some()
 }
 
-/// Takes `bytes` off `cgroup_id` and its ancestors (itself only when its ancestry is gone).
+/// Takes `bytes` off `cgroup_id` and its ancestors (itself only when its ancestry is gone),
+/// applying `count` on the way.
 #[inline(always)]
-fn uncharge(cgroup_id: u64, gpu: u32, bytes: u64, known: Known) {
-    charge_recorded(cgroup_id, gpu, bytes.wrapping_neg(), known);
+fn uncharge(cgroup_id: u64, gpu: u32, bytes: u64, known: Known, count: ObjCount) -> Counted {
     bump_stat(stat::UNCHARGES);
+    charge_recorded(cgroup_id, gpu, bytes.wrapping_neg(), known, count)
 }
 
 /// A cgroup and its `ANCESTRY` record, looked up already by the caller (a free's: its own
@@ -489,16 +576,20 @@ fn uncharge(cgroup_id: u64, gpu: u32, bytes: u64, known: Known) {
 type Known = Option<(u64, &'static Ancestry)>;
 
 /// Adds `delta` to `cgroup_id` and the ancestors `ANCESTRY` records for it (itself only where
-/// none are); `known` saves the lookup when it is `cgroup_id`'s.
+/// none are), applying `count` on the way; `known` saves the lookup when it is `cgroup_id`'s.
 #[inline(always)]
-fn charge_recorded(cgroup_id: u64, gpu: u32, delta: u64, known: Known) {
+fn charge_recorded(cgroup_id: u64, gpu: u32, delta: u64, known: Known, count: ObjCount) -> Counted {
     let anc = match known {
         Some((id, anc)) if id == cgroup_id => Some(anc),
         _ => unsafe { ANCESTRY.get(cgroup_id) },
     };
     match anc {
-        Some(anc) => charge(anc, gpu, delta),
-        None => add_usage(cgroup_id, gpu, delta),
+        Some(anc) => charge(anc, gpu, delta, count),
+        None => {
+            walk_count_reset();
+            add_usage(cgroup_id, gpu, delta, count);
+            walk_counted()
+        }
     }
 }
 
@@ -521,7 +612,7 @@ pub(crate) fn adopt(key: &ObjKey, e: &ObjEntry, first: bool) -> i32 {
     mark_file(e.file);
     if e.kind == OBJ_MEMORY && e.bytes != 0 && e.charge != 0 {
         if first {
-            charge_recorded(e.cgroup_id, e.gpu, e.bytes, None);
+            charge_recorded(e.cgroup_id, e.gpu, e.bytes, None, ObjCount::Keep);
         } else {
             // SHARES full: the charge goes with whichever holder is freed first, as for a
             // duplicate the kernel could not count.
@@ -577,6 +668,7 @@ pub(crate) fn account_alloc(p: &Pending) {
         cgroup_id: 0,
         replace,
         marked: false,
+        counted: false,
     };
     match p.class {
         c if rm::class::is_root(c) => {
@@ -683,8 +775,10 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     if !confirmed {
         bump_stat(stat::UNCONFIRMED);
     }
-    charge(anc, gpu, bytes);
-    let tracked = track_object(&Track {
+    // The object is counted for its cgroup in the same walk, in the record it has just updated.
+    let cap = config().map_or(0, |c| c.objects_per_cgroup);
+    let counted = charge(anc, gpu, bytes, ObjCount::Add(leaf, cap));
+    let track = Track {
         key,
         kind: OBJ_MEMORY,
         parent: p.parent,
@@ -702,7 +796,15 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
         // unmarked: its release goes unsent and the sweep finds it, as where `FILE_MARKS` is
         // full.)
         marked: parent_file == p.file,
-    });
+        counted: counted == Counted::Yes,
+    };
+    // Not `bool::then` with a closure: the closure would be a function of its own, a third
+    // frame whose stack Linux 6.1's verifier adds to the two above it.
+    let tracked = if counted == Counted::Capped {
+        None
+    } else {
+        track_object(&track)
+    };
     let (met, under_a_limit) = if tracked.is_some() {
         bump_stat(stat::CHARGES);
         let mut any = false;
@@ -711,7 +813,7 @@ fn charge_memory(p: &Pending, handle: u32, replace: bool, confirmed: bool) {
     } else {
         // The map is full: no free of this memory could ever be seen, so it cannot stay
         // charged. Under a limit that fails closed: it counts as crossing it.
-        charge(anc, gpu, bytes.wrapping_neg());
+        charge(anc, gpu, bytes.wrapping_neg(), ObjCount::Keep);
         (limit_met(anc, gpu, 0, true), false)
     };
     if let Some(hit) = met {
@@ -847,6 +949,7 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
             // Only a duplicate the driver confirmed proves the handle was free.
             replace: replace && confirmed,
             marked: false,
+            counted: false,
         })
     } else {
         None
@@ -863,7 +966,7 @@ pub(crate) fn account_dup(p: &Pending, ret: i64) {
         }
         return;
     }
-    drop_reference(src, None);
+    drop_reference(src, None, ObjCount::Keep);
     // Unconfirmed under a handle already recorded: the driver refused a duplicate name.
     let refused = !confirmed && recorded(p.client, handle);
     if keep
@@ -884,7 +987,7 @@ const RACED_GPUS: u32 = 8;
 #[inline(always)]
 pub(crate) fn raced_call(p: &Pending) {
     if p.op == OP_DUP {
-        drop_reference(&p.src, None);
+        drop_reference(&p.src, None, ObjCount::Keep);
     }
     let Some((_, anc)) = current_ancestry() else {
         return;
