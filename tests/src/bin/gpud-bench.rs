@@ -18,7 +18,13 @@
 //!   process that opened it, so gpud walks, identifies, classifies and counts each one;
 //! - `compat_matched_ioctl`: the same ioctls as a 32-bit process makes them (the compat entry,
 //!   `int 0x80`, with the buffer below 4 GiB), from this 64-bit process: what gpud adds to the
-//!   ioctls of 32-bit callers (x86-64; `null` where the kernel has no IA32 emulation).
+//!   ioctls of 32-bit callers (x86-64; `null` where the kernel has no IA32 emulation);
+//! - `control_node_ioctl` (tracepoint mode only): the same ioctls on an `O_PATH` descriptor of a
+//!   device node with the control device's numbers (195:255). The kernel refuses an ioctl on such
+//!   a descriptor before any driver or LSM hook, but tracepoint mode's entry has identified the
+//!   file by then, as it identifies `/dev/nvidiactl` (its device number), without what
+//!   identifying the stand-in costs (the configuration, three kernel reads, `EXTRA_FILES`).
+//!   `matched_ioctl` less this, each against `detached`, is what the stand-in adds to a call.
 //!
 //! Prints one line `BENCH JSON: {...}` per hook named (several hooks share one boot of the VM).
 
@@ -35,7 +41,7 @@ use gpud::{
     probes::{self, AttachMode},
     report::Chain,
 };
-use gpud_common::programs;
+use gpud_common::{nv, programs};
 use gpud_tests::{TestConfig, inproc};
 use serde_json::{Value, json};
 
@@ -152,7 +158,40 @@ fn compat_ioctls_on(path: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-fn workloads(o: &Opts, standin: &Path) -> anyhow::Result<Value> {
+/// `n` ioctls `cmd` on an `O_PATH` descriptor of the device node `node`.
+fn path_ioctls_on(node: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(node)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", node.display())))?;
+    inproc::issue(inproc::fd(&f), cmd, n);
+    Ok(())
+}
+
+/// A character device node at `path` with the NVIDIA control device's numbers, for
+/// `control_node_ioctl` (only ever opened `O_PATH`: no driver is reached through it).
+fn make_control_node(path: &Path) -> anyhow::Result<()> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let dev = libc::makedev(nv::NV_MAJOR, nv::NV_CTL_MINOR);
+    // SAFETY: a NUL-terminated path and plain values.
+    if unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, dev) } != 0 {
+        let e = std::io::Error::last_os_error();
+        anyhow::bail!("cannot make the device node {}: {e}", path.display());
+    }
+    Ok(())
+}
+
+/// The workloads' files: the stand-in control device, and (tracepoint mode) the device node.
+struct Files {
+    standin: PathBuf,
+    node: Option<PathBuf>,
+}
+
+fn workloads(o: &Opts, files: &Files) -> anyhow::Result<Value> {
+    let standin = files.standin.as_path();
     let null = Path::new("/dev/null");
     let unrelated = measure("unrelated_ioctl", o.rounds, o.calls, |n| {
         ioctls_on(null, libc::TCGETS as u32, n)
@@ -176,13 +215,19 @@ fn workloads(o: &Opts, standin: &Path) -> anyhow::Result<Value> {
     })?;
     #[cfg(not(target_arch = "x86_64"))]
     let compat = f64::NAN;
-    Ok(json!({
+    let mut out = json!({
         "unrelated_ioctl": unrelated,
         "unrelated_nv_ioctl": unrelated_nv,
         "getppid": getppid,
         "matched_ioctl": matched,
         "compat_matched_ioctl": compat,
-    }))
+    });
+    if let Some(node) = &files.node {
+        out[CONTROL_NODE] = json!(measure(CONTROL_NODE, o.rounds, o.calls, |n| {
+            path_ioctls_on(node, RM_ALLOC, n)
+        })?);
+    }
+    Ok(out)
 }
 
 fn kernel_release() -> String {
@@ -191,7 +236,7 @@ fn kernel_release() -> String {
         .unwrap_or_default()
 }
 
-fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
+fn noop_phase(o: &Opts, files: &Files, bpffs: &Path) -> anyhow::Result<Value> {
     let pins = bpffs.join(format!("gpud-bench-noop-{}", std::process::id()));
     std::fs::create_dir_all(&pins)?;
     let (mut ebpf, btf) = inproc::reference_object(&pins)?;
@@ -207,7 +252,7 @@ fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
         p.load(probes::SYS_IOCTL.0, &btf)?;
         p.attach()?;
     }
-    let r = workloads(o, standin);
+    let r = workloads(o, files);
     drop(ebpf);
     let _ = std::fs::remove_dir_all(&pins);
     r
@@ -216,7 +261,7 @@ fn noop_phase(o: &Opts, standin: &Path, bpffs: &Path) -> anyhow::Result<Value> {
 fn gpud_phase(
     o: &Opts,
     hook: DenyHookPreference,
-    standin: &Path,
+    files: &Files,
     bpffs: &Path,
 ) -> anyhow::Result<Value> {
     // The daemon's own kernel stack (gpud::daemon::core::open), its pins and state apart: a
@@ -230,7 +275,7 @@ fn gpud_phase(
         "deny"
     };
     let config = TestConfig::new(&dir)
-        .extra_paths([standin])
+        .extra_paths([&files.standin])
         .nvml_off()
         .react_action("notify")
         .set_path("probes.bpffs", &pins)
@@ -242,7 +287,7 @@ fn gpud_phase(
     let ladder = opened.core.probes.ladder();
     // The probes are closed (unpinned) whatever happened, or they would stay attached.
     let r = if ladder.in_force.as_str() == hook.as_str() {
-        workloads(o, standin)
+        workloads(o, files)
     } else {
         Err(anyhow::anyhow!("hook in force: {ladder:?}"))
     };
@@ -252,18 +297,27 @@ fn gpud_phase(
     r
 }
 
-const KEYS: [&str; 5] = [
+const KEYS: [&str; 6] = [
     "unrelated_ioctl",
     "unrelated_nv_ioctl",
     "getppid",
     "matched_ioctl",
     "compat_matched_ioctl",
+    CONTROL_NODE,
 ];
 
+const CONTROL_NODE: &str = "control_node_ioctl";
+
+/// The workloads `o.mode` measures (fentry mode never sees `control_node_ioctl`'s calls).
+fn keys(o: &Opts) -> impl Iterator<Item = &'static str> {
+    let node = o.mode == AttachMode::Tracepoint;
+    KEYS.into_iter().filter(move |k| node || *k != CONTROL_NODE)
+}
+
 /// Per-workload median over the cycles.
-fn median_of(samples: &[Value]) -> Value {
+fn median_of(o: &Opts, samples: &[Value]) -> Value {
     let mut out = serde_json::Map::new();
-    for k in KEYS {
+    for k in keys(o) {
         let mut v: Vec<f64> = samples.iter().filter_map(|s| s[k].as_f64()).collect();
         v.sort_by(f64::total_cmp);
         out.insert(
@@ -280,6 +334,11 @@ fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&work)?;
     let standin = work.join("nvidiactl");
     std::fs::write(&standin, b"")?;
+    let node = (o.mode == AttachMode::Tracepoint).then(|| work.join("control-node"));
+    if let Some(node) = &node {
+        make_control_node(node)?;
+    }
+    let files = Files { standin, node };
     let bpffs = PathBuf::from("/sys/fs/bpf");
     probes::ensure_mounted(&bpffs, "bpf", probes::BPF_FS_MAGIC)?;
     // The reference programs attach before gpud's probes would mount tracefs (a fresh machine
@@ -289,7 +348,7 @@ fn main() -> anyhow::Result<()> {
     let results: anyhow::Result<Vec<Value>> = o
         .hook
         .iter()
-        .map(|&hook| one_hook(&o, hook, &standin, &bpffs))
+        .map(|&hook| one_hook(&o, hook, &files, &bpffs))
         .collect();
     let _ = std::fs::remove_dir_all(&work);
     for result in results? {
@@ -302,21 +361,21 @@ fn main() -> anyhow::Result<()> {
 fn one_hook(
     o: &Opts,
     hook: DenyHookPreference,
-    standin: &Path,
+    files: &Files,
     bpffs: &Path,
 ) -> anyhow::Result<Value> {
     // Phases alternate, and differences are taken within each cycle (phases minutes apart
     // would otherwise compare different states of a shared machine); medians over cycles.
     let (mut detached, mut noop, mut attached) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..o.cycles {
-        detached.push(workloads(o, standin)?);
-        noop.push(noop_phase(o, standin, bpffs)?);
-        attached.push(gpud_phase(o, hook, standin, bpffs)?);
+        detached.push(workloads(o, files)?);
+        noop.push(noop_phase(o, files, bpffs)?);
+        attached.push(gpud_phase(o, hook, files, bpffs)?);
     }
     let v = |phase: &Value, k: &str| phase[k].as_f64().unwrap_or(f64::NAN);
     let per_cycle = |f: &dyn Fn(usize, &str) -> f64| {
         let mut out = serde_json::Map::new();
-        for k in KEYS {
+        for k in keys(o) {
             let mut xs: Vec<f64> = (0..o.cycles).map(|c| f(c, k)).collect();
             xs.sort_by(f64::total_cmp);
             out.insert(
@@ -330,7 +389,11 @@ fn one_hook(
     let over_noop = per_cycle(&|c, k| v(&attached[c], k) - v(&noop[c], k));
     let noop_added = per_cycle(&|c, k| v(&noop[c], k) - v(&detached[c], k));
     let ratio = per_cycle(&|c, k| v(&attached[c], k) / v(&detached[c], k));
-    let (detached, noop, attached) = (median_of(&detached), median_of(&noop), median_of(&attached));
+    let (detached, noop, attached) = (
+        median_of(o, &detached),
+        median_of(o, &noop),
+        median_of(o, &attached),
+    );
     Ok(json!({
         "mode": o.mode.as_str(),
         "hook": hook.as_str(),
