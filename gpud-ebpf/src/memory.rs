@@ -213,7 +213,7 @@ enum Counted {
 
 /// Adds `delta` to `cgroup_id`'s usage on GPU key `gpu` and in total, and applies `count` where
 /// it names this cgroup: one lookup for all three. What the count came to is left in
-/// `WALK_COUNT` ([`walk_counted`]).
+/// `WALK_COUNT` ([`walk_end`]).
 #[inline(always)]
 fn add_usage(cgroup_id: u64, gpu: u32, delta: u64, count: ObjCount) {
     let Some(rec) = usage_record(cgroup_id) else {
@@ -242,36 +242,35 @@ fn add_usage(cgroup_id: u64, gpu: u32, delta: u64, count: ObjCount) {
 /// total, applying `count` at the level it names.
 #[inline(always)]
 fn charge(anc: &Ancestry, gpu: u32, delta: u64, count: ObjCount) -> Counted {
-    let counting = !matches!(count, ObjCount::Keep);
-    if counting {
-        walk_count_reset();
-    }
+    walk_begin(count);
     for i in 0..MAX_CGROUP_DEPTH {
         if i as u32 >= anc.depth {
             break;
         }
         add_usage(anc.ids[i], gpu, delta, count);
     }
-    if counting {
-        walk_counted()
-    } else {
-        Counted::No
-    }
+    walk_end(count)
 }
 
-/// Clears what the last walk counted ([`add_usage`]).
+/// Clears what the last walk counted ([`add_usage`]), where this one counts.
 #[inline(always)]
-fn walk_count_reset() {
+fn walk_begin(count: ObjCount) {
+    if matches!(count, ObjCount::Keep) {
+        return;
+    }
     if let Some(out) = WALK_COUNT.get_ptr_mut(0) {
         unsafe { core::ptr::write_volatile(out, Counted::No as u32) };
     }
 }
 
-/// What the walk since [`walk_count_reset`] counted. Carried in a per-CPU slot rather than a
+/// What the walk since [`walk_begin`] did to `count`. Carried in a per-CPU slot rather than a
 /// value of the walk's loop: the verifier would explore the rest of the program once per value
 /// such a variable could hold, which took the return programs past its limit.
 #[inline(always)]
-fn walk_counted() -> Counted {
+fn walk_end(count: ObjCount) -> Counted {
+    if matches!(count, ObjCount::Keep) {
+        return Counted::No;
+    }
     match WALK_COUNT
         .get_ptr(0)
         .map(|p| unsafe { core::ptr::read_volatile(p) })
@@ -586,9 +585,9 @@ fn charge_recorded(cgroup_id: u64, gpu: u32, delta: u64, known: Known, count: Ob
     match anc {
         Some(anc) => charge(anc, gpu, delta, count),
         None => {
-            walk_count_reset();
+            walk_begin(count);
             add_usage(cgroup_id, gpu, delta, count);
-            walk_counted()
+            walk_end(count)
         }
     }
 }

@@ -128,7 +128,16 @@ fn pin_to_cpu(cpu: usize) {
 
 /// `path` opened for reading; an error names it.
 fn open_named(path: &Path) -> std::io::Result<std::fs::File> {
-    std::fs::File::open(path)
+    open_with(path, 0)
+}
+
+/// `path` opened for reading with the extra open `flags`; an error names it.
+fn open_with(path: &Path, flags: i32) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(path)
         .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))
 }
 
@@ -160,12 +169,7 @@ fn compat_ioctls_on(path: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
 
 /// `n` ioctls `cmd` on an `O_PATH` descriptor of the device node `node`.
 fn path_ioctls_on(node: &Path, cmd: u32, n: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_PATH)
-        .open(node)
-        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", node.display())))?;
+    let f = open_with(node, libc::O_PATH)?;
     inproc::issue(inproc::fd(&f), cmd, n);
     Ok(())
 }
@@ -308,16 +312,17 @@ const KEYS: [&str; 6] = [
 
 const CONTROL_NODE: &str = "control_node_ioctl";
 
-/// The workloads `o.mode` measures (fentry mode never sees `control_node_ioctl`'s calls).
-fn keys(o: &Opts) -> impl Iterator<Item = &'static str> {
-    let node = o.mode == AttachMode::Tracepoint;
+/// The workloads measured: `control_node_ioctl` only with its node (tracepoint mode; fentry
+/// mode never sees its calls).
+fn keys(files: &Files) -> impl Iterator<Item = &'static str> {
+    let node = files.node.is_some();
     KEYS.into_iter().filter(move |k| node || *k != CONTROL_NODE)
 }
 
 /// Per-workload median over the cycles.
-fn median_of(o: &Opts, samples: &[Value]) -> Value {
+fn median_of(files: &Files, samples: &[Value]) -> Value {
     let mut out = serde_json::Map::new();
-    for k in keys(o) {
+    for k in keys(files) {
         let mut v: Vec<f64> = samples.iter().filter_map(|s| s[k].as_f64()).collect();
         v.sort_by(f64::total_cmp);
         out.insert(
@@ -375,7 +380,7 @@ fn one_hook(
     let v = |phase: &Value, k: &str| phase[k].as_f64().unwrap_or(f64::NAN);
     let per_cycle = |f: &dyn Fn(usize, &str) -> f64| {
         let mut out = serde_json::Map::new();
-        for k in keys(o) {
+        for k in keys(files) {
             let mut xs: Vec<f64> = (0..o.cycles).map(|c| f(c, k)).collect();
             xs.sort_by(f64::total_cmp);
             out.insert(
@@ -390,9 +395,9 @@ fn one_hook(
     let noop_added = per_cycle(&|c, k| v(&noop[c], k) - v(&detached[c], k));
     let ratio = per_cycle(&|c, k| v(&attached[c], k) / v(&detached[c], k));
     let (detached, noop, attached) = (
-        median_of(o, &detached),
-        median_of(o, &noop),
-        median_of(o, &attached),
+        median_of(files, &detached),
+        median_of(files, &noop),
+        median_of(files, &attached),
     );
     Ok(json!({
         "mode": o.mode.as_str(),
