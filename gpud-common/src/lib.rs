@@ -835,9 +835,11 @@ pub mod programs {
 /// `ANCESTRY`'s records (they gained [`limits_seen`](crate::Ancestry::limits_seen)), added
 /// `LIMITS_GEN`, and moved `OBJ_COUNTS` into the `USAGE` records ([`CgroupUsage`](crate::CgroupUsage),
 /// which also changed to one record per cgroup): neither is copied at an upgrade, the adoption of
-/// every object rebuilds both. Every other map has the same names, keys and values in both, so
-/// they are re-exported from the current definitions. A layout that changes moves here as it was, beside
-/// its conversion's input, and stays until the ABI after next.
+/// every object rebuilds both. `OBJECTS`' entries gained [`flags`](crate::ObjEntry::flags) in
+/// ABI 8 (read as [`ObjEntry`] here, converted at their adoption). Every other map has the same
+/// names, keys and values in both, so they are re-exported from the current definitions. A
+/// layout that changes moves here as it was, beside its conversion's input, and stays until the
+/// ABI after next.
 pub mod previous {
     use crate::MAX_CGROUP_DEPTH;
 
@@ -845,9 +847,50 @@ pub mod previous {
     pub const ABI_VERSION: u32 = 7;
     /// Counters in its `STATS` (the same indices as [`stat`](crate::stat) up to this).
     pub const STAT_COUNT: u32 = 26;
-    pub use crate::{
-        GuardBucket, GuardKey, IoctlCounts, KernelLimit, ObjEntry, ObjKey, ProcEntry, UsageKey,
-    };
+    pub use crate::{GuardBucket, GuardKey, IoctlCounts, KernelLimit, ObjKey, ProcEntry, UsageKey};
+
+    /// ABI 7's `OBJECTS` entry: [`crate::ObjEntry`] without `flags`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct ObjEntry {
+        /// As [`crate::ObjEntry::kind`].
+        pub kind: u32,
+        /// As [`crate::ObjEntry::parent`].
+        pub parent: u32,
+        /// As [`crate::ObjEntry::gpu`].
+        pub gpu: u32,
+        /// As [`crate::ObjEntry::tgid`].
+        pub tgid: u32,
+        /// As [`crate::ObjEntry::cgroup_id`].
+        pub cgroup_id: u64,
+        /// As [`crate::ObjEntry::bytes`].
+        pub bytes: u64,
+        /// As [`crate::ObjEntry::file`].
+        pub file: u64,
+        /// As [`crate::ObjEntry::serial`].
+        pub serial: u64,
+        /// As [`crate::ObjEntry::charge`].
+        pub charge: u64,
+    }
+
+    impl From<ObjEntry> for crate::ObjEntry {
+        /// The same object; its flags are the adopting program's to set.
+        fn from(e: ObjEntry) -> Self {
+            Self {
+                kind: e.kind,
+                parent: e.parent,
+                gpu: e.gpu,
+                tgid: e.tgid,
+                cgroup_id: e.cgroup_id,
+                bytes: e.bytes,
+                file: e.file,
+                serial: e.serial,
+                charge: e.charge,
+                flags: 0,
+                _pad: 0,
+            }
+        }
+    }
 
     /// ABI 7's `ANCESTRY` record: [`crate::Ancestry`] without `limits_seen`.
     #[repr(C)]
@@ -929,6 +972,7 @@ mod pod {
     unsafe impl aya::Pod for super::GuardKey {}
     unsafe impl aya::Pod for super::GuardBucket {}
     unsafe impl aya::Pod for super::previous::Ancestry {}
+    unsafe impl aya::Pod for super::previous::ObjEntry {}
 }
 
 #[cfg(test)]

@@ -71,7 +71,20 @@ pub struct ObjEntry {
     /// ([`OWNER_SCHEDULED`], [`OWNER_OFF_RUNLIST`], [`OWNER_DISABLES`]; [`ObjEntry::owner_holds`]).
     /// 0 for other kinds.
     pub charge: u64,
+    /// [`OBJ_MAY_SHARE`] on memory; 0 otherwise.
+    pub flags: u32,
+    /// Explicit padding (always 0).
+    pub _pad: u32,
 }
+
+/// An [`ObjEntry::flags`] bit of memory: its charge may have holders beyond this one (`SHARES`):
+/// it is a duplicate, or the source of one, or was adopted at an upgrade. The free of memory
+/// without it is its charge's last holder and does not look `SHARES` up, a hash keyed by
+/// serials whose bucket is never in the cache (about a tenth of a free's return,
+/// docs/benchmarks.md). The entry side of a duplicate sets it on the live source, before the
+/// driver runs; where that source was freed and its element reused meanwhile, the bit lands on
+/// another entry, whose free then only makes the lookup.
+pub const OBJ_MAY_SHARE: u32 = 1;
 
 /// A channel group's [`ObjEntry::charge`] bit: its own process took it off the runlist
 /// (`GPFIFO_SCHEDULE` disable) and has not put it back.

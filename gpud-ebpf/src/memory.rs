@@ -19,8 +19,8 @@ use gpud_common::{
     Ancestry, CgroupUsage, DeviceKind, EVENT_DEVICE_READ_BACK, EVENT_FILE_RELEASE,
     EVENT_FREE_READ_BACK, EVENT_FREE_TREE, EVENT_LIMIT_CROSSED, EVENT_MEM_READ_BACK, Event,
     GPU_UNKNOWN, MAX_CGROUP_DEPTH, OBJ_CHANNEL, OBJ_CHANNEL_GROUP, OBJ_CLIENT, OBJ_DEVICE,
-    OBJ_MEMORY, OBJ_SUBDEVICE, OP_ALLOC, OP_DUP, OP_FREE, ObjEntry, ObjKey, Pending, ProbeConfig,
-    REACT_KILL, nv, rm, stat,
+    OBJ_MAY_SHARE, OBJ_MEMORY, OBJ_SUBDEVICE, OP_ALLOC, OP_DUP, OP_FREE, ObjEntry, ObjKey, Pending,
+    ProbeConfig, REACT_KILL, nv, rm, stat,
 };
 
 use crate::{
@@ -114,12 +114,24 @@ pub(crate) fn note_entry(p: &mut Pending) {
                 client: d.h_client_src,
                 object: d.h_object_src,
             };
-            if let Some(e) = unsafe { OBJECTS.get(src) }
-                && e.kind == OBJ_MEMORY
-                && e.bytes != 0
+            if let Some(e) = OBJECTS.get_ptr_mut(src)
+                && unsafe { (*e).kind } == OBJ_MEMORY
+                && unsafe { (*e).bytes } != 0
             {
-                p.src = *e;
-                if !share(e.charge) {
+                p.src = unsafe { *e };
+                // The source's free looks its charge's holders up from now on: marked before
+                // the reference is taken, both before the driver can free the source.
+                unsafe {
+                    let flags = core::ptr::addr_of_mut!((*e).flags);
+                    core::ptr::write_volatile(
+                        flags,
+                        core::ptr::read_volatile(flags) | OBJ_MAY_SHARE,
+                    );
+                }
+                if share(p.src.charge) {
+                    // The reference this call holds is given back through this copy.
+                    p.src.flags |= OBJ_MAY_SHARE;
+                } else {
                     p.src.charge = 0;
                 }
             }
@@ -427,6 +439,12 @@ fn track_object(t: &Track) -> Option<u64> {
             (OBJ_MEMORY, 0) => serial,
             (_, c) => c,
         },
+        // A duplicate holds a charge with another holder.
+        flags: match (t.kind, t.charge) {
+            (OBJ_MEMORY, c) if c != 0 => OBJ_MAY_SHARE,
+            _ => 0,
+        },
+        _pad: 0,
     };
     if !t.counted && !count_object(entry.cgroup_id) {
         return None;
@@ -541,10 +559,15 @@ fn sub_object(rec: *mut CgroupUsage) {
 
 /// Gives back one reference to the charge memory entry `e` holds (its own, or a duplicate's
 /// source's as noted at the entry), uncharging the bytes with the last; `e.charge` 0 holds none.
-/// True where that uncharge applied `count` (see [`add_usage`]).
+/// An entry without [`OBJ_MAY_SHARE`] is its charge's only holder. True where that uncharge
+/// applied `count` (see [`add_usage`]).
 #[inline(always)]
 fn drop_reference(e: &ObjEntry, known: Known, count: ObjCount) -> bool {
-    if e.kind == OBJ_MEMORY && e.bytes != 0 && e.charge != 0 && unshare(e.charge) {
+    if e.kind == OBJ_MEMORY
+        && e.bytes != 0
+        && e.charge != 0
+        && (e.flags & OBJ_MAY_SHARE == 0 || unshare(e.charge))
+    {
         return uncharge(e.cgroup_id, e.gpu, e.bytes, known, count) == Counted::Yes;
     }
     false

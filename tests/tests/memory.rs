@@ -106,6 +106,60 @@ async fn bytes_are_exact_per_cgroup_gpu_and_ancestor_across_the_object_lifecycle
         .expect("the fake driver freed everything too");
 }
 
+/// A duplicate (`RM_DUP_OBJECT`) is one more handle on its allocation's pages: one charge, held
+/// until the last handle goes, whichever that is, and given back by a duplicate the driver
+/// refuses. The kernel side looks a free's other holders up only where a duplicate was made, so
+/// each order of frees is taken here.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_duplicated_allocation_is_charged_once_until_its_last_handle_goes() {
+    let Some(rig) = started("mem-dup", "notify", false).await else {
+        return;
+    };
+    let (fake, ctl) = (rig.fake(), rig.ctl());
+    let cg = Cgroup::new("mem-dup");
+    let mut t = RmProcess::spawn(Some(&cg.dir), &ctl);
+    let (c, d) = t.client_device(0);
+    let held = |bytes: u64| {
+        fake.wait(Duration::from_secs(5), |s| s.used_total() == bytes)
+            .unwrap_or_else(|s| panic!("the fake driver holds {}, not {bytes}", s.used_total()));
+    };
+
+    // The duplicate goes first: the allocation still holds the pages.
+    let a = t.handle(&format!("alloc {c} {d} {} nvos21", 16 * MIB));
+    let dup = t.handle(&format!("dup {c} {d} {c} {a}"));
+    rig.expect_memory(&cg.rel, &[("all", 16 * MIB)]).await;
+    t.ok(&format!("free {c} {dup}"));
+    held(16 * MIB);
+    rig.expect_memory(&cg.rel, &[("all", 16 * MIB)]).await;
+
+    // The allocation goes first: a duplicate holds the pages, then a duplicate of it.
+    let dup = t.handle(&format!("dup {c} {d} {c} {a}"));
+    t.ok(&format!("free {c} {a}"));
+    held(16 * MIB);
+    rig.expect_memory(&cg.rel, &[("all", 16 * MIB)]).await;
+    let dup_of_dup = t.handle(&format!("dup {c} {d} {c} {dup}"));
+    t.ok(&format!("free {c} {dup}"));
+    held(16 * MIB);
+    rig.expect_memory(&cg.rel, &[("all", 16 * MIB)]).await;
+    t.ok(&format!("free {c} {dup_of_dup}"));
+    held(0);
+    rig.expect_memory(&cg.rel, &[("all", 0)]).await;
+
+    // A duplicate under a name in use is refused after its entry side took its reference: the
+    // reference is given back, so the allocation's own free uncharges it.
+    let b = t.handle(&format!("alloc {c} {d} {} nvos21", 8 * MIB));
+    let taken = t.handle(&format!("alloc {c} {d} {} nvos21", 4 * MIB));
+    let refused = t.cmd(&format!("dup {c} {d} {c} {b} {taken}"));
+    assert_eq!(refused["ok"], false, "{refused}");
+    rig.expect_memory(&cg.rel, &[("all", 12 * MIB)]).await;
+    t.ok(&format!("free {c} {b}"));
+    held(4 * MIB);
+    rig.expect_memory(&cg.rel, &[("all", 4 * MIB)]).await;
+    t.ok(&format!("free {c} {taken}"));
+    held(0);
+    rig.expect_memory(&cg.rel, &[("all", 0)]).await;
+}
+
 /// Each path by which CUDA allocates video memory is charged to the byte (the size the driver
 /// wrote back, as its own ledger holds it) and uncharged by the free that path pairs with; an
 /// allocation the driver refuses charges nothing.
@@ -663,6 +717,7 @@ async fn an_orphan_is_released_within_one_sweep_counted_and_logged() {
         file: 0,
         serial,
         charge: serial,
+        ..ObjEntry::default()
     };
     objects.insert(orphan, entry, 0).expect("strand the object");
     let stranded = std::time::Instant::now();

@@ -314,7 +314,7 @@ impl Previous {
         let Some(dir) = self.dir.clone() else {
             return Ok(None);
         };
-        let old_objects = open::<HashMap<MapData, ObjKey, ObjEntry>>(&dir, m::OBJECTS)?;
+        let old_objects = OldObjects::open(&dir, self.from_abi)?;
         let new_objects = open::<HashMap<MapData, ObjKey, ObjEntry>>(new, m::OBJECTS)?;
         // Charges some object in the new maps holds already (the new programs recorded a
         // duplicate of adopted memory, or an allocation): adopting another holder shares it.
@@ -331,7 +331,7 @@ impl Previous {
         // Every object, then those made while adopting (the new programs saw most of them).
         let mut adopted: StdHashMap<ObjKey, u64> = StdHashMap::new();
         for _ in 0..2 {
-            for (key, entry) in map_entries(&old_objects) {
+            for (key, entry) in old_objects.entries() {
                 if adopted.get(&key) == Some(&entry.serial) {
                     continue;
                 }
@@ -385,11 +385,12 @@ impl Previous {
 /// finds nothing.
 fn release_freed(
     runs: &KernelRuns,
-    old_objects: &HashMap<MapData, ObjKey, ObjEntry>,
+    old_objects: &OldObjects,
     adopted: &StdHashMap<ObjKey, u64>,
     report: &mut TakeOver,
 ) {
-    let now: StdHashMap<ObjKey, u64> = map_entries(old_objects)
+    let now: StdHashMap<ObjKey, u64> = old_objects
+        .entries()
         .into_iter()
         .map(|(k, e)| (k, e.serial))
         .collect();
@@ -403,6 +404,36 @@ fn release_freed(
             Err(e) => report
                 .unconverted
                 .push(format!("releasing {key:?}: {}", crate::report::Chain(&e))),
+        }
+    }
+}
+
+/// The `OBJECTS` map taken over, in its ABI's layout.
+enum OldObjects {
+    /// This ABI's (another eBPF object of it).
+    Current(HashMap<MapData, ObjKey, ObjEntry>),
+    /// The previous ABI's, whose entries have no flags.
+    Previous(HashMap<MapData, ObjKey, previous::ObjEntry>),
+}
+
+impl OldObjects {
+    fn open(dir: &Path, from_abi: u32) -> Result<Self, ProbeError> {
+        let name = gpud_common::maps::OBJECTS;
+        Ok(if from_abi == ABI_VERSION {
+            Self::Current(open(dir, name)?)
+        } else {
+            Self::Previous(open(dir, name)?)
+        })
+    }
+
+    /// Every entry, as this ABI lays it out (the adopting program sets the flags).
+    fn entries(&self) -> Vec<(ObjKey, ObjEntry)> {
+        match self {
+            Self::Current(map) => map_entries(map),
+            Self::Previous(map) => map_entries(map)
+                .into_iter()
+                .map(|(k, e)| (k, e.into()))
+                .collect(),
         }
     }
 }
