@@ -71,7 +71,8 @@ pub struct ObjEntry {
     /// ([`OWNER_SCHEDULED`], [`OWNER_OFF_RUNLIST`], [`OWNER_DISABLES`]; [`ObjEntry::owner_holds`]).
     /// 0 for other kinds.
     pub charge: u64,
-    /// [`OBJ_MAY_SHARE`] on memory; 0 otherwise.
+    /// [`OBJ_MAY_SHARE`] on memory; read on memory only, so the bit a race may leave on another
+    /// kind (see there) means nothing.
     pub flags: u32,
     /// Explicit padding (always 0).
     pub _pad: u32,
