@@ -760,12 +760,8 @@ run_program! {
             file: ctx.arg(5),
             serial: ctx.arg(6),
             charge: ctx.arg(7),
-            // Other holders of its charge may be adopted after it.
-            flags: if kind_parent as u32 == gpud_common::OBJ_MEMORY {
-                gpud_common::OBJ_MAY_SHARE
-            } else {
-                0
-            },
+            // Set by `adopt`.
+            flags: 0,
             _pad: 0,
         };
         adopt(&key, &entry, first != 0)

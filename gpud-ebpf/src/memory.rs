@@ -423,6 +423,12 @@ struct Track {
 #[inline(always)]
 fn track_object(t: &Track) -> Option<u64> {
     let serial = serial_now();
+    let (charge, flags) = match (t.kind, t.charge) {
+        (OBJ_MEMORY, 0) => (serial, 0),
+        // A duplicate holds a charge with another holder.
+        (OBJ_MEMORY, c) => (c, OBJ_MAY_SHARE),
+        (_, c) => (c, 0),
+    };
     let entry = ObjEntry {
         kind: t.kind,
         parent: t.parent,
@@ -435,15 +441,8 @@ fn track_object(t: &Track) -> Option<u64> {
         bytes: t.bytes,
         file: t.file,
         serial,
-        charge: match (t.kind, t.charge) {
-            (OBJ_MEMORY, 0) => serial,
-            (_, c) => c,
-        },
-        // A duplicate holds a charge with another holder.
-        flags: match (t.kind, t.charge) {
-            (OBJ_MEMORY, c) if c != 0 => OBJ_MAY_SHARE,
-            _ => 0,
-        },
+        charge,
+        flags,
         _pad: 0,
     };
     if !t.counted && !count_object(entry.cgroup_id) {
@@ -618,9 +617,19 @@ fn charge_recorded(cgroup_id: u64, gpu: u32, delta: u64, known: Known, count: Ob
 /// Records `e`, an object of the maps taken over at an upgrade, under `key` unless an object is
 /// there already (the new programs saw it made): counted for its cgroup, its file marked, and
 /// memory charged to its cgroup's recorded ancestry when `first` (no holder of its charge is
-/// recorded yet) or else shared. 0: adopted; 1: the key holds an object; 2: no room.
+/// recorded yet) or else shared, and marked [`OBJ_MAY_SHARE`]. 0: adopted; 1: the key holds an
+/// object; 2: no room.
 #[inline(always)]
 pub(crate) fn adopt(key: &ObjKey, e: &ObjEntry, first: bool) -> i32 {
+    // Other holders of adopted memory's charge may be adopted after it.
+    let e = &ObjEntry {
+        flags: if e.kind == OBJ_MEMORY {
+            OBJ_MAY_SHARE
+        } else {
+            e.flags
+        },
+        ..*e
+    };
     match OBJECTS.insert(key, e, BPF_NOEXIST as u64) {
         Ok(()) => {}
         Err(err) if err == -EEXIST => return 1,
