@@ -134,6 +134,13 @@ pub struct Snapshot {
     pub clients: Vec<ClientState>,
     pub objects: Vec<ObjectState>,
     pub stats: Stats,
+    /// Per process this fake ever stopped (`runlist stop`/`channels`), how long it kept it
+    /// stopped, in ns of [`Snapshot::clock_ns`]'s clock: what the stand-in GPU did not run of it.
+    #[serde(default)]
+    pub held_ns: BTreeMap<u32, u64>,
+    /// The fake's monotonic clock at this snapshot (ns since it started).
+    #[serde(default)]
+    pub clock_ns: u64,
 }
 
 impl Snapshot {

@@ -9,7 +9,10 @@
 //! and freeing, `control` the RM controls, `inject` fault injection, `remote` the caller's
 //! memory.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::BTreeMap,
+    time::{Duration, Instant},
+};
 
 use gpud_common::{
     nv,
@@ -180,8 +183,14 @@ pub(super) struct Rm {
     next_client: u32,
     pub(super) inject: Inject,
     runlist: Runlist,
-    /// Processes this fake stopped (`Runlist::Stop`).
-    stopped: BTreeSet<u32>,
+    /// Processes this fake stopped (`Runlist::Stop`), and since when.
+    stopped: BTreeMap<u32, Instant>,
+    /// Per process, how long this fake kept it stopped before its current stop: the stand-in
+    /// GPU's time is the wall time a process is let run, which its CPU clock does not measure
+    /// where a hypervisor steals its CPU.
+    held: BTreeMap<u32, Duration>,
+    /// Where [`Snapshot::clock_ns`] counts from.
+    born: Instant,
     /// Per command: the modelled RM controls that passed every check and took effect.
     controls: BTreeMap<u32, u64>,
     stats: Stats,
@@ -206,7 +215,9 @@ impl Rm {
             next_client: 1,
             inject: Inject::default(),
             runlist: Runlist::default(),
-            stopped: BTreeSet::new(),
+            stopped: BTreeMap::new(),
+            held: BTreeMap::new(),
+            born: Instant::now(),
             controls: BTreeMap::new(),
             stats: Stats::default(),
             verbose: o.verbose,
@@ -214,6 +225,7 @@ impl Rm {
     }
 
     pub(super) fn snapshot(&self) -> Snapshot {
+        let now = Instant::now();
         let gpus = self
             .gpus
             .iter()
@@ -304,7 +316,22 @@ impl Rm {
             clients,
             objects,
             stats: self.stats.clone(),
+            held_ns: self.held_ns(now),
+            clock_ns: now.saturating_duration_since(self.born).as_nanos() as u64,
         }
+    }
+
+    /// Per process this fake ever stopped, how long it kept it stopped up to `now`.
+    fn held_ns(&self, now: Instant) -> BTreeMap<u32, u64> {
+        let mut out: BTreeMap<u32, u64> = self
+            .held
+            .iter()
+            .map(|(&pid, d)| (pid, d.as_nanos() as u64))
+            .collect();
+        for (&pid, &since) in &self.stopped {
+            *out.entry(pid).or_default() += now.saturating_duration_since(since).as_nanos() as u64;
+        }
+        out
     }
 
     /// One ioctl on `nvidiactl`: `input` is what the kernel copied in (`_IOC_SIZE` bytes for a

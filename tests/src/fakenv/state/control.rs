@@ -3,7 +3,7 @@
 //! controls this fake models on channel groups, channels and `FB_GET_INFO_V2`, and what taking a
 //! group off the runlist or disabling a channel does to its process ([`Runlist`]).
 
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, time::Instant};
 
 use gpud_common::rm::{self, Handle, id, sched};
 
@@ -524,15 +524,27 @@ impl Rm {
                 .map(|o| o.pid)
                 .collect()
         };
-        for pid in off.difference(&self.stopped) {
-            // SAFETY: kill(2) with a pid and a signal number.
-            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGSTOP) };
+        let now = Instant::now();
+        for &pid in &off {
+            self.stopped.entry(pid).or_insert_with(|| {
+                // SAFETY: kill(2) with a pid and a signal number.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) };
+                now
+            });
         }
-        for pid in self.stopped.difference(&off) {
+        let continued: Vec<u32> = self
+            .stopped
+            .keys()
+            .filter(|pid| !off.contains(pid))
+            .copied()
+            .collect();
+        for pid in continued {
             // SAFETY: as above.
-            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGCONT) };
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
+            if let Some(since) = self.stopped.remove(&pid) {
+                *self.held.entry(pid).or_default() += now.saturating_duration_since(since);
+            }
         }
-        self.stopped = off;
     }
 }
 
