@@ -185,10 +185,10 @@ enum By {
 
 /// A tenant's use of the stand-in GPU over a window, in percent of the wall time: what the fake
 /// device let it run (`let_run`), and by its CPU clock what it ran and what it was runnable (ran
-/// or waited for a CPU), corrected for the hypervisor's steal (`stolen`, percent of the time
-/// the machine's CPUs had work). By the clock the time it was let run lies between the two: on an idle
-/// host they agree; on a busy one, a stopped tenant must still get a CPU to stop, and that wait
-/// reads as runnable.
+/// or waited for a CPU), corrected for the hypervisor's steal (`stolen`, percent of the time the
+/// machine's CPUs had work). By the clock the time it was let run lies between the two: on an
+/// idle host they agree; on a busy one, a stopped tenant must still get a CPU to stop, and that
+/// wait reads as runnable.
 #[derive(Clone, Copy, Debug)]
 struct Share {
     let_run: f64,
@@ -223,7 +223,6 @@ fn shares_of(rig: &Rig, tenants: &[&Tenant], window: Duration) -> Vec<Share> {
         / wanted1.saturating_sub(wanted0).max(1) as f64)
         .clamp(0.0, 0.9);
     let clock = fake1.clock_ns.saturating_sub(fake0.clock_ns).max(1) as f64;
-    let held = |s: &gpud_tests::fakenv::Snapshot, pid: u32| s.held_ns.get(&pid).copied();
     tenants
         .iter()
         .zip(before)
@@ -232,11 +231,9 @@ fn shares_of(rig: &Rig, tenants: &[&Tenant], window: Duration) -> Vec<Share> {
             let (run, wait) = sched_ns(pid);
             let ran = run.saturating_sub(run0) as f64 / wall * 100.0 / (1.0 - stolen);
             let waited = wait.saturating_sub(wait0) as f64 / wall * 100.0 / (1.0 - stolen);
-            let held_ns = held(&fake1, pid)
-                .unwrap_or(0)
-                .saturating_sub(held(&fake0, pid).unwrap_or(0));
+            let held = |s: &Snapshot| s.held_ns.get(&pid).copied().unwrap_or(0);
             Share {
-                let_run: 100.0 * (1.0 - held_ns as f64 / clock),
+                let_run: 100.0 * (1.0 - held(&fake1).saturating_sub(held(&fake0)) as f64 / clock),
                 ran,
                 runnable: ran + waited,
                 stolen: stolen * 100.0,

@@ -183,7 +183,7 @@ pub(super) struct Rm {
     next_client: u32,
     pub(super) inject: Inject,
     runlist: Runlist,
-    /// Processes this fake stopped (`Runlist::Stop`), and since when.
+    /// Processes this fake stopped ([`Runlist`]), and since when.
     stopped: BTreeMap<u32, Instant>,
     /// Per process, how long this fake kept it stopped before its current stop: the stand-in
     /// GPU's time is the wall time a process is let run, which its CPU clock does not measure

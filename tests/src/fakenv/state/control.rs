@@ -532,18 +532,10 @@ impl Rm {
                 now
             });
         }
-        let continued: Vec<u32> = self
-            .stopped
-            .keys()
-            .filter(|pid| !off.contains(pid))
-            .copied()
-            .collect();
-        for pid in continued {
+        for (pid, since) in self.stopped.extract_if(.., |pid, _| !off.contains(pid)) {
             // SAFETY: as above.
             unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
-            if let Some(since) = self.stopped.remove(&pid) {
-                *self.held.entry(pid).or_default() += now.saturating_duration_since(since);
-            }
+            *self.held.entry(pid).or_default() += now.saturating_duration_since(since);
         }
     }
 }
