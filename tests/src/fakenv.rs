@@ -154,7 +154,8 @@ use fs::Fs;
 use state::Rm;
 
 pub use snapshot::{
-    ChannelGroupState, ChannelState, ClientState, FileState, GpuState, ObjectState, Snapshot, Stats,
+    ChannelGroupState, ChannelState, ClientState, FileState, GpuState, Held, ObjectState, Snapshot,
+    Stats,
 };
 
 mod fs;
@@ -312,6 +313,11 @@ impl FakeNv {
     /// The current state (what the `state` file shows), read directly.
     pub fn snapshot(&self) -> Snapshot {
         lock(&self.rm).snapshot()
+    }
+
+    /// How long the fake kept each process it stopped stopped, up to now.
+    pub fn held(&self) -> Held {
+        lock(&self.rm).held()
     }
 
     /// Polls the state until `pred` holds (`Ok`) or `timeout` passes (`Err` with the last

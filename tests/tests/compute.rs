@@ -209,14 +209,14 @@ impl Share {
 
 /// Each tenant's [`Share`] over `window`.
 fn shares_of(rig: &Rig, tenants: &[&Tenant], window: Duration) -> Vec<Share> {
-    let fake0 = rig.fake().snapshot();
+    let fake0 = rig.fake().held();
     let before: Vec<(u64, u64)> = tenants.iter().map(|t| sched_ns(t.pid())).collect();
     let (steal0, wanted0) = cpu_ticks();
     let t0 = Instant::now();
     std::thread::sleep(window);
     let wall = t0.elapsed().as_nanos() as f64;
     let (steal1, wanted1) = cpu_ticks();
-    let fake1 = rig.fake().snapshot();
+    let fake1 = rig.fake().held();
     // Of the time the CPUs had something to run, the share the hypervisor ran something else:
     // a running tenant's clock stood still for that share of its time.
     let stolen = (steal1.saturating_sub(steal0) as f64
@@ -231,9 +231,9 @@ fn shares_of(rig: &Rig, tenants: &[&Tenant], window: Duration) -> Vec<Share> {
             let (run, wait) = sched_ns(pid);
             let ran = run.saturating_sub(run0) as f64 / wall * 100.0 / (1.0 - stolen);
             let waited = wait.saturating_sub(wait0) as f64 / wall * 100.0 / (1.0 - stolen);
-            let held = |s: &Snapshot| s.held_ns.get(&pid).copied().unwrap_or(0);
+            let held = fake1.of(pid).saturating_sub(fake0.of(pid));
             Share {
-                let_run: 100.0 * (1.0 - held(&fake1).saturating_sub(held(&fake0)) as f64 / clock),
+                let_run: 100.0 * (1.0 - held as f64 / clock),
                 ran,
                 runnable: ran + waited,
                 stolen: stolen * 100.0,

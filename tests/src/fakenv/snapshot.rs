@@ -97,6 +97,24 @@ pub struct ChannelState {
     pub disabled_times: u64,
 }
 
+/// How long this fake kept each process it ever stopped (`runlist stop`/`channels`) stopped:
+/// what the stand-in GPU did not run of it. Apart from [`Snapshot`], which stays equal while
+/// nothing happens.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// The fake's monotonic clock at this reading (ns since it started).
+    pub clock_ns: u64,
+    /// Per process, ns stopped up to `clock_ns`.
+    pub by_pid: BTreeMap<u32, u64>,
+}
+
+impl Held {
+    /// Nanoseconds `pid` was kept stopped up to this reading.
+    pub fn of(&self, pid: u32) -> u64 {
+        self.by_pid.get(&pid).copied().unwrap_or(0)
+    }
+}
+
 /// Running counters.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stats {
@@ -134,13 +152,6 @@ pub struct Snapshot {
     pub clients: Vec<ClientState>,
     pub objects: Vec<ObjectState>,
     pub stats: Stats,
-    /// Per process this fake ever stopped (`runlist stop`/`channels`), how long it kept it
-    /// stopped, in ns of [`Snapshot::clock_ns`]'s clock: what the stand-in GPU did not run of it.
-    #[serde(default)]
-    pub held_ns: BTreeMap<u32, u64>,
-    /// The fake's monotonic clock at this snapshot (ns since it started).
-    #[serde(default)]
-    pub clock_ns: u64,
 }
 
 impl Snapshot {

@@ -20,7 +20,7 @@ use gpud_common::{
 };
 
 use super::{
-    ChannelGroupState, ChannelState, ClientState, FileState, GpuState, ObjectState, Options,
+    ChannelGroupState, ChannelState, ClientState, FileState, GpuState, Held, ObjectState, Options,
     Snapshot, Stats,
 };
 use crate::rm::{bytes_of, from_bytes, get_u32, put_u32, status};
@@ -189,7 +189,7 @@ pub(super) struct Rm {
     /// GPU's time is the wall time a process is let run, which its CPU clock does not measure
     /// where a hypervisor steals its CPU.
     held: BTreeMap<u32, Duration>,
-    /// Where [`Snapshot::clock_ns`] counts from.
+    /// Where [`Held::clock_ns`] counts from.
     born: Instant,
     /// Per command: the modelled RM controls that passed every check and took effect.
     controls: BTreeMap<u32, u64>,
@@ -225,7 +225,6 @@ impl Rm {
     }
 
     pub(super) fn snapshot(&self) -> Snapshot {
-        let now = Instant::now();
         let gpus = self
             .gpus
             .iter()
@@ -316,22 +315,25 @@ impl Rm {
             clients,
             objects,
             stats: self.stats.clone(),
-            held_ns: self.held_ns(now),
-            clock_ns: now.saturating_duration_since(self.born).as_nanos() as u64,
         }
     }
 
-    /// Per process this fake ever stopped, how long it kept it stopped up to `now`.
-    fn held_ns(&self, now: Instant) -> BTreeMap<u32, u64> {
-        let mut out: BTreeMap<u32, u64> = self
+    /// Per process this fake ever stopped, how long it kept it stopped up to now.
+    pub(super) fn held(&self) -> Held {
+        let now = Instant::now();
+        let mut by_pid: BTreeMap<u32, u64> = self
             .held
             .iter()
             .map(|(&pid, d)| (pid, d.as_nanos() as u64))
             .collect();
         for (&pid, &since) in &self.stopped {
-            *out.entry(pid).or_default() += now.saturating_duration_since(since).as_nanos() as u64;
+            *by_pid.entry(pid).or_default() +=
+                now.saturating_duration_since(since).as_nanos() as u64;
         }
-        out
+        Held {
+            clock_ns: now.saturating_duration_since(self.born).as_nanos() as u64,
+            by_pid,
+        }
     }
 
     /// One ioctl on `nvidiactl`: `input` is what the kernel copied in (`_IOC_SIZE` bytes for a
