@@ -315,7 +315,7 @@ impl FakeNv {
         lock(&self.rm).snapshot()
     }
 
-    /// How long the fake kept each process it stopped stopped, up to now.
+    /// How long the fake has kept each process stopped, summed over its stops, up to now.
     pub fn held(&self) -> Held {
         lock(&self.rm).held()
     }

@@ -97,9 +97,9 @@ pub struct ChannelState {
     pub disabled_times: u64,
 }
 
-/// How long this fake kept each process it ever stopped (`runlist stop`/`channels`) stopped:
-/// what the stand-in GPU did not run of it. Apart from [`Snapshot`], which stays equal while
-/// nothing happens.
+/// How long this fake has kept each process stopped (`runlist stop`/`channels`), summed over
+/// its stops: what the stand-in GPU did not run of it. Read apart from [`Snapshot`], which stays
+/// equal while nothing happens.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Held {
     /// The fake's monotonic clock at this reading (ns since it started).
