@@ -8,6 +8,63 @@ use std::{
     path::Path,
 };
 
+/// This process's pid, for [`on_interrupt`]'s handler (a forked child has another).
+static MAIN_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+/// The write end of [`on_interrupt`]'s pipe (-1: none).
+static WAKE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+extern "C" fn interrupted(sig: libc::c_int) {
+    use std::sync::atomic::Ordering::Relaxed;
+    // SAFETY: getpid(2), write(2) and _exit(2) are async-signal-safe.
+    unsafe {
+        if libc::getpid() != MAIN_PID.load(Relaxed) {
+            // A child forked to issue calls: the benchmark it served is ending.
+            libc::_exit(128 + sig);
+        }
+        let b = sig as u8;
+        libc::write(WAKE.load(Relaxed), (&raw const b).cast(), 1);
+    }
+}
+
+/// Runs `cleanup`, then exits with 128 + the signal, when this process is interrupted
+/// (SIGINT, SIGTERM, SIGHUP): what a benchmark made on the host would otherwise outlive it, its
+/// bpffs with gpud's probes pinned above all (attached to every process on the host until
+/// someone unmounts it). A second signal during the cleanup ends the process at once; children
+/// forked without exec end on such a signal; exec'd ones get the default action back.
+pub fn on_interrupt(cleanup: impl FnOnce() + Send + 'static) -> anyhow::Result<()> {
+    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2(2) fills the two descriptors.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: the read end is ours alone; the write end stays open as long as the process (the
+    // handler may run at any time).
+    let mut read = unsafe { File::from_raw_fd(fds[0]) };
+    MAIN_PID.store(std::process::id() as i32, Relaxed);
+    WAKE.store(fds[1], Relaxed);
+    std::thread::Builder::new()
+        .name("on-interrupt".into())
+        .spawn(move || {
+            let mut sig = [0u8];
+            if read.read_exact(&mut sig).is_ok() {
+                cleanup();
+                std::process::exit(128 + i32::from(sig[0]));
+            }
+        })?;
+    let action = SigAction::new(
+        SigHandler::Handler(interrupted),
+        SaFlags::SA_RESTART | SaFlags::SA_RESETHAND,
+        SigSet::empty(),
+    );
+    for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        // SAFETY: the handler does only async-signal-safe calls.
+        unsafe { sigaction(sig, &action) }?;
+    }
+    Ok(())
+}
+
 /// The benchmarks' `--mode`: how gpud's probes attach (`tracepoint` or `fentry`).
 pub fn attach_mode(s: &str) -> Result<gpud::probes::AttachMode, String> {
     match s {
@@ -66,9 +123,10 @@ pub fn attach_noop_entry(
 }
 
 /// The names of gpud's programs already loaded in the kernel, and the pin directories of gpud's
-/// probes under `/sys/fs/bpf` (`…/gpud/v<ABI>`): a benchmark that finds any would measure a host
-/// where gpud's probes already run (a daemon, or probes a stopped one left pinned with
-/// `probes.keep_pinned`), so that "detached" is not detached.
+/// probes (`…/gpud/v<ABI>`) in every bpffs mounted: a benchmark that finds any would measure a
+/// host where gpud's probes already run (a daemon, probes a stopped one left pinned with
+/// `probes.keep_pinned`, or a benchmark or test killed before it could unmount its own bpffs),
+/// so that "detached" is not detached.
 pub fn foreign_probes() -> (Vec<String>, Vec<std::path::PathBuf>) {
     let mut names: Vec<String> = aya::programs::loaded_programs()
         .filter_map(Result::ok)
@@ -78,7 +136,10 @@ pub fn foreign_probes() -> (Vec<String>, Vec<std::path::PathBuf>) {
     names.sort();
     names.dedup();
     let mut pins = Vec::new();
-    let mut dirs = vec![(std::path::PathBuf::from("/sys/fs/bpf"), 0)];
+    let mut dirs: Vec<(std::path::PathBuf, u32)> = crate::paths::mount_points("bpf")
+        .into_iter()
+        .map(|m| (m, 0))
+        .collect();
     while let Some((dir, depth)) = dirs.pop() {
         let Ok(entries) = std::fs::read_dir(&dir) else {
             continue;
@@ -116,11 +177,13 @@ pub fn refuse_foreign_probes() -> anyhow::Result<()> {
     };
     let pins: Vec<String> = pins.iter().map(|p| p.display().to_string()).collect();
     anyhow::bail!(
-        "gpud's programs are still loaded after 10 s ({}): a gpud daemon is running, or a stopped one left \
-         its probes pinned ({}); stop it, or remove those pin directories, and run again",
+        "gpud's programs are still loaded after 10 s ({}): a gpud daemon is running, or a stopped one \
+         or a killed benchmark or test left its probes pinned ({}); stop the daemon, or remove \
+         those pin directories (unmount a bpffs of a benchmark's or test's own directory), and \
+         run again",
         names.join(", "),
         if pins.is_empty() {
-            "no pin directory found under /sys/fs/bpf".to_owned()
+            "no pin directory found in any bpffs mounted".to_owned()
         } else {
             pins.join(", ")
         }

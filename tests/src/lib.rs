@@ -28,7 +28,7 @@ pub use fixtures::{Issuer, RmProcess};
 /// The fake NVML's scenario types, for typed scenarios ([`write_nvml_scenario`]).
 pub use nvidia_ml_fake::scenario;
 pub use nvml::{LedgerNvml, gpus_with, install_fake_nvml, one_gpu, write_nvml_scenario};
-pub use paths::{TempDir, bin_dir, gpud_bin, gpudctl_bin, remove_state_dir};
+pub use paths::{TempDir, bin_dir, gpud_bin, gpudctl_bin, remove_state_dir, unmount_under};
 pub use rig::Rig;
 
 pub mod apiserver;

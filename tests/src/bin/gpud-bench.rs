@@ -346,6 +346,22 @@ fn main() -> anyhow::Result<()> {
     let files = Files { standin, node };
     let bpffs = PathBuf::from("/sys/fs/bpf");
     probes::ensure_mounted(&bpffs, "bpf", probes::BPF_FS_MAGIC)?;
+    {
+        // The phases' pins (gpud's probes, the reference programs) are what an interrupted run
+        // would leave attached to every process on the host.
+        let pid = std::process::id();
+        let made = [
+            bpffs.join(format!("gpud-bench-{pid}")),
+            bpffs.join(format!("gpud-bench-noop-{pid}")),
+            std::env::temp_dir().join(format!("gpud-bench-{pid}-daemon")),
+            work.clone(),
+        ];
+        inproc::on_interrupt(move || {
+            for dir in &made {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        })?;
+    }
     // The reference programs attach before gpud's probes would mount tracefs (a fresh machine
     // may not have it mounted).
     probes::ensure_mounted(Path::new(probes::TRACEFS), "tracefs", probes::TRACEFS_MAGIC)?;

@@ -544,10 +544,21 @@ struct Cleanup {
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        for tag in SETUPS {
-            gpud_tests::remove_state_dir(&setup_dir(tag));
+        clean_up(&self.cgroup);
+    }
+}
+
+fn clean_up(cgroup: &Path) {
+    for tag in SETUPS {
+        gpud_tests::remove_state_dir(&setup_dir(tag));
+    }
+    // Interrupted, forked callers may still be in it (frozen, or waiting for a word from us).
+    let _ = std::fs::write(cgroup.join("cgroup.kill"), "1");
+    for _ in 0..50 {
+        if std::fs::remove_dir(cgroup).is_ok() || !cgroup.exists() {
+            break;
         }
-        let _ = std::fs::remove_dir(&self.cgroup);
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -590,6 +601,15 @@ fn main() -> anyhow::Result<()> {
     let cg = cg_root.join(format!("gpud-membench-{}", std::process::id()));
     std::fs::create_dir_all(&cg)?;
     let _cleanup = Cleanup { cgroup: cg.clone() };
+    {
+        let (cg, work) = (cg.clone(), work.clone());
+        inproc::on_interrupt(move || {
+            clean_up(&cg);
+            // The stand-in device's mount too, where its server was interrupted with us.
+            gpud_tests::unmount_under(&work, None);
+            let _ = std::fs::remove_dir_all(&work);
+        })?;
+    }
     let rel = format!("/{}", cg.file_name().unwrap_or_default().to_string_lossy());
 
     // Accounting overhead, cycles of: a run without probes; gpud's probes attached, a run with
