@@ -240,8 +240,23 @@ fn kernel_release() -> String {
         .unwrap_or_default()
 }
 
+/// Where the reference phase pins its programs' maps.
+fn noop_pins(bpffs: &Path) -> PathBuf {
+    bpffs.join(format!("gpud-bench-noop-{}", std::process::id()))
+}
+
+/// Where gpud's phase pins its probes.
+fn daemon_pins(bpffs: &Path) -> PathBuf {
+    bpffs.join(format!("gpud-bench-{}", std::process::id()))
+}
+
+/// gpud's phase's state directory.
+fn daemon_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("gpud-bench-{}-daemon", std::process::id()))
+}
+
 fn noop_phase(o: &Opts, files: &Files, bpffs: &Path) -> anyhow::Result<Value> {
-    let pins = bpffs.join(format!("gpud-bench-noop-{}", std::process::id()));
+    let pins = noop_pins(bpffs);
     std::fs::create_dir_all(&pins)?;
     let (mut ebpf, btf) = inproc::reference_object(&pins)?;
     // Both raw sides, as gpud attaches them where it follows 32-bit callers (the default): the
@@ -271,8 +286,8 @@ fn gpud_phase(
     // The daemon's own kernel stack (gpud::daemon::core::open), its pins and state apart: a
     // directory of its own, removed after the phase (not the one holding the stand-in, which
     // the next cycles still use).
-    let dir = std::env::temp_dir().join(format!("gpud-bench-{}-daemon", std::process::id()));
-    let pins = bpffs.join(format!("gpud-bench-{}", std::process::id()));
+    let dir = daemon_dir();
+    let pins = daemon_pins(bpffs);
     let tier = if hook == DenyHookPreference::None {
         "react"
     } else {
@@ -349,11 +364,10 @@ fn main() -> anyhow::Result<()> {
     {
         // The phases' pins (gpud's probes, the reference programs) are what an interrupted run
         // would leave attached to every process on the host.
-        let pid = std::process::id();
         let made = [
-            bpffs.join(format!("gpud-bench-{pid}")),
-            bpffs.join(format!("gpud-bench-noop-{pid}")),
-            std::env::temp_dir().join(format!("gpud-bench-{pid}-daemon")),
+            daemon_pins(&bpffs),
+            noop_pins(&bpffs),
+            daemon_dir(),
             work.clone(),
         ];
         inproc::on_interrupt(move || {
